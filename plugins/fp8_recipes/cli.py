@@ -1,0 +1,99 @@
+"""`fp8-recipes`: look at, check and explain recipes.
+
+    fp8-recipes list                              every recipe in the pack, with its description
+    fp8-recipes show hybrid                       the resolved recipe (defaults list applied, every default filled in)
+    fp8-recipes validate recipes/*.yaml my.yaml   exit 0, or 1 with one line per problem
+    fp8-recipes explain safe --layers 8           per-role policies, stages and per-layer GEMM precision
+
+User errors end in one line on stderr and a non-zero exit code, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["main"]
+
+
+def _cmd_list(args) -> int:
+    from fp8_recipes.recipes import load_recipe, recipe_names
+
+    names = recipe_names()
+    width = max(map(len, names), default=0)
+    for name in names:
+        print(f"{name:<{width}}  {load_recipe(name).description}")
+    return 0
+
+
+def _cmd_show(args) -> int:
+    import yaml
+
+    from fp8_recipes.recipes import load_recipe
+
+    print(yaml.safe_dump(load_recipe(args.recipe).to_dict(), sort_keys=False, default_flow_style=None, width=120).rstrip())
+    return 0
+
+
+def _cmd_validate(args) -> int:
+    from fp8_recipes.recipes import load_recipe
+
+    failed = 0
+    for ref in args.recipes:
+        try:
+            recipe = load_recipe(ref)
+        except ValueError as e:
+            failed += 1
+            for line in str(e).splitlines():
+                print(line if line.startswith(str(ref)) else f"{ref}: {line}", file=sys.stderr)
+        else:
+            print(f"{ref}: ok ({recipe.name})")
+    return 1 if failed else 0
+
+
+def _cmd_explain(args) -> int:
+    from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan
+    from fp8_recipes.recipes import load_recipe
+
+    hardware = Hardware.detect() if args.detect else Hardware()
+    plan = PrecisionPlan(load_recipe(args.recipe), ModelLayout.gpt(args.layers), hardware)
+    print(plan.explain(max_steps=args.steps))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fp8-recipes", description="FP8 training recipes for Megatron-Core and "
+                                "Transformer Engine: list, show, validate and explain recipes.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser("list", help="every recipe in the pack with its description").set_defaults(fn=_cmd_list)
+    s = sub.add_parser("show", help="the resolved recipe as YAML")
+    s.add_argument("recipe", metavar="NAME|FILE")
+    s.set_defaults(fn=_cmd_show)
+    v = sub.add_parser("validate", help="check recipes; exit 1 with one line per problem")
+    v.add_argument("recipes", nargs="+", metavar="NAME|FILE")
+    v.set_defaults(fn=_cmd_validate)
+    e = sub.add_parser("explain", help="what runs where and when, for an N-layer GPT")
+    e.add_argument("recipe", metavar="NAME|FILE")
+    e.add_argument("--layers", type=int, default=4, help="transformer layers of the model (default 4)")
+    e.add_argument("--steps", type=int, default=None, help="training steps, to bound the stage table")
+    e.add_argument("--detect", action="store_true", help="plan for this machine's GPU/TE instead of a CPU")
+    e.set_defaults(fn=_cmd_explain)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "layers", 1) < 1:
+        print("explain: --layers must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        return args.fn(args)
+    except ValueError as e:  # RecipeError and other user errors: their text is the message
+        print(str(e), file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # `fp8-recipes show x | head`
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

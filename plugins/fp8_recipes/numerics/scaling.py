@@ -1,0 +1,154 @@
+"""From amax to scale, exactly as Transformer Engine 2.20 computes it, plus the delayed-scaling state.
+
+Conventions (TE's): ``scale`` multiplies the high-precision tensor before the cast; ``scale_inv = 1 / scale``
+(float32 reciprocal) multiplies the FP8 codes to dequantize. For MXFP8 the scale is an E8M0 exponent code.
+Pure torch: distributed reductions are passed in as callables.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from fp8_recipes.numerics.formats import FLOAT32_MAX, fp8_spec
+from fp8_recipes.schema import AmaxAlgo, Format, MxRounding, TensorPolicy
+
+__all__ = [
+    "AmaxReduce", "DelayedScaler", "amax_to_e8m0", "amax_to_scale", "e8m0_to_multiplier", "e8m0_to_scale_inv",
+    "nan_ignoring_amax", "pow2_floor",
+]
+
+AmaxReduce = Callable[[torch.Tensor], torch.Tensor]
+"""Takes a float32 amax tensor, returns its MAX over a process group (e.g. an all_reduce); identity if None."""
+
+
+def nan_ignoring_amax(hp_x: torch.Tensor, dim=None) -> torch.Tensor:
+    """max |x| in float32, NaN ignored (the hardware's fmaxf does the same); inf is kept."""
+    a = hp_x.detach().float().abs().nan_to_num(nan=0.0, posinf=float("inf"))
+    if dim is None:
+        return a.amax() if a.numel() else torch.zeros((), dtype=torch.float32, device=a.device)
+    return a.amax(dim=dim)
+
+
+def pow2_floor(scale: torch.Tensor) -> torch.Tensor:
+    """Keep sign and exponent bits only: the largest power of two <= scale (TE's force_pow_2_scales)."""
+    bits = scale.float().contiguous().view(torch.int32) & torch.tensor(0xFF800000 - (1 << 32), dtype=torch.int32)
+    return bits.view(torch.float32)
+
+
+def amax_to_scale(
+    amax: torch.Tensor,
+    fmt: Format | str,
+    *,
+    margin: int = 0,
+    epsilon: float = 0.0,
+    pow2: bool = False,
+    value_for_inf: float = FLOAT32_MAX,
+) -> torch.Tensor:
+    """TE's ``compute_scale_from_amax``, elementwise: scale = fp8_max / max(amax, eps) / 2^margin.
+
+    amax 0, inf or NaN -> scale 1 (never a NaN or inf scale); a scale that overflows float32 -> value_for_inf.
+    """
+    amax = amax.float()
+    fp8_max = torch.tensor(fp8_spec(fmt).max, dtype=torch.float32, device=amax.device)
+    if epsilon > 0:
+        amax = torch.where(amax < epsilon, torch.full_like(amax, epsilon), amax)
+    degenerate = ~torch.isfinite(amax) | (amax == 0)
+    safe_amax = torch.where(degenerate, torch.ones_like(amax), amax)
+    scale = fp8_max / safe_amax  # float32 division, round-to-nearest (TE's __fdiv_rn)
+    scale = torch.where(torch.isinf(scale), torch.full_like(scale, value_for_inf), scale)
+    if margin:
+        scale = scale * (2.0 ** -margin)  # exact: a power of two
+    if pow2:
+        scale = pow2_floor(scale)
+    return torch.where(degenerate, torch.ones_like(scale), scale)
+
+
+def amax_to_e8m0(amax: torch.Tensor, fmt: Format | str, rounding: MxRounding | str = MxRounding.RCEIL) -> torch.Tensor:
+    """The MXFP8 block exponent as a biased E8M0 code (uint8), scale_inv = 2^(code - 127).
+
+    rceil (NVIDIA, TE's ``float_to_e8m0(amax * max_norm_rcp)``): the smallest power of two >= amax / fp8_max,
+    so a block never saturates. floor (OCP MX v1.0): 2^(floor(log2 amax) - emax), which can saturate the top
+    values of a block. amax 0 -> code 0; codes are clamped to [0, 254] (255 is E8M0's NaN).
+    """
+    spec = fp8_spec(fmt)
+    amax = amax.float()
+    amax = torch.where(torch.isnan(amax), torch.zeros_like(amax), amax)
+    if MxRounding(rounding) is MxRounding.RCEIL:
+        rcp = torch.tensor(1.0 / spec.max, dtype=torch.float32)  # float32 constant, as TE's max_norm_rcp
+        val = amax * rcp.to(amax.device)
+        bits = val.contiguous().view(torch.int32)
+        exponent = (bits >> 23) & 0xFF
+        mantissa = bits & 0x7FFFFF
+        round_up = (mantissa > 0) & (exponent != 0xFE) & ~((exponent == 0) & (mantissa <= 0x400000))
+        code = exponent + round_up.to(torch.int32)
+        code = torch.where(torch.isinf(val), torch.full_like(code, 0xFE), code)
+        code = torch.where(val == 0, torch.zeros_like(code), code)
+    else:
+        bits = amax.contiguous().view(torch.int32)
+        unbiased = ((bits >> 23) & 0xFF) - 127 - spec.emax
+        code = unbiased + 127
+        code = torch.where(torch.isinf(amax), torch.full_like(code, 0xFE), code)
+    return code.clamp(0, 254).to(torch.uint8)
+
+
+def e8m0_to_scale_inv(code: torch.Tensor) -> torch.Tensor:
+    """2^(code - 127) as float32 (the dequantization multiplier the GEMM applies)."""
+    return torch.ldexp(torch.ones_like(code, dtype=torch.float32), code.to(torch.int32) - 127)
+
+
+def e8m0_to_multiplier(code: torch.Tensor) -> torch.Tensor:
+    """What TE multiplies elements by before the cast: 2^(127 - code), and 1 for code 0 (TE's exp2f_rcp)."""
+    m = torch.ldexp(torch.ones_like(code, dtype=torch.float32), 127 - code.to(torch.int32))
+    return torch.where(code == 0, torch.ones_like(m), m)
+
+
+class DelayedScaler:
+    """Delayed scaling state for one tensor: an amax history and the scale the next quantization uses.
+
+    Follows TE's DelayedScaling: a quantization uses ``scale`` (from earlier steps) and records its amax in
+    ``history[0]``; :meth:`update` (after the step) reduces that slot over the group, takes the history's max /
+    most recent / percentile, sets ``scale = fp8_max / amax / 2^margin`` (unchanged when amax is 0 or not
+    finite), then rolls the history and clears slot 0.
+    """
+
+    def __init__(self, policy: TensorPolicy, device: torch.device | str = "cpu"):
+        self.policy = policy
+        self.history = torch.zeros(policy.amax_history_len, dtype=torch.float32, device=device)
+        self.scale = torch.ones((), dtype=torch.float32, device=device)
+
+    def observe(self, amax: torch.Tensor) -> None:
+        self.history[0] = torch.maximum(self.history[0], amax.detach().float().to(self.history.device))
+
+    def history_amax(self) -> torch.Tensor:
+        algo = self.policy.amax_compute_algo
+        if algo is AmaxAlgo.MOST_RECENT:
+            return self.history[0].clone()
+        if algo is AmaxAlgo.PERCENTILE:
+            seen = self.history[self.history > 0]
+            if seen.numel() == 0:
+                return torch.zeros((), dtype=torch.float32, device=self.history.device)
+            return torch.quantile(seen, self.policy.percentile / 100.0)
+        return self.history.max()
+
+    def update(self, reduce: AmaxReduce | None = None) -> None:
+        if reduce is not None:
+            self.history[0] = reduce(self.history[0].clone())
+        amax = self.history_amax()
+        new = amax_to_scale(amax, self.policy.format, margin=self.policy.margin, pow2=self.policy.pow2_scales)
+        usable = torch.isfinite(amax) & (amax > 0)
+        self.scale = torch.where(usable, new, self.scale)
+        if self.history.numel() > 1:
+            self.history.copy_(torch.roll(self.history, -1, 0))
+        self.history[0] = 0.0
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"history": self.history.clone(), "scale": self.scale.clone()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if state["history"].shape != self.history.shape:
+            raise ValueError(f"amax_history_len: checkpoint has {state['history'].numel()}, recipe has "
+                             f"{self.history.numel()}; resume with the same recipe or reset the scaling state")
+        self.history.copy_(state["history"])
+        self.scale = state["scale"].clone().to(self.history.device)

@@ -1,0 +1,266 @@
+"""The PrecisionPlan: one pure decision of what runs, per step, per linear module, per GEMM, per tensor role.
+
+    PrecisionPlan(recipe, layout, hardware).at(step) -> StepPlan
+        StepPlan.modules[name].gemms[Gemm.FPROP] -> GemmPlan(execution, operand policies)
+
+Each linear module runs three GEMMs: fprop (activations x weights), dgrad (gradients x weights) and wgrad
+(gradients x activations). An operand is FP8 when its role is enabled at that step (BF16 warmup and
+``schedule.enable``) and the module is not kept BF16 by ``layers`` (first/last N transformer layers,
+``bf16_modules`` glob patterns, the LM head unless ``fp8_output_layer``). Backends execute the plan; they do not
+re-decide it. ``explain()`` prints it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass, field
+from enum import StrEnum
+from functools import cached_property
+
+from fp8_recipes.schema import ROLES, Backend, Recipe, Role, TensorPolicy
+
+__all__ = [
+    "Execution", "Gemm", "GemmPlan", "Hardware", "ModelLayout", "ModulePlan", "PrecisionPlan", "StepPlan",
+    "GEMM_OPERANDS",
+]
+
+
+class Gemm(StrEnum):
+    FPROP = "fprop"  # y  = x  @ w^T         (activations, weights)
+    DGRAD = "dgrad"  # dx = dy @ w           (gradients, weights)
+    WGRAD = "wgrad"  # dw = dy^T @ x         (gradients, activations)
+
+
+GEMM_OPERANDS: dict[Gemm, tuple[Role, Role]] = {
+    Gemm.FPROP: (Role.ACTIVATIONS, Role.WEIGHTS),
+    Gemm.DGRAD: (Role.GRADIENTS, Role.WEIGHTS),
+    Gemm.WGRAD: (Role.GRADIENTS, Role.ACTIVATIONS),
+}
+
+
+class Execution(StrEnum):
+    BF16 = "bf16"          # high precision GEMM
+    FP8 = "fp8"            # real FP8 GEMM (Transformer Engine)
+    EMULATED = "emulated"  # operands fake-quantized to FP8 values, GEMM in high precision
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the machine can execute. `detect()` looks; tests construct it directly."""
+
+    device: str = "cpu"
+    compute_capability: tuple[int, int] | None = None
+    te_version: str | None = None
+    name: str = "cpu"
+
+    @property
+    def has_te(self) -> bool:
+        return self.te_version is not None and self.device == "cuda"
+
+    @property
+    def has_fp8(self) -> bool:
+        """FP8 tensor cores (Ada sm_89, Hopper sm_90, Blackwell)."""
+        return self.has_te and self.compute_capability is not None and self.compute_capability >= (8, 9)
+
+    @property
+    def has_mxfp8(self) -> bool:
+        """MXFP8 GEMMs need sm_100+ (TE on Hopper: 'Device compute capability 10.0 or higher required')."""
+        return self.has_te and self.compute_capability is not None and self.compute_capability >= (10, 0)
+
+    def describe(self) -> str:
+        if self.device != "cuda":
+            return "CPU"
+        cc = ".".join(map(str, self.compute_capability or ()))
+        te = f"Transformer Engine {self.te_version}" if self.te_version else "no Transformer Engine"
+        return f"{self.name} (sm {cc}), {te}"
+
+    @classmethod
+    def detect(cls) -> Hardware:
+        import torch
+
+        if not torch.cuda.is_available():
+            return cls()
+        te_version = None
+        try:  # TE breaks in many ways on machines it was not built for: any failure means "no TE"
+            import transformer_engine
+
+            te_version = transformer_engine.__version__
+        except Exception:
+            pass
+        return cls("cuda", torch.cuda.get_device_capability(), te_version, torch.cuda.get_device_name())
+
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """The model as the plan sees it: transformer layer count and linear module names."""
+
+    num_layers: int
+    module_names: tuple[str, ...]
+
+    @staticmethod
+    def layer_of(name: str) -> int | None:
+        m = _LAYER_RE.search(name)
+        return int(m.group(1)) if m else None
+
+    @classmethod
+    def gpt(cls, num_layers: int, output_layer: bool = True) -> ModelLayout:
+        """The linear modules of a Megatron-Core GPTModel (local or TE spec), for planning without a model."""
+        names = [f"decoder.layers.{i}.{m}" for i in range(num_layers)
+                 for m in ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
+                           "mlp.linear_fc2")]
+        return cls(num_layers, tuple(names + (["output_layer"] if output_layer else [])))
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    gemm: Gemm
+    execution: Execution
+    operands: tuple[tuple[Role, TensorPolicy | None], tuple[Role, TensorPolicy | None]]
+    """(role, policy) for the two operands; policy None = high precision."""
+
+    def policy(self, role: Role) -> TensorPolicy | None:
+        for r, p in self.operands:
+            if r is role:
+                return p
+        raise KeyError(role)
+
+
+@dataclass(frozen=True)
+class ModulePlan:
+    name: str
+    layer: int | None
+    bf16_reason: str | None
+    """Why this module stays BF16 at every step (first/last layer, pattern, LM head), else None."""
+    gemms: dict[Gemm, GemmPlan] = field(default_factory=dict)
+
+    @property
+    def any_fp8(self) -> bool:
+        return any(g.execution is not Execution.BF16 for g in self.gemms.values())
+
+    def summary(self) -> str:
+        return " ".join(f"{g}:{p.execution}" for g, p in self.gemms.items())
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    step: int
+    stage: str
+    """Short label for the progress bar: 'bf16', 'bf16 warmup', 'fp8 w', 'fp8 w+a+g'."""
+    roles_fp8: frozenset[Role]
+    modules: dict[str, ModulePlan]
+
+
+class PrecisionPlan:
+    """Resolves a recipe for one model on one machine. Pure: same inputs, same plan."""
+
+    def __init__(self, recipe: Recipe, layout: ModelLayout, hardware: Hardware | None = None):
+        self.recipe = recipe
+        self.layout = layout
+        self.hardware = hardware or Hardware()
+        self.backend, self.backend_reason = self._resolve_backend()
+        self._cache: dict[frozenset[Role], StepPlan] = {}
+
+    # -- static decisions --------------------------------------------------------------------------------------
+    def _resolve_backend(self) -> tuple[Backend, str]:
+        want = self.recipe.backend
+        if not self.recipe.is_fp8:
+            return Backend.EMULATED, "no FP8 role: every GEMM runs BF16"
+        if want is Backend.EMULATED:
+            return Backend.EMULATED, "requested"
+        te_ready = self.hardware.has_fp8 and _te_backend_available()
+        if want is Backend.TE:
+            if self.hardware.has_fp8 and not te_ready:
+                raise ValueError("backend: 'te' is not implemented in this version of fp8-recipes yet; "
+                                 "set backend: emulated (or auto)")
+            if not te_ready:
+                raise ValueError(f"backend: 'te' needs a CUDA GPU with FP8 (sm_89+) and Transformer Engine; this "
+                                 f"machine has {self.hardware.describe()}; set backend: emulated (or auto)")
+            return Backend.TE, "requested"
+        if te_ready:
+            return Backend.TE, "auto: FP8 GPU with Transformer Engine"
+        return Backend.EMULATED, f"auto: {self.hardware.describe()} has no Transformer Engine FP8 backend"
+
+    def bf16_reason(self, name: str) -> str | None:
+        rules = self.recipe.layers
+        for pat in rules.bf16_modules:
+            if fnmatch.fnmatchcase(name, pat):
+                return f"bf16_modules '{pat}'"
+        layer = self.layout.layer_of(name)
+        if layer is None:
+            if name.split(".")[-1] == "output_layer" and not rules.fp8_output_layer:
+                return "LM head (fp8_output_layer: false)"
+            return None
+        if layer < rules.bf16_first:
+            return f"bf16_first: {rules.bf16_first}"
+        if layer >= self.layout.num_layers - rules.bf16_last:
+            return f"bf16_last: {rules.bf16_last}"
+        return None
+
+    @cached_property
+    def unmatched_patterns(self) -> tuple[str, ...]:
+        """bf16_modules patterns that match no module of this model (usually a typo)."""
+        return tuple(p for p in self.recipe.layers.bf16_modules
+                     if not any(fnmatch.fnmatchcase(n, p) for n in self.layout.module_names))
+
+    def roles_fp8_at(self, step: int) -> frozenset[Role]:
+        sched = self.recipe.schedule
+        return frozenset(r for r in ROLES if self.recipe.policy(r).is_fp8 and step >= sched.role_start(r))
+
+    def stage_label(self, roles: frozenset[Role], step: int) -> str:
+        if not self.recipe.is_fp8:
+            return "bf16"
+        if not roles:
+            return "bf16 warmup" if step < self.recipe.schedule.bf16_warmup_steps else "bf16"
+        return "fp8 " + "+".join(r.value[0] for r in ROLES if r in roles)
+
+    # -- per step ----------------------------------------------------------------------------------------------
+    def at(self, step: int) -> StepPlan:
+        roles = self.roles_fp8_at(step)
+        cached = self._cache.get(roles)
+        if cached is None:
+            modules = {n: self._module_plan(n, roles) for n in self.layout.module_names}
+            cached = self._cache[roles] = StepPlan(step, self.stage_label(roles, step), roles, modules)
+        if cached.step != step:
+            return StepPlan(step, self.stage_label(roles, step), roles, cached.modules)
+        return cached
+
+    def _module_plan(self, name: str, roles: frozenset[Role]) -> ModulePlan:
+        reason = self.bf16_reason(name)
+        gemms = {}
+        for gemm, (a, b) in GEMM_OPERANDS.items():
+            ops = tuple((r, self.recipe.policy(r) if (reason is None and r in roles) else None) for r in (a, b))
+            gemms[gemm] = GemmPlan(gemm, self._execution(ops), ops)
+        return ModulePlan(name, self.layout.layer_of(name), reason, gemms)
+
+    def _execution(self, operands) -> Execution:
+        if all(p is None for _, p in operands):
+            return Execution.BF16
+        # The Transformer Engine backend maps GEMMs to real FP8 in a later step; until then every FP8 GEMM is
+        # emulated, which runs any per-role mix on any device.
+        return Execution.EMULATED
+
+    def stages(self, max_steps: int | None = None) -> list[tuple[int, int | None, str]]:
+        """[(first_step, last_step or None, label)] over the run: where the set of FP8 roles changes."""
+        starts = sorted({0} | {self.recipe.schedule.role_start(r) for r in ROLES if self.recipe.policy(r).is_fp8})
+        if max_steps is not None:
+            starts = [s for s in starts if s < max_steps] or [0]
+        out = []
+        for i, s in enumerate(starts):
+            end = starts[i + 1] - 1 if i + 1 < len(starts) else (max_steps - 1 if max_steps else None)
+            out.append((s, end, self.stage_label(self.roles_fp8_at(s), s)))
+        return out
+
+    # -- printing ----------------------------------------------------------------------------------------------
+    def explain(self, max_steps: int | None = None) -> str:
+        from fp8_recipes.plan_format import format_plan  # printing lives apart from deciding
+
+        return format_plan(self, max_steps)
+
+
+def _te_backend_available() -> bool:
+    """Whether this build has a Transformer Engine backend to hand FP8 GEMMs to (it lands in a later step)."""
+    return False

@@ -1,0 +1,70 @@
+"""Print a PrecisionPlan as the table users read before training (and `fp8-recipes explain`)."""
+
+from __future__ import annotations
+
+from fp8_recipes.plan import Gemm, ModulePlan, PrecisionPlan
+from fp8_recipes.schema import ROLES
+
+__all__ = ["format_plan"]
+
+
+def _ranges(nums: list[int]) -> str:
+    return f"{nums[0]}" if len(nums) == 1 else f"{nums[0]}-{nums[-1]}"
+
+
+def _row(layers: str, module: str, mp: ModulePlan) -> str:
+    cells = "".join(f"{mp.gemms[g].execution:<10}" for g in Gemm)
+    return f"  {layers:<8} {module:<28} {cells}{mp.bf16_reason or ''}".rstrip()
+
+
+def format_plan(plan: PrecisionPlan, max_steps: int | None = None) -> str:
+    r = plan.recipe
+    sched = r.schedule
+    lines = [
+        f"recipe    {r.name}" + (f": {r.description}" if r.description else ""),
+        f"backend   {plan.backend} ({plan.backend_reason})",
+        f"hardware  {plan.hardware.describe()}",
+        "",
+        f"  {'role':<12} {'policy':<40} FP8 from step",
+    ]
+    for role in ROLES:
+        p = r.policy(role)
+        start = str(sched.role_start(role)) if p.is_fp8 else "-"
+        lines.append(f"  {role!s:<12} {p.describe():<40} {start}")
+    lines += ["", "stages"]
+    for first, last, label in plan.stages(max_steps):
+        span = f"{first}-{last}" if last is not None else f"{first}-"
+        lines.append(f"  steps {span:<14} {label}")
+    if sched.full_precision_eval_interval:
+        lines.append(f"  full-precision evaluation every {sched.full_precision_eval_interval} steps")
+
+    final = plan.at(max(sched.role_start(x) for x in ROLES))
+    lines += ["", "GEMMs with every role on (fprop = activations x weights, dgrad = gradients x weights, "
+                  "wgrad = gradients x activations)",
+              f"  {'layers':<8} {'module':<28} " + "".join(f"{g!s:<10}" for g in Gemm) + "why BF16"]
+    by_layer: dict[int, list[ModulePlan]] = {}
+    others: list[ModulePlan] = []
+    for mp in final.modules.values():
+        (by_layer.setdefault(mp.layer, []) if mp.layer is not None else others).append(mp)
+
+    def signature(mps: list[ModulePlan]):
+        return tuple((m.name.split(f"layers.{m.layer}.", 1)[-1], m.summary(), m.bf16_reason) for m in mps)
+
+    groups: list[tuple[list[int], list[ModulePlan]]] = []
+    for layer in sorted(by_layer):
+        mps = by_layer[layer]
+        if groups and signature(groups[-1][1]) == signature(mps) and groups[-1][0][-1] == layer - 1:
+            groups[-1][0].append(layer)
+        else:
+            groups.append(([layer], mps))
+    for layers, mps in groups:
+        if len({(m.summary(), m.bf16_reason) for m in mps}) == 1:
+            lines.append(_row(_ranges(layers), "(all linears)", mps[0]))
+        else:
+            for m in mps:
+                lines.append(_row(_ranges(layers), m.name.split(f"layers.{m.layer}.", 1)[-1], m))
+    for m in others:
+        lines.append(_row("-", m.name, m))
+    for pat in plan.unmatched_patterns:
+        lines.append(f"warning: layers.bf16_modules pattern '{pat}' matches no module of this model")
+    return "\n".join(lines)

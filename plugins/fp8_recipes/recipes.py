@@ -1,0 +1,134 @@
+"""Finding and loading recipes: the pack in ``recipes/`` (Hydra group ``recipe``), or any YAML file.
+
+In a checkout the pack is ``<root>/recipes`` and the Hydra app config ``<root>/conf`` (where ``conf/recipe`` links
+to ``../recipes``); an installed package carries both as ``fp8_recipes/_conf`` (``_conf/recipe`` = the pack).
+A recipe may build on others with a Hydra defaults list (``defaults: [tensorwise, _self_]``): Hydra composes it
+for ``scripts/train.py +recipe=NAME``; :func:`load_recipe_dict` applies the same rule to files outside Hydra
+(names are looked up beside the file first, then in the pack; ``_self_`` last unless placed).
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.resources
+from collections.abc import Mapping
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from fp8_recipes.schema import Recipe, RecipeError
+
+__all__ = [
+    "conf_dir", "conf_search_path", "load_recipe", "load_recipe_dict", "project_root", "recipe_names",
+    "recipes_dir",
+]
+
+
+@lru_cache(maxsize=1)
+def project_root() -> Path | None:
+    """The checkout this package runs from (editable install or PYTHONPATH=plugins), else None."""
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / "recipes").is_dir() and (root / "conf" / "train.yaml").is_file() else None
+
+
+def conf_dir() -> Path:
+    root = project_root()
+    if root is not None:
+        return root / "conf"
+    return Path(str(importlib.resources.files("fp8_recipes._conf")))
+
+
+def recipes_dir() -> Path:
+    root = project_root()
+    return root / "recipes" if root is not None else conf_dir() / "recipe"
+
+
+def conf_search_path() -> str:
+    """The Hydra search-path entry holding train.yaml and the groups (recipe, model, data, trainer, ...)."""
+    return f"file://{conf_dir()}" if project_root() is not None else "pkg://fp8_recipes._conf"
+
+
+def recipe_names() -> list[str]:
+    return sorted(p.stem for p in recipes_dir().glob("*.yaml"))
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    import yaml
+    from omegaconf import OmegaConf
+
+    try:
+        node = OmegaConf.load(path)
+        data = OmegaConf.to_container(node, resolve=True)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise RecipeError([f"YAML syntax error{where}: {problem}; fix the YAML"], str(path)) from None
+    except Exception as e:  # omegaconf interpolation and type errors
+        raise RecipeError([f"cannot read: {str(e).splitlines()[0]}"], str(path)) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise RecipeError([f"(top level): a recipe is a mapping of keys, got {type(data).__name__}"], str(path))
+    return data
+
+
+def _resolve_ref(ref: str | Path, near: Path | None = None) -> Path:
+    s = str(ref)
+    p = Path(s).expanduser()
+    if s.endswith((".yaml", ".yml")) or "/" in s or p.is_file():
+        if not p.is_file():
+            raise RecipeError([f"recipe: file '{s}' does not exist; give a recipe name "
+                               f"({', '.join(recipe_names())}) or a path to a YAML file"])
+        return p
+    for d in ([near] if near is not None else []) + [recipes_dir()]:
+        cand = d / f"{s}.yaml"
+        if cand.is_file():
+            return cand
+    names = recipe_names()
+    close = difflib.get_close_matches(s, names, n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    raise RecipeError([f"recipe: '{s}' is not a recipe{hint}; choices: {', '.join(names)} (or a path to a YAML file)"])
+
+
+def _merge(base: dict, over: Mapping) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = _merge(dict(out[k]), v)
+        else:
+            out[k] = v
+    return out
+
+
+def load_recipe_dict(ref: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The recipe's data after its defaults list is applied (Hydra's merge order), without validation."""
+    path = _resolve_ref(ref)
+    if path.resolve() in _seen:
+        chain = " -> ".join(p.stem for p in _seen + (path.resolve(),))
+        raise RecipeError([f"defaults: circular recipe inheritance {chain}; remove one of the defaults"], str(path))
+    data = _read_yaml(path)
+    defaults = data.pop("defaults", None) or []
+    if not isinstance(defaults, list):
+        raise RecipeError([f"defaults: {defaults!r} is not a list (e.g. [tensorwise, _self_])"], str(path))
+    if "_self_" not in defaults:
+        defaults = defaults + ["_self_"]
+    out: dict[str, Any] = {}
+    for entry in defaults:
+        if entry == "_self_":
+            out = _merge(out, data)
+            continue
+        if not isinstance(entry, str):
+            raise RecipeError([f"defaults: {entry!r} is not a recipe name (group overrides are not supported "
+                               f"in recipes; name a recipe such as tensorwise)"], str(path))
+        base_path = _resolve_ref(entry, near=path.parent) if "/" not in entry else _resolve_ref(entry)
+        out = _merge(out, load_recipe_dict(base_path, _seen + (path.resolve(),)))
+    return out
+
+
+def load_recipe(ref: str | Path | Mapping[str, Any]) -> Recipe:
+    """A validated Recipe from a pack name, a YAML path or a mapping (e.g. Hydra's ``cfg.recipe``)."""
+    if isinstance(ref, Mapping):
+        return Recipe.from_dict(dict(ref))
+    path = _resolve_ref(ref)
+    return Recipe.from_dict(load_recipe_dict(path), source=str(path))

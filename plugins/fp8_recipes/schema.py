@@ -1,0 +1,479 @@
+"""The typed FP8 recipe: what a YAML file in ``recipes/`` means, checked when it is loaded.
+
+A recipe says, per tensor role (weights, activations, gradients), how FP8 scaling works; when each role turns
+FP8 (schedule); and which layers or modules stay BF16 (layers). :meth:`Recipe.from_dict` accepts the YAML
+users write, a role as a bare string (``weights: mxfp8``), and the form of NVIDIA's NeMo blog
+(``fp8_recipe: {name: hybrid, weights: mxfp8, activations: blockwise, gradients: tensorwise, block_size: [128, 128]}``).
+Every problem is reported as ``dotted.key: 'bad value' ... allowed ...`` in a :class:`RecipeError` (a ValueError),
+all problems of one recipe at once.
+
+This module imports nothing of ours (it is the bottom floor of the package).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+__all__ = [
+    "AmaxAlgo", "AmaxReduction", "Backend", "Format", "LayerRules", "MxRounding", "Recipe", "RecipeError",
+    "Role", "Scaling", "Schedule", "TensorPolicy",
+]
+
+
+class Scaling(StrEnum):
+    NONE = "none"              # high precision (BF16)
+    DELAYED = "delayed"        # per-tensor scale from an amax history of earlier steps
+    TENSORWISE = "tensorwise"  # per-tensor current scaling: scale from this tensor's own amax
+    BLOCKWISE = "blockwise"    # one scale per block of `block` elements (1x128, 128x128, ...)
+    MXFP8 = "mxfp8"            # OCP MX: 32-element blocks along the reduction dim, E8M0 (power-of-two) scales
+
+
+class Format(StrEnum):
+    E4M3 = "e4m3"  # max 448, 3 mantissa bits: forward tensors
+    E5M2 = "e5m2"  # max 57344, 2 mantissa bits: range for gradients
+
+
+class AmaxAlgo(StrEnum):
+    MAX = "max"                  # max over the history window (TE default)
+    MOST_RECENT = "most_recent"  # the last step's amax
+    PERCENTILE = "percentile"    # the `percentile`-th percentile of the window (emulated backend only)
+
+
+class MxRounding(StrEnum):
+    RCEIL = "rceil"  # NVIDIA's rule: E8M0 = amax/fp8_max rounded *up* to a power of two (never saturates)
+    FLOOR = "floor"  # OCP MX v1.0: 2^(floor(log2 amax) - emax of the element format) (may saturate)
+
+
+class Role(StrEnum):
+    WEIGHTS = "weights"
+    ACTIVATIONS = "activations"
+    GRADIENTS = "gradients"
+
+
+class Backend(StrEnum):
+    AUTO = "auto"          # Transformer Engine when a GPU and TE are present, else emulated
+    TE = "te"              # real FP8 GEMMs through Transformer Engine; refuses what TE cannot run
+    EMULATED = "emulated"  # fake-quantization in high precision; runs anything anywhere
+
+
+class AmaxReduction(StrEnum):
+    DATA = "data"      # reduce amaxes over the data-parallel group (every replica uses the same scales)
+    TENSOR = "tensor"  # over the tensor-parallel group only
+    NONE = "none"      # each rank keeps its own amax
+
+
+ROLES: tuple[Role, ...] = (Role.WEIGHTS, Role.ACTIVATIONS, Role.GRADIENTS)
+
+# Role-dependent defaults, in plain view. Gradients default to E5M2 (TE's HYBRID format: E4M3 forward, E5M2
+# backward); blockwise blocks default to 128x128 for weights and 1x128 for activations and gradients (TE's
+# Float8BlockScaling and DeepSeek-V3).
+DEFAULT_FORMAT = {Role.WEIGHTS: Format.E4M3, Role.ACTIVATIONS: Format.E4M3, Role.GRADIENTS: Format.E5M2}
+DEFAULT_BLOCK = {Role.WEIGHTS: (128, 128), Role.ACTIVATIONS: (1, 128), Role.GRADIENTS: (1, 128)}
+MXFP8_BLOCK = 32
+
+# Spellings people bring from other tools, mapped to ours for the error message.
+_HINTS = {
+    "current": "tensorwise", "per_tensor": "tensorwise", "per-tensor": "tensorwise", "tensor": "tensorwise",
+    "block": "blockwise", "mx": "mxfp8", "mxfp": "mxfp8", "bf16": "none", "fp16": "none", "off": "none",
+    "hybrid": "e4m3 (or e5m2 for gradients)", "fp8": "e4m3",
+}
+
+
+class RecipeError(ValueError):
+    """One or more problems in a recipe; ``str()`` is one line per problem, each naming the dotted key."""
+
+    def __init__(self, problems: Sequence[str], source: str | None = None):
+        self.problems = list(problems)
+        self.source = source
+        prefix = f"{source}: " if source else ""
+        super().__init__("\n".join(prefix + p for p in self.problems))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The typed objects
+
+
+@dataclass(frozen=True)
+class TensorPolicy:
+    """How one tensor role is quantized."""
+
+    scaling: Scaling = Scaling.NONE
+    """none | delayed | tensorwise | blockwise | mxfp8."""
+    format: Format = Format.E4M3
+    """e4m3 | e5m2."""
+    margin: int = 0
+    """Scale divided by 2^margin: headroom against the next step's larger values (delayed, tensorwise, blockwise)."""
+    amax_history_len: int = 1024
+    """Delayed scaling: how many past amaxes the scale is taken from (TE default 1024)."""
+    amax_compute_algo: AmaxAlgo = AmaxAlgo.MAX
+    """Delayed scaling: max | most_recent | percentile over the history."""
+    percentile: float = 99.9
+    """With amax_compute_algo=percentile: which percentile of the history (0 < p <= 100)."""
+    amax_epsilon: float = 0.0
+    """Lower bound on the amax before the scale is computed (tensorwise, blockwise)."""
+    pow2_scales: bool = False
+    """Round scales down to a power of two (exact rescaling; TE's default for blockwise)."""
+    block: tuple[int, int] = (1, 128)
+    """Blockwise: block shape [rows, cols] of the tensor as the GEMM reads it (last dim = reduction dim)."""
+    mx_rounding: MxRounding = MxRounding.RCEIL
+    """MXFP8: how the E8M0 block exponent is chosen: rceil (NVIDIA hardware) | floor (OCP MX v1.0)."""
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.scaling is not Scaling.NONE
+
+    def relevant_fields(self) -> tuple[str, ...]:
+        """The fields that mean something for this scaling mode (what `show` prints)."""
+        if self.scaling is Scaling.NONE:
+            return ("scaling",)
+        common = ("scaling", "format")
+        if self.scaling is Scaling.DELAYED:
+            algo = ("percentile",) if self.amax_compute_algo is AmaxAlgo.PERCENTILE else ()
+            return common + ("margin", "amax_history_len", "amax_compute_algo") + algo + ("pow2_scales",)
+        if self.scaling is Scaling.TENSORWISE:
+            return common + ("margin", "amax_epsilon", "pow2_scales")
+        if self.scaling is Scaling.BLOCKWISE:
+            return common + ("block", "margin", "amax_epsilon", "pow2_scales")
+        return common + ("mx_rounding",)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {}
+        for name in self.relevant_fields():
+            v = getattr(self, name)
+            out[name] = list(v) if isinstance(v, tuple) else (str(v) if isinstance(v, StrEnum) else v)
+        return out
+
+    def describe(self) -> str:
+        """Short human form, e.g. ``blockwise e4m3 1x128 pow2``."""
+        if not self.is_fp8:
+            return "bf16"
+        parts = [str(self.scaling), str(self.format)]
+        if self.scaling is Scaling.BLOCKWISE:
+            parts.append(f"{self.block[0]}x{self.block[1]}")
+        if self.scaling is Scaling.MXFP8:
+            parts.append(f"1x{MXFP8_BLOCK} e8m0/{self.mx_rounding}")
+        if self.scaling is Scaling.DELAYED:
+            algo = str(self.amax_compute_algo)
+            if self.amax_compute_algo is AmaxAlgo.PERCENTILE:
+                algo = f"p{self.percentile:g}"
+            parts.append(f"hist {self.amax_history_len} {algo}")
+        if self.margin and self.scaling is not Scaling.MXFP8:
+            parts.append(f"margin {self.margin}")
+        if self.pow2_scales and self.scaling not in (Scaling.MXFP8,):
+            parts.append("pow2")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class RoleSteps:
+    """The step at which each role turns FP8 (staged enablement)."""
+
+    weights: int = 0
+    activations: int = 0
+    gradients: int = 0
+
+    def __getitem__(self, role: Role | str) -> int:
+        return getattr(self, str(role))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    bf16_warmup_steps: int = 0
+    """Everything BF16 for the first N steps."""
+    enable: RoleSteps = field(default_factory=RoleSteps)
+    """Step at which each role turns FP8 (never before bf16_warmup_steps)."""
+    full_precision_eval_interval: int = 0
+    """Every N steps also evaluate with everything in high precision (0 = off)."""
+
+    def role_start(self, role: Role | str) -> int:
+        """First step at which `role` runs FP8 (warmup included)."""
+        return max(self.bf16_warmup_steps, self.enable[role])
+
+
+@dataclass(frozen=True)
+class LayerRules:
+    bf16_first: int = 0
+    """The first N transformer layers stay BF16."""
+    bf16_last: int = 0
+    """The last N transformer layers stay BF16."""
+    bf16_modules: tuple[str, ...] = ()
+    """fnmatch glob patterns over module names (e.g. "*.linear_qkv", "decoder.layers.3.*") forced to BF16."""
+    fp8_output_layer: bool = False
+    """Quantize the LM head too (emulated backend only; Megatron-Core keeps it BF16)."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str = "bf16"
+    description: str = ""
+    backend: Backend = Backend.AUTO
+    weights: TensorPolicy = field(default_factory=TensorPolicy)
+    activations: TensorPolicy = field(default_factory=TensorPolicy)
+    gradients: TensorPolicy = field(default_factory=lambda: TensorPolicy(format=Format.E5M2))
+    schedule: Schedule = field(default_factory=Schedule)
+    layers: LayerRules = field(default_factory=LayerRules)
+    amax_reduction: AmaxReduction = AmaxReduction.DATA
+
+    def policy(self, role: Role | str) -> TensorPolicy:
+        return getattr(self, str(role))
+
+    @property
+    def is_fp8(self) -> bool:
+        return any(self.policy(r).is_fp8 for r in ROLES)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved recipe as plain YAML-able data (what `fp8-recipes show` prints)."""
+        return {
+            "name": self.name,
+            "description": self.description,
+            "backend": str(self.backend),
+            **{str(r): self.policy(r).to_dict() for r in ROLES},
+            "schedule": {
+                "bf16_warmup_steps": self.schedule.bf16_warmup_steps,
+                "enable": dataclasses.asdict(self.schedule.enable),
+                "full_precision_eval_interval": self.schedule.full_precision_eval_interval,
+            },
+            "layers": {
+                "bf16_first": self.layers.bf16_first,
+                "bf16_last": self.layers.bf16_last,
+                "bf16_modules": list(self.layers.bf16_modules),
+                "fp8_output_layer": self.layers.fp8_output_layer,
+            },
+            "amax_reduction": str(self.amax_reduction),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None, source: str | None = None) -> Recipe:
+        """Validate and build a Recipe; raises :class:`RecipeError` listing every problem with its key."""
+        return _RecipeReader(source).read(data)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading and validation
+
+
+_POLICY_KEYS = {f.name for f in dataclasses.fields(TensorPolicy)}
+_TOP_KEYS = {f.name for f in dataclasses.fields(Recipe)} | {"fp8_recipe", "defaults", "debug"}
+_NEMO_BLOG_KEYS = {"name", "description", "weights", "activations", "gradients", "block_size", "backend"}
+
+
+def _fmt(v: Any) -> str:
+    return repr(v) if isinstance(v, str) else str(v)
+
+
+def _suggest(value: str, choices: Sequence[str]) -> str:
+    hint = _HINTS.get(str(value).lower())
+    if hint:
+        return f" (did you mean '{hint}'?)"
+    close = difflib.get_close_matches(str(value), list(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+class _RecipeReader:
+    """Turns a mapping into a Recipe, collecting one message per bad key."""
+
+    def __init__(self, source: str | None):
+        self.source = source
+        self.problems: list[str] = []
+
+    def bad(self, key: str, msg: str) -> None:
+        self.problems.append(f"{key}: {msg}")
+
+    # -- scalar readers: each returns a default after recording a problem, so reading goes on ----------------
+    def enum(self, key: str, value: Any, kind: type[StrEnum], default):
+        choices = [e.value for e in kind]
+        if isinstance(value, kind):
+            return value
+        if isinstance(value, str) and value.lower() in choices:
+            return kind(value.lower())
+        self.bad(key, f"{_fmt(value)} is not one of {' | '.join(choices)}{_suggest(value, choices)}")
+        return default
+
+    def integer(self, key: str, value: Any, minimum: int, default: int) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            else:
+                self.bad(key, f"{_fmt(value)} is not an integer (expected an integer >= {minimum})")
+                return default
+        if value < minimum:
+            self.bad(key, f"{value} is out of range (expected an integer >= {minimum})")
+            return default
+        return value
+
+    def number(self, key: str, value: Any, lo: float, hi: float, default: float, lo_open: bool = False) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            self.bad(key, f"{_fmt(value)} is not a finite number")
+            return default
+        if value < lo or (lo_open and value == lo) or value > hi:
+            rng = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+            self.bad(key, f"{value} is out of range (expected a number in {rng})")
+            return default
+        return float(value)
+
+    def boolean(self, key: str, value: Any, default: bool) -> bool:
+        if isinstance(value, bool):
+            return value
+        self.bad(key, f"{_fmt(value)} is not a boolean (expected true or false)")
+        return default
+
+    def text(self, key: str, value: Any, default: str) -> str:
+        if isinstance(value, str):
+            return value
+        self.bad(key, f"{_fmt(value)} is not a string")
+        return default
+
+    def mapping(self, key: str, value: Any, allowed: set[str]) -> dict[str, Any]:
+        if value is None:
+            return {}
+        if not isinstance(value, Mapping):
+            self.bad(key, f"{_fmt(value)} is not a mapping (expected keys {', '.join(sorted(allowed))})")
+            return {}
+        out = {}
+        for k, v in value.items():
+            if k not in allowed:
+                where = f"{key}.{k}" if key else str(k)
+                self.bad(where, f"unknown key{_suggest(str(k), sorted(allowed))}; allowed: {', '.join(sorted(allowed))}")
+            else:
+                out[k] = v
+        return out
+
+    def block(self, key: str, value: Any, default: tuple[int, int]) -> tuple[int, int]:
+        ok = (isinstance(value, Sequence) and not isinstance(value, str) and len(value) == 2
+              and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value))
+        if not ok:
+            self.bad(key, f"{_fmt(value)} is not a block shape (expected [rows, cols], two positive integers, "
+                          f"e.g. [1, 128] or [128, 128])")
+            return default
+        return (int(value[0]), int(value[1]))
+
+    # -- structured readers ------------------------------------------------------------------------------------
+    def policy(self, key: str, role: Role, value: Any, block_size: Any = None) -> TensorPolicy:
+        if isinstance(value, str):  # bare string: `weights: mxfp8`
+            value = {"scaling": value}
+        if value is None:
+            value = {}
+        raw = self.mapping(key, value, _POLICY_KEYS)
+        scaling = self.enum(f"{key}.scaling", raw.get("scaling", "none"), Scaling, Scaling.NONE)
+        kw: dict[str, Any] = {"scaling": scaling}
+        kw["format"] = self.enum(f"{key}.format", raw.get("format", DEFAULT_FORMAT[role]), Format,
+                                 DEFAULT_FORMAT[role])
+        kw["margin"] = self.integer(f"{key}.margin", raw.get("margin", 0), 0, 0)
+        kw["amax_history_len"] = self.integer(f"{key}.amax_history_len", raw.get("amax_history_len", 1024), 1, 1024)
+        kw["amax_compute_algo"] = self.enum(f"{key}.amax_compute_algo", raw.get("amax_compute_algo", "max"),
+                                            AmaxAlgo, AmaxAlgo.MAX)
+        kw["percentile"] = self.number(f"{key}.percentile", raw.get("percentile", 99.9), 0.0, 100.0, 99.9,
+                                       lo_open=True)
+        kw["amax_epsilon"] = self.number(f"{key}.amax_epsilon", raw.get("amax_epsilon", 0.0), 0.0, math.inf, 0.0)
+        # Derived default, once and visibly: blockwise scales are powers of two unless asked otherwise (TE's
+        # Float8BlockScaling default); MXFP8 scales are powers of two by construction.
+        pow2_default = scaling in (Scaling.BLOCKWISE, Scaling.MXFP8)
+        kw["pow2_scales"] = self.boolean(f"{key}.pow2_scales", raw.get("pow2_scales", pow2_default), pow2_default)
+        if scaling is Scaling.MXFP8:
+            kw["pow2_scales"] = True
+        block = raw.get("block", block_size if block_size is not None else list(DEFAULT_BLOCK[role]))
+        kw["block"] = self.block(f"{key}.block", block, DEFAULT_BLOCK[role])
+        kw["mx_rounding"] = self.enum(f"{key}.mx_rounding", raw.get("mx_rounding", "rceil"), MxRounding,
+                                      MxRounding.RCEIL)
+        if scaling is Scaling.MXFP8 and "block" in raw and tuple(kw["block"]) not in ((1, MXFP8_BLOCK),):
+            self.bad(f"{key}.block", f"{_fmt(raw['block'])} cannot be set for mxfp8 (blocks are always 32 "
+                                     f"elements along the reduction dim); use scaling: blockwise for other shapes")
+        if scaling is Scaling.MXFP8:
+            kw["block"] = (1, MXFP8_BLOCK)
+        if "percentile" in raw and kw["amax_compute_algo"] is not AmaxAlgo.PERCENTILE:
+            self.bad(f"{key}.percentile", "is set but amax_compute_algo is not 'percentile'; set "
+                                          "amax_compute_algo: percentile or remove percentile")
+        if scaling is not Scaling.DELAYED:
+            for k in ("amax_history_len", "amax_compute_algo"):
+                if k in raw and scaling is not Scaling.NONE:
+                    self.bad(f"{key}.{k}", f"only applies to scaling: delayed (this role is {scaling})")
+        return TensorPolicy(**kw)
+
+    def schedule(self, value: Any) -> Schedule:
+        raw = self.mapping("schedule", value, {"bf16_warmup_steps", "enable", "full_precision_eval_interval"})
+        enable_raw = raw.get("enable")
+        if isinstance(enable_raw, (int, float)) and not isinstance(enable_raw, bool):  # `enable: 100` = all roles
+            enable_raw = {str(r): enable_raw for r in ROLES}
+        en = self.mapping("schedule.enable", enable_raw, {str(r) for r in ROLES})
+        enable = RoleSteps(**{str(r): self.integer(f"schedule.enable.{r}", en.get(str(r), 0), 0, 0) for r in ROLES})
+        return Schedule(
+            bf16_warmup_steps=self.integer("schedule.bf16_warmup_steps", raw.get("bf16_warmup_steps", 0), 0, 0),
+            enable=enable,
+            full_precision_eval_interval=self.integer("schedule.full_precision_eval_interval",
+                                                      raw.get("full_precision_eval_interval", 0), 0, 0),
+        )
+
+    def layers(self, value: Any) -> LayerRules:
+        raw = self.mapping("layers", value, {f.name for f in dataclasses.fields(LayerRules)})
+        mods = raw.get("bf16_modules") or []
+        if isinstance(mods, str):
+            mods = [mods]
+        patterns = []
+        if not isinstance(mods, Sequence):
+            self.bad("layers.bf16_modules", f"{_fmt(mods)} is not a list of glob patterns (e.g. ['*output_layer*'])")
+        else:
+            for i, m in enumerate(mods):
+                if not isinstance(m, str) or not m.strip():
+                    self.bad(f"layers.bf16_modules[{i}]", f"{_fmt(m)} is not a glob pattern string")
+                else:
+                    patterns.append(m)
+        return LayerRules(
+            bf16_first=self.integer("layers.bf16_first", raw.get("bf16_first", 0), 0, 0),
+            bf16_last=self.integer("layers.bf16_last", raw.get("bf16_last", 0), 0, 0),
+            bf16_modules=tuple(patterns),
+            fp8_output_layer=self.boolean("layers.fp8_output_layer", raw.get("fp8_output_layer", False), False),
+        )
+
+    def read(self, data: Mapping[str, Any] | None) -> Recipe:
+        if data is None:
+            data = {}
+        if not isinstance(data, Mapping):
+            raise RecipeError([f"(top level): {_fmt(data)} is not a mapping of recipe keys"], self.source)
+        raw = self.mapping("", data, _TOP_KEYS)
+        raw.pop("defaults", None)  # Hydra's defaults list, already applied by composition
+        raw.pop("debug", None)     # observer settings, read by the observers
+        block_size = None
+        blog = raw.pop("fp8_recipe", None)
+        if blog is not None:  # NVIDIA NeMo blog form: flat strings, one block_size for every blockwise role
+            blog = self.mapping("fp8_recipe", blog, _NEMO_BLOG_KEYS)
+            for k, v in blog.items():
+                if k == "block_size":
+                    block_size = v
+                elif k in raw and raw[k] != v:
+                    self.bad(f"fp8_recipe.{k}", f"{_fmt(v)} conflicts with top-level {k}: {_fmt(raw[k])}; "
+                                                f"set it in one place")
+                else:
+                    raw[k] = v
+            if block_size is not None:
+                self.block("fp8_recipe.block_size", block_size, (1, 128))
+        policies = {str(r): self.policy(str(r), r, raw.get(str(r)), block_size) for r in ROLES}
+        recipe = Recipe(
+            name=self.text("name", raw.get("name", "unnamed"), "unnamed"),
+            description=self.text("description", raw.get("description", "") or "", ""),
+            backend=self.enum("backend", raw.get("backend", "auto"), Backend, Backend.AUTO),
+            schedule=self.schedule(raw.get("schedule")),
+            layers=self.layers(raw.get("layers")),
+            amax_reduction=self.enum("amax_reduction", raw.get("amax_reduction", "data"), AmaxReduction,
+                                     AmaxReduction.DATA),
+            **policies,
+        )
+        self.cross_checks(recipe)
+        if self.problems:
+            raise RecipeError(self.problems, self.source)
+        return recipe
+
+    def cross_checks(self, r: Recipe) -> None:
+        s = r.schedule
+        if not r.is_fp8 and (s.bf16_warmup_steps or any(s.enable[x] for x in ROLES)):
+            self.bad("schedule", "BF16 warmup / staged enablement set but no role is FP8; give a role a scaling "
+                                 "(weights/activations/gradients.scaling) or remove the schedule")
+        for role in ROLES:
+            if s.enable[role] and not r.policy(role).is_fp8:
+                self.bad(f"schedule.enable.{role}", f"{s.enable[role]} is set but {role}.scaling is none; "
+                                                    f"remove it or give {role} a scaling")

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Create or reuse .venv (Python 3.12) and install this project from setup.cfg, editable.
+#   bash scripts/setup.sh          # runtime dependencies
+#   bash scripts/setup.sh --dev    # + test dependencies (pytest, hypothesis)
+# Never installs Transformer Engine: on a CPU machine it cannot load and breaks `import megatron.core`.
+# Reuse is keyed on setup.cfg: the install runs again only when setup.cfg (or the extras asked for) change.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+EXTRAS=""
+[ "${1:-}" = "--dev" ] && EXTRAS="[dev]"
+
+find_python() {
+  for c in "${PYTHON:-}" python3.12 "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12 /usr/bin/python3.12 /usr/local/bin/python3.12; do
+    [ -n "$c" ] || continue
+    if "$c" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' >/dev/null 2>&1; then echo "$c"; return 0; fi
+  done
+  return 1
+}
+
+if [ ! -x .venv/bin/python ]; then
+  PY=$(find_python) || { echo "setup: python3.12 not found; install Python 3.12 or set PYTHON=/path/to/python3.12" >&2; exit 2; }
+  "$PY" -m venv .venv
+fi
+STAMP=.venv/.fp8-recipes-installed
+WANT="$(sha256sum setup.cfg | cut -c1-16)$EXTRAS"
+HAVE=$(cat "$STAMP" 2>/dev/null || true)
+if [ "$HAVE" != "$WANT" ] && [ "$HAVE" != "$WANT[dev]" ]; then
+  echo "setup: installing fp8-recipes$EXTRAS into .venv (first time: ~2 minutes, torch is large)" >&2
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".$EXTRAS" 2>&1 | grep -v -E "^WARNING: Location|is ignored: it is neither" >&2 || true
+  .venv/bin/python -c "import fp8_recipes, megatron.core, hydra" || { echo "setup: install failed" >&2; exit 3; }
+  echo "$WANT" > "$STAMP"
+fi
