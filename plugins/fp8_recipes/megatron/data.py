@@ -1,0 +1,361 @@
+"""The data pipeline: text files -> offline tokenizer -> Megatron-Core indexed dataset -> GPT samples -> batches.
+
+    prepare_dataset(inputs, out_dir)          writes out_dir/{corpus.bin, corpus.idx, tokenizer.json, meta.json}
+    build_gpt_datasets(out_dir, seq, seed, n) Megatron-Core GPTDatasets (train, valid, test) over it
+    batches(dataset, micro_batch_size, seed)  endless, deterministic dicts of [b, s] tensors
+
+With no inputs the corpus is the interpreter's own standard library: real code text, present offline on every
+machine, PSF licence. Importing this module is cheap and needs neither a GPU nor Transformer Engine: megatron,
+tokenizers and torch are imported inside the functions that use them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Tokenizer", "default_corpus_files", "prepare_dataset", "build_gpt_datasets", "batches"]
+
+FORMAT = 1  # bump when the on-disk layout changes: older datasets are then rebuilt, never misread
+PREFIX = "corpus"  # Megatron path prefix: corpus.bin + corpus.idx
+EOD_TEXT = "<|endoftext|>"
+# In a directory, only these are read (explicitly named files are read whatever their suffix).
+TEXT_SUFFIXES = (".jsonl", ".txt", ".py", ".md", ".rst")
+STDLIB_LICENCE = "Python standard library source, PSF License Agreement: https://docs.python.org/3/license.html"
+_BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+def default_corpus_files() -> list[Path]:
+    """The standard library's ``.py`` files, sorted; test suites and installed packages left out."""
+    root = Path(sysconfig.get_path("stdlib"))
+    # site-/dist-packages differ per machine (the base interpreter may have packages installed) and the test
+    # suites are mostly fixtures: neither belongs in a corpus that must be identical wherever it is built.
+    skip = {"test", "tests", "idle_test", "site-packages", "dist-packages"}
+    return [
+        f
+        for f in sorted(root.glob("**/*.py"), key=lambda f: f.relative_to(root).as_posix())
+        if not skip.intersection(f.relative_to(root).parts[:-1])
+    ]
+
+
+def _expand_inputs(inputs: Sequence[str | os.PathLike]) -> list[Path]:
+    files: list[Path] = []
+    for raw in inputs:
+        path = Path(raw).expanduser()
+        if not path.exists():
+            raise ValueError(
+                f"data.inputs: path {str(raw)!r} does not exist; point it at .jsonl/.txt files or a directory"
+            )
+        if not path.is_dir():
+            files.append(path)
+            continue
+        found = sorted(
+            (f for f in path.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES
+             and not any(p.startswith(".") or p == "__pycache__" for p in f.relative_to(path).parts)),
+            key=lambda f: f.relative_to(path).as_posix(),
+        )
+        if not found:
+            raise ValueError(f"data.inputs: directory {str(raw)!r} holds no {'/'.join(TEXT_SUFFIXES)} files; "
+                             "point it at a directory of text files")
+        files += found
+    return files
+
+
+def _read_documents(files: Sequence[Path], json_key: str) -> list[str]:
+    """One document per line of a .jsonl file (``line[json_key]``), one per file otherwise; empty ones dropped."""
+    docs: list[str] = []
+    for path in files:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"data.inputs: {str(path)!r} is not UTF-8 text; convert it or leave it out") from None
+        if path.suffix != ".jsonl":
+            docs.append(text)
+            continue
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                record = None
+            if not isinstance(record, dict):
+                raise ValueError(f"data.inputs: {path}:{n} is not a JSON object; each .jsonl line must be one")
+            if not isinstance(record.get(json_key), str):
+                raise ValueError(f"data.json_key: no text under {json_key!r} in {path}:{n}; "
+                                 "set data.json_key (--json-key) to the field that holds the text")
+            docs.append(record[json_key])
+    return [d for d in docs if d]
+
+
+def _hash_documents(docs: Sequence[str]) -> str:
+    # Length-prefixed so that moving text across a document boundary changes the hash too.
+    h = hashlib.sha256()
+    for doc in docs:
+        data = doc.encode("utf-8")
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()
+
+
+class Tokenizer:
+    """A byte-level BPE (HuggingFace ``tokenizers``) or plain-bytes tokenizer, as Megatron's GPTDataset wants it.
+
+    GPTDataset reads ``vocab_size``, ``eod`` and ``unique_identifiers``; the last one goes into the key of
+    Megatron's index cache, which otherwise ignores the data itself (FACTS: a rebuilt .bin silently reuses stale
+    indices). So it carries a hash of the tokenizer and of the data it is paired with.
+    """
+
+    def __init__(self, kind: str, hf: Any = None, data_hash: str = "") -> None:
+        self.kind, self._hf, self.data_hash = kind, hf, data_hash
+        if kind == "bytes":
+            self.vocab_size, self.eod, serial = 257, 256, self._bytes_json()
+        else:
+            self.vocab_size, self.eod, serial = hf.get_vocab_size(), hf.token_to_id(EOD_TEXT), hf.to_str()
+        self.unique_identifiers = {
+            "class": "fp8_recipes.Tokenizer", "kind": kind, "vocab_size": self.vocab_size, "eod": self.eod,
+            "tokenizer_sha256": hashlib.sha256(serial.encode()).hexdigest(), "data_hash": data_hash,
+        }
+
+    @staticmethod
+    def _bytes_json() -> str:
+        return json.dumps({"fp8_recipes_tokenizer": "bytes", "vocab_size": 257, "eod": 256})
+
+    @classmethod
+    def plain_bytes(cls, data_hash: str = "") -> Tokenizer:
+        """UTF-8 bytes are the ids 0..255, EOD is 256: nothing to train, ~3.5x more tokens than BPE."""
+        return cls("bytes", data_hash=data_hash)
+
+    @classmethod
+    def train_bpe(cls, docs: Sequence[str], vocab_size: int, data_hash: str = "") -> Tokenizer:
+        """Byte-level BPE trained on ``docs``; the same docs give a byte-identical tokenizer (FACTS)."""
+        from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
+        hf = HFTokenizer(models.BPE())
+        # No normalizer and no prefix space, so that decode(encode(text)) == text exactly (code is whitespace).
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        hf.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, special_tokens=[EOD_TEXT], show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodable, even unseen ones
+        )
+        hf.train_from_iterator(docs, trainer)
+        return cls("bpe", hf, data_hash)
+
+    def encode(self, text: str) -> list[int]:
+        if self.kind == "bytes":
+            return list(text.encode("utf-8"))
+        return self._hf.encode(text).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        if self.kind == "bytes":
+            return [self.encode(t) for t in texts]
+        return [e.ids for e in self._hf.encode_batch(list(texts))]  # parallel in Rust, same ids as encode()
+
+    def decode(self, ids: Sequence[int]) -> str:
+        ids = [int(i) for i in ids]
+        if self.kind == "bytes":
+            return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+        return self._hf.decode(ids, skip_special_tokens=True)
+
+    def save(self, path: str | os.PathLike) -> None:
+        Path(path).write_text(self._bytes_json() if self.kind == "bytes" else self._hf.to_str(), encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, data_hash: str = "") -> Tokenizer:
+        """Read a ``tokenizer.json`` written by :meth:`save` (a plain HuggingFace file for BPE)."""
+        text = Path(path).read_text(encoding="utf-8")
+        if json.loads(text).get("fp8_recipes_tokenizer") == "bytes":
+            return cls.plain_bytes(data_hash)
+        from tokenizers import Tokenizer as HFTokenizer
+
+        return cls("bpe", HFTokenizer.from_str(text), data_hash)
+
+
+@contextlib.contextmanager
+def _quiet_megatron() -> Iterator[None]:
+    # Noise that is expected here: Transformer Engine is absent on CPU machines on purpose (import), and
+    # without torch.distributed Megatron guesses rank 0 (build), which is right for a single-process build.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(Transformer Engine|absl|Could not determine rank).*")
+        yield
+
+
+def _read_meta(data_dir: Path) -> dict | None:
+    try:
+        meta = json.loads((data_dir / "meta.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    complete = all((data_dir / f).is_file() for f in (f"{PREFIX}.bin", f"{PREFIX}.idx", "tokenizer.json"))
+    return meta if complete and isinstance(meta, dict) and meta.get("format") == FORMAT else None
+
+
+def prepare_dataset(
+    inputs: str | os.PathLike | Sequence[str | os.PathLike] | None,
+    out_dir: str | os.PathLike,
+    tokenizer_kind: str = "bpe",
+    vocab_size: int = 4096,
+    json_key: str = "text",
+) -> Path:
+    """Tokenize ``inputs`` (None: the standard library) into a Megatron-Core dataset in ``out_dir``.
+
+    Reuses ``out_dir`` when it already holds this data with these tokenizer settings (the check reads and hashes
+    the inputs, ~0.2 s for the standard library). Otherwise builds next to it and renames into place, so a
+    crash never leaves a half-written dataset. In a multi-rank job call it on one rank, then barrier.
+    """
+    if tokenizer_kind not in ("bpe", "bytes"):
+        raise ValueError(f"data.tokenizer: {tokenizer_kind!r} is not one of bpe, bytes")
+    if tokenizer_kind == "bpe" and not (258 <= vocab_size <= 65500):  # 256 bytes + EOD + >=1 merge; uint16 ids
+        raise ValueError(f"data.vocab_size: {vocab_size} is out of range; use 258..65500 (e.g. 4096)")
+    out_dir = Path(out_dir)
+    default = inputs is None
+    if default:
+        files = default_corpus_files()
+        sources = [sysconfig.get_path("stdlib")]
+    else:
+        sources = [str(inputs)] if isinstance(inputs, (str, os.PathLike)) else [str(i) for i in inputs]
+        if not sources:
+            raise ValueError("data.inputs: the list is empty; give .jsonl/.txt files or a directory, or null")
+        files = _expand_inputs(sources)
+    docs = _read_documents(files, json_key)
+    if not docs:
+        raise ValueError(f"data.inputs: no text found in {sources}; point it at non-empty .jsonl/.txt files")
+    data_hash = _hash_documents(docs)
+    settings = {"kind": tokenizer_kind, "vocab_size": vocab_size if tokenizer_kind == "bpe" else 257}
+
+    old = _read_meta(out_dir)
+    if old and old["data_hash"] == data_hash and old["tokenizer"] == settings:
+        return out_dir  # the fast path every training start takes
+    if out_dir.exists() and not old and any(out_dir.iterdir()):
+        raise ValueError(f"data.path: {str(out_dir)!r} exists and is not a dataset written by prepare_data.py; "
+                         "point it at a new or empty directory")
+
+    start = time.perf_counter()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private (0700); the dataset is meant to be shared like any directory
+    try:
+        tok = (Tokenizer.train_bpe(docs, vocab_size, data_hash) if tokenizer_kind == "bpe"
+               else Tokenizer.plain_bytes(data_hash))
+        tok.save(tmp / "tokenizer.json")
+        num_tokens = _write_indexed_dataset(tmp / PREFIX, tok, docs)
+        meta = {
+            "format": FORMAT, "tokenizer": settings, "vocab_size": tok.vocab_size, "eod": tok.eod,
+            "num_documents": len(docs), "num_tokens": num_tokens, "num_files": len(files),
+            "data_hash": data_hash, "json_key": json_key, "sources": sources,
+            "licence": STDLIB_LICENCE if default else "as given by the sources' owners",
+            "python": sys.version.split()[0], "build_seconds": round(time.perf_counter() - start, 2),
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        _move_into_place(tmp, out_dir, data_hash, settings)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already unless something failed
+    return out_dir
+
+
+def _write_indexed_dataset(prefix: Path, tok: Tokenizer, docs: Sequence[str]) -> int:
+    """One Megatron document per input document, each ending in EOD; returns the number of tokens."""
+    with _quiet_megatron():
+        from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+        builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=DType.optimal_dtype(tok.vocab_size))
+        num_tokens = 0
+        for ids in tok.encode_batch(docs):
+            ids.append(tok.eod)  # GPTDataset never inserts EOD itself: without it documents run together
+            builder.add_document(ids, [len(ids)])
+            num_tokens += len(ids)
+        builder.finalize(f"{prefix}.idx")
+    return num_tokens
+
+
+def _move_into_place(tmp: Path, out_dir: Path, data_hash: str, settings: dict) -> None:
+    # Directories cannot be renamed over non-empty ones: move the old one aside first, then delete it (this also
+    # drops its Megatron index cache). If another process got there first with the same data, keep theirs.
+    aside = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+    try:
+        if out_dir.exists():
+            os.rename(out_dir, aside)
+        os.rename(tmp, out_dir)
+    except OSError:
+        done = _read_meta(out_dir)
+        if not (done and done["data_hash"] == data_hash and done["tokenizer"] == settings):
+            if aside.exists() and not out_dir.exists():
+                os.rename(aside, out_dir)  # put the old dataset back rather than leave nothing
+            raise
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def build_gpt_datasets(
+    data_dir: str | os.PathLike,
+    seq_length: int,
+    seed: int,
+    num_samples: Sequence[int | None],
+    split: str = "98,1,1",
+) -> tuple[Any, Any, Any]:
+    """Megatron-Core GPTDatasets (train, valid, test) over a prepared ``data_dir``; a split may be None.
+
+    ``num_samples`` is (train, valid, test) in sequences of ``seq_length``; None means one epoch of that split.
+    Splits take contiguous runs of documents (Megatron's rule). Samples are packed across documents.
+    """
+    data_dir = Path(data_dir)
+    meta = _read_meta(data_dir)
+    if meta is None:
+        raise ValueError(f"data.path: {str(data_dir)!r} holds no complete prepared dataset; "
+                         f"run `python scripts/prepare_data.py --out {data_dir}` first")
+    if len(num_samples) != 3:
+        raise ValueError(f"num_samples: {tuple(num_samples)} must be (train, valid, test)")
+    with _quiet_megatron():
+        from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+        from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+        config = GPTDatasetConfig(
+            random_seed=seed,
+            sequence_length=seq_length,
+            blend=([str(data_dir / PREFIX)], None),
+            split=split,
+            path_to_cache=str(data_dir / "cache"),  # replaced together with the dataset, never shared
+            tokenizer=Tokenizer.load(data_dir / "tokenizer.json", meta["data_hash"]),
+            # Megatron asserts these three are set. Plain packed pretraining: documents attend across EOD and
+            # positions run on, as in GPT-2; True would need per-sample masks and defeat Megatron's mask cache.
+            reset_position_ids=False,
+            reset_attention_mask=False,
+            eod_mask_loss=False,
+            create_attention_mask=False,  # the model builds the causal mask; a [1, s, s] per sample is waste
+        )
+        # lambda: True = "this rank builds the indices": fine without torch.distributed. Never compile_helpers():
+        # the helpers ship compiled in the wheel, and that call exits the process.
+        train, valid, test = BlendedMegatronDatasetBuilder(
+            GPTDataset, list(num_samples), lambda: True, config
+        ).build()
+    return train, valid, test
+
+
+def batches(dataset: Any, micro_batch_size: int, seed: int) -> Iterator[dict[str, Any]]:
+    """Endless micro-batches ``{tokens, labels, loss_mask, position_ids}``, each a [b, s] tensor.
+
+    Each epoch visits the samples in a fresh permutation drawn from ``seed``, so the stream is the same on every
+    run (resuming = skipping the batches already seen); the last partial batch of an epoch is dropped. Plain
+    indexing in this process: DataLoader workers were slower here (FACTS).
+    """
+    import torch
+
+    n = len(dataset)
+    if micro_batch_size < 1 or micro_batch_size > n:
+        raise ValueError(f"micro_batch_size: {micro_batch_size} must be in 1..{n} (the dataset's sample count)")
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        order = torch.randperm(n, generator=gen).tolist()
+        for start in range(0, n - micro_batch_size + 1, micro_batch_size):
+            samples = [dataset[i] for i in order[start:start + micro_batch_size]]
+            yield {k: torch.stack([s[k] for s in samples]) for k in _BATCH_KEYS}

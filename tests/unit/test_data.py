@@ -1,0 +1,183 @@
+"""The data pipeline on the CPU: corpus, tokenizers, Megatron-Core indexed dataset, GPT samples, batches, errors."""
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp8_recipes.megatron.data import (
+    Tokenizer,
+    batches,
+    build_gpt_datasets,
+    default_corpus_files,
+    prepare_dataset,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = [
+    "def add(a, b):\n    return a + b\n" * 3,
+    "Unicode survives: héllo wörld ☃ — tabs\tand\nnewlines\n" * 2,
+    "class Point:\n    def __init__(self, x, y):\n        self.x, self.y = x, y\n",
+    "plain text document number four, a little longer than the others " * 4,
+]
+
+
+def write_corpus(dir: Path, docs=DOCS, key="text") -> list[Path]:
+    """docs[:-1] as .jsonl lines, the last as a .txt file: both input kinds in one corpus."""
+    dir.mkdir(parents=True, exist_ok=True)
+    jsonl = dir / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({key: d, "id": i}) + "\n" for i, d in enumerate(docs[:-1])) + "\n")
+    txt = dir / "z_last.txt"
+    txt.write_text(docs[-1])
+    return [jsonl, txt]
+
+
+def read_indexed(out: Path):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    with warnings.catch_warnings():  # without torch.distributed Megatron warns that it assumes rank 0
+        warnings.filterwarnings("ignore", message="Could not determine rank")
+        return IndexedDataset(str(out / "corpus"))
+
+
+def test_default_corpus_is_deterministic_stdlib_code_without_tests():
+    files = default_corpus_files()
+    assert files == default_corpus_files()
+    assert len(files) > 300 and all(f.suffix == ".py" for f in files)
+    parts = {p for f in files for p in f.parts}
+    assert not parts & {"test", "tests", "idle_test", "site-packages"}
+    assert any(f.name == "json" or f.parent.name == "json" for f in files)  # real stdlib packages are in
+
+
+def test_bpe_round_trips_and_two_trainings_are_identical():
+    a = Tokenizer.train_bpe(DOCS * 5, vocab_size=300)
+    b = Tokenizer.train_bpe(DOCS * 5, vocab_size=300)
+    assert a.unique_identifiers == b.unique_identifiers  # includes a sha256 of the serialized tokenizer
+    text = "unseen bytes too: ünïcödé ∑ 🙂\r\n\tdef f(): pass"
+    ids = a.encode(text)
+    assert ids == b.encode(text) and a.decode(ids) == text
+    assert a.eod == 0 and a.eod not in ids and a.vocab_size <= 300
+
+
+def test_bytes_tokenizer_has_vocab_257():
+    tok = Tokenizer.plain_bytes()
+    assert (tok.vocab_size, tok.eod) == (257, 256)
+    assert tok.encode("é") == [0xC3, 0xA9] and tok.decode(tok.encode("x ☃")) == "x ☃"
+
+
+def test_tokenizer_save_load(tmp_path):
+    tok = Tokenizer.train_bpe(DOCS, vocab_size=280, data_hash="abc")
+    tok.save(tmp_path / "t.json")
+    back = Tokenizer.load(tmp_path / "t.json", data_hash="abc")
+    assert back.unique_identifiers == tok.unique_identifiers and back.encode(DOCS[1]) == tok.encode(DOCS[1])
+
+
+@pytest.mark.parametrize("kind", ["bpe", "bytes"])
+def test_prepare_dataset_writes_megatron_dataset_with_eod_after_each_document(tmp_path, kind):
+    out = prepare_dataset(write_corpus(tmp_path / "src"), tmp_path / "ds", kind, vocab_size=300)
+    meta = json.loads((out / "meta.json").read_text())
+    tok = Tokenizer.load(out / "tokenizer.json")
+    ds = read_indexed(out)
+    assert len(ds) == meta["num_documents"] == len(DOCS)
+    assert sum(len(ds[i]) for i in range(len(ds))) == meta["num_tokens"]
+    for i, doc in enumerate(DOCS):  # order kept, text exact, one EOD at each end
+        assert ds[i][-1] == tok.eod == meta["eod"] and tok.eod not in ds[i][:-1]
+        assert tok.decode(ds[i][:-1]) == doc
+    assert meta["vocab_size"] == tok.vocab_size and meta["tokenizer"]["kind"] == kind
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dirs left behind
+
+
+def test_directory_and_json_key_inputs(tmp_path):
+    write_corpus(tmp_path / "src", key="content")
+    out = prepare_dataset([tmp_path / "src"], tmp_path / "ds", "bytes", json_key="content")
+    assert json.loads((out / "meta.json").read_text())["num_documents"] == len(DOCS)
+    with pytest.raises(ValueError, match=r"^data\.json_key: no text under 'text'"):
+        prepare_dataset([tmp_path / "src"], tmp_path / "ds2", "bytes")
+
+
+def test_same_data_is_reused_and_new_data_rebuilds(tmp_path):
+    src = write_corpus(tmp_path / "src")
+    out = prepare_dataset(src, tmp_path / "ds", "bytes")
+    inode = (out / "corpus.bin").stat().st_ino
+    assert prepare_dataset(src, tmp_path / "ds", "bytes") == out
+    assert (out / "corpus.bin").stat().st_ino == inode  # fast path: nothing rewritten
+    prepare_dataset(write_corpus(tmp_path / "src2", DOCS[::-1]), out, "bytes")
+    assert (out / "corpus.bin").stat().st_ino != inode
+
+
+def test_rebuilt_data_never_reuses_stale_megatron_index_cache(tmp_path):
+    """FACTS: Megatron's cache key ignores the data; a same-prefix rebuild would silently reuse old indices."""
+    out = tmp_path / "ds"
+    prepare_dataset(write_corpus(tmp_path / "a", [d[:20] for d in DOCS]), out, "bytes")
+    small = build_gpt_datasets(out, seq_length=8, seed=1, num_samples=(None, None, None), split="2,1,1")[0]
+    stale = {p.name: p.read_bytes() for p in (out / "cache").iterdir()}
+    hash_a = json.loads((out / "meta.json").read_text())["data_hash"]
+
+    prepare_dataset(write_corpus(tmp_path / "b", [d * 10 for d in DOCS]), out, "bytes")
+    assert json.loads((out / "meta.json").read_text())["data_hash"] != hash_a
+    (out / "cache").mkdir(exist_ok=True)  # even if the old cache survived the rebuild ...
+    for name, data in stale.items():
+        (out / "cache" / name).write_bytes(data)
+    big = build_gpt_datasets(out, seq_length=8, seed=1, num_samples=(None, None, None), split="2,1,1")[0]
+    assert big.unique_description_hash != small.unique_description_hash  # ... it is not looked up
+    assert len(big) > 5 * len(small)  # one epoch of the new, 10x larger data, not the old index
+
+
+def test_gpt_samples_and_batches(tmp_path):
+    out = prepare_dataset(write_corpus(tmp_path / "src", DOCS * 3), tmp_path / "ds", "bpe", vocab_size=300)
+    train, valid, test = build_gpt_datasets(out, seq_length=16, seed=7, num_samples=(40, 4, 4), split="6,3,3")
+    assert len(train) >= 40 and valid is not None and test is not None
+    sample = train[0]
+    assert sample["tokens"].shape == sample["labels"].shape == (16,)
+    assert torch.equal(sample["tokens"][1:], sample["labels"][:-1])  # drawn as seq_length + 1 tokens
+    stream, again = batches(train, 4, seed=3), batches(train, 4, seed=3)
+    for _ in range(len(train) // 4 + 3):  # past the end of an epoch: it cycles
+        b, b2 = next(stream), next(again)
+        assert sorted(b) == ["labels", "loss_mask", "position_ids", "tokens"]
+        assert all(v.shape == (4, 16) for v in b.values())
+        assert all(torch.equal(b[k], b2[k]) for k in b)  # same seed, same stream
+    assert b["tokens"].dtype == torch.int64 and int(b["tokens"].max()) < 300
+
+
+@pytest.mark.parametrize(
+    "call, key",
+    [
+        (lambda tmp: prepare_dataset(["no/such.jsonl"], tmp / "ds"), "data.inputs: path 'no/such.jsonl' does not"),
+        (lambda tmp: prepare_dataset(None, tmp / "ds", "wordpiece"), "data.tokenizer: 'wordpiece'"),
+        (lambda tmp: build_gpt_datasets(tmp / "none", 8, 1, (1, 1, 1)), "data.path: "),
+    ],
+)
+def test_user_errors_are_one_line_value_errors_naming_the_key(tmp_path, call, key):
+    with pytest.raises(ValueError) as err:
+        call(tmp_path)
+    assert str(err.value).startswith(key) and "\n" not in str(err.value)
+
+
+def test_build_gpt_datasets_error_says_how_to_fix(tmp_path):
+    with pytest.raises(ValueError, match="run `python scripts/prepare_data.py --out"):
+        build_gpt_datasets(tmp_path / "missing", 8, 1, (1, 1, 1))
+
+
+def test_refuses_to_replace_a_directory_that_is_not_a_dataset(tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "precious.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="^data.path: .* is not a dataset"):
+        prepare_dataset(write_corpus(tmp_path / "src"), tmp_path / "mine", "bytes")
+    assert (tmp_path / "mine" / "precious.txt").read_text() == "keep me"
+
+
+def test_script_bad_path_exits_2_with_one_line(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "plugins"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--inputs", str(tmp_path / "nope"),
+         "--out", str(tmp_path / "ds")],
+        capture_output=True, text=True, env=env, timeout=60,
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert "data.inputs: path" in proc.stderr and "does not exist" in proc.stderr
