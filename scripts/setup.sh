@@ -3,7 +3,9 @@
 #   bash scripts/setup.sh          # runtime dependencies
 #   bash scripts/setup.sh --dev    # + test dependencies (pytest, hypothesis)
 # Never installs Transformer Engine: on a CPU machine it cannot load and breaks `import megatron.core`.
-# Reuse is keyed on setup.cfg: the install runs again only when setup.cfg (or the extras asked for) change.
+# Reuse is keyed on setup.cfg and this script: the install runs again only when they (or the extras) change.
+# Editable in "compat" mode: plugins/ goes on sys.path through a .pth file, so Hydra finds the hydra_plugins
+# namespace package (setuptools' default editable finder hides namespace packages from Hydra's plugin scan).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -23,11 +25,11 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 STAMP=.venv/.fp8-recipes-installed
-WANT="$(sha256sum setup.cfg | cut -c1-16)$EXTRAS"
+WANT="$(cat setup.cfg scripts/setup.sh | sha256sum | cut -c1-16)$EXTRAS"
 HAVE=$(cat "$STAMP" 2>/dev/null || true)
 if [ "$HAVE" != "$WANT" ] && [ "$HAVE" != "$WANT[dev]" ]; then
   echo "setup: installing fp8-recipes$EXTRAS into .venv (first time: ~2 minutes, torch is large)" >&2
-  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".$EXTRAS" 2>&1 | grep -v -E "^WARNING: Location|is ignored: it is neither" >&2 || true
-  .venv/bin/python -c "import fp8_recipes, megatron.core, hydra" || { echo "setup: install failed" >&2; exit 3; }
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".$EXTRAS" --config-settings editable_mode=compat 2>&1 | grep -v -E "^WARNING: Location|is ignored: it is neither" >&2 || true
+  .venv/bin/python -W ignore -c "import fp8_recipes, megatron.core, hydra" || { echo "setup: install failed" >&2; exit 3; }
   echo "$WANT" > "$STAMP"
 fi

@@ -73,22 +73,26 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def _resolve_ref(ref: str | Path, near: Path | None = None) -> Path:
+def _resolve_ref(ref: str | Path, near: Path | None = None, key: str = "recipe", source: str | None = None) -> Path:
+    """The YAML file `ref` names; `key` and `source` say where the name was written, for the error message."""
     s = str(ref)
     p = Path(s).expanduser()
-    if s.endswith((".yaml", ".yml")) or "/" in s or p.is_file():
+    if near is not None and not p.is_absolute():  # a defaults entry: relative to the recipe that names it
+        p = near / p
+    if s.endswith((".yaml", ".yml")) or "/" in s:
         if not p.is_file():
-            raise RecipeError([f"recipe: file '{s}' does not exist; give a recipe name "
-                               f"({', '.join(recipe_names())}) or a path to a YAML file"])
+            raise RecipeError([f"{key}: file '{s}' does not exist; give a recipe name "
+                               f"({', '.join(recipe_names())}) or a path to a YAML file"], source)
         return p
-    for d in ([near] if near is not None else []) + [recipes_dir()]:
+    for d in ([near] if near is not None else []) + [recipes_dir()]:  # a name: beside the recipe, then the pack
         cand = d / f"{s}.yaml"
         if cand.is_file():
             return cand
     names = recipe_names()
     close = difflib.get_close_matches(s, names, n=1)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
-    raise RecipeError([f"recipe: '{s}' is not a recipe{hint}; choices: {', '.join(names)} (or a path to a YAML file)"])
+    raise RecipeError([f"{key}: '{s}' is not a recipe{hint}; choices: {', '.join(names)} (or a path to a YAML file)"],
+                      source)
 
 
 def _merge(base: dict, over: Mapping) -> dict:
@@ -121,7 +125,7 @@ def load_recipe_dict(ref: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str,
         if not isinstance(entry, str):
             raise RecipeError([f"defaults: {entry!r} is not a recipe name (group overrides are not supported "
                                f"in recipes; name a recipe such as tensorwise)"], str(path))
-        base_path = _resolve_ref(entry, near=path.parent) if "/" not in entry else _resolve_ref(entry)
+        base_path = _resolve_ref(entry, near=path.parent, key="defaults", source=str(path))
         out = _merge(out, load_recipe_dict(base_path, _seen + (path.resolve(),)))
     return out
 

@@ -76,6 +76,7 @@ ROLES: tuple[Role, ...] = (Role.WEIGHTS, Role.ACTIVATIONS, Role.GRADIENTS)
 DEFAULT_FORMAT = {Role.WEIGHTS: Format.E4M3, Role.ACTIVATIONS: Format.E4M3, Role.GRADIENTS: Format.E5M2}
 DEFAULT_BLOCK = {Role.WEIGHTS: (128, 128), Role.ACTIVATIONS: (1, 128), Role.GRADIENTS: (1, 128)}
 MXFP8_BLOCK = 32
+MAX_MARGIN = 16  # 2^16 of headroom already wastes most of E4M3's range; more lets power-of-two scales reach 0
 
 # Spellings people bring from other tools, mapped to ours for the error message.
 _HINTS = {
@@ -213,7 +214,7 @@ class Recipe:
     name: str = "bf16"
     description: str = ""
     backend: Backend = Backend.AUTO
-    weights: TensorPolicy = field(default_factory=TensorPolicy)
+    weights: TensorPolicy = field(default_factory=lambda: TensorPolicy(block=DEFAULT_BLOCK[Role.WEIGHTS]))
     activations: TensorPolicy = field(default_factory=TensorPolicy)
     gradients: TensorPolicy = field(default_factory=lambda: TensorPolicy(format=Format.E5M2))
     schedule: Schedule = field(default_factory=Schedule)
@@ -267,8 +268,8 @@ def _fmt(v: Any) -> str:
     return repr(v) if isinstance(v, str) else str(v)
 
 
-def _suggest(value: str, choices: Sequence[str]) -> str:
-    hint = _HINTS.get(str(value).lower())
+def _suggest(value: str, choices: Sequence[str], hints: bool = True) -> str:
+    hint = _HINTS.get(str(value).lower()) if hints else None  # the hints are for values, not key names
     if hint:
         return f" (did you mean '{hint}'?)"
     close = difflib.get_close_matches(str(value), list(choices), n=1, cutoff=0.6)
@@ -295,15 +296,16 @@ class _RecipeReader:
         self.bad(key, f"{_fmt(value)} is not one of {' | '.join(choices)}{_suggest(value, choices)}")
         return default
 
-    def integer(self, key: str, value: Any, minimum: int, default: int) -> int:
+    def integer(self, key: str, value: Any, minimum: int, default: int, maximum: int | None = None) -> int:
         if isinstance(value, bool) or not isinstance(value, int):
             if isinstance(value, float) and value.is_integer():
                 value = int(value)
             else:
                 self.bad(key, f"{_fmt(value)} is not an integer (expected an integer >= {minimum})")
                 return default
-        if value < minimum:
-            self.bad(key, f"{value} is out of range (expected an integer >= {minimum})")
+        if value < minimum or (maximum is not None and value > maximum):
+            rng = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+            self.bad(key, f"{value} is out of range (expected an integer {rng})")
             return default
         return value
 
@@ -339,7 +341,8 @@ class _RecipeReader:
         for k, v in value.items():
             if k not in allowed:
                 where = f"{key}.{k}" if key else str(k)
-                self.bad(where, f"unknown key{_suggest(str(k), sorted(allowed))}; allowed: {', '.join(sorted(allowed))}")
+                hint = _suggest(str(k), sorted(allowed), hints=False)
+                self.bad(where, f"unknown key{hint}; allowed: {', '.join(sorted(allowed))}")
             else:
                 out[k] = v
         return out
@@ -364,7 +367,7 @@ class _RecipeReader:
         kw: dict[str, Any] = {"scaling": scaling}
         kw["format"] = self.enum(f"{key}.format", raw.get("format", DEFAULT_FORMAT[role]), Format,
                                  DEFAULT_FORMAT[role])
-        kw["margin"] = self.integer(f"{key}.margin", raw.get("margin", 0), 0, 0)
+        kw["margin"] = self.integer(f"{key}.margin", raw.get("margin", 0), 0, 0, maximum=MAX_MARGIN)
         kw["amax_history_len"] = self.integer(f"{key}.amax_history_len", raw.get("amax_history_len", 1024), 1, 1024)
         kw["amax_compute_algo"] = self.enum(f"{key}.amax_compute_algo", raw.get("amax_compute_algo", "max"),
                                             AmaxAlgo, AmaxAlgo.MAX)
@@ -377,7 +380,9 @@ class _RecipeReader:
         kw["pow2_scales"] = self.boolean(f"{key}.pow2_scales", raw.get("pow2_scales", pow2_default), pow2_default)
         if scaling is Scaling.MXFP8:
             kw["pow2_scales"] = True
-        block = raw.get("block", block_size if block_size is not None else list(DEFAULT_BLOCK[role]))
+        # the NeMo blog's one block_size is for the blockwise roles only
+        use_block_size = block_size is not None and scaling is Scaling.BLOCKWISE
+        block = raw.get("block", block_size if use_block_size else list(DEFAULT_BLOCK[role]))
         kw["block"] = self.block(f"{key}.block", block, DEFAULT_BLOCK[role])
         kw["mx_rounding"] = self.enum(f"{key}.mx_rounding", raw.get("mx_rounding", "rceil"), MxRounding,
                                       MxRounding.RCEIL)
@@ -387,13 +392,16 @@ class _RecipeReader:
         if scaling is Scaling.MXFP8:
             kw["block"] = (1, MXFP8_BLOCK)
         if "percentile" in raw and kw["amax_compute_algo"] is not AmaxAlgo.PERCENTILE:
-            self.bad(f"{key}.percentile", "is set but amax_compute_algo is not 'percentile'; set "
-                                          "amax_compute_algo: percentile or remove percentile")
-        if scaling is not Scaling.DELAYED:
-            for k in ("amax_history_len", "amax_compute_algo"):
-                if k in raw and scaling is not Scaling.NONE:
-                    self.bad(f"{key}.{k}", f"only applies to scaling: delayed (this role is {scaling})")
-        return TensorPolicy(**kw)
+            self.bad(f"{key}.percentile", f"{_fmt(raw['percentile'])} is set but amax_compute_algo is not "
+                                          f"'percentile'; set amax_compute_algo: percentile or remove percentile")
+        policy = TensorPolicy(**kw)
+        if scaling is not Scaling.NONE:  # a BF16 role may keep its settings (switching scaling off is common)
+            reported = {"percentile"} | ({"block"} if scaling is Scaling.MXFP8 else set())  # checked above
+            for k in sorted(set(raw) - set(policy.relevant_fields()) - reported):
+                users = ", ".join(s.value for s in Scaling if k in TensorPolicy(scaling=s).relevant_fields())
+                self.bad(f"{key}.{k}", f"{_fmt(raw[k])} does not apply to scaling: {scaling} (only to {users}); "
+                                       f"remove it")
+        return policy
 
     def schedule(self, value: Any) -> Schedule:
         raw = self.mapping("schedule", value, {"bf16_warmup_steps", "enable", "full_precision_eval_interval"})
@@ -411,7 +419,9 @@ class _RecipeReader:
 
     def layers(self, value: Any) -> LayerRules:
         raw = self.mapping("layers", value, {f.name for f in dataclasses.fields(LayerRules)})
-        mods = raw.get("bf16_modules") or []
+        mods = raw.get("bf16_modules")
+        if mods is None:  # not `or []`: 0 or false must be reported, not read as "no patterns"
+            mods = []
         if isinstance(mods, str):
             mods = [mods]
         patterns = []
@@ -450,8 +460,8 @@ class _RecipeReader:
                                                 f"set it in one place")
                 else:
                     raw[k] = v
-            if block_size is not None:
-                self.block("fp8_recipe.block_size", block_size, (1, 128))
+            if block_size is not None:  # a bad one is reported once, here; the roles then keep their defaults
+                block_size = self.block("fp8_recipe.block_size", block_size, None)
         policies = {str(r): self.policy(str(r), r, raw.get(str(r)), block_size) for r in ROLES}
         recipe = Recipe(
             name=self.text("name", raw.get("name", "unnamed"), "unnamed"),
@@ -470,9 +480,9 @@ class _RecipeReader:
 
     def cross_checks(self, r: Recipe) -> None:
         s = r.schedule
-        if not r.is_fp8 and (s.bf16_warmup_steps or any(s.enable[x] for x in ROLES)):
-            self.bad("schedule", "BF16 warmup / staged enablement set but no role is FP8; give a role a scaling "
-                                 "(weights/activations/gradients.scaling) or remove the schedule")
+        if not r.is_fp8 and s.bf16_warmup_steps:  # (enable steps of non-FP8 roles are reported per role below)
+            self.bad("schedule.bf16_warmup_steps", f"{s.bf16_warmup_steps} is set but no role is FP8; give a role a "
+                                                   f"scaling (weights/activations/gradients.scaling) or remove it")
         for role in ROLES:
             if s.enable[role] and not r.policy(role).is_fp8:
                 self.bad(f"schedule.enable.{role}", f"{s.enable[role]} is set but {role}.scaling is none; "
