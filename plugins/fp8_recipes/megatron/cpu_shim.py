@@ -1,0 +1,138 @@
+"""Let Megatron-Core's local (non-Transformer-Engine) GPT path run on a machine without CUDA.
+
+Megatron-Core 0.19 assumes CUDA in three places that the CPU training path reaches (FACTS.md,
+"Megatron-Core on the CPU", names the first two; the third is hit as soon as no attention mask is passed);
+everything else works with ``use_cpu_initialization=True`` and gloo:
+
+1. **The model-parallel RNG tracker.** Dropout inside tensor-parallel regions runs under
+   ``tensor_parallel.get_cuda_rng_tracker().fork()``, whose states are created by
+   ``model_parallel_cuda_manual_seed`` through ``torch.cuda.get_rng_state`` / ``torch.cuda.manual_seed``
+   and swapped in and out by ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``.
+   Without CUDA, the first call fails ("Found no NVIDIA driver"). The shim keeps the tracker and its
+   named states (data-parallel, model-parallel, expert-parallel seeds, with Megatron's seed offsets) but
+   stores **CPU generator** states, so forked regions still draw from their own reproducible stream.
+2. **``torch.cuda.current_device()``**, used as a ``device=`` argument when RoPE moves ``inv_freq`` at
+   the first forward (``rotary_pos_embedding.py``) and when the global memory buffer allocates
+   (``utils.GlobalMemoryBuffer.get_tensor``, reached by sequence-parallel all-gathers). The shim makes it
+   return ``"cpu"``; without CUDA the original can only raise, so nothing that worked before changes.
+3. **The default causal mask.** With ``attention_mask=None`` the local ``DotProductAttention`` softmax
+   (``fusions/fused_softmax.py``) builds its mask with ``transformer.utils.get_default_causal_mask``, which
+   hard-codes ``device="cuda"``. The shim substitutes a cached CPU mask (same values: True above the
+   diagonal = masked), so training batches need no ``[b, 1, s, s]`` mask tensor.
+
+``install_cpu_shim()`` is idempotent and does nothing when CUDA is available. Importing this module
+patches nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+__all__ = ["install_cpu_shim", "is_cpu_shim_installed", "cpu_model_parallel_manual_seed"]
+
+logger = logging.getLogger(__name__)
+
+_installed = False
+
+
+def is_cpu_shim_installed() -> bool:
+    """Whether :func:`install_cpu_shim` has patched Megatron-Core in this process."""
+    return _installed
+
+
+def _cpu_get_rng_state(device="cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    """Stand-in for ``random._get_cuda_rng_state``: the CPU default generator's state (always a copy)."""
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
+    """Stand-in for ``random._set_cuda_rng_state``."""
+    torch.set_rng_state(new_state)
+
+
+def _cpu_state_for_seed(seed: int) -> torch.Tensor:
+    """The CPU generator state after ``manual_seed(seed)``, leaving the current state untouched."""
+    return torch.Generator().manual_seed(seed).get_state()
+
+
+def cpu_model_parallel_manual_seed(seed: int, *args, tp_rank: int | None = None,
+                                   ep_rank: int | None = None, etp_rank: int | None = None,
+                                   **kwargs) -> None:
+    """CPU version of ``tensor_parallel.model_parallel_cuda_manual_seed`` (same signature, same seeds).
+
+    Seeds the CPU default generator with ``seed`` (Megatron's "default"/data-parallel stream) and fills
+    the RNG tracker with the data-, tensor- and expert-parallel states that Megatron derives from it
+    (``seed``, ``seed + 2718 + tp_rank``, ``seed + 1024 + 100 * ep_rank + etp_rank``). TE's tracker,
+    CUDA-graph-safe states and GTP weight rematerialisation have no meaning on the CPU and are ignored.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mp_random
+
+    if tp_rank is None:
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    if ep_rank is None:
+        ep_rank = parallel_state.get_expert_model_parallel_rank()
+    if etp_rank is None:
+        etp_rank = parallel_state.get_expert_tensor_parallel_rank()
+    # Always the plain tracker: the TE tracker needs CUDA, the cudagraph one needs CUDA graphs.
+    mp_random.initialize_rng_tracker(use_te_rng_tracker=False, force_reset=True)
+    tracker = mp_random.get_cuda_rng_tracker()
+    tracker.reset()
+    torch.manual_seed(seed)
+    tracker.set_states({
+        mp_random._DATA_PARALLEL_RNG_TRACKER_NAME: _cpu_state_for_seed(seed),
+        mp_random._MODEL_PARALLEL_RNG_TRACKER_NAME: _cpu_state_for_seed(seed + 2718 + tp_rank),
+        mp_random._EXPERT_PARALLEL_RNG_TRACKER_NAME: _cpu_state_for_seed(seed + 1024 + 100 * ep_rank + etp_rank),
+    })
+
+
+def _cpu_current_device() -> str:
+    """Stand-in for ``torch.cuda.current_device`` when there is no CUDA: Megatron uses it as ``device=``."""
+    return "cpu"
+
+
+@functools.lru_cache(maxsize=32)
+def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
+    """Stand-in for ``transformer.utils.get_default_causal_mask`` (which allocates on "cuda")."""
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def install_cpu_shim() -> bool:
+    """Patch Megatron-Core's CUDA assumptions so the local GPT spec trains on the CPU.
+
+    Returns True when the shim is (now or already) installed, False when CUDA is available and nothing
+    was patched. Call it before building the model and before seeding.
+    """
+    global _installed
+    if _installed:
+        return True
+    if torch.cuda.is_available():
+        return False
+
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel import random as mp_random
+
+    # 1. RNG tracker: module globals, looked up at call time by fork(), get/set_all_rng_states and
+    #    activation checkpointing. The seed function is re-exported by `tensor_parallel`, so patch both names.
+    mp_random._get_cuda_rng_state = _cpu_get_rng_state
+    mp_random._set_cuda_rng_state = _cpu_set_rng_state
+    mp_random.model_parallel_cuda_manual_seed = cpu_model_parallel_manual_seed
+    tensor_parallel.model_parallel_cuda_manual_seed = cpu_model_parallel_manual_seed
+
+    # 2. torch.cuda.current_device: used only as a device= argument by RoPE and GlobalMemoryBuffer.
+    torch.cuda.current_device = _cpu_current_device
+
+    # 3. The causal mask: fused_softmax imported the function by name, so patch it there as well.
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils as transformer_utils
+
+    transformer_utils.get_default_causal_mask = _cpu_default_causal_mask
+    fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
+
+    _installed = True
+    logger.info("cpu_shim: Megatron-Core RNG tracker -> CPU generator; torch.cuda.current_device() -> 'cpu'; "
+                "default causal mask -> CPU")
+    return True

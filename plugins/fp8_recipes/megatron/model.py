@@ -1,0 +1,425 @@
+"""Process groups and a Megatron-Core GPTModel, on the CPU (gloo, local spec) or on GPUs (NCCL, TE spec).
+
+    rank, world_size, device = init_distributed(tensor_model_parallel_size=1, seed=1234)
+    model = build_gpt_model(cfg.model, column_linear=MyColumn, row_linear=MyRow, device=device)
+    names = linear_module_names(model)      # ["decoder.layers.0.self_attention.linear_qkv", ...]
+    ...
+    destroy_distributed()
+
+Linear substitution. The local layer spec names its four linear classes (attention ``linear_qkv`` /
+``linear_proj``, MLP ``linear_fc1`` / ``linear_fc2``), so subclasses of Megatron-Core's
+``ColumnParallelLinear`` / ``RowParallelLinear`` are put into the spec and built in their place. The LM
+head (``output_layer``) is not in the spec: ``GPTModel.__init__`` builds it as
+``tensor_parallel.ColumnParallelLinear`` directly (gpt_model.py, "Output"). :func:`replace_output_layer_class`
+re-classes that one instance after construction (``module.__class__ = cls``): parameters, buffers,
+hooks and the tied-embedding wiring stay as they are, but the subclass's ``__init__`` does not run, so a
+substitute class must keep its extra state lazy (or set it in an optional ``_after_class_swap()``,
+called here). Patching ``tensor_parallel.ColumnParallelLinear`` during construction would also work but
+changes a global other code may read; subclassing GPTModel would duplicate its constructor.
+
+Where the GEMM happens (megatron-core 0.19.2, tensor_parallel/layers.py). Both classes call
+``self._forward_impl(input=, weight=, bias=, gradient_accumulation_fusion=, allreduce_dgrad=,
+sequence_parallel=, grad_output_buffer=, [wgrad_deferral_limit=,] tp_group=, gtp_remat_size=)``, which
+dispatches to ``linear_with_frozen_weight`` (weight without grad) or
+``linear_with_grad_accumulation_and_async_allreduce`` -> ``LinearWithGradAccumulationAndAsyncCommunication``
+(forward: ``torch.matmul(total_input, weight.t()) + bias``; backward: dgrad ``grad_output @ weight``,
+wgrad ``grad_output.t() @ total_input``). Overriding ``_forward_impl`` swaps exactly that call.
+- Column (qkv, fc1, LM head): with TP>1 and no sequence parallelism ``allreduce_dgrad=True`` and ``forward``
+  does NOT wrap the input in ``copy_to_tensor_model_parallel_region``: the dgrad all-reduce over
+  ``tp_group`` happens inside the Function's backward. A replacement Function must do that all-reduce
+  itself when ``allreduce_dgrad`` is true (or apply ``copy_to_tensor_model_parallel_region(input,
+  group=tp_group)`` before a plain GEMM); with sequence parallelism it must also all-gather the input in
+  forward and reduce-scatter dgrad. Output gather (``gather_output``) stays in ``forward``.
+- Row (proj, fc2): ``_forward_impl`` gets ``bias=None, allreduce_dgrad=False, sequence_parallel=False,
+  tp_group=None``; the output all-reduce (``reduce_from_tensor_model_parallel_region``) and the bias add
+  stay in ``forward``, so a replacement Function is a plain local GEMM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import socket
+import subprocess
+from datetime import timedelta
+from typing import Any, Mapping
+
+import torch
+
+__all__ = [
+    "init_distributed",
+    "destroy_distributed",
+    "build_gpt_model",
+    "pad_vocab_size",
+    "unwrap_model",
+    "replace_output_layer_class",
+    "named_linear_modules",
+    "linear_module_names",
+]
+
+logger = logging.getLogger(__name__)
+
+VOCAB_MULTIPLE = 128  # Megatron's make_vocab_size_divisible_by default; times TP so each shard is aligned
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Process groups
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _first_slurm_host() -> str:
+    nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST", "")
+    if int(os.environ.get("SLURM_STEP_NUM_NODES", os.environ.get("SLURM_NNODES", "1"))) == 1:
+        return "127.0.0.1"
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                             check=True, timeout=30).stdout.split()
+        return out[0]
+    except (OSError, subprocess.SubprocessError, IndexError) as e:
+        raise RuntimeError(f"cannot resolve the first host of SLURM nodelist {nodelist!r} ({e}); "
+                           "export MASTER_ADDR in the job script") from e
+
+
+def _launch_env() -> tuple[int, int, int, str, int, str]:
+    """(rank, world_size, local_rank, master_addr, master_port, launcher) from torchrun, srun or nothing."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun (or anything that speaks its protocol)
+        return (int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
+                env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)), "torchrun")
+    # srun sets SLURM_STEP_NUM_TASKS for a job step; a batch script's own shell has SLURM_PROCID=0 and
+    # SLURM_NTASKS=N too, but is one process: treating it as rank 0 of N would hang in init.
+    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
+        world = int(env["SLURM_STEP_NUM_TASKS"])
+        addr = env.get("MASTER_ADDR") or _first_slurm_host()
+        # Every task must agree on the port without talking: derive it from the job and step ids.
+        default_port = 15000 + (int(env.get("SLURM_JOB_ID", 0)) * 16 + int(env.get("SLURM_STEP_ID", 0) or 0)) % 40000
+        return (int(env["SLURM_PROCID"]), world, int(env.get("SLURM_LOCALID", 0)), addr,
+                int(env.get("MASTER_PORT", default_port)), "srun")
+    return 0, 1, 0, "127.0.0.1", _free_port(), "single process"
+
+
+def _local_world_size(world_size: int) -> int:
+    if "LOCAL_WORLD_SIZE" in os.environ:  # torchrun
+        return int(os.environ["LOCAL_WORLD_SIZE"])
+    per_node = os.environ.get("SLURM_STEP_TASKS_PER_NODE")  # srun: "2" or "2(x3)" or "2,1"
+    if per_node and "SLURM_PROCID" in os.environ:
+        return int(per_node.split("(")[0].split(",")[0])
+    return world_size
+
+
+def _share_cpu_threads(world_size: int) -> None:
+    """Give each rank on this node its share of the cores, unless OMP_NUM_THREADS says otherwise.
+
+    Several ranks each running torch's default (all cores) oversubscribe the CPU, and OpenMP's spinning
+    threads then slow every step by an order of magnitude (seen here: 0.15 s -> 4.5 s per step).
+    """
+    local = _local_world_size(world_size)
+    if local > 1 and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local))
+
+
+def init_distributed(backend: str | None = None, *, tensor_model_parallel_size: int = 1, seed: int = 1234,
+                     timeout_minutes: int = 30) -> tuple[int, int, torch.device]:
+    """Start torch.distributed and Megatron-Core's model-parallel groups; seed every RNG.
+
+    Works under torchrun (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT), under srun without torchrun
+    (SLURM_PROCID/SLURM_STEP_NUM_TASKS/SLURM_LOCALID; MASTER_ADDR defaults to the step's first node,
+    MASTER_PORT to one derived from the job id) and as a plain single process (world 1, a free port).
+    ``backend`` defaults to NCCL when CUDA is available, else gloo (with the CPU shim installed).
+    Returns (rank, world_size, device).
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    from fp8_recipes.megatron.cpu_shim import install_cpu_shim
+
+    rank, world_size, local_rank, addr, port, launcher = _launch_env()
+    use_cuda = torch.cuda.is_available()
+    backend = backend or ("nccl" if use_cuda else "gloo")
+    if backend == "nccl" and not use_cuda:
+        raise ValueError("init_distributed: backend 'nccl' needs CUDA; use backend='gloo' (or None) on the CPU")
+    if use_cuda:
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        install_cpu_shim()
+        _share_cpu_threads(world_size)
+    if world_size % tensor_model_parallel_size:
+        raise ValueError(f"tensor_model_parallel_size={tensor_model_parallel_size} does not divide "
+                         f"world_size={world_size}")
+
+    if not dist.is_initialized():
+        # torchrun: env:// (joins torchrun's agent store); srun / single process: rank 0 hosts a TCP store.
+        init_method = "env://" if launcher == "torchrun" else f"tcp://{addr}:{port}"
+        dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=timedelta(minutes=timeout_minutes))
+    elif dist.get_world_size() != world_size:
+        raise RuntimeError(f"torch.distributed is already initialised with world {dist.get_world_size()}, "
+                           f"launch environment says {world_size}")
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size,
+                                             distributed_timeout_minutes=timeout_minutes)
+    # Same seed on every data-parallel rank: weights are initialised identically there without a broadcast;
+    # tensor-parallel ranks get their own stream through the tracker (seed + 2718 + tp_rank).
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)  # the CPU shim's version when there is no CUDA
+    if rank == 0:
+        logger.info("distributed: %s, backend %s, world %d, TP %d, device %s", launcher, backend, world_size,
+                    tensor_model_parallel_size, device)
+    return rank, world_size, device
+
+
+def destroy_distributed() -> None:
+    """Tear down Megatron-Core's groups and the default process group (safe to call twice)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Model
+
+
+def pad_vocab_size(vocab_size: int, tensor_model_parallel_size: int = 1, multiple: int = VOCAB_MULTIPLE) -> int:
+    """Round the vocabulary up so each tensor-parallel shard of the embedding/LM head is a multiple of 128."""
+    step = multiple * tensor_model_parallel_size
+    return -(-vocab_size // step) * step
+
+
+def _as_dict(model_cfg: Any) -> dict:
+    if isinstance(model_cfg, Mapping):
+        return dict(model_cfg)
+    try:  # an OmegaConf DictConfig; imported lazily so plain dicts need no omegaconf
+        from omegaconf import OmegaConf
+        return OmegaConf.to_container(model_cfg, resolve=True)  # type: ignore[return-value]
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"model config must be a mapping or DictConfig, got {type(model_cfg).__name__}") from e
+
+
+_REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
+_OPTIONAL = ("ffn_hidden_size", "num_query_groups", "normalization", "activation", "position_embedding_type",
+             "rotary_base", "share_embeddings_and_output_weights", "init_method_std", "add_bias_linear",
+             "hidden_dropout", "attention_dropout", "layernorm_epsilon")
+_CHOICES = {"normalization": ("LayerNorm", "RMSNorm"), "activation": ("gelu", "swiglu"),
+            "position_embedding_type": ("rope", "learned_absolute")}
+
+
+def _check_model_cfg(cfg: dict) -> None:
+    unknown = sorted(set(cfg) - set(_REQUIRED) - set(_OPTIONAL))
+    if unknown:
+        raise ValueError(f"model.{unknown[0]}: unknown key; known keys: {sorted(_REQUIRED + _OPTIONAL)}")
+    for key in _REQUIRED:
+        if cfg.get(key) is None:
+            raise ValueError(f"model.{key} is required (got no value)")
+    for key, choices in _CHOICES.items():
+        if key in cfg and cfg[key] not in choices:
+            raise ValueError(f"model.{key}={cfg[key]!r}: choose one of {list(choices)}")
+    if cfg["hidden_size"] % cfg["num_attention_heads"]:
+        raise ValueError(f"model.hidden_size={cfg['hidden_size']} is not divisible by "
+                         f"model.num_attention_heads={cfg['num_attention_heads']}")
+
+
+def _check_linear_class(cls: type | None, base: type, what: str) -> None:
+    if cls is not None and not (isinstance(cls, type) and issubclass(cls, base)):
+        raise ValueError(f"{what}={cls!r} must be a subclass of megatron.core.tensor_parallel.{base.__name__}")
+
+
+def _substitute_linears(spec, column_linear: type | None, row_linear: type | None):
+    """Return a copy of a local GPT layer spec with linear_qkv/fc1 -> column_linear, linear_proj/fc2 -> row_linear."""
+    layer = spec.submodules
+    attn = layer.self_attention
+    attn_sub = attn.submodules
+    attn_sub = dataclasses.replace(attn_sub, linear_qkv=column_linear or attn_sub.linear_qkv,
+                                   linear_proj=row_linear or attn_sub.linear_proj)
+    attn = dataclasses.replace(attn, submodules=attn_sub)
+    mlp = layer.mlp
+    # 0.19 builds the dense MLP as functools.partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(...));
+    # earlier versions use a ModuleSpec with .submodules. Handle both.
+    if isinstance(mlp, functools.partial):
+        sub = mlp.keywords["submodules"]
+        sub = dataclasses.replace(sub, linear_fc1=column_linear or sub.linear_fc1,
+                                  linear_fc2=row_linear or sub.linear_fc2)
+        mlp = functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": sub})
+    else:
+        sub = mlp.submodules
+        sub = dataclasses.replace(sub, linear_fc1=column_linear or sub.linear_fc1,
+                                  linear_fc2=row_linear or sub.linear_fc2)
+        mlp = dataclasses.replace(mlp, submodules=sub)
+    layer = dataclasses.replace(layer, self_attention=attn, mlp=mlp)
+    return dataclasses.replace(spec, submodules=layer)
+
+
+def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_linear: type | None = None,
+                    output_linear: type | None = None, use_te_spec: bool = False,
+                    params_dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                    ) -> torch.nn.Module:
+    """Build a Megatron-Core ``GPTModel`` from a ``model`` config group (dict or DictConfig).
+
+    ``init_distributed`` must have run (the model reads TP size and groups from parallel_state).
+    ``column_linear`` / ``row_linear`` replace ColumnParallelLinear (linear_qkv, linear_fc1) and
+    RowParallelLinear (linear_proj, linear_fc2) in the local spec; ``output_linear`` re-classes the LM head
+    and defaults to ``column_linear`` (pass ``ColumnParallelLinear`` itself to keep the head plain).
+    ``model_cfg.vocab_size`` is padded up to a multiple of 128 × TP (logged when it changes).
+
+    Returns the GPTModel for float32 params; for bfloat16 params a ``Float16Module`` wrapping it (``.module``
+    is the GPTModel): its forward casts float inputs to bf16 and upcasts the per-token loss to fp32, and it
+    is the only way all params (norms, embeddings) end up bf16 (FACTS.md). Use :func:`unwrap_model` to reach
+    the GPTModel either way.
+    """
+    import torch.nn.functional as F
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    cfg = _as_dict(model_cfg)
+    _check_model_cfg(cfg)
+    _check_linear_class(column_linear, tensor_parallel.ColumnParallelLinear, "column_linear")
+    _check_linear_class(row_linear, tensor_parallel.RowParallelLinear, "row_linear")
+    _check_linear_class(output_linear, tensor_parallel.ColumnParallelLinear, "output_linear")
+    if params_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"params_dtype={params_dtype}: use torch.float32 or torch.bfloat16")
+    if use_te_spec and (column_linear or row_linear):
+        raise ValueError("column_linear/row_linear apply to the local spec only: the TE spec fuses the norm "
+                         "into linear_qkv/linear_fc1 (TELayerNormColumnParallelLinear); set use_te_spec=False")
+    device = torch.device(device) if device is not None else (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    vocab = pad_vocab_size(int(cfg["vocab_size"]), tp)
+    if vocab != cfg["vocab_size"] and parallel_state.get_data_parallel_rank() == 0:
+        logger.info("model.vocab_size %d -> %d (padded to a multiple of %d x TP %d)", cfg["vocab_size"], vocab,
+                    VOCAB_MULTIPLE, tp)
+    swiglu = cfg.get("activation", "gelu") == "swiglu"
+    hidden = int(cfg["hidden_size"])
+    config = TransformerConfig(
+        num_layers=int(cfg["num_layers"]),
+        hidden_size=hidden,
+        ffn_hidden_size=int(cfg.get("ffn_hidden_size") or 4 * hidden),
+        num_attention_heads=int(cfg["num_attention_heads"]),
+        num_query_groups=cfg.get("num_query_groups"),
+        normalization=cfg.get("normalization", "LayerNorm"),
+        gated_linear_unit=swiglu,
+        activation_func=F.silu if swiglu else F.gelu,
+        add_bias_linear=bool(cfg.get("add_bias_linear", False)),
+        hidden_dropout=float(cfg.get("hidden_dropout", 0.0)),
+        attention_dropout=float(cfg.get("attention_dropout", 0.0)),
+        init_method_std=float(cfg.get("init_method_std", 0.02)),
+        layernorm_epsilon=float(cfg.get("layernorm_epsilon", 1e-5)),
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=1,
+        sequence_parallel=False,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        # CPU: weights are created on the CPU (the GPU init path calls torch.cuda). On GPUs the CPU path would
+        # also work (and makes init independent of TP) but takes minutes for an 8B-shaped model.
+        use_cpu_initialization=device.type == "cpu",
+        # Without CUDA graphs or TE, none of the fusions exist on the CPU; keep the plain paths everywhere.
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+
+    if use_te_spec:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+        spec = get_gpt_layer_with_transformer_engine_spec()
+    else:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        spec = get_gpt_layer_local_spec(normalization=config.normalization)
+        if column_linear or row_linear:
+            spec = _substitute_linears(spec, column_linear, row_linear)
+
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=vocab,
+        max_sequence_length=int(cfg["seq_length"]),
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,  # the loss is computed on vocab shards (vocab_parallel_cross_entropy)
+        share_embeddings_and_output_weights=bool(cfg.get("share_embeddings_and_output_weights", False)),
+        position_embedding_type=cfg.get("position_embedding_type", "learned_absolute"),
+        rotary_base=int(cfg.get("rotary_base", 10000)),
+    )
+    output_linear = output_linear or column_linear
+    if output_linear is not None:
+        replace_output_layer_class(model, output_linear)
+    model.to(device)
+    if params_dtype == torch.bfloat16:
+        model = Float16Module(config, model)
+    return model
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside Float16Module / DDP-style wrappers (anything with a ``.module`` chain)."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
+def replace_output_layer_class(model: torch.nn.Module, cls: type) -> torch.nn.Module:
+    """Re-class the GPTModel's LM head (``output_layer``, a ColumnParallelLinear) as ``cls`` in place.
+
+    ``cls`` must subclass ColumnParallelLinear and be a subclass of the head's current class (so every
+    attribute the parent's ``__init__`` set is there). ``cls.__init__`` is not run; if ``cls`` defines
+    ``_after_class_swap(self)`` it is called. Returns the re-classed module.
+    """
+    from megatron.core import tensor_parallel
+
+    gpt = unwrap_model(model)
+    head = getattr(gpt, "output_layer", None)
+    if head is None:
+        raise ValueError("model has no output_layer (not the last pipeline stage?)")
+    _check_linear_class(cls, tensor_parallel.ColumnParallelLinear, "output layer class")
+    if not issubclass(cls, type(head)):
+        raise ValueError(f"cannot re-class output_layer of type {type(head).__name__} as {cls.__name__}: "
+                         f"{cls.__name__} must subclass {type(head).__name__}")
+    head.__class__ = cls
+    hook = getattr(head, "_after_class_swap", None)
+    if callable(hook):
+        hook()
+    return head
+
+
+_LINEAR_SUFFIXES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")
+
+
+def named_linear_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) for every GEMM-bearing linear (attention qkv/proj, MLP fc1/fc2, LM head), in execution order.
+
+    Names are relative to the GPTModel (any Float16Module ``module.`` prefix is dropped), e.g.
+    ``decoder.layers.0.self_attention.linear_qkv``, ``output_layer``. (``named_modules`` alone lists
+    ``linear_proj`` before ``linear_qkv``: the attention base class registers it first.)
+    """
+    gpt = unwrap_model(model)
+    found = [(name, mod) for name, mod in gpt.named_modules() if name.rsplit(".", 1)[-1] in _LINEAR_SUFFIXES]
+    layer_order: dict[str, int] = {}
+    for name, _ in found:
+        layer_order.setdefault(name.split(".self_attention.")[0].split(".mlp.")[0], len(layer_order))
+
+    def key(item: tuple[str, torch.nn.Module]) -> tuple[int, int]:
+        name = item[0]
+        return layer_order[name.split(".self_attention.")[0].split(".mlp.")[0]], _LINEAR_SUFFIXES.index(
+            name.rsplit(".", 1)[-1])
+
+    return sorted(found, key=key)
+
+
+def linear_module_names(model: torch.nn.Module) -> list[str]:
+    """Names of the linear modules a precision plan decides on (see :func:`named_linear_modules`)."""
+    return [name for name, _ in named_linear_modules(model)]

@@ -1,0 +1,154 @@
+"""Checkpoints: ``run_dir/checkpoints/step_N/tp_RR.pt`` written atomically, plus a ``latest`` pointer file.
+
+One file per tensor-parallel rank (its weight shards), written by data-parallel rank 0 of that TP rank
+(the other DP ranks hold identical copies). Each file holds: model state (of the GPTModel, without the
+Float16Module wrapper, so it loads into either), optimizer, LR scheduler, fp32 master weights (when the
+model is bf16), the precision backend's state (e.g. amax histories), the step and the RNG states (CPU,
+CUDA, Megatron's model-parallel tracker, Python's ``random``).
+
+Atomicity: every rank writes into ``checkpoints/.step_N.tmp``; after a barrier rank 0 renames it to
+``step_N`` and then replaces ``latest``. A crash leaves either the old checkpoint or the new one, never half.
+The data iterator's position is not saved (resuming mid-epoch is a later issue).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fp8_recipes.megatron.model import unwrap_model as _unwrap
+
+__all__ = ["save_checkpoint", "load_checkpoint", "resolve_checkpoint"]
+
+FORMAT_VERSION = 1
+
+
+def _dist():
+    import torch.distributed as dist
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _barrier() -> None:
+    dist = _dist()
+    if dist is not None and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _ranks() -> tuple[int, int, int]:
+    """(global rank, tensor-parallel rank, data-parallel rank), all 0 without Megatron's groups."""
+    dist = _dist()
+    rank = dist.get_rank() if dist else 0
+    try:
+        from megatron.core import parallel_state
+        if parallel_state.model_parallel_is_initialized():
+            return (rank, parallel_state.get_tensor_model_parallel_rank(),
+                    parallel_state.get_data_parallel_rank())
+    except ImportError:
+        pass
+    return rank, 0, rank
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"cpu": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+        state["tracker"] = get_cuda_rng_tracker().get_states()
+    except ImportError:
+        pass
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "tracker" in state:
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+        get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Module, optimizer=None,
+                    scheduler=None, precision=None, master_params=None, extra: dict | None = None) -> Path:
+    """Save everything needed to continue from ``step`` (optimizer steps completed). Collective: call on all ranks.
+
+    ``precision`` and ``master_params`` are anything with ``state_dict()``; ``extra`` is a small plain dict
+    (e.g. the trainer config). Returns the final ``step_N`` directory.
+    """
+    rank, tp_rank, dp_rank = _ranks()
+    root = Path(run_dir) / "checkpoints"
+    final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left over by a crash during an earlier save
+        tmp.mkdir()
+    _barrier()
+    if dp_rank == 0:
+        payload = {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "model": _unwrap(model).state_dict(),
+            "optimizer": optimizer.state_dict() if optimizer is not None else None,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "master_params": master_params.state_dict() if master_params is not None else None,
+            "precision": precision.state_dict() if precision is not None else None,
+            "rng": _rng_state(),
+            "extra": extra or {},
+        }
+        torch.save(payload, tmp / f"tp_{tp_rank:02d}.pt")
+    _barrier()
+    if rank == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        pointer = root / ".latest.tmp"
+        pointer.write_text(final.name + "\n", encoding="utf-8")
+        os.replace(pointer, root / "latest")
+    _barrier()
+    return final
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A ``step_N`` directory from a run dir, its ``checkpoints`` dir (both via ``latest``) or the step dir itself."""
+    path = Path(path)
+    for root in (path / "checkpoints", path):
+        if (root / "latest").is_file():
+            return root / (root / "latest").read_text(encoding="utf-8").strip()
+    if path.is_dir() and any(path.glob("tp_*.pt")):
+        return path
+    raise FileNotFoundError(f"no checkpoint at {path} (expected a run dir with checkpoints/latest, "
+                            "a checkpoints dir with latest, or a step_N dir with tp_*.pt files)")
+
+
+def load_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module, optimizer=None, scheduler=None,
+                    precision=None, master_params=None, restore_rng: bool = True,
+                    map_location: str | torch.device = "cpu") -> int:
+    """Restore what :func:`save_checkpoint` wrote into the given objects; returns the step saved.
+
+    Every rank reads its tensor-parallel rank's file. Objects passed as None are skipped.
+    """
+    _, tp_rank, _ = _ranks()
+    step_dir = resolve_checkpoint(path)
+    file = step_dir / f"tp_{tp_rank:02d}.pt"
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} missing: was the checkpoint written with a different tensor-parallel size?")
+    payload = torch.load(file, map_location=map_location, weights_only=True)
+    if payload.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{file}: format_version {payload.get('format_version')}, expected {FORMAT_VERSION}")
+    _unwrap(model).load_state_dict(payload["model"])
+    for name, obj in (("optimizer", optimizer), ("scheduler", scheduler), ("master_params", master_params),
+                      ("precision", precision)):
+        if obj is not None:
+            if payload[name] is None:
+                raise ValueError(f"{file} has no {name} state to restore")
+            obj.load_state_dict(payload[name])
+    if restore_rng:
+        _set_rng_state(payload["rng"])
+    return int(payload["step"])

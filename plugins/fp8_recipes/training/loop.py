@@ -1,0 +1,475 @@
+"""The training loop: gradient accumulation, fp32 master weights, DP all-reduce, AdamW, warmup + cosine LR,
+evaluation (in the training precision and in full precision), metrics, checkpoints, a summary.
+
+    summary = train(model, batches_train, batches_valid, cfg.trainer, precision, run_dir, rank=rank,
+                    world_size=world_size)
+
+Step convention: ``step`` is the 0-based index of the optimizer step in progress (= optimizer steps completed
+before it). ``precision.begin_step(step)`` / ``after_optimizer_step(step)`` and the LR schedule use it;
+metrics rows, evaluation and ``checkpoints/step_N`` use ``N = step + 1`` (steps completed, Megatron's
+"iteration").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any, ContextManager, Iterator, Mapping, Protocol, runtime_checkable
+
+import torch
+
+from fp8_recipes.training.checkpoint import load_checkpoint, save_checkpoint
+from fp8_recipes.training.metrics import MetricsWriter, plot_loss, write_summary
+
+__all__ = ["Precision", "NoPrecision", "TrainerConfig", "lr_at", "scaled_lr", "MasterParams", "train"]
+
+logger = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class Precision(Protocol):
+    """What the loop needs from a precision backend (the PrecisionPlan's executor)."""
+
+    full_precision_eval_interval: int
+    """Run a validation in full precision every this many steps (0 = never)."""
+
+    def begin_step(self, step: int) -> str:
+        """Apply the plan for ``step`` (0-based); return a short stage label for the progress bar."""
+
+    def high_precision(self) -> ContextManager[None]:
+        """Context in which every GEMM runs in high precision (full-precision evaluation)."""
+
+    def after_optimizer_step(self, step: int) -> None:
+        """Called after the optimizer step of ``step`` (e.g. delayed-scaling amax/scale update)."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state_dict: dict) -> None: ...
+
+
+class NoPrecision:
+    """The trivial backend: the model's own dtype throughout (BF16 or FP32 runs, tests)."""
+
+    full_precision_eval_interval = 0
+
+    def __init__(self, label: str = "bf16"):
+        self.label = label
+
+    def begin_step(self, step: int) -> str:
+        return self.label
+
+    def high_precision(self) -> ContextManager[None]:
+        return contextlib.nullcontext()
+
+    def after_optimizer_step(self, step: int) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        pass
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Configuration (the `trainer` group) and the LR schedule
+
+
+@dataclasses.dataclass
+class LRScaling:
+    enabled: bool = False
+    """Scale lr and min_lr linearly with the global batch size (off by default: explicit is better)."""
+    base_global_batch_size: int | None = None
+    """The global batch size the configured lr was tuned for."""
+
+
+@dataclasses.dataclass
+class TrainerConfig:
+    max_steps: int = 200
+    """Optimizer steps to run."""
+    micro_batch_size: int = 16
+    """Sequences per forward/backward on one data-parallel rank."""
+    global_batch_size: int = 16
+    """Sequences per optimizer step over all ranks; accumulation = global / (micro × data parallel)."""
+    lr: float = 1e-3
+    """Peak learning rate, reached at the end of warmup."""
+    min_lr: float = 1e-4
+    """Learning rate at the last step (cosine decay from lr)."""
+    warmup_steps: int = 20
+    """Linear warmup from lr/warmup_steps to lr."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay, applied to matrices only (not to norms and biases)."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this (0 = no clipping; the norm is logged either way)."""
+    eval_interval: int = 50
+    """Validate every this many steps and at the end (0 = never)."""
+    eval_iters: int = 10
+    """Validation micro-batches per evaluation (the same batches every time)."""
+    save_interval: int = 0
+    """Checkpoint every this many steps (0 = only at the end)."""
+    save_checkpoints: bool = True
+    """False: write no checkpoints at all (benchmarks; an 8B-shaped checkpoint is tens of GB)."""
+    log_interval: int = 1
+    """Write a metrics row every this many steps."""
+    seed: int = 1234
+    """Seed for weights, dropout and data order (used by init_distributed in scripts/train.py)."""
+    params_dtype: str = "bf16"
+    """Model parameter dtype, bf16 | fp32 (aliases bfloat16 | float32); read by training/run.py for build_gpt_model."""
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel size; read by training/run.py for init_distributed (data parallel = world / this)."""
+    fp32_master_weights: bool = True
+    """Keep fp32 copies of bf16 params for accumulation and AdamW (Megatron's mixed precision)."""
+    lr_scaling: LRScaling = dataclasses.field(default_factory=LRScaling)
+
+    @classmethod
+    def from_cfg(cls, cfg: Any) -> "TrainerConfig":
+        """From a dict, DictConfig or TrainerConfig; unknown keys and bad values raise ValueError(trainer.<key>)."""
+        if isinstance(cfg, cls):
+            return cfg
+        if not isinstance(cfg, Mapping):
+            from omegaconf import OmegaConf
+            cfg = OmegaConf.to_container(cfg, resolve=True)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(cfg) - known)
+        if unknown:
+            raise ValueError(f"trainer.{unknown[0]}: unknown key; known keys: {sorted(known)}")
+        values = dict(cfg)
+        scaling = values.pop("lr_scaling", None) or {}
+        bad = sorted(set(scaling) - {"enabled", "base_global_batch_size"})
+        if bad:
+            raise ValueError(f"trainer.lr_scaling.{bad[0]}: unknown key; known: enabled, base_global_batch_size")
+        out = cls(**values, lr_scaling=LRScaling(**scaling))
+        out.validate()
+        return out
+
+    def validate(self) -> None:
+        for key in ("max_steps", "micro_batch_size", "global_batch_size", "log_interval", "tensor_model_parallel_size"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+                raise ValueError(f"trainer.{key}={getattr(self, key)!r}: must be an integer >= 1")
+        for key in ("warmup_steps", "eval_interval", "eval_iters", "save_interval"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 0:
+                raise ValueError(f"trainer.{key}={getattr(self, key)!r}: must be an integer >= 0")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"trainer.min_lr={self.min_lr}: must lie in [0, trainer.lr={self.lr}]")
+        if self.warmup_steps > self.max_steps:
+            raise ValueError(f"trainer.warmup_steps={self.warmup_steps} exceeds trainer.max_steps={self.max_steps}")
+        if self.params_dtype not in ("bf16", "fp32", "bfloat16", "float32"):
+            raise ValueError(f"trainer.params_dtype={self.params_dtype!r}: choose bf16 or fp32")
+        if self.lr_scaling.enabled and not (self.lr_scaling.base_global_batch_size or 0) >= 1:
+            raise ValueError("trainer.lr_scaling.base_global_batch_size must be set (>= 1) when lr_scaling.enabled")
+
+    def gradient_accumulation_steps(self, data_parallel_size: int) -> int:
+        per_step = self.micro_batch_size * data_parallel_size
+        if self.global_batch_size % per_step:
+            raise ValueError(f"trainer.global_batch_size={self.global_batch_size} is not a multiple of "
+                             f"micro_batch_size × data parallel = {self.micro_batch_size} × {data_parallel_size}")
+        return self.global_batch_size // per_step
+
+
+def scaled_lr(lr: float, global_batch_size: int, base_global_batch_size: int) -> float:
+    """Linear scaling rule: lr × global_batch_size / base_global_batch_size."""
+    return lr * global_batch_size / base_global_batch_size
+
+
+def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:
+    """LR for 0-based ``step``: with n = step + 1, lr·n/warmup while n ≤ warmup, then cosine to min_lr at n = max_steps."""
+    n = step + 1
+    if n <= warmup_steps:
+        return lr * n / warmup_steps
+    if max_steps <= warmup_steps:
+        return lr
+    progress = min(1.0, (n - warmup_steps) / (max_steps - warmup_steps))
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Parameters, gradients, optimizer
+
+_TP_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel", "allreduce")
+
+
+class MasterParams:
+    """fp32 master copies of low-precision params: grads accumulate and AdamW steps in fp32 (as Megatron's
+    Float16OptimizerWithFloat16Params does); fp32 params are their own master (no copy)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], enabled: bool = True):
+        self.pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
+        for p in params:
+            if enabled and p.dtype != torch.float32:
+                master = torch.nn.Parameter(p.detach().float().clone())
+                for attr in _TP_ATTRS:  # grad-norm needs to know which params are TP shards
+                    if hasattr(p, attr):
+                        setattr(master, attr, getattr(p, attr))
+            else:
+                master = p
+            self.pairs.append((p, master))
+
+    @property
+    def masters(self) -> list[torch.nn.Parameter]:
+        return [m for _, m in self.pairs]
+
+    def accumulate_grads(self) -> None:
+        """Move each low-precision grad into its fp32 master grad (call after every micro-batch backward)."""
+        for p, m in self.pairs:
+            if p is not m and p.grad is not None:
+                if m.grad is None:
+                    m.grad = p.grad.float()
+                else:
+                    m.grad.add_(p.grad)
+                p.grad = None
+
+    @torch.no_grad()
+    def copy_to_model(self) -> None:
+        for p, m in self.pairs:
+            if p is not m:
+                p.copy_(m)
+
+    def state_dict(self) -> dict:
+        return {"fp32": [m.detach() for p, m in self.pairs if p is not m]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        copies = [m for p, m in self.pairs if p is not m]
+        if len(copies) != len(state_dict["fp32"]):
+            raise ValueError(f"checkpoint has {len(state_dict['fp32'])} master params, model {len(copies)}")
+        with torch.no_grad():
+            for m, saved in zip(copies, state_dict["fp32"]):
+                m.copy_(saved)
+        self.copy_to_model()
+
+
+def _parallel_state():
+    try:
+        from megatron.core import parallel_state
+        return parallel_state if parallel_state.model_parallel_is_initialized() else None
+    except ImportError:
+        return None
+
+
+def _allreduce_grads_data_parallel(masters: list[torch.nn.Parameter]) -> None:
+    """Average grads over Megatron's data-parallel group only (TP ranks hold different shards: never mixed)."""
+    ps = _parallel_state()
+    if ps is None or ps.get_data_parallel_world_size() == 1:
+        return
+    for m in masters:  # every rank must contribute the same list of tensors
+        if m.grad is None:
+            m.grad = torch.zeros_like(m)
+    grads = [m.grad for m in masters]
+    flat = torch._utils._flatten_dense_tensors(grads)
+    torch.distributed.all_reduce(flat, group=ps.get_data_parallel_group())
+    flat /= ps.get_data_parallel_world_size()
+    for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        g.copy_(synced)
+
+
+def _clip_grad_norm(pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]], max_norm: float) -> float:
+    """Global grad norm over all TP shards (replicated params counted once), then clip in place."""
+    ps = _parallel_state()
+    tp_rank = ps.get_tensor_model_parallel_rank() if ps else 0
+    grads, counted = [], []
+    for p, m in pairs:
+        if m.grad is None:
+            continue
+        grads.append(m.grad)
+        if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
+            counted.append(m.grad)
+    sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+    if counted:
+        sq = torch.stack([torch.linalg.vector_norm(g.float()) for g in counted]).square().sum()
+    if ps is not None and ps.get_tensor_model_parallel_world_size() > 1:
+        torch.distributed.all_reduce(sq, group=ps.get_tensor_model_parallel_group())
+    norm = sq.sqrt().item()  # a CPU-GPU sync point, once per step
+    if max_norm > 0 and norm > max_norm:
+        torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
+    return norm
+
+
+def build_optimizer(master: MasterParams, cfg: TrainerConfig, lr: float) -> torch.optim.AdamW:
+    """torch AdamW (Megatron's optimizer needs CUDA), fused on GPU; no weight decay on norms and biases."""
+    decay = [m for m in master.masters if m.requires_grad and m.ndim >= 2]
+    no_decay = [m for m in master.masters if m.requires_grad and m.ndim < 2]
+    fused = bool(master.masters) and master.masters[0].device.type == "cuda"
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, fused=fused)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Forward, evaluation, the loop
+
+
+def _to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def _loss_sums(model: torch.nn.Module, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ per-token loss × loss_mask, Σ loss_mask) for one micro-batch; GPTModel returns per-token losses [b, s]."""
+    losses = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
+    mask = batch["loss_mask"].float()
+    return (losses.float() * mask).sum(), mask.sum()
+
+
+def _dp_sum(t: torch.Tensor) -> torch.Tensor:
+    ps = _parallel_state()
+    if ps is not None and ps.get_data_parallel_world_size() > 1:
+        torch.distributed.all_reduce(t, group=ps.get_data_parallel_group())
+    return t
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: list[Mapping[str, Any]], device: torch.device) -> float:
+    """Token-weighted mean loss over ``batches`` and all data-parallel ranks."""
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    for batch in batches:
+        loss_sum, tokens = _loss_sums(model, _to_device(batch, device))
+        totals += torch.stack([loss_sum.double(), tokens.double()])
+    model.train(was_training)
+    totals = _dp_sum(totals)
+    return (totals[0] / totals[1].clamp(min=1)).item()
+
+
+def _train_step(model, batches, accumulation: int, dp_size: int, master: MasterParams, optimizer,
+                cfg: TrainerConfig, device: torch.device) -> tuple[float, int, float]:
+    """One optimizer step over ``accumulation`` micro-batches: (mean loss over DP ranks, global tokens, grad norm)."""
+    loss_total = torch.zeros((), dtype=torch.float64, device=device)
+    tokens = 0
+    for _ in range(accumulation):
+        batch = _to_device(next(batches), device)
+        loss_sum, n_mask = _loss_sums(model, batch)
+        loss = loss_sum / n_mask.clamp(min=1)  # masked mean of this micro-batch
+        (loss / accumulation).backward()
+        master.accumulate_grads()
+        loss_total += loss.detach().double()
+        tokens += batch["tokens"].numel()
+    _allreduce_grads_data_parallel(master.masters)
+    grad_norm = _clip_grad_norm(master.pairs, cfg.clip_grad)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    master.copy_to_model()
+    synced = _dp_sum(torch.stack([loss_total, torch.tensor(float(tokens), dtype=torch.float64, device=device)]))
+    return synced[0].item() / (accumulation * dp_size), int(synced[1].item()), grad_norm  # .item(): a sync point
+
+
+def _due(done: int, interval: int, last: int) -> bool:
+    return interval > 0 and (done % interval == 0 or done == last)
+
+
+def train(model: torch.nn.Module, batches_train: Iterator[Mapping[str, Any]],
+          batches_valid: Iterator[Mapping[str, Any]] | None, trainer_cfg: Any, precision: Precision,
+          run_dir: str | os.PathLike, *, rank: int = 0, world_size: int = 1,
+          resume_from: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Train ``model`` for ``trainer_cfg.max_steps`` optimizer steps; return the summary (also in summary.json).
+
+    ``batches_*`` yield dicts of ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` ([b, s] tensors) for
+    this data-parallel rank. ``resume_from`` (a run dir or step dir) restores model, optimizer, schedule,
+    precision state and RNG, not the data position.
+    """
+    from tqdm.auto import tqdm
+
+    cfg = TrainerConfig.from_cfg(trainer_cfg)
+    run_dir = Path(run_dir)
+    ps = _parallel_state()
+    dp_size = ps.get_data_parallel_world_size() if ps else world_size
+    accumulation = cfg.gradient_accumulation_steps(dp_size)
+    device = next(model.parameters()).device
+    lr, min_lr = cfg.lr, cfg.min_lr
+    if cfg.lr_scaling.enabled:
+        base = cfg.lr_scaling.base_global_batch_size
+        lr, min_lr = (scaled_lr(x, cfg.global_batch_size, base) for x in (cfg.lr, cfg.min_lr))
+        if rank == 0:
+            logger.info("lr scaling: global batch %d / base %d: lr %.3g -> %.3g, min_lr %.3g -> %.3g",
+                        cfg.global_batch_size, base, cfg.lr, lr, cfg.min_lr, min_lr)
+    if rank == 0:
+        logger.info("global batch %d = micro %d x data parallel %d x accumulation %d", cfg.global_batch_size,
+                    cfg.micro_batch_size, dp_size, accumulation)
+
+    model.train()
+    master = MasterParams([p for p in model.parameters() if p.requires_grad], enabled=cfg.fp32_master_weights)
+    optimizer = build_optimizer(master, cfg, lr)
+
+    def lr_factor(step: int) -> float:  # LambdaLR multiplies the optimizer's initial lr by this
+        return lr_at(step, lr=lr, min_lr=min_lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps) / lr
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    start = 0
+    if resume_from is not None:
+        start = load_checkpoint(resume_from, model=model, optimizer=optimizer, scheduler=scheduler,
+                                precision=precision, master_params=master)
+    # The same validation batches every time: val curves (and full vs training precision) differ by the model only.
+    valid = [next(batches_valid) for _ in range(cfg.eval_iters)] if batches_valid is not None else []
+    fp_interval = int(getattr(precision, "full_precision_eval_interval", 0) or 0)
+
+    def checkpoint(done: int) -> None:
+        if not cfg.save_checkpoints:
+            return
+        save_checkpoint(run_dir, done, model=model, optimizer=optimizer, scheduler=scheduler, precision=precision,
+                        master_params=master, extra={"trainer": dataclasses.asdict(cfg)})
+
+    writer = MetricsWriter(run_dir, enabled=rank == 0)
+    bar = tqdm(total=cfg.max_steps, initial=start, desc="train", unit="step", disable=rank != 0,
+               dynamic_ncols=True, mininterval=0.5)
+    losses, rates, val_loss, val_loss_fp, stage, done = [], [], None, None, "", start
+    wall0 = time.perf_counter()
+    for step in range(start, cfg.max_steps):
+        stage = precision.begin_step(step)
+        t0 = time.perf_counter()
+        step_lr = optimizer.param_groups[0]["lr"]
+        step_loss, tokens, grad_norm = _train_step(model, batches_train, accumulation, dp_size, master, optimizer,
+                                                   cfg, device)
+        scheduler.step()
+        precision.after_optimizer_step(step)
+        step_time = time.perf_counter() - t0
+        tokens_per_s = tokens / step_time
+        done = step + 1
+        losses.append(step_loss)
+        rates.append(tokens_per_s)
+        bar.update(1)
+        bar.set_postfix_str(f"loss {step_loss:.3f} | {tokens_per_s:,.0f} tok/s | {stage}", refresh=False)
+        if done % cfg.log_interval == 0 or done == cfg.max_steps:
+            writer.log({"kind": "train", "step": done, "loss": step_loss, "lr": step_lr, "grad_norm": grad_norm,
+                        "tokens_per_s": tokens_per_s, "stage": stage, "step_time": step_time})
+        if valid and _due(done, cfg.eval_interval, cfg.max_steps):
+            val_loss = evaluate(model, valid, device)
+            writer.log({"kind": "eval", "step": done, "val_loss": val_loss, "stage": stage})
+            if rank == 0:
+                bar.write(f"step {done}: val_loss {val_loss:.4f} ({stage})")
+        if valid and _due(done, fp_interval, cfg.max_steps):
+            with precision.high_precision():
+                val_loss_fp = evaluate(model, valid, device)
+            writer.log({"kind": "eval", "step": done, "val_loss_full_precision": val_loss_fp})
+            if rank == 0:
+                bar.write(f"step {done}: val_loss_full_precision {val_loss_fp:.4f}")
+        if cfg.save_interval > 0 and done % cfg.save_interval == 0 and done != cfg.max_steps:
+            checkpoint(done)
+    bar.close()
+    if done > start or resume_from is None:
+        checkpoint(done)
+    summary = {
+        "steps": done,
+        "final_loss": losses[-1] if losses else None,
+        "final_loss_mean_last_10": statistics.fmean(losses[-10:]) if losses else None,
+        "val_loss": val_loss,
+        "val_loss_full_precision": val_loss_fp,
+        "tokens_per_s_median": statistics.median(rates) if rates else None,
+        "wall_time_s": time.perf_counter() - wall0,
+        "final_stage": stage,
+        "nonfinite_loss_steps": sum(not math.isfinite(x) for x in losses),
+    }
+    writer.close()
+    if rank == 0:
+        write_summary(run_dir, summary)
+        try:
+            plot_loss(run_dir)
+        except Exception as e:  # noqa: BLE001 - a plot must never fail a finished run
+            logger.warning("plot_loss failed: %s: %s", type(e).__name__, e)
+    return summary

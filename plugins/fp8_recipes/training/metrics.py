@@ -1,0 +1,110 @@
+"""Where training numbers go: ``metrics.jsonl`` (one JSON object per row), TensorBoard, ``summary.json``, ``loss.png``.
+
+Rows carry ``kind`` ("train" or "eval") and ``step`` (optimizer steps completed), so a reader can filter
+without guessing from the keys. Only rank 0 writes; on other ranks the writer is a no-op.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+__all__ = ["MetricsWriter", "read_metrics", "write_summary", "plot_loss"]
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/inf; keep them visible as strings rather than invalid JSON
+    return value
+
+
+class MetricsWriter:
+    """Append rows to ``run_dir/metrics.jsonl`` and scalars to TensorBoard (``run_dir/tb``)."""
+
+    def __init__(self, run_dir: str | os.PathLike, *, enabled: bool = True, tensorboard: bool = True):
+        self.run_dir = Path(run_dir)
+        self.enabled = enabled
+        self._tb = None
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")  # append: a resumed run continues
+        if tensorboard:
+            try:  # tensorboard is a declared dependency, but a missing one should not stop training
+                from torch.utils.tensorboard import SummaryWriter
+                self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"))
+            except Exception as e:  # noqa: BLE001
+                print(f"metrics: TensorBoard disabled ({type(e).__name__}: {e})")
+
+    def log(self, row: dict[str, Any]) -> None:
+        """Write one row; numeric fields also go to TensorBoard as ``<kind>/<key>`` at ``row['step']``."""
+        if not self.enabled:
+            return
+        self._file.write(json.dumps({k: _jsonable(v) for k, v in row.items()}) + "\n")
+        self._file.flush()  # a crashed run keeps every row written so far
+        if self._tb is not None:
+            kind = row.get("kind", "train")
+            for key, value in row.items():
+                if key not in ("step", "kind") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(f"{kind}/{key}", value, row["step"])
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_metrics(run_dir: str | os.PathLike, kind: str | None = None) -> list[dict[str, Any]]:
+    """All rows of ``run_dir/metrics.jsonl`` (optionally only one ``kind``)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [r for r in rows if kind is None or r.get("kind") == kind]
+
+
+def write_summary(run_dir: str | os.PathLike, summary: dict[str, Any]) -> Path:
+    """Write ``run_dir/summary.json`` (atomically: a reader never sees half a file)."""
+    path = Path(run_dir) / "summary.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({k: _jsonable(v) for k, v in summary.items()}, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def _series(rows: Iterable[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    pairs = [(r["step"], float(r[key])) for r in rows if isinstance(r.get(key), (int, float))]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def plot_loss(run_dir: str | os.PathLike) -> Path:
+    """Plot train loss, validation loss and full-precision validation loss from metrics.jsonl to ``loss.png``."""
+    import matplotlib
+    matplotlib.use("Agg")  # no display on cluster nodes; must precede pyplot's import
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir)
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    for key, style, label in (("loss", "-", "train"), ("val_loss", "o-", "validation"),
+                              ("val_loss_full_precision", "s--", "validation, full precision")):
+        steps, values = _series(rows, key)
+        if steps:
+            ax.plot(steps, values, style, label=label, linewidth=1.2, markersize=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(run_dir) / "loss.png"
+    fig.savefig(path)
+    plt.close(fig)
+    return path

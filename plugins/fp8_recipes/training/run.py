@@ -1,0 +1,144 @@
+"""One training run from a composed config: recipe -> plan -> model + backend -> data -> loop -> outputs.
+
+    scripts/train.py (Hydra) -> run_training(cfg) -> summary dict
+
+Every user error (bad recipe, impossible backend, missing data) surfaces as a ValueError with one line that
+names the key; scripts/train.py prints it and exits 2.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["resolve_recipe", "run_training"]
+
+logger = logging.getLogger("fp8_recipes")
+
+
+def resolve_recipe(cfg) -> Any:
+    """The run's Recipe: `cfg.recipe` as composed by Hydra (+recipe=NAME and overrides), BF16 when absent."""
+    from omegaconf import OmegaConf
+
+    from fp8_recipes.recipes import load_recipe
+    from fp8_recipes.schema import RecipeError
+
+    node = cfg.get("recipe") if hasattr(cfg, "get") else None
+    if node is None:
+        return load_recipe("bf16")
+    data = OmegaConf.to_container(node, resolve=True) if not isinstance(node, dict) else node
+    try:
+        return load_recipe(data)
+    except RecipeError as e:  # Hydra's key is `recipe.<key>`: name it so, the way the user typed it
+        raise RecipeError([f"recipe.{p}" for p in e.problems]) from None
+
+
+def _dtype(name: str) -> torch.dtype:
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if name not in table:
+        raise ValueError(f"trainer.params_dtype: {name!r} is not one of float32 | bfloat16")
+    return table[name]
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def quiet_third_party_logs() -> None:
+    """Keep the console for our plan, progress and results: Megatron-Core's dataset chatter, its GPTModel
+    deprecation notice and "Apex is not installed" say nothing a user of this tool can act on."""
+    import warnings
+
+    logging.getLogger("megatron").setLevel(logging.ERROR)
+    for msg in ("Apex is not installed", "Transformer Engine and Apex are not installed", "full scope is deprecated"):
+        warnings.filterwarnings("ignore", message=f".*{msg}.*")
+
+
+def run_training(cfg) -> dict:
+    from omegaconf import OmegaConf
+
+    from fp8_recipes.megatron.data import batches, build_gpt_datasets, prepare_dataset
+    from fp8_recipes.megatron.model import build_gpt_model, destroy_distributed, init_distributed
+    from fp8_recipes.plan import Hardware, PrecisionPlan
+    from fp8_recipes.training.loop import train
+
+    quiet_third_party_logs()
+    recipe = resolve_recipe(cfg)
+    hardware = Hardware.detect()
+    trainer = cfg.trainer
+    run_dir = Path(cfg.run_dir)
+    # Fail on the recipe/hardware combination before any process group, data or model exists.
+    from fp8_recipes.plan import ModelLayout
+
+    PrecisionPlan(recipe, ModelLayout.gpt(int(cfg.model.num_layers)), hardware)
+
+    rank, world_size, device = init_distributed(
+        tensor_model_parallel_size=int(trainer.get("tensor_model_parallel_size", 1)), seed=int(trainer.seed))
+    try:
+        import torch.distributed as dist
+
+        data = cfg.data
+        t0 = time.perf_counter()
+        if rank == 0:  # one rank builds (or reuses) the dataset, the others wait and read it
+            data_dir = prepare_dataset(data.inputs, data.path, tokenizer_kind=data.tokenizer,
+                                       vocab_size=int(data.vocab_size), json_key=data.json_key)
+        if world_size > 1:
+            dist.barrier()
+        data_dir = Path(data.path)
+        meta = json.loads((data_dir / "meta.json").read_text())
+        seq = int(cfg.model.seq_length)
+        from megatron.core import parallel_state as ps
+
+        dp = ps.get_data_parallel_world_size()
+        gbs = int(trainer.global_batch_size)
+        n_train = int(trainer.max_steps) * gbs
+        n_valid = (int(trainer.max_steps) // max(int(trainer.eval_interval), 1) + 1) * int(trainer.eval_iters) * \
+            int(trainer.micro_batch_size) * dp
+        train_ds, valid_ds, _ = build_gpt_datasets(data_dir, seq, int(trainer.seed), (n_train, n_valid, None),
+                                                   split=data.split)
+        # Each data-parallel rank reads its own interleaved share of the batches.
+        dp_rank = ps.get_data_parallel_rank()
+        train_iter = batches(train_ds, int(trainer.micro_batch_size), int(trainer.seed) + dp_rank)
+        valid_iter = batches(valid_ds, int(trainer.micro_batch_size), int(trainer.seed) + 1000 + dp_rank)
+        if rank == 0:
+            logger.info("data: %s (%d tokens, vocab %d) ready in %.1fs", data_dir, meta.get("num_tokens", -1),
+                        meta["vocab_size"], time.perf_counter() - t0)
+
+        model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+        # The model's vocabulary must hold every token id; a larger one (llama3's 128256) is kept as configured,
+        # so speed and memory match the model's name.
+        if model_cfg.get("vocab_size") is None:
+            model_cfg["vocab_size"] = int(meta["vocab_size"])
+        elif int(model_cfg["vocab_size"]) < int(meta["vocab_size"]):
+            raise ValueError(f"model.vocab_size: {model_cfg['vocab_size']} is smaller than the tokenizer's "
+                             f"{meta['vocab_size']} ({data_dir}); set model.vocab_size=${{data.vocab_size}} or larger")
+        from fp8_recipes.megatron.emulated_layers import (
+            EmulatedColumnParallelLinear, EmulatedRowParallelLinear, attach_emulated_backend, model_layout,
+        )
+
+        backend_kw = dict(column_linear=EmulatedColumnParallelLinear, row_linear=EmulatedRowParallelLinear)
+        model = build_gpt_model(model_cfg, params_dtype=_dtype(str(trainer.params_dtype)), device=device,
+                                **backend_kw)
+        plan = PrecisionPlan(recipe, model_layout(model), hardware)
+        precision = attach_emulated_backend(model, plan)
+        if rank == 0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            explained = plan.explain(max_steps=int(trainer.max_steps))
+            print(explained, flush=True)
+            _write_text(run_dir / "plan.txt", explained + "\n")
+            import yaml
+
+            _write_text(run_dir / "recipe.yaml", yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+        summary = train(model, train_iter, valid_iter, trainer, precision, run_dir, rank=rank,
+                        world_size=world_size)
+        summary.update(recipe=recipe.name, backend=str(plan.backend), rank=rank)
+        return summary
+    finally:
+        destroy_distributed()

@@ -1,0 +1,100 @@
+"""The training loop's pieces without a model: config validation, LR schedule and scaling, master weights,
+the Precision protocol, metrics files."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from fp8_recipes.training.loop import (
+    MasterParams, NoPrecision, Precision, TrainerConfig, lr_at, scaled_lr,
+)
+from fp8_recipes.training.metrics import MetricsWriter, plot_loss, read_metrics, write_summary
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("name", ["cpu", "gpu"])
+def test_trainer_configs_validate(name):
+    cfg = TrainerConfig.from_cfg(OmegaConf.load(ROOT / "conf" / "trainer" / f"{name}.yaml"))
+    assert cfg.gradient_accumulation_steps(1) * cfg.micro_batch_size == cfg.global_batch_size
+    assert cfg.lr_scaling.enabled is False
+
+
+def test_trainer_config_errors_name_the_key():
+    with pytest.raises(ValueError, match=r"trainer\.max_stpes: unknown key"):
+        TrainerConfig.from_cfg({"max_stpes": 3})
+    with pytest.raises(ValueError, match=r"trainer\.lr_scaling\.base_global_batch_size"):
+        TrainerConfig.from_cfg({"lr_scaling": {"enabled": True}})
+    with pytest.raises(ValueError, match=r"trainer\.min_lr"):
+        TrainerConfig.from_cfg({"lr": 1e-3, "min_lr": 1e-2})
+    cfg = TrainerConfig.from_cfg({"micro_batch_size": 4, "global_batch_size": 12})
+    assert cfg.gradient_accumulation_steps(3) == 1
+    with pytest.raises(ValueError, match=r"trainer\.global_batch_size=12 is not a multiple of .* 4 × 2"):
+        cfg.gradient_accumulation_steps(2)
+
+
+def test_lr_schedule_values():
+    kw = dict(lr=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=110)
+    assert lr_at(0, **kw) == pytest.approx(1e-4)           # n = 1 of 10 warmup steps
+    assert lr_at(4, **kw) == pytest.approx(5e-4)
+    assert lr_at(9, **kw) == pytest.approx(1e-3)           # end of warmup: the peak
+    assert lr_at(59, **kw) == pytest.approx(5.5e-4)        # halfway through the cosine: (lr + min_lr) / 2
+    assert lr_at(34, **kw) == pytest.approx(1e-4 + 0.5 * (1 + math.cos(math.pi * 0.25)) * 9e-4)
+    assert lr_at(109, **kw) == pytest.approx(1e-4)         # last step: min_lr
+    lrs = [lr_at(s, **kw) for s in range(110)]
+    assert all(a <= b for a, b in zip(lrs[:10], lrs[1:10])) and all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+
+
+def test_linear_lr_scaling():
+    assert scaled_lr(3e-4, 64, 16) == pytest.approx(1.2e-3)
+    assert scaled_lr(3e-4, 8, 16) == pytest.approx(1.5e-4)
+
+
+def test_master_params_accumulate_in_fp32_and_copy_back():
+    p16 = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+    p32 = torch.nn.Parameter(torch.zeros(2))
+    mp = MasterParams([p16, p32])
+    m16, m32 = mp.masters
+    assert m16 is not p16 and m16.dtype == torch.float32 and m32 is p32
+    tiny = 2.0 ** -10  # lost when added to 1.0 in bf16 (8 bits of mantissa), kept in fp32
+    for g in (1.0, tiny, tiny):
+        p16.grad = torch.full((4,), g, dtype=torch.bfloat16)
+        mp.accumulate_grads()
+        assert p16.grad is None
+    assert m16.grad[0].item() == 1.0 + 2 * tiny
+    with torch.no_grad():
+        m16.add_(1.5)
+    mp.copy_to_model()
+    assert p16.dtype == torch.bfloat16 and p16[0].item() == 1.5
+    sd = mp.state_dict()
+    other = MasterParams([torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16)), p32])
+    other.load_state_dict(sd)
+    assert torch.equal(other.masters[0], m16) and other.pairs[0][0][0].item() == 1.5
+
+
+def test_no_precision_satisfies_protocol():
+    p = NoPrecision("bf16")
+    assert isinstance(p, Precision)
+    assert p.begin_step(0) == "bf16" and p.full_precision_eval_interval == 0
+    with p.high_precision():
+        pass
+    assert p.state_dict() == {}
+
+
+def test_metrics_files(tmp_path):
+    with MetricsWriter(tmp_path, tensorboard=True) as w:
+        for step in range(1, 6):
+            w.log({"kind": "train", "step": step, "loss": 5.0 - step, "stage": "bf16"})
+        w.log({"kind": "eval", "step": 5, "val_loss": 0.5})
+        w.log({"kind": "train", "step": 6, "loss": float("nan")})
+    assert [r["step"] for r in read_metrics(tmp_path, "train")] == [1, 2, 3, 4, 5, 6]
+    assert read_metrics(tmp_path, "eval") == [{"kind": "eval", "step": 5, "val_loss": 0.5}]
+    assert read_metrics(tmp_path, "train")[-1]["loss"] == "nan"  # valid JSON, still visible
+    assert any((tmp_path / "tb").iterdir())
+    assert plot_loss(tmp_path).stat().st_size > 1000
+    write_summary(tmp_path, {"final_loss": 0.1, "steps": 6})
+    assert json.loads((tmp_path / "summary.json").read_text()) == {"final_loss": 0.1, "steps": 6}
