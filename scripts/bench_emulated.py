@@ -1,0 +1,38 @@
+"""Emulated FP8 step time vs BF16 on the CPU (target: <= 2x BF16 for the tiny model).
+
+    python scripts/bench_emulated.py                               # every recipe, tiny model, 40 steps x 2
+    python scripts/bench_emulated.py --recipes hybrid mxfp8 --steps 60 --repeats 3
+    python scripts/bench_emulated.py --out docs/bench -- trainer.micro_batch_size=8   # extra Hydra overrides
+
+Prints a Markdown table of step times and ratios measured side by side in one run; writes JSON and a PNG.
+"""
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))  # a checkout without `pip install -e`
+
+
+def main() -> None:
+    from fp8_recipes.bench.emulated import bench_emulated, format_table, save
+    from fp8_recipes.recipes import recipe_names
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--recipes", nargs="+", default=recipe_names())
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--out", type=Path, default=Path("runs/bench_emulated"))
+    p.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    result = bench_emulated(args.recipes, steps=args.steps, repeats=args.repeats, overrides=args.overrides)
+    save(result, args.out)
+    print(format_table(result))
+    print(f"({result['machine']}, torch {result['torch']}, {args.steps} steps x {args.repeats} repeats; "
+          f"JSON and PNG in {args.out})")
+
+
+if __name__ == "__main__":
+    main()
