@@ -8,21 +8,30 @@ Each linear module runs three GEMMs: fprop (activations x weights), dgrad (gradi
 ``schedule.enable``) and the module is not kept BF16 by ``layers`` (first/last N transformer layers,
 ``bf16_modules`` glob patterns, the LM head unless ``fp8_output_layer``). Backends execute the plan; they do not
 re-decide it. ``explain()`` prints it.
+
+With the Transformer Engine backend (``plan.backend == "te"``) a GEMM is real FP8 only where TE can run it
+(:mod:`fp8_recipes.plan_te`): both operands FP8, in one scaling family, on hardware that has it. Each module's
+plan then also names the TE recipe it runs under (``ModulePlan.te``), operands show the policies TE really
+quantizes with, and ``substitutions`` lists every setting TE runs differently from the recipe (``backend: te``
+refuses them in one line instead; ``auto`` runs the nearest legal recipe, or the emulated backend when none is
+sensible).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cached_property
 
+from fp8_recipes.plan_te import Substitution, TERecipe, TEResolution, resolve_te, te_recipe_for, te_stage_note
 from fp8_recipes.schema import ROLES, Backend, Recipe, Role, TensorPolicy
 
 __all__ = [
     "Execution", "Gemm", "GemmPlan", "Hardware", "ModelLayout", "ModulePlan", "PrecisionPlan", "StepPlan",
-    "GEMM_OPERANDS",
+    "GEMM_OPERANDS", "Substitution", "TERecipe",
 ]
 
 
@@ -68,6 +77,11 @@ class Hardware:
         """MXFP8 GEMMs need sm_100+ (TE on Hopper: 'Device compute capability 10.0 or higher required')."""
         return self.has_te and self.compute_capability is not None and self.compute_capability >= (10, 0)
 
+    @property
+    def sm(self) -> str:
+        """'sm_90' for compute capability 9.0."""
+        return "sm_{}{}".format(*self.compute_capability) if self.compute_capability else "no GPU"
+
     def describe(self) -> str:
         if self.device != "cuda":
             return "CPU"
@@ -84,6 +98,7 @@ class Hardware:
         te_version = None
         try:  # TE breaks in many ways on machines it was not built for: any failure means "no TE"
             import transformer_engine
+            import transformer_engine.pytorch  # noqa: F401  (the part the backend needs: core lib + torch extension)
 
             te_version = transformer_engine.__version__
         except Exception:
@@ -136,6 +151,8 @@ class ModulePlan:
     bf16_reason: str | None
     """Why this module stays BF16 at every step (first/last layer, pattern, LM head), else None."""
     gemms: dict[Gemm, GemmPlan] = field(default_factory=dict)
+    te: TERecipe | None = None
+    """Transformer Engine backend: the TE recipe this module runs under at this step (None: BF16)."""
 
     @property
     def any_fp8(self) -> bool:
@@ -152,6 +169,8 @@ class StepPlan:
     """Short label for the progress bar: 'bf16', 'bf16 warmup', 'fp8 w', 'fp8 w+a+g'."""
     roles_fp8: frozenset[Role]
     modules: dict[str, ModulePlan]
+    note: str = ""
+    """Transformer Engine backend: how this stage runs there when it differs from the roles ('forward-only ...')."""
 
 
 class PrecisionPlan:
@@ -161,6 +180,8 @@ class PrecisionPlan:
         self.recipe = recipe
         self.layout = layout
         self.hardware = hardware or Hardware()
+        self.te: TEResolution | None = None
+        """The TE resolution (policies as TE runs them, substitutions) when the backend is te, else None."""
         self.backend, self.backend_reason = self._resolve_backend()
         self._cache: dict[frozenset[Role], StepPlan] = {}
 
@@ -171,18 +192,40 @@ class PrecisionPlan:
             return Backend.EMULATED, "no FP8 role: every GEMM runs BF16"
         if want is Backend.EMULATED:
             return Backend.EMULATED, "requested"
-        te_ready = self.hardware.has_fp8 and _te_backend_available()
+        hw = self.hardware
+        te_ready = hw.has_fp8 and _te_backend_available()
+        if want is Backend.TE and not te_ready:
+            if hw.has_fp8:
+                raise ValueError("backend: 'te' is not available in this build of fp8-recipes "
+                                 "(fp8_recipes.backends.te is missing); set backend: emulated (or auto)")
+            raise ValueError(f"backend: 'te' needs a CUDA GPU with FP8 (sm_89+) and Transformer Engine; this "
+                             f"machine has {hw.describe()}; set backend: emulated (or auto)")
+        if not te_ready:
+            return Backend.EMULATED, f"auto: {hw.describe()} has no Transformer Engine FP8 backend"
+        resolution = resolve_te(self.recipe, hw.compute_capability, hw.name)
+        if "output_layer" in self.layout.module_names and self.bf16_reason("output_layer") is None:
+            resolution = dataclasses.replace(resolution, substitutions=resolution.substitutions + (Substitution(
+                "layers.fp8_output_layer", True, "FP8 LM head", "BF16 LM head",
+                "Megatron-Core builds the LM head as a plain ColumnParallelLinear, not a TE module",
+                "set layers.fp8_output_layer: false"),))
         if want is Backend.TE:
-            if self.hardware.has_fp8 and not te_ready:
-                raise ValueError("backend: 'te' is not implemented in this version of fp8-recipes yet; "
-                                 "set backend: emulated (or auto)")
-            if not te_ready:
-                raise ValueError(f"backend: 'te' needs a CUDA GPU with FP8 (sm_89+) and Transformer Engine; this "
-                                 f"machine has {self.hardware.describe()}; set backend: emulated (or auto)")
+            refusal = resolution.refusal()
+            if refusal:  # one line, before any model is built: the user asked for exactly this recipe on TE
+                raise ValueError(refusal)
+            self.te = resolution
             return Backend.TE, "requested"
-        if te_ready:
-            return Backend.TE, "auto: FP8 GPU with Transformer Engine"
-        return Backend.EMULATED, f"auto: {self.hardware.describe()} has no Transformer Engine FP8 backend"
+        if resolution.unsupported:
+            return Backend.EMULATED, (f"auto: the emulated backend runs the whole model as asked, because "
+                                      f"{resolution.unsupported}")
+        self.te = resolution
+        n = len(resolution.substitutions)
+        return Backend.TE, "auto: FP8 GPU with Transformer Engine" + (
+            f"; {n} setting{'s' * (n > 1)} substituted, see below" if n else "")
+
+    @property
+    def substitutions(self) -> tuple[Substitution, ...]:
+        """Settings the TE backend runs differently from the recipe (empty for the emulated backend)."""
+        return self.te.substitutions if self.te else ()
 
     def bf16_reason(self, name: str) -> str | None:
         rules = self.recipe.layers
@@ -222,10 +265,15 @@ class PrecisionPlan:
         roles = self.roles_fp8_at(step)
         cached = self._cache.get(roles)
         if cached is None:
-            modules = {n: self._module_plan(n, roles) for n in self.layout.module_names}
-            cached = self._cache[roles] = StepPlan(step, self.stage_label(roles, step), roles, modules)
+            if self.te is not None:
+                te = te_recipe_for(self.te, roles)
+                modules = {n: self._te_module_plan(n, roles, te) for n in self.layout.module_names}
+                note = te_stage_note(roles, self.roles_fp8_at(10**12))
+            else:
+                modules, note = {n: self._module_plan(n, roles) for n in self.layout.module_names}, ""
+            cached = self._cache[roles] = StepPlan(step, self.stage_label(roles, step), roles, modules, note)
         if cached.step != step:
-            return StepPlan(step, self.stage_label(roles, step), roles, cached.modules)
+            return dataclasses.replace(cached, step=step, stage=self.stage_label(roles, step))
         return cached
 
     def _module_plan(self, name: str, roles: frozenset[Role]) -> ModulePlan:
@@ -235,6 +283,20 @@ class PrecisionPlan:
             ops = tuple((r, self.recipe.policy(r) if (reason is None and r in roles) else None) for r in (a, b))
             gemms[gemm] = GemmPlan(gemm, self._execution(ops), ops)
         return ModulePlan(name, self.layout.layer_of(name), reason, gemms)
+
+    def _te_module_plan(self, name: str, roles: frozenset[Role], te: TERecipe | None) -> ModulePlan:
+        """A module on the TE backend: the stage's TE recipe, unless the module is kept BF16 or is the LM head
+        (Megatron-Core builds it as a plain ColumnParallelLinear, never a TE module)."""
+        reason = self.bf16_reason(name)
+        if reason is None and self.layout.layer_of(name) is None:
+            reason = "LM head is not a Transformer Engine module"
+        te = te if reason is None else None
+        gemms = {}
+        for gemm, (a, b) in GEMM_OPERANDS.items():
+            fp8 = te is not None and (gemm is Gemm.FPROP or not te.forward_only)
+            ops = tuple((r, te.policy(r) if fp8 else None) for r in (a, b))
+            gemms[gemm] = GemmPlan(gemm, Execution.FP8 if fp8 else Execution.BF16, ops)
+        return ModulePlan(name, self.layout.layer_of(name), reason, gemms, te)
 
     def _execution(self, operands) -> Execution:
         if all(p is None for _, p in operands):
@@ -262,5 +324,8 @@ class PrecisionPlan:
 
 
 def _te_backend_available() -> bool:
-    """Whether this build has a Transformer Engine backend to hand FP8 GEMMs to (it lands in a later step)."""
-    return False
+    """Whether this build ships the Transformer Engine backend. TE itself being importable is the hardware's
+    part (``Hardware.te_version``, set by ``detect()``), so tests can plan for an H200 on a CPU machine."""
+    import importlib.util
+
+    return importlib.util.find_spec("fp8_recipes.backends.te") is not None

@@ -17,6 +17,16 @@ def _row(layers: str, module: str, mp: ModulePlan) -> str:
     return f"  {layers:<8} {module:<28} {cells}{mp.bf16_reason or ''}".rstrip()
 
 
+def _te_lines(plan: PrecisionPlan) -> list[str]:
+    """What the TE backend changes: each substituted setting (as asked -> as run, and why), then notes."""
+    out = [""]
+    if plan.substitutions:
+        out += [f"Transformer Engine runs the nearest legal recipe on {plan.hardware.name} ({plan.hardware.sm}):"]
+        out += [f"  {s.key:<24} {s.line()}" for s in plan.substitutions]
+    out += [f"note: {n}" for n in plan.te.notes]
+    return out if len(out) > 1 else []
+
+
 def format_plan(plan: PrecisionPlan, max_steps: int | None = None) -> str:
     r = plan.recipe
     sched = r.schedule
@@ -31,10 +41,17 @@ def format_plan(plan: PrecisionPlan, max_steps: int | None = None) -> str:
         p = r.policy(role)
         start = str(sched.role_start(role)) if p.is_fp8 else "-"
         lines.append(f"  {role!s:<12} {p.describe():<40} {start}")
+    if plan.te is not None:
+        lines += _te_lines(plan)
     lines += ["", "stages"]
     for first, last, label in plan.stages(max_steps):
         span = f"{first}-{last}" if last is not None else f"{first}-"
         lines.append(f"  steps {span:<14} {label}")
+        step_plan = plan.at(first)
+        if plan.te is not None and step_plan.roles_fp8:
+            te = next((m.te for m in step_plan.modules.values() if m.te is not None), None)
+            runs = te.describe() if te is not None else "BF16"
+            lines.append(f"  {'':<20} TE: {runs}" + (f" ({step_plan.note})" if step_plan.note else ""))
     if sched.full_precision_eval_interval:
         lines.append(f"  full-precision evaluation every {sched.full_precision_eval_interval} steps")
 

@@ -10,7 +10,6 @@ for ``scripts/train.py +recipe=NAME``; :func:`load_recipe_dict` applies the same
 from __future__ import annotations
 
 import difflib
-import importlib.resources
 from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
@@ -35,7 +34,9 @@ def conf_dir() -> Path:
     root = project_root()
     if root is not None:
         return root / "conf"
-    return Path(str(importlib.resources.files("fp8_recipes._conf")))
+    # _conf has no __init__.py (it is conf/ shipped as data), so it is a namespace package: files() returns a
+    # MultiplexedPath there, whose str() is its repr, not a path. The installed files sit beside this module.
+    return Path(__file__).resolve().parent / "_conf"
 
 
 def recipes_dir() -> Path:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from fp8_recipes.backends.groups import amax_reduction_group
 from fp8_recipes.numerics import DelayedScaler, fake_quant
 from fp8_recipes.plan import Gemm, ModulePlan, PrecisionPlan
 from fp8_recipes.schema import ROLES, AmaxReduction, Role, Scaling, TensorPolicy
@@ -79,6 +80,8 @@ class _EmulatedGemm(torch.autograd.Function):
             if (dyq is not None and g_pol is not None and g_pol == state.policy(Gemm.DGRAD, Role.GRADIENTS)
                     and g_pol.scaling in (Scaling.TENSORWISE, Scaling.DELAYED)):
                 dyq_w = dyq  # one per-tensor scale quantizes rowwise and columnwise alike: reuse dgrad's copy
+                if state.observer is not None:  # still an operand of this GEMM: the hook sees every one
+                    state.observer(state, Gemm.WGRAD, Role.GRADIENTS, dy2, dyq_w)
             else:
                 dyq_w = state.quantized(dy2, Gemm.WGRAD, Role.GRADIENTS, columnwise=True)
             xq = state.quantized(x2, Gemm.WGRAD, Role.ACTIVATIONS, columnwise=True)
@@ -95,12 +98,8 @@ def _amax_reducer(kind: AmaxReduction) -> Callable[[torch.Tensor], torch.Tensor]
     """MAX all-reduce over the recipe's group, or None when there is nothing to reduce over."""
     import torch.distributed as dist
 
-    if kind is AmaxReduction.NONE or not dist.is_available() or not dist.is_initialized():
-        return None
-    from megatron.core import parallel_state as ps
-
-    group = ps.get_data_parallel_group() if kind is AmaxReduction.DATA else ps.get_tensor_model_parallel_group()
-    if dist.get_world_size(group) == 1:
+    group = amax_reduction_group(kind)
+    if group is None:
         return None
 
     def reduce(amax: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,8 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
 from fp8_recipes.backends.emulated import EmulatedLinearState, EmulatedPrecision, emulated_linear
-from fp8_recipes.megatron.model import named_linear_modules
-from fp8_recipes.plan import ModelLayout, PrecisionPlan
+from fp8_recipes.megatron.model import model_layout, named_linear_modules  # model_layout: re-exported
+from fp8_recipes.plan import PrecisionPlan
 
 __all__ = [
     "EmulatedColumnParallelLinear", "EmulatedRowParallelLinear", "attach_emulated_backend", "model_layout",
@@ -61,11 +61,3 @@ def attach_emulated_backend(model: torch.nn.Module, plan: PrecisionPlan) -> Emul
         raise ValueError("emulated backend: the plan was made for another model layout; build the plan from "
                          "model_layout(model)")
     return EmulatedPrecision(plan, states)
-
-
-def model_layout(model: torch.nn.Module) -> ModelLayout:
-    """The plan's view of a built GPTModel: its transformer layer count and linear module names."""
-    from fp8_recipes.megatron.model import unwrap_model
-
-    gpt = unwrap_model(model)
-    return ModelLayout(gpt.config.num_layers, tuple(n for n, _ in named_linear_modules(model)))

@@ -57,6 +57,7 @@ __all__ = [
     "replace_output_layer_class",
     "named_linear_modules",
     "linear_module_names",
+    "model_layout",
 ]
 
 logger = logging.getLogger(__name__)
@@ -265,7 +266,7 @@ def _substitute_linears(spec, column_linear: type | None, row_linear: type | Non
 def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_linear: type | None = None,
                     output_linear: type | None = None, use_te_spec: bool = False,
                     params_dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                    ) -> torch.nn.Module:
+                    config_overrides: Mapping[str, Any] | None = None) -> torch.nn.Module:
     """Build a Megatron-Core ``GPTModel`` from a ``model`` config group (dict or DictConfig).
 
     ``init_distributed`` must have run (the model reads TP size and groups from parallel_state).
@@ -278,6 +279,13 @@ def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_li
     is the GPTModel): its forward casts float inputs to bf16 and upcasts the per-token loss to fp32, and it
     is the only way all params (norms, embeddings) end up bf16 (FACTS.md). Use :func:`unwrap_model` to reach
     the GPTModel either way.
+
+    ``use_te_spec=True`` (GPUs with Transformer Engine): linear_qkv / linear_fc1 become
+    TELayerNormColumnParallelLinear (the input norm fused in, so the layer's own norms are IdentityOp) and
+    linear_proj / linear_fc2 TERowParallelLinear, under the same names, so :func:`linear_module_names` and the
+    plan's layout are those of the local spec; the LM head stays a ColumnParallelLinear. ``config_overrides``
+    go into the TransformerConfig as they are (e.g. ``{"fp8": "hybrid", "fp8_recipe": "tensorwise"}`` for
+    Megatron-Core's own FP8 path, which the benchmarks compare against).
     """
     import torch.nn.functional as F
     from megatron.core import parallel_state, tensor_parallel
@@ -332,7 +340,8 @@ def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_li
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=False,  # needs main_grad buffers (Megatron's DDP); our loop uses .grad
+        **dict(config_overrides or {}),
     )
 
     if use_te_spec:
@@ -423,3 +432,10 @@ def named_linear_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Mod
 def linear_module_names(model: torch.nn.Module) -> list[str]:
     """Names of the linear modules a precision plan decides on (see :func:`named_linear_modules`)."""
     return [name for name, _ in named_linear_modules(model)]
+
+
+def model_layout(model: torch.nn.Module):
+    """The plan's view of a built GPTModel (local or TE spec): its transformer layer count and linear names."""
+    from fp8_recipes.plan import ModelLayout
+
+    return ModelLayout(unwrap_model(model).config.num_layers, tuple(linear_module_names(model)))

@@ -360,6 +360,26 @@ def _train_step(model, batches, accumulation: int, dp_size: int, master: MasterP
     return synced[0].item() / (accumulation * dp_size), int(synced[1].item()), grad_norm  # .item(): a sync point
 
 
+class _PlainBar:
+    """What train() uses of tqdm, as plain lines (when tqdm is not installed)."""
+
+    def __init__(self, *, total: int, initial: int = 0, disable: bool = False, **_: Any):
+        self.n, self.total, self.disable = initial, total, disable
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+
+    def set_postfix_str(self, text: str, refresh: bool = True) -> None:  # train() calls it once per step
+        if not self.disable:
+            print(f"train {self.n}/{self.total} | {text}", flush=True)
+
+    def write(self, text: str) -> None:
+        print(text, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
 def _due(done: int, interval: int, last: int) -> bool:
     return interval > 0 and (done % interval == 0 or done == last)
 
@@ -374,7 +394,10 @@ def train(model: torch.nn.Module, batches_train: Iterator[Mapping[str, Any]],
     this data-parallel rank. ``resume_from`` (a run dir or step dir) restores model, optimizer, schedule,
     precision state and RNG, not the data position.
     """
-    from tqdm.auto import tqdm
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # a bare GPU image may lack it: print a line per step instead
+        tqdm = _PlainBar
 
     cfg = TrainerConfig.from_cfg(trainer_cfg)
     run_dir = Path(run_dir)

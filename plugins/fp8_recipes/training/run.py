@@ -61,12 +61,38 @@ def quiet_third_party_logs() -> None:
         warnings.filterwarnings("ignore", message=f".*{msg}.*")
 
 
+def _attach_emulated(model_cfg: dict, recipe, hardware, params_dtype: torch.dtype, device: torch.device):
+    """Megatron-Core's local spec with plan-driven fake-quantized linears (any device, any recipe)."""
+    from fp8_recipes.megatron.emulated_layers import (
+        EmulatedColumnParallelLinear, EmulatedRowParallelLinear, attach_emulated_backend,
+    )
+    from fp8_recipes.megatron.model import build_gpt_model, model_layout
+    from fp8_recipes.plan import PrecisionPlan
+
+    model = build_gpt_model(model_cfg, params_dtype=params_dtype, device=device,
+                            column_linear=EmulatedColumnParallelLinear, row_linear=EmulatedRowParallelLinear)
+    plan = PrecisionPlan(recipe, model_layout(model), hardware)
+    return model, plan, attach_emulated_backend(model, plan)
+
+
+def _attach_te(model_cfg: dict, recipe, hardware, params_dtype: torch.dtype, device: torch.device):
+    """Megatron-Core's TE layer spec (no fp8 in its config) under per-layer te.autocast from the plan."""
+    from fp8_recipes.megatron.model import build_gpt_model, model_layout
+    from fp8_recipes.megatron.te_layers import attach_te_backend
+    from fp8_recipes.plan import PrecisionPlan
+
+    model = build_gpt_model(model_cfg, use_te_spec=True, params_dtype=params_dtype, device=device)
+    plan = PrecisionPlan(recipe, model_layout(model), hardware)
+    return model, plan, attach_te_backend(model, plan)
+
+
 def run_training(cfg) -> dict:
     from omegaconf import OmegaConf
 
     from fp8_recipes.megatron.data import batches, build_gpt_datasets, prepare_dataset
-    from fp8_recipes.megatron.model import build_gpt_model, destroy_distributed, init_distributed
-    from fp8_recipes.plan import Hardware, PrecisionPlan
+    from fp8_recipes.megatron.model import destroy_distributed, init_distributed
+    from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan
+    from fp8_recipes.schema import Backend
     from fp8_recipes.training.loop import train
 
     quiet_third_party_logs()
@@ -75,9 +101,7 @@ def run_training(cfg) -> dict:
     trainer = cfg.trainer
     run_dir = Path(cfg.run_dir)
     # Fail on the recipe/hardware combination before any process group, data or model exists.
-    from fp8_recipes.plan import ModelLayout
-
-    PrecisionPlan(recipe, ModelLayout.gpt(int(cfg.model.num_layers)), hardware)
+    first_plan = PrecisionPlan(recipe, ModelLayout.gpt(int(cfg.model.num_layers)), hardware)
 
     rank, world_size, device = init_distributed(
         tensor_model_parallel_size=int(trainer.get("tensor_model_parallel_size", 1)), seed=int(trainer.seed))
@@ -119,15 +143,9 @@ def run_training(cfg) -> dict:
         elif int(model_cfg["vocab_size"]) < int(meta["vocab_size"]):
             raise ValueError(f"model.vocab_size: {model_cfg['vocab_size']} is smaller than the tokenizer's "
                              f"{meta['vocab_size']} ({data_dir}); set model.vocab_size=${{data.vocab_size}} or larger")
-        from fp8_recipes.megatron.emulated_layers import (
-            EmulatedColumnParallelLinear, EmulatedRowParallelLinear, attach_emulated_backend, model_layout,
-        )
-
-        backend_kw = dict(column_linear=EmulatedColumnParallelLinear, row_linear=EmulatedRowParallelLinear)
-        model = build_gpt_model(model_cfg, params_dtype=_dtype(str(trainer.params_dtype)), device=device,
-                                **backend_kw)
-        plan = PrecisionPlan(recipe, model_layout(model), hardware)
-        precision = attach_emulated_backend(model, plan)
+        params_dtype = _dtype(str(trainer.params_dtype))
+        attach = _attach_te if first_plan.backend is Backend.TE else _attach_emulated
+        model, plan, precision = attach(model_cfg, recipe, hardware, params_dtype, device)
         if rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
             explained = plan.explain(max_steps=int(trainer.max_steps))
@@ -139,6 +157,8 @@ def run_training(cfg) -> dict:
         summary = train(model, train_iter, valid_iter, trainer, precision, run_dir, rank=rank,
                         world_size=world_size)
         summary.update(recipe=recipe.name, backend=str(plan.backend), rank=rank)
+        if hasattr(precision, "execution_summary"):  # what the TE linears really ran, against the plan
+            summary["te_execution"] = precision.execution_summary()
         return summary
     finally:
         destroy_distributed()

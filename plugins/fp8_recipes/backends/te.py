@@ -1,0 +1,394 @@
+"""The Transformer Engine backend: TE recipe objects built from the plan, and per-layer ``te.autocast`` driven by it.
+
+    precision = attach_te_backend(model, plan)        # fp8_recipes.megatron.te_layers: finds layers and linears
+    stage = precision.begin_step(step)                 # applies plan.at(step): which layers run FP8, under what
+
+How it runs (FACTS.md, "plugin-owned precision"): the Megatron-Core model is built with the TE layer spec and no
+``fp8`` in its config; each TransformerLayer's forward runs inside our own ``te.autocast(enabled, recipe)``
+chosen from the plan for that layer and step (as fast as Megatron-Core's own path). A linear kept BF16 inside an
+FP8 layer (a ``bf16_modules`` pattern) runs under its own ``te.autocast(enabled=False)``. When a step has
+delayed scaling anywhere, one more ``te.autocast`` spans the decoder, as Megatron-Core does: TE reduces and
+updates amax histories when the *outermost* autocast exits (forward) and after the first FP8 module's backward,
+so per-layer autocasts alone would roll every history once per layer (why Megatron-Core refuses first/last-layer
+BF16 with delayed scaling; nested inside one outer autocast it is exact).
+
+State across stage changes: one TE recipe object per distinct :class:`~fp8_recipes.plan.TERecipe`, built once.
+TE keeps a module's delayed-scaling state (scale, amax history) when the next recipe has the same class
+(``set_meta_tensor`` returns early; a CustomRecipe rebuild hands it over through ``inherit_state_from``); only a
+change of recipe class starts afresh, which the plan never asks for (delayed roles keep one carrier).
+
+Checkpoints: TE would pickle each module's recipe and delayed state into ``_extra_state``; TE 2.20 refuses to
+load that without NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1, and our callables would be pickled with it. So the TE
+modules' extra state stays empty and the delayed-scaling tensors travel in :meth:`TEPrecision.state_dict` as
+plain tensors, put back before the module's next FP8 forward (TE's own way: ``init_fp8_meta_tensors``, then copy).
+
+TE is imported inside functions only: a broken TE must not break importing this package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from fp8_recipes.plan import PrecisionPlan, StepPlan, TERecipe
+from fp8_recipes.schema import AmaxAlgo, AmaxReduction, Format, Role, Scaling, TensorPolicy
+
+__all__ = ["PercentileAmax", "Pow2DelayedScale", "RoleQuantizers", "TEPrecision", "te_available", "te_recipe"]
+
+FP8, FP8_FWD, BF16 = "fp8", "fp8 fwd", "bf16"  # what a TE linear ran, as counted by TEPrecision
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def te_available() -> bool:
+    """Whether Transformer Engine's PyTorch part imports here (any failure, e.g. no cuDNN, means no)."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# TE recipes from the plan's TERecipe
+
+
+class PercentileAmax:
+    """``DelayedScaling.amax_compute_algo`` for ``percentile``: per quantizer, the p-th percentile of the recorded
+    (positive) amaxes of the window, 0 when none (TE then keeps the scale): DelayedScaler's rule, vectorized."""
+
+    def __init__(self, percentile: float):
+        self.percentile = percentile
+
+    def __call__(self, amax_history: torch.Tensor) -> torch.Tensor:  # (history_len, n) -> (n,)
+        h = amax_history.float()
+        seen = torch.where(h > 0, h, torch.full_like(h, float("nan")))
+        return torch.nan_to_num(torch.nanquantile(seen, self.percentile / 100.0, dim=0), nan=0.0)
+
+    # TE requires the DelayedScalingRequests of one module to be equal: compare by value, not identity
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PercentileAmax) and other.percentile == self.percentile
+
+    def __hash__(self) -> int:
+        return hash(("PercentileAmax", self.percentile))
+
+    def __repr__(self) -> str:
+        return f"PercentileAmax({self.percentile:g})"
+
+
+class Pow2DelayedScale:
+    """``DelayedScaling.scaling_factor_compute_algo`` for ``pow2_scales``: TE's default update (fp8_max / amax /
+    2^margin, kept when amax is 0 or not finite, float32 max when it overflows), rounded down to a power of two."""
+
+    def __call__(self, amax: torch.Tensor, scale: torch.Tensor, fp8_max: float, recipe: Any) -> torch.Tensor:
+        sf = fp8_max / amax
+        sf = torch.where(torch.isinf(sf), torch.full_like(sf, _FLOAT32_MAX), sf) * (2.0 ** -recipe.margin)
+        sf = (sf.contiguous().view(torch.int32) & torch.tensor(0xFF800000 - (1 << 32), dtype=torch.int32,
+                                                                device=sf.device)).view(torch.float32)
+        return torch.where((amax > 0) & torch.isfinite(amax), sf, scale)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Pow2DelayedScale)
+
+    def __hash__(self) -> int:
+        return hash("Pow2DelayedScale")
+
+    def __repr__(self) -> str:
+        return "Pow2DelayedScale()"
+
+
+def _amax_algo(p: TensorPolicy) -> str | Callable:
+    if p.amax_compute_algo is AmaxAlgo.PERCENTILE:
+        return PercentileAmax(p.percentile)
+    return str(p.amax_compute_algo)
+
+
+def _te_dtype(fmt: Format):
+    import transformer_engine_torch as tex
+
+    return tex.DType.kFloat8E4M3 if fmt is Format.E4M3 else tex.DType.kFloat8E5M2
+
+
+class RoleQuantizers:
+    """CustomRecipe ``qfactory``: each tensor a TE linear quantizes gets its role's policy (input -> activations,
+    weight -> weights, grad_output -> gradients). The boundary slots (output, grad_input: used only with
+    fp8_output / fp8_grad, which Megatron-Core's linears never ask for) stay high precision."""
+
+    _ROLE_OF = {"input": Role.ACTIVATIONS, "weight": Role.WEIGHTS, "grad_output": Role.GRADIENTS}
+
+    def __init__(self, choice: TERecipe, reduce_amax: bool):
+        self.choice = choice
+        self.reduce_amax = reduce_amax
+
+    def __call__(self, role: Any) -> Any:
+        import transformer_engine.pytorch as te
+        from transformer_engine.common.recipe import Format as TEFormat
+
+        linear = role is not None and getattr(role, "module_type", "") in ("linear", "grouped_linear", "")
+        r = self._ROLE_OF.get(role.tensor_type) if linear else None  # attention (dpa) and boundary slots: BF16
+        p = self.choice.policy(r) if r is not None else None
+        if p is None or not p.is_fp8:
+            return te.IdentityQuantizer()
+        if p.scaling is Scaling.DELAYED:  # TE allocates the state and reduces it with the built-in recipes'
+            return te.DelayedScalingRequest(
+                fp8_format=TEFormat[self.choice.fp8_format], margin=p.margin, amax_history_len=p.amax_history_len,
+                amax_compute_algo=_amax_algo(p), scaling_factor_compute_algo=Pow2DelayedScale() if p.pow2_scales
+                else None, reduce_amax=self.reduce_amax)
+        dtype = _te_dtype(p.format)
+        if p.scaling is Scaling.TENSORWISE:
+            return te.Float8CurrentScalingQuantizer(dtype, torch.device("cuda"), force_pow_2_scales=p.pow2_scales,
+                                                    amax_epsilon=p.amax_epsilon)
+        if p.scaling is Scaling.BLOCKWISE:
+            return te.Float8BlockQuantizer(dtype, rowwise=True, columnwise=True, amax_epsilon=p.amax_epsilon,
+                                           force_pow_2_scales=p.pow2_scales,
+                                           block_scaling_dim=1 if p.block[0] == 1 else 2)
+        return te.MXFP8Quantizer(dtype)
+
+    def __repr__(self) -> str:
+        return f"RoleQuantizers({self.choice.describe()})"
+
+
+def te_recipe(choice: TERecipe, *, reduce_amax: bool = True) -> Any:
+    """The TE recipe object for one TERecipe (every argument explicit: TE reads defaults from NVTE_* variables)."""
+    from transformer_engine.common import recipe as R
+
+    fmt = R.Format[choice.fp8_format]
+    override = "high_precision" if choice.forward_only else None
+    w, a, g = choice.weights, choice.activations, choice.gradients
+    if choice.recipe == "DelayedScaling":
+        return R.DelayedScaling(fp8_format=fmt, margin=w.margin, amax_history_len=w.amax_history_len,
+                                amax_compute_algo=_amax_algo(w),
+                                scaling_factor_compute_algo=Pow2DelayedScale() if w.pow2_scales else None,
+                                reduce_amax=reduce_amax, backward_override=None)
+    if choice.recipe == "MXFP8BlockScaling":
+        return R.MXFP8BlockScaling(fp8_format=fmt, backward_override=override)
+    if choice.recipe == "CustomRecipe":
+        return R.CustomRecipe(qfactory=RoleQuantizers(choice, reduce_amax), fp8_format=fmt, backward_override=override)
+    if choice.recipe == "Float8CurrentScaling":
+        out = R.Float8CurrentScaling(fp8_format=fmt, use_power_2_scales=a.pow2_scales, backward_override=override)
+    elif choice.recipe == "Float8BlockScaling":
+        dim = lambda p: 1 if not p.is_fp8 or p.block[0] == 1 else 2  # noqa: E731
+        out = R.Float8BlockScaling(fp8_format=fmt, x_block_scaling_dim=dim(a), w_block_scaling_dim=dim(w),
+                                   grad_block_scaling_dim=dim(g), backward_override=override)
+    else:
+        raise ValueError(f"unknown TE recipe class {choice.recipe!r}")
+    # Per-role scale options: class-level QParams in TE (not constructor fields); TE's linears read them per role.
+    out.fp8_quant_fwd_inp = R.QParams(power_2_scale=a.pow2_scales, amax_epsilon=a.amax_epsilon)
+    out.fp8_quant_fwd_weight = R.QParams(power_2_scale=w.pow2_scales, amax_epsilon=w.amax_epsilon)
+    if g.is_fp8:
+        out.fp8_quant_bwd_grad = R.QParams(power_2_scale=g.pow2_scales, amax_epsilon=g.amax_epsilon)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Delayed-scaling state of one TE module
+
+
+def _delayed_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's delayed-scaling scale / amax-history tensors (built-in or CustomRecipe), empty if none."""
+    meta = getattr(module, "fp8_meta", None) or {}
+    out = {}
+    for direction, key in (("fwd", "scaling_fwd"), ("bwd", "scaling_bwd")):
+        state = meta.get(key)
+        scale, history = getattr(state, "scale", None), getattr(state, "amax_history", None)
+        if isinstance(scale, torch.Tensor) and isinstance(history, torch.Tensor):
+            out[f"scale_{direction}"], out[f"amax_history_{direction}"] = scale, history
+    return out
+
+
+def _restore_delayed(name: str, module: torch.nn.Module, saved: Mapping[str, torch.Tensor], recipe: Any) -> None:
+    meta = module.fp8_meta
+    meta.setdefault("num_gemms", 1)  # TE's Linear and LayerNormLinear run one GEMM
+    meta["recipe"] = recipe
+    with torch.no_grad():
+        module.init_fp8_meta_tensors(recipe)  # allocates the state the next FP8 forward will find and keep
+        current = _delayed_tensors(module)
+        for key, value in saved.items():
+            if key not in current or current[key].shape != value.shape:
+                have = tuple(current[key].shape) if key in current else None
+                raise ValueError(f"{name}: delayed-scaling {key} has shape {tuple(value.shape)} in the checkpoint "
+                                 f"and {have} here; resume with the recipe it was saved with (amax_history_len)")
+            current[key].copy_(value)
+
+
+def _empty_extra_state() -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The controller
+
+
+def _kind(choice: TERecipe | None) -> str:
+    return BF16 if choice is None else (FP8_FWD if choice.forward_only else FP8)
+
+
+class TEPrecision:
+    """Executes a PrecisionPlan on Transformer Engine modules (the training loop's precision controller).
+
+    ``layers``: the TransformerLayers in order (plan layer i = layers[i]); ``linears``: the TE linear modules by
+    plan name; ``decoder``: the module spanning all layers (the outer autocast of delayed scaling).
+    ``count``: record what each TE linear really ran (``step_kinds``, ``module_kinds``, ``mismatches`` against
+    the plan) with a forward hook reading the module's own ``fp8`` flag and recipe (off for benchmarks).
+    """
+
+    def __init__(self, plan: PrecisionPlan, *, layers: Sequence[torch.nn.Module],
+                 linears: Mapping[str, torch.nn.Module], decoder: torch.nn.Module, amax_group: Any = None,
+                 count: bool = True):
+        import transformer_engine.pytorch as te
+        from transformer_engine.common.recipe import Float8CurrentScaling
+
+        if plan.te is None:
+            raise ValueError(f"te backend: the plan resolved backend {plan.backend!s} ({plan.backend_reason})")
+        self.plan = plan
+        self.full_precision_eval_interval = plan.recipe.schedule.full_precision_eval_interval
+        self.linears = dict(linears)
+        self._autocast = te.autocast
+        self._group = amax_group
+        self._reduce_amax = plan.recipe.amax_reduction is not AmaxReduction.NONE
+        # Disabled autocasts get a stateless recipe and no group: never the key of any delayed-scaling buffer.
+        self._off = (False, Float8CurrentScaling(), None)
+        self._recipes: dict[TERecipe, Any] = {}
+        self._layer_of = {n: plan.layout.layer_of(n) for n in self.linears}
+        self._layer_ctx: list[tuple | None] = [self._off] * len(layers)
+        self._module_ctx: dict[str, tuple | None] = {}
+        self._outer: tuple | None = None
+        self._choices: dict[str, TERecipe | None] = {}
+        self._expected: dict[str, str] = {}
+        self._roles: frozenset[Role] | None = None
+        self._step = 0
+        self._pending: dict[str, dict[str, torch.Tensor]] = {}
+        self.step_kinds: dict[int, Counter] = defaultdict(Counter)
+        self.module_kinds: Counter = Counter()
+        self.mismatches: Counter = Counter()
+        for i, layer in enumerate(layers):
+            self._wrap(layer, lambda i=i: self._layer_ctx[i])
+        for name, module in self.linears.items():
+            self._wrap(module, lambda name=name: self._module_ctx.get(name))
+            module.get_extra_state = _empty_extra_state  # see the module docstring (checkpoints)
+            if count:
+                module.register_forward_hook(self._counter(name))
+        self._wrap(decoder, lambda: self._outer)
+        self._cached_weights = [m for m in self.linears.values() if hasattr(m, "is_first_microbatch")]
+
+    # -- wiring ----------------------------------------------------------------------------------------------------
+    def _wrap(self, module: torch.nn.Module, context: Callable[[], tuple | None]) -> None:
+        inner, autocast = module.forward, self._autocast
+
+        def forward(*args, **kwargs):
+            ctx = context()
+            if ctx is None:
+                return inner(*args, **kwargs)
+            with autocast(enabled=ctx[0], recipe=ctx[1], amax_reduction_group=ctx[2]):
+                return inner(*args, **kwargs)
+
+        module.forward = forward
+
+    def _counter(self, name: str) -> Callable:
+        def hook(module, args, output):
+            got = BF16 if not getattr(module, "fp8", False) else (
+                FP8_FWD if module.fp8_meta["recipe"].backward_override is not None else FP8)
+            expected = self._expected.get(name, BF16)
+            if got != expected:
+                self.mismatches[(name, expected, got)] += 1
+            if module.training:
+                self.step_kinds[self._step][got] += 1
+                self.module_kinds[(name, got)] += 1
+        return hook
+
+    def te_recipe(self, choice: TERecipe) -> Any:
+        """The TE recipe object of `choice`, built once (FACTS: one object per layer or shared: same speed)."""
+        if choice not in self._recipes:
+            self._recipes[choice] = te_recipe(choice, reduce_amax=self._reduce_amax)
+        return self._recipes[choice]
+
+    def _ctx(self, choice: TERecipe | None) -> tuple:
+        return self._off if choice is None else (True, self.te_recipe(choice), self._group)
+
+    def _apply(self, sp: StepPlan) -> None:
+        """Derive every autocast of a stage from the plan: per layer the most common choice of its linears, per
+        linear an override where it differs, and the outer autocast when any choice has delayed state."""
+        choices = {n: sp.modules[n].te for n in self.linears}
+        by_layer: dict[int, list[str]] = defaultdict(list)
+        for name in self.linears:
+            by_layer[self._layer_of[name]].append(name)
+        for i in range(len(self._layer_ctx)):
+            names = by_layer.get(i, [])
+            layer_choice = Counter(choices[n] for n in names).most_common(1)[0][0] if names else None
+            self._layer_ctx[i] = self._ctx(layer_choice)
+            for n in names:
+                self._module_ctx[n] = None if choices[n] == layer_choice else self._ctx(choices[n])
+        delayed = next((c for c in choices.values() if c is not None and c.delayed), None)
+        self._outer = None if delayed is None else self._ctx(delayed)
+        for name, choice in choices.items():  # a cached FP8 weight belongs to the old quantizer: drop it
+            if name in self._choices and self._choices[name] != choice:
+                getattr(self.linears[name], "_fp8_workspaces", {}).clear()
+        self._choices = choices
+        self._expected = {n: _kind(c) for n, c in choices.items()}
+        self._restore_pending()
+
+    def _restore_pending(self) -> None:
+        for name in list(self._pending):
+            choice = self._choices.get(name)
+            if choice is not None and choice.delayed:
+                _restore_delayed(name, self.linears[name], self._pending.pop(name), self.te_recipe(choice))
+
+    # -- the Precision protocol ------------------------------------------------------------------------------------
+    def begin_step(self, step: int) -> str:
+        self._step = step
+        sp = self.plan.at(step)
+        if sp.roles_fp8 != self._roles:
+            self._apply(sp)
+            self._roles = sp.roles_fp8
+        self._weights_changed()
+        return sp.stage
+
+    def _weights_changed(self) -> None:
+        # Megatron-Core's TE linears quantize the weight on the first micro-batch and reuse it until told again
+        # (its schedules call set_is_first_microbatch(), which acts only when config.fp8 is set: not here).
+        for m in self._cached_weights:
+            m.is_first_microbatch = True
+
+    @contextlib.contextmanager
+    def high_precision(self) -> Iterator[None]:
+        saved = (list(self._layer_ctx), self._module_ctx, self._outer, self._expected)
+        self._layer_ctx[:] = [self._off] * len(self._layer_ctx)
+        self._module_ctx, self._outer = {}, None
+        self._expected = dict.fromkeys(self.linears, BF16)
+        try:
+            yield
+        finally:
+            self._layer_ctx[:], self._module_ctx, self._outer, self._expected = saved
+
+    def after_optimizer_step(self, step: int) -> None:
+        # TE updates delayed scales itself (autocast exit, backward); the weights changed: requantize them next.
+        self._weights_changed()
+
+    def state_dict(self) -> dict:
+        delayed = dict(self._pending)  # not put back yet (the module has not run FP8 since loading): keep them
+        for name, module in self.linears.items():
+            tensors = _delayed_tensors(module)
+            if tensors:
+                delayed[name] = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
+        return {"recipe": self.plan.recipe.name, "delayed": delayed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._pending = {n: dict(t) for n, t in state.get("delayed", {}).items() if n in self.linears}
+        if self._roles is not None:
+            self._restore_pending()
+
+    # -- what ran ----------------------------------------------------------------------------------------------------
+    def execution_summary(self) -> dict[str, Any]:
+        """Training forwards of TE linears by kind (fp8 / fp8 fwd / bf16), per stage, and mismatches vs the plan."""
+        by_stage: dict[str, Counter] = defaultdict(Counter)
+        for step, kinds in self.step_kinds.items():
+            by_stage[self.plan.at(step).stage].update(kinds)
+        total = Counter()
+        for (_, kind), n in self.module_kinds.items():
+            total[kind] += n
+        return {"module_forwards": dict(total), "by_stage": {s: dict(c) for s, c in by_stage.items()},
+                "plan_mismatches": sum(self.mismatches.values()),
+                "mismatch_examples": [f"{n}: planned {e}, ran {g}" for (n, e, g) in list(self.mismatches)[:5]]}

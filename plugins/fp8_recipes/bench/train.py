@@ -1,0 +1,209 @@
+"""Training throughput of a Megatron-Core GPT (TE layer spec) per recipe against BF16, and this project's TE
+backend against Megatron-Core's own FP8 path at the same recipe, measured side by side in one process.
+
+Per model, configs run one after another on a freshly built model (same seed, same random tokens):
+  bf16         the TE-spec model without any FP8 autocast
+  NAME         this project's TE backend: the plan of recipe NAME (attach_te_backend, counters off)
+  NAME:raw     Megatron-Core's own path: TransformerConfig(fp8=..., fp8_recipe=...) with the TE recipe the plan
+               chose (delayed: the same margin / history / algorithm), Megatron's get_fp8_context per layer,
+               set_is_first_microbatch() each step as its schedules do
+A step is forward (per-token loss, mean) + backward + plain fused torch AdamW on the BF16 params (no master
+weights, no DDP: the GEMMs dominate); tokens/s over ``steps`` timed steps after ``warmup``, peak memory from
+torch.cuda.max_memory_allocated.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["bench_train", "load_model_cfg", "summarize"]
+
+_MEGATRON_RECIPE = {"DelayedScaling": "delayed", "Float8CurrentScaling": "tensorwise",
+                    "Float8BlockScaling": "blockwise", "MXFP8BlockScaling": "mxfp8"}
+
+
+def load_model_cfg(name: str) -> dict:
+    """conf/model/NAME.yaml as a plain dict."""
+    from omegaconf import OmegaConf
+
+    from fp8_recipes.recipes import conf_dir
+
+    path = conf_dir() / "model" / f"{name}.yaml"
+    if not path.is_file():
+        raise ValueError(f"--models {name}: no {path}; choose from "
+                         f"{sorted(p.stem for p in path.parent.glob('*.yaml'))}")
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+
+
+def raw_megatron_fp8(choice: Any, recipe: Any) -> dict | None:
+    """TransformerConfig fields giving Megatron-Core's own path the plan's TE recipe, or None if it has none."""
+    if choice is None or choice.forward_only or choice.recipe not in _MEGATRON_RECIPE:
+        return None
+    if recipe.layers.bf16_first or recipe.layers.bf16_last or recipe.layers.bf16_modules:
+        return None  # Megatron's first_last_layers_bf16 differs (and refuses delayed): compare plain recipes only
+    out = {"fp8": "hybrid" if choice.fp8_format == "HYBRID" else "e4m3", "fp8_recipe": _MEGATRON_RECIPE[choice.recipe]}
+    if choice.recipe == "DelayedScaling":
+        w = choice.weights
+        if str(w.amax_compute_algo) not in ("max", "most_recent") or w.pow2_scales:
+            return None
+        out.update(fp8_margin=w.margin, fp8_amax_history_len=w.amax_history_len,
+                   fp8_amax_compute_algo=str(w.amax_compute_algo))
+    if choice.recipe in ("Float8CurrentScaling", "Float8BlockScaling"):
+        te_default_pow2 = choice.recipe == "Float8BlockScaling"
+        fp8 = [choice.policy(r) for r in ("weights", "activations", "gradients") if choice.policy(r).is_fp8]
+        if any(p.amax_epsilon or p.pow2_scales != te_default_pow2 for p in fp8):
+            return None  # non-default per-role scale options: Megatron's recipe would not be the same one
+    return out
+
+
+def _run_config(model_cfg: dict, label: str, *, seq: int, mbs: int, warmup: int, steps: int, seed: int
+                ) -> dict[str, Any]:
+    from megatron.core import tensor_parallel
+
+    from fp8_recipes.megatron.model import build_gpt_model, model_layout
+    from fp8_recipes.megatron.te_layers import attach_te_backend
+    from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan
+    from fp8_recipes.recipes import load_recipe
+
+    name, _, mode = label.partition(":")
+    overrides, precision, describe = None, None, "BF16"
+    if name != "bf16":
+        recipe = load_recipe(name)
+        plan = PrecisionPlan(recipe, ModelLayout.gpt(int(model_cfg["num_layers"])), Hardware.detect())
+        if plan.te is None:
+            return {"config": label, "skipped": f"no TE plan ({plan.backend_reason})"}
+        choice = plan.at(10**9).modules["decoder.layers.0.mlp.linear_fc1"].te
+        describe = choice.describe() if choice is not None else "BF16"
+        if mode == "raw":
+            overrides = raw_megatron_fp8(choice, recipe)
+            if overrides is None:
+                return {"config": label, "skipped": f"Megatron-Core has no plain recipe for {describe}"}
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    torch.cuda.reset_peak_memory_stats()
+    model = build_gpt_model(model_cfg, use_te_spec=True, params_dtype=torch.bfloat16, device="cuda",
+                            config_overrides=overrides)
+    if name != "bf16" and mode != "raw":
+        precision = attach_te_backend(model, PrecisionPlan(recipe, model_layout(model), Hardware.detect()),
+                                      count=False)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    vocab = int(model_cfg["vocab_size"])
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    tokens = torch.randint(0, vocab, (mbs, seq), device="cuda", generator=g)
+    labels = torch.randint(0, vocab, (mbs, seq), device="cuda", generator=g)
+    position_ids = torch.arange(seq, device="cuda").expand(mbs, seq)
+
+    def one_step(i: int) -> torch.Tensor:
+        if precision is not None:
+            precision.begin_step(i)
+        elif overrides is not None:
+            model.set_is_first_microbatch()  # Megatron's schedules: requantize the weights once per step
+        loss = model(tokens, position_ids, None, labels=labels).float().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if precision is not None:
+            precision.after_optimizer_step(i)
+        return loss.detach()
+
+    for i in range(warmup):
+        one_step(i)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for i in range(warmup, warmup + steps):
+        loss = one_step(i)
+    end.record()
+    end.synchronize()
+    seconds = start.elapsed_time(end) / 1000
+    out = {"config": label, "te_recipe": describe, "megatron_fp8": overrides, "step_ms": 1000 * seconds / steps,
+           "tokens_per_s": steps * mbs * seq / seconds, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+           "loss": loss.item()}
+    model = optimizer = precision = None  # drop the closure's references too, then the memory
+    _free()
+    return out
+
+
+def _free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+    try:
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+        FP8GlobalStateManager.reset()  # its amax buffers hold the freed model's delayed-scaling tensors
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def bench_train(models: list[str], configs: list[str], *, seq: int = 4096, mbs: int = 2, warmup: int = 3,
+                steps: int = 8, seed: int = 1234, out_dir: Path | None = None) -> dict[str, Any]:
+    """Every config of every model; with ``out_dir`` the results so far are saved after each config (a run cut
+    short by a time limit keeps what it measured)."""
+    from fp8_recipes.megatron.model import destroy_distributed, init_distributed
+
+    init_distributed(seed=seed)
+    t0 = time.perf_counter()
+    results: list[dict] = []
+    result = {"kind": "train", "device": torch.cuda.get_device_name(), "torch": torch.__version__, "seq": seq,
+              "mbs": mbs, "warmup": warmup, "steps": steps, "seconds": 0.0, "rows": results}
+    try:
+        for model_name in models:
+            cfg = {**load_model_cfg(model_name), "seq_length": seq}
+            for label in ["bf16"] + [c for c in configs if c != "bf16"]:
+                t = time.perf_counter()
+                row = {"model": model_name, **_run_config(cfg, label, seq=seq, mbs=mbs, warmup=warmup, steps=steps,
+                                                          seed=seed)}
+                row["wall_s"] = time.perf_counter() - t
+                results.append(row)
+                done = (f"{row['tokens_per_s']:,.0f} tok/s, {row['peak_mem_gib']:.1f} GiB, loss {row['loss']:.3f}"
+                        if "skipped" not in row else f"skipped: {row['skipped']}")
+                print(f"  {model_name} {label}: {done} ({row['wall_s']:.0f}s)", flush=True)
+                result["seconds"] = time.perf_counter() - t0
+                if out_dir is not None:
+                    save(result, out_dir)
+    finally:
+        destroy_distributed()
+    return result
+
+
+def summarize(result: dict[str, Any]) -> tuple[str, list[str], dict[str, list[float]]]:
+    """(Markdown table: tokens/s, x BF16, x raw Megatron-Core, memory; x labels; series x BF16) per model."""
+    from fp8_recipes.bench.output import markdown_table
+
+    rows, groups, series = [], [], {}
+    by_model: dict[str, dict[str, dict]] = {}
+    for r in result["rows"]:
+        by_model.setdefault(r["model"], {})[r["config"]] = r
+    for model, cfgs in by_model.items():
+        base = cfgs.get("bf16", {}).get("tokens_per_s")
+        for label, r in cfgs.items():
+            if "skipped" in r:
+                rows.append([model, label, r["skipped"], None, None, None, None])
+                continue
+            raw = cfgs.get(f"{label}:raw", {}).get("tokens_per_s") if ":" not in label and label != "bf16" else None
+            vs_bf16 = r["tokens_per_s"] / base if base else float("nan")
+            rows.append([model, label, r["te_recipe"], r["tokens_per_s"], vs_bf16,
+                         r["tokens_per_s"] / raw if raw else None, r["peak_mem_gib"]])
+            series.setdefault(label, [])
+        groups.append(model)
+    for label in series:
+        series[label] = [cfgs[label]["tokens_per_s"] / cfgs["bf16"]["tokens_per_s"]
+                         if label in cfgs and "skipped" not in cfgs[label] and "bf16" in cfgs else float("nan")
+                         for cfgs in by_model.values()]
+    header = ["model", "config", "TE recipe", "tok/s", "x BF16", "ours / raw Megatron", "peak GiB"]
+    return markdown_table(header, rows), groups, series
+
+
+def save(result: dict[str, Any], out_dir: Path) -> None:
+    from fp8_recipes.bench.output import bar_chart, save_json
+
+    save_json(out_dir / "bench_train.json", result)
+    _, groups, series = summarize(result)
+    bar_chart(out_dir / "bench_train.png", groups, series, ylabel="tokens/s relative to BF16",
+              title=f"Megatron-Core GPT, seq {result['seq']}, mbs {result['mbs']}, {result['device']}")

@@ -1,0 +1,345 @@
+"""What Transformer Engine 2.20 runs as real FP8 GEMMs, and the nearest thing it runs when a recipe asks for more.
+
+    resolution = resolve_te(recipe, compute_capability=(9, 0), device_name="NVIDIA H200")
+    resolution.policies          # per role, what TE will quantize with (after substitutions)
+    resolution.substitutions     # what changed and why (`backend: te` refuses the first one; `auto` prints them)
+    resolution.unsupported       # set when no GEMM of the recipe can run FP8 sensibly (`auto` falls back to emulated)
+    te_recipe_for(resolution, roles_enabled)   # per stage: the TERecipe a layer runs under, or None (BF16)
+
+The rules (measured on an H200 or read in TE 2.20.2's source, see docs/FACTS.md):
+- Both operands of one GEMM share a scaling family: per-tensor (delayed and current scaling: one scale per tensor),
+  block (1x128 and 128x128 blocks, ``Float8BlockQuantizer``) or MXFP8. FP8 x BF16 GEMMs do not exist.
+- Block GEMMs: 1x128 x 1x128 and 1x128 x 128x128 only ("2D by 2D block gemm not supported"); TE has no other
+  block shapes. Block scaling needs sm_90+; MXFP8 needs sm_100 (and not yet sm_120+, TE's own check).
+- TE's current and block quantizers have no margin; only delayed scaling does. TE's MXFP8 scale is NVIDIA's
+  round-up (rceil) rule. cuBLAS has no E5M2 x E5M2 FP8 GEMM. Delayed scaling quantizes forward tensors in E4M3,
+  and one DelayedScaling state (its margin, history, algorithm) quantizes a module's inputs and weights together.
+- ``backward_override="high_precision"`` (forward FP8, exact BF16 backward) exists for every recipe but
+  ``DelayedScaling``; a ``CustomRecipe`` whose factory returns ``DelayedScalingRequest`` quantizers does support it.
+- A GEMM runs FP8 only when both its operands are FP8, and TE has no "BF16 forward, FP8 backward": a stage runs
+  FP8 only once weights and activations are both on (forward-only until gradients follow).
+
+Pure: imports only the schema. The plan calls it; ``backends/te.py`` turns a TERecipe into TE objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from fp8_recipes.schema import (
+    DEFAULT_BLOCK, MXFP8_BLOCK, ROLES, AmaxAlgo, AmaxReduction, Format, MxRounding, Recipe, Role, Scaling,
+    TensorPolicy,
+)
+
+__all__ = ["Substitution", "TERecipe", "TEResolution", "resolve_te", "te_recipe_for", "te_stage_note"]
+
+W, A, G = Role.WEIGHTS, Role.ACTIVATIONS, Role.GRADIENTS
+# The GEMMs of a linear module and their operand roles (the plan's GEMM_OPERANDS, kept here to stay import-free).
+_GEMMS = (("fprop", A, W), ("dgrad", G, W), ("wgrad", G, A))
+TE_BLOCKS = ((1, 128), (128, 128))  # Float8BlockQuantizer: block_scaling_dim 1 and 2, block_len 128
+
+
+class Family(StrEnum):
+    PER_TENSOR = "per-tensor"
+    BLOCK = "block"
+    MX = "mxfp8"
+
+
+_FAMILY = {Scaling.DELAYED: Family.PER_TENSOR, Scaling.TENSORWISE: Family.PER_TENSOR,
+           Scaling.BLOCKWISE: Family.BLOCK, Scaling.MXFP8: Family.MX}
+# Nearest families first: MX and block scaling both keep per-block power-of-two scales.
+_NEAREST = {Family.MX: (Family.MX, Family.BLOCK, Family.PER_TENSOR),
+            Family.BLOCK: (Family.BLOCK, Family.MX, Family.PER_TENSOR),
+            Family.PER_TENSOR: (Family.PER_TENSOR, Family.BLOCK, Family.MX)}
+
+
+@dataclass(frozen=True)
+class Substitution:
+    """One requested setting TE cannot run as asked, and what runs instead."""
+
+    key: str
+    """The recipe's dotted key, e.g. ``weights.scaling``."""
+    value: Any
+    """The requested value."""
+    before: str
+    after: str
+    """The role's policy as asked and as TE runs it (``TensorPolicy.describe()``)."""
+    reason: str
+    fix: str
+    """What to write in the recipe to run it as asked on this machine."""
+
+    def line(self) -> str:
+        return f"{self.before} -> {self.after} ({self.reason})"
+
+    def refusal(self) -> str:
+        return (f"{self.key}: {self.value!r} cannot run on Transformer Engine as asked ({self.reason}); {self.fix}, "
+                f"or set backend: auto (runs the nearest legal recipe) or backend: emulated")
+
+
+@dataclass(frozen=True)
+class TERecipe:
+    """What one layer runs under for one stage: a TE recipe class and the per-role policies it quantizes with."""
+
+    recipe: str
+    """DelayedScaling | Float8CurrentScaling | Float8BlockScaling | MXFP8BlockScaling | CustomRecipe."""
+    weights: TensorPolicy
+    activations: TensorPolicy
+    gradients: TensorPolicy
+    """The gradients' policy (what the backward uses once it runs FP8); scaling none = never FP8."""
+    forward_only: bool = False
+    """backward_override="high_precision": FP8 fprop, dgrad and wgrad in BF16 from the unquantized operands."""
+
+    def policy(self, role: Role) -> TensorPolicy:
+        return getattr(self, str(role))
+
+    @property
+    def fp8_format(self) -> str:
+        """TE's recipe-wide format: HYBRID (E4M3 forward, E5M2 backward) unless the gradients are E4M3."""
+        return "E4M3" if self.gradients.is_fp8 and self.gradients.format is Format.E4M3 else "HYBRID"
+
+    @property
+    def delayed(self) -> bool:
+        """Carries delayed-scaling state (amax histories) that TE reduces and updates once per step."""
+        return any(self.policy(r).scaling is Scaling.DELAYED for r in ROLES)
+
+    def describe(self) -> str:
+        args = [f"fp8_format={self.fp8_format}"]
+        if self.recipe == "DelayedScaling":
+            args += _delayed_args(self.weights)
+        elif self.recipe == "Float8BlockScaling":
+            args += [f"{x} {'x'.join(map(str, self.policy(r).block))}" for x, r in (("x", A), ("w", W), ("grad", G))
+                     if self.policy(r).is_fp8]
+        elif self.recipe == "CustomRecipe":
+            args = [f"{r}: {self.policy(r).describe()}" for r in ROLES if self.policy(r).is_fp8]
+        if self.recipe in ("Float8CurrentScaling", "Float8BlockScaling"):
+            default_pow2 = self.recipe == "Float8BlockScaling"
+            args += [f"{r} {'no ' if not p.pow2_scales else ''}pow2" for r in ROLES
+                     if (p := self.policy(r)).is_fp8 and p.pow2_scales != default_pow2]
+            args += [f"{r} amax_epsilon={p.amax_epsilon:g}" for r in ROLES if (p := self.policy(r)).amax_epsilon]
+        if self.forward_only:
+            args.append("backward_override=high_precision")
+        return f"{self.recipe}({', '.join(args)})"
+
+
+def _delayed_args(p: TensorPolicy) -> list[str]:
+    algo = f"percentile {p.percentile:g} (callable)" if p.amax_compute_algo is AmaxAlgo.PERCENTILE \
+        else str(p.amax_compute_algo)
+    out = [f"margin={p.margin}", f"amax_history_len={p.amax_history_len}", f"amax_compute_algo={algo}"]
+    return out + (["pow2 scales (callable)"] if p.pow2_scales else [])
+
+
+@dataclass(frozen=True)
+class TEResolution:
+    policies: dict[Role, TensorPolicy]
+    substitutions: tuple[Substitution, ...] = ()
+    unsupported: str | None = None
+    """Why no GEMM of the recipe can run FP8 on TE as asked or nearly so (auto: emulated; te: refused)."""
+    unsupported_fix: str = ""
+    notes: tuple[str, ...] = ()
+    custom_delayed: bool = False
+    """Delayed roles run through CustomRecipe(DelayedScalingRequest) at every stage: the schedule has a
+    forward-only stage, which DelayedScaling cannot run, and one amax history must carry across the switch."""
+
+    def refusal(self) -> str | None:
+        """The one-line error of `backend: te`, or None when the recipe runs as asked."""
+        if self.unsupported:
+            return f"{self.unsupported}; {self.unsupported_fix}"
+        if not self.substitutions:
+            return None
+        more = self.substitutions[1:]
+        tail = f" (also: {', '.join(s.key for s in more)})" if more else ""
+        return self.substitutions[0].refusal() + tail
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Resolving a recipe for one machine
+
+
+def _sm(cc: tuple[int, int] | None) -> str:
+    return f"sm_{cc[0]}{cc[1]}" if cc else "sm_?"
+
+
+def _to_family(p: TensorPolicy, family: Family, role: Role) -> TensorPolicy:
+    """The nearest policy of `family`: same element format; the family's TE defaults for the rest."""
+    if family is Family.PER_TENSOR:
+        return TensorPolicy(scaling=Scaling.TENSORWISE, format=p.format, amax_epsilon=p.amax_epsilon)
+    if family is Family.BLOCK:
+        return TensorPolicy(scaling=Scaling.BLOCKWISE, format=p.format, block=DEFAULT_BLOCK[role], pow2_scales=True,
+                            amax_epsilon=p.amax_epsilon)
+    return TensorPolicy(scaling=Scaling.MXFP8, format=p.format, block=(1, MXFP8_BLOCK), pow2_scales=True)
+
+
+def _delayed_key(p: TensorPolicy) -> tuple:
+    pct = p.percentile if p.amax_compute_algo is AmaxAlgo.PERCENTILE else None
+    return (p.margin, p.amax_history_len, p.amax_compute_algo, pct, p.pow2_scales)
+
+
+class _Resolver:
+    def __init__(self, recipe: Recipe, cc: tuple[int, int] | None, device_name: str):
+        self.recipe = recipe
+        self.cc = cc or (0, 0)
+        self.where = f"{device_name} is {_sm(cc)}"
+        self.eff = {r: recipe.policy(r) for r in ROLES}
+        self.subs: list[Substitution] = []
+
+    def sub(self, role: Role, field: str, new: TensorPolicy, reason: str, fix: str) -> None:
+        old = self.eff[role]
+        value = getattr(self.recipe.policy(role), field)
+        value = list(value) if isinstance(value, tuple) else (str(value) if isinstance(value, StrEnum) else value)
+        self.subs.append(Substitution(f"{role}.{field}", value, old.describe(), new.describe(), reason, fix))
+        self.eff[role] = new
+
+    def families_available(self) -> tuple[Family, ...]:
+        out = [Family.PER_TENSOR]
+        if self.cc >= (9, 0):
+            out.append(Family.BLOCK)
+        if (10, 0) <= self.cc < (12, 0):
+            out.append(Family.MX)
+        return tuple(out)
+
+    def run(self) -> TEResolution:
+        fp8 = [r for r in ROLES if self.eff[r].is_fp8]
+        if not (self.eff[W].is_fp8 and self.eff[A].is_fp8):
+            off = W if not self.eff[W].is_fp8 else A
+            return TEResolution(dict(self.eff), unsupported=(
+                f"{off}.scaling: 'none' with {'+'.join(map(str, fp8))} FP8: Transformer Engine runs a GEMM in FP8 "
+                f"only when both its operands are FP8, and the backward only after an FP8 forward, so no GEMM of "
+                f"this recipe can"), unsupported_fix=f"give {off} a scaling, or set backend: emulated")
+        self.per_role_fixes(fp8)
+        self.one_family(fp8)
+        self.one_2d_block()
+        bad = self.e5m2_pairs()
+        if bad:
+            return TEResolution(dict(self.eff), tuple(self.subs), unsupported=bad[0], unsupported_fix=bad[1])
+        self.shared_delayed_state()
+        return TEResolution(dict(self.eff), tuple(self.subs), notes=self.notes(), custom_delayed=self.custom_delayed())
+
+    def per_role_fixes(self, fp8: list[Role]) -> None:
+        for r in fp8:
+            p = self.eff[r]
+            if p.scaling is Scaling.MXFP8 and p.mx_rounding is MxRounding.FLOOR:
+                self.sub(r, "mx_rounding", dataclasses.replace(p, mx_rounding=MxRounding.RCEIL),
+                         "TE's MXFP8 scales use NVIDIA's round-up rule", f"set {r}.mx_rounding: rceil")
+            if p.scaling is Scaling.BLOCKWISE and p.block not in TE_BLOCKS:
+                block = (1, 128) if p.block[0] == 1 else (128, 128)
+                self.sub(r, "block", dataclasses.replace(p, block=block),
+                         "TE's block quantizer has 1x128 and 128x128 blocks only",
+                         f"set {r}.block: [{block[0]}, {block[1]}]")
+            p = self.eff[r]
+            if p.scaling in (Scaling.TENSORWISE, Scaling.BLOCKWISE) and p.margin:
+                self.sub(r, "margin", dataclasses.replace(p, margin=0),
+                         "TE's current and block scaling have no margin; only delayed scaling does",
+                         f"remove {r}.margin")
+            p = self.eff[r]
+            if p.scaling is Scaling.DELAYED and r is not G and p.format is Format.E5M2:
+                self.sub(r, "format", dataclasses.replace(p, format=Format.E4M3),
+                         "TE's delayed scaling quantizes forward tensors in E4M3", f"set {r}.format: e4m3")
+
+    def one_family(self, fp8: list[Role]) -> None:
+        available = self.families_available()
+        have = {r: _FAMILY[self.eff[r].scaling] for r in fp8}
+        if len(set(have.values())) == 1 and next(iter(have.values())) in available:
+            return
+        prefer = _NEAREST[have[W]]
+        target = min(available, key=lambda f: (sum(fam is not f for fam in have.values()), prefer.index(f)))
+        for r in fp8:
+            if have[r] is target:
+                continue
+            if have[r] not in available:
+                reason = (f"MXFP8 needs sm_100; {self.where}" if have[r] is Family.MX
+                          else f"block-scaled FP8 GEMMs need sm_90; {self.where}")
+            else:
+                reason = f"one TE GEMM cannot mix {have[r]} with {target} scaling"
+            new = _to_family(self.eff[r], target, r)
+            self.sub(r, "scaling", new, reason, f"set {r}.scaling: {new.scaling}")
+
+    def one_2d_block(self) -> None:
+        two_d = [r for r in (W, A, G) if self.eff[r].scaling is Scaling.BLOCKWISE and self.eff[r].block[0] > 1]
+        for r in two_d[1:]:  # every pair of roles meets in a GEMM: at most one role may have 2D blocks
+            self.sub(r, "block", dataclasses.replace(self.eff[r], block=(1, 128)),
+                     f"TE has no GEMM with two 128x128-block operands ({two_d[0]} has them)",
+                     f"set {r}.block: [1, 128]")
+
+    def e5m2_pairs(self) -> tuple[str, str] | None:
+        for gemm, x, y in _GEMMS:
+            px, py = self.eff[x], self.eff[y]
+            if px.is_fp8 and py.is_fp8 and px.format is py.format is Format.E5M2:
+                return (f"{x}.format: 'e5m2' with {y}.format: 'e5m2': the {gemm} GEMM would multiply two E5M2 "
+                        f"operands, which cuBLAS has no FP8 kernel for"), f"set {x}.format: e4m3, or backend: emulated"
+        return None
+
+    def shared_delayed_state(self) -> None:
+        pw, pa = self.eff[W], self.eff[A]
+        if pw.scaling is pa.scaling is Scaling.DELAYED and _delayed_key(pw) != _delayed_key(pa):
+            field = next(f for f in ("margin", "amax_history_len", "amax_compute_algo", "percentile", "pow2_scales")
+                         if getattr(pw, f) != getattr(pa, f))
+            new = dataclasses.replace(pa, **{f: getattr(pw, f) for f in
+                                             ("margin", "amax_history_len", "amax_compute_algo", "percentile",
+                                              "pow2_scales")})
+            self.sub(A, field, new, "one TE delayed-scaling state quantizes a module's inputs and weights together",
+                     f"set activations.{field} as weights.{field}")
+
+    def custom_delayed(self) -> bool:
+        if not any(self.eff[r].scaling is Scaling.DELAYED for r in ROLES):
+            return False
+        s = self.recipe.schedule
+        fwd_on = max(s.role_start(W), s.role_start(A))
+        return not self.eff[G].is_fp8 or s.role_start(G) > fwd_on
+
+    def notes(self) -> tuple[str, ...]:
+        out = []
+        if self.custom_delayed():
+            out.append("delayed scaling with a forward-only stage: DelayedScaling has no backward_override, so every "
+                       "stage runs CustomRecipe(DelayedScalingRequest) quantizers, which keep one amax history "
+                       "across the switch to FP8 gradients")
+        current = [r for r in ROLES if self.eff[r].scaling in (Scaling.TENSORWISE, Scaling.BLOCKWISE, Scaling.MXFP8)]
+        if current and self.recipe.amax_reduction is not AmaxReduction.NONE:
+            out.append(f"amax_reduction: {self.recipe.amax_reduction} reduces delayed-scaling amaxes only; TE's "
+                       f"current and block scaling use each rank's own amax (as in Megatron-Core)")
+        return tuple(out)
+
+
+def resolve_te(recipe: Recipe, compute_capability: tuple[int, int] | None, device_name: str = "this GPU"
+               ) -> TEResolution:
+    """Per role, what TE runs for `recipe` on a GPU of this compute capability, and every substitution made."""
+    return _Resolver(recipe, compute_capability, device_name).run()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per stage: the TE recipe of an FP8 layer
+
+
+def _builtin(pw: TensorPolicy, pa: TensorPolicy, pg: TensorPolicy, forward_only: bool, custom_delayed: bool) -> str:
+    kinds = {pw.scaling, pa.scaling} | ({pg.scaling} if pg.is_fp8 else set())
+    if len(kinds) > 1 or pw.format is not Format.E4M3 or pa.format is not Format.E4M3:
+        return "CustomRecipe"  # a per-role mix within one family, or E5M2 forward tensors: one quantizer per role
+    kind = kinds.pop()
+    if kind is Scaling.DELAYED:
+        same = pg.scaling is not Scaling.DELAYED or _delayed_key(pg) == _delayed_key(pw)
+        return "DelayedScaling" if same and not (forward_only or custom_delayed) else "CustomRecipe"
+    return {Scaling.TENSORWISE: "Float8CurrentScaling", Scaling.BLOCKWISE: "Float8BlockScaling",
+            Scaling.MXFP8: "MXFP8BlockScaling"}[kind]
+
+
+def te_recipe_for(resolution: TEResolution, roles: frozenset[Role]) -> TERecipe | None:
+    """The TERecipe an FP8 layer runs under while `roles` are enabled, or None: the stage runs BF16 on TE."""
+    if resolution.unsupported or W not in roles or A not in roles:
+        return None
+    pw, pa, pg = (resolution.policies[r] for r in (W, A, G))
+    forward_only = G not in roles or not pg.is_fp8
+    return TERecipe(_builtin(pw, pa, pg, forward_only, resolution.custom_delayed), pw, pa, pg, forward_only)
+
+
+def te_stage_note(roles: frozenset[Role], fp8_roles: frozenset[Role]) -> str:
+    """Why a stage runs as it does on TE, when that differs from its roles (empty otherwise)."""
+    if not roles or roles == fp8_roles and W in roles and A in roles:
+        return ""
+    if W in roles and A in roles:
+        return "forward only: the backward runs BF16 until gradients turn FP8"
+    if G in roles:
+        return "the forward GEMM needs weights and activations in FP8, and TE runs no FP8 backward under a BF16 forward"
+    on = "+".join(str(r) for r in ROLES if r in roles)
+    return f"with {on} alone every GEMM has a BF16 operand; an FP8 GEMM needs both in FP8"

@@ -1,0 +1,65 @@
+"""Megatron-Core GPT training speed per FP8 recipe vs BF16, and this project's TE backend vs Megatron-Core's own.
+
+    python scripts/bench_train.py                                    # llama3_8b_8l + _16l, delayed/tensorwise/blockwise
+    python scripts/bench_train.py --models llama3_8b_8l --configs tensorwise tensorwise:raw --steps 20
+    python scripts/bench_train.py --models llama3_8b_16l --mbs 2 --seq 4096 --warmup 3 --steps 8 --out runs/train16
+    python scripts/bench_train.py --plot-only runs/bench_train/bench_train.json
+
+Configs: bf16 (always first, the baseline), NAME (a recipe through this project's TE backend) and NAME:raw (the
+same TE recipe through Megatron-Core's own fp8 config and get_fp8_context). Same model, seed and random tokens;
+one GPU, plain fused torch AdamW. Prints tokens/s, the ratio to BF16, ours / raw and peak memory; writes
+bench_train.json and bench_train.png into --out. Needs a GPU with Transformer Engine.
+"""
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))  # a checkout without `pip install -e`
+
+DEFAULT_CONFIGS = ["delayed", "delayed:raw", "tensorwise", "tensorwise:raw", "blockwise", "blockwise:raw"]
+
+
+def _gpu_with_te() -> bool:
+    import torch
+
+    from fp8_recipes.backends.te import te_available
+
+    return torch.cuda.is_available() and te_available()
+
+
+def main() -> None:
+    from fp8_recipes.bench.train import bench_train, save, summarize
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", default=["llama3_8b_8l", "llama3_8b_16l"], help="conf/model/ names")
+    p.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, metavar="NAME[:raw]")
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--mbs", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--out", type=Path, default=Path("runs/bench_train"))
+    p.add_argument("--plot-only", type=Path, metavar="JSON", help="redraw the table and PNG from a result file")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    if args.plot_only:
+        result = json.loads(args.plot_only.read_text())
+        save(result, args.plot_only.parent)
+    elif not _gpu_with_te():
+        sys.exit("bench_train: needs a CUDA GPU with Transformer Engine (or --plot-only FILE.json)")
+    else:
+        from fp8_recipes.training.run import quiet_third_party_logs
+
+        quiet_third_party_logs()
+        result = bench_train(args.models, args.configs, seq=args.seq, mbs=args.mbs, warmup=args.warmup,
+                             steps=args.steps, out_dir=args.out)
+    print(summarize(result)[0])
+    print(f"({result['device']}, seq {result['seq']}, mbs {result['mbs']}, {result['steps']} timed steps after "
+          f"{result['warmup']}; {result['seconds']:.0f}s; JSON and PNG in "
+          f"{args.plot_only.parent if args.plot_only else args.out})")
+
+
+if __name__ == "__main__":
+    main()

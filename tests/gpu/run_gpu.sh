@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Everything the GPU machine checks, in one call, from the project root (after ../shared/gpu's install.sh):
+#     bash tests/gpu/run_gpu.sh            # logs, JSON and PNGs into $OUT (default runs/gpu)
+#     QUICK=1 bash tests/gpu/run_gpu.sh    # 8-layer model only in the training benchmark
+# Parts (one H200; each capped by `timeout` so the whole stays under ~9 minutes):
+#   1. GPU tests: numerics vs TE bit for bit, forward-only gradients, every recipe training, stage switches,
+#      first/last-layer and pattern BF16, delayed state across a checkpoint          (expected ~2 min,   cap 180 s)
+#   2. bench_gemm: te.Linear fwd+bwd per recipe vs BF16, 8 shapes                     (expected ~1 min,   cap 90 s)
+#   3. bench_train: llama3_8b_8l and _16l, seq 4096, mbs 2, bf16 / ours / raw Megatron (expected ~3 min,   cap 240 s)
+# Run it as a call of its own (not chained after install.sh): the caps add up to 8.5 minutes.
+# A short summary (test counts, both benchmark tables) is printed last.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-runs/gpu}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/plugins${PYTHONPATH:+:$PYTHONPATH}"
+start=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - start ))s] $*"; }
+
+stamp "environment" | tee "$OUT/env.txt"
+"$PY" - <<'PY' 2>&1 | tee -a "$OUT/env.txt"
+import importlib.util, torch
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, "
+      f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}")
+try:
+    import transformer_engine, megatron.core
+    print(f"Transformer Engine {transformer_engine.__version__}, megatron-core {megatron.core.__version__}")
+except Exception as e:  # noqa: BLE001
+    print(f"Transformer Engine / megatron-core do not import: {type(e).__name__}: {e}")
+missing = [m for m in ("pytest", "yaml", "omegaconf", "hydra", "tqdm", "matplotlib", "tensorboard", "tokenizers")
+           if importlib.util.find_spec(m) is None]
+print("missing (optional unless named in the notes):", ", ".join(missing) or "nothing")
+if "pytest" in missing:
+    print("note: no pytest: the GPU tests cannot run; carry it (../shared/gpu/prepare.sh pytest pluggy iniconfig)")
+if {"yaml", "omegaconf", "hydra"} & set(missing):
+    print("note: without PyYAML/omegaconf/hydra the run_training tests skip; carry pyyaml")
+PY
+
+stamp "1. GPU tests" | tee "$OUT/tests.log"
+timeout -s INT 180 "$PY" -m pytest tests/gpu -q -p no:cacheprovider -o addopts="" -rfEs \
+    --junitxml="$OUT/gpu-tests.xml" 2>&1 | tee -a "$OUT/tests.log"
+tests_rc=${PIPESTATUS[0]}
+
+stamp "2. bench_gemm" | tee "$OUT/bench_gemm.log"
+timeout -s INT 90 "$PY" scripts/bench_gemm.py --out "$OUT" 2>&1 | tee -a "$OUT/bench_gemm.log"
+gemm_rc=${PIPESTATUS[0]}
+
+stamp "3. bench_train" | tee "$OUT/bench_train.log"
+models=(llama3_8b_8l llama3_8b_16l)
+[ -n "${QUICK:-}" ] && models=(llama3_8b_8l)
+timeout -s INT 240 "$PY" scripts/bench_train.py --models "${models[@]}" --seq 4096 --mbs 2 --warmup 3 --steps 8 \
+    --out "$OUT" 2>&1 | tee -a "$OUT/bench_train.log"
+train_rc=${PIPESTATUS[0]}
+
+echo
+stamp "summary (exit codes: tests $tests_rc, bench_gemm $gemm_rc, bench_train $train_rc; 124 = cut by its cap)"
+echo "GPU tests: $(grep -E ' in [0-9.]+s' "$OUT/tests.log" | tail -1)"
+grep -E '^(FAILED|ERROR) ' "$OUT/tests.log" | head -20
+for kind in gemm train; do
+  if [ -f "$OUT/bench_$kind.json" ]; then
+    echo; echo "bench_$kind:"; "$PY" "scripts/bench_$kind.py" --plot-only "$OUT/bench_$kind.json" 2>&1 | grep -v '^note:'
+  else
+    echo; echo "bench_$kind: no result (see $OUT/bench_$kind.log)"
+  fi
+done

@@ -1,0 +1,227 @@
+"""The TE backend training a Megatron-Core GPT: every shipped recipe through run_training (falling loss, the
+plan executed), stage switches taking effect at exactly the planned steps, first/last layers and bf16_modules
+patterns really running BF16, delayed-scaling state across a stage switch and through a checkpoint."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp8_recipes.backends.te import BF16, FP8, FP8_FWD, te_available
+from fp8_recipes.recipes import recipe_names
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (torch.cuda.is_available() and te_available()),
+                                                  reason="needs a CUDA GPU with Transformer Engine")]
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = dict(num_layers=4, hidden_size=128, ffn_hidden_size=512, num_attention_heads=4, num_query_groups=2,
+            seq_length=128, vocab_size=4096, normalization="RMSNorm", activation="swiglu",
+            position_embedding_type="rope", share_embeddings_and_output_weights=False)
+PER_LAYER = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+STAGED = ["recipe.schedule.bf16_warmup_steps=2", "recipe.schedule.enable.weights=2",
+          "recipe.schedule.enable.activations=4", "recipe.schedule.enable.gradients=6"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# (b) every shipped recipe through run_training
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("data") / "stdlib-bytes"
+
+
+def compose(overrides: list[str]):
+    pytest.importorskip("hydra", reason="hydra-core is not installed on this machine")
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    from fp8_recipes.recipes import conf_dir
+
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        return hydra_compose("train", overrides=overrides)
+
+
+@pytest.mark.parametrize("name", recipe_names())
+def test_every_recipe_trains_on_te(name, data_dir, tmp_path, monkeypatch):
+    from fp8_recipes.training.metrics import read_metrics
+    from fp8_recipes.training.run import run_training
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(var, raising=False)
+    overrides = [f"+recipe={name}", "model=tiny", "trainer=gpu", "trainer.max_steps=8", "trainer.warmup_steps=2",
+                 "trainer.micro_batch_size=16", "trainer.global_batch_size=16", "trainer.lr=3e-3",
+                 "trainer.min_lr=3e-4", "trainer.eval_interval=4", "trainer.eval_iters=2",
+                 "trainer.save_checkpoints=false", "data.tokenizer=bytes", f"data.path={data_dir}",
+                 f"run_dir={tmp_path / 'run'}"] + (STAGED if name == "safe" else [])
+    summary = run_training(compose(overrides))
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run", "train")]
+    assert len(losses) == 8 and all(math.isfinite(x) for x in losses), losses
+    assert sum(losses[-2:]) / 2 < losses[0] - 1.0, losses  # bytes of Python source: learnt within a few steps
+    assert math.isfinite(summary["val_loss"])
+    if name == "bf16":
+        assert summary["backend"] == "emulated"  # nothing FP8: Megatron-Core's own BF16 path
+        return
+    assert summary["backend"] == "te", summary
+    run = summary["te_execution"]
+    assert run["plan_mismatches"] == 0, run["mismatch_examples"]
+    plan_text = (tmp_path / "run" / "plan.txt").read_text()
+    assert "backend   te" in plan_text
+    if name == "safe":  # layers 0 and 3 BF16; 1-2: BF16 (w alone), forward-only (w+a), then FP8 (w+a+g)
+        assert run["by_stage"]["bf16 warmup"] == {BF16: 2 * 16}
+        assert run["by_stage"]["fp8 w"] == {BF16: 2 * 16}
+        assert run["by_stage"]["fp8 w+a"] == {BF16: 2 * 8, FP8_FWD: 2 * 8}
+        assert run["by_stage"]["fp8 w+a+g"] == {BF16: 2 * 8, FP8: 2 * 8}
+    else:
+        assert run["module_forwards"] == {FP8: 8 * 16}, run
+    if name == "hybrid":  # the plan says what hybrid became on this GPU
+        assert "Transformer Engine runs the nearest legal recipe" in plan_text
+        if torch.cuda.get_device_capability() == (9, 0):
+            assert "TE: Float8BlockScaling(fp8_format=HYBRID, x 1x128, w 128x128, grad 1x128)" in plan_text
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# (c), (d): the backend on a model we build here, with the real training loop
+
+
+def fixed_batches(batch_size=8, seq=128, vocab=4096, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(0, vocab, (batch_size, seq + 1), generator=g)
+    batch = dict(tokens=t[:, :-1], labels=t[:, 1:], loss_mask=torch.ones(batch_size, seq),
+                 position_ids=torch.arange(seq).expand(batch_size, seq))
+    while True:
+        yield batch
+
+
+def build(recipe: dict, device, seed: int = 0):
+    from fp8_recipes.megatron.model import build_gpt_model, model_layout
+    from fp8_recipes.megatron.te_layers import attach_te_backend
+    from fp8_recipes.plan import Hardware, PrecisionPlan
+    from fp8_recipes.schema import Recipe
+
+    torch.manual_seed(seed)
+    model = build_gpt_model(TINY, use_te_spec=True, params_dtype=torch.bfloat16, device=device)
+    plan = PrecisionPlan(Recipe.from_dict(recipe), model_layout(model), Hardware.detect())
+    assert str(plan.backend) == "te", plan.backend_reason
+    return model, attach_te_backend(model, plan)
+
+
+def run(model, precision, out: Path, steps: int, resume_from: Path | None = None, **trainer):
+    from fp8_recipes.training.loop import train
+
+    cfg = dict(max_steps=steps, micro_batch_size=8, global_batch_size=8, lr=3e-3, min_lr=3e-3, warmup_steps=0,
+               eval_interval=0, eval_iters=0, save_checkpoints=False)
+    return train(model, fixed_batches(), None, {**cfg, **trainer}, precision, out, resume_from=resume_from)
+
+
+def recorded(history: torch.Tensor) -> list[int]:
+    """Rows of a TE amax history (column 0: a module's input, or its grad_output) that hold a recorded amax."""
+    return (history[:, 0] > 0).nonzero().flatten().tolist()
+
+
+def staged(scaling: str, **layers) -> dict:
+    return {"weights": scaling, "activations": scaling, "gradients": scaling, "layers": layers,
+            "schedule": {"bf16_warmup_steps": 2, "enable": {"weights": 2, "activations": 4, "gradients": 6}}}
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "blockwise", "delayed"])
+def test_stage_switches_take_effect_at_the_planned_steps(scaling, megatron_gpu, tmp_path):
+    model, precision = build(staged(scaling), megatron_gpu[2])
+    summary = run(model, precision, tmp_path, 8)
+    per_step = {s: dict(precision.step_kinds[s]) for s in range(8)}
+    n = 4 * 4  # 4 layers x 4 TE linears, one micro-batch per step
+    assert per_step == {0: {BF16: n}, 1: {BF16: n}, 2: {BF16: n}, 3: {BF16: n}, 4: {FP8_FWD: n},
+                        5: {FP8_FWD: n}, 6: {FP8: n}, 7: {FP8: n}}
+    assert sum(precision.mismatches.values()) == 0 and summary["nonfinite_loss_steps"] == 0
+    assert summary["final_loss"] < 8.0  # ln(4096) = 8.3 at the start; one fixed batch is learnt quickly
+    if scaling == "delayed":  # one amax history across the forward-only -> FP8 switch (CustomRecipe carrier)
+        from fp8_recipes.backends.te import _delayed_tensors
+
+        t = _delayed_tensors(precision.linears["decoder.layers.1.mlp.linear_fc1"])
+        # input amaxes of steps 4-7, one roll per step; [1022, 1023] alone would mean a reset at step 6
+        assert recorded(t["amax_history_fwd"]) == [1020, 1021, 1022, 1023]
+        assert recorded(t["amax_history_bwd"]) == [1022, 1023]  # FP8 gradients from step 6
+        assert (t["scale_bwd"][0] != 1).item()
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "delayed"])
+def test_first_and_last_layers_run_bf16(scaling, megatron_gpu, tmp_path):
+    recipe = {"weights": scaling, "activations": scaling, "gradients": scaling,
+              "layers": {"bf16_first": 1, "bf16_last": 1}}
+    model, precision = build(recipe, megatron_gpu[2])
+    summary = run(model, precision, tmp_path, 4)
+    assert summary["nonfinite_loss_steps"] == 0 and sum(precision.mismatches.values()) == 0
+    from fp8_recipes.backends.te import _delayed_tensors
+
+    for layer in range(4):
+        for m in PER_LAYER:
+            name = f"decoder.layers.{layer}.{m}"
+            ran = {k for (n, k), c in precision.module_kinds.items() if n == name and c}
+            want = BF16 if layer in (0, 3) else FP8
+            assert ran == {want}, (name, ran)
+            if scaling == "delayed":  # independent of our hook: only FP8 modules record amaxes in TE's state
+                t = _delayed_tensors(precision.linears[name])
+                assert bool(t and (t["amax_history_fwd"] > 0).any()) == (want == FP8), name
+                if want == FP8:  # one roll per step forward and backward (the outer autocast), not one per layer
+                    assert recorded(t["amax_history_fwd"]) == [1020, 1021, 1022, 1023], name
+                    assert recorded(t["amax_history_bwd"]) == [1020, 1021, 1022, 1023], name
+
+
+def test_te_spec_model_has_the_plans_layout(megatron_gpu):
+    from transformer_engine.pytorch import LayerNormLinear, Linear
+
+    from fp8_recipes.megatron.model import build_gpt_model, named_linear_modules
+    from fp8_recipes.plan import ModelLayout
+
+    model = build_gpt_model(TINY, use_te_spec=True, params_dtype=torch.bfloat16, device=megatron_gpu[2])
+    named = named_linear_modules(model)
+    assert [n for n, _ in named] == list(ModelLayout.gpt(4).module_names)
+    kinds = {n.rsplit(".", 1)[-1]: m for n, m in named}
+    assert isinstance(kinds["linear_qkv"], LayerNormLinear) and isinstance(kinds["linear_fc1"], LayerNormLinear)
+    assert isinstance(kinds["linear_proj"], Linear) and isinstance(kinds["linear_fc2"], Linear)
+    assert not isinstance(kinds["output_layer"], (Linear, LayerNormLinear))  # the LM head: Megatron's own, BF16
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and next(model.parameters()).is_cuda
+
+
+def test_bf16_module_pattern_runs_bf16(megatron_gpu, tmp_path):
+    recipe = {"weights": "tensorwise", "activations": "tensorwise", "gradients": "tensorwise",
+              "layers": {"bf16_modules": ["*.linear_qkv"]}}
+    model, precision = build(recipe, megatron_gpu[2])
+    run(model, precision, tmp_path, 2)
+    for name, kind in precision.module_kinds:
+        assert kind == (BF16 if name.endswith("linear_qkv") else FP8), (name, kind)
+    assert sum(precision.mismatches.values()) == 0
+
+
+def test_high_precision_evaluation_runs_bf16(megatron_gpu):
+    model, precision = build({"weights": "tensorwise", "activations": "tensorwise", "gradients": "tensorwise"},
+                             megatron_gpu[2])
+    precision.begin_step(0)
+    batch = {k: v.cuda() for k, v in next(fixed_batches()).items()}
+    model.train()
+    with precision.high_precision():
+        model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    assert {k for (_, k) in precision.module_kinds} == {BF16, FP8}
+    assert sum(precision.mismatches.values()) == 0
+
+
+def test_delayed_state_survives_a_checkpoint(megatron_gpu, tmp_path):
+    from fp8_recipes.backends.te import _delayed_tensors
+
+    recipe = {"weights": "delayed", "activations": "delayed", "gradients": "delayed", "layers": {"bf16_first": 1}}
+    model, precision = build(recipe, megatron_gpu[2])
+    run(model, precision, tmp_path, 3, save_checkpoints=True)
+    saved = precision.state_dict()["delayed"]
+    assert set(saved) == {f"decoder.layers.{i}.{m}" for i in (1, 2, 3) for m in PER_LAYER}
+    fresh_model, fresh = build(recipe, megatron_gpu[2], seed=1)
+    summary = run(fresh_model, fresh, tmp_path, 4, save_checkpoints=True, resume_from=tmp_path)
+    assert summary["steps"] == 4 and summary["nonfinite_loss_steps"] == 0
+    # resumed at step 3 with the saved histories and scales: step 3 rolled each history once more
+    for name, tensors in saved.items():
+        now = {k: v.cpu() for k, v in _delayed_tensors(fresh.linears[name]).items()}
+        for key in ("amax_history_fwd", "amax_history_bwd"):
+            assert recorded(tensors[key]) == [1021, 1022, 1023] and recorded(now[key]) == [1020, 1021, 1022, 1023]
+            assert torch.equal(now[key][-4:-1], tensors[key][-3:]), (name, key)

@@ -1,0 +1,335 @@
+"""The plan for the Transformer Engine backend, on a simulated H200 (sm_90) and B200 (sm_100), without TE: what
+every shipped recipe becomes, per stage and per GEMM; each TE rule; and the one-line refusal of `backend: te`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from fp8_recipes.plan import Execution, Gemm, Hardware, ModelLayout, PrecisionPlan
+from fp8_recipes.plan_te import TERecipe, resolve_te, te_recipe_for
+from fp8_recipes.recipes import load_recipe, recipe_names
+from fp8_recipes.schema import Backend, Format, Recipe, Role, Scaling, TensorPolicy
+
+H200 = Hardware("cuda", (9, 0), "2.20.2", "NVIDIA H200")
+B200 = Hardware("cuda", (10, 0), "2.20.2", "NVIDIA B200")
+ADA = Hardware("cuda", (8, 9), "2.20.2", "NVIDIA L40S")
+N = 4
+LAYOUT = ModelLayout.gpt(N)
+W, A, G = Role.WEIGHTS, Role.ACTIVATIONS, Role.GRADIENTS
+ALL = frozenset((W, A, G))
+BLOCK_1D = TensorPolicy(scaling=Scaling.BLOCKWISE, block=(1, 128), pow2_scales=True)
+BLOCK_2D = TensorPolicy(scaling=Scaling.BLOCKWISE, block=(128, 128), pow2_scales=True)
+
+# recipe -> (TE recipe of the FP8 layers once every role is on, its fp8_format, substituted keys)
+EXPECTED = {
+    "H200": {
+        "blockwise": ("Float8BlockScaling", "E4M3", ()),
+        "delayed": ("DelayedScaling", "HYBRID", ()),
+        "hybrid": ("Float8BlockScaling", "HYBRID", ("weights.scaling", "gradients.scaling")),
+        "mxfp8": ("Float8BlockScaling", "E4M3", ("weights.scaling", "activations.scaling", "gradients.scaling")),
+        "safe": ("Float8CurrentScaling", "HYBRID", ()),
+        "tensorwise": ("Float8CurrentScaling", "HYBRID", ()),
+    },
+    "B200": {
+        "blockwise": ("Float8BlockScaling", "E4M3", ()),
+        "delayed": ("DelayedScaling", "HYBRID", ()),
+        "hybrid": ("MXFP8BlockScaling", "HYBRID", ("activations.scaling", "gradients.scaling")),
+        "mxfp8": ("MXFP8BlockScaling", "E4M3", ()),
+        "safe": ("Float8CurrentScaling", "HYBRID", ()),
+        "tensorwise": ("Float8CurrentScaling", "HYBRID", ()),
+    },
+}
+HARDWARE = {"H200": H200, "B200": B200}
+
+
+def plan_for(recipe: Recipe | str | dict, hardware: Hardware = H200, layout: ModelLayout = LAYOUT) -> PrecisionPlan:
+    if isinstance(recipe, str):
+        recipe = load_recipe(recipe)
+    elif isinstance(recipe, dict):
+        recipe = Recipe.from_dict(recipe)
+    return PrecisionPlan(recipe, layout, hardware)
+
+
+def final(plan: PrecisionPlan):
+    return plan.at(10**6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Every shipped recipe on each GPU
+
+
+def test_the_expectations_cover_the_pack():
+    assert set(EXPECTED["H200"]) == set(EXPECTED["B200"]) == set(recipe_names()) - {"bf16"}
+
+
+@pytest.mark.parametrize("gpu", sorted(HARDWARE))
+@pytest.mark.parametrize("name", sorted(EXPECTED["H200"]))
+def test_every_recipe_every_module_every_gemm(gpu, name):
+    recipe_cls, fmt, subs = EXPECTED[gpu][name]
+    plan = plan_for(name, HARDWARE[gpu])
+    assert plan.backend is Backend.TE, plan.backend_reason
+    assert tuple(s.key for s in plan.substitutions) == subs
+    sp = final(plan)
+    for mname, mp in sp.modules.items():
+        if mp.bf16_reason is not None:  # first/last layer, pattern or LM head: BF16 and no TE recipe
+            assert mp.te is None and all(g.execution is Execution.BF16 for g in mp.gemms.values()), mname
+            assert all(p is None for g in mp.gemms.values() for _, p in g.operands)
+            continue
+        te = mp.te
+        assert (te.recipe, te.fp8_format, te.forward_only) == (recipe_cls, fmt, False), mname
+        for gemm, gp in mp.gemms.items():
+            assert gp.execution is Execution.FP8, (mname, gemm)
+            for role, policy in gp.operands:  # the operands show what TE really quantizes with
+                assert policy == te.policy(role) == plan.te.policies[role]
+                assert policy.is_fp8
+    assert f"TE: {next(m.te for m in sp.modules.values() if m.te).describe()}" in plan.explain()
+    assert plan_for(name, HARDWARE[gpu]).at(3) == plan.at(3)  # pure
+
+
+def test_bf16_has_no_te_plan():
+    for hw in (H200, B200):
+        plan = plan_for("bf16", hw)
+        assert plan.backend is Backend.EMULATED and plan.te is None and plan.substitutions == ()
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "delayed", "blockwise", "safe"])
+def test_backend_te_runs_the_exact_recipes(name):
+    for hw in (H200, B200):
+        r = dataclasses.replace(load_recipe(name), backend=Backend.TE)
+        plan = PrecisionPlan(r, LAYOUT, hw)
+        assert plan.backend is Backend.TE and plan.backend_reason == "requested" and plan.substitutions == ()
+
+
+@pytest.mark.parametrize("name,hw,key,value", [("hybrid", H200, "weights.scaling", "mxfp8"),
+                                                ("mxfp8", H200, "weights.scaling", "mxfp8"),
+                                                ("hybrid", B200, "activations.scaling", "blockwise")])
+def test_backend_te_refuses_in_one_line(name, hw, key, value):
+    r = dataclasses.replace(load_recipe(name), backend=Backend.TE)
+    with pytest.raises(ValueError) as e:
+        PrecisionPlan(r, LAYOUT, hw)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{key}: {value!r} cannot run on Transformer Engine as asked")
+    assert "backend: auto" in msg and "backend: emulated" in msg
+    if hw is H200:
+        assert "MXFP8 needs sm_100; NVIDIA H200 is sm_90" in msg
+
+
+def test_hybrid_on_h200_says_what_it_became():
+    plan = plan_for("hybrid")
+    assert plan.backend_reason == "auto: FP8 GPU with Transformer Engine; 2 settings substituted, see below"
+    assert plan.te.policies == {W: BLOCK_2D, A: BLOCK_1D, G: dataclasses.replace(BLOCK_1D, format=Format.E5M2)}
+    text = plan.explain()
+    assert "Transformer Engine runs the nearest legal recipe on NVIDIA H200 (sm_90):" in text
+    assert ("weights.scaling          mxfp8 e4m3 1x32 e8m0/rceil -> blockwise e4m3 128x128 pow2 "
+            "(MXFP8 needs sm_100; NVIDIA H200 is sm_90)") in text
+    assert ("gradients.scaling        tensorwise e5m2 -> blockwise e5m2 1x128 pow2 "
+            "(one TE GEMM cannot mix per-tensor with block scaling)") in text
+    assert "TE: Float8BlockScaling(fp8_format=HYBRID, x 1x128, w 128x128, grad 1x128)" in text
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stages
+
+
+def test_safe_stages_on_te():
+    plan = plan_for("safe")
+    mid = "decoder.layers.1.mlp.linear_fc1"
+    for step in (0, 99, 100, 199):  # BF16 warmup, then weights alone: no GEMM has two FP8 operands
+        mp = plan.at(step).modules[mid]
+        assert mp.te is None and not mp.any_fp8, step
+    assert "with weights alone every GEMM has a BF16 operand" in plan.at(150).note
+    fwd = plan.at(200).modules[mid]  # weights + activations: forward-only FP8
+    assert fwd.te.forward_only and fwd.te.recipe == "Float8CurrentScaling"
+    assert [g.execution for g in fwd.gemms.values()] == [Execution.FP8, Execution.BF16, Execution.BF16]
+    assert fwd.gemms[Gemm.DGRAD].operands == ((G, None), (W, None))
+    assert plan.at(250).note.startswith("forward only")
+    full = plan.at(300).modules[mid]
+    assert not full.te.forward_only and all(g.execution is Execution.FP8 for g in full.gemms.values())
+    assert dataclasses.replace(fwd.te, forward_only=False) == full.te  # same recipe object family: only the override
+    assert plan.at(300).note == ""
+    text = plan.explain()
+    assert "TE: Float8CurrentScaling(fp8_format=HYBRID, backward_override=high_precision)" in text
+    for layer in (0, N - 1):  # first/last layer BF16 at every stage
+        assert all(m.te is None for n, m in plan.at(300).modules.items() if m.layer == layer)
+
+
+def staged(scaling: str, **grad) -> dict:
+    return {"weights": scaling, "activations": scaling, "gradients": {"scaling": scaling, **grad},
+            "schedule": {"bf16_warmup_steps": 2, "enable": {"weights": 2, "activations": 4, "gradients": 6}}}
+
+
+def test_delayed_with_a_forward_only_stage_keeps_one_carrier():
+    plan = plan_for(staged("delayed"))
+    assert plan.te.custom_delayed and any("CustomRecipe(DelayedScalingRequest)" in n for n in plan.te.notes)
+    fwd, full = (plan.at(s).modules["decoder.layers.1.mlp.linear_fc2"].te for s in (4, 6))
+    assert (fwd.recipe, fwd.forward_only, full.recipe, full.forward_only) == (
+        "CustomRecipe", True, "CustomRecipe", False)
+    assert fwd.delayed and full.delayed
+    plain = plan_for("delayed")
+    assert not plain.te.custom_delayed and final(plain).modules["decoder.layers.1.mlp.linear_fc2"].te.recipe == \
+        "DelayedScaling"
+
+
+def test_stage_with_weights_and_gradients_only_is_bf16():
+    r = {"weights": "tensorwise", "activations": "tensorwise", "gradients": "tensorwise",
+         "schedule": {"enable": {"weights": 0, "gradients": 0, "activations": 10}}}
+    plan = plan_for(r)
+    mp = plan.at(5).modules["decoder.layers.1.mlp.linear_fc1"]
+    assert plan.at(5).roles_fp8 == {W, G} and mp.te is None and not mp.any_fp8
+    assert "TE runs no FP8 backward under a BF16 forward" in plan.at(5).note
+
+
+def test_gradients_never_fp8_runs_forward_only():
+    plan = plan_for({"weights": "tensorwise", "activations": "tensorwise"})
+    te = final(plan).modules["decoder.layers.0.self_attention.linear_qkv"].te
+    assert te.forward_only and te.recipe == "Float8CurrentScaling" and plan.substitutions == ()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The rules, one by one
+
+
+def subs(recipe: dict, hw: Hardware = H200) -> dict[str, tuple[str, str]]:
+    res = resolve_te(Recipe.from_dict(recipe), hw.compute_capability, hw.name)
+    assert res.unsupported is None, res.unsupported
+    return {s.key: (s.before, s.after) for s in res.substitutions}
+
+
+def test_margin_only_on_delayed():
+    assert subs({"weights": "tensorwise", "activations": {"scaling": "tensorwise", "margin": 2},
+                 "gradients": "tensorwise"}) == {"activations.margin": ("tensorwise e4m3 margin 2", "tensorwise e4m3")}
+    assert subs({"weights": {"scaling": "delayed", "margin": 2}, "activations": {"scaling": "delayed", "margin": 2},
+                 "gradients": "delayed"}) == {}
+
+
+def test_block_shapes_te_has():
+    out = subs({"weights": {"scaling": "blockwise", "block": [64, 64]},
+                "activations": {"scaling": "blockwise", "block": [1, 32]}, "gradients": "blockwise"})
+    assert out == {"weights.block": ("blockwise e4m3 64x64 pow2", "blockwise e4m3 128x128 pow2"),
+                   "activations.block": ("blockwise e4m3 1x32 pow2", "blockwise e4m3 1x128 pow2")}
+
+
+def test_one_2d_block_role_at_most():
+    out = subs({"weights": "blockwise", "activations": {"scaling": "blockwise", "block": [128, 128]},
+                "gradients": "blockwise"})
+    assert out == {"activations.block": ("blockwise e4m3 128x128 pow2", "blockwise e4m3 1x128 pow2")}
+    te = te_recipe_for(resolve_te(Recipe.from_dict({"weights": {"scaling": "blockwise", "block": [1, 128]},
+                                                    "activations": "blockwise", "gradients": "blockwise"}),
+                                  (9, 0)), ALL)
+    assert te.recipe == "Float8BlockScaling" and "w 1x128" in te.describe()
+
+
+def test_mx_floor_rounding_becomes_rceil_on_b200():
+    assert subs({"weights": {"scaling": "mxfp8", "mx_rounding": "floor"}, "activations": "mxfp8",
+                 "gradients": "mxfp8"}, B200) == {"weights.mx_rounding": ("mxfp8 e4m3 1x32 e8m0/floor",
+                                                                          "mxfp8 e4m3 1x32 e8m0/rceil")}
+
+
+def test_no_mxfp8_on_sm120_and_no_blocks_before_hopper():
+    sm120 = Hardware("cuda", (12, 0), "2.20.2", "RTX PRO 6000")
+    assert set(subs({"weights": "mxfp8", "activations": "mxfp8", "gradients": "mxfp8"}, sm120)) == {
+        "weights.scaling", "activations.scaling", "gradients.scaling"}
+    out = subs({"weights": "blockwise", "activations": "blockwise", "gradients": "blockwise"}, ADA)
+    assert out["weights.scaling"] == ("blockwise e4m3 128x128 pow2", "tensorwise e4m3")
+    assert final(plan_for("blockwise", ADA)).modules["decoder.layers.1.mlp.linear_fc1"].te.recipe == \
+        "Float8CurrentScaling"
+
+
+def test_per_tensor_family_mixes_run_as_a_custom_recipe():
+    r = {"weights": "delayed", "activations": "delayed", "gradients": "tensorwise"}
+    assert subs(r) == {}
+    te = final(plan_for(r)).modules["decoder.layers.1.mlp.linear_fc1"].te
+    assert te.recipe == "CustomRecipe" and te.delayed and "gradients: tensorwise e5m2" in te.describe()
+    r = {"weights": "tensorwise", "activations": {"scaling": "tensorwise", "format": "e5m2"},
+         "gradients": {"scaling": "tensorwise", "format": "e4m3"}}  # E5M2 activations: one quantizer per role
+    assert subs(r) == {} and final(plan_for(r)).modules["decoder.layers.1.mlp.linear_fc1"].te.recipe == "CustomRecipe"
+
+
+def test_delayed_forward_roles_share_one_state():
+    out = subs({"weights": "delayed", "activations": {"scaling": "delayed", "amax_history_len": 16},
+                "gradients": "delayed"})
+    assert out == {"activations.amax_history_len": ("delayed e4m3 hist 16 max", "delayed e4m3 hist 1024 max")}
+    # the gradients have their own state: different settings there are fine
+    r = {"weights": "delayed", "activations": "delayed", "gradients": {"scaling": "delayed", "margin": 1}}
+    assert subs(r) == {} and final(plan_for(r)).modules["decoder.layers.1.mlp.linear_fc1"].te.recipe == "CustomRecipe"
+
+
+def test_percentile_and_pow2_delayed_run_on_te():
+    r = {"weights": {"scaling": "delayed", "amax_compute_algo": "percentile", "percentile": 99.0, "pow2_scales": True},
+         "activations": {"scaling": "delayed", "amax_compute_algo": "percentile", "percentile": 99.0,
+                         "pow2_scales": True},
+         "gradients": {"scaling": "delayed", "amax_compute_algo": "percentile", "percentile": 99.0,
+                       "pow2_scales": True}}
+    te = final(plan_for(r)).modules["decoder.layers.1.mlp.linear_fc1"].te
+    assert subs(r) == {} and te.recipe == "DelayedScaling"
+    assert "amax_compute_algo=percentile 99 (callable)" in te.describe() and "pow2 scales (callable)" in te.describe()
+
+
+def test_nothing_sensible_on_te_falls_back_to_emulated():
+    for r, key in (({"weights": "tensorwise", "gradients": "tensorwise"}, "activations.scaling: 'none'"),
+                   ({"weights": {"scaling": "tensorwise", "format": "e5m2"},
+                     "activations": {"scaling": "tensorwise", "format": "e5m2"}}, "activations.format: 'e5m2'")):
+        plan = plan_for(r)
+        assert plan.backend is Backend.EMULATED and plan.te is None
+        assert plan.backend_reason.startswith("auto: the emulated backend runs the whole model as asked, because")
+        assert key in plan.backend_reason
+        with pytest.raises(ValueError) as e:
+            plan_for({**r, "backend": "te"})
+        assert str(e.value).startswith(key) and "\n" not in str(e.value) and "backend: emulated" in str(e.value)
+
+
+def test_fp8_output_layer_stays_bf16_on_te():
+    r = {"weights": "tensorwise", "activations": "tensorwise", "gradients": "tensorwise",
+         "layers": {"fp8_output_layer": True}}
+    plan = plan_for(r)
+    assert [s.key for s in plan.substitutions] == ["layers.fp8_output_layer"]
+    out = final(plan).modules["output_layer"]
+    assert out.te is None and out.bf16_reason == "LM head is not a Transformer Engine module"
+    with pytest.raises(ValueError, match=r"^layers\.fp8_output_layer: True cannot run on Transformer Engine"):
+        plan_for({**r, "backend": "te"})
+    # a pattern that keeps the head BF16 anyway: nothing to substitute
+    assert plan_for({**r, "layers": {"fp8_output_layer": True, "bf16_modules": ["output_layer"]}}).substitutions == ()
+
+
+def test_bf16_module_patterns_on_te():
+    plan = plan_for({"weights": "tensorwise", "activations": "tensorwise", "gradients": "tensorwise",
+                     "layers": {"bf16_modules": ["*.linear_qkv"]}})
+    for name, mp in final(plan).modules.items():
+        if name.endswith("linear_qkv") or name == "output_layer":
+            assert mp.te is None and not mp.any_fp8
+        else:
+            assert mp.te is not None and mp.any_fp8
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hardware and the backend's presence
+
+
+def test_te_needs_fp8_hardware_and_te():
+    plan = plan_for("tensorwise", Hardware("cuda", (9, 0), None, "NVIDIA H200"))
+    assert plan.backend is Backend.EMULATED and plan.te is None
+    with pytest.raises(ValueError, match=r"^backend: 'te' needs a CUDA GPU with FP8"):
+        plan_for({"weights": "tensorwise", "activations": "tensorwise", "backend": "te"},
+                 Hardware("cuda", (8, 0), "2.20.2", "A100"))
+    assert H200.sm == "sm_90" and B200.sm == "sm_100" and Hardware().sm == "no GPU"
+
+
+def test_the_te_backend_ships_and_imports_without_te():
+    from fp8_recipes.backends import te
+    from fp8_recipes.plan import _te_backend_available
+
+    assert _te_backend_available()
+    assert te.te_available() is False  # no Transformer Engine on the CPU machines, by design
+
+
+def test_te_recipe_fp8_format_and_describe():
+    pol = TensorPolicy(scaling=Scaling.TENSORWISE)
+    e5 = dataclasses.replace(pol, format=Format.E5M2)
+    assert TERecipe("Float8CurrentScaling", pol, pol, e5).fp8_format == "HYBRID"
+    assert TERecipe("Float8CurrentScaling", pol, pol, pol).fp8_format == "E4M3"
+    assert TERecipe("Float8CurrentScaling", pol, pol, TensorPolicy()).fp8_format == "HYBRID"
+    both = TERecipe("Float8CurrentScaling", dataclasses.replace(pol, pow2_scales=True), pol, e5, forward_only=True)
+    assert both.describe() == ("Float8CurrentScaling(fp8_format=HYBRID, weights pow2, "
+                               "backward_override=high_precision)")
