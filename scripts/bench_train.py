@@ -41,6 +41,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--out", type=Path, default=Path("runs/bench_train"))
+    p.add_argument("--profile", action="store_true",
+                   help="after timing, profile 2 steps per config: GPU time per kernel category (bench/profile.py)")
     p.add_argument("--plot-only", type=Path, metavar="JSON", help="redraw the table and PNG from a result file")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -54,7 +56,7 @@ def main() -> None:
 
         quiet_third_party_logs()
         result = bench_train(args.models, args.configs, seq=args.seq, mbs=args.mbs, warmup=args.warmup,
-                             steps=args.steps, out_dir=args.out)
+                             steps=args.steps, out_dir=args.out, profile=args.profile)
     print(summarize(result)[0])
     print(f"({result['device']}, seq {result['seq']}, mbs {result['mbs']}, {result['steps']} timed steps after "
           f"{result['warmup']}; {result['seconds']:.0f}s; JSON and PNG in "

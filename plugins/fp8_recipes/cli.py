@@ -83,9 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "layers", 1) < 1:
-        print("explain: --layers must be >= 1", file=sys.stderr)
-        return 2
+    for option in ("layers", "steps"):  # a plan for no layers or no steps means nothing
+        value = getattr(args, option, None)
+        if value is not None and value < 1:
+            print(f"explain: --{option} must be >= 1", file=sys.stderr)
+            return 2
     try:
         return args.fn(args)
     except ValueError as e:  # RecipeError and other user errors: their text is the message

@@ -34,7 +34,7 @@ def edge_tensor(dtype: torch.dtype, kind: str, shape=(256, 384)) -> torch.Tensor
         x.zero_()
     elif kind == "zero_block":  # an all-zero 128x128 block and an all-zero row
         x[:128, :128] = 0
-        x[200, :] = 0
+        x[shape[0] - 1, :] = 0
     elif kind == "huge":
         x[5, 7], x[130, 300] = 3.0e38, -1.0e30
     elif kind == "tiny":

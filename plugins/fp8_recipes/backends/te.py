@@ -34,13 +34,13 @@ from typing import Any
 
 import torch
 
+from fp8_recipes.numerics.scaling import delayed_scale_update, history_percentile
 from fp8_recipes.plan import PrecisionPlan, StepPlan, TERecipe
 from fp8_recipes.schema import AmaxAlgo, AmaxReduction, Format, Role, Scaling, TensorPolicy
 
 __all__ = ["PercentileAmax", "Pow2DelayedScale", "RoleQuantizers", "TEPrecision", "te_available", "te_recipe"]
 
 FP8, FP8_FWD, BF16 = "fp8", "fp8 fwd", "bf16"  # what a TE linear ran, as counted by TEPrecision
-_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def te_available() -> bool:
@@ -64,9 +64,7 @@ class PercentileAmax:
         self.percentile = percentile
 
     def __call__(self, amax_history: torch.Tensor) -> torch.Tensor:  # (history_len, n) -> (n,)
-        h = amax_history.float()
-        seen = torch.where(h > 0, h, torch.full_like(h, float("nan")))
-        return torch.nan_to_num(torch.nanquantile(seen, self.percentile / 100.0, dim=0), nan=0.0)
+        return history_percentile(amax_history, self.percentile)
 
     # TE requires the DelayedScalingRequests of one module to be equal: compare by value, not identity
     def __eq__(self, other: object) -> bool:
@@ -84,11 +82,7 @@ class Pow2DelayedScale:
     2^margin, kept when amax is 0 or not finite, float32 max when it overflows), rounded down to a power of two."""
 
     def __call__(self, amax: torch.Tensor, scale: torch.Tensor, fp8_max: float, recipe: Any) -> torch.Tensor:
-        sf = fp8_max / amax
-        sf = torch.where(torch.isinf(sf), torch.full_like(sf, _FLOAT32_MAX), sf) * (2.0 ** -recipe.margin)
-        sf = (sf.contiguous().view(torch.int32) & torch.tensor(0xFF800000 - (1 << 32), dtype=torch.int32,
-                                                                device=sf.device)).view(torch.float32)
-        return torch.where((amax > 0) & torch.isfinite(amax), sf, scale)
+        return delayed_scale_update(amax, scale, fp8_max, recipe.margin, pow2=True)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Pow2DelayedScale)
@@ -268,10 +262,12 @@ class TEPrecision:
             self._wrap(layer, lambda i=i: self._layer_ctx[i])
         for name, module in self.linears.items():
             self._wrap(module, lambda name=name: self._module_ctx.get(name))
-            module.get_extra_state = _empty_extra_state  # see the module docstring (checkpoints)
             if count:
                 module.register_forward_hook(self._counter(name))
         self._wrap(decoder, lambda: self._outer)
+        for module in decoder.modules():  # every TE module (linears, attention): see the module docstring
+            if hasattr(module, "fp8_meta"):  # TE's TransformerEngineBaseModule and only it carries fp8_meta
+                module.get_extra_state = _empty_extra_state
         self._cached_weights = [m for m in self.linears.values() if hasattr(m, "is_first_microbatch")]
 
     # -- wiring ----------------------------------------------------------------------------------------------------

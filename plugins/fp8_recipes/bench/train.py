@@ -7,6 +7,7 @@ Per model, configs run one after another on a freshly built model (same seed, sa
   NAME:raw     Megatron-Core's own path: TransformerConfig(fp8=..., fp8_recipe=...) with the TE recipe the plan
                chose (delayed: the same margin / history / algorithm), Megatron's get_fp8_context per layer,
                set_is_first_microbatch() each step as its schedules do
+Recipes with BF16 warmup or staged enablement are timed in their final stage (all roles FP8), the steady state.
 A step is forward (per-token loss, mean) + backward + plain fused torch AdamW on the BF16 params (no master
 weights, no DDP: the GEMMs dominate); tokens/s over ``steps`` timed steps after ``warmup``, peak memory from
 torch.cuda.max_memory_allocated.
@@ -61,23 +62,26 @@ def raw_megatron_fp8(choice: Any, recipe: Any) -> dict | None:
     return out
 
 
-def _run_config(model_cfg: dict, label: str, *, seq: int, mbs: int, warmup: int, steps: int, seed: int
-                ) -> dict[str, Any]:
+def _run_config(model_cfg: dict, label: str, *, seq: int, mbs: int, warmup: int, steps: int, seed: int,
+                profile: bool = False) -> dict[str, Any]:
     from megatron.core import tensor_parallel
 
     from fp8_recipes.megatron.model import build_gpt_model, model_layout
     from fp8_recipes.megatron.te_layers import attach_te_backend
     from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan
     from fp8_recipes.recipes import load_recipe
+    from fp8_recipes.schema import ROLES
 
     name, _, mode = label.partition(":")
-    overrides, precision, describe = None, None, "BF16"
+    overrides, precision, describe, steady = None, None, "BF16", 0
     if name != "bf16":
         recipe = load_recipe(name)
         plan = PrecisionPlan(recipe, ModelLayout.gpt(int(model_cfg["num_layers"])), Hardware.detect())
         if plan.te is None:
             return {"config": label, "skipped": f"no TE plan ({plan.backend_reason})"}
-        choice = plan.at(10**9).modules["decoder.layers.0.mlp.linear_fc1"].te
+        # Timed in the recipe's final stage (after any BF16 warmup and staged enablement): its steady state.
+        steady = max(recipe.schedule.role_start(r) for r in ROLES if recipe.policy(r).is_fp8)
+        choice = plan.at(steady).modules["decoder.layers.1.mlp.linear_fc1"].te
         describe = choice.describe() if choice is not None else "BF16"
         if mode == "raw":
             overrides = raw_megatron_fp8(choice, recipe)
@@ -101,7 +105,7 @@ def _run_config(model_cfg: dict, label: str, *, seq: int, mbs: int, warmup: int,
 
     def one_step(i: int) -> torch.Tensor:
         if precision is not None:
-            precision.begin_step(i)
+            precision.begin_step(steady + i)
         elif overrides is not None:
             model.set_is_first_microbatch()  # Megatron's schedules: requantize the weights once per step
         loss = model(tokens, position_ids, None, labels=labels).float().mean()
@@ -109,7 +113,7 @@ def _run_config(model_cfg: dict, label: str, *, seq: int, mbs: int, warmup: int,
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if precision is not None:
-            precision.after_optimizer_step(i)
+            precision.after_optimizer_step(steady + i)
         return loss.detach()
 
     for i in range(warmup):
@@ -125,6 +129,11 @@ def _run_config(model_cfg: dict, label: str, *, seq: int, mbs: int, warmup: int,
     out = {"config": label, "te_recipe": describe, "megatron_fp8": overrides, "step_ms": 1000 * seconds / steps,
            "tokens_per_s": steps * mbs * seq / seconds, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
            "loss": loss.item()}
+    if profile:  # after the timing, so the profiler costs the timed steps nothing
+        from fp8_recipes.bench.profile import format_profile, profile_steps
+
+        out["profile"] = profile_steps(one_step, warmup + steps)
+        print(format_profile(f"{model_cfg.get('num_layers')}-layer {label}", out["profile"]), flush=True)
     model = optimizer = precision = None  # drop the closure's references too, then the memory
     _free()
     return out
@@ -142,7 +151,8 @@ def _free() -> None:
 
 
 def bench_train(models: list[str], configs: list[str], *, seq: int = 4096, mbs: int = 2, warmup: int = 3,
-                steps: int = 8, seed: int = 1234, out_dir: Path | None = None) -> dict[str, Any]:
+                steps: int = 8, seed: int = 1234, out_dir: Path | None = None, profile: bool = False
+                ) -> dict[str, Any]:
     """Every config of every model; with ``out_dir`` the results so far are saved after each config (a run cut
     short by a time limit keeps what it measured)."""
     from fp8_recipes.megatron.model import destroy_distributed, init_distributed
@@ -158,7 +168,7 @@ def bench_train(models: list[str], configs: list[str], *, seq: int = 4096, mbs: 
             for label in ["bf16"] + [c for c in configs if c != "bf16"]:
                 t = time.perf_counter()
                 row = {"model": model_name, **_run_config(cfg, label, seq=seq, mbs=mbs, warmup=warmup, steps=steps,
-                                                          seed=seed)}
+                                                          seed=seed, profile=profile)}
                 row["wall_s"] = time.perf_counter() - t
                 results.append(row)
                 done = (f"{row['tokens_per_s']:,.0f} tok/s, {row['peak_mem_gib']:.1f} GiB, loss {row['loss']:.3f}"

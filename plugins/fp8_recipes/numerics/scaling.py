@@ -15,8 +15,8 @@ from fp8_recipes.numerics.formats import FLOAT32_MAX, fp8_spec
 from fp8_recipes.schema import AmaxAlgo, Format, MxRounding, TensorPolicy
 
 __all__ = [
-    "AmaxReduce", "DelayedScaler", "amax_to_e8m0", "amax_to_scale", "e8m0_to_multiplier", "e8m0_to_scale_inv",
-    "nan_ignoring_amax", "pow2_floor",
+    "AmaxReduce", "DelayedScaler", "amax_to_e8m0", "amax_to_scale", "delayed_scale_update", "e8m0_to_multiplier",
+    "e8m0_to_scale_inv", "history_percentile", "nan_ignoring_amax", "pow2_floor",
 ]
 
 AmaxReduce = Callable[[torch.Tensor], torch.Tensor]
@@ -104,6 +104,29 @@ def e8m0_to_multiplier(code: torch.Tensor) -> torch.Tensor:
     return torch.where(code == 0, torch.ones_like(m), m)
 
 
+def history_percentile(history: torch.Tensor, percentile: float) -> torch.Tensor:
+    """The `percentile`-th percentile of the recorded (positive) amaxes along dim 0; 0 where none was recorded.
+
+    history: (history_len,) or (history_len, n). Unfilled slots (0) are not amaxes, so they are left out.
+    """
+    h = history.float()
+    seen = torch.where(h > 0, h, torch.full_like(h, float("nan")))
+    return torch.nan_to_num(torch.nanquantile(seen, percentile / 100.0, dim=0), nan=0.0)
+
+
+def delayed_scale_update(amax: torch.Tensor, scale: torch.Tensor, fp8_max: float, margin: int = 0,
+                         pow2: bool = False) -> torch.Tensor:
+    """TE's delayed-scaling update (``_default_sf_compute``): fp8_max / amax / 2^margin, float32 max when that
+    overflows, the previous `scale` where amax is 0 or not finite; optionally rounded down to a power of two."""
+    amax = amax.float()
+    sf = torch.tensor(fp8_max, dtype=torch.float32, device=amax.device) / amax
+    sf = sf / (2.0 ** margin)
+    sf = torch.where(torch.isinf(sf), torch.full_like(sf, FLOAT32_MAX), sf)
+    if pow2:
+        sf = pow2_floor(sf)
+    return torch.where((amax > 0) & torch.isfinite(amax), sf, scale.to(sf.device))
+
+
 class DelayedScaler:
     """Delayed scaling state for one tensor: an amax history and the scale the next quantization uses.
 
@@ -126,19 +149,15 @@ class DelayedScaler:
         if algo is AmaxAlgo.MOST_RECENT:
             return self.history[0].clone()
         if algo is AmaxAlgo.PERCENTILE:
-            seen = self.history[self.history > 0]
-            if seen.numel() == 0:
-                return torch.zeros((), dtype=torch.float32, device=self.history.device)
-            return torch.quantile(seen, self.policy.percentile / 100.0)
+            return history_percentile(self.history, self.policy.percentile)
         return self.history.max()
 
     def update(self, reduce: AmaxReduce | None = None) -> None:
         if reduce is not None:
             self.history[0] = reduce(self.history[0].clone())
         amax = self.history_amax()
-        new = amax_to_scale(amax, self.policy.format, margin=self.policy.margin, pow2=self.policy.pow2_scales)
-        usable = torch.isfinite(amax) & (amax > 0)
-        self.scale = torch.where(usable, new, self.scale)
+        self.scale = delayed_scale_update(amax, self.scale, fp8_spec(self.policy.format).max, self.policy.margin,
+                                          self.policy.pow2_scales)
         if self.history.numel() > 1:
             self.history.copy_(torch.roll(self.history, -1, 0))
         self.history[0] = 0.0

@@ -1,0 +1,67 @@
+"""Where a training step's GPU time goes: CUDA kernels from torch.profiler, grouped into categories.
+
+The categories come from kernel names (cuBLASLt / CUTLASS GEMMs, cuDNN / flash attention, TE's cast and
+transpose kernels, ...); the top kernels are listed by name as well, so nothing hides behind a wrong bucket.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Callable
+
+__all__ = ["CATEGORIES", "categorize", "profile_steps"]
+
+# First match wins; the order matters (an FP8 GEMM is a GEMM before it is an FP8 kernel).
+CATEGORIES: list[tuple[str, re.Pattern]] = [
+    ("gemm fp8", re.compile(r"(gemm|nvjet|xmma|cutlass).*(e4m3|e5m2|f8|fp8|qq)|(e4m3|e5m2|fp8).*(gemm|xmma)", re.I)),
+    ("gemm bf16", re.compile(r"gemm|nvjet|xmma|cutlass|cublas", re.I)),
+    ("attention", re.compile(r"flash|fmha|attn|attention|cudnn|sdpa", re.I)),
+    ("fp8 quantize/amax/transpose", re.compile(r"cast|quantiz|amax|transpose|fp8|scale_inv|block_scal", re.I)),
+    ("norm", re.compile(r"norm", re.I)),
+    ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.I)),
+    ("loss / softmax / embedding", re.compile(r"softmax|cross_entropy|nll|log_softmax|embedding|index", re.I)),
+    ("activation / elementwise", re.compile(r"elementwise|vectorized|silu|swiglu|gelu|mul|add|copy|fill", re.I)),
+]
+
+
+def categorize(name: str) -> str:
+    for label, pattern in CATEGORIES:
+        if pattern.search(name):
+            return label
+    return "other"
+
+
+def profile_steps(step: Callable[[int], object], first_step: int, n: int = 2) -> dict:
+    """Run `step(i)` n times under torch.profiler; return {categories: {label: ms per step}, top: [...]}."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(first_step, first_step + n):
+            step(i)
+        torch.cuda.synchronize()
+    kernels: Counter = Counter()
+    for e in prof.key_averages():
+        if str(getattr(e, "device_type", "")).endswith("CUDA"):
+            us = getattr(e, "self_device_time_total", None)
+            if us is None:
+                us = getattr(e, "self_cuda_time_total", 0)
+            kernels[e.key] += us / 1000 / n
+    cats: Counter = Counter()
+    for name, ms in kernels.items():
+        cats[categorize(name)] += ms
+    total = sum(cats.values())
+    return {"total_ms": total, "categories": dict(cats.most_common()),
+            "top": [(name[:110], ms, categorize(name)) for name, ms in kernels.most_common(12)]}
+
+
+def format_profile(label: str, prof: dict) -> str:
+    lines = [f"{label}: {prof['total_ms']:.1f} ms of GPU kernels per step"]
+    for cat, ms in prof["categories"].items():
+        lines.append(f"  {cat:<30} {ms:8.1f} ms  {100 * ms / prof['total_ms']:5.1f}%")
+    lines.append("  top kernels:")
+    for name, ms, cat in prof["top"]:
+        lines.append(f"    {ms:7.2f} ms  [{cat}] {name}")
+    return "\n".join(lines)
