@@ -35,8 +35,9 @@ def main(cfg: DictConfig) -> None:
             shutil.rmtree(run_dir, ignore_errors=True)
         sys.exit(2)
     if summary.get("rank", 0) == 0:
+        val = f", val loss {summary['val_loss']:.3f}" if summary.get("val_loss") is not None else ""
         print(f"done: {summary['steps']} steps of {summary['recipe']} ({summary['backend']}), loss "
-              f"{summary['final_loss_mean_last_10']:.3f} (mean of last 10), val loss {summary['val_loss']:.3f}, "
+              f"{summary['final_loss_mean_last_10']:.3f} (mean of last 10){val}, "
               f"{summary['tokens_per_s_median']:,.0f} tokens/s -> {run_dir}")
 
 

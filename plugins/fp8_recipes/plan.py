@@ -27,7 +27,7 @@ from enum import StrEnum
 from functools import cached_property
 
 from fp8_recipes.plan_te import Substitution, TERecipe, TEResolution, resolve_te, te_recipe_for, te_stage_note
-from fp8_recipes.schema import ROLES, Backend, Recipe, Role, TensorPolicy
+from fp8_recipes.schema import ROLES, Backend, Recipe, RecipeError, Role, TensorPolicy
 
 __all__ = [
     "Execution", "Gemm", "GemmPlan", "Hardware", "ModelLayout", "ModulePlan", "PrecisionPlan", "StepPlan",
@@ -196,10 +196,10 @@ class PrecisionPlan:
         te_ready = hw.has_fp8 and _te_backend_available()
         if want is Backend.TE and not te_ready:
             if hw.has_fp8:
-                raise ValueError("backend: 'te' is not available in this build of fp8-recipes "
-                                 "(fp8_recipes.backends.te is missing); set backend: emulated (or auto)")
-            raise ValueError(f"backend: 'te' needs a CUDA GPU with FP8 (sm_89+) and Transformer Engine; this "
-                             f"machine has {hw.describe()}; set backend: emulated (or auto)")
+                raise RecipeError(["backend: 'te' is not available in this build of fp8-recipes "
+                                   "(fp8_recipes.backends.te is missing); set backend: emulated (or auto)"])
+            raise RecipeError([f"backend: 'te' needs a CUDA GPU with FP8 (sm_89+) and Transformer Engine; this "
+                               f"machine has {hw.describe()}; set backend: emulated (or auto)"])
         if not te_ready:
             return Backend.EMULATED, f"auto: {hw.describe()} has no Transformer Engine FP8 backend"
         resolution = resolve_te(self.recipe, hw.compute_capability, hw.name)
@@ -211,7 +211,7 @@ class PrecisionPlan:
         if want is Backend.TE:
             refusal = resolution.refusal()
             if refusal:  # one line, before any model is built: the user asked for exactly this recipe on TE
-                raise ValueError(refusal)
+                raise RecipeError([refusal])
             self.te = resolution
             return Backend.TE, "requested"
         if resolution.unsupported:

@@ -37,6 +37,9 @@ class EmulatedLinearState:
         self.scalers: dict[Role, DelayedScaler] = {}
         self.amax_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.enabled = True  # False inside EmulatedPrecision.high_precision()
+        # Delayed scaling records amaxes in training only: evaluation reads the scales but must not steer them
+        # (and a resumed run stays bit-exact). The layer sets this from module.training at each forward.
+        self.record_amax = True
         self.observer: Callable[..., None] | None = None  # statistics hook: (state, gemm, role, hp, fq)
 
     def policy(self, gemm: Gemm, role: Role) -> TensorPolicy | None:
@@ -49,7 +52,8 @@ class EmulatedLinearState:
         if policy is None:
             return t
         out = fake_quant(t, policy, columnwise=columnwise, scaler=self.scalers.get(role),
-                         amax_reduce=self.amax_reduce if policy.scaling is Scaling.TENSORWISE else None)
+                         amax_reduce=self.amax_reduce if policy.scaling is Scaling.TENSORWISE else None,
+                         record_amax=self.record_amax)
         if self.observer is not None:
             self.observer(self, gemm, role, t, out)
         return out

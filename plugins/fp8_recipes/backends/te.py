@@ -38,7 +38,7 @@ from fp8_recipes.numerics.scaling import delayed_scale_update, history_percentil
 from fp8_recipes.plan import PrecisionPlan, StepPlan, TERecipe
 from fp8_recipes.schema import AmaxAlgo, AmaxReduction, Format, Role, Scaling, TensorPolicy
 
-__all__ = ["PercentileAmax", "Pow2DelayedScale", "RoleQuantizers", "TEPrecision", "te_available", "te_recipe"]
+__all__ = ["DelayedScaleUpdate", "PercentileAmax", "RoleQuantizers", "TEPrecision", "te_available", "te_recipe"]
 
 FP8, FP8_FWD, BF16 = "fp8", "fp8 fwd", "bf16"  # what a TE linear ran, as counted by TEPrecision
 
@@ -77,21 +77,35 @@ class PercentileAmax:
         return f"PercentileAmax({self.percentile:g})"
 
 
-class Pow2DelayedScale:
-    """``DelayedScaling.scaling_factor_compute_algo`` for ``pow2_scales``: TE's default update (fp8_max / amax /
-    2^margin, kept when amax is 0 or not finite, float32 max when it overflows), rounded down to a power of two."""
+class DelayedScaleUpdate:
+    """``DelayedScaling.scaling_factor_compute_algo``: TE's default update (fp8_max / amax / 2^margin, kept when
+    amax is 0 or not finite, float32 max when it overflows), optionally rounded down to a power of two.
+
+    Needed for ``pow2_scales``, and whenever the amax algorithm is a callable (percentile): TE then leaves its
+    exact fused C++ update for a torch.jit-fused Python one whose division can be one ulp off (measured on the
+    H200); this one divides exactly, as DelayedScaler does."""
+
+    def __init__(self, pow2: bool):
+        self.pow2 = pow2
 
     def __call__(self, amax: torch.Tensor, scale: torch.Tensor, fp8_max: float, recipe: Any) -> torch.Tensor:
-        return delayed_scale_update(amax, scale, fp8_max, recipe.margin, pow2=True)
+        return delayed_scale_update(amax, scale, fp8_max, recipe.margin, pow2=self.pow2)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Pow2DelayedScale)
+        return isinstance(other, DelayedScaleUpdate) and other.pow2 == self.pow2
 
     def __hash__(self) -> int:
-        return hash("Pow2DelayedScale")
+        return hash(("DelayedScaleUpdate", self.pow2))
 
     def __repr__(self) -> str:
-        return "Pow2DelayedScale()"
+        return f"DelayedScaleUpdate(pow2={self.pow2})"
+
+
+def _scale_algo(p: TensorPolicy) -> DelayedScaleUpdate | None:
+    """None keeps TE's exact fused update; ours when pow2 or a callable amax algorithm needs it."""
+    if p.pow2_scales or p.amax_compute_algo is AmaxAlgo.PERCENTILE:
+        return DelayedScaleUpdate(p.pow2_scales)
+    return None
 
 
 def _amax_algo(p: TensorPolicy) -> str | Callable:
@@ -129,8 +143,8 @@ class RoleQuantizers:
         if p.scaling is Scaling.DELAYED:  # TE allocates the state and reduces it with the built-in recipes'
             return te.DelayedScalingRequest(
                 fp8_format=TEFormat[self.choice.fp8_format], margin=p.margin, amax_history_len=p.amax_history_len,
-                amax_compute_algo=_amax_algo(p), scaling_factor_compute_algo=Pow2DelayedScale() if p.pow2_scales
-                else None, reduce_amax=self.reduce_amax)
+                amax_compute_algo=_amax_algo(p), scaling_factor_compute_algo=_scale_algo(p),
+                reduce_amax=self.reduce_amax)
         dtype = _te_dtype(p.format)
         if p.scaling is Scaling.TENSORWISE:
             return te.Float8CurrentScalingQuantizer(dtype, torch.device("cuda"), force_pow_2_scales=p.pow2_scales,
@@ -155,7 +169,7 @@ def te_recipe(choice: TERecipe, *, reduce_amax: bool = True) -> Any:
     if choice.recipe == "DelayedScaling":
         return R.DelayedScaling(fp8_format=fmt, margin=w.margin, amax_history_len=w.amax_history_len,
                                 amax_compute_algo=_amax_algo(w),
-                                scaling_factor_compute_algo=Pow2DelayedScale() if w.pow2_scales else None,
+                                scaling_factor_compute_algo=_scale_algo(w),
                                 reduce_amax=reduce_amax, backward_override=None)
     if choice.recipe == "MXFP8BlockScaling":
         return R.MXFP8BlockScaling(fp8_format=fmt, backward_override=override)

@@ -315,6 +315,7 @@ def build_gpt_datasets(
                          f"run `python scripts/prepare_data.py --out {data_dir}` first")
     if len(num_samples) != 3:
         raise ValueError(f"num_samples: {tuple(num_samples)} must be (train, valid, test)")
+    _check_split(split, int(meta["num_documents"]), num_samples)
     with _quiet_megatron():
         from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
         from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
@@ -339,6 +340,25 @@ def build_gpt_datasets(
             GPTDataset, list(num_samples), lambda: True, config
         ).build()
     return train, valid, test
+
+
+def _check_split(split: str, num_documents: int, num_samples: Sequence[int | None]) -> None:
+    """A split that must yield samples needs at least one document: with none, Megatron-Core's GPTDataset
+    loops forever looking for enough epochs. Documents are split as Megatron does (rounded cumulative shares)."""
+    from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
+
+    try:
+        shares = parse_and_normalize_split(split)
+    except Exception:  # noqa: BLE001 - Megatron asserts on malformed strings
+        raise ValueError(f"data.split: {split!r} is not three comma-separated weights, e.g. '98,1,1'") from None
+    bounds = [0]
+    for share in shares:
+        bounds.append(bounds[-1] + int(round(share * float(num_documents))))
+    bounds[1:] = [b - (bounds[-1] - num_documents) for b in bounds[1:]]
+    for name, lo, hi, share, wanted in zip(("train", "valid", "test"), bounds, bounds[1:], shares, num_samples):
+        if share > 0 and wanted != 0 and hi <= lo:  # (None = one epoch of the split: needs documents too)
+            raise ValueError(f"data.split: {split!r} gives the {name} split no document of the {num_documents} in "
+                             f"this dataset; give it a larger share (e.g. '80,10,10') or add documents")
 
 
 def batches(dataset: Any, micro_batch_size: int, seed: int) -> Iterator[dict[str, Any]]:

@@ -36,6 +36,7 @@ class _EmulatedGemmMixin:
             # Megatron-Core skipped copy_to_tensor_model_parallel_region because its fused GEMM all-reduces
             # the input gradient itself; ours does not, so the copy (identity forward, all-reduce backward) does.
             input = copy_to_tensor_model_parallel_region(input, group=kwargs.get("tp_group"))
+        state.record_amax = self.training  # backward (training only) records as this forward did
         out = emulated_linear(input, weight, state)
         bias = kwargs.get("bias")
         return out + bias if bias is not None else out

@@ -104,10 +104,12 @@ def quantize(
     columnwise: bool = False,
     scaler: DelayedScaler | None = None,
     amax_reduce: AmaxReduce | None = None,
+    record_amax: bool = True,
 ) -> Quantized:
     """Quantize `x` to FP8 as the hardware would under `policy`.
 
-    scaler: the delayed-scaling state (required for ``scaling: delayed``; it records this tensor's amax).
+    scaler: the delayed-scaling state (required for ``scaling: delayed``; it records this tensor's amax unless
+    ``record_amax`` is False, e.g. for evaluation, which must not steer training's scales).
     amax_reduce: MAX-reduction of a per-tensor amax over a process group (tensorwise; TE reduces only
     per-tensor current-scaling amaxes, never block amaxes).
     """
@@ -124,7 +126,8 @@ def quantize(
         if policy.scaling is Scaling.DELAYED:
             if scaler is None:
                 raise ValueError("quantize: scaling 'delayed' needs its DelayedScaler state (scaler=...)")
-            scaler.observe(amax.reshape(()))
+            if record_amax:
+                scaler.observe(amax.reshape(()))
             scale = scaler.scale.to(hp_x.device).reshape(1, 1)
         else:
             reduced = amax_reduce(amax.clone()) if amax_reduce is not None else amax
@@ -163,8 +166,10 @@ def fake_quant(
     columnwise: bool = False,
     scaler: DelayedScaler | None = None,
     amax_reduce: AmaxReduce | None = None,
+    record_amax: bool = True,
 ) -> torch.Tensor:
     """dequantize(quantize(x)): x as the FP8 GEMM sees it, in x's dtype. Identity for scaling 'none'."""
     if policy.scaling is Scaling.NONE:
         return x
-    return dequantize(quantize(x, policy, columnwise=columnwise, scaler=scaler, amax_reduce=amax_reduce))
+    return dequantize(quantize(x, policy, columnwise=columnwise, scaler=scaler, amax_reduce=amax_reduce,
+                               record_amax=record_amax))

@@ -8,6 +8,7 @@ names the key; scripts/train.py prints it and exits 2.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -26,15 +27,23 @@ def resolve_recipe(cfg) -> Any:
     from omegaconf import OmegaConf
 
     from fp8_recipes.recipes import load_recipe
-    from fp8_recipes.schema import RecipeError
 
     node = cfg.get("recipe") if hasattr(cfg, "get") else None
     if node is None:
         return load_recipe("bf16")
     data = OmegaConf.to_container(node, resolve=True) if not isinstance(node, dict) else node
-    try:
+    with _recipe_keys():
         return load_recipe(data)
-    except RecipeError as e:  # Hydra's key is `recipe.<key>`: name it so, the way the user typed it
+
+
+@contextlib.contextmanager
+def _recipe_keys():
+    """Recipe problems name their keys as Hydra's command line does: `recipe.<key>`."""
+    from fp8_recipes.schema import RecipeError
+
+    try:
+        yield
+    except RecipeError as e:
         raise RecipeError([f"recipe.{p}" for p in e.problems]) from None
 
 
@@ -101,7 +110,8 @@ def run_training(cfg) -> dict:
     trainer = cfg.trainer
     run_dir = Path(cfg.run_dir)
     # Fail on the recipe/hardware combination before any process group, data or model exists.
-    first_plan = PrecisionPlan(recipe, ModelLayout.gpt(int(cfg.model.num_layers)), hardware)
+    with _recipe_keys():
+        first_plan = PrecisionPlan(recipe, ModelLayout.gpt(int(cfg.model.num_layers)), hardware)
 
     rank, world_size, device = init_distributed(
         tensor_model_parallel_size=int(trainer.get("tensor_model_parallel_size", 1)), seed=int(trainer.seed))
