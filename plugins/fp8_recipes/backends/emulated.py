@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from fp8_recipes.backends.groups import amax_reduction_group
-from fp8_recipes.numerics import DelayedScaler, fake_quant
+from fp8_recipes.numerics import DelayedScaler, block_for, fake_quant
 from fp8_recipes.plan import Gemm, ModulePlan, PrecisionPlan
 from fp8_recipes.schema import ROLES, AmaxReduction, Role, Scaling, TensorPolicy
 
@@ -47,6 +47,18 @@ class EmulatedLinearState:
             return None
         return self.plan.gemms[gemm].policy(role)
 
+    def reusable(self, earlier: Gemm, later: Gemm, role: Role, shape) -> bool:
+        """Whether `later`'s columnwise copy of this role's operand equals `earlier`'s rowwise one."""
+        p = self.policy(earlier, role)
+        return (p is not None and p == self.policy(later, role)
+                and block_for(p, shape) == block_for(p, shape, columnwise=True))
+
+    def reused(self, fq: torch.Tensor, hp: torch.Tensor, gemm: Gemm, role: Role) -> torch.Tensor:
+        """An earlier GEMM's copy, reused by `gemm` (the observer still sees it as this GEMM's operand)."""
+        if self.observer is not None:
+            self.observer(self, gemm, role, hp, fq)
+        return fq
+
     def quantized(self, t: torch.Tensor, gemm: Gemm, role: Role, columnwise: bool) -> torch.Tensor:
         policy = self.policy(gemm, role)
         if policy is None:
@@ -60,35 +72,41 @@ class EmulatedLinearState:
 
 
 class _EmulatedGemm(torch.autograd.Function):
+    """Each operand is quantized once per GEMM that reads it, along that GEMM's reduction dim. When the columnwise
+    copy a backward GEMM needs equals the rowwise one an earlier GEMM made (same policy, a per-tensor scale or a
+    square block), the earlier copy is reused: the same values, one pass fewer (TE keeps one copy for both too)."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, state: EmulatedLinearState):
         ctx.state = state
-        ctx.save_for_backward(x, w)
         xq = state.quantized(x, Gemm.FPROP, Role.ACTIVATIONS, columnwise=False)
         wq = state.quantized(w, Gemm.FPROP, Role.WEIGHTS, columnwise=False)
+        keep_xq = state.reusable(Gemm.FPROP, Gemm.WGRAD, Role.ACTIVATIONS, x.shape)
+        keep_wq = state.reusable(Gemm.FPROP, Gemm.DGRAD, Role.WEIGHTS, w.shape)
+        ctx.kept = (keep_xq, keep_wq)
+        ctx.save_for_backward(x, w, xq if keep_xq else None, wq if keep_wq else None)
         return torch.matmul(xq, wq.t())
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        x, w = ctx.saved_tensors
+        x, w, xq_f, wq_f = ctx.saved_tensors
+        keep_xq, keep_wq = ctx.kept
         state: EmulatedLinearState = ctx.state
         dx = dw = dyq = None
         dy2 = dy.reshape(-1, dy.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
         if ctx.needs_input_grad[0]:
             dyq = state.quantized(dy2, Gemm.DGRAD, Role.GRADIENTS, columnwise=False)
-            wq = state.quantized(w, Gemm.DGRAD, Role.WEIGHTS, columnwise=True)
+            wq = state.reused(wq_f, w, Gemm.DGRAD, Role.WEIGHTS) if keep_wq else \
+                state.quantized(w, Gemm.DGRAD, Role.WEIGHTS, columnwise=True)
             dx = torch.matmul(dyq, wq).reshape(*dy.shape[:-1], w.shape[1])
         if ctx.needs_input_grad[1]:
-            g_pol = state.policy(Gemm.WGRAD, Role.GRADIENTS)
-            if (dyq is not None and g_pol is not None and g_pol == state.policy(Gemm.DGRAD, Role.GRADIENTS)
-                    and g_pol.scaling in (Scaling.TENSORWISE, Scaling.DELAYED)):
-                dyq_w = dyq  # one per-tensor scale quantizes rowwise and columnwise alike: reuse dgrad's copy
-                if state.observer is not None:  # still an operand of this GEMM: the hook sees every one
-                    state.observer(state, Gemm.WGRAD, Role.GRADIENTS, dy2, dyq_w)
+            if dyq is not None and state.reusable(Gemm.DGRAD, Gemm.WGRAD, Role.GRADIENTS, dy2.shape):
+                dyq_w = state.reused(dyq, dy2, Gemm.WGRAD, Role.GRADIENTS)
             else:
                 dyq_w = state.quantized(dy2, Gemm.WGRAD, Role.GRADIENTS, columnwise=True)
-            xq = state.quantized(x2, Gemm.WGRAD, Role.ACTIVATIONS, columnwise=True)
+            xq = state.reused(xq_f.reshape(x2.shape), x2, Gemm.WGRAD, Role.ACTIVATIONS) if keep_xq else \
+                state.quantized(x2, Gemm.WGRAD, Role.ACTIVATIONS, columnwise=True)
             dw = torch.matmul(dyq_w.t(), xq)
         return dx, dw, None
 

@@ -46,7 +46,7 @@ def bar_chart(path: Path, groups: list[str], series: dict[str, list[float]], *, 
         print(f"note: matplotlib is not installed: no {path.name}; draw it elsewhere with --plot-only")
         return None
     width = 0.8 / max(len(series), 1)
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(groups) + 2), 4.0), dpi=120)
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.1 * len(groups) + 3.5), 4.0), dpi=120)
     for i, (name, values) in enumerate(series.items()):
         xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
         ax.bar(xs, [v if v is not None else math.nan for v in values], width, label=name)
@@ -55,7 +55,7 @@ def bar_chart(path: Path, groups: list[str], series: dict[str, list[float]], *, 
     ax.set_xticks(range(len(groups)), groups, rotation=20, ha="right", fontsize=8)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, never over them
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

