@@ -8,10 +8,12 @@
 
 Config: conf/train.yaml (+ groups model/, data/, trainer/), recipes from recipes/ (group `recipe`). Outputs go to
 `run_dir` (plan.txt, recipe.yaml, metrics.jsonl, tb/, checkpoints/, summary.json, loss.png).
+
+Exit codes: 0 done; 2 a bad config, recipe or override (one `error: <key>: ...` line, no run_dir left behind);
+3 stopped on non-finite losses/gradients (trainer.on_nonfinite=stop; the outputs so far are kept).
 """
 
 import logging
-import shutil
 import sys
 from pathlib import Path
 
@@ -23,17 +25,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))  # a ch
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    from omegaconf.errors import OmegaConfBaseException
+
+    from fp8_recipes.training.errors import NONFINITE_EXIT, USER_ERROR_EXIT, NonFiniteStop, remove_partial_run_dir
     from fp8_recipes.training.run import run_training
 
     run_dir = Path(cfg.run_dir)
     try:
         summary = run_training(cfg)
-    except ValueError as e:  # a user error: one line naming the key, nothing half-written, exit 2
-        for line in str(e).splitlines():
+    except (ValueError, OmegaConfBaseException) as e:  # a user error: one line naming the key, nothing half-written
+        lines = [f"{e.full_key}: {str(e).splitlines()[0]}"] if isinstance(e, OmegaConfBaseException) else \
+            str(e).splitlines()
+        for line in lines:
             print(f"error: {line}", file=sys.stderr)
-        if run_dir.is_dir() and not (run_dir / "checkpoints").exists():
-            shutil.rmtree(run_dir, ignore_errors=True)
-        sys.exit(2)
+        remove_partial_run_dir(run_dir)
+        sys.exit(USER_ERROR_EXIT)
+    except NonFiniteStop as e:  # trainer.on_nonfinite=stop: the run's outputs so far stay
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(NONFINITE_EXIT)
     if summary.get("rank", 0) == 0:
         val = f", val loss {summary['val_loss']:.3f}" if summary.get("val_loss") is not None else ""
         print(f"done: {summary['steps']} steps of {summary['recipe']} ({summary['backend']}), loss "
@@ -42,5 +51,8 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    from fp8_recipes.training.errors import hydra_errors_as_one_line
+
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    main()
+    with hydra_errors_as_one_line():  # Hydra's own errors (unknown key, group option, run_dir) as one line, exit 2
+        main()

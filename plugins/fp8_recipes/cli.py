@@ -36,12 +36,14 @@ def _cmd_show(args) -> int:
 
 
 def _cmd_validate(args) -> int:
-    from fp8_recipes.recipes import load_recipe
+    from fp8_recipes.observe.config import DebugConfig
+    from fp8_recipes.recipes import load_recipe, load_recipe_dict
 
     failed = 0
     for ref in args.recipes:
         try:
             recipe = load_recipe(ref)
+            DebugConfig.from_dict(load_recipe_dict(ref).get("debug"))  # the observers' section, if any
         except ValueError as e:
             failed += 1
             for line in str(e).splitlines():

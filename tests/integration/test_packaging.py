@@ -61,7 +61,7 @@ def test_wheel_contents(wheel):
     assert not any(n.startswith("hydra_plugins/__init__") for n in names)  # a namespace package shared by plugins
     assert "fp8-recipes = fp8_recipes.cli:main" in entry_points
     for module in ("cli", "recipes", "schema", "plan", "numerics/quantize", "backends/emulated",
-                   "megatron/emulated_layers", "training/run"):
+                   "megatron/emulated_layers", "training/run", "observe/recorder"):
         assert f"fp8_recipes/{module}.py" in names, module
 
 

@@ -170,6 +170,13 @@ class EmulatedPrecision:
             for scaler in state.scalers.values():
                 scaler.update(self._reduce)
 
+    def skip_step(self, step: int) -> None:
+        # The skipped step's amaxes (slot 0, maybe inf/NaN) never reach a scale: torch.maximum would keep a NaN
+        # there into the next step, and an inf would pin the scale for a whole history window.
+        for state in self.states.values():
+            for scaler in state.scalers.values():
+                scaler.history[0] = 0.0
+
     def scales(self) -> dict[str, dict[str, float]]:
         """The current delayed scales per module and role (for logging and the multi-rank checks)."""
         return {n: {str(r): float(sc.scale) for r, sc in s.scalers.items()} for n, s in self.states.items()}

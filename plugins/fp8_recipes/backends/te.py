@@ -377,6 +377,11 @@ class TEPrecision:
         # TE updates delayed scales itself (autocast exit, backward); the weights changed: requantize them next.
         self._weights_changed()
 
+    def skip_step(self, step: int) -> None:
+        # The weights did not change, so cached FP8 weights stay valid. TE keeps its own amax histories: a skipped
+        # step's non-finite amax stays in them, and TE's scale update keeps the previous scale while it is there.
+        pass
+
     def state_dict(self) -> dict:
         delayed = dict(self._pending)  # not put back yet (the module has not run FP8 since loading): keep them
         for name, module in self.linears.items():

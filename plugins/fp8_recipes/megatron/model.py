@@ -216,27 +216,10 @@ def _as_dict(model_cfg: Any) -> dict:
         raise ValueError(f"model config must be a mapping or DictConfig, got {type(model_cfg).__name__}") from e
 
 
-_REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
-_OPTIONAL = ("ffn_hidden_size", "num_query_groups", "normalization", "activation", "position_embedding_type",
-             "rotary_base", "share_embeddings_and_output_weights", "init_method_std", "add_bias_linear",
-             "hidden_dropout", "attention_dropout", "layernorm_epsilon")
-_CHOICES = {"normalization": ("LayerNorm", "RMSNorm"), "activation": ("gelu", "swiglu"),
-            "position_embedding_type": ("rope", "learned_absolute")}
-
-
 def _check_model_cfg(cfg: dict) -> None:
-    unknown = sorted(set(cfg) - set(_REQUIRED) - set(_OPTIONAL))
-    if unknown:
-        raise ValueError(f"model.{unknown[0]}: unknown key; known keys: {sorted(_REQUIRED + _OPTIONAL)}")
-    for key in _REQUIRED:
-        if cfg.get(key) is None:
-            raise ValueError(f"model.{key} is required (got no value)")
-    for key, choices in _CHOICES.items():
-        if key in cfg and cfg[key] not in choices:
-            raise ValueError(f"model.{key}={cfg[key]!r}: choose one of {list(choices)}")
-    if cfg["hidden_size"] % cfg["num_attention_heads"]:
-        raise ValueError(f"model.hidden_size={cfg['hidden_size']} is not divisible by "
-                         f"model.num_attention_heads={cfg['num_attention_heads']}")
+    from fp8_recipes.training.config import check_model_cfg
+
+    check_model_cfg(cfg)
 
 
 def _check_linear_class(cls: type | None, base: type, what: str) -> None:

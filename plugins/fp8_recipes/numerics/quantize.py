@@ -97,6 +97,23 @@ def _scale_blocks(x2d: torch.Tensor, per_block: torch.Tensor, block: tuple[int, 
     return view.reshape(view.shape[0] * view.shape[1], -1)[:rows, :cols]
 
 
+def _block_scales(hp_x: torch.Tensor, policy: TensorPolicy, block: tuple[int, int], dtype: torch.dtype):
+    """Blockwise and MXFP8: (amax, scale, scale_inv, e8m0 or None) per block of the float32 2-D `hp_x` (`dtype`:
+    the original tensor's). Shared with observe.stats, which needs the scales without the cast."""
+    amax = nan_ignoring_amax(_block_view(hp_x, block), dim=(1, 3))  # (row_blocks, col_blocks)
+    e8m0 = None
+    if policy.scaling is Scaling.MXFP8:
+        e8m0 = amax_to_e8m0(amax, policy.format, policy.mx_rounding)
+        scale, scale_inv = e8m0_to_multiplier(e8m0), e8m0_to_scale_inv(e8m0)
+    else:
+        # TE's blockwise kernel uses the input type's max for a scale that overflows float32
+        big = torch.finfo(dtype).max if dtype.is_floating_point and torch.finfo(dtype).bits <= 32 else FLOAT32_MAX
+        scale = amax_to_scale(amax, policy.format, margin=policy.margin, epsilon=policy.amax_epsilon,
+                              pow2=policy.pow2_scales, value_for_inf=big)
+        scale_inv = torch.reciprocal(scale)
+    return amax, scale, scale_inv, e8m0
+
+
 def quantize(
     x: torch.Tensor,
     policy: TensorPolicy,
@@ -136,16 +153,7 @@ def quantize(
         scale_inv = torch.reciprocal(scale)
         hp_scaled = hp_x * scale
     else:
-        amax = nan_ignoring_amax(_block_view(hp_x, block), dim=(1, 3))  # (row_blocks, col_blocks)
-        if policy.scaling is Scaling.MXFP8:
-            e8m0 = amax_to_e8m0(amax, policy.format, policy.mx_rounding)
-            scale, scale_inv = e8m0_to_multiplier(e8m0), e8m0_to_scale_inv(e8m0)
-        else:
-            # TE's blockwise kernel uses the input type's max for a scale that overflows float32
-            big = torch.finfo(dtype).max if dtype.is_floating_point and torch.finfo(dtype).bits <= 32 else FLOAT32_MAX
-            scale = amax_to_scale(amax, policy.format, margin=policy.margin, epsilon=policy.amax_epsilon,
-                                  pow2=policy.pow2_scales, value_for_inf=big)
-            scale_inv = torch.reciprocal(scale)
+        amax, scale, scale_inv, e8m0 = _block_scales(hp_x, policy, block, dtype)
         hp_scaled = _scale_blocks(hp_x, scale, block)
 
     codes = to_fp8_saturated(hp_scaled, policy.format)

@@ -4,10 +4,16 @@ evaluation (in the training precision and in full precision), metrics, checkpoin
     summary = train(model, batches_train, batches_valid, cfg.trainer, precision, run_dir, rank=rank,
                     world_size=world_size)
 
-Step convention: ``step`` is the 0-based index of the optimizer step in progress (= optimizer steps completed
-before it). ``precision.begin_step(step)`` / ``after_optimizer_step(step)`` and the LR schedule use it;
-metrics rows, evaluation and ``checkpoints/step_N`` use ``N = step + 1`` (steps completed, Megatron's
-"iteration").
+Step convention: ``step`` is the 0-based index of the iteration in progress (= iterations completed before it,
+skipped ones included, as Megatron counts them). ``precision.begin_step(step)`` / ``after_optimizer_step(step)``
+use it; metrics rows, evaluation and ``checkpoints/step_N`` use ``N = step + 1`` (Megatron's "iteration").
+
+Faults: a non-finite loss or gradient norm on any rank skips the optimizer step on every rank (one flag, summed
+over data- and tensor-parallel ranks): weights, optimizer state and the LR schedule stay as they were (Megatron
+also does not advance its scheduler on a skipped iteration), and the precision backend forgets what the step
+recorded (``skip_step``). After ``trainer.max_consecutive_skips`` in a row: ``on_nonfinite=skip_then_bf16`` runs
+the next ``fallback_bf16_steps`` steps under ``precision.high_precision()``; ``stop`` (or the limit reached again
+inside a fallback) ends the run with :class:`NonFiniteStop`.
 """
 
 from __future__ import annotations
@@ -25,9 +31,11 @@ from typing import Any, ContextManager, Iterator, Mapping, Protocol, runtime_che
 import torch
 
 from fp8_recipes.training.checkpoint import load_checkpoint, save_checkpoint
+from fp8_recipes.training.config import LRScaling, TrainerConfig  # noqa: F401  (re-exported: the loop's config)
+from fp8_recipes.training.errors import NonFiniteStop
 from fp8_recipes.training.metrics import MetricsWriter, plot_loss, write_summary
 
-__all__ = ["Precision", "NoPrecision", "TrainerConfig", "lr_at", "scaled_lr", "MasterParams", "train"]
+__all__ = ["Precision", "NoPrecision", "NonFiniteStop", "TrainerConfig", "lr_at", "scaled_lr", "MasterParams", "train"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +55,10 @@ class Precision(Protocol):
 
     def after_optimizer_step(self, step: int) -> None:
         """Called after the optimizer step of ``step`` (e.g. delayed-scaling amax/scale update)."""
+
+    def skip_step(self, step: int) -> None:
+        """The optimizer step of ``step`` was skipped (non-finite loss or gradient): forget what the step recorded
+        (delayed-scaling amaxes), so no scale is ever derived from it."""
 
     def state_dict(self) -> dict: ...
 
@@ -70,6 +82,9 @@ class NoPrecision:
     def after_optimizer_step(self, step: int) -> None:
         pass
 
+    def skip_step(self, step: int) -> None:
+        pass
+
     def state_dict(self) -> dict:
         return {}
 
@@ -78,101 +93,7 @@ class NoPrecision:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Configuration (the `trainer` group) and the LR schedule
-
-
-@dataclasses.dataclass
-class LRScaling:
-    enabled: bool = False
-    """Scale lr and min_lr linearly with the global batch size (off by default: explicit is better)."""
-    base_global_batch_size: int | None = None
-    """The global batch size the configured lr was tuned for."""
-
-
-@dataclasses.dataclass
-class TrainerConfig:
-    max_steps: int = 200
-    """Optimizer steps to run."""
-    micro_batch_size: int = 16
-    """Sequences per forward/backward on one data-parallel rank."""
-    global_batch_size: int = 16
-    """Sequences per optimizer step over all ranks; accumulation = global / (micro × data parallel)."""
-    lr: float = 1e-3
-    """Peak learning rate, reached at the end of warmup."""
-    min_lr: float = 1e-4
-    """Learning rate at the last step (cosine decay from lr)."""
-    warmup_steps: int = 20
-    """Linear warmup from lr/warmup_steps to lr."""
-    weight_decay: float = 0.1
-    """AdamW decoupled weight decay, applied to matrices only (not to norms and biases)."""
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    """Clip the global gradient norm to this (0 = no clipping; the norm is logged either way)."""
-    eval_interval: int = 50
-    """Validate every this many steps and at the end (0 = never)."""
-    eval_iters: int = 10
-    """Validation micro-batches per evaluation (the same batches every time)."""
-    save_interval: int = 0
-    """Checkpoint every this many steps (0 = only at the end)."""
-    save_checkpoints: bool = True
-    """False: write no checkpoints at all (benchmarks; an 8B-shaped checkpoint is tens of GB)."""
-    log_interval: int = 1
-    """Write a metrics row every this many steps."""
-    seed: int = 1234
-    """Seed for weights, dropout and data order (used by init_distributed in scripts/train.py)."""
-    params_dtype: str = "bf16"
-    """Model parameter dtype, bf16 | fp32 (aliases bfloat16 | float32); read by training/run.py for build_gpt_model."""
-    tensor_model_parallel_size: int = 1
-    """Tensor-parallel size; read by training/run.py for init_distributed (data parallel = world / this)."""
-    fp32_master_weights: bool = True
-    """Keep fp32 copies of bf16 params for accumulation and AdamW (Megatron's mixed precision)."""
-    lr_scaling: LRScaling = dataclasses.field(default_factory=LRScaling)
-
-    @classmethod
-    def from_cfg(cls, cfg: Any) -> "TrainerConfig":
-        """From a dict, DictConfig or TrainerConfig; unknown keys and bad values raise ValueError(trainer.<key>)."""
-        if isinstance(cfg, cls):
-            return cfg
-        if not isinstance(cfg, Mapping):
-            from omegaconf import OmegaConf
-            cfg = OmegaConf.to_container(cfg, resolve=True)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(cfg) - known)
-        if unknown:
-            raise ValueError(f"trainer.{unknown[0]}: unknown key; known keys: {sorted(known)}")
-        values = dict(cfg)
-        scaling = values.pop("lr_scaling", None) or {}
-        bad = sorted(set(scaling) - {"enabled", "base_global_batch_size"})
-        if bad:
-            raise ValueError(f"trainer.lr_scaling.{bad[0]}: unknown key; known: enabled, base_global_batch_size")
-        out = cls(**values, lr_scaling=LRScaling(**scaling))
-        out.validate()
-        return out
-
-    def validate(self) -> None:
-        for key in ("max_steps", "micro_batch_size", "global_batch_size", "log_interval", "tensor_model_parallel_size"):
-            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
-                raise ValueError(f"trainer.{key}={getattr(self, key)!r}: must be an integer >= 1")
-        for key in ("warmup_steps", "eval_interval", "eval_iters", "save_interval"):
-            if not isinstance(getattr(self, key), int) or getattr(self, key) < 0:
-                raise ValueError(f"trainer.{key}={getattr(self, key)!r}: must be an integer >= 0")
-        if not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"trainer.min_lr={self.min_lr}: must lie in [0, trainer.lr={self.lr}]")
-        if self.warmup_steps > self.max_steps:
-            raise ValueError(f"trainer.warmup_steps={self.warmup_steps} exceeds trainer.max_steps={self.max_steps}")
-        if self.params_dtype not in ("bf16", "fp32", "bfloat16", "float32"):
-            raise ValueError(f"trainer.params_dtype={self.params_dtype!r}: choose bf16 or fp32")
-        if self.lr_scaling.enabled and not (self.lr_scaling.base_global_batch_size or 0) >= 1:
-            raise ValueError("trainer.lr_scaling.base_global_batch_size must be set (>= 1) when lr_scaling.enabled")
-
-    def gradient_accumulation_steps(self, data_parallel_size: int) -> int:
-        per_step = self.micro_batch_size * data_parallel_size
-        if self.global_batch_size % per_step:
-            raise ValueError(f"trainer.global_batch_size={self.global_batch_size} is not a multiple of "
-                             f"micro_batch_size × data parallel = {self.micro_batch_size} × {data_parallel_size}")
-        return self.global_batch_size // per_step
+# The LR schedule (the `trainer` group's schema, TrainerConfig, lives in training/config.py: torch-free)
 
 
 def scaled_lr(lr: float, global_batch_size: int, base_global_batch_size: int) -> float:
@@ -338,9 +259,18 @@ def evaluate(model: torch.nn.Module, batches: list[Mapping[str, Any]], device: t
     return (totals[0] / totals[1].clamp(min=1)).item()
 
 
+def _any_tensor_parallel(flag: torch.Tensor) -> torch.Tensor:
+    ps = _parallel_state()
+    if ps is not None and ps.get_tensor_model_parallel_world_size() > 1:
+        torch.distributed.all_reduce(flag, group=ps.get_tensor_model_parallel_group())
+    return flag
+
+
 def _train_step(model, batches, accumulation: int, dp_size: int, master: MasterParams, optimizer,
-                cfg: TrainerConfig, device: torch.device) -> tuple[float, int, float]:
-    """One optimizer step over ``accumulation`` micro-batches: (mean loss over DP ranks, global tokens, grad norm)."""
+                cfg: TrainerConfig, device: torch.device) -> tuple[float, int, float, bool]:
+    """One optimizer step over ``accumulation`` micro-batches: (mean loss over DP ranks, global tokens, grad norm,
+    skipped). A non-finite loss or grad norm on any rank skips the update on every rank, leaving weights and
+    optimizer state untouched (the decision is one flag summed over the DP and TP groups: identical everywhere)."""
     loss_total = torch.zeros((), dtype=torch.float64, device=device)
     tokens = 0
     for _ in range(accumulation):
@@ -352,12 +282,15 @@ def _train_step(model, batches, accumulation: int, dp_size: int, master: MasterP
         loss_total += loss.detach().double()
         tokens += batch["tokens"].numel()
     _allreduce_grads_data_parallel(master.masters)
-    grad_norm = _clip_grad_norm(master.pairs, cfg.clip_grad)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    master.copy_to_model()
-    synced = _dp_sum(torch.stack([loss_total, torch.tensor(float(tokens), dtype=torch.float64, device=device)]))
-    return synced[0].item() / (accumulation * dp_size), int(synced[1].item()), grad_norm  # .item(): a sync point
+    grad_norm = _clip_grad_norm(master.pairs, cfg.clip_grad)  # NaN/inf when any grad on any rank is (TP-reduced)
+    bad = (~torch.isfinite(loss_total)).double() + (0.0 if math.isfinite(grad_norm) else 1.0)
+    synced = _dp_sum(torch.stack([loss_total, torch.tensor(float(tokens), dtype=torch.float64, device=device), bad]))
+    skipped = _any_tensor_parallel(synced[2:].clone()).item() > 0  # .item(): a sync point, once per step
+    if not skipped:
+        optimizer.step()
+        master.copy_to_model()
+    optimizer.zero_grad(set_to_none=True)  # a skipped step's grads go too (the model's own were moved to masters)
+    return synced[0].item() / (accumulation * dp_size), int(synced[1].item()), grad_norm, skipped
 
 
 class _PlainBar:
@@ -442,25 +375,53 @@ def train(model: torch.nn.Module, batches_train: Iterator[Mapping[str, Any]],
     bar = tqdm(total=cfg.max_steps, initial=start, desc="train", unit="step", disable=rank != 0,
                dynamic_ncols=True, mininterval=0.5)
     losses, rates, val_loss, val_loss_fp, stage, done = [], [], None, None, "", start
+    skipped_total, in_a_row, fallback_left, fallbacks, stopped = 0, 0, 0, 0, None
     wall0 = time.perf_counter()
     for step in range(start, cfg.max_steps):
         stage = precision.begin_step(step)
+        in_fallback = fallback_left > 0
+        if in_fallback:
+            stage = "bf16 fallback"
         t0 = time.perf_counter()
         step_lr = optimizer.param_groups[0]["lr"]
-        step_loss, tokens, grad_norm = _train_step(model, batches_train, accumulation, dp_size, master, optimizer,
-                                                   cfg, device)
-        scheduler.step()
-        precision.after_optimizer_step(step)
+        with precision.high_precision() if in_fallback else contextlib.nullcontext():
+            step_loss, tokens, grad_norm, skipped = _train_step(model, batches_train, accumulation, dp_size, master,
+                                                                optimizer, cfg, device)
+        if skipped:  # the LR schedule stays too: the next step runs at this step's LR (Megatron's rule)
+            precision.skip_step(step)
+            skipped_total, in_a_row = skipped_total + 1, in_a_row + 1
+        else:
+            scheduler.step()
+            precision.after_optimizer_step(step)
+            in_a_row = 0
+        fallback_left = max(fallback_left - 1, 0)
         step_time = time.perf_counter() - t0
         tokens_per_s = tokens / step_time
         done = step + 1
         losses.append(step_loss)
         rates.append(tokens_per_s)
         bar.update(1)
-        bar.set_postfix_str(f"loss {step_loss:.3f} | {tokens_per_s:,.0f} tok/s | {stage}", refresh=False)
-        if done % cfg.log_interval == 0 or done == cfg.max_steps:
+        skips = f" | skipped {skipped_total}" if skipped_total else ""
+        bar.set_postfix_str(f"loss {step_loss:.3f} | {tokens_per_s:,.0f} tok/s | {stage}{skips}", refresh=False)
+        if skipped or done % cfg.log_interval == 0 or done == cfg.max_steps:
             writer.log({"kind": "train", "step": done, "loss": step_loss, "lr": step_lr, "grad_norm": grad_norm,
-                        "tokens_per_s": tokens_per_s, "stage": stage, "step_time": step_time})
+                        "tokens_per_s": tokens_per_s, "stage": stage, "step_time": step_time, "skipped": skipped,
+                        "skipped_steps": skipped_total})
+        if skipped and rank == 0:
+            bar.write(f"step {done}: non-finite loss {step_loss:.4g} or grad norm {grad_norm:.4g}: optimizer step "
+                      f"skipped ({in_a_row} in a row, {skipped_total} in all)")
+        if in_a_row >= cfg.max_consecutive_skips:
+            if cfg.on_nonfinite == "stop" or in_fallback:
+                why = "in the BF16 fallback too" if in_fallback else "trainer.on_nonfinite=stop"
+                first_bad = done - in_a_row + 1
+                stopped = (f"trainer.max_consecutive_skips: {in_a_row} steps in a row (to step {done}) had a "
+                           f"non-finite loss or gradient ({why}); the weights are those before step {first_bad}: "
+                           f"lower trainer.lr, check the data, or resume from a checkpoint")
+                break
+            fallback_left, in_a_row, fallbacks = cfg.fallback_bf16_steps, 0, fallbacks + 1
+            if rank == 0:
+                bar.write(f"step {done}: {cfg.max_consecutive_skips} skipped steps in a row: the next "
+                          f"{cfg.fallback_bf16_steps} steps run in BF16 (trainer.fallback_bf16_steps)")
         if valid and _due(done, cfg.eval_interval, cfg.max_steps):
             val_loss = evaluate(model, valid, device)
             writer.log({"kind": "eval", "step": done, "val_loss": val_loss, "stage": stage})
@@ -475,7 +436,7 @@ def train(model: torch.nn.Module, batches_train: Iterator[Mapping[str, Any]],
         if cfg.save_interval > 0 and done % cfg.save_interval == 0 and done != cfg.max_steps:
             checkpoint(done)
     bar.close()
-    if done > start or resume_from is None:
+    if stopped is None and (done > start or resume_from is None):
         checkpoint(done)
     summary = {
         "steps": done,
@@ -487,6 +448,9 @@ def train(model: torch.nn.Module, batches_train: Iterator[Mapping[str, Any]],
         "wall_time_s": time.perf_counter() - wall0,
         "final_stage": stage,
         "nonfinite_loss_steps": sum(not math.isfinite(x) for x in losses),
+        "skipped_steps": skipped_total,
+        "bf16_fallbacks": fallbacks,
+        "stopped": stopped,
     }
     writer.close()
     if rank == 0:
@@ -495,4 +459,6 @@ def train(model: torch.nn.Module, batches_train: Iterator[Mapping[str, Any]],
             plot_loss(run_dir)
         except Exception as e:  # noqa: BLE001 - a plot must never fail a finished run
             logger.warning("plot_loss failed: %s: %s", type(e).__name__, e)
+    if stopped is not None:
+        raise NonFiniteStop(stopped)
     return summary

@@ -15,9 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
-__all__ = ["resolve_recipe", "run_training"]
+__all__ = ["resolve_debug", "resolve_recipe", "run_training"]
 
 logger = logging.getLogger("fp8_recipes")
 
@@ -36,6 +34,36 @@ def resolve_recipe(cfg) -> Any:
         return load_recipe(data)
 
 
+def resolve_debug(cfg):
+    """The run's DebugConfig (numerics statistics, dumps): the recipe's `debug` section under the run config's."""
+    from omegaconf import OmegaConf
+
+    from fp8_recipes.observe.config import debug_config
+
+    def plain(node):
+        return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+
+    recipe = cfg.get("recipe") if hasattr(cfg, "get") else None
+    recipe_debug = recipe.get("debug") if hasattr(recipe, "get") else None
+    return debug_config(plain(recipe_debug), plain(cfg.get("debug") if hasattr(cfg, "get") else None))
+
+
+def _observe(precision, debug, run_dir: Path, rank: int, backend):
+    """Attach the numerics recorder when the run's `debug` section asks: (precision to train with, recorder)."""
+    if not debug.enabled:
+        return precision, None
+    if str(backend) != "emulated":  # the TE backend's observers come later
+        if rank == 0:
+            logger.warning("debug: numerics statistics and dumps need the emulated backend for now (this run uses "
+                           "%s); set recipe.backend=emulated to record them", backend)
+        return precision, None
+    from fp8_recipes.observe.recorder import NumericsRecorder, ObservedPrecision
+
+    recorder = NumericsRecorder(debug, run_dir, write=rank == 0)
+    recorder.attach(precision.states)
+    return ObservedPrecision(precision, recorder), recorder
+
+
 @contextlib.contextmanager
 def _recipe_keys():
     """Recipe problems name their keys as Hydra's command line does: `recipe.<key>`."""
@@ -47,7 +75,9 @@ def _recipe_keys():
         raise RecipeError([f"recipe.{p}" for p in e.problems]) from None
 
 
-def _dtype(name: str) -> torch.dtype:
+def _dtype(name: str) -> "torch.dtype":
+    import torch
+
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
     if name not in table:
         raise ValueError(f"trainer.params_dtype: {name!r} is not one of float32 | bfloat16")
@@ -98,20 +128,24 @@ def _attach_te(model_cfg: dict, recipe, hardware, params_dtype: torch.dtype, dev
 def run_training(cfg) -> dict:
     from omegaconf import OmegaConf
 
-    from fp8_recipes.megatron.data import batches, build_gpt_datasets, prepare_dataset
-    from fp8_recipes.megatron.model import destroy_distributed, init_distributed
     from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan
     from fp8_recipes.schema import Backend
-    from fp8_recipes.training.loop import train
+    from fp8_recipes.training.config import check_run_config
 
     quiet_third_party_logs()
+    check_run_config(cfg)  # trainer, model, data, run_dir: before anything is built (and before torch loads)
     recipe = resolve_recipe(cfg)
+    debug = resolve_debug(cfg)
     hardware = Hardware.detect()
     trainer = cfg.trainer
     run_dir = Path(cfg.run_dir)
     # Fail on the recipe/hardware combination before any process group, data or model exists.
     with _recipe_keys():
         first_plan = PrecisionPlan(recipe, ModelLayout.gpt(int(cfg.model.num_layers)), hardware)
+
+    from fp8_recipes.megatron.data import batches, build_gpt_datasets, prepare_dataset
+    from fp8_recipes.megatron.model import destroy_distributed, init_distributed
+    from fp8_recipes.training.loop import train
 
     rank, world_size, device = init_distributed(
         tensor_model_parallel_size=int(trainer.get("tensor_model_parallel_size", 1)), seed=int(trainer.seed))
@@ -164,9 +198,16 @@ def run_training(cfg) -> dict:
             import yaml
 
             _write_text(run_dir / "recipe.yaml", yaml.safe_dump(recipe.to_dict(), sort_keys=False))
-        summary = train(model, train_iter, valid_iter, trainer, precision, run_dir, rank=rank,
-                        world_size=world_size)
+        precision, recorder = _observe(precision, debug, run_dir, rank, plan.backend)
+        try:
+            summary = train(model, train_iter, valid_iter, trainer, precision, run_dir, rank=rank,
+                            world_size=world_size)
+        finally:
+            if recorder is not None:  # the last step's rows and the heat map, also after a failed step
+                recorder.close()
         summary.update(recipe=recipe.name, backend=str(plan.backend), rank=rank)
+        if recorder is not None:
+            summary["numerics_s"] = recorder.seconds  # time spent on statistics and dumps (bench_stats.py)
         if hasattr(precision, "execution_summary"):  # what the TE linears really ran, against the plan
             summary["te_execution"] = precision.execution_summary()
         return summary

@@ -1,0 +1,6 @@
+"""Observers: numerics statistics and tensor dumps (``debug:`` config), hooked into a precision backend.
+
+Importing this package has no side effects; the submodules are imported where used:
+``observe.config`` (the typed ``debug:`` section), ``observe.stats`` (pure torch: per-operand statistics),
+``observe.recorder`` (attaches to the emulated backend, writes numerics.jsonl, TensorBoard, the heat map, dumps).
+"""

@@ -1,0 +1,310 @@
+"""Records numerics statistics and tensor dumps from a precision backend's quantized GEMM operands.
+
+    recorder = NumericsRecorder(debug_config, run_dir, write=rank == 0)
+    recorder.attach(precision.states)            # the emulated backend's EmulatedLinearState per module
+    precision = ObservedPrecision(precision, recorder)   # tells the recorder each step; the loop is unchanged
+    ... train ...
+    recorder.close()                              # last rows, the heat map
+
+Outputs in the run directory: ``numerics.jsonl`` (one row per step, module, GEMM and operand role, keys of
+:data:`~fp8_recipes.observe.stats.STAT_KEYS`), TensorBoard scalars ``numerics/<module>/<gemm>/<role>/<stat>`` in
+``tb/`` (a few stats: underflow_pct, saturation_pct, cosine, scale_ratio), ``numerics_underflow.png``
+(modules x steps, underflow % of the fprop activations), and ``dumps/step_N/<module>.<gemm>.<role>.<k>.pt``
+(read them with :func:`load_dump`).
+
+Cost: nothing when the run has no ``debug`` section (no recorder exists); with one, an observer is set only on the
+modules a due step watches and cleared otherwise, so steps between intervals run the backend's plain path.
+Evaluation forwards (modules in eval mode: ``state.record_amax`` is False) are never recorded. Statistics are
+computed on every rank (a tensorwise amax reduction is a collective), written by rank 0 only.
+
+The observer protocol is the emulated backend's: ``observer(state, gemm, role, hp_tensor, fake_quant_tensor)``
+with ``state.plan`` (the module's plan this step), ``state.scalers`` and ``state.amax_reduce``; a Transformer
+Engine backend plugs in by calling :meth:`NumericsRecorder.observe` the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+import weakref
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fp8_recipes.observe.config import DebugConfig
+from fp8_recipes.observe.stats import COLUMNWISE, OperandStats, measure
+from fp8_recipes.schema import Role, Scaling
+
+__all__ = ["NumericsRecorder", "ObservedPrecision", "load_dump", "read_numerics"]
+
+logger = logging.getLogger(__name__)
+
+TB_STATS = ("underflow_pct", "saturation_pct", "cosine", "scale_ratio")
+"""The statistics also written to TensorBoard (all of them are in numerics.jsonl); each scalar costs ~50 us."""
+
+
+class NumericsRecorder:
+    """Aggregates operand statistics per step and writes them; saves the dumps a step asks for."""
+
+    def __init__(self, config: DebugConfig, run_dir: str | os.PathLike, *, write: bool = True,
+                 tensorboard: bool = True):
+        self.config = config
+        self.run_dir = Path(run_dir)
+        self.write = write
+        self.tensorboard = tensorboard
+        self.states: dict[str, Any] = {}
+        self.step: int | None = None
+        """The step being recorded, counted as metrics.jsonl does (optimizer steps completed after it)."""
+        self._stats_due = self._dump_due = False
+        self._pending: dict[tuple[str, str, str], OperandStats] = {}
+        self._dump_count: dict[tuple[str, str, str], int] = defaultdict(int)
+        self._last: dict[tuple[str, str], tuple] = {}  # (module, role) -> the last measured copy (see _measure)
+        self._heat: dict[str, dict[int, float]] = {}  # module -> step -> underflow % (fprop activations)
+        self._file = None
+        self._tb = None
+        self.seconds = 0.0
+        """Wall time spent measuring, dumping and writing (on a GPU, the host's share): the benchmark's numerator."""
+
+    # -- wiring ---------------------------------------------------------------------------------------------------
+    def attach(self, states: dict[str, Any]) -> None:
+        """Observe these modules (name -> backend state with an ``observer`` slot)."""
+        self.states = dict(states)
+
+    def begin_step(self, step: int) -> None:
+        """Called before optimizer step `step` (0-based, the loop's index): finish the previous step's rows and
+        set the observer on the modules this step watches."""
+        self.flush()
+        self.step = step + 1
+        self._stats_due = self.config.stats_due(self.step)
+        self._dump_due = self.config.dump_due(self.step)
+        self._dump_count.clear()
+        self._last.clear()
+        for name, state in self.states.items():
+            watched = ((self._stats_due and self.config.stats_module(name))
+                       or (self._dump_due and self.config.dump_module(name)))
+            state.observer = self.observe if watched else None
+
+    # -- the observer ---------------------------------------------------------------------------------------------
+    def observe(self, state, gemm, role, hp_x: torch.Tensor, fq_x: torch.Tensor) -> None:
+        if not state.record_amax:  # an evaluation forward: the model is in eval mode
+            return
+        t0 = time.perf_counter()
+        try:
+            self._observe(state, gemm, Role(role), hp_x, fq_x)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def _observe(self, state, gemm, role: Role, hp_x: torch.Tensor, fq_x: torch.Tensor) -> None:
+        name, gemm_s = state.name, str(gemm)
+        policy = state.plan.gemms[gemm].policy(role)
+        if policy is None:
+            return
+        columnwise = COLUMNWISE[(gemm_s, str(role))]
+        scaler = state.scalers.get(role)
+        reduce = state.amax_reduce if policy.scaling is Scaling.TENSORWISE else None
+        key = (name, gemm_s, str(role))
+        if self._stats_due and role in self.config.tensors and self.config.stats_module(name):
+            s = self._measure(key, hp_x, fq_x, policy, columnwise, scaler, reduce)
+            if key in self._pending:
+                self._pending[key].merge(s)
+            else:
+                self._pending[key] = s
+        if self._dump_due and role in self.config.dump.tensors and self.config.dump_module(name):
+            self._dump(key, hp_x, policy, columnwise, scaler, reduce)
+
+    def _measure(self, key, hp_x, fq_x, policy, columnwise, scaler, reduce) -> OperandStats:
+        """measure(), or the statistics of the same copy when the backend reuses an earlier GEMM's quantization
+        (fprop's activations for wgrad, ...): the same FP8 values of the same tensor, so the same numbers, at no
+        cost. The earlier copy is held by a weak reference: while it lives its memory cannot hold another
+        tensor, so the same address and size mean the same values."""
+        slot = (key[0], key[2])
+        last = self._last.get(slot)
+        if last is not None:
+            ref, fq_ptr, hp_ptr, numel, last_policy, stats = last
+            if (ref() is not None and fq_ptr == fq_x.data_ptr() and hp_ptr == hp_x.data_ptr()
+                    and numel == fq_x.numel() and last_policy == policy):
+                return stats.copy()
+        stats = measure(hp_x, fq_x, policy, columnwise=columnwise, scaler=scaler, amax_reduce=reduce)
+        self._last[slot] = (weakref.ref(fq_x), fq_x.data_ptr(), hp_x.data_ptr(), fq_x.numel(), policy, stats.copy())
+        return stats
+
+    # -- writing --------------------------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Write the finished step's rows (numerics.jsonl, TensorBoard) and keep the heat map's column."""
+        if not self._pending:
+            return
+        t0 = time.perf_counter()
+        try:
+            self._write(self._pending)
+        finally:
+            self._pending = {}
+            self.seconds += time.perf_counter() - t0
+
+    def _write(self, pending: dict[tuple[str, str, str], OperandStats]) -> None:
+        rows = []
+        for (module, gemm, role), s in pending.items():
+            row = {"step": self.step, "module": module, "gemm": gemm, "role": role, "policy": s.policy.describe(),
+                   **s.row()}
+            rows.append(row)
+            if gemm == "fprop" and role == "activations":
+                self._heat.setdefault(module, {})[self.step] = row["underflow_pct"]
+        if not self.write:
+            return
+        self._open()
+        for row in rows:
+            self._file.write(json.dumps({k: _jsonable(v) for k, v in row.items()}) + "\n")
+            if self._tb is not None:
+                for stat in TB_STATS:
+                    v = row.get(stat)
+                    if isinstance(v, (int, float)) and math.isfinite(v):
+                        self._tb.add_scalar(f"numerics/{row['module']}/{row['gemm']}/{row['role']}/{stat}", v,
+                                            row["step"])
+        self._file.flush()
+
+    def _open(self) -> None:
+        if self._file is not None:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.run_dir / "numerics.jsonl", "a", encoding="utf-8")
+        if self.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"))
+            except Exception as e:  # noqa: BLE001 - statistics go to numerics.jsonl either way
+                logger.warning("numerics: TensorBoard disabled (%s: %s)", type(e).__name__, e)
+
+    def close(self) -> None:
+        """Write the last step's rows and the heat map; detach from the modules."""
+        self.flush()
+        for state in self.states.values():
+            state.observer = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self.write and self._heat:
+            try:
+                plot_heatmap(self._heat, self.run_dir / "numerics_underflow.png")
+            except Exception as e:  # noqa: BLE001 - a plot must never fail a finished run
+                logger.warning("numerics heat map failed: %s: %s", type(e).__name__, e)
+
+    def _dump(self, key, hp_x, policy, columnwise, scaler, reduce) -> None:
+        from fp8_recipes.numerics import quantize
+
+        # the quantization the GEMM used, again: delayed reads the same scale and records nothing
+        q = quantize(hp_x, policy, columnwise=columnwise, scaler=scaler, amax_reduce=reduce, record_amax=False)
+        index = self._dump_count[key]
+        self._dump_count[key] += 1
+        if not self.write:
+            return
+        module, gemm, role = key
+        out_dir = Path(self.config.dump.dir)
+        out_dir = (out_dir if out_dir.is_absolute() else self.run_dir / out_dir) / f"step_{self.step}"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        torch.save({
+            "step": self.step, "module": module, "gemm": gemm, "role": role, "micro_batch": index,
+            "columnwise": columnwise, "policy": policy.to_dict(),
+            "hp": hp_x.detach().cpu().clone(),
+            "fp8_codes": q.codes.view(torch.uint8).cpu().clone(),
+            "fp8_dtype": str(q.codes.dtype).removeprefix("torch."),
+            "scale": q.scale.cpu(), "scale_inv": q.scale_inv.cpu(), "block": list(q.block),
+            "amax": q.amax.cpu(), "e8m0": q.e8m0.cpu() if q.e8m0 is not None else None,
+        }, out_dir / f"{module}.{gemm}.{role}.{index}.pt")
+
+
+class ObservedPrecision:
+    """A precision controller that also tells a recorder each step begins: everything else is the wrapped one."""
+
+    def __init__(self, inner, recorder: NumericsRecorder):
+        self._inner = inner
+        self.recorder = recorder
+        self.full_precision_eval_interval = inner.full_precision_eval_interval
+
+    def begin_step(self, step: int) -> str:
+        stage = self._inner.begin_step(step)
+        self.recorder.begin_step(step)
+        return stage
+
+    def high_precision(self):
+        return self._inner.high_precision()
+
+    def after_optimizer_step(self, step: int) -> None:
+        self._inner.after_optimizer_step(step)
+
+    def state_dict(self) -> dict:
+        return self._inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._inner.load_state_dict(state_dict)
+
+    def __getattr__(self, name: str):  # scales(), plan, states, execution_summary() ...
+        if name == "_inner":  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
+# -- reading ------------------------------------------------------------------------------------------------------
+
+
+def load_dump(path: str | os.PathLike) -> dict[str, Any]:
+    """A dump as a dict: ``hp`` (the operand in its dtype), ``fp8_codes`` (uint8), ``fp8`` (the same bits as the
+    FP8 dtype), ``scale``/``scale_inv`` per block, ``block``, ``policy`` (dict), ``step``/``module``/``gemm``/
+    ``role``/``micro_batch``/``columnwise``, and ``dequantized``: codes x scale_inv, what the GEMM read."""
+    from fp8_recipes.numerics import Quantized, dequantize
+    from fp8_recipes.schema import Format
+
+    d = torch.load(path, map_location="cpu", weights_only=True)
+    fp8_dtype = getattr(torch, d["fp8_dtype"])
+    d["fp8"] = d["fp8_codes"].view(fp8_dtype)
+    hp = d["hp"]
+    q = Quantized(codes=d["fp8"], scale=d["scale"], scale_inv=d["scale_inv"], block=tuple(d["block"]),
+                  format=Format(d["policy"]["format"]), shape=hp.shape, dtype=hp.dtype, amax=d["amax"],
+                  e8m0=d["e8m0"])
+    d["dequantized"] = dequantize(q)
+    return d
+
+
+def read_numerics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """Every row of ``run_dir/numerics.jsonl``."""
+    path = Path(run_dir) / "numerics.jsonl"
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def plot_heatmap(heat: dict[str, dict[int, float]], path: Path, what: str = "underflow % of fprop activations"):
+    """Modules (rows, model order) x recorded steps (columns), colour = `what`."""
+    import matplotlib
+    matplotlib.use("Agg")  # no display on cluster nodes; must precede pyplot's import
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    modules = list(heat)
+    steps = sorted({s for per in heat.values() for s in per})
+    grid = np.full((len(modules), len(steps)), np.nan)
+    for i, m in enumerate(modules):
+        for j, s in enumerate(steps):
+            grid[i, j] = heat[m].get(s, np.nan)
+    fig, ax = plt.subplots(figsize=(min(4 + 0.35 * len(steps), 16), min(2 + 0.3 * len(modules), 20)), dpi=110)
+    im = ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest")
+    ax.set_yticks(range(len(modules)), [m.removeprefix("decoder.") for m in modules], fontsize=7)
+    ticks = list(range(0, len(steps), max(1, len(steps) // 12)))
+    ax.set_xticks(ticks, [str(steps[j]) for j in ticks], fontsize=7)
+    ax.set_xlabel("step")
+    ax.set_title(what, fontsize=9)
+    fig.colorbar(im, ax=ax, label="%")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/inf; keep them visible (as metrics.jsonl does)
+    return value

@@ -1,0 +1,190 @@
+"""Numerics statistics of one quantized GEMM operand: how far the FP8 tensor is from the high-precision one.
+
+    s = measure(hp_x, fq_x, policy, columnwise=..., scaler=..., amax_reduce=...)   # one quantization
+    s.merge(other)                                                                 # micro-batches of a step
+    s.row() -> {"amax": ..., "underflow_pct": ..., "cosine": ..., ...}             # plain floats, once per step
+
+Definitions (every count over the operand's elements, NaN never counted as zero or saturated):
+
+=================  ==========================================================================================
+amax               max |x| (NaN ignored)
+min_nonzero        smallest non-zero |x| (None for an all-zero tensor)
+underflow_pct      % of the non-zero elements whose fake-quantized value is 0
+saturation_pct     % of the elements the cast clips: |x * scale| beyond fp8_max + half an ulp (464 for E4M3, 61440 for
+                   E5M2; below that the value rounds to fp8_max anyway, as the amax element of tensorwise
+                   scaling may by one float32 rounding); inf included
+mse                mean (fq - x)^2
+cosine             <x, fq> / (|x| |fq|) (1 when both are zero)
+scale              per-tensor scale used (tensorwise, delayed); blocks: scale_min and scale_median
+scale_ratio        delayed only: the delayed scale / the scale current scaling would pick for this step's amax
+                   with the same margin and pow2 setting (fp8_max / amax); < 1 wastes range, > 1 saturates
+=================  ==========================================================================================
+
+The scale is never re-derived by a rule of our own: delayed reads the scaler the quantization used (its scale
+changes only after the optimizer step), tensorwise recomputes ``amax_to_scale`` of the (reduced) amax exactly as
+``quantize`` does, and block modes use quantize's own block-scale rule (without the cast; block amaxes are never
+reduced). Clipped elements are counted one by one only when some block's amax x scale passes the clip point.
+Sums stay on the tensor's device until :meth:`OperandStats.row`; on a GPU, measure() syncs twice per call (the
+NaN and saturation checks), on due steps only. Pure torch (plus our numerics).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from fp8_recipes.numerics import DelayedScaler, amax_to_scale, fp8_spec, nan_ignoring_amax
+# quantize's own block-scale rule and block multiply, fed the |x| computed here (no second float copy, no cast)
+from fp8_recipes.numerics.quantize import _block_scales, _rows_cols, _scale_blocks, block_for
+from fp8_recipes.numerics.scaling import AmaxReduce
+from fp8_recipes.schema import Role, Scaling, TensorPolicy
+
+__all__ = ["COLUMNWISE", "OperandStats", "STAT_KEYS", "measure"]
+
+# Which copy each GEMM reads (the emulated backend's layout, TE's too): the backward GEMMs read the weights, the
+# gradients of wgrad and the activations of wgrad along the other dimension.
+COLUMNWISE: dict[tuple[str, str], bool] = {
+    ("fprop", "activations"): False, ("fprop", "weights"): False,
+    ("dgrad", "gradients"): False, ("dgrad", "weights"): True,
+    ("wgrad", "gradients"): True, ("wgrad", "activations"): True,
+}
+
+STAT_KEYS = ("numel", "amax", "min_nonzero", "underflow_pct", "saturation_pct", "mse", "cosine", "scale",
+             "scale_min", "scale_median", "scale_ratio")
+"""Every key a row may hold (a key that does not apply to the policy is absent)."""
+
+_SUMS = ("numel", "nonzero", "underflow", "saturated", "sq_err", "dot", "hp_sq", "fq_sq")
+
+
+@dataclass
+class OperandStats:
+    """Sums over every quantization of one operand in one step (0-dim tensors on the operand's device)."""
+
+    policy: TensorPolicy
+    sums: torch.Tensor
+    """float64 (8,): numel, nonzero, underflow, saturated, sum sq err, <x,fq>, |x|^2, |fq|^2."""
+    amax: torch.Tensor
+    min_nonzero: torch.Tensor
+    """inf when every element is zero."""
+    scales: list[torch.Tensor] = field(default_factory=list)
+    """The scale of each quantization (one element per tensor, or one per block)."""
+
+    def copy(self) -> OperandStats:
+        return OperandStats(self.policy, self.sums, self.amax, self.min_nonzero, list(self.scales))
+
+    def merge(self, other: OperandStats) -> OperandStats:
+        """Fold another quantization of the same operand (the next micro-batch) into this one."""
+        self.sums = self.sums + other.sums
+        self.amax = torch.maximum(self.amax, other.amax)
+        self.min_nonzero = torch.minimum(self.min_nonzero, other.min_nonzero)
+        self.scales.extend(other.scales)
+        return self
+
+    def row(self) -> dict[str, float | int | None]:
+        """The statistics as plain Python numbers (the one device sync)."""
+        sums = dict(zip(_SUMS, self.sums.tolist()))
+        amax, min_nz = float(self.amax), float(self.min_nonzero)
+        numel = int(sums["numel"])
+        norm = math.sqrt(sums["hp_sq"] * sums["fq_sq"])
+        if norm > 0:
+            cosine = sums["dot"] / norm
+        else:  # both zero: the same tensor; one zero: nothing in common
+            cosine = 1.0 if sums["hp_sq"] == sums["fq_sq"] == 0 else 0.0
+        out: dict[str, float | int | None] = {
+            "numel": numel,
+            "amax": amax,
+            "min_nonzero": min_nz if math.isfinite(min_nz) else None,
+            "underflow_pct": 100.0 * sums["underflow"] / max(sums["nonzero"], 1.0),
+            "saturation_pct": 100.0 * sums["saturated"] / max(numel, 1),
+            "mse": sums["sq_err"] / max(numel, 1),
+            "cosine": cosine,
+        }
+        per_tensor = self.policy.scaling in (Scaling.TENSORWISE, Scaling.DELAYED)
+        if per_tensor and len(self.scales) == 1:  # the common case: one micro-batch
+            scales = self.scales[0].reshape(1).float()
+        else:
+            scales = torch.cat([s.reshape(-1).float() for s in self.scales]) if self.scales else None
+        if scales is not None and per_tensor:
+            out["scale"] = float(scales.median())
+        elif scales is not None:
+            out["scale_min"], out["scale_median"] = float(scales.min()), float(scales.median())
+        if self.policy.scaling is Scaling.DELAYED and scales is not None:
+            out["scale_ratio"] = None
+            if amax > 0 and math.isfinite(amax):
+                current = amax_to_scale(self.amax.reshape(()), self.policy.format, margin=self.policy.margin,
+                                        pow2=self.policy.pow2_scales)
+                out["scale_ratio"] = out["scale"] / float(current)
+        return out
+
+
+def measure(
+    hp_x: torch.Tensor,
+    fq_x: torch.Tensor,
+    policy: TensorPolicy,
+    *,
+    columnwise: bool = False,
+    scaler: DelayedScaler | None = None,
+    amax_reduce: AmaxReduce | None = None,
+) -> OperandStats:
+    """Statistics of one quantization: `hp_x` the GEMM operand, `fq_x` what the GEMM read (dequantized FP8).
+
+    `scaler` is the operand's DelayedScaler (delayed scaling: read, never written); `amax_reduce` the reduction
+    tensorwise scaling used (a collective: every rank must measure the same operands, as the recorder does).
+    """
+    if not policy.is_fp8:
+        raise ValueError("measure: policy.scaling is 'none'; there is no quantization to measure")
+    spec = fp8_spec(policy.format)
+    # clipped = rounds beyond fp8_max in an FP8 format with more exponent: above fp8_max + half its ulp
+    clip = spec.max + 2.0**spec.emax * torch.finfo(spec.dtype).eps / 2
+    numel = hp_x.numel()
+    hp = hp_x.detach().reshape(-1).float()
+    fq = fq_x.detach().reshape(-1).float()
+    mag = hp.abs()
+    amax = mag.max() if numel else torch.zeros((), device=mag.device)
+    if torch.isnan(amax):  # (a host sync, as is every check below: statistics run on due steps only)
+        amax = nan_ignoring_amax(mag)
+    min_nonzero = torch.where(mag > 0, mag, math.inf).min() if numel else torch.full((), math.inf)
+    # 0 quantizes to 0 (and NaN to NaN), so the values that underflow are fq's zeros beyond x's own
+    zeros_hp = numel - torch.count_nonzero(hp_x)
+    underflow = (numel - torch.count_nonzero(fq_x)) - zeros_hp
+
+    if policy.scaling is Scaling.DELAYED:
+        if scaler is None:
+            raise ValueError("measure: scaling 'delayed' needs the operand's DelayedScaler (scaler=...)")
+        scale = scaler.scale.to(mag.device).reshape(())
+        block_amax, block_scale = amax, scale
+    elif policy.scaling is Scaling.TENSORWISE:
+        reduced = amax_reduce(amax.reshape(1, 1).clone()) if amax_reduce is not None else amax
+        scale = amax_to_scale(reduced.reshape(()), policy.format, margin=policy.margin, epsilon=policy.amax_epsilon,
+                              pow2=policy.pow2_scales)
+        block_amax, block_scale = amax, scale
+    else:  # blockwise, mxfp8: the block scales quantize() derives (no amax reduction for blocks)
+        block = block_for(policy, hp_x.shape, columnwise)
+        mag2d = mag.reshape(_rows_cols(hp_x.shape))
+        block_amax, scale, _, _ = _block_scales(mag2d, policy, block, hp_x.dtype)
+        block_scale = scale
+    # Rounding is monotonic: no element of a block passes the clip point after scaling unless its amax does, so
+    # the element-wise count runs only when some block is clipped (delayed scaling's stale scale, OCP's floor rule).
+    if bool((block_amax * block_scale > clip).any()):
+        if policy.scaling in (Scaling.DELAYED, Scaling.TENSORWISE):
+            saturated = (mag * scale > clip).sum()
+        else:
+            saturated = (_scale_blocks(mag2d, scale, block) > clip).sum()  # |x| * s == |x * s|: s > 0
+    else:
+        saturated = torch.zeros((), device=mag.device)
+
+    err = fq - hp
+    sums = torch.stack([
+        torch.tensor(float(numel), device=hp.device, dtype=torch.float64),
+        torch.as_tensor(numel - zeros_hp, device=hp.device).double(),
+        torch.as_tensor(underflow, device=hp.device).double(),
+        saturated.double(),
+        torch.dot(err, err).double(),
+        torch.dot(hp, fq).double(),
+        torch.dot(hp, hp).double(),
+        torch.dot(fq, fq).double(),
+    ])
+    return OperandStats(policy, sums, amax, min_nonzero, [scale.detach()])
+

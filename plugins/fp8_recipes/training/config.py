@@ -1,0 +1,368 @@
+"""The run's config groups (`trainer`, `model`, `data`, `run_dir`), checked up front, without torch.
+
+    check_run_config(cfg)   # in run_training, before any process group, dataset or model exists
+
+Every problem is a ValueError of one line that names the dotted key, the bad value and the fix, as the recipe
+schema's are (schema.py). This module imports neither torch nor megatron, so a typo costs a second, not the
+start-up of a training job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+__all__ = ["LRScaling", "TrainerConfig", "NONFINITE_ACTIONS", "check_model_cfg", "check_data_cfg",
+           "check_writable_dir", "check_run_config", "launch_world_size"]
+
+NONFINITE_ACTIONS = ("skip_then_bf16", "stop")
+
+
+def _did_you_mean(word: str, choices) -> str:
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _unknown_key(group: str, key: str, known) -> ValueError:
+    return ValueError(f"{group}.{key}: unknown key{_did_you_mean(key, known)}; known keys: {', '.join(sorted(known))}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def _check_type(key: str, value: Any, kind: str) -> None:
+    """kind: the dataclass annotation as written ('int', 'float', 'bool', 'str', 'int | None')."""
+    if value is None and "None" in kind:
+        return
+    base = kind.split("|")[0].strip()
+    ok = {"int": _is_int, "float": _is_number, "bool": lambda v: isinstance(v, bool),
+          "str": lambda v: isinstance(v, str)}[base](value)
+    if not ok:
+        want = {"int": "an integer", "float": "a finite number", "bool": "true or false", "str": "a string"}[base]
+        raise ValueError(f"{key}: {value!r} is not {want}; set {key}=<{base}>")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# trainer
+
+
+@dataclasses.dataclass
+class LRScaling:
+    enabled: bool = False
+    """Scale lr and min_lr linearly with the global batch size (off by default: explicit is better)."""
+    base_global_batch_size: int | None = None
+    """The global batch size the configured lr was tuned for."""
+
+
+@dataclasses.dataclass
+class TrainerConfig:
+    max_steps: int = 200
+    """Iterations to run (skipped steps included, as Megatron counts them)."""
+    micro_batch_size: int = 16
+    """Sequences per forward/backward on one data-parallel rank."""
+    global_batch_size: int = 16
+    """Sequences per optimizer step over all ranks; accumulation = global / (micro × data parallel)."""
+    lr: float = 1e-3
+    """Peak learning rate, reached at the end of warmup."""
+    min_lr: float = 1e-4
+    """Learning rate at the last step (cosine decay from lr)."""
+    warmup_steps: int = 20
+    """Linear warmup from lr/warmup_steps to lr."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay, applied to matrices only (not to norms and biases)."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this (0 = no clipping; the norm is logged either way)."""
+    eval_interval: int = 50
+    """Validate every this many steps and at the end (0 = never)."""
+    eval_iters: int = 10
+    """Validation micro-batches per evaluation (the same batches every time)."""
+    save_interval: int = 0
+    """Checkpoint every this many steps (0 = only at the end)."""
+    save_checkpoints: bool = True
+    """False: write no checkpoints at all (benchmarks; an 8B-shaped checkpoint is tens of GB)."""
+    log_interval: int = 1
+    """Write a metrics row every this many steps."""
+    seed: int = 1234
+    """Seed for weights, dropout and data order (used by init_distributed in scripts/train.py)."""
+    params_dtype: str = "bf16"
+    """Model parameter dtype, bf16 | fp32 (aliases bfloat16 | float32); read by training/run.py for build_gpt_model."""
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel size; read by training/run.py for init_distributed (data parallel = world / this)."""
+    fp32_master_weights: bool = True
+    """Keep fp32 copies of bf16 params for accumulation and AdamW (Megatron's mixed precision)."""
+    on_nonfinite: str = "skip_then_bf16"
+    """A step with a non-finite loss or gradient is always skipped; after max_consecutive_skips in a row:
+    skip_then_bf16 = run fallback_bf16_steps steps in BF16, then the plan again | stop = end the run (exit 3)."""
+    max_consecutive_skips: int = 5
+    """Skipped steps in a row that trigger on_nonfinite's action."""
+    fallback_bf16_steps: int = 50
+    """With skip_then_bf16: steps run with every GEMM in high precision before the plan resumes."""
+    lr_scaling: LRScaling = dataclasses.field(default_factory=LRScaling)
+
+    @classmethod
+    def from_cfg(cls, cfg: Any) -> "TrainerConfig":
+        """From a dict, DictConfig or TrainerConfig; unknown keys and bad values raise ValueError(trainer.<key>)."""
+        if isinstance(cfg, cls):
+            return cfg
+        if not isinstance(cfg, dict):  # a DictConfig (a Mapping too): resolved into plain data
+            from omegaconf import OmegaConf
+            cfg = OmegaConf.to_container(cfg, resolve=True)
+        fields = {f.name: f.type for f in dataclasses.fields(cls)}
+        unknown = sorted(set(cfg) - set(fields))
+        if unknown:
+            raise _unknown_key("trainer", unknown[0], fields)
+        values = dict(cfg)
+        scaling = values.pop("lr_scaling", None) or {}
+        if not isinstance(scaling, Mapping):
+            raise ValueError(f"trainer.lr_scaling: {scaling!r} is not a mapping (keys enabled, base_global_batch_size)")
+        scaling_fields = {f.name: f.type for f in dataclasses.fields(LRScaling)}
+        bad = sorted(set(scaling) - set(scaling_fields))
+        if bad:
+            raise _unknown_key("trainer.lr_scaling", bad[0], scaling_fields)
+        for key, value in values.items():
+            _check_type(f"trainer.{key}", value, fields[key])
+        for key, value in scaling.items():
+            _check_type(f"trainer.lr_scaling.{key}", value, scaling_fields[key])
+        out = cls(**values, lr_scaling=LRScaling(**scaling))
+        out.validate()
+        return out
+
+    def validate(self) -> None:
+        for key in ("max_steps", "micro_batch_size", "global_batch_size", "log_interval", "tensor_model_parallel_size",
+                    "max_consecutive_skips", "fallback_bf16_steps"):
+            if not _is_int(getattr(self, key)) or getattr(self, key) < 1:
+                raise ValueError(f"trainer.{key}={getattr(self, key)!r}: must be an integer >= 1")
+        for key in ("warmup_steps", "eval_interval", "eval_iters", "save_interval", "seed"):
+            if not _is_int(getattr(self, key)) or getattr(self, key) < 0:
+                raise ValueError(f"trainer.{key}={getattr(self, key)!r}: must be an integer >= 0")
+        if not (_is_number(self.lr) and self.lr > 0):
+            raise ValueError(f"trainer.lr={self.lr!r}: must be a number > 0 (e.g. 2.0e-3)")
+        if not (_is_number(self.min_lr) and 0 <= self.min_lr <= self.lr):
+            raise ValueError(f"trainer.min_lr={self.min_lr}: must lie in [0, trainer.lr={self.lr}]")
+        if self.warmup_steps > self.max_steps:
+            raise ValueError(f"trainer.warmup_steps={self.warmup_steps} exceeds trainer.max_steps={self.max_steps}; "
+                             f"lower it or raise max_steps")
+        for key in ("adam_beta1", "adam_beta2"):
+            if not (_is_number(getattr(self, key)) and 0 <= getattr(self, key) < 1):
+                raise ValueError(f"trainer.{key}={getattr(self, key)!r}: must lie in [0, 1) (e.g. 0.9)")
+        if not (_is_number(self.adam_eps) and self.adam_eps > 0):
+            raise ValueError(f"trainer.adam_eps={self.adam_eps!r}: must be a number > 0 (e.g. 1.0e-8)")
+        for key in ("weight_decay", "clip_grad"):
+            if not (_is_number(getattr(self, key)) and getattr(self, key) >= 0):
+                raise ValueError(f"trainer.{key}={getattr(self, key)!r}: must be a number >= 0 (0 = off)")
+        if self.params_dtype not in ("bf16", "fp32", "bfloat16", "float32"):
+            raise ValueError(f"trainer.params_dtype={self.params_dtype!r}: choose bf16 or fp32"
+                             f"{_did_you_mean(self.params_dtype, ('bf16', 'fp32'))}")
+        if self.on_nonfinite not in NONFINITE_ACTIONS:
+            raise ValueError(f"trainer.on_nonfinite={self.on_nonfinite!r}: choose one of "
+                             f"{' | '.join(NONFINITE_ACTIONS)}{_did_you_mean(self.on_nonfinite, NONFINITE_ACTIONS)}")
+        if self.lr_scaling.enabled and not (self.lr_scaling.base_global_batch_size or 0) >= 1:
+            raise ValueError("trainer.lr_scaling.base_global_batch_size must be set (>= 1) when lr_scaling.enabled")
+
+    def gradient_accumulation_steps(self, data_parallel_size: int) -> int:
+        per_step = self.micro_batch_size * data_parallel_size
+        if self.global_batch_size % per_step:
+            raise ValueError(f"trainer.global_batch_size={self.global_batch_size} is not a multiple of "
+                             f"micro_batch_size × data parallel = {self.micro_batch_size} × {data_parallel_size}")
+        return self.global_batch_size // per_step
+
+
+# ----------------------------------------------------------------------------------------------------------
+# model
+
+MODEL_REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
+MODEL_OPTIONAL = ("ffn_hidden_size", "num_query_groups", "normalization", "activation", "position_embedding_type",
+                  "rotary_base", "share_embeddings_and_output_weights", "init_method_std", "add_bias_linear",
+                  "hidden_dropout", "attention_dropout", "layernorm_epsilon")
+MODEL_CHOICES = {"normalization": ("LayerNorm", "RMSNorm"), "activation": ("gelu", "swiglu"),
+                 "position_embedding_type": ("rope", "learned_absolute")}
+_MODEL_POSITIVE_INTS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
+                        "ffn_hidden_size", "num_query_groups")
+
+
+def check_model_cfg(cfg: Mapping[str, Any], *, vocab_may_be_unset: bool = False, tensor_parallel: int = 1) -> None:
+    """The `model` group: known keys, types, ranges, and the shapes Megatron-Core would assert on."""
+    known = MODEL_REQUIRED + MODEL_OPTIONAL
+    unknown = sorted(set(cfg) - set(known))
+    if unknown:
+        raise _unknown_key("model", unknown[0], known)
+    for key in MODEL_REQUIRED:
+        if cfg.get(key) is None and not (key == "vocab_size" and vocab_may_be_unset):
+            raise ValueError(f"model.{key} is required (got no value); set model.{key}=<integer>")
+    for key in _MODEL_POSITIVE_INTS:
+        v = cfg.get(key)
+        if v is not None and (not _is_int(v) or v < 1):
+            raise ValueError(f"model.{key}={v!r}: must be an integer >= 1")
+    for key, choices in MODEL_CHOICES.items():
+        if key in cfg and cfg[key] not in choices:
+            raise ValueError(f"model.{key}={cfg[key]!r}: choose one of {' | '.join(choices)}"
+                             f"{_did_you_mean(cfg[key], choices)}")
+    for key in ("share_embeddings_and_output_weights", "add_bias_linear"):
+        if key in cfg and not isinstance(cfg[key], bool):
+            raise ValueError(f"model.{key}={cfg[key]!r}: must be true or false")
+    for key in ("hidden_dropout", "attention_dropout"):
+        v = cfg.get(key)
+        if v is not None and not (_is_number(v) and 0 <= v < 1):
+            raise ValueError(f"model.{key}={v!r}: must lie in [0, 1)")
+    for key in ("init_method_std", "rotary_base", "layernorm_epsilon"):
+        v = cfg.get(key)
+        if v is not None and not (_is_number(v) and v > 0):
+            raise ValueError(f"model.{key}={v!r}: must be a number > 0")
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    if hidden % heads:
+        raise ValueError(f"model.hidden_size={hidden} is not divisible by model.num_attention_heads={heads}; "
+                         f"pick heads that divide it")
+    groups = cfg.get("num_query_groups")
+    if groups is not None and heads % groups:
+        raise ValueError(f"model.num_query_groups={groups} does not divide model.num_attention_heads={heads}")
+    if tensor_parallel > 1:
+        for key in ("num_attention_heads", "num_query_groups"):
+            v = cfg.get(key)
+            if v is not None and v % tensor_parallel:
+                raise ValueError(f"model.{key}={v} is not divisible by trainer.tensor_model_parallel_size="
+                                 f"{tensor_parallel}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# data
+
+DATA_KEYS = ("path", "inputs", "tokenizer", "vocab_size", "json_key", "split")
+
+
+def check_writable_dir(key: str, path: Any) -> None:
+    """``path`` is (or can be created as) a directory this process can write into."""
+    if not isinstance(path, str) or not path.strip():
+        raise ValueError(f"{key}: {path!r} is not a directory path; set {key}=<directory>")
+    p = Path(path).absolute()
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"{key}: {path!r} is a file, not a directory; point {key} at a directory")
+    ancestor = p
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ValueError(f"{key}: {path!r} cannot be created ({str(ancestor)!r} is a file); point {key} at a "
+                         f"writable directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK) or str(ancestor).startswith(("/proc", "/sys")):
+        raise ValueError(f"{key}: {path!r} is not writable ({str(ancestor)!r}); point {key} at a writable directory")
+
+
+def check_data_cfg(cfg: Mapping[str, Any]) -> None:
+    """The `data` group: keys, tokenizer settings, split weights, inputs that exist, a usable dataset path."""
+    unknown = sorted(set(cfg) - set(DATA_KEYS))
+    if unknown:
+        raise _unknown_key("data", unknown[0], DATA_KEYS)
+    tok = cfg.get("tokenizer", "bpe")
+    if tok not in ("bpe", "bytes"):
+        raise ValueError(f"data.tokenizer={tok!r}: choose bpe or bytes{_did_you_mean(tok, ('bpe', 'bytes'))}")
+    vocab = cfg.get("vocab_size", 4096)
+    if tok == "bpe" and not (_is_int(vocab) and 258 <= vocab <= 65500):  # 256 bytes + EOD + >=1 merge; uint16 ids
+        raise ValueError(f"data.vocab_size={vocab!r}: must be an integer in 258..65500 (e.g. 4096)")
+    if not isinstance(cfg.get("json_key", "text"), str):
+        raise ValueError(f"data.json_key={cfg.get('json_key')!r}: must be a string (the .jsonl text field)")
+    split = cfg.get("split", "98,1,1")
+    parts = str(split).split(",") if isinstance(split, str) else []
+    try:
+        weights = [float(x) for x in parts]
+    except ValueError:
+        weights = []
+    if len(weights) != 3 or any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"data.split={split!r}: must be three non-negative comma-separated weights, e.g. '98,1,1' "
+                         f"(quote it on the command line: data.split='98,1,1')")
+    inputs = cfg.get("inputs")
+    if inputs is not None:
+        items = [inputs] if isinstance(inputs, str) else inputs
+        if not isinstance(items, (list, tuple)) or not items:
+            raise ValueError(f"data.inputs={inputs!r}: give a file, a directory or a list of them (null = stdlib)")
+        for item in items:
+            if not isinstance(item, str) or not Path(item).exists():
+                raise ValueError(f"data.inputs: {item!r} does not exist; point data.inputs at .jsonl/.txt/.py files "
+                                 f"or a directory (null = the Python standard library)")
+    check_writable_dir("data.path", cfg.get("path"))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the whole run
+
+RUN_KEYS = {"model", "data", "trainer", "run_dir", "recipe", "debug"}
+"""Top-level keys of conf/train.yaml; a module adding a group extends this set."""
+
+
+def launch_world_size() -> int:
+    """The number of processes a launcher started (torchrun or srun), before any process group exists."""
+    env = os.environ
+    if "WORLD_SIZE" in env and "RANK" in env:
+        return int(env["WORLD_SIZE"])
+    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
+        return int(env["SLURM_STEP_NUM_TASKS"])
+    return 1
+
+
+def _resolved(cfg: Any) -> dict:
+    """The config as plain data; an interpolation that cannot be resolved is named by its own dotted key."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import InterpolationResolutionError
+
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)
+    except InterpolationResolutionError as e:
+        raw = OmegaConf.to_container(cfg, resolve=False)
+
+        def leaves(node, prefix=""):
+            for k, v in node.items() if isinstance(node, dict) else enumerate(node):
+                key = f"{prefix}{k}" if isinstance(node, dict) else f"{prefix[:-1]}[{k}]."
+                if isinstance(v, (dict, list)):
+                    yield from leaves(v, key + "." if isinstance(node, dict) else key)
+                else:
+                    yield key.rstrip("."), v
+
+        bad = next((k for k, v in leaves(raw) if isinstance(v, str) and "${" in v and _fails(cfg, k)), "(config)")
+        raise ValueError(f"{bad}: {str(e).splitlines()[0]}; fix the ${{...}} reference") from None
+
+
+def _fails(cfg: Any, key: str) -> bool:
+    from omegaconf import OmegaConf
+
+    try:
+        OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
+        return False
+    except Exception:  # noqa: BLE001 - any resolution failure names this key
+        return True
+
+
+def check_run_config(cfg: Any) -> TrainerConfig:
+    """Check every group of a composed train config before anything is built; return the trainer config."""
+    container = dict(cfg) if isinstance(cfg, dict) else _resolved(cfg)
+    unknown = sorted(set(container) - RUN_KEYS)
+    if unknown:
+        raise ValueError(f"{unknown[0]}: unknown top-level key{_did_you_mean(unknown[0], RUN_KEYS)}; known: "
+                         f"{', '.join(sorted(RUN_KEYS))}")
+    for group in ("trainer", "model", "data"):
+        if not isinstance(container.get(group), Mapping):
+            raise ValueError(f"{group}: {container.get(group)!r} is not a config group; pick one with {group}=NAME")
+    trainer = TrainerConfig.from_cfg(container["trainer"])
+    world = launch_world_size()
+    tp = trainer.tensor_model_parallel_size
+    if world % tp:
+        raise ValueError(f"trainer.tensor_model_parallel_size={tp} does not divide the {world} launched processes")
+    trainer.gradient_accumulation_steps(world // tp)
+    model, data = container["model"], container["data"]
+    check_model_cfg(model, vocab_may_be_unset=True, tensor_parallel=tp)
+    check_data_cfg(data)
+    tokenizer_vocab = 257 if data.get("tokenizer") == "bytes" else data.get("vocab_size")
+    if model.get("vocab_size") is not None and model["vocab_size"] < tokenizer_vocab:
+        raise ValueError(f"model.vocab_size: {model['vocab_size']} is smaller than the tokenizer's {tokenizer_vocab}; "
+                         f"set model.vocab_size=${{data.vocab_size}} (or null) or larger")
+    check_writable_dir("run_dir", container.get("run_dir"))
+    return trainer

@@ -1,0 +1,143 @@
+"""User errors of scripts/train.py as one line each: ``error: <dotted.key>: <what is wrong>; <the fix>``.
+
+    with hydra_errors_as_one_line():   # around the @hydra.main function: composition errors, run-dir creation
+        main()
+
+Hydra reports its own errors (an unknown key, a missing group option, a bad override) in several lines, and an
+unwritable run directory as a traceback; here each becomes one line naming the key, exit code 2. Errors from
+inside the training job pass through untouched (a bug deserves its traceback). Imports neither torch nor Hydra at
+module level.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import os
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+__all__ = ["NonFiniteStop", "USER_ERROR_EXIT", "NONFINITE_EXIT", "hydra_errors_as_one_line", "one_line",
+           "remove_partial_run_dir"]
+
+USER_ERROR_EXIT = 2  # a bad config, recipe or command line: nothing was run
+NONFINITE_EXIT = 3   # training stopped on non-finite losses or gradients (trainer.on_nonfinite)
+
+# What Hydra and a run write into run_dir; a run that failed on its input loses exactly these, nothing else.
+_RUN_OUTPUTS = (".hydra", "train.log", "plan.txt", "recipe.yaml", "metrics.jsonl", "tb", "summary.json", "loss.png")
+_PACKAGE = str(Path(__file__).resolve().parents[1])
+_IMPORTED_AT = time.time()  # scripts/train.py imports this module before Hydra creates run_dir
+
+
+class NonFiniteStop(RuntimeError):
+    """The run stopped on non-finite losses or gradients (``trainer.on_nonfinite``); ``str()`` is one line."""
+
+
+def _did_you_mean(word: str, choices) -> str:
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _first_line(text: str) -> str:
+    return next((line.strip() for line in str(text).splitlines() if line.strip()), "")
+
+
+def _omegaconf_line(e: BaseException) -> str:
+    key = getattr(e, "full_key", None) or "(config)"
+    return f"{key}: {_first_line(str(e))}"
+
+
+def one_line(e: BaseException) -> str | None:
+    """The one-line form of a Hydra/OmegaConf user error, or None when ``e`` is not one (re-raise it)."""
+    from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+    if isinstance(e, MissingConfigException):
+        missing = str(e.missing_cfg_file or "")
+        group, _, name = missing.rpartition("/")
+        if group and e.options:
+            return (f"{group}: {name!r} is not an option of the {group} group{_did_you_mean(name, e.options)}; "
+                    f"choose one of {', '.join(e.options)}")
+        return f"{missing or '(config)'}: {_first_line(str(e))}; check the group name (model, data, trainer, recipe)"
+    if isinstance(e, OverrideParseException):
+        key = str(e.override).split("=", 1)[0].lstrip("+~") or "(override)"
+        return f"{key}: cannot parse the override {e.override!r}: {_first_line(e.message)}; quote values with " \
+               f"commas or brackets, e.g. {key}='a,b'"
+    if isinstance(e, ConfigCompositionException):
+        msg, cause = str(e), e.__cause__
+        quoted = re.findall(r"'([^']+)'", msg)
+        key = getattr(cause, "full_key", None) or (quoted[0].split("=", 1)[0].lstrip("+~") if quoted else "(config)")
+        if "Could not override" in msg and isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
+            parent = getattr(cause, "parent_node", None)
+            known = list(parent.keys()) if hasattr(parent, "keys") else []
+            leaf = key.rsplit(".", 1)[-1]
+            append = re.search(r"use (\+\S+)", msg)
+            return (f"{key}: not in the config{_did_you_mean(leaf, known)}; fix the spelling, or add it "
+                    f"with {append.group(1) if append else f'+{key}=VALUE'}")
+        if "No match in the defaults list" in msg:
+            return f"{key}: not in the defaults list; add the group with +{key}=NAME"
+        if "Ambiguous value" in msg:
+            value = quoted[0].split("=", 1)[1] if quoted and "=" in quoted[0] else "a,b"
+            return (f"{key}: {value!r} has commas: quote it as a string, {key}='{value}', or write a list, "
+                    f"{key}=[{value}]")
+        if "An item is already at" in msg:
+            return f"{key}: already in the config; set it without '+': {key}=VALUE"
+        return f"{key}: {_first_line(msg)}"
+    if isinstance(e, OmegaConfBaseException):
+        return _omegaconf_line(e)
+    if isinstance(e, OSError) and not _raised_in_task(e):  # Hydra creating run_dir and run_dir/.hydra
+        where = e.filename or "run_dir"
+        return (f"run_dir: cannot create {str(where)!r} ({e.strerror or type(e).__name__}); set run_dir to a "
+                f"writable directory")
+    return None
+
+
+def _raised_in_task(e: BaseException) -> bool:
+    """Whether ``e`` came from the task function (our code) rather than from Hydra setting the run up."""
+    tb = e.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if (code.co_filename.startswith(_PACKAGE) and code.co_filename != __file__) or code.co_name == "main":
+            return True  # (Hydra's own wrapper of the task function is `decorated_main`)
+        tb = tb.tb_next
+    return False
+
+
+@contextlib.contextmanager
+def hydra_errors_as_one_line() -> Iterator[None]:
+    """Around a ``@hydra.main`` function: Hydra's user errors become ``error: ...`` and exit 2. With
+    HYDRA_FULL_ERROR=1 already set by the user, everything is left as Hydra reports it."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        yield
+        return
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra then raises its errors instead of printing them itself
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - classified below; anything else is re-raised with its traceback
+        line = one_line(e)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr, flush=True)
+        sys.exit(USER_ERROR_EXIT)
+
+
+def remove_partial_run_dir(run_dir: str | os.PathLike, since: float = _IMPORTED_AT) -> None:
+    """After a failed start: remove what Hydra and this run wrote into ``run_dir`` (modified at or after ``since``;
+    never other files, an earlier run's outputs, or a run with checkpoints), then the directory when empty."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir() or (run_dir / "checkpoints").exists():
+        return
+    for name in _RUN_OUTPUTS:
+        p = run_dir / name
+        if not p.exists() or p.stat().st_mtime < since - 1.0:  # (1 s: coarse file-system clocks)
+            continue
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        elif p.exists():
+            p.unlink()
+    with contextlib.suppress(OSError):
+        run_dir.rmdir()  # only when empty

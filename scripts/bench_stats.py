@@ -1,0 +1,40 @@
+"""Overhead of numerics statistics (debug.interval) on emulated FP8 training (target: <= 5% at interval 10).
+
+    python scripts/bench_stats.py                                  # tensorwise and hybrid, tiny model, 40 steps x 3
+    python scripts/bench_stats.py --recipes delayed --interval 5 --steps 60
+    python scripts/bench_stats.py -- model.num_layers=2             # extra Hydra overrides
+
+Prints a Markdown table: mean step time with debug off and on, and the overhead.
+"""
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))  # a checkout without `pip install -e`
+
+
+def main() -> None:
+    from fp8_recipes.bench.observe import bench_stats, format_table
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--recipes", nargs="+", default=["tensorwise", "hybrid"])
+    p.add_argument("--interval", type=int, default=10)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", type=Path, default=None, help="also write the result here")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    result = bench_stats(args.recipes, interval=args.interval, steps=args.steps, repeats=args.repeats,
+                         overrides=args.overrides)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    print(format_table(result))
+    print(f"({args.steps} steps x {args.repeats} repeats, statistics every {args.interval} steps, every module)")
+
+
+if __name__ == "__main__":
+    main()

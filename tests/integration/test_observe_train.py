@@ -1,0 +1,89 @@
+"""Numerics statistics and tensor dumps in a tiny training run: `debug:` on writes numerics.jsonl (every watched
+module, GEMM and operand at the due steps, evaluation forwards left out), TensorBoard scalars, the heat map and
+dumps that load back bit-exactly; `debug:` off writes none of it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8_recipes.numerics import DelayedScaler, fake_quant
+from fp8_recipes.observe.recorder import load_dump, read_numerics
+from fp8_recipes.observe.stats import STAT_KEYS
+from fp8_recipes.schema import Recipe
+
+from test_train_cpu import compose_train, dataset, small_run  # noqa: F401 (dataset: the shared fixture)
+
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+OPERANDS = {("fprop", "activations"), ("fprop", "weights"), ("dgrad", "gradients"), ("dgrad", "weights"),
+            ("wgrad", "gradients"), ("wgrad", "activations")}
+
+
+@pytest.fixture
+def fresh_world(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_debug_on_records_stats_and_dumps(dataset, tmp_path, fresh_world):  # noqa: F811
+    from fp8_recipes.training.run import run_training
+
+    overrides = ["+recipe=delayed", *dataset, *small_run(tmp_path, num_layers=2, steps=5),
+                 "trainer.eval_interval=1",  # evaluation right after a recorded step: must not be recorded
+                 "++debug.interval=2", r"++debug.layers='layers\.[01]\.'", "++debug.dump.steps=[3]",  # '': [] in Hydra
+                 r"++debug.dump.layers='layers\.1\.mlp\.linear_fc2'", "++debug.dump.tensors=[activations]"]
+    run_training(compose_train(overrides))
+
+    rows = read_numerics(tmp_path)
+    modules = {f"decoder.layers.{i}.{m}" for i in range(2) for m in LINEARS}  # the LM head stays BF16
+    assert {r["step"] for r in rows} == {1, 3, 5}
+    for step in (1, 3, 5):
+        keys = [(r["module"], r["gemm"], r["role"]) for r in rows if r["step"] == step]
+        assert len(keys) == len(set(keys)) == len(modules) * len(OPERANDS)
+        assert {k[0] for k in keys} == modules and {k[1:] for k in keys} == OPERANDS
+    for r in rows:
+        assert set(r) - {"step", "module", "gemm", "role", "policy"} <= set(STAT_KEYS)
+        assert {"amax", "underflow_pct", "saturation_pct", "mse", "cosine", "scale", "scale_ratio"} <= set(r)
+        assert 0.9 < r["cosine"] <= 1.0 + 1e-9 and 0 <= r["underflow_pct"] <= 100
+    # one micro-batch of 4 x 128 tokens x hidden 128: the evaluation forward after step 1 added nothing
+    qkv = next(r for r in rows if r["step"] == 1 and r["module"].endswith("0.self_attention.linear_qkv")
+               and r["gemm"] == "fprop" and r["role"] == "activations")
+    assert qkv["numel"] == 4 * 128 * 128
+    assert qkv["scale"] == 1.0  # delayed scaling's first step: no history yet, scale 1
+
+    assert (tmp_path / "numerics_underflow.png").stat().st_size > 1000
+    assert any((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+    dumps = sorted((tmp_path / "dumps").rglob("*.pt"))
+    assert [p.relative_to(tmp_path).as_posix() for p in dumps] == [
+        "dumps/step_3/decoder.layers.1.mlp.linear_fc2.fprop.activations.0.pt",
+        "dumps/step_3/decoder.layers.1.mlp.linear_fc2.wgrad.activations.0.pt"]
+    d = load_dump(dumps[0])
+    assert d["step"] == 3 and d["role"] == "activations" and d["policy"]["scaling"] == "delayed"
+    assert d["fp8_codes"].dtype == torch.uint8 and d["fp8"].dtype == torch.float8_e4m3fn
+    assert d["hp"].dtype == torch.bfloat16 and d["dequantized"].shape == d["hp"].shape
+    # the dump holds what the GEMM read: the same fake-quantization from the saved scale, bit for bit
+    policy = Recipe.from_dict({"activations": d["policy"]}).activations
+    scaler = DelayedScaler(policy)
+    scaler.scale = d["scale"].reshape(())
+    assert torch.equal(d["dequantized"], fake_quant(d["hp"], policy, scaler=scaler, record_amax=False))
+
+
+def test_debug_off_writes_nothing(dataset, tmp_path, fresh_world):  # noqa: F811
+    from fp8_recipes.training.run import run_training
+
+    run_training(compose_train(["+recipe=tensorwise", *dataset, *small_run(tmp_path, num_layers=1, steps=2)]))
+    assert (tmp_path / "metrics.jsonl").is_file()
+    assert not any((tmp_path / p).exists() for p in ("numerics.jsonl", "numerics_underflow.png", "dumps"))
+
+
+def test_bad_debug_key_fails_before_training(dataset, tmp_path, fresh_world):  # noqa: F811
+    from fp8_recipes.training.run import run_training
+
+    with pytest.raises(ValueError, match=r"debug\.tensors\[0\]: 'activation' is not one of"):
+        run_training(compose_train(["+recipe=tensorwise", *dataset, *small_run(tmp_path, num_layers=1, steps=2),
+                                    "++debug.tensors=[activation]"]))
+    assert not tmp_path.joinpath("metrics.jsonl").exists()

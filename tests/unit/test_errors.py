@@ -1,0 +1,39 @@
+"""scripts/train.py's error handling pieces: the partial run-dir cleanup and the up-front config checks."""
+
+import os
+import time
+
+import pytest
+
+from fp8_recipes.training.config import check_data_cfg, check_model_cfg, check_writable_dir
+from fp8_recipes.training.errors import remove_partial_run_dir
+
+
+def test_cleanup_removes_only_what_this_start_wrote(tmp_path):
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / "notes.txt").write_text("mine")
+    old = run / "metrics.jsonl"  # an earlier run's output in a reused directory
+    old.write_text("{}\n")
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    start = time.time()
+    (run / ".hydra" / "config.yaml").write_text("x: 1\n")
+    (run / "plan.txt").write_text("plan\n")
+    remove_partial_run_dir(run, since=start)
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl", "notes.txt"]
+    (run / "notes.txt").unlink()
+    old.unlink()
+    (run / ".hydra").mkdir()
+    remove_partial_run_dir(run, since=start)
+    assert not run.exists()
+
+
+def test_checks_name_the_key(tmp_path):
+    with pytest.raises(ValueError, match=r"^run_dir: '/etc/hostname/x' cannot be created"):
+        check_writable_dir("run_dir", "/etc/hostname/x")
+    check_writable_dir("run_dir", str(tmp_path / "a" / "b"))
+    with pytest.raises(ValueError, match=r"^model\.num_query_groups=3 does not divide"):
+        check_model_cfg({"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 8,
+                         "vocab_size": None, "num_query_groups": 3}, vocab_may_be_unset=True)
+    with pytest.raises(ValueError, match=r"^data\.split='1,2': must be three"):
+        check_data_cfg({"path": str(tmp_path), "split": "1,2"})

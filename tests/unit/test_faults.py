@@ -1,0 +1,174 @@
+"""Non-finite steps in the training loop, on a two-matrix language model (no Megatron): the optimizer step is
+skipped without touching weights, optimizer state or the LR schedule; skips are counted and logged; after
+``max_consecutive_skips`` in a row the run falls back to high precision, or stops with one line."""
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fp8_recipes.numerics import DelayedScaler
+from fp8_recipes.schema import Role, Scaling, TensorPolicy
+from fp8_recipes.training import loop
+from fp8_recipes.training.errors import NonFiniteStop
+from fp8_recipes.training.loop import NoPrecision, Precision, TrainerConfig, train
+from fp8_recipes.training.metrics import read_metrics
+
+VOCAB, SEQ, BATCH = 16, 8, 4
+
+
+class TinyLM(torch.nn.Module):
+    """Per-token losses like GPTModel's; ``poison`` = {training forward index: "loss" | "grad"}."""
+
+    def __init__(self, poison: dict[int, str]):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(VOCAB, 8)
+        self.head = torch.nn.Linear(8, VOCAB, bias=False)
+        self.poison, self.calls = poison, 0
+
+    def forward(self, tokens, position_ids, attention_mask, labels):
+        losses = F.cross_entropy(self.head(self.emb(tokens)).transpose(1, 2), labels, reduction="none")
+        if self.training:
+            kind = self.poison.get(self.calls)
+            self.calls += 1
+            if kind == "loss":  # the loss itself is NaN
+                losses = losses * float("nan")
+            elif kind == "grad":  # a finite loss, but one weight gradient is inf (this backward only)
+                def corrupt(g):
+                    handle.remove()
+                    return torch.full_like(g, float("inf"))
+                handle = self.head.weight.register_hook(corrupt)
+        return losses
+
+
+def batches():
+    gen = torch.Generator().manual_seed(1)
+    while True:
+        tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+        yield {"tokens": tokens, "labels": torch.roll(tokens, -1, 1), "loss_mask": torch.ones(BATCH, SEQ),
+               "position_ids": torch.arange(SEQ).expand(BATCH, SEQ)}
+
+
+class SpyPrecision(NoPrecision):
+    """Snapshots weights and optimizer state at every step's start; records skips and high-precision steps."""
+
+    def __init__(self, model, optimizers):
+        super().__init__("fp8")
+        self.model, self.optimizers = model, optimizers
+        self.snapshots, self.skipped, self.high_precision_steps, self.step = {}, [], [], None
+
+    def begin_step(self, step):
+        self.step = step
+        opt = self.optimizers[0]
+        self.snapshots[step] = (copy.deepcopy(self.model.state_dict()), copy.deepcopy(opt.state_dict()),
+                                opt.param_groups[0]["lr"])
+        return self.label
+
+    def high_precision(self):
+        self.high_precision_steps.append(self.step)
+        return super().high_precision()
+
+    def skip_step(self, step):
+        self.skipped.append(step)
+
+
+def run(tmp_path, monkeypatch, poison, steps=8, **trainer):
+    optimizers = []
+    build = loop.build_optimizer
+    monkeypatch.setattr(loop, "build_optimizer", lambda *a, **k: optimizers.append(build(*a, **k)) or optimizers[-1])
+    model = TinyLM(poison)
+    precision = SpyPrecision(model, optimizers)
+    cfg = {"max_steps": steps, "micro_batch_size": BATCH, "global_batch_size": BATCH, "warmup_steps": 2,
+           "eval_interval": 0, "save_checkpoints": False, "lr": 1e-2, "min_lr": 1e-3, **trainer}
+    try:
+        summary = train(model, batches(), None, cfg, precision, tmp_path)
+    except NonFiniteStop as e:
+        summary = e
+    return summary, precision, read_metrics(tmp_path, "train")
+
+
+def same_state(a, b) -> bool:
+    (ma, oa, lra), (mb, ob, lrb) = a, b
+    tensors_a = [*ma.values(), *(v for s in oa["state"].values() for v in s.values())]
+    tensors_b = [*mb.values(), *(v for s in ob["state"].values() for v in s.values())]
+    return lra == lrb and len(tensors_a) == len(tensors_b) and all(torch.equal(x, y)
+                                                                   for x, y in zip(tensors_a, tensors_b))
+
+
+@pytest.mark.parametrize("kind", ["loss", "grad"])
+def test_nonfinite_step_is_skipped_without_touching_state(kind, tmp_path, monkeypatch):
+    summary, spy, rows = run(tmp_path, monkeypatch, {3: kind})
+    snaps = spy.snapshots
+    assert same_state(snaps[3], snaps[4])          # step 3 changed nothing: weights, Adam moments and step, LR
+    assert not same_state(snaps[4], snaps[5]) and not same_state(snaps[2], snaps[3])  # normal steps do
+    assert spy.skipped == [3] and spy.high_precision_steps == []
+    assert [r["skipped"] for r in rows] == [False] * 3 + [True] + [False] * 4
+    assert [r["skipped_steps"] for r in rows] == [0] * 3 + [1] * 5
+    assert rows[4]["lr"] == rows[3]["lr"]          # the schedule did not advance on the skipped step
+    assert (rows[3]["loss"] == "nan") == (kind == "loss") and rows[3]["grad_norm"] in ("nan", "inf")
+    assert summary["skipped_steps"] == 1 and summary["bf16_fallbacks"] == 0 and summary["stopped"] is None
+    assert all(math.isfinite(r["loss"]) for r in rows if not r["skipped"])
+
+
+def test_consecutive_skips_fall_back_to_high_precision(tmp_path, monkeypatch):
+    summary, spy, rows = run(tmp_path, monkeypatch, {2: "loss", 3: "loss"}, steps=9, max_consecutive_skips=2,
+                             fallback_bf16_steps=3)
+    assert spy.skipped == [2, 3]
+    assert spy.high_precision_steps == [4, 5, 6]   # the three steps after the second skip, then the plan again
+    assert [r["stage"] for r in rows] == ["fp8"] * 4 + ["bf16 fallback"] * 3 + ["fp8"] * 2
+    assert summary["bf16_fallbacks"] == 1 and summary["skipped_steps"] == 2
+    assert json.loads((tmp_path / "summary.json").read_text())["bf16_fallbacks"] == 1
+
+
+def test_a_single_skip_does_not_trigger_the_fallback(tmp_path, monkeypatch):
+    summary, spy, _ = run(tmp_path, monkeypatch, {1: "loss", 3: "loss"}, max_consecutive_skips=2)
+    assert spy.skipped == [1, 3] and spy.high_precision_steps == [] and summary["bf16_fallbacks"] == 0
+
+
+def test_stop_mode_raises_one_line(tmp_path, monkeypatch):
+    err, spy, rows = run(tmp_path, monkeypatch, {1: "loss", 2: "grad"}, max_consecutive_skips=2, on_nonfinite="stop")
+    assert isinstance(err, NonFiniteStop) and "\n" not in str(err)
+    assert str(err).startswith("trainer.max_consecutive_skips: 2 steps in a row (to step 3)")
+    assert max(spy.snapshots) == 2 and len(rows) == 3  # nothing ran after the second skip
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["stopped"] == str(err) and summary["skipped_steps"] == 2
+
+
+def test_nonfinite_in_the_fallback_too_stops(tmp_path, monkeypatch):
+    err, spy, _ = run(tmp_path, monkeypatch, {i: "loss" for i in range(2, 20)}, steps=20, max_consecutive_skips=2,
+                      fallback_bf16_steps=4)
+    assert isinstance(err, NonFiniteStop) and "BF16 fallback too" in str(err)
+    assert spy.skipped == [2, 3, 4, 5] and spy.high_precision_steps == [4, 5]
+
+
+def test_protocol_and_config():
+    assert isinstance(NoPrecision(), Precision)
+    cfg = TrainerConfig.from_cfg({})
+    assert (cfg.on_nonfinite, cfg.max_consecutive_skips) == ("skip_then_bf16", 5)
+    with pytest.raises(ValueError, match=r"trainer\.on_nonfinite='skip': choose one of skip_then_bf16 \| stop"):
+        TrainerConfig.from_cfg({"on_nonfinite": "skip"})
+    with pytest.raises(ValueError, match=r"trainer\.max_consecutive_skips=0: must be an integer >= 1"):
+        TrainerConfig.from_cfg({"max_consecutive_skips": 0})
+
+
+def test_emulated_skip_step_forgets_the_steps_amaxes():
+    from fp8_recipes.backends.emulated import EmulatedLinearState, EmulatedPrecision
+
+    state = EmulatedLinearState("layer")
+    state.scalers = {Role.WEIGHTS: DelayedScaler(TensorPolicy(scaling=Scaling.DELAYED, amax_history_len=4))}
+    precision = object.__new__(EmulatedPrecision)  # the two attributes skip_step and the update use
+    precision.states, precision._reduce = {"layer": state}, None
+    scaler = state.scalers[Role.WEIGHTS]
+    scaler.observe(torch.tensor(2.0))
+    precision.after_optimizer_step(0)
+    good_scale = scaler.scale.clone()
+    scaler.observe(torch.tensor(float("inf")))  # the skipped step's forward
+    precision.skip_step(1)
+    scaler.observe(torch.tensor(1.0))
+    precision.after_optimizer_step(2)
+    assert torch.isfinite(scaler.history).all() and scaler.history.max() == 2.0
+    assert torch.equal(scaler.scale, good_scale)
