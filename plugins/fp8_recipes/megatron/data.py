@@ -361,21 +361,30 @@ def _check_split(split: str, num_documents: int, num_samples: Sequence[int | Non
                              f"this dataset; give it a larger share (e.g. '80,10,10') or add documents")
 
 
-def batches(dataset: Any, micro_batch_size: int, seed: int) -> Iterator[dict[str, Any]]:
+def batches(dataset: Any, micro_batch_size: int, seed: int, skip: int = 0) -> Iterator[dict[str, Any]]:
     """Endless micro-batches ``{tokens, labels, loss_mask, position_ids}``, each a [b, s] tensor.
 
     Each epoch visits the samples in a fresh permutation drawn from ``seed``, so the stream is the same on every
-    run (resuming = skipping the batches already seen); the last partial batch of an epoch is dropped. Plain
-    indexing in this process: DataLoader workers were slower here (FACTS).
+    run; the last partial batch of an epoch is dropped. ``skip``: start after that many micro-batches (a resumed
+    run's data position), exactly where the full stream would be, without loading the skipped samples (only the
+    skipped epochs' permutations are drawn). Plain indexing in this process: DataLoader workers were slower here
+    (FACTS).
     """
     import torch
 
     n = len(dataset)
     if micro_batch_size < 1 or micro_batch_size > n:
         raise ValueError(f"micro_batch_size: {micro_batch_size} must be in 1..{n} (the dataset's sample count)")
+    if skip < 0:
+        raise ValueError(f"skip: {skip} must be >= 0")
     gen = torch.Generator().manual_seed(seed)
+    per_epoch = n // micro_batch_size
+    for _ in range(skip // per_epoch):  # whole epochs: advance the generator as they would have
+        torch.randperm(n, generator=gen)
+    first = (skip % per_epoch) * micro_batch_size
     while True:
         order = torch.randperm(n, generator=gen).tolist()
-        for start in range(0, n - micro_batch_size + 1, micro_batch_size):
+        for start in range(first, n - micro_batch_size + 1, micro_batch_size):
             samples = [dataset[i] for i in order[start:start + micro_batch_size]]
             yield {k: torch.stack([s[k] for s in samples]) for k in _BATCH_KEYS}
+        first = 0

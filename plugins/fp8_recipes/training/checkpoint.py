@@ -7,14 +7,21 @@ model is bf16), the precision backend's state (e.g. amax histories), the step an
 CUDA, Megatron's model-parallel tracker, Python's ``random``).
 
 Atomicity: every rank writes into ``checkpoints/.step_N.tmp``; after a barrier rank 0 renames it to
-``step_N`` and then replaces ``latest``. A crash leaves either the old checkpoint or the new one, never half.
-The data iterator's position is not saved (resuming mid-epoch is a later issue).
+``step_N`` and then replaces ``latest``. A crash leaves either the old checkpoint or the new one, never half:
+a run dir is resumed from what ``latest`` names only, and a ``.tmp`` directory is never loaded.
+
+Resuming (``trainer.resume``, see :func:`find_resume`): the data position is implied by the step (each step
+consumes ``accumulation`` micro-batches per data-parallel rank; training/run.py starts the batch stream there),
+as is the recipe's schedule stage. A checkpoint of another recipe (its precision state's ``recipe`` differs)
+restores model, optimizer, schedule and step but not the scaling state, and says so in one log line.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -23,7 +30,9 @@ import torch
 
 from fp8_recipes.megatron.model import unwrap_model as _unwrap
 
-__all__ = ["save_checkpoint", "load_checkpoint", "resolve_checkpoint"]
+__all__ = ["save_checkpoint", "load_checkpoint", "resolve_checkpoint", "find_resume", "checkpoint_step"]
+
+logger = logging.getLogger("fp8_recipes")
 
 FORMAT_VERSION = 1
 
@@ -121,10 +130,34 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     for root in (path / "checkpoints", path):
         if (root / "latest").is_file():
             return root / (root / "latest").read_text(encoding="utf-8").strip()
+    if path.name.endswith(".tmp"):
+        raise FileNotFoundError(f"{path} is a checkpoint still being written (or left by a crash); resume from "
+                                "its run dir or a finished step_N dir")
     if path.is_dir() and any(path.glob("tp_*.pt")):
         return path
     raise FileNotFoundError(f"no checkpoint at {path} (expected a run dir with checkpoints/latest, "
                             "a checkpoints dir with latest, or a step_N dir with tp_*.pt files)")
+
+
+def find_resume(resume: str | None, run_dir: str | os.PathLike) -> Path | None:
+    """The step dir that ``trainer.resume`` names: None (or "auto" without a checkpoint in ``run_dir``) = start
+    fresh; "auto" = ``run_dir``'s latest; else a run dir, checkpoints dir or step dir (ValueError if none)."""
+    if resume is None:
+        return None
+    if resume == "auto":
+        return resolve_checkpoint(run_dir) if (Path(run_dir) / "checkpoints" / "latest").is_file() else None
+    try:
+        return resolve_checkpoint(resume)
+    except FileNotFoundError as e:
+        raise ValueError(f"trainer.resume: {e}; or set trainer.resume=auto") from None
+
+
+def checkpoint_step(step_dir: str | os.PathLike) -> int:
+    """The step a ``step_N`` dir holds (save_checkpoint's naming), without loading it."""
+    match = re.fullmatch(r"step_(\d+)", Path(step_dir).name)
+    if match is None:
+        raise ValueError(f"trainer.resume: {step_dir} is not a step_N checkpoint dir")
+    return int(match.group(1))
 
 
 def load_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module, optimizer=None, scheduler=None,
@@ -134,7 +167,7 @@ def load_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module, optimize
 
     Every rank reads its tensor-parallel rank's file. Objects passed as None are skipped.
     """
-    _, tp_rank, _ = _ranks()
+    rank, tp_rank, _ = _ranks()
     step_dir = resolve_checkpoint(path)
     file = step_dir / f"tp_{tp_rank:02d}.pt"
     if not file.is_file():
@@ -143,6 +176,13 @@ def load_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module, optimize
     if payload.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{file}: format_version {payload.get('format_version')}, expected {FORMAT_VERSION}")
     _unwrap(model).load_state_dict(payload["model"])
+    if precision is not None:  # another recipe's scaling state means nothing here: start it afresh
+        saved, current = (payload["precision"] or {}).get("recipe"), precision.state_dict().get("recipe")
+        if saved != current:
+            precision = None
+            if rank == 0:
+                logger.warning("resume: %s was written by recipe %r, this run uses %r: scaling state reset "
+                               "(model, optimizer, LR schedule, step and RNG restored)", step_dir, saved, current)
     for name, obj in (("optimizer", optimizer), ("scheduler", scheduler), ("master_params", master_params),
                       ("precision", precision)):
         if obj is not None:

@@ -92,6 +92,9 @@ class TrainerConfig:
     """Checkpoint every this many steps (0 = only at the end)."""
     save_checkpoints: bool = True
     """False: write no checkpoints at all (benchmarks; an 8B-shaped checkpoint is tens of GB)."""
+    resume: str | None = None
+    """Continue from a checkpoint: auto = run_dir's latest one if it has one (else start fresh) | a run dir, its
+    checkpoints dir or a step_N dir | null = start fresh. Exact with the same data and batch sizes."""
     log_interval: int = 1
     """Write a metrics row every this many steps."""
     seed: int = 1234
@@ -168,6 +171,9 @@ class TrainerConfig:
         if self.on_nonfinite not in NONFINITE_ACTIONS:
             raise ValueError(f"trainer.on_nonfinite={self.on_nonfinite!r}: choose one of "
                              f"{' | '.join(NONFINITE_ACTIONS)}{_did_you_mean(self.on_nonfinite, NONFINITE_ACTIONS)}")
+        if self.resume is not None and self.resume != "auto" and not Path(self.resume).is_dir():
+            raise ValueError(f"trainer.resume={self.resume!r}: no such directory; give auto, a run dir, its "
+                             f"checkpoints dir or a step_N dir (null = start fresh)")
         if self.lr_scaling.enabled and not (self.lr_scaling.base_global_batch_size or 0) >= 1:
             raise ValueError("trainer.lr_scaling.base_global_batch_size must be set (>= 1) when lr_scaling.enabled")
 

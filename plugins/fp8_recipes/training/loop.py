@@ -325,7 +325,8 @@ def train(model: torch.nn.Module, batches_train: Iterator[Mapping[str, Any]],
 
     ``batches_*`` yield dicts of ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` ([b, s] tensors) for
     this data-parallel rank. ``resume_from`` (a run dir or step dir) restores model, optimizer, schedule,
-    precision state and RNG, not the data position.
+    precision state and RNG; the caller starts ``batches_train`` at the checkpoint's data position
+    (step × accumulation micro-batches, as training/run.py does).
     """
     try:
         from tqdm.auto import tqdm

@@ -145,6 +145,7 @@ def run_training(cfg) -> dict:
 
     from fp8_recipes.megatron.data import batches, build_gpt_datasets, prepare_dataset
     from fp8_recipes.megatron.model import destroy_distributed, init_distributed
+    from fp8_recipes.training.checkpoint import checkpoint_step, find_resume
     from fp8_recipes.training.loop import train
 
     rank, world_size, device = init_distributed(
@@ -171,10 +172,19 @@ def run_training(cfg) -> dict:
             int(trainer.micro_batch_size) * dp
         train_ds, valid_ds, _ = build_gpt_datasets(data_dir, seq, int(trainer.seed), (n_train, n_valid, None),
                                                    split=data.split)
-        # Each data-parallel rank reads its own interleaved share of the batches.
+        # Each data-parallel rank reads its own interleaved share of the batches; a resumed run starts after the
+        # micro-batches its checkpoint's steps consumed (the data position is implied by the step).
+        resume_from = find_resume(trainer.get("resume"), run_dir)
+        start = checkpoint_step(resume_from) if resume_from is not None else 0
+        accumulation = gbs // (int(trainer.micro_batch_size) * dp)
         dp_rank = ps.get_data_parallel_rank()
-        train_iter = batches(train_ds, int(trainer.micro_batch_size), int(trainer.seed) + dp_rank)
+        train_iter = batches(train_ds, int(trainer.micro_batch_size), int(trainer.seed) + dp_rank,
+                             skip=start * accumulation)
         valid_iter = batches(valid_ds, int(trainer.micro_batch_size), int(trainer.seed) + 1000 + dp_rank)
+        if rank == 0 and resume_from is not None:
+            logger.info("resume: from %s (step %d)", resume_from, start)
+        elif rank == 0 and trainer.get("resume") == "auto":
+            logger.info("resume: auto: no checkpoint in %s, starting fresh", run_dir)
         if rank == 0:
             logger.info("data: %s (%d tokens, vocab %d) ready in %.1fs", data_dir, meta.get("num_tokens", -1),
                         meta["vocab_size"], time.perf_counter() - t0)
@@ -201,7 +211,7 @@ def run_training(cfg) -> dict:
         precision, recorder = _observe(precision, debug, run_dir, rank, plan.backend)
         try:
             summary = train(model, train_iter, valid_iter, trainer, precision, run_dir, rank=rank,
-                            world_size=world_size)
+                            world_size=world_size, resume_from=resume_from)
         finally:
             if recorder is not None:  # the last step's rows and the heat map, also after a failed step
                 recorder.close()
