@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from fp8_recipes.backends.te import BF16, FP8, FP8_FWD, te_available
+from fp8_recipes.megatron.data import repeated_batch
 from fp8_recipes.recipes import recipe_names
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (torch.cuda.is_available() and te_available()),
@@ -87,12 +88,7 @@ def test_every_recipe_trains_on_te(name, data_dir, tmp_path, monkeypatch):
 
 
 def fixed_batches(batch_size=8, seq=128, vocab=4096, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    t = torch.randint(0, vocab, (batch_size, seq + 1), generator=g)
-    batch = dict(tokens=t[:, :-1], labels=t[:, 1:], loss_mask=torch.ones(batch_size, seq),
-                 position_ids=torch.arange(seq).expand(batch_size, seq))
-    while True:
-        yield batch
+    return repeated_batch(batch_size, seq, vocab, seed)
 
 
 def build(recipe: dict, device, seed: int = 0):

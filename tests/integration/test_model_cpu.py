@@ -10,6 +10,7 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.module import Float16Module
 
 from fp8_recipes.megatron.cpu_shim import install_cpu_shim
+from fp8_recipes.megatron.data import repeated_batch
 from fp8_recipes.megatron.model import (
     build_gpt_model, linear_module_names, named_linear_modules, pad_vocab_size, unwrap_model,
 )
@@ -40,12 +41,7 @@ class CountingRow(tensor_parallel.RowParallelLinear):
 
 def fixed_batches(batch_size=4, seq=SEQ, vocab=4096, seed=0):
     """The same batch forever: the model can memorise it, so the loss must fall."""
-    g = torch.Generator().manual_seed(seed)
-    t = torch.randint(0, vocab, (batch_size, seq + 1), generator=g)
-    batch = dict(tokens=t[:, :-1], labels=t[:, 1:], loss_mask=torch.ones(batch_size, seq),
-                 position_ids=torch.arange(seq).expand(batch_size, seq))
-    while True:
-        yield batch
+    return repeated_batch(batch_size, seq, vocab, seed)
 
 
 def test_cpu_shim_is_idempotent(megatron_cpu):

@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Tokenizer", "default_corpus_files", "prepare_dataset", "build_gpt_datasets", "batches"]
+__all__ = ["Tokenizer", "default_corpus_files", "prepare_dataset", "build_gpt_datasets", "batches", "repeated_batch"]
 
 FORMAT = 1  # bump when the on-disk layout changes: older datasets are then rebuilt, never misread
 PREFIX = "corpus"  # Megatron path prefix: corpus.bin + corpus.idx
@@ -388,3 +388,16 @@ def batches(dataset: Any, micro_batch_size: int, seed: int, skip: int = 0) -> It
             samples = [dataset[i] for i in order[start:start + micro_batch_size]]
             yield {k: torch.stack([s[k] for s in samples]) for k in _BATCH_KEYS}
         first = 0
+
+
+def repeated_batch(batch_size: int, seq: int, vocab: int, seed: int = 0) -> Iterator[dict[str, Any]]:
+    """One random batch (same keys and shapes as :func:`batches`) forever: a model can memorise it, so a smoke test
+    or a throughput check needs no dataset and its loss must fall."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(0, vocab, (batch_size, seq + 1), generator=g)
+    batch = dict(tokens=t[:, :-1], labels=t[:, 1:], loss_mask=torch.ones(batch_size, seq),
+                 position_ids=torch.arange(seq).expand(batch_size, seq))
+    while True:
+        yield batch
