@@ -10,7 +10,13 @@ Config: conf/train.yaml (+ groups model/, data/, trainer/), recipes from recipes
 `run_dir` (plan.txt, recipe.yaml, metrics.jsonl, tb/, checkpoints/, summary.json, loss.png).
 
 Exit codes: 0 done; 2 a bad config, recipe or override (one `error: <key>: ...` line, no run_dir left behind);
-3 stopped on non-finite losses/gradients (trainer.on_nonfinite=stop; the outputs so far are kept).
+3 stopped on non-finite losses/gradients (trainer.on_nonfinite=stop; the outputs so far are kept);
+4 preempted: SIGTERM or SIGUSR1 (Slurm's preemption, `--signal=USR1@<s>`) reached a rank during training, every
+rank finished the step, checkpoints/step_N was written and summary.json says `"preempted": {"signal", "step"}`;
+`trainer.resume=auto` continues at step N + 1. Not 0, so that a finished run and an interrupted one differ for a
+requeue wrapper (`[ $? -eq 4 ] && scontrol requeue $SLURM_JOB_ID`) and for `afterok` dependencies; not 128 +
+signal, which means killed without a checkpoint. (torchrun reports any nonzero worker code as its own failure:
+there, read summary.json.) A signal before training starts or after it ends has its usual effect.
 """
 
 import logging
@@ -27,7 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))  # a ch
 def main(cfg: DictConfig) -> None:
     from omegaconf.errors import OmegaConfBaseException
 
-    from fp8_recipes.training.errors import NONFINITE_EXIT, USER_ERROR_EXIT, NonFiniteStop, remove_partial_run_dir
+    from fp8_recipes.training.errors import (
+        NONFINITE_EXIT, PREEMPTED_EXIT, USER_ERROR_EXIT, NonFiniteStop, remove_partial_run_dir,
+    )
     from fp8_recipes.training.run import run_training
 
     run_dir = Path(cfg.run_dir)
@@ -43,6 +51,11 @@ def main(cfg: DictConfig) -> None:
     except NonFiniteStop as e:  # trainer.on_nonfinite=stop: the run's outputs so far stay
         print(f"error: {e}", file=sys.stderr)
         sys.exit(NONFINITE_EXIT)
+    if summary.get("preempted"):  # every rank: the same decision, the same exit code
+        if summary.get("rank", 0) == 0:
+            print(f"preempted: {summary['preempted']['signal']} signal, stopped after step {summary['steps']} "
+                  f"({run_dir}); continue with trainer.resume=auto", file=sys.stderr)
+        sys.exit(PREEMPTED_EXIT)
     if summary.get("rank", 0) == 0:
         val = f", val loss {summary['val_loss']:.3f}" if summary.get("val_loss") is not None else ""
         print(f"done: {summary['steps']} steps of {summary['recipe']} ({summary['backend']}), loss "

@@ -21,11 +21,12 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["NonFiniteStop", "USER_ERROR_EXIT", "NONFINITE_EXIT", "hydra_errors_as_one_line", "one_line",
-           "remove_partial_run_dir"]
+__all__ = ["NonFiniteStop", "USER_ERROR_EXIT", "NONFINITE_EXIT", "PREEMPTED_EXIT", "hydra_errors_as_one_line",
+           "one_line", "remove_partial_run_dir"]
 
 USER_ERROR_EXIT = 2  # a bad config, recipe or command line: nothing was run
 NONFINITE_EXIT = 3   # training stopped on non-finite losses or gradients (trainer.on_nonfinite)
+PREEMPTED_EXIT = 4   # SIGTERM/SIGUSR1: checkpointed after the current step, not finished: requeue, resume=auto
 
 # What Hydra and a run write into run_dir; a run that failed on its input loses exactly these, nothing else.
 _RUN_OUTPUTS = (".hydra", "train.log", "plan.txt", "recipe.yaml", "metrics.jsonl", "tb", "summary.json", "loss.png")

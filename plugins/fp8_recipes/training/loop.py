@@ -14,6 +14,13 @@ also does not advance its scheduler on a skipped iteration), and the precision b
 recorded (``skip_step``). After ``trainer.max_consecutive_skips`` in a row: ``on_nonfinite=skip_then_bf16`` runs
 the next ``fallback_bf16_steps`` steps under ``precision.high_precision()``; ``stop`` (or the limit reached again
 inside a fallback) ends the run with :class:`NonFiniteStop`.
+
+Preemption: while :func:`train` runs (in the main thread) SIGTERM and SIGUSR1 only set a flag; the previous
+handlers come back when it returns. The flag rides in the per-step all-reduce that already carries the non-finite
+flag (summed over the data- and tensor-parallel groups, i.e. every rank), so all ranks agree on the step after
+which to stop, even when only one rank got the signal: that step finishes (its metrics row says ``preempted``),
+the checkpoint ``checkpoints/step_N`` is written, and the summary's ``preempted`` names the signal and step
+(scripts/train.py then exits with ``PREEMPTED_EXIT``; ``trainer.resume=auto`` continues at step N + 1).
 """
 
 from __future__ import annotations
@@ -23,7 +30,9 @@ import dataclasses
 import logging
 import math
 import os
+import signal
 import statistics
+import threading
 import time
 from pathlib import Path
 from typing import Any, ContextManager, Iterator, Mapping, Protocol, runtime_checkable
@@ -35,7 +44,8 @@ from fp8_recipes.training.config import LRScaling, TrainerConfig  # noqa: F401  
 from fp8_recipes.training.errors import NonFiniteStop
 from fp8_recipes.training.metrics import MetricsWriter, plot_loss, write_summary
 
-__all__ = ["Precision", "NoPrecision", "NonFiniteStop", "TrainerConfig", "lr_at", "scaled_lr", "MasterParams", "train"]
+__all__ = ["Precision", "NoPrecision", "NonFiniteStop", "PreemptionSignals", "TrainerConfig", "lr_at", "scaled_lr",
+           "MasterParams", "train"]
 
 logger = logging.getLogger(__name__)
 
@@ -266,11 +276,44 @@ def _any_tensor_parallel(flag: torch.Tensor) -> torch.Tensor:
     return flag
 
 
+class PreemptionSignals:
+    """SIGTERM / SIGUSR1 (Slurm's preemption and ``--signal``) set :attr:`received` instead of ending the process.
+
+    A context manager: handlers are installed on entry and the previous ones restored on exit, in the main thread
+    only (elsewhere Python cannot install handlers; it is then a no-op that never reports a signal).
+    """
+
+    SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
+
+    def __init__(self) -> None:
+        self.received: str | None = None  # the first signal's name
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:  # only a flag: the loop acts at the next step boundary
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+
+    def __enter__(self) -> "PreemptionSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.getsignal(sig)
+                signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+
 def _train_step(model, batches, accumulation: int, dp_size: int, master: MasterParams, optimizer,
-                cfg: TrainerConfig, device: torch.device) -> tuple[float, int, float, bool]:
+                cfg: TrainerConfig, device: torch.device,
+                preemption: PreemptionSignals | None = None) -> tuple[float, int, float, bool, bool]:
     """One optimizer step over ``accumulation`` micro-batches: (mean loss over DP ranks, global tokens, grad norm,
-    skipped). A non-finite loss or grad norm on any rank skips the update on every rank, leaving weights and
-    optimizer state untouched (the decision is one flag summed over the DP and TP groups: identical everywhere)."""
+    skipped, preempted). A non-finite loss or grad norm on any rank skips the update on every rank, leaving weights
+    and optimizer state untouched (the decision is one flag summed over the DP and TP groups: identical everywhere).
+    ``preempted``: some rank had received a preemption signal when this step's flags were reduced (the same
+    all-reduce, one more element: no extra collective)."""
     loss_total = torch.zeros((), dtype=torch.float64, device=device)
     tokens = 0
     for _ in range(accumulation):
@@ -284,13 +327,17 @@ def _train_step(model, batches, accumulation: int, dp_size: int, master: MasterP
     _allreduce_grads_data_parallel(master.masters)
     grad_norm = _clip_grad_norm(master.pairs, cfg.clip_grad)  # NaN/inf when any grad on any rank is (TP-reduced)
     bad = (~torch.isfinite(loss_total)).double() + (0.0 if math.isfinite(grad_norm) else 1.0)
-    synced = _dp_sum(torch.stack([loss_total, torch.tensor(float(tokens), dtype=torch.float64, device=device), bad]))
-    skipped = _any_tensor_parallel(synced[2:].clone()).item() > 0  # .item(): a sync point, once per step
+    signalled = torch.tensor(float(preemption is not None and preemption.received is not None),
+                             dtype=torch.float64, device=device)
+    synced = _dp_sum(torch.stack([loss_total, torch.tensor(float(tokens), dtype=torch.float64, device=device), bad,
+                                  signalled]))
+    flags = _any_tensor_parallel(synced[2:].clone()).tolist()  # a sync point, once per step
+    skipped, preempted = flags[0] > 0, flags[1] > 0
     if not skipped:
         optimizer.step()
         master.copy_to_model()
     optimizer.zero_grad(set_to_none=True)  # a skipped step's grads go too (the model's own were moved to masters)
-    return synced[0].item() / (accumulation * dp_size), int(synced[1].item()), grad_norm, skipped
+    return synced[0].item() / (accumulation * dp_size), int(synced[1].item()), grad_norm, skipped, preempted
 
 
 class _PlainBar:
@@ -376,69 +423,81 @@ def train(model: torch.nn.Module, batches_train: Iterator[Mapping[str, Any]],
     bar = tqdm(total=cfg.max_steps, initial=start, desc="train", unit="step", disable=rank != 0,
                dynamic_ncols=True, mininterval=0.5)
     losses, rates, val_loss, val_loss_fp, stage, done = [], [], None, None, "", start
-    skipped_total, in_a_row, fallback_left, fallbacks, stopped = 0, 0, 0, 0, None
+    skipped_total, in_a_row, fallback_left, fallbacks, stopped, preempted = 0, 0, 0, 0, None, None
     wall0 = time.perf_counter()
-    for step in range(start, cfg.max_steps):
-        stage = precision.begin_step(step)
-        in_fallback = fallback_left > 0
-        if in_fallback:
-            stage = "bf16 fallback"
-        t0 = time.perf_counter()
-        step_lr = optimizer.param_groups[0]["lr"]
-        with precision.high_precision() if in_fallback else contextlib.nullcontext():
-            step_loss, tokens, grad_norm, skipped = _train_step(model, batches_train, accumulation, dp_size, master,
-                                                                optimizer, cfg, device)
-        if skipped:  # the LR schedule stays too: the next step runs at this step's LR (Megatron's rule)
-            precision.skip_step(step)
-            skipped_total, in_a_row = skipped_total + 1, in_a_row + 1
-        else:
-            scheduler.step()
-            precision.after_optimizer_step(step)
-            in_a_row = 0
-        fallback_left = max(fallback_left - 1, 0)
-        step_time = time.perf_counter() - t0
-        tokens_per_s = tokens / step_time
-        done = step + 1
-        losses.append(step_loss)
-        rates.append(tokens_per_s)
-        bar.update(1)
-        skips = f" | skipped {skipped_total}" if skipped_total else ""
-        bar.set_postfix_str(f"loss {step_loss:.3f} | {tokens_per_s:,.0f} tok/s | {stage}{skips}", refresh=False)
-        if skipped or done % cfg.log_interval == 0 or done == cfg.max_steps:
-            writer.log({"kind": "train", "step": done, "loss": step_loss, "lr": step_lr, "grad_norm": grad_norm,
-                        "tokens_per_s": tokens_per_s, "stage": stage, "step_time": step_time, "skipped": skipped,
-                        "skipped_steps": skipped_total})
-        if skipped and rank == 0:
-            bar.write(f"step {done}: non-finite loss {step_loss:.4g} or grad norm {grad_norm:.4g}: optimizer step "
-                      f"skipped ({in_a_row} in a row, {skipped_total} in all)")
-        if in_a_row >= cfg.max_consecutive_skips:
-            if cfg.on_nonfinite == "stop" or in_fallback:
-                why = "in the BF16 fallback too" if in_fallback else "trainer.on_nonfinite=stop"
-                first_bad = done - in_a_row + 1
-                stopped = (f"trainer.max_consecutive_skips: {in_a_row} steps in a row (to step {done}) had a "
-                           f"non-finite loss or gradient ({why}); the weights are those before step {first_bad}: "
-                           f"lower trainer.lr, check the data, or resume from a checkpoint")
+    with PreemptionSignals() as signals:  # SIGTERM/SIGUSR1 -> a flag, for the loop's lifetime only
+        for step in range(start, cfg.max_steps):
+            stage = precision.begin_step(step)
+            in_fallback = fallback_left > 0
+            if in_fallback:
+                stage = "bf16 fallback"
+            t0 = time.perf_counter()
+            step_lr = optimizer.param_groups[0]["lr"]
+            with precision.high_precision() if in_fallback else contextlib.nullcontext():
+                step_loss, tokens, grad_norm, skipped, stop_now = _train_step(
+                    model, batches_train, accumulation, dp_size, master, optimizer, cfg, device, signals)
+            if skipped:  # the LR schedule stays too: the next step runs at this step's LR (Megatron's rule)
+                precision.skip_step(step)
+                skipped_total, in_a_row = skipped_total + 1, in_a_row + 1
+            else:
+                scheduler.step()
+                precision.after_optimizer_step(step)
+                in_a_row = 0
+            fallback_left = max(fallback_left - 1, 0)
+            step_time = time.perf_counter() - t0
+            tokens_per_s = tokens / step_time
+            done = step + 1
+            losses.append(step_loss)
+            rates.append(tokens_per_s)
+            bar.update(1)
+            skips = f" | skipped {skipped_total}" if skipped_total else ""
+            bar.set_postfix_str(f"loss {step_loss:.3f} | {tokens_per_s:,.0f} tok/s | {stage}{skips}", refresh=False)
+            if stop_now:  # every rank decided this in the same all-reduce; rank 0 may not have been signalled itself
+                preempted = {"signal": signals.received or "another rank", "step": done}
+            if skipped or preempted or done % cfg.log_interval == 0 or done == cfg.max_steps:
+                row = {"kind": "train", "step": done, "loss": step_loss, "lr": step_lr, "grad_norm": grad_norm,
+                       "tokens_per_s": tokens_per_s, "stage": stage, "step_time": step_time, "skipped": skipped,
+                       "skipped_steps": skipped_total}
+                writer.log({**row, "preempted": preempted["signal"]} if preempted else row)
+            if skipped and rank == 0:
+                bar.write(f"step {done}: non-finite loss {step_loss:.4g} or grad norm {grad_norm:.4g}: optimizer "
+                          f"step skipped ({in_a_row} in a row, {skipped_total} in all)")
+            if in_a_row >= cfg.max_consecutive_skips:
+                if cfg.on_nonfinite == "stop" or in_fallback:
+                    why = "in the BF16 fallback too" if in_fallback else "trainer.on_nonfinite=stop"
+                    first_bad = done - in_a_row + 1
+                    stopped = (f"trainer.max_consecutive_skips: {in_a_row} steps in a row (to step {done}) had "
+                               f"a non-finite loss or gradient ({why}); the weights are those before step "
+                               f"{first_bad}: lower trainer.lr, check the data, or resume from a checkpoint")
+                    break
+                fallback_left, in_a_row, fallbacks = cfg.fallback_bf16_steps, 0, fallbacks + 1
+                if rank == 0:
+                    bar.write(f"step {done}: {cfg.max_consecutive_skips} skipped steps in a row: the next "
+                              f"{cfg.fallback_bf16_steps} steps run in BF16 (trainer.fallback_bf16_steps)")
+            if preempted:  # no evaluation: the grace period is for the checkpoint
+                if rank == 0:
+                    bar.write(f"step {done}: {preempted['signal']} signal: checkpointing and stopping (preempted)")
                 break
-            fallback_left, in_a_row, fallbacks = cfg.fallback_bf16_steps, 0, fallbacks + 1
-            if rank == 0:
-                bar.write(f"step {done}: {cfg.max_consecutive_skips} skipped steps in a row: the next "
-                          f"{cfg.fallback_bf16_steps} steps run in BF16 (trainer.fallback_bf16_steps)")
-        if valid and _due(done, cfg.eval_interval, cfg.max_steps):
-            val_loss = evaluate(model, valid, device)
-            writer.log({"kind": "eval", "step": done, "val_loss": val_loss, "stage": stage})
-            if rank == 0:
-                bar.write(f"step {done}: val_loss {val_loss:.4f} ({stage})")
-        if valid and _due(done, fp_interval, cfg.max_steps):
-            with precision.high_precision():
-                val_loss_fp = evaluate(model, valid, device)
-            writer.log({"kind": "eval", "step": done, "val_loss_full_precision": val_loss_fp})
-            if rank == 0:
-                bar.write(f"step {done}: val_loss_full_precision {val_loss_fp:.4f}")
-        if cfg.save_interval > 0 and done % cfg.save_interval == 0 and done != cfg.max_steps:
-            checkpoint(done)
-    bar.close()
-    if stopped is None and (done > start or resume_from is None):
-        checkpoint(done)
+            if valid and _due(done, cfg.eval_interval, cfg.max_steps):
+                val_loss = evaluate(model, valid, device)
+                writer.log({"kind": "eval", "step": done, "val_loss": val_loss, "stage": stage})
+                if rank == 0:
+                    bar.write(f"step {done}: val_loss {val_loss:.4f} ({stage})")
+            if valid and _due(done, fp_interval, cfg.max_steps):
+                with precision.high_precision():
+                    val_loss_fp = evaluate(model, valid, device)
+                writer.log({"kind": "eval", "step": done, "val_loss_full_precision": val_loss_fp})
+                if rank == 0:
+                    bar.write(f"step {done}: val_loss_full_precision {val_loss_fp:.4f}")
+            if cfg.save_interval > 0 and done % cfg.save_interval == 0 and done != cfg.max_steps:
+                checkpoint(done)
+        bar.close()
+        if stopped is None and (done > start or resume_from is None):
+            checkpoint(done)  # (still under the handlers: a second signal must not cut this save short)
+        if preempted and rank == 0:
+            logger.warning("preempted by %s after step %d: %s", preempted["signal"], done,
+                           f"checkpoint {run_dir / 'checkpoints' / f'step_{done}'}; continue with trainer.resume=auto"
+                           if cfg.save_checkpoints else "no checkpoint (trainer.save_checkpoints=false)")
     summary = {
         "steps": done,
         "final_loss": losses[-1] if losses else None,
@@ -452,6 +511,7 @@ def train(model: torch.nn.Module, batches_train: Iterator[Mapping[str, Any]],
         "skipped_steps": skipped_total,
         "bf16_fallbacks": fallbacks,
         "stopped": stopped,
+        "preempted": preempted,
     }
     writer.close()
     if rank == 0:

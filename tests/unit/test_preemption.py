@@ -1,0 +1,63 @@
+"""Preemption signals in the training loop (in process; tests/integration/test_preemption_cpu.py signals a real
+scripts/train.py): handlers only while train() runs, restored after; the stop decision comes from the per-step
+all-reduce, so a signal that reached only another rank stops this one after the same step."""
+
+import signal
+import threading
+
+import pytest
+import torch
+
+from fp8_recipes.training import loop
+from fp8_recipes.training.loop import NoPrecision, PreemptionSignals, train
+from fp8_recipes.training.metrics import read_metrics
+from test_faults import BATCH, TinyLM, batches
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def test_handlers_only_inside_and_restored_after():
+    seen = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    try:
+        before = signal.getsignal(signal.SIGTERM)
+        with PreemptionSignals() as signals:
+            signal.raise_signal(signal.SIGUSR1)
+            signal.raise_signal(signal.SIGTERM)  # a second signal: still only the flag, the first name kept
+            assert signals.received == "SIGUSR1"
+        assert signal.getsignal(signal.SIGTERM) is before and seen == []
+        signal.raise_signal(signal.SIGUSR1)  # the previous handler is back
+        assert seen == [signal.SIGUSR1]
+
+        def elsewhere():  # not the main thread: nothing installed, nothing raised
+            with PreemptionSignals() as other:
+                assert other.received is None and not other._previous
+        t = threading.Thread(target=elsewhere)
+        t.start()
+        t.join()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_another_ranks_signal_stops_after_the_same_step(tmp_path, monkeypatch):
+    """The flag summed in the step's all-reduce (here: another rank's 1 added at step 3) stops every rank."""
+    dp_sum, calls = loop._dp_sum, []
+
+    def other_rank_signalled_at_step_3(t):
+        calls.append(t.numel())
+        if t.numel() == 4 and len([n for n in calls if n == 4]) == 3:
+            t = t.clone()
+            t[3] += 1.0
+        return dp_sum(t)
+
+    monkeypatch.setattr(loop, "_dp_sum", other_rank_signalled_at_step_3)
+    cfg = {"max_steps": 8, "micro_batch_size": BATCH, "global_batch_size": BATCH, "warmup_steps": 2,
+           "eval_interval": 0, "lr": 1e-2, "min_lr": 1e-3}
+    before = signal.getsignal(signal.SIGTERM)
+    summary = train(TinyLM({}), batches(), None, cfg, NoPrecision(), tmp_path)
+    assert summary["steps"] == 3 and summary["preempted"] == {"signal": "another rank", "step": 3}
+    rows = read_metrics(tmp_path, "train")
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["preempted"] == "another rank"
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_3"
+    assert torch.load(tmp_path / "checkpoints" / "step_3" / "tp_00.pt", weights_only=True)["step"] == 3
+    assert signal.getsignal(signal.SIGTERM) is before
