@@ -26,16 +26,9 @@ def shape(text: str) -> tuple[int, int, int]:
     return m, k, n
 
 
-def _gpu_with_te() -> bool:
-    import torch
-
-    from fp8_recipes.backends.te import te_available
-
-    return torch.cuda.is_available() and te_available()
-
-
 def main() -> None:
     from fp8_recipes.bench.gemm import DEFAULT_CONFIGS, DEFAULT_SHAPES, bench_gemm, save, summarize
+    from fp8_recipes.plan import Hardware
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", type=shape, default=DEFAULT_SHAPES, metavar="MxKxN")
@@ -48,7 +41,7 @@ def main() -> None:
     if args.plot_only:
         result = json.loads(args.plot_only.read_text())
         save(result, args.plot_only.parent)
-    elif not _gpu_with_te():
+    elif not Hardware.detect().has_te:
         sys.exit("bench_gemm: needs a CUDA GPU with Transformer Engine (or --plot-only FILE.json)")
     else:
         result = bench_gemm(args.shapes, args.configs, warmup=args.warmup, iters=args.iters, out_dir=args.out)

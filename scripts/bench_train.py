@@ -22,16 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))  # a ch
 DEFAULT_CONFIGS = ["delayed", "delayed:raw", "tensorwise", "tensorwise:raw", "blockwise", "blockwise:raw"]
 
 
-def _gpu_with_te() -> bool:
-    import torch
-
-    from fp8_recipes.backends.te import te_available
-
-    return torch.cuda.is_available() and te_available()
-
-
 def main() -> None:
     from fp8_recipes.bench.train import bench_train, save, summarize
+    from fp8_recipes.plan import Hardware
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=["llama3_8b_8l", "llama3_8b_16l"], help="conf/model/ names")
@@ -49,7 +42,7 @@ def main() -> None:
     if args.plot_only:
         result = json.loads(args.plot_only.read_text())
         save(result, args.plot_only.parent)
-    elif not _gpu_with_te():
+    elif not Hardware.detect().has_te:
         sys.exit("bench_train: needs a CUDA GPU with Transformer Engine (or --plot-only FILE.json)")
     else:
         from fp8_recipes.training.run import quiet_third_party_logs
