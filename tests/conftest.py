@@ -1,6 +1,8 @@
 """Shared fixtures. Megatron-Core's parallel state is process-global: tests that build a model take
 `megatron_cpu`, which initialises a one-process gloo world and tears it down afterwards."""
 
+import random
+import socket
 from pathlib import Path
 
 import pytest
@@ -28,3 +30,25 @@ def tiny_model_cfg() -> dict:
     cfg = OmegaConf.load(ROOT / "conf" / "model" / "tiny.yaml")
     cfg.vocab_size = 4096
     return OmegaConf.to_container(cfg, resolve=True)
+
+
+def _unused_port() -> int:
+    """A free TCP port below the kernel's ephemeral range. A port the kernel hands out (bind to 0) and a rank binds
+    seconds later can be taken in between by the ephemeral sockets of any other gloo world running alongside
+    (EADDRINUSE, seen in CI with three 2-rank runs at once); ports below that range are only ever taken on request."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) \
+        if Path("/proc/sys/net/ipv4/ip_local_port_range").exists() else 32768
+    for port in random.sample(range(max(1024, low - 12000), low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free TCP port below the ephemeral range")
+
+
+@pytest.fixture(scope="session")
+def free_port():
+    """A callable returning a free port outside the ephemeral range, for MASTER_PORT / --master-port."""
+    return _unused_port

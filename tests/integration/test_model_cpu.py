@@ -218,7 +218,7 @@ destroy_distributed()
 '''
 
 
-def test_two_ranks_tensor_and_data_parallel(megatron_cpu, tiny_model_cfg, tmp_path):
+def test_two_ranks_tensor_and_data_parallel(megatron_cpu, tiny_model_cfg, tmp_path, free_port):
     """torchrun, 2 gloo ranks: TP=2 matches TP=1; a communication-free GEMM behind `_forward_impl` gives
     Megatron's gradients once the column layer's dgrad all-reduce is restored; DP=2 replicas stay identical."""
     import os
@@ -236,7 +236,7 @@ def test_two_ranks_tensor_and_data_parallel(megatron_cpu, tiny_model_cfg, tmp_pa
     (tmp_path / "worker.py").write_text(TWO_RANK_WORKER)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", str(_free_port()), str(tmp_path / "worker.py"), str(tmp_path)],
+                           "--master-port", str(free_port()), str(tmp_path / "worker.py"), str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())
@@ -244,10 +244,3 @@ def test_two_ranks_tensor_and_data_parallel(megatron_cpu, tiny_model_cfg, tmp_pa
     assert result["custom_loss"] == result["tp2_loss"] and result["grad_diff"] == 0.0
     assert result["dp_replicas_equal"]
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -130,14 +129,8 @@ def _args(recipe: str, tp: int, extra: list[str], dataset: list[str], run_dir: P
             "model.vocab_size=512", f"trainer.tensor_model_parallel_size={tp}", f"run_dir={run_dir}", *extra]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, dataset) -> dict[str, dict]:
+def runs(tmp_path_factory, dataset, free_port) -> dict[str, dict]:
     """Every run above, all at once: the 1-rank ones one after another in one interpreter; each 2-rank one as two
     processes with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT; test_train_cpu.py covers torchrun
     itself: its launcher would cost another interpreter per run, and a process group cannot be set up twice in one
@@ -162,7 +155,7 @@ def runs(tmp_path_factory, dataset) -> dict[str, dict]:
         if n == 1:
             single.append(spec)
             continue
-        port = str(_free_port())
+        port = str(free_port())
         for r in range(n):
             procs.append((f"{name} rank {r}", spawn(tmp / name / f"spec{r}.json", [spec], dict(
                 RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
