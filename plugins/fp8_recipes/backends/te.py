@@ -268,6 +268,8 @@ class TEPrecision:
         self._expected: dict[str, str] = {}
         self._roles: frozenset[Role] | None = None
         self._step = 0
+        self.step_plan: StepPlan | None = None
+        """This step's plan (set by begin_step; the statistics hooks of backends/te_observe.py read it)."""
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
         self.step_kinds: dict[int, Counter] = defaultdict(Counter)
         self.module_kinds: Counter = Counter()
@@ -349,7 +351,7 @@ class TEPrecision:
     # -- the Precision protocol ------------------------------------------------------------------------------------
     def begin_step(self, step: int) -> str:
         self._step = step
-        sp = self.plan.at(step)
+        sp = self.step_plan = self.plan.at(step)
         if sp.roles_fp8 != self._roles:
             self._apply(sp)
             self._roles = sp.roles_fp8

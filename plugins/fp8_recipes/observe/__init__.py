@@ -2,5 +2,6 @@
 
 Importing this package has no side effects; the submodules are imported where used:
 ``observe.config`` (the typed ``debug:`` section), ``observe.stats`` (pure torch: per-operand statistics),
-``observe.recorder`` (attaches to the emulated backend, writes numerics.jsonl, TensorBoard, the heat map, dumps).
+``observe.recorder`` (attaches to either backend: the emulated one's states, or TE's through
+``backends.te_observe``; writes numerics.jsonl, TensorBoard, the heat map, dumps).
 """

@@ -1,7 +1,8 @@
 """Records numerics statistics and tensor dumps from a precision backend's quantized GEMM operands.
 
     recorder = NumericsRecorder(debug_config, run_dir, write=rank == 0)
-    recorder.attach(precision.states)            # the emulated backend's EmulatedLinearState per module
+    recorder.attach(precision.states)            # the emulated backend's EmulatedLinearState per module, or
+                                                  # backends.te_observe.te_observer_states(te_precision)
     precision = ObservedPrecision(precision, recorder)   # tells the recorder each step; the loop is unchanged
     ... train ...
     recorder.close()                              # last rows, the heat map
@@ -18,8 +19,8 @@ Evaluation forwards (modules in eval mode: ``state.record_amax`` is False) are n
 computed on every rank (a tensorwise amax reduction is a collective), written by rank 0 only.
 
 The observer protocol is the emulated backend's: ``observer(state, gemm, role, hp_tensor, fake_quant_tensor)``
-with ``state.plan`` (the module's plan this step), ``state.scalers`` and ``state.amax_reduce``; a Transformer
-Engine backend plugs in by calling :meth:`NumericsRecorder.observe` the same way.
+with ``state.plan`` (the module's plan this step), ``state.scalers`` and ``state.amax_reduce``; the Transformer
+Engine backend plugs in with hooks on its linears that call it the same way (``backends/te_observe.py``).
 """
 
 from __future__ import annotations

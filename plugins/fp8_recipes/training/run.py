@@ -49,18 +49,21 @@ def resolve_debug(cfg):
 
 
 def _observe(precision, debug, run_dir: Path, rank: int, backend):
-    """Attach the numerics recorder when the run's `debug` section asks: (precision to train with, recorder)."""
+    """Attach the numerics recorder when the run's `debug` section asks: (precision to train with, recorder).
+    The emulated backend's per-module states carry the observer slot; on TE, hooks on each TE linear do
+    (backends/te_observe.py)."""
     if not debug.enabled:
-        return precision, None
-    if str(backend) != "emulated":  # the TE backend's observers come later
-        if rank == 0:
-            logger.warning("debug: numerics statistics and dumps need the emulated backend for now (this run uses "
-                           "%s); set recipe.backend=emulated to record them", backend)
         return precision, None
     from fp8_recipes.observe.recorder import NumericsRecorder, ObservedPrecision
 
+    if str(backend) == "te":
+        from fp8_recipes.backends.te_observe import te_observer_states
+
+        states = te_observer_states(precision)
+    else:
+        states = precision.states
     recorder = NumericsRecorder(debug, run_dir, write=rank == 0)
-    recorder.attach(precision.states)
+    recorder.attach(states)
     return ObservedPrecision(precision, recorder), recorder
 
 

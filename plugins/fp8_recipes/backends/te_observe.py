@@ -1,0 +1,138 @@
+"""Numerics statistics and dumps on the Transformer Engine backend: the recorder's observer protocol, fed by hooks.
+
+    states = te_observer_states(precision)      # name -> TEObservedLinear, hooks on each TE linear
+    recorder.attach(states)                     # the same NumericsRecorder as the emulated backend's
+
+TE quantizes a linear's operands inside its fused autograd functions and hands none of them out. Our numerics
+core reproduces TE's quantization bit for bit (tests/gpu/test_te_numerics.py: current, delayed and block scaling),
+so the operands are quantized again here, from the tensors the GEMMs read, with the policy the plan gives the
+module this step (``ModulePlan.gemms``: what TE really runs, after substitutions) and, for delayed scaling, the
+scale TE holds for that operand:
+
+- forward hook (after the module ran, so only when it really ran FP8: ``module.fp8``): the activations (input;
+  for ``LayerNormLinear`` the normalisation is recomputed from the module's own parameters, see
+  :func:`_gemm_input`) and the weight, for fprop and for the backward GEMMs that read them columnwise;
+- a hook on the output tensor's gradient (before the module's backward): the gradients, for dgrad and wgrad.
+
+Delayed scales are read from ``fp8_meta`` at those moments: TE updates forward scales when the outermost autocast
+exits and backward scales after the last module's backward, so both reads see the scale the GEMMs used. Current
+scaling's amax is measured locally: TE reduces current-scaling amaxes only for sequence-parallel inputs.
+
+Only a run with a ``debug`` section creates these hooks; between due steps they return at once (observer None).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fp8_recipes.numerics import block_for, fake_quant
+from fp8_recipes.observe.stats import COLUMNWISE
+from fp8_recipes.plan import Gemm, ModulePlan
+from fp8_recipes.schema import Role
+
+__all__ = ["TEObservedLinear", "te_observer_states"]
+
+# TE's delayed-scaling slots of a one-GEMM module (tex.FP8FwdTensors / FP8BwdTensors): GEMM1_INPUT, GEMM1_WEIGHT,
+# GRAD_OUTPUT1.
+_DELAYED_SLOT = {Role.ACTIVATIONS: ("scaling_fwd", 0), Role.WEIGHTS: ("scaling_fwd", 1),
+                 Role.GRADIENTS: ("scaling_bwd", 0)}
+_FORWARD_OPERANDS = ((Gemm.FPROP, Role.ACTIVATIONS), (Gemm.FPROP, Role.WEIGHTS), (Gemm.DGRAD, Role.WEIGHTS),
+                     (Gemm.WGRAD, Role.ACTIVATIONS))
+_BACKWARD_OPERANDS = ((Gemm.DGRAD, Role.GRADIENTS), (Gemm.WGRAD, Role.GRADIENTS))
+
+
+class _TEScale:
+    """The delayed scale TE holds for one operand (a DelayedScaler's ``scale``, read only)."""
+
+    def __init__(self, module: torch.nn.Module, role: Role):
+        self.module, (self.key, self.index) = module, _DELAYED_SLOT[role]
+
+    @property
+    def scale(self) -> torch.Tensor:
+        state = (getattr(self.module, "fp8_meta", None) or {}).get(self.key)
+        scale = getattr(state, "scale", None)
+        if not isinstance(scale, torch.Tensor):  # not allocated before the module's first FP8 forward: TE's 1.0
+            return torch.ones((), dtype=torch.float32)
+        return scale[self.index]
+
+
+class TEObservedLinear:
+    """One TE linear as the recorder sees it (EmulatedLinearState's observer slots): ``name``, ``plan`` (the
+    module's plan this step), ``scalers``, ``amax_reduce``, ``record_amax`` and ``observer``."""
+
+    def __init__(self, name: str, module: torch.nn.Module, step_plan: Callable[[], Any]):
+        self.name = name
+        self.module = module
+        self._step_plan = step_plan
+        self.scalers = {role: _TEScale(module, role) for role in Role}
+        self.amax_reduce = None
+        self.record_amax = True
+        self.observer: Callable[..., None] | None = None
+        module.register_forward_hook(self._after_forward)
+
+    @property
+    def plan(self) -> ModulePlan:
+        return self._step_plan().modules[self.name]
+
+    def _emit(self, operands: tuple[tuple[Gemm, Role], ...], tensors: dict[Role, torch.Tensor]) -> None:
+        """Quantize each (GEMM, role) operand as TE did and hand it to the observer. A copy that equals an earlier
+        GEMM's (same policy, same blocks: every per-tensor copy) is handed over again, as the emulated backend
+        does: the recorder then reuses its statistics instead of measuring the same values twice."""
+        plan, done = self.plan, {}
+        for gemm, role in operands:
+            policy = plan.gemms[gemm].policy(role)
+            if policy is None or self.observer is None:
+                continue
+            hp, columnwise = tensors[role], COLUMNWISE[(str(gemm), str(role))]
+            key = (role, policy, block_for(policy, hp.shape, columnwise))
+            if key not in done:
+                done[key] = fake_quant(hp, policy, columnwise=columnwise, scaler=self.scalers[role],
+                                       record_amax=False)
+            self.observer(self, gemm, role, hp, done[key])
+
+    def _after_forward(self, module, args, output) -> None:
+        if self.observer is None or not module.training or not getattr(module, "fp8", False):
+            return
+        te = self.plan.te
+        fused = te is not None and te.recipe == "DelayedScaling"  # TE's fused norm + FP8 cast (see _gemm_input)
+        self._emit(_FORWARD_OPERANDS, {Role.ACTIVATIONS: _gemm_input(module, args[0], fused),
+                                       Role.WEIGHTS: module.weight.detach()})
+        out = output[0] if isinstance(output, tuple) else output
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(self._on_grad)
+
+    def _on_grad(self, grad: torch.Tensor) -> None:
+        if self.observer is not None:
+            self._emit(_BACKWARD_OPERANDS, {Role.GRADIENTS: grad.detach()})
+
+
+def _gemm_input(module: torch.nn.Module, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    """The tensor the forward GEMM's input quantizer reads. TE's ``LayerNormLinear`` normalises inside its own
+    kernel and keeps the result to itself: recompute it in float32 from the module's weights (RMSNorm or
+    LayerNorm, ``zero_centered_gamma``). With a built-in DelayedScaling recipe (`fused`) TE's kernel casts that
+    float32 result straight to FP8, so it is returned as is; every other quantizer reads the normalised tensor
+    rounded to the input's dtype first (TE 2.20 normalization.cpp: ``force_unfused_kernel``)."""
+    x = x.detach()
+    norm = getattr(module, "normalization", None)
+    weight = getattr(module, "layer_norm_weight", None)
+    if norm is None or weight is None:
+        return x
+    xf = x.float()
+    gamma = weight.float() + (1.0 if getattr(module, "zero_centered_gamma", False) else 0.0)
+    if norm == "RMSNorm":
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + module.eps) * gamma
+    else:
+        y = torch.nn.functional.layer_norm(xf, xf.shape[-1:], eps=module.eps) * gamma
+        bias = getattr(module, "layer_norm_bias", None)
+        if bias is not None:
+            y = y + bias.float()
+    return y if fused else y.to(x.dtype)
+
+
+def te_observer_states(precision) -> dict[str, TEObservedLinear]:
+    """Hooks on every TE linear of a :class:`~fp8_recipes.backends.te.TEPrecision`; name -> observed state."""
+    return {name: TEObservedLinear(name, module, lambda: precision.step_plan)
+            for name, module in precision.linears.items()}

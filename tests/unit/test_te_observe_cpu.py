@@ -1,0 +1,87 @@
+"""backends/te_observe.py without a GPU: the hooks hand the recorder every operand of a linear's three GEMMs,
+quantized with the plan's policy from the tensor the GEMM reads (a LayerNormLinear's normalised input), once per
+distinct copy. The same code on Transformer Engine modules, against TE's own GEMM output: tests/gpu/test_te_observe.py."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from fp8_recipes.backends.te_observe import TEObservedLinear, _gemm_input
+from fp8_recipes.numerics import fake_quant
+from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan
+from fp8_recipes.schema import Recipe, Role
+
+NAME = "decoder.layers.0.mlp.linear_fc1"
+
+
+class NormLinear(torch.nn.Module):
+    """What the hooks need of TE's LayerNormLinear: RMSNorm parameters, `weight`, the `fp8` flag, (out, bias)."""
+
+    def __init__(self, hidden=64, out=96):
+        super().__init__()
+        self.normalization, self.eps, self.zero_centered_gamma = "RMSNorm", 1e-5, False
+        self.layer_norm_weight = torch.nn.Parameter(1 + 0.1 * torch.randn(hidden))
+        self.weight = torch.nn.Parameter(0.05 * torch.randn(out, hidden))
+        self.fp8 = True
+
+    def forward(self, x):
+        y = torch.nn.functional.rms_norm(x, x.shape[-1:], self.layer_norm_weight, self.eps)
+        return y @ self.weight.t(), None
+
+
+def observed(scaling: str):
+    torch.manual_seed(0)
+    recipe = Recipe.from_dict({"weights": scaling, "activations": scaling, "gradients": scaling})
+    plan = PrecisionPlan(recipe, ModelLayout.gpt(1), Hardware())
+    module = NormLinear()
+    state = TEObservedLinear(NAME, module, lambda: plan.at(0))
+    seen = []
+    state.observer = lambda s, gemm, role, hp, fq: seen.append((str(gemm), str(role), hp, fq))
+    x = torch.randn(8, 2, 64, requires_grad=True)
+    module(x)[0].square().sum().backward()
+    return plan.at(0).modules[NAME], module, x, seen
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "blockwise"])
+def test_every_operand_of_the_three_gemms_is_observed_as_quantized(scaling):
+    plan, module, x, seen = observed(scaling)
+    assert [(g, r) for g, r, _, _ in seen] == [("fprop", "activations"), ("fprop", "weights"), ("dgrad", "weights"),
+                                               ("wgrad", "activations"), ("dgrad", "gradients"), ("wgrad", "gradients")]
+    by = {(g, r): (hp, fq) for g, r, hp, fq in seen}
+    normed = torch.nn.functional.rms_norm(x.detach(), (64,), module.layer_norm_weight.detach(), 1e-5)
+    torch.testing.assert_close(by[("fprop", "activations")][0], normed)  # the GEMM's input, not the module's
+    for (gemm, role), (hp, fq) in by.items():
+        columnwise = (gemm, role) in (("dgrad", "weights"), ("wgrad", "gradients"), ("wgrad", "activations"))
+        policy = plan.gemms[gemm].policy(Role(role))
+        assert torch.equal(fq, fake_quant(hp, policy, columnwise=columnwise)), (gemm, role)
+    # one copy per distinct quantization: per-tensor scales and 128x128 weight blocks are the same both ways,
+    # 1x128 activation blocks are not
+    assert by[("fprop", "weights")][1] is by[("dgrad", "weights")][1]
+    same = by[("fprop", "activations")][1] is by[("wgrad", "activations")][1]
+    assert same == (scaling == "tensorwise")
+
+
+def test_nothing_is_observed_when_off_or_bf16_or_in_eval():
+    plan, module, x, seen = observed("tensorwise")
+    state = TEObservedLinear(NAME, module, lambda: plan)  # noqa: F841  (a second hook: observer None)
+    n = len(seen)
+    module.fp8 = False  # the module ran BF16 (a fallback, a BF16 stage): nothing was quantized
+    module(x)[0].sum().backward()
+    module.fp8 = True
+    module.eval()
+    module(x)
+    assert len(seen) == n
+
+
+def test_gemm_input_is_the_normalised_tensor():
+    module = NormLinear()
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    ref = torch.nn.functional.rms_norm(x.float(), (64,), module.layer_norm_weight.detach(), 1e-5)
+    assert _gemm_input(module, x).dtype is torch.bfloat16
+    torch.testing.assert_close(_gemm_input(module, x), ref.bfloat16())
+    torch.testing.assert_close(_gemm_input(module, x, fused=True), ref)  # delayed: TE casts the float32 result
+    plain = types.SimpleNamespace()  # a Linear: no normalisation inside
+    assert _gemm_input(plain, x) is not None and torch.equal(_gemm_input(plain, x), x)
