@@ -97,10 +97,13 @@ def _scale_blocks(x2d: torch.Tensor, per_block: torch.Tensor, block: tuple[int, 
     return view.reshape(view.shape[0] * view.shape[1], -1)[:rows, :cols]
 
 
-def _block_scales(hp_x: torch.Tensor, policy: TensorPolicy, block: tuple[int, int], dtype: torch.dtype):
+def _block_scales(hp_x: torch.Tensor, policy: TensorPolicy, block: tuple[int, int], dtype: torch.dtype,
+                  nan_free_abs: bool = False):
     """Blockwise and MXFP8: (amax, scale, scale_inv, e8m0 or None) per block of the float32 2-D `hp_x` (`dtype`:
-    the original tensor's). Shared with observe.stats, which needs the scales without the cast."""
-    amax = nan_ignoring_amax(_block_view(hp_x, block), dim=(1, 3))  # (row_blocks, col_blocks)
+    the original tensor's). Shared with observe.stats, which needs the scales without the cast and passes |x|
+    known to hold no NaN (`nan_free_abs`: the block maxima are then a plain amax, without another copy)."""
+    blocks = _block_view(hp_x, block)
+    amax = blocks.amax(dim=(1, 3)) if nan_free_abs else nan_ignoring_amax(blocks, dim=(1, 3))  # (row_blocks, col_blocks)
     e8m0 = None
     if policy.scaling is Scaling.MXFP8:
         e8m0 = amax_to_e8m0(amax, policy.format, policy.mx_rounding)

@@ -25,7 +25,7 @@ AmaxReduce = Callable[[torch.Tensor], torch.Tensor]
 
 def nan_ignoring_amax(hp_x: torch.Tensor, dim=None) -> torch.Tensor:
     """max |x| in float32, NaN ignored (the hardware's fmaxf does the same); inf is kept."""
-    a = hp_x.detach().float().abs().nan_to_num(nan=0.0, posinf=float("inf"))
+    a = hp_x.detach().float().abs().nan_to_num_(nan=0.0, posinf=float("inf"))  # abs() made a copy: in place
     if dim is None:
         return a.amax() if a.numel() else torch.zeros((), dtype=torch.float32, device=a.device)
     return a.amax(dim=dim)

@@ -143,7 +143,8 @@ def measure(
     fq = fq_x.detach().reshape(-1).float()
     mag = hp.abs()
     amax = mag.max() if numel else torch.zeros((), device=mag.device)
-    if torch.isnan(amax):  # (a host sync, as is every check below: statistics run on due steps only)
+    has_nan = bool(torch.isnan(amax))  # (a host sync, as is every check below: statistics run on due steps only)
+    if has_nan:
         amax = nan_ignoring_amax(mag)
     min_nonzero = torch.where(mag > 0, mag, math.inf).min() if numel else torch.full((), math.inf)
     # 0 quantizes to 0 (and NaN to NaN), so the values that underflow are fq's zeros beyond x's own
@@ -163,7 +164,7 @@ def measure(
     else:  # blockwise, mxfp8: the block scales quantize() derives (no amax reduction for blocks)
         block = block_for(policy, hp_x.shape, columnwise)
         mag2d = mag.reshape(_rows_cols(hp_x.shape))
-        block_amax, scale, _, _ = _block_scales(mag2d, policy, block, hp_x.dtype)
+        block_amax, scale, _, _ = _block_scales(mag2d, policy, block, hp_x.dtype, nan_free_abs=not has_nan)
         block_scale = scale
     # Rounding is monotonic: no element of a block passes the clip point after scaling unless its amax does, so
     # the element-wise count runs only when some block is clipped (delayed scaling's stale scale, OCP's floor rule).
