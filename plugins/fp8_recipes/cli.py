@@ -4,6 +4,8 @@
     fp8-recipes show hybrid                       the resolved recipe (defaults list applied, every default filled in)
     fp8-recipes validate recipes/*.yaml my.yaml   exit 0, or 1 with one line per problem
     fp8-recipes explain safe --layers 8           per-role policies, stages and per-layer GEMM precision
+    fp8-recipes doctor RUN_DIR --baseline BF16_RUN --write fixed.yaml
+                                                  diagnose a run: exit 0 healthy, 1 problem found, 2 bad input
 
 User errors end in one line on stderr and a non-zero exit code, never a traceback.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 __all__ = ["main"]
 
@@ -63,9 +66,34 @@ def _cmd_explain(args) -> int:
     return 0
 
 
+def _cmd_doctor(args) -> int:
+    """0: healthy, 1: a problem was found (the report says which), 2: a run directory or --write path is unusable."""
+    from fp8_recipes.observe.doctor import DoctorInputError, diagnose
+    from fp8_recipes.observe.doctor_report import format_report, load_run, patched_recipe, write_recipe
+
+    try:
+        run = load_run(args.run_dir)
+        baseline = load_run(args.baseline, "--baseline") if args.baseline else None
+        if args.write and (Path(args.write).is_dir() or not Path(args.write).resolve().parent.is_dir()):
+            raise DoctorInputError(f"--write: '{args.write}' is a directory or its directory does not exist (give a "
+                                   f"file path in an existing directory, e.g. fixed.yaml)")
+        diagnosis = diagnose(run, baseline)
+        print(format_report(diagnosis))
+        patched = patched_recipe(diagnosis) if args.write else None
+        if args.write and patched is None:
+            print(f"write     nothing written to {args.write}: no recipe change proposed")
+        elif args.write:
+            write_recipe(Path(args.write), patched)
+            print(f"write     {args.write} (check it with: fp8-recipes validate {args.write})")
+    except DoctorInputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0 if diagnosis.healthy else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fp8-recipes", description="FP8 training recipes for Megatron-Core and "
-                                "Transformer Engine: list, show, validate and explain recipes.")
+                                "Transformer Engine: list, show, validate and explain recipes; diagnose runs.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("list", help="every recipe in the pack with its description").set_defaults(fn=_cmd_list)
     s = sub.add_parser("show", help="the resolved recipe as YAML")
@@ -80,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--steps", type=int, default=None, help="training steps, to bound the stage table")
     e.add_argument("--detect", action="store_true", help="plan for this machine's GPU/TE instead of a CPU")
     e.set_defaults(fn=_cmd_explain)
+    d = sub.add_parser("doctor", help="diagnose a run and propose a recipe change (exit 0 healthy, 1 problem)")
+    d.add_argument("run_dir", metavar="RUN_DIR", help="a scripts/train.py run directory (metrics.jsonl, ...)")
+    d.add_argument("--baseline", metavar="DIR", help="a BF16 run of the same config: tells FP8 from the LR and "
+                   "the data; spikes must exceed its own")
+    d.add_argument("--write", metavar="PATH", help="write the recipe with the proposals applied (validated)")
+    d.set_defaults(fn=_cmd_doctor)
     return p
 
 

@@ -29,6 +29,7 @@ SURFACE = {
     "show": (["recipe"], []),
     "validate": (["recipes"], []),
     "explain": (["recipe"], ["--detect", "--layers", "--steps"]),
+    "doctor": (["run_dir"], ["--baseline", "--write"]),
 }
 
 

@@ -1,0 +1,117 @@
+"""The doctor's findings: what numerics.jsonl says about each module and role, against fixed limits.
+
+    findings = find_problems(read_numerics(run_dir))   # worst module first; each: module, role, gemm, kind, value, step
+
+A finding is one statistic of one (module, role) beyond its limit (:data:`LIMITS`), worst over the recorded steps
+and GEMMs, with the step it happened at; the first row of a delayed operand is skipped (empty history, scale 1, as
+in Transformer Engine). Severity = value / limit (log scale for ratios); a module's score is the sum of its
+findings'. Pure functions over plain rows (no torch); :mod:`fp8_recipes.observe.doctor` turns them into proposals.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Finding", "LIMITS", "SCALE_RATIO_HIGH", "SUPPORTING", "find_problems", "module_scores"]
+
+LIMITS = {"underflow_pct": 1.0, "saturation_pct": 1.0, "cosine_drop": 0.01, "scale_gap": 64.0, "mse_jump": 100.0}
+"""A finding: underflow or saturation >= 1 %, cosine <= 0.99, delayed/current scale ratio below 1/64 or above
+4 (:data:`SCALE_RATIO_HIGH`), MSE / amax^2 100x its own median over the run's steps."""
+SUPPORTING = ("mse_jump",)
+"""Kinds that add to a module's score but never name it for BF16 on their own."""
+SCALE_RATIO_HIGH = 4.0
+
+
+@dataclass(frozen=True)
+class Finding:
+    module: str
+    role: str
+    gemm: str
+    kind: str
+    """underflow_pct | saturation_pct | cosine_drop | scale_gap | mse_jump."""
+    value: float
+    step: int
+    text: str
+    severity: float
+    """value / its limit (log scale for ratios): what orders findings."""
+    policy: str = ""
+
+
+def _gemm_order(gemm: str) -> int:
+    return {"fprop": 0, "dgrad": 1, "wgrad": 2}.get(gemm, 3)
+
+
+def _usable_rows(rows: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """Rows by (module, role); the first row of a delayed operand is left out: its history is empty and the
+    scale is 1, as in Transformer Engine, which says nothing about the recipe."""
+    by_key: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
+    for r in sorted(rows, key=lambda r: r.get("step", 0)):
+        by_key[(r.get("module", "?"), r.get("role", "?"), r.get("gemm", "?"))].append(r)
+    out: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for (module, role, _), rs in by_key.items():
+        if rs and str(rs[0].get("policy", "")).startswith("delayed") and rs[0].get("scale") == 1.0:
+            rs = rs[1:]
+        out[(module, role)].extend(rs)
+    return out
+
+
+def _worst(rows: list[dict[str, Any]], key: str, pick=max) -> tuple[float, dict[str, Any]] | None:
+    vals = [(float(r[key]), r) for r in rows if isinstance(r.get(key), (int, float))]
+    vals = [(v, r) for v, r in vals if math.isfinite(v)]
+    return pick(vals, key=lambda t: t[0]) if vals else None
+
+
+def _findings_for(module: str, role: str, rows: list[dict[str, Any]]) -> list[Finding]:
+    out = []
+
+    def add(kind: str, value: float, row: dict[str, Any], text: str, severity: float) -> None:
+        out.append(Finding(module, role, str(row.get("gemm", "?")), kind, value, int(row.get("step", 0)), text,
+                           severity, str(row.get("policy", ""))))
+
+    for kind in ("underflow_pct", "saturation_pct"):
+        w = _worst(rows, kind)
+        if w and w[0] >= LIMITS[kind]:
+            steps = sum(1 for r in rows if (r.get(kind) or 0) >= LIMITS[kind])
+            add(kind, w[0], w[1], f"{kind.split('_')[0]} {w[0]:.2f}% (step {w[1]['step']}; {steps} rows >= "
+                                  f"{LIMITS[kind]:g}%)", w[0] / LIMITS[kind])
+    w = _worst(rows, "cosine", min)
+    if w and 1 - w[0] >= LIMITS["cosine_drop"]:
+        add("cosine_drop", 1 - w[0], w[1], f"cosine {w[0]:.4f} (step {w[1]['step']})",
+            (1 - w[0]) / LIMITS["cosine_drop"])
+    lo, hi = _worst(rows, "scale_ratio", min), _worst(rows, "scale_ratio", max)
+    if lo and 0 < lo[0] <= 1 / LIMITS["scale_gap"]:
+        after = sum(1 for r in rows if 0 < (r.get("scale_ratio") or 1) <= 1 / LIMITS["scale_gap"])
+        add("scale_gap", 1 / lo[0], lo[1], f"delayed/current scale {lo[0]:.2g}x (step {lo[1]['step']}; {after} rows "
+                                           f"< 1/{LIMITS['scale_gap']:g}): underflows",
+            math.log2(1 / lo[0]) / math.log2(LIMITS["scale_gap"]))
+    if hi and hi[0] >= SCALE_RATIO_HIGH:
+        add("scale_gap", hi[0], hi[1], f"delayed/current scale {hi[0]:.3g}x (step {hi[1]['step']}): clips",
+            math.log2(hi[0]) / math.log2(SCALE_RATIO_HIGH))
+    rel = [(float(r["mse"]) / float(r["amax"]) ** 2, r) for r in rows
+           if isinstance(r.get("mse"), (int, float)) and isinstance(r.get("amax"), (int, float)) and r["amax"] > 0
+           and math.isfinite(float(r["mse"]))]
+    if rel:  # MSE / amax^2: a larger tensor alone raises the MSE, a worse quantization raises this
+        median = statistics.median(v for v, _ in rel)
+        worst, row = max(rel, key=lambda t: t[0])
+        if median > 0 and worst >= LIMITS["mse_jump"] * median:
+            add("mse_jump", worst / median, row, f"MSE/amax^2 {worst / median:.3g}x its median (step {row['step']})",
+                math.log10(worst / median) / math.log10(LIMITS["mse_jump"]))
+    return out
+
+
+def module_scores(findings: list[Finding]) -> dict[str, float]:
+    score: dict[str, float] = defaultdict(float)
+    for f in findings:
+        score[f.module] += f.severity
+    return score
+
+
+def find_problems(numerics: list[dict[str, Any]]) -> list[Finding]:
+    """Every finding of every (module, role), the most severe module first, then by severity within a module."""
+    findings = [f for (m, role), rows in _usable_rows(numerics).items() for f in _findings_for(m, role, rows)]
+    score = module_scores(findings)
+    return sorted(findings, key=lambda f: (-score[f.module], f.module, -f.severity, _gemm_order(f.gemm)))

@@ -1,0 +1,150 @@
+"""Reading a run directory for the doctor, and what comes out of it: the printed report and the patched recipe.
+
+    run = load_run("runs/delayed-...")        # DoctorInputError (one line, RUN_DIR: ...) when it cannot be read
+    print(format_report(diagnose(run)))
+    patched_recipe(d)                         # the recipe dict with the applied proposals, validated; or None
+    write_recipe(Path("fixed.yaml"), patched)  # atomically
+
+The rules live in :mod:`fp8_recipes.observe.doctor`. Lines of metrics.jsonl / numerics.jsonl are read here rather
+than with ``training.metrics.read_metrics`` (observe sits below training) and a bad line is a user error, not a
+traceback. Imports PyYAML and our schema only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from fp8_recipes.observe.doctor import Diagnosis, DoctorInputError, Finding, RunData
+from fp8_recipes.schema import Recipe
+
+__all__ = ["format_report", "load_run", "patched_recipe", "write_recipe"]
+
+
+def _jsonl(path: Path, key: str) -> list[dict[str, Any]]:
+    rows = []
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise DoctorInputError(f"{key}: {path} line {i} is not JSON ({e.msg}); give a run directory written "
+                                       f"by scripts/train.py") from None
+    return rows
+
+
+def load_run(run_dir: str | Path, key: str = "RUN_DIR") -> RunData:
+    """Read a run directory; `key` names the argument in the one-line error (RUN_DIR, --baseline)."""
+    import yaml
+
+    path = Path(run_dir)
+    if not path.is_dir():
+        raise DoctorInputError(f"{key}: '{run_dir}' is not a directory (give a training run directory, e.g. "
+                               f"runs/delayed-<time>)")
+    if not (path / "metrics.jsonl").is_file():
+        raise DoctorInputError(f"{key}: '{run_dir}' has no metrics.jsonl (give the run_dir of a scripts/train.py run)")
+    train = sorted((r for r in _jsonl(path / "metrics.jsonl", key) if r.get("kind") == "train"),
+                   key=lambda r: r.get("step", 0))
+    if not train:
+        raise DoctorInputError(f"{key}: '{run_dir}'/metrics.jsonl has no training step yet (let the run take steps)")
+    numerics = _jsonl(path / "numerics.jsonl", key) if (path / "numerics.jsonl").is_file() else []
+    recipe: dict[str, Any] = {}
+    if (path / "recipe.yaml").is_file():
+        try:
+            recipe = yaml.safe_load((path / "recipe.yaml").read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError:
+            raise DoctorInputError(f"{key}: '{run_dir}'/recipe.yaml is not YAML (restore it from the run)") from None
+    summary = {}
+    if (path / "summary.json").is_file():
+        try:
+            summary = json.loads((path / "summary.json").read_text(encoding="utf-8"))
+        except json.JSONDecodeError:
+            summary = {}  # a run killed while writing: the metrics rows say enough
+    return RunData(path, train, numerics, recipe if isinstance(recipe, dict) else {}, summary)
+
+
+def patched_recipe(d: Diagnosis) -> dict[str, Any] | None:
+    """The run's recipe with every non-alternative proposal applied, validated (a RecipeError if not); None when
+    nothing is proposed."""
+    applied = [p for p in d.proposals if not p.alternative]
+    if not applied or not d.run.recipe:
+        return None
+    out = json.loads(json.dumps(d.run.recipe))  # a deep copy of plain YAML data
+    for p in applied:
+        for dotted, value in p.changes.items():
+            *parents, leaf = dotted.split(".")
+            node = out
+            for k in parents:
+                node = node.setdefault(k, {})
+            if value is None:
+                node.pop(leaf, None)
+            else:
+                node[leaf] = value
+    name = str(out.get("name", "recipe"))
+    out["name"] = name if name.endswith("-doctor") else f"{name}-doctor"
+    out["description"] = f"{out.get('description') or name}; doctor: " + ", ".join(
+        k for p in applied for k, v in p.changes.items() if v is not None)
+    Recipe.from_dict(out)  # every proposal must keep the recipe valid
+    return out
+
+
+def write_recipe(path: Path, recipe: dict[str, Any]) -> None:
+    """Write the patched recipe atomically (a crash never leaves half a recipe); DoctorInputError when the path
+    cannot be written."""
+    import yaml
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(yaml.safe_dump(recipe, sort_keys=False, default_flow_style=None, width=120), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise DoctorInputError(f"--write: cannot write '{path}' ({e.strerror or type(e).__name__}); choose a writable "
+                               f"path") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The report
+
+
+def _table(rows: list[list[str]], indent: str = "  ") -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def format_report(d: Diagnosis, max_findings: int = 8) -> str:
+    """The short readable report `fp8-recipes doctor` prints."""
+    run = d.run
+    lines = [f"run       {run.path}  (recipe {run.recipe.get('name', '?')}, {len(run.train)} steps, "
+             f"{len({r.get('step') for r in run.numerics})} steps with numerics)"]
+    if d.baseline is not None:
+        lines.append(f"baseline  {d.baseline.path}  (recipe {d.baseline.recipe.get('name', '?')})")
+    lines.append(f"verdict   {d.verdict}: {d.summary}")
+    if d.spikes:
+        lines += ["", "evidence"] + _table([["metric", "from step", "steps", "size (x running median)", "to the end"]]
+                                          + [[s.metric, str(s.start), str(s.length), f"{s.size:.3g}",
+                                              "yes" if s.terminal else ""] for s in d.spikes[:8]])
+    if d.findings:
+        groups: dict[tuple[str, str], list[Finding]] = {}
+        for f in d.findings:  # already worst module first
+            groups.setdefault((f.module, f.role), []).append(f)
+        rows = [[m, role, fs[0].policy, "; ".join(f.text for f in fs[:3]) + (f"; +{len(fs) - 3}" * (len(fs) > 3))]
+                for (m, role), fs in groups.items()]
+        lines += ["", "layers and tensors (worst first)"] + _table([["module", "role", "policy", "findings"]]
+                                                                   + rows[:max_findings])
+        if len(rows) > max_findings:
+            lines.append(f"  ... {len(rows) - max_findings} more")
+    if d.proposals:
+        lines += ["", "proposals (* = applied by --write)"]
+        for p in d.proposals:
+            change = ", ".join(f"{k}: {_show(v)}" for k, v in p.changes.items() if v is not None)
+            lines.append(f"  {' ' if p.alternative else '*'} {change}")
+            lines.append(f"      {p.reason}")
+    lines += [f"note      {n}" for n in d.notes]
+    return "\n".join(lines)
+
+
+def _show(v: Any) -> str:
+    return json.dumps(v) if isinstance(v, (list, dict)) else str(v)

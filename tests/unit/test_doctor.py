@@ -1,0 +1,277 @@
+"""The doctor on constructed runs: metrics.jsonl / numerics.jsonl / recipe.yaml written here, shaped like a real
+run's (see tests/integration/test_doctor_runs.py for runs made to fail through scripts/train.py).
+
+Three runs: diverged from the start, a mid-run spike with one layer's delayed activations poisoned by an outlier
+(saturation at the spike, then a 1000x scale gap and underflow), and a healthy one. Each is classified, the
+findings name the right layer, and the written recipe validates and carries the expected change.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fp8_recipes import cli
+from fp8_recipes.observe.doctor import Spike, detect_spikes, diagnose
+from fp8_recipes.observe.doctor_findings import find_problems
+from fp8_recipes.observe.doctor_report import format_report, load_run, patched_recipe
+from fp8_recipes.recipes import load_recipe
+
+LAYERS = 4
+LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+TARGET = "decoder.layers.2.mlp.linear_fc2"
+STEPS = 40
+SPIKE_AT = 25
+
+
+def smooth_losses(n: int = STEPS) -> list[float]:
+    """A learning curve with a little deterministic noise (as a tiny model's 512-token batches have)."""
+    return [3.0 + 3.0 * math.exp(-i / 8) + 0.05 * math.sin(1.7 * i) for i in range(n)]
+
+
+def grad_norms(n: int = STEPS) -> list[float]:
+    return [1.0 + 2.0 * math.exp(-i / 6) + 0.1 * math.cos(2.3 * i) for i in range(n)]
+
+
+def healthy_row(step: int, module: str, gemm: str, role: str, policy: str) -> dict:
+    row = {"step": step, "module": module, "gemm": gemm, "role": role, "policy": policy, "numel": 65536,
+           "amax": 1.0, "min_nonzero": 1e-6, "underflow_pct": 0.05, "saturation_pct": 0.0, "mse": 1e-6,
+           "cosine": 0.9996, "scale": 400.0}
+    if policy.startswith("delayed"):
+        row["scale_ratio"] = 0.9 if role != "gradients" else 0.2
+        if step == 1:
+            row.update(scale=1.0, scale_ratio=0.002, underflow_pct=40.0)  # empty history: ignored by the doctor
+    return row
+
+
+def numerics(steps, scaling: str = "delayed", poison=None) -> list[dict]:
+    rows = []
+    for step in steps:
+        for layer in range(LAYERS):
+            for linear in LINEARS:
+                module = f"decoder.layers.{layer}.{linear}"
+                for gemm, role in (("fprop", "activations"), ("fprop", "weights"), ("dgrad", "gradients")):
+                    fmt = "e5m2" if role == "gradients" else "e4m3"
+                    policy = f"{scaling} {fmt} hist 1024 max" if scaling == "delayed" else f"{scaling} {fmt}"
+                    row = healthy_row(step, module, gemm, role, policy)
+                    if poison is not None:
+                        poison(row)
+                    rows.append(row)
+    return rows
+
+
+def outlier_poison(row: dict) -> None:
+    """The TARGET's activations: clipped at the outlier step, then a stale 1000x-too-small scale afterwards."""
+    if row["module"] != TARGET or row["role"] != "activations":
+        return
+    if row["step"] == SPIKE_AT:
+        row.update(saturation_pct=95.0, scale_ratio=950.0, cosine=0.6, mse=2e4)
+    elif row["step"] > SPIKE_AT:
+        row.update(underflow_pct=8.0, scale_ratio=0.001)
+
+
+def write_run(path: Path, losses, norms=None, *, recipe: str = "delayed", stage: str = "fp8 w+a+g",
+              rows: list[dict] | None = None, lr: float = 2e-3) -> Path:
+    path.mkdir(parents=True)
+    norms = norms or grad_norms(len(losses))
+    with open(path / "metrics.jsonl", "w") as f:
+        for i, (loss, norm) in enumerate(zip(losses, norms), 1):
+            finite = math.isfinite(loss)
+            f.write(json.dumps({"kind": "train", "step": i, "loss": loss if finite else str(loss), "lr": lr,
+                                "grad_norm": norm, "stage": stage(i) if callable(stage) else stage,
+                                "skipped": not finite}) + "\n")
+        f.write(json.dumps({"kind": "eval", "step": len(losses), "val_loss": 9.0}) + "\n")  # ignored
+    (path / "recipe.yaml").write_text(yaml.safe_dump(load_recipe(recipe).to_dict(), sort_keys=False))
+    (path / "summary.json").write_text(json.dumps({"steps": len(losses)}))
+    if rows:
+        (path / "numerics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def diverging_losses() -> list[float]:
+    return [6.0, 7.6, 21.0, 48.0, 60.0, 55.0, 70.0, float("nan"), 80.0, 75.0, 90.0, 85.0]
+
+
+def spike_run(tmp_path: Path, name: str = "spike") -> Path:
+    losses, norms = smooth_losses(), grad_norms()
+    losses[SPIKE_AT - 1] += 2.0   # the outlier step (metrics rows count steps from 1)
+    losses[SPIKE_AT] += 0.8
+    norms[SPIKE_AT - 1] *= 12.0
+    return write_run(tmp_path / name, losses, norms, rows=numerics(range(1, STEPS + 1, 4), poison=outlier_poison)
+                     + numerics([SPIKE_AT], poison=outlier_poison))
+
+
+def doctor(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = cli.main(["doctor", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The three runs
+
+
+def test_diverged_from_start_is_classified_and_warmup_proposed(tmp_path):
+    run = write_run(tmp_path / "run", diverging_losses(), rows=numerics([1, 5, 9]))
+    d = diagnose(load_run(run))
+    assert d.verdict == "diverged_from_start"
+    assert "step 3" in d.summary  # 21 > 1.5 x 6.0 is where it starts (7.6 is not yet)
+    # FP8 was active and no baseline says otherwise: BF16 warmup, and a note asking for a BF16 run
+    assert [list(p.changes) for p in d.proposals] == [["schedule.bf16_warmup_steps"]]  # nothing blind
+    assert any("--baseline" in n for n in d.notes)
+    assert load_recipe(patched_recipe(d)).schedule.bf16_warmup_steps >= 10
+    # against a healthy BF16 run with the same LR, FP8 is to blame: the poisoned layer's role changes too
+    run2 = write_run(tmp_path / "run2", diverging_losses(), rows=numerics([1, 5, 9, SPIKE_AT, 29],
+                                                                          poison=outlier_poison))
+    base = write_run(tmp_path / "base", smooth_losses(), recipe="bf16", stage="bf16")
+    d = diagnose(load_run(run2), load_run(base))
+    assert d.verdict == "diverged_from_start" and "not an FP8 problem" not in d.summary
+    assert {"activations.scaling", "layers.bf16_modules", "schedule.bf16_warmup_steps"} <= {
+        k for p in d.proposals for k in p.changes}
+
+
+def test_spike_names_the_poisoned_layer_and_writes_a_valid_recipe(tmp_path, capsys):
+    run = spike_run(tmp_path)
+    d = diagnose(load_run(run))
+    assert d.verdict == "spikes"
+    assert {(s.metric, s.start) for s in d.spikes} >= {("loss", SPIKE_AT), ("grad_norm", SPIKE_AT)}
+    assert all(not s.terminal for s in d.spikes)
+    top = d.findings[0]
+    assert (top.module, top.role) == (TARGET, "activations")
+    kinds = {f.kind for f in d.findings if f.module == TARGET}
+    assert kinds >= {"saturation_pct", "underflow_pct", "scale_gap", "cosine_drop"}
+    assert {f.module for f in d.findings} == {TARGET}  # the healthy modules raise nothing, step 1 included
+
+    written = tmp_path / "fixed.yaml"
+    rc, out, err = doctor(capsys, run, "--write", written)
+    assert rc == 1 and err == ""
+    assert "verdict   spikes" in out and TARGET in out
+    recipe = load_recipe(written)  # validates
+    assert str(recipe.activations.scaling) == "tensorwise"
+    assert str(recipe.weights.scaling) == str(recipe.gradients.scaling) == "delayed"  # only the role behind it
+    assert TARGET in recipe.layers.bf16_modules
+    assert recipe.schedule.bf16_warmup_steps == 0  # a spike at step 25 of 40 is not a warmup problem
+    # the shorter history is offered as an alternative, not applied
+    alternative = [p for p in d.proposals if p.alternative and "activations.amax_history_len" in p.changes]
+    assert alternative and alternative[0].changes["activations.amax_history_len"] == 512
+    assert recipe.name == "delayed-doctor"
+
+
+def test_healthy_run_exits_0_and_writes_nothing(tmp_path, capsys):
+    run = write_run(tmp_path / "run", smooth_losses(), rows=numerics(range(1, STEPS + 1, 4)))
+    d = diagnose(load_run(run))
+    assert (d.verdict, d.spikes, d.findings, d.proposals) == ("healthy", [], [], [])
+    written = tmp_path / "fixed.yaml"
+    rc, out, err = doctor(capsys, run, "--write", written)
+    assert rc == 0 and "verdict   healthy" in out and not written.exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Not an FP8 problem; baselines
+
+
+def test_bf16_baseline_diverging_too_is_not_an_fp8_problem(tmp_path):
+    run = write_run(tmp_path / "run", diverging_losses(), rows=numerics([1, 5, 9]))
+    base = write_run(tmp_path / "base", diverging_losses(), recipe="bf16", stage="bf16")
+    d = diagnose(load_run(run), load_run(base))
+    assert d.verdict == "diverged_from_start" and "not an FP8 problem: the baseline diverges too" in d.summary
+    assert d.proposals == [] and patched_recipe(d) is None
+
+
+@pytest.mark.parametrize("case", ["higher_lr", "bf16_stage", "bf16_recipe"])
+def test_other_causes_are_named(tmp_path, case):
+    kwargs = {"higher_lr": {"lr": 1.0}, "bf16_stage": {"stage": "bf16 warmup"},
+              "bf16_recipe": {"recipe": "bf16", "stage": "bf16"}}[case]
+    run = write_run(tmp_path / "run", diverging_losses(), **kwargs)
+    base = write_run(tmp_path / "base", smooth_losses(), recipe="bf16", stage="bf16")
+    d = diagnose(load_run(run), load_run(base) if case == "higher_lr" else None)
+    expected = {"higher_lr": "peak LR 1 is 500x the baseline's 0.002", "bf16_stage": "no FP8 was active at step 3",
+                "bf16_recipe": "the recipe has no FP8 role"}[case]
+    assert expected in d.summary and d.proposals == []
+
+
+def test_spikes_no_larger_than_the_baselines_are_healthy(tmp_path):
+    run = load_run(spike_run(tmp_path))
+    same = load_run(spike_run(tmp_path, "same"))
+    assert diagnose(run, same).verdict == "healthy"
+    calm = load_run(write_run(tmp_path / "calm", smooth_losses(), recipe="bf16", stage="bf16"))
+    d = diagnose(run, calm)
+    assert d.verdict == "spikes" and "the baseline has no spikes" in d.summary
+
+
+def test_mid_run_divergence(tmp_path):
+    losses = smooth_losses()[:25] + [5.0 + 0.5 * i for i in range(15)]  # learnt to ~3.3, then climbs for good
+    d = diagnose(load_run(write_run(tmp_path / "run", losses)))
+    assert d.verdict == "mid_run_divergence" and "step 26" in d.summary
+    assert any("no numerics.jsonl" in n for n in d.notes)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pieces
+
+
+def test_detect_spikes_length_size_and_nonfinite():
+    values = [2.0] * 12 + [5.0, 6.0] + [2.0] * 5 + [float("inf")] + [2.0] * 3
+    spikes = detect_spikes(list(enumerate(values, 1)), "loss")
+    assert spikes == [Spike("loss", 13, 2, 3.0, False), Spike("loss", 20, 1, math.inf, False)]
+    assert detect_spikes(list(enumerate([2.0] * 10 + [9.0] * 3, 1)), "loss")[0].terminal
+
+
+def test_saturation_under_tensorwise_proposes_a_margin_and_first_layer_bf16(tmp_path):
+    def poison(row):  # every linear of layer 0 saturates (the embedding feeds it)
+        if row["module"].startswith("decoder.layers.0.") and row["role"] == "activations":
+            row.update(saturation_pct=5.0)
+
+    rows = numerics(range(1, STEPS + 1, 4), scaling="tensorwise", poison=poison)
+    assert {f.module for f in find_problems(rows)} == {f"decoder.layers.0.{lin}" for lin in LINEARS}
+    losses = smooth_losses()
+    losses[SPIKE_AT - 1] += 2.0
+    d = diagnose(load_run(write_run(tmp_path / "run", losses, recipe="tensorwise", rows=rows)))
+    recipe = load_recipe(patched_recipe(d))
+    assert recipe.activations.margin == 1 and recipe.layers.bf16_first == 1 and recipe.layers.bf16_modules == ()
+
+
+def test_bad_inputs_end_in_one_line_exit_2(tmp_path, capsys):
+    rc, out, err = doctor(capsys, tmp_path / "missing")
+    assert rc == 2 and out == "" and err.count("\n") == 1 and err.startswith("error: RUN_DIR: ")
+    (tmp_path / "empty").mkdir()
+    rc, _, err = doctor(capsys, tmp_path / "empty")
+    assert rc == 2 and "has no metrics.jsonl" in err
+    run = spike_run(tmp_path)
+    rc, _, err = doctor(capsys, run, "--baseline", tmp_path / "nope")
+    assert rc == 2 and err.startswith("error: --baseline: ")
+    for bad in (tmp_path / "no" / "dir" / "x.yaml", tmp_path):
+        rc, out, err = doctor(capsys, run, "--write", bad)
+        assert rc == 2 and err.startswith("error: --write: ") and out == "" and err.count("\n") == 1
+    (tmp_path / "garbled").mkdir()
+    (tmp_path / "garbled" / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 3}\n{oops\n')
+    rc, _, err = doctor(capsys, tmp_path / "garbled")
+    assert rc == 2 and "line 2 is not JSON" in err and err.count("\n") == 1
+
+
+def test_report_is_short_and_names_everything(tmp_path):
+    d = diagnose(load_run(spike_run(tmp_path)))
+    text = format_report(d)
+    assert len(text.splitlines()) < 40
+    for needle in ("verdict", "evidence", "layers and tensors", "proposals", "activations.scaling: tensorwise"):
+        assert needle in text
+
+
+def test_spike_in_a_bf16_stage_is_not_fp8_and_summary_notes_are_shown(tmp_path):
+    losses = smooth_losses()
+    losses[SPIKE_AT - 1] += 2.0
+    run = write_run(tmp_path / "run", losses, stage=lambda step: "bf16 fallback" if step >= 20 else "fp8 w+a+g")
+    (run / "summary.json").write_text(json.dumps({"skipped_steps": 5, "bf16_fallbacks": 1, "stopped": None}))
+    d = diagnose(load_run(run))
+    assert d.verdict == "spikes" and d.proposals == []
+    assert "not an FP8 problem: no FP8 was active at step 25 (stage 'bf16 fallback')" in d.summary
+    assert "5 step(s) skipped on non-finite values, 1 BF16 fallback(s)" in d.notes
+
+
+def test_a_run_that_never_learns_diverged_from_the_start(tmp_path):
+    flat = [6.0 + 0.01 * i + 0.05 * math.sin(i) for i in range(STEPS)]  # ends no lower than it started
+    assert diagnose(load_run(write_run(tmp_path / "run", flat))).verdict == "diverged_from_start"
