@@ -1,0 +1,123 @@
+"""Megatron-Bridge: a recipe as Bridge's ``MixedPrecisionConfig``, or as a training callback (plugin-owned).
+
+    from fp8_recipes.integrations.bridge import apply_recipe
+    callbacks = apply_recipe(cfg, "hybrid")          # cfg: megatron.bridge.training.config.ConfigContainer
+    pretrain(cfg, forward_step, callbacks=callbacks)
+
+:func:`apply_recipe` picks the way (``common`` explains both): when Megatron-Core's own config can say the whole
+recipe, ``cfg.mixed_precision`` becomes :func:`mixed_precision_config` (BF16 + the recipe's fp8 fields, ``custom``
++ our quantizer factory for per-role mixes) and no callback is needed; otherwise (BF16 warmup, stages, BF16
+module patterns, first/last-layer BF16 with delayed scaling) ``cfg.mixed_precision`` is plain BF16 and the
+returned :class:`FP8RecipeCallback` runs the recipe through our TE backend from Bridge's step hooks
+(``on_train_start``: wrap the layers; ``on_train_step_start``: the plan's stage for
+``state.train_state.step``; ``on_train_step_end``: requantize weights next step).
+
+Bridge's MixedPrecisionConfig has no ``fp8_quantizer_factory`` / ``tp_only_amax_red``; :class:`FP8MixedPrecisionConfig`
+(a subclass with them) makes Bridge's own ``update_config_with_precision_overrides`` copy them onto the model.
+Checked against megatron-bridge 0.6.2 (``training/mixed_precision.py``, ``training/callbacks.py``,
+``training/train.py``). Bridge is imported on first use only (``pip install fp8-recipes[bridge]``).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Mapping
+
+from fp8_recipes.integrations.common import (
+    EXTRA_FIELDS, NeedsPluginOwned, ScheduleDriver, activate_quantizer_factory, as_recipe, log_applied,
+    megatron_precision, plugin_owned_plan, with_fields,
+)
+from fp8_recipes.schema import Recipe
+
+__all__ = ["FP8MixedPrecisionConfig", "FP8RecipeCallback", "apply_recipe", "mixed_precision_config"]
+
+RecipeRef = Recipe | str | Path | Mapping[str, Any]
+
+
+@lru_cache(maxsize=1)
+def _classes() -> dict[str, type]:
+    """Bridge's base classes are imported here, on first use, and the subclasses built once."""
+    import dataclasses
+
+    from megatron.bridge.training.callbacks import Callback
+    from megatron.bridge.training.mixed_precision import MixedPrecisionConfig
+
+    @dataclasses.dataclass(kw_only=True)
+    class FP8MixedPrecisionConfig(MixedPrecisionConfig):
+        """MixedPrecisionConfig + the Megatron-Core fields a recipe may need that Bridge's config lacks."""
+
+        fp8_quantizer_factory: str | None = None
+        """'pkg.mod.func' Megatron-Core imports when fp8_recipe == "custom" (ours: common.FACTORY_PATH)."""
+        tp_only_amax_red: bool = False
+        """amax_reduction: tensor (reduce delayed-scaling amaxes over the tensor-parallel group only)."""
+
+    class FP8RecipeCallback(Callback):
+        """Plugin-owned precision in Bridge's loop: BF16 warmup, stages, per-layer and per-module BF16.
+
+        Needs the model built without fp8 (``apply_recipe`` sets plain BF16), the TE layer spec (Bridge's default
+        with TE installed) and pipeline_model_parallel_size 1."""
+
+        def __init__(self, recipe: RecipeRef, *, max_steps: int | None = None):
+            self.driver = ScheduleDriver(recipe, max_steps=max_steps)
+
+        def on_train_start(self, context: Any) -> None:
+            self.driver.attach(context.model)
+
+        def on_train_step_start(self, context: Any) -> None:
+            # train_state.step counts finished steps: Bridge adds 1 after on_train_step_end
+            self.driver.begin_step(context.state.train_state.step)
+
+        def on_train_step_end(self, context: Any) -> None:
+            self.driver.end_step(context.state.train_state.step, skipped=bool(context.skipped_iter))
+
+    for cls in (FP8MixedPrecisionConfig, FP8RecipeCallback):
+        cls.__module__, cls.__qualname__ = __name__, cls.__name__  # importable by path (Bridge's YAML dumps)
+    return {"FP8MixedPrecisionConfig": FP8MixedPrecisionConfig, "FP8RecipeCallback": FP8RecipeCallback}
+
+
+def __getattr__(name: str) -> type:
+    if name in ("FP8MixedPrecisionConfig", "FP8RecipeCallback"):
+        return _classes()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _bf16_mixed() -> Any:
+    from megatron.bridge.training.mixed_precision import bf16_mixed
+
+    return with_fields(bf16_mixed(), _classes()["FP8MixedPrecisionConfig"], {})
+
+
+def mixed_precision_config(recipe: RecipeRef, *, compute_capability: tuple[int, int] | None = None,
+                           num_layers: int | None = None) -> Any:
+    """Bridge's ``bf16_mixed`` with the recipe's Megatron-Core fp8 fields (an :class:`FP8MixedPrecisionConfig`).
+
+    Raises a one-line RecipeError for what the native path cannot run (:class:`NeedsPluginOwned` when the
+    callback can: use :func:`apply_recipe`). For ``fp8_recipe="custom"`` it also points our quantizer factory at
+    the recipe in this process (every rank runs the script that calls this)."""
+    recipe = as_recipe(recipe)
+    mp = megatron_precision(recipe, compute_capability=compute_capability, num_layers=num_layers)
+    base = _bf16_mixed()
+    fields = {k: v for k, v in mp.fields.items() if hasattr(base, k) or k in EXTRA_FIELDS}
+    out = with_fields(base, type(base), fields)
+    activate_quantizer_factory(mp)
+    log_applied(mp, recipe, "Megatron-Bridge")
+    return out
+
+
+def apply_recipe(config: Any, recipe: RecipeRef, *, compute_capability: tuple[int, int] | None = None) -> list[Any]:
+    """Set ``config.mixed_precision`` for `recipe` and return the callbacks ``pretrain`` needs ([] when native).
+
+    `config` is Bridge's ConfigContainer (its ``model.num_layers`` checks the layer rules, ``train.train_iters``
+    sizes the printed plan)."""
+    recipe = as_recipe(recipe)
+    num_layers = getattr(config.model, "num_layers", None)
+    try:
+        config.mixed_precision = mixed_precision_config(recipe, compute_capability=compute_capability,
+                                                        num_layers=num_layers)
+        return []
+    except NeedsPluginOwned:
+        plugin_owned_plan(recipe, compute_capability=compute_capability, num_layers=num_layers)
+    config.mixed_precision = _bf16_mixed()  # fp8 stays unset: the callback owns every autocast
+    max_steps = getattr(getattr(config, "train", None), "train_iters", None)
+    return [_classes()["FP8RecipeCallback"](recipe, max_steps=max_steps)]
