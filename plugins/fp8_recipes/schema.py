@@ -63,9 +63,13 @@ class Backend(StrEnum):
 
 
 class AmaxReduction(StrEnum):
-    DATA = "data"      # reduce amaxes over the data-parallel group (every replica uses the same scales)
-    TENSOR = "tensor"  # over the tensor-parallel group only
-    NONE = "none"      # each rank keeps its own amax
+    """Over which ranks delayed-scaling amaxes are MAX-reduced before a scale is derived from them."""
+
+    DATA_TENSOR = "data_tensor"  # data-parallel x tensor-parallel ranks: one set of scales on every rank, the
+    #                              default of Megatron-Core + TE (parallel_state.get_amax_reduction_group)
+    DATA = "data"                # data-parallel group only (with TP > 1, each TP rank scales its own shard)
+    TENSOR = "tensor"            # tensor-parallel group only (Megatron-LM's --tp-only-amax-red)
+    NONE = "none"                # each rank keeps its own amax
 
 
 ROLES: tuple[Role, ...] = (Role.WEIGHTS, Role.ACTIVATIONS, Role.GRADIENTS)
@@ -219,7 +223,9 @@ class Recipe:
     gradients: TensorPolicy = field(default_factory=lambda: TensorPolicy(format=Format.E5M2))
     schedule: Schedule = field(default_factory=Schedule)
     layers: LayerRules = field(default_factory=LayerRules)
-    amax_reduction: AmaxReduction = AmaxReduction.DATA
+    amax_reduction: AmaxReduction = AmaxReduction.DATA_TENSOR
+    """Delayed scaling: the ranks whose amaxes are MAX-reduced (data_tensor | data | tensor | none); data_tensor
+    is Megatron-Core's choice, and with TP = 1 the same as data."""
 
     def policy(self, role: Role | str) -> TensorPolicy:
         return getattr(self, str(role))
@@ -469,8 +475,8 @@ class _RecipeReader:
             backend=self.enum("backend", raw.get("backend", "auto"), Backend, Backend.AUTO),
             schedule=self.schedule(raw.get("schedule")),
             layers=self.layers(raw.get("layers")),
-            amax_reduction=self.enum("amax_reduction", raw.get("amax_reduction", "data"), AmaxReduction,
-                                     AmaxReduction.DATA),
+            amax_reduction=self.enum("amax_reduction", raw.get("amax_reduction", "data_tensor"), AmaxReduction,
+                                     AmaxReduction.DATA_TENSOR),
             **policies,
         )
         self.cross_checks(recipe)

@@ -98,3 +98,43 @@ def test_stop_mode_exits_with_one_line(dataset, tmp_path):  # noqa: F811
     assert "trainer.on_nonfinite=stop" in errors[0]
     assert [r["skipped"] for r in read_metrics(run_dir, "train")] == [False, True, True]  # outputs are kept
     assert json.loads((run_dir / "summary.json").read_text())["stopped"] == errors[0].removeprefix("error: ")
+
+
+def test_stop_checkpoints_the_last_good_state_and_resumes_with_a_lower_lr(dataset, tmp_path, monkeypatch):  # noqa: F811
+    """on_nonfinite=stop writes checkpoints/step_N (N = the last step run) holding the state of the last good step,
+    names it in its one line, and a run resumed from it under a lower trainer.lr trains at that LR."""
+    from test_resume_cpu import assert_same, payload
+    from test_train_cpu import compose_train
+
+    from fp8_recipes.training.run import run_training
+
+    run_dir = tmp_path / "run"
+    env = hooked_env(tmp_path, FP8_TEST_NAN="0:1-99", FP8_TEST_NAN_SINGLE="1")  # every step from the second on
+    overrides = [*dataset, *(o for o in small_run(run_dir, num_layers=1, steps=6) if "save_checkpoints" not in o),
+                 "trainer.on_nonfinite=stop", "trainer.max_consecutive_skips=2", "trainer.save_interval=1"]
+    proc = subprocess.run([sys.executable, "scripts/train.py", *overrides], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 3, (proc.stdout + proc.stderr)[-4000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    ckpts = run_dir / "checkpoints"
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: trainer.max_consecutive_skips: 2 steps in a row (to "
+                                                     "step 3)"), proc.stderr[-3000:]
+    assert errors[0].endswith(f"the weights from before step 2 are checkpointed in {ckpts / 'step_3'} (continue "
+                              f"with trainer.resume={ckpts / 'step_3'} and a lower trainer.lr or another recipe)")
+    assert (ckpts / "latest").read_text().strip() == "step_3" and not list(ckpts.glob(".*.tmp"))
+    last_good, stopped = payload(ckpts / "step_1"), payload(ckpts / "step_3")  # step_2: save_interval's, skipped
+    assert stopped["step"] == 3
+    for key in ("model", "optimizer", "master_params", "scheduler"):  # the skipped steps changed nothing
+        assert_same(stopped[key], last_good[key])
+    assert json.loads((ckpts / "step_3" / "meta.json").read_text())["consumed_samples"] == 3 * 4  # past the bad data
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(var, raising=False)  # in this process: one rank
+    # Continue (no NaNs now) under a lower LR: steps 4-6, at the new peak LR's schedule (step 4 is the schedule's
+    # second step, still warming up: lr x 2/2), not the checkpoint's 2e-3.
+    summary = run_training(compose_train([*overrides, "trainer.resume=auto", "trainer.lr=5e-4"]))
+    rows = read_metrics(run_dir, "train")
+    assert summary["steps"] == 6 and summary["stopped"] is None
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and [r["skipped"] for r in rows[3:]] == [False] * 3
+    assert rows[3]["lr"] == 5e-4 and rows[0]["lr"] == 1e-3  # (the first run's step 1: 2e-3 x 1/2)

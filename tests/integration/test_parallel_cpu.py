@@ -7,25 +7,27 @@ across parallel layouts.
 
 What ``recipe.amax_reduction`` means under TP=2, DP=1 (emulated backend; backends/groups.py):
 
+* ``data_tensor`` (the default) MAX-reduces over Megatron's amax reduction group, the data x tensor (x context)
+  parallel ranks of one pipeline stage: what Megatron-LM hands TE (``get_amax_reduction_group(
+  with_context_parallel=True)``). Every rank of every replica gets the same scales for every tensor. With DP=1 the
+  group is the TP group, so the run equals the ``tensor`` one bit for bit (a MAX is exact in any order);
+  test_train_cpu.py's DP=2 run covers the data-parallel half with this default.
 * ``data`` reduces over Megatron's data-parallel group, which has one rank here: nothing is reduced, and each TP
   rank scales from what *it* sees. Replicated operands agree anyway (the input of a column-parallel layer, the
   output gradient of a row-parallel layer, the replicated LM-head input); sharded ones do not: a column-parallel
   layer's weight shard (rows of W), a row-parallel layer's input and weight shards have per-shard amaxes, so per-
   shard scales. Each shard's GEMM is local and dequantized before Megatron's all-reduce, so that is numerically
   valid (finer-grained scaling), just not what TE/Megatron do.
-* ``tensor`` MAX-reduces over the TP group: every TP rank gets the same scales for every tensor, as TE does with
-  Megatron's amax reduction group. Megatron-LM hands TE ``get_amax_reduction_group(with_context_parallel=True,
-  tp_only_amax_red=...)``: by default the DP x TP (x CP) ranks of one pipeline stage, TP only with
-  ``--tp-only-amax-red``. Neither of our two kinds is DP x TP; with TP and DP both > 1, ``tensor`` keeps scales equal
-  within a model replica but not across replicas (activation and gradient scales, from different data), ``data``
-  the converse.
+* ``tensor`` MAX-reduces over the TP group only (Megatron-LM's ``--tp-only-amax-red``): with TP and DP both > 1
+  it keeps scales equal within a model replica but not across replicas (activation and gradient scales, from
+  different data); ``data`` the converse.
 
 Scales differing across TP ranks are a change of rounding only, so FP8 runs of different layouts agree with the
 1-rank run more loosely than BF16 runs (see LOSS_TOL).
 
-Every run here feeds the same global batches: the test driver (DRIVER) replaces the per-rank data streams by one
-global stream dealt out round robin to the data-parallel ranks, so 1 rank x 2 accumulated micro-batches, DP=2 x 1
-and TP=2 x 2 train on the same 4 sequences per step.
+Every run here trains on the same global batches, as every run does (training/run.py: one global stream of
+micro-batches dealt out round robin to the data-parallel ranks, megatron/data.py:data_parallel_batches), so
+1 rank x 2 accumulated micro-batches, DP=2 x 1 and TP=2 x 2 train on the same 4 sequences per step.
 """
 
 from __future__ import annotations
@@ -50,24 +52,14 @@ STEPS = 8
 
 # Test-only driver, one interpreter per rank (interpreter start-up, ~8 s of CPU, dwarfs an 8-step run): runs
 # scripts/train.py (its Hydra main, as `python scripts/train.py ARGS` would) once per run listed in argv[1]; each run
-# sets up and tears down the process group and Megatron's parallel state. Hooks around it: the data streams (one
-# global stream, see the module docstring), each optimizer step's loss and the final scales, per rank.
+# sets up and tears down the process group and Megatron's parallel state. Hooks around it: each optimizer step's
+# loss and the final scales, per rank.
 DRIVER = r'''
 import inspect, json, os, runpy, sys
-from fp8_recipes.megatron import data
 from fp8_recipes.training import loop
 
-_batches, _train, _train_step = data.batches, loop.train, loop._train_step
+_train, _train_step = loop.train, loop._train_step
 _losses, _dump = [], {}
-
-
-def batches(dataset, micro_batch_size, seed, skip=0):
-    # one global stream of micro-batches (the data-parallel rank 0 seed); DP rank r takes every dp-th from r
-    from megatron.core import parallel_state as ps
-    dp, r = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    for i, b in enumerate(_batches(dataset, micro_batch_size, seed - r, skip * dp)):
-        if i % dp == r:
-            yield b
 
 
 def _step(*args, **kwargs):
@@ -86,7 +78,7 @@ def train(*args, **kwargs):
     return summary
 
 
-data.batches, loop.train, loop._train_step = batches, train, _step
+loop.train, loop._train_step = train, _step
 for name, dump_dir, args in json.loads(open(sys.argv[1]).read()):
     _losses.clear()
     _dump.clear()
@@ -117,6 +109,8 @@ RUNS = {  # name: (recipe, processes, TP, extra overrides)
     "bf16-tp2": ("bf16", 2, 2, []),
     "delayed-tp2-tensor": ("delayed", 2, 2, ["++recipe.amax_reduction=tensor"]),
     "delayed-tp2-data": ("delayed", 2, 2, ["++recipe.amax_reduction=data"]),
+    # the default amax_reduction, Megatron-Core's amax reduction group; its checkpoint: a TP=2 one to refuse at TP=1
+    "delayed-tp2-data_tensor": ("delayed", 2, 2, ["trainer.save_checkpoints=true"]),
     "tensorwise-tp2-data": ("tensorwise", 2, 2, ["++recipe.amax_reduction=data"]),
 }
 
@@ -175,7 +169,8 @@ def runs(tmp_path_factory, dataset, free_port) -> dict[str, dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["delayed-tp2-tensor", "delayed-tp2-data", "tensorwise-tp2-data"])
+@pytest.mark.parametrize("name", ["delayed-tp2-tensor", "delayed-tp2-data", "delayed-tp2-data_tensor",
+                                  "tensorwise-tp2-data"])
 def test_tensor_parallel_fp8(name, runs):
     r0, r1 = runs[name]["ranks"]
     assert (r0["tp_rank"], r1["tp_rank"]) == (0, 1) and r0["dp_rank"] == r1["dp_rank"] == 0
@@ -191,8 +186,11 @@ def test_tensor_parallel_fp8(name, runs):
     assert set(s0) == set(s1) and len(s0) == 2 * 4 + 1
     fp8 = [s for n, per in s0.items() if n != "output_layer" for s in per.values()]
     assert fp8 and all(s != 1.0 for s in fp8)
-    if name.endswith("tensor"):  # amaxes MAX-reduced over the TP group: one set of scales on both ranks
-        assert s0 == s1
+    if name.endswith("tensor"):  # amaxes MAX-reduced over the TP group (DP x TP: the same ranks here)
+        assert s0 == s1  # one set of scales on both ranks
+        if name.endswith("data_tensor"):  # ...and the very run of amax_reduction=tensor, bit for bit
+            tensor = runs["delayed-tp2-tensor"]["ranks"][0]
+            assert s0 == tensor["scales"] and r0["losses"] == tensor["losses"]
         return
     # amax_reduction=data with DP=1: a group of one, nothing reduced. Replicated operands still agree exactly...
     for n in s0:
@@ -214,6 +212,7 @@ def _rel(a: list[float], b: list[float]) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize("name,reference", [("bf16-dp2", "bf16-1"), ("bf16-tp2", "bf16-1"),
                                             ("delayed-tp2-tensor", "delayed-1"), ("delayed-tp2-data", "delayed-1"),
+                                            ("delayed-tp2-data_tensor", "delayed-1"),
                                             ("tensorwise-tp2-data", "tensorwise-1")])
 def test_loss_matches_one_rank(name, reference, runs):
     ref = runs[reference]["ranks"][0]["losses"]
@@ -223,3 +222,23 @@ def test_loss_matches_one_rank(name, reference, runs):
     # metrics.jsonl (rank 0) holds the same losses
     rows = [json.loads(line) for line in (runs[name]["run_dir"] / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in rows if r.get("kind") == "train"] == runs[name]["ranks"][0]["losses"]
+
+
+@pytest.mark.slow
+def test_resume_refuses_another_tensor_parallel_size(runs, dataset, tmp_path):
+    """A checkpoint holds one file per TP rank (its shards): resuming it at TP=1 ends in one line, exit 2, before
+    any process group or model is built (training/checkpoint.py:resume_skip)."""
+    step_dir = runs["delayed-tp2-data_tensor"]["run_dir"] / "checkpoints" / f"step_{STEPS}"
+    assert sorted(p.name for p in step_dir.glob("tp_*.pt")) == ["tp_00.pt", "tp_01.pt"]
+    meta = json.loads((step_dir / "meta.json").read_text())
+    assert (meta["tensor_model_parallel_size"], meta["data_parallel_size"]) == (2, 1)
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID")}
+    proc = subprocess.run([sys.executable, "scripts/train.py",
+                           *_args("delayed", 1, [f"trainer.resume={step_dir}"], dataset, run_dir)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert [line for line in proc.stderr.splitlines() if line.strip()] == [
+        f"error: trainer.tensor_model_parallel_size: 1 differs from the checkpoint's 2 ({step_dir} holds one file "
+        f"per tensor-parallel rank; resume with trainer.tensor_model_parallel_size=2)"]
+    assert not run_dir.exists()

@@ -9,8 +9,12 @@ losses and gradient norms equal, final weights and FP8 scaling state equal.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +22,7 @@ import torch
 
 from fp8_recipes.training.checkpoint import find_resume
 from fp8_recipes.training.metrics import read_metrics
-from test_train_cpu import compose_train, dataset, small_run  # noqa: F401  (dataset: the shared fixture)
+from test_train_cpu import ROOT, compose_train, dataset, small_run  # noqa: F401  (dataset: the shared fixture)
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -144,3 +148,125 @@ def test_batches_start_at_an_offset_exactly():
     for skip in (0, 2, 3, 7):
         it = batches(dataset, 3, seed=7, skip=skip)
         assert all(torch.equal(next(it)["tokens"], want) for want in stream[skip:])
+
+
+def test_data_parallel_batches_deal_one_global_stream():
+    """Each step's global batch holds the same samples at any data-parallel size (with the same global and micro
+    batch sizes), from the start and from a skip: what makes a resume at another DP size exact in its data."""
+    from fp8_recipes.megatron.data import batches, data_parallel_batches
+
+    dataset = [{k: torch.full((3,), i) for k in ("tokens", "labels", "loss_mask", "position_ids")} for i in range(11)]
+    mbs, gbs, steps = 2, 4, 9  # 5 micro-batches per epoch: global batches straddle epochs
+    stream = batches(dataset, mbs, seed=5)
+    want = [sorted(torch.cat([next(stream)["tokens"][:, 0] for _ in range(gbs // mbs)]).tolist())
+            for _ in range(steps)]
+    for dp in (1, 2):
+        for start in (0, 3):
+            ranks = [data_parallel_batches(dataset, mbs, 5, r, dp, skip=start * gbs // mbs) for r in range(dp)]
+            got = [sorted(torch.cat([next(it)["tokens"][:, 0] for it in ranks for _ in range(gbs // (mbs * dp))])
+                          .tolist()) for _ in range(steps - start)]
+            assert got == want[start:], (dp, start)
+    r0, r1 = (data_parallel_batches(dataset, mbs, 5, r, 2) for r in (0, 1))
+    assert not set(next(r0)["tokens"][:, 0].tolist()) & set(next(r1)["tokens"][:, 0].tolist())  # disjoint shares
+    with pytest.raises(ValueError, match=r"^dp_rank: 2 must be in 0\.\.1"):
+        next(data_parallel_batches(dataset, mbs, 5, 2, 2))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Resuming at another data-parallel size (the same global batch): DP=2 -> DP=1 and DP=1 -> DP=2
+
+DP_STEPS, DP_SAVED = 8, 4
+# Relative loss agreement of runs at different DP sizes on the same global batches (delayed scaling): they differ
+# in summation order only (gradients all-reduced instead of accumulated; amaxes MAX-reduced, exact), a few
+# roundings that compound over steps: observed <= 4.1e-4 over 8 steps; 5e-3 leaves >10x headroom and still catches
+# a wrong batch (a step moves the loss by ~5%). The first step after a resume has not compounded anything yet:
+# the same weights, scales and samples as the saving run's step (observed equal; FIRST_STEP_TOL allows for GEMMs
+# blocked differently at another thread count).
+DP_LOSS_TOL, FIRST_STEP_TOL = 5e-3, 1e-5
+
+
+def dp_overrides(run_dir: Path, dataset: list[str], *extra: str) -> list[str]:
+    return ["+recipe=delayed", *dataset,
+            *(o for o in small_run(run_dir, steps=DP_STEPS) if not o.startswith("trainer.save_checkpoints=")),
+            "trainer.micro_batch_size=2", "trainer.global_batch_size=4", f"trainer.save_interval={DP_SAVED}", *extra]
+
+
+def torchrun(run_dir: Path, dataset: list[str], port: int, *extra: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in (*LAUNCH_VARS, "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-addr", "127.0.0.1", "--master-port", str(port), "scripts/train.py",
+                             *dp_overrides(run_dir, dataset, *extra)], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def in_process(run_dir: Path, dataset: list[str], *extra: str) -> dict:
+    from fp8_recipes.training.run import run_training
+
+    with pytest.MonkeyPatch.context() as mp:
+        for var in LAUNCH_VARS:
+            mp.delenv(var, raising=False)
+        return run_training(compose_train(dp_overrides(run_dir, dataset, *extra)))
+
+
+@pytest.fixture(scope="module")
+def dp_runs(dataset, tmp_path_factory, free_port) -> dict[str, Path]:
+    """Run dirs: dp1 (8 steps, one rank), dp2 (8 steps, two ranks), dp2_to_1 (dp2's step_4 resumed by one rank),
+    dp1_to_2 (dp1's step_4 resumed by two ranks). The torchrun runs overlap the in-process ones."""
+    dirs = {name: tmp_path_factory.mktemp(name) for name in ("dp1", "dp2", "dp2_to_1", "dp1_to_2")}
+    procs = {"dp2": torchrun(dirs["dp2"], dataset, free_port())}
+    try:
+        in_process(dirs["dp1"], dataset)
+        procs["dp1_to_2"] = torchrun(dirs["dp1_to_2"], dataset, free_port(),
+                                     f"trainer.resume={dirs['dp1'] / 'checkpoints' / f'step_{DP_SAVED}'}")
+        for name, proc in procs.items():
+            _, stderr = proc.communicate(timeout=300)
+            assert proc.returncode == 0 and "Traceback" not in stderr, f"{name}: {stderr[-4000:]}"
+            if name == "dp2":
+                in_process(dirs["dp2_to_1"], dataset,
+                           f"trainer.resume={dirs['dp2'] / 'checkpoints' / f'step_{DP_SAVED}'}")
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    return dirs
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {step: loss for step, (loss, _) in rows(run_dir).items()}
+
+
+def rel(a: dict[int, float], b: dict[int, float]) -> float:
+    assert a.keys() <= b.keys() and a
+    return max(abs(a[s] - b[s]) / abs(b[s]) for s in a)
+
+
+@pytest.mark.slow
+def test_two_ranks_train_on_the_one_rank_batches(dp_runs):
+    dp1, dp2 = losses(dp_runs["dp1"]), losses(dp_runs["dp2"])
+    assert sorted(dp2) == list(range(1, DP_STEPS + 1)) and rel(dp2, dp1) < DP_LOSS_TOL, (dp2, dp1)
+    meta = json.loads((dp_runs["dp2"] / "checkpoints" / f"step_{DP_SAVED}" / "meta.json").read_text())
+    assert meta == {"step": DP_SAVED, "data_parallel_size": 2, "tensor_model_parallel_size": 1,
+                    "consumed_samples": DP_SAVED * 4, "global_batch_size": 4, "micro_batch_size": 2}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,saved_by", [("dp2_to_1", "dp2"), ("dp1_to_2", "dp1")])
+def test_resume_at_another_data_parallel_size(name, saved_by, dp_runs):
+    resumed, reference = losses(dp_runs[name]), losses(dp_runs["dp1"])
+    assert sorted(resumed) == list(range(DP_SAVED + 1, DP_STEPS + 1))
+    assert rel(resumed, reference) < DP_LOSS_TOL, (resumed, reference)
+    saver = losses(dp_runs[saved_by])  # the run it continues: its next step, on the same global batch
+    assert rel({DP_SAVED + 1: resumed[DP_SAVED + 1]}, saver) < FIRST_STEP_TOL, (resumed, saver)
+    assert rel(resumed, saver) < DP_LOSS_TOL
+    summary = json.loads((dp_runs[name] / "summary.json").read_text())
+    assert summary["steps"] == DP_STEPS and summary["final_stage"] == "fp8 w+a+g"
+
+
+def test_resume_refuses_another_global_batch_size(dp_runs, dataset, tmp_path):
+    # (another tensor-parallel size: test_parallel_cpu.py, which has a TP=2 checkpoint)
+    step_dir = dp_runs["dp1"] / "checkpoints" / f"step_{DP_SAVED}"
+    with pytest.raises(ValueError, match=r"^trainer\.global_batch_size: 8 differs from the checkpoint's 4 \(.*; resume "
+                                         r"with trainer\.global_batch_size=4, or start a fresh run\)$"):
+        in_process(tmp_path, dataset, f"trainer.resume={step_dir}", "trainer.global_batch_size=8")
+    assert not (tmp_path / "checkpoints").exists()  # refused before anything ran

@@ -76,7 +76,7 @@ class SpyPrecision(NoPrecision):
         self.skipped.append(step)
 
 
-def run(tmp_path, monkeypatch, poison, steps=8, **trainer):
+def run(tmp_path, monkeypatch, poison, steps=8, resume_from=None, **trainer):
     optimizers = []
     build = loop.build_optimizer
     monkeypatch.setattr(loop, "build_optimizer", lambda *a, **k: optimizers.append(build(*a, **k)) or optimizers[-1])
@@ -85,7 +85,7 @@ def run(tmp_path, monkeypatch, poison, steps=8, **trainer):
     cfg = {"max_steps": steps, "micro_batch_size": BATCH, "global_batch_size": BATCH, "warmup_steps": 2,
            "eval_interval": 0, "save_checkpoints": False, "lr": 1e-2, "min_lr": 1e-3, **trainer}
     try:
-        summary = train(model, batches(), None, cfg, precision, tmp_path)
+        summary = train(model, batches(), None, cfg, precision, tmp_path, resume_from=resume_from)
     except NonFiniteStop as e:
         summary = e
     return summary, precision, read_metrics(tmp_path, "train")
@@ -172,3 +172,30 @@ def test_emulated_skip_step_forgets_the_steps_amaxes():
     precision.after_optimizer_step(2)
     assert torch.isfinite(scaler.history).all() and scaler.history.max() == 2.0
     assert torch.equal(scaler.scale, good_scale)
+
+
+def test_stop_mode_checkpoints_the_last_good_state(tmp_path, monkeypatch):
+    err, spy, _ = run(tmp_path, monkeypatch, {1: "loss", 2: "grad"}, max_consecutive_skips=2, on_nonfinite="stop",
+                      save_checkpoints=True)
+    step_dir = tmp_path / "checkpoints" / "step_3"
+    assert isinstance(err, NonFiniteStop) and "\n" not in str(err)
+    assert str(err).endswith(f"; the weights from before step 2 are checkpointed in {step_dir} (continue with "
+                             f"trainer.resume={step_dir} and a lower trainer.lr or another recipe)")
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_3"
+    saved = torch.load(step_dir / "tp_00.pt", weights_only=True)
+    model, optimizer, lr = spy.snapshots[1]  # at the start of the first bad step: what the last good one left
+    assert all(torch.equal(saved["model"][k], v) for k, v in model.items()) and saved["model"].keys() == model.keys()
+    assert saved["optimizer"]["state"][0]["step"] == optimizer["state"][0]["step"] == 1
+    assert json.loads((step_dir / "meta.json").read_text())["consumed_samples"] == 3 * BATCH
+
+
+def test_resume_trains_at_the_configured_lr(tmp_path, monkeypatch):
+    """A checkpoint restores the LR it was made with; a resumed run under another trainer.lr uses the new one on
+    the configured schedule. Step 3 of 4 after a 2-step warmup is half-way down the cosine to min_lr 1e-3:
+    1e-3 + (peak - 1e-3) / 2, i.e. 2.5e-3 for peak 4e-3 (6.25e-3 if the checkpoint's peak 1e-2 stayed)."""
+    run(tmp_path, monkeypatch, {}, steps=2, save_checkpoints=True, lr=1e-2)
+    same = run(tmp_path / "same", monkeypatch, {}, steps=4, lr=1e-2, resume_from=tmp_path)[2]
+    lower = run(tmp_path / "lower", monkeypatch, {}, steps=4, lr=4e-3, resume_from=tmp_path)[2]
+    assert [r["step"] for r in lower] == [3, 4]
+    assert lower[0]["lr"] == pytest.approx(2.5e-3) and same[0]["lr"] == pytest.approx(5.5e-3)
+    assert lower[1]["lr"] == pytest.approx(1e-3) and same[1]["lr"] == pytest.approx(1e-3)  # the end: min_lr

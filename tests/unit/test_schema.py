@@ -36,7 +36,7 @@ layers:
   bf16_first: 0
   bf16_last: 0
   bf16_modules: []
-amax_reduction: data
+amax_reduction: data_tensor
 """
 
 HYBRID_LONG = {
@@ -57,7 +57,7 @@ def test_every_default():
     r = Recipe.from_dict({})
     assert r.name == "unnamed" and r.description == ""
     assert r.backend is Backend.AUTO
-    assert r.amax_reduction is AmaxReduction.DATA
+    assert r.amax_reduction is AmaxReduction.DATA_TENSOR  # Megatron-Core + TE's amax reduction group
     assert r.schedule == Schedule() and r.schedule.bf16_warmup_steps == 0
     assert (r.schedule.enable.weights, r.schedule.enable.activations, r.schedule.enable.gradients) == (0, 0, 0)
     assert r.schedule.full_precision_eval_interval == 0
@@ -255,6 +255,20 @@ def test_broken_values_rejected_by_from_dict_too():
                 {"activations": {"scaling": "tensorwise", "amax_epsilon": math.nan}}):
         with pytest.raises(RecipeError):
             Recipe.from_dict(bad)
+
+
+@pytest.mark.parametrize("value", ["data_tensor", "DATA_TENSOR", "data", "tensor", "none"])
+def test_amax_reduction_values(value):
+    r = Recipe.from_dict({"weights": "delayed", "amax_reduction": value})
+    assert r.amax_reduction is AmaxReduction(value.lower()) and r.amax_reduction == value.lower()
+    assert r.to_dict()["amax_reduction"] == value.lower() and Recipe.from_dict(r.to_dict()) == r
+
+
+def test_amax_reduction_misspelt_names_the_choices():
+    with pytest.raises(RecipeError) as e:
+        Recipe.from_dict({"amax_reduction": "data-tensor"})
+    assert str(e.value) == ("amax_reduction: 'data-tensor' is not one of data_tensor | data | tensor | none "
+                            "(did you mean 'data_tensor'?)")
 
 
 def test_mxfp8_block_1x32_is_allowed():

@@ -3,6 +3,7 @@
     prepare_dataset(inputs, out_dir)          writes out_dir/{corpus.bin, corpus.idx, tokenizer.json, meta.json}
     build_gpt_datasets(out_dir, seq, seed, n) Megatron-Core GPTDatasets (train, valid, test) over it
     batches(dataset, micro_batch_size, seed)  endless, deterministic dicts of [b, s] tensors
+    data_parallel_batches(..., dp_rank, dp)   one data-parallel rank's round-robin share of that stream
 
 With no inputs the corpus is the interpreter's own standard library: real code text, present offline on every
 machine, PSF licence. Importing this module is cheap and needs neither a GPU nor Transformer Engine: megatron,
@@ -25,7 +26,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Tokenizer", "default_corpus_files", "prepare_dataset", "build_gpt_datasets", "batches", "repeated_batch"]
+__all__ = ["Tokenizer", "default_corpus_files", "prepare_dataset", "build_gpt_datasets", "batches",
+           "data_parallel_batches", "repeated_batch"]
 
 FORMAT = 1  # bump when the on-disk layout changes: older datasets are then rebuilt, never misread
 PREFIX = "corpus"  # Megatron path prefix: corpus.bin + corpus.idx
@@ -361,18 +363,10 @@ def _check_split(split: str, num_documents: int, num_samples: Sequence[int | Non
                              f"this dataset; give it a larger share (e.g. '80,10,10') or add documents")
 
 
-def batches(dataset: Any, micro_batch_size: int, seed: int, skip: int = 0) -> Iterator[dict[str, Any]]:
-    """Endless micro-batches ``{tokens, labels, loss_mask, position_ids}``, each a [b, s] tensor.
-
-    Each epoch visits the samples in a fresh permutation drawn from ``seed``, so the stream is the same on every
-    run; the last partial batch of an epoch is dropped. ``skip``: start after that many micro-batches (a resumed
-    run's data position), exactly where the full stream would be, without loading the skipped samples (only the
-    skipped epochs' permutations are drawn). Plain indexing in this process: DataLoader workers were slower here
-    (FACTS).
-    """
+def _micro_batch_indices(n: int, micro_batch_size: int, seed: int, skip: int) -> Iterator[list[int]]:
+    """The sample indices of :func:`batches`' micro-batches, endless (the stream without loading a sample)."""
     import torch
 
-    n = len(dataset)
     if micro_batch_size < 1 or micro_batch_size > n:
         raise ValueError(f"micro_batch_size: {micro_batch_size} must be in 1..{n} (the dataset's sample count)")
     if skip < 0:
@@ -385,9 +379,46 @@ def batches(dataset: Any, micro_batch_size: int, seed: int, skip: int = 0) -> It
     while True:
         order = torch.randperm(n, generator=gen).tolist()
         for start in range(first, n - micro_batch_size + 1, micro_batch_size):
-            samples = [dataset[i] for i in order[start:start + micro_batch_size]]
-            yield {k: torch.stack([s[k] for s in samples]) for k in _BATCH_KEYS}
+            yield order[start:start + micro_batch_size]
         first = 0
+
+
+def _load_batch(dataset: Any, indices: list[int]) -> dict[str, Any]:
+    import torch
+
+    samples = [dataset[i] for i in indices]
+    return {k: torch.stack([s[k] for s in samples]) for k in _BATCH_KEYS}
+
+
+def batches(dataset: Any, micro_batch_size: int, seed: int, skip: int = 0) -> Iterator[dict[str, Any]]:
+    """Endless micro-batches ``{tokens, labels, loss_mask, position_ids}``, each a [b, s] tensor.
+
+    Each epoch visits the samples in a fresh permutation drawn from ``seed``, so the stream is the same on every
+    run; the last partial batch of an epoch is dropped. ``skip``: start after that many micro-batches (a resumed
+    run's data position), exactly where the full stream would be, without loading the skipped samples (only the
+    skipped epochs' permutations are drawn). Plain indexing in this process: DataLoader workers were slower here
+    (FACTS).
+    """
+    for indices in _micro_batch_indices(len(dataset), micro_batch_size, seed, skip):
+        yield _load_batch(dataset, indices)
+
+
+def data_parallel_batches(dataset: Any, micro_batch_size: int, seed: int, dp_rank: int, dp_size: int,
+                          skip: int = 0) -> Iterator[dict[str, Any]]:
+    """Data-parallel rank ``dp_rank``'s share of one global stream: :func:`batches` (``seed``, the same on every
+    rank) dealt out round robin, micro-batch i to rank i mod ``dp_size``; ``skip`` counts global micro-batches.
+    A rank loads only its own samples.
+
+    So a step's global batch (accumulation x ``dp_size`` consecutive micro-batches) holds the same samples at any
+    data-parallel size with the same global and micro batch sizes: a checkpoint resumes exactly at another DP
+    size (training/run.py: ``skip`` = samples consumed / micro_batch_size), and an epoch visits each sample once
+    over all ranks (separate per-rank permutations would visit it once per rank).
+    """
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank: {dp_rank} must be in 0..{dp_size - 1}")
+    for i, indices in enumerate(_micro_batch_indices(len(dataset), micro_batch_size, seed, skip)):
+        if i % dp_size == dp_rank:
+            yield _load_batch(dataset, indices)
 
 
 def repeated_batch(batch_size: int, seq: int, vocab: int, seed: int = 0) -> Iterator[dict[str, Any]]:

@@ -10,14 +10,22 @@ Atomicity: every rank writes into ``checkpoints/.step_N.tmp``; after a barrier r
 ``step_N`` and then replaces ``latest``. A crash leaves either the old checkpoint or the new one, never half:
 a run dir is resumed from what ``latest`` names only, and a ``.tmp`` directory is never loaded.
 
-Resuming (``trainer.resume``, see :func:`find_resume`): the data position is implied by the step (each step
-consumes ``accumulation`` micro-batches per data-parallel rank; training/run.py starts the batch stream there),
-as is the recipe's schedule stage. A checkpoint of another recipe (its precision state's ``recipe`` differs)
-restores model, optimizer, schedule and step but not the scaling state, and says so in one log line.
+``meta.json`` (rank 0, inside the step dir, so atomic with it) says how the checkpoint was made: step, samples
+consumed, global and micro batch size, data- and tensor-parallel size. It is read before any process group or
+model exists (:func:`resume_skip`), so a resume that cannot work is refused in one line.
+
+Resuming (``trainer.resume``, see :func:`find_resume`): the data position is the samples consumed (step x global
+batch; training/run.py starts the global micro-batch stream there, megatron/data.py:data_parallel_batches), so a
+run resumes exactly at another data-parallel size with the same global batch size: every rank reads the one
+checkpoint file of its TP rank (the optimizer state is not sharded over DP). A different tensor-parallel size or
+global batch size is refused. The recipe's schedule stage follows from the step. A checkpoint of another recipe
+(its precision state's ``recipe`` differs) restores model, optimizer, schedule and step but not the scaling state,
+and says so in one log line.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -30,7 +38,8 @@ import torch
 
 from fp8_recipes.megatron.model import unwrap_model as _unwrap
 
-__all__ = ["save_checkpoint", "load_checkpoint", "resolve_checkpoint", "find_resume", "checkpoint_step"]
+__all__ = ["barrier", "save_checkpoint", "load_checkpoint", "resolve_checkpoint", "find_resume", "checkpoint_step",
+           "checkpoint_meta", "resume_skip"]
 
 logger = logging.getLogger("fp8_recipes")
 
@@ -42,7 +51,7 @@ def _dist():
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
-def _barrier() -> None:
+def barrier() -> None:
     dist = _dist()
     if dist is not None and dist.get_world_size() > 1:
         dist.barrier()
@@ -60,6 +69,20 @@ def _ranks() -> tuple[int, int, int]:
     except ImportError:
         pass
     return rank, 0, rank
+
+
+def _parallel_sizes() -> dict[str, int]:
+    """This run's data- and tensor-parallel sizes (1 and 1 without Megatron's groups)."""
+    dist = _dist()
+    world = dist.get_world_size() if dist else 1
+    try:
+        from megatron.core import parallel_state
+        if parallel_state.model_parallel_is_initialized():
+            return {"data_parallel_size": parallel_state.get_data_parallel_world_size(),
+                    "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size()}
+    except ImportError:
+        pass
+    return {"data_parallel_size": world, "tensor_model_parallel_size": 1}
 
 
 def _rng_state() -> dict[str, Any]:
@@ -85,11 +108,13 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Module, optimizer=None,
-                    scheduler=None, precision=None, master_params=None, extra: dict | None = None) -> Path:
+                    scheduler=None, precision=None, master_params=None, extra: dict | None = None,
+                    meta: dict | None = None) -> Path:
     """Save everything needed to continue from ``step`` (optimizer steps completed). Collective: call on all ranks.
 
     ``precision`` and ``master_params`` are anything with ``state_dict()``; ``extra`` is a small plain dict
-    (e.g. the trainer config). Returns the final ``step_N`` directory.
+    (e.g. the trainer config); ``meta`` (JSON-able: the data position, batch sizes) goes into ``meta.json`` with
+    the step and the parallel sizes. Returns the final ``step_N`` directory.
     """
     rank, tp_rank, dp_rank = _ranks()
     root = Path(run_dir) / "checkpoints"
@@ -98,7 +123,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Mo
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # left over by a crash during an earlier save
         tmp.mkdir()
-    _barrier()
+    barrier()
     if dp_rank == 0:
         payload = {
             "format_version": FORMAT_VERSION,
@@ -112,15 +137,16 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Mo
             "extra": extra or {},
         }
         torch.save(payload, tmp / f"tp_{tp_rank:02d}.pt")
-    _barrier()
+    barrier()
     if rank == 0:
+        (tmp / "meta.json").write_text(json.dumps({"step": step, **_parallel_sizes(), **(meta or {})}, indent=1))
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
         pointer = root / ".latest.tmp"
         pointer.write_text(final.name + "\n", encoding="utf-8")
         os.replace(pointer, root / "latest")
-    _barrier()
+    barrier()
     return final
 
 
@@ -158,6 +184,40 @@ def checkpoint_step(step_dir: str | os.PathLike) -> int:
     if match is None:
         raise ValueError(f"trainer.resume: {step_dir} is not a step_N checkpoint dir")
     return int(match.group(1))
+
+
+def checkpoint_meta(step_dir: str | os.PathLike) -> dict[str, Any]:
+    """What ``meta.json`` says about a ``step_N`` dir; for a checkpoint written before it existed, the step and
+    the tensor-parallel size (its number of ``tp_*.pt`` files) only."""
+    step_dir = Path(step_dir)
+    if (step_dir / "meta.json").is_file():
+        return json.loads((step_dir / "meta.json").read_text(encoding="utf-8"))
+    return {"step": checkpoint_step(step_dir), "tensor_model_parallel_size": len(list(step_dir.glob("tp_*.pt")))}
+
+
+def resume_skip(step_dir: str | os.PathLike, *, global_batch_size: int, micro_batch_size: int,
+                tensor_model_parallel_size: int) -> int:
+    """The global micro-batches a run resumed from ``step_dir`` skips (samples consumed / micro_batch_size), after
+    refusing, as a one-line ValueError naming the key, what cannot continue that run: another tensor-parallel size
+    (a file per TP rank, each holding its shards) or another global batch size (a different sample count per step
+    breaks the data position and the LR schedule's meaning). The data-parallel size may change."""
+    meta = checkpoint_meta(step_dir)
+    tp = meta.get("tensor_model_parallel_size")
+    if tp != tensor_model_parallel_size:
+        raise ValueError(f"trainer.tensor_model_parallel_size: {tensor_model_parallel_size} differs from the "
+                         f"checkpoint's {tp} ({step_dir} holds one file per tensor-parallel rank; resume with "
+                         f"trainer.tensor_model_parallel_size={tp})")
+    gbs = meta.get("global_batch_size", global_batch_size)
+    if gbs != global_batch_size:
+        raise ValueError(f"trainer.global_batch_size: {global_batch_size} differs from the checkpoint's {gbs} "
+                         f"({step_dir}; resume with trainer.global_batch_size={gbs}, or start a fresh run)")
+    consumed = meta.get("consumed_samples", meta["step"] * global_batch_size)
+    mbs = meta.get("micro_batch_size", micro_batch_size)
+    if mbs != micro_batch_size:
+        logger.warning("resume: trainer.micro_batch_size %d -> %d: the same samples in the same order until the end "
+                       "of this epoch; after it the order differs (each epoch drops its last partial micro-batch)",
+                       mbs, micro_batch_size)
+    return consumed // micro_batch_size
 
 
 def load_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module, optimizer=None, scheduler=None,

@@ -13,7 +13,10 @@ over data- and tensor-parallel ranks): weights, optimizer state and the LR sched
 also does not advance its scheduler on a skipped iteration), and the precision backend forgets what the step
 recorded (``skip_step``). After ``trainer.max_consecutive_skips`` in a row: ``on_nonfinite=skip_then_bf16`` runs
 the next ``fallback_bf16_steps`` steps under ``precision.high_precision()``; ``stop`` (or the limit reached again
-inside a fallback) ends the run with :class:`NonFiniteStop`.
+inside a fallback) ends the run with :class:`NonFiniteStop`, after checkpointing ``checkpoints/step_N`` (N = the
+last step run): the skipped steps left weights, optimizer and LR schedule as the last good step did, and the data
+position moves past the bad batches, so the run can continue from there under a lower ``trainer.lr`` (a resumed
+run takes the configured LR, not the checkpoint's) or another recipe. The one-line message names the directory.
 
 Preemption: while :func:`train` runs (in the main thread) SIGTERM and SIGUSR1 only set a flag; the previous
 handlers come back when it returns. The flag rides in the per-step all-reduce that already carries the non-finite
@@ -21,6 +24,9 @@ flag (summed over the data- and tensor-parallel groups, i.e. every rank), so all
 which to stop, even when only one rank got the signal: that step finishes (its metrics row says ``preempted``),
 the checkpoint ``checkpoints/step_N`` is written, and the summary's ``preempted`` names the signal and step
 (scripts/train.py then exits with ``PREEMPTED_EXIT``; ``trainer.resume=auto`` continues at step N + 1).
+
+Every rank leaves :func:`train` together, after rank 0 has written summary.json and loss.png: a launcher that stops
+the other workers as soon as one exits non-zero (torchrun, on exit code 3 or 4) cannot cut those short.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from typing import Any, ContextManager, Iterator, Mapping, Protocol, runtime_che
 
 import torch
 
-from fp8_recipes.training.checkpoint import load_checkpoint, save_checkpoint
+from fp8_recipes.training.checkpoint import barrier, load_checkpoint, save_checkpoint
 from fp8_recipes.training.config import LRScaling, TrainerConfig  # noqa: F401  (re-exported: the loop's config)
 from fp8_recipes.training.errors import NonFiniteStop
 from fp8_recipes.training.metrics import MetricsWriter, plot_loss, write_summary
@@ -340,6 +346,29 @@ def _train_step(model, batches, accumulation: int, dp_size: int, master: MasterP
     return synced[0].item() / (accumulation * dp_size), int(synced[1].item()), grad_norm, skipped, preempted
 
 
+def _use_configured_lr(optimizer: torch.optim.Optimizer, scheduler: Any, lr: float, factor: float) -> float | None:
+    """Make a resumed run train on the configured schedule: a checkpoint restores the peak LR it was made with (the
+    scheduler's ``base_lrs``, the groups' ``initial_lr``) and the next step's LR as its own schedule had it.
+    ``factor``: the configured schedule's factor for the next step; ``lr * factor`` is LambdaLR's own expression,
+    so an unchanged schedule resumes bit for bit. Returns the checkpoint's peak LR when it differed."""
+    saved = scheduler.base_lrs[0]
+    scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+    for group in optimizer.param_groups:
+        group["initial_lr"], group["lr"] = lr, lr * factor
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
+    return saved if saved != lr else None
+
+
+def _stop_message(reason: str, first_bad: int, saved: Path | None) -> str:
+    """The one line of a non-finite stop: what happened, and where the last good state is."""
+    if saved is None:
+        return (f"{reason}; the weights are those before step {first_bad}, not checkpointed "
+                f"(trainer.save_checkpoints=false; lower trainer.lr, check the data, or resume from an earlier "
+                f"checkpoint)")
+    return (f"{reason}; the weights from before step {first_bad} are checkpointed in {saved} (continue with "
+            f"trainer.resume={saved} and a lower trainer.lr or another recipe)")
+
+
 class _PlainBar:
     """What train() uses of tqdm, as plain lines (when tqdm is not installed)."""
 
@@ -372,8 +401,9 @@ def train(model: torch.nn.Module, batches_train: Iterator[Mapping[str, Any]],
 
     ``batches_*`` yield dicts of ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` ([b, s] tensors) for
     this data-parallel rank. ``resume_from`` (a run dir or step dir) restores model, optimizer, schedule,
-    precision state and RNG; the caller starts ``batches_train`` at the checkpoint's data position
-    (step × accumulation micro-batches, as training/run.py does).
+    precision state and RNG (the LR schedule is the configured one, from the checkpoint's step); the caller starts
+    ``batches_train`` at the checkpoint's data position (the samples it consumed, in its meta.json; training/run.py
+    does, through checkpoint.resume_skip).
     """
     try:
         from tqdm.auto import tqdm
@@ -409,21 +439,30 @@ def train(model: torch.nn.Module, batches_train: Iterator[Mapping[str, Any]],
     if resume_from is not None:
         start = load_checkpoint(resume_from, model=model, optimizer=optimizer, scheduler=scheduler,
                                 precision=precision, master_params=master)
+        saved_lr = _use_configured_lr(optimizer, scheduler, lr, lr_factor(scheduler.last_epoch))
+        if saved_lr is not None and rank == 0:
+            logger.info("resume: peak lr %.3g -> %.3g (the configured trainer.lr; the schedule continues)",
+                        saved_lr, lr)
     # The same validation batches every time: val curves (and full vs training precision) differ by the model only.
     valid = [next(batches_valid) for _ in range(cfg.eval_iters)] if batches_valid is not None else []
     fp_interval = int(getattr(precision, "full_precision_eval_interval", 0) or 0)
 
-    def checkpoint(done: int) -> None:
+    def checkpoint(done: int) -> Path | None:
         if not cfg.save_checkpoints:
-            return
-        save_checkpoint(run_dir, done, model=model, optimizer=optimizer, scheduler=scheduler, precision=precision,
-                        master_params=master, extra={"trainer": dataclasses.asdict(cfg)})
+            return None
+        # the data position in samples: a run at another data-parallel size continues from it exactly
+        position = {"consumed_samples": done * cfg.global_batch_size, "global_batch_size": cfg.global_batch_size,
+                    "micro_batch_size": cfg.micro_batch_size}
+        return save_checkpoint(run_dir, done, model=model, optimizer=optimizer, scheduler=scheduler,
+                               precision=precision, master_params=master, extra={"trainer": dataclasses.asdict(cfg)},
+                               meta=position)
 
     writer = MetricsWriter(run_dir, enabled=rank == 0)
     bar = tqdm(total=cfg.max_steps, initial=start, desc="train", unit="step", disable=rank != 0,
                dynamic_ncols=True, mininterval=0.5)
     losses, rates, val_loss, val_loss_fp, stage, done = [], [], None, None, "", start
     skipped_total, in_a_row, fallback_left, fallbacks, stopped, preempted = 0, 0, 0, 0, None, None
+    first_bad = 0
     wall0 = time.perf_counter()
     with PreemptionSignals() as signals:  # SIGTERM/SIGUSR1 -> a flag, for the loop's lifetime only
         for step in range(start, cfg.max_steps):
@@ -467,8 +506,7 @@ def train(model: torch.nn.Module, batches_train: Iterator[Mapping[str, Any]],
                     why = "in the BF16 fallback too" if in_fallback else "trainer.on_nonfinite=stop"
                     first_bad = done - in_a_row + 1
                     stopped = (f"trainer.max_consecutive_skips: {in_a_row} steps in a row (to step {done}) had "
-                               f"a non-finite loss or gradient ({why}); the weights are those before step "
-                               f"{first_bad}: lower trainer.lr, check the data, or resume from a checkpoint")
+                               f"a non-finite loss or gradient ({why})")
                     break
                 fallback_left, in_a_row, fallbacks = cfg.fallback_bf16_steps, 0, fallbacks + 1
                 if rank == 0:
@@ -492,8 +530,10 @@ def train(model: torch.nn.Module, batches_train: Iterator[Mapping[str, Any]],
             if cfg.save_interval > 0 and done % cfg.save_interval == 0 and done != cfg.max_steps:
                 checkpoint(done)
         bar.close()
-        if stopped is None and (done > start or resume_from is None):
-            checkpoint(done)  # (still under the handlers: a second signal must not cut this save short)
+        saved = checkpoint(done) if done > start or resume_from is None else None  # (still under the
+        # handlers: a second signal must not cut this save short); after a non-finite stop: the last good state
+        if stopped is not None:
+            stopped = _stop_message(stopped, first_bad, saved)
         if preempted and rank == 0:
             logger.warning("preempted by %s after step %d: %s", preempted["signal"], done,
                            f"checkpoint {run_dir / 'checkpoints' / f'step_{done}'}; continue with trainer.resume=auto"
@@ -520,6 +560,7 @@ def train(model: torch.nn.Module, batches_train: Iterator[Mapping[str, Any]],
             plot_loss(run_dir)
         except Exception as e:  # noqa: BLE001 - a plot must never fail a finished run
             logger.warning("plot_loss failed: %s: %s", type(e).__name__, e)
+    barrier()  # see the module docstring: no rank exits before the summary is written
     if stopped is not None:
         raise NonFiniteStop(stopped)
     return summary

@@ -146,13 +146,18 @@ def run_training(cfg) -> dict:
     with _recipe_keys():
         first_plan = PrecisionPlan(recipe, ModelLayout.gpt(int(cfg.model.num_layers)), hardware)
 
-    from fp8_recipes.megatron.data import batches, build_gpt_datasets, prepare_dataset
+    from fp8_recipes.megatron.data import build_gpt_datasets, data_parallel_batches, prepare_dataset
     from fp8_recipes.megatron.model import destroy_distributed, init_distributed
-    from fp8_recipes.training.checkpoint import checkpoint_step, find_resume
+    from fp8_recipes.training.checkpoint import checkpoint_meta, find_resume, resume_skip
     from fp8_recipes.training.loop import train
 
-    rank, world_size, device = init_distributed(
-        tensor_model_parallel_size=int(trainer.get("tensor_model_parallel_size", 1)), seed=int(trainer.seed))
+    tp_size, gbs, mbs = (int(trainer.get("tensor_model_parallel_size", 1)), int(trainer.global_batch_size),
+                         int(trainer.micro_batch_size))
+    # A resume that cannot continue the run (another TP size or global batch) is refused before anything is built.
+    resume_from = find_resume(trainer.get("resume"), run_dir)
+    skip = resume_skip(resume_from, global_batch_size=gbs, micro_batch_size=mbs,
+                       tensor_model_parallel_size=tp_size) if resume_from is not None else 0
+    rank, world_size, device = init_distributed(tensor_model_parallel_size=tp_size, seed=int(trainer.seed))
     try:
         import torch.distributed as dist
 
@@ -169,23 +174,21 @@ def run_training(cfg) -> dict:
         from megatron.core import parallel_state as ps
 
         dp = ps.get_data_parallel_world_size()
-        gbs = int(trainer.global_batch_size)
         n_train = int(trainer.max_steps) * gbs
         n_valid = (int(trainer.max_steps) // max(int(trainer.eval_interval), 1) + 1) * int(trainer.eval_iters) * \
             int(trainer.micro_batch_size) * dp
         train_ds, valid_ds, _ = build_gpt_datasets(data_dir, seq, int(trainer.seed), (n_train, n_valid, None),
                                                    split=data.split)
-        # Each data-parallel rank reads its own interleaved share of the batches; a resumed run starts after the
-        # micro-batches its checkpoint's steps consumed (the data position is implied by the step).
-        resume_from = find_resume(trainer.get("resume"), run_dir)
-        start = checkpoint_step(resume_from) if resume_from is not None else 0
-        accumulation = gbs // (int(trainer.micro_batch_size) * dp)
+        # One global stream of micro-batches dealt out round robin to the data-parallel ranks: a step trains on the
+        # same samples at any DP size, and a resumed run starts after the samples its checkpoint consumed.
         dp_rank = ps.get_data_parallel_rank()
-        train_iter = batches(train_ds, int(trainer.micro_batch_size), int(trainer.seed) + dp_rank,
-                             skip=start * accumulation)
-        valid_iter = batches(valid_ds, int(trainer.micro_batch_size), int(trainer.seed) + 1000 + dp_rank)
+        train_iter = data_parallel_batches(train_ds, mbs, int(trainer.seed), dp_rank, dp, skip=skip)
+        valid_iter = data_parallel_batches(valid_ds, mbs, int(trainer.seed) + 1000, dp_rank, dp)
         if rank == 0 and resume_from is not None:
-            logger.info("resume: from %s (step %d)", resume_from, start)
+            saved = checkpoint_meta(resume_from)
+            saved_dp = saved.get("data_parallel_size", dp)
+            logger.info("resume: from %s (step %d, %d samples consumed%s)", resume_from, saved["step"], skip * mbs,
+                        f"; data parallel {saved_dp} -> {dp}, the same global batches" if saved_dp != dp else "")
         elif rank == 0 and trainer.get("resume") == "auto":
             logger.info("resume: auto: no checkpoint in %s, starting fresh", run_dir)
         if rank == 0:
