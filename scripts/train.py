@@ -10,7 +10,8 @@ Config: conf/train.yaml (+ groups model/, data/, trainer/), recipes from recipes
 `run_dir` (plan.txt, recipe.yaml, metrics.jsonl, tb/, checkpoints/, summary.json, loss.png).
 
 Exit codes: 0 done; 2 a bad config, recipe or override (one `error: <key>: ...` line, no run_dir left behind);
-3 stopped on non-finite losses/gradients (trainer.on_nonfinite=stop; the outputs so far are kept);
+3 stopped on non-finite losses/gradients (trainer.on_nonfinite=stop; the outputs so far are kept and
+checkpoints/step_N holds the last good state);
 4 preempted: SIGTERM or SIGUSR1 (Slurm's preemption, `--signal=USR1@<s>`) reached a rank during training, every
 rank finished the step, checkpoints/step_N was written and summary.json says `"preempted": {"signal", "step"}`;
 `trainer.resume=auto` continues at step N + 1. Not 0, so that a finished run and an interrupted one differ for a
@@ -20,6 +21,7 @@ there, read summary.json.) A signal before training starts or after it ends has 
 """
 
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -27,6 +29,13 @@ import hydra
 from omegaconf import DictConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))  # a checkout without `pip install -e`
+
+
+def _exit_written(code: int) -> None:
+    """Exit with `code` once the outputs are written. torchrun stops the other workers with SIGTERM as soon as one
+    exits: ignoring it now keeps a worker that is already leaving with its checkpoint from showing up as -15."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(code)
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
@@ -50,12 +59,12 @@ def main(cfg: DictConfig) -> None:
         sys.exit(USER_ERROR_EXIT)
     except NonFiniteStop as e:  # trainer.on_nonfinite=stop: the run's outputs so far stay
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(NONFINITE_EXIT)
+        _exit_written(NONFINITE_EXIT)
     if summary.get("preempted"):  # every rank: the same decision, the same exit code
         if summary.get("rank", 0) == 0:
             print(f"preempted: {summary['preempted']['signal']} signal, stopped after step {summary['steps']} "
                   f"({run_dir}); continue with trainer.resume=auto", file=sys.stderr)
-        sys.exit(PREEMPTED_EXIT)
+        _exit_written(PREEMPTED_EXIT)
     if summary.get("rank", 0) == 0:
         val = f", val loss {summary['val_loss']:.3f}" if summary.get("val_loss") is not None else ""
         print(f"done: {summary['steps']} steps of {summary['recipe']} ({summary['backend']}), loss "

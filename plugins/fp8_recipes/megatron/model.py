@@ -100,7 +100,8 @@ def _launch_env() -> tuple[int, int, int, str, int, str]:
         world = int(env["SLURM_STEP_NUM_TASKS"])
         addr = env.get("MASTER_ADDR") or _first_slurm_host()
         # Every task must agree on the port without talking: derive it from the job and step ids.
-        default_port = 15000 + (int(env.get("SLURM_JOB_ID", 0)) * 16 + int(env.get("SLURM_STEP_ID", 0) or 0)) % 40000
+        # below the kernel's ephemeral range (32768+): a port the kernel hands to some socket can't be taken here
+        default_port = 15000 + (int(env.get("SLURM_JOB_ID", 0)) * 16 + int(env.get("SLURM_STEP_ID", 0) or 0)) % 17000
         return (int(env["SLURM_PROCID"]), world, int(env.get("SLURM_LOCALID", 0)), addr,
                 int(env.get("MASTER_PORT", default_port)), "srun")
     return 0, 1, 0, "127.0.0.1", _free_port(), "single process"

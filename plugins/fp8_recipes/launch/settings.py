@@ -1,0 +1,150 @@
+"""The `launcher` group (conf/launcher/slurm.yaml) as a typed, checked value, shared by both ways to run on Slurm.
+
+    settings = LauncherSettings.from_cfg(cfg.launcher)   # ValueError "launcher.<key>: <problem> (<fix>)"
+    settings.sbatch_options()                            # {"nodes": 1, "ntasks-per-node": 2, "signal": "USR1@120", ...}
+
+scripts/slurm/make_sbatch.py writes these options as ``#SBATCH`` lines; the submitit launcher
+(launch/submitit_slurm.py) passes the same settings to submitit. Neither imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Mapping
+
+from fp8_recipes.training.config import _did_you_mean, _unknown_key
+
+__all__ = ["LauncherSettings", "SIGNALS", "MANAGED_SBATCH_OPTIONS"]
+
+SIGNALS = ("USR1",)
+"""Signals scripts/train.py turns into checkpoint + exit 4 that are not Slurm ending the job (SIGTERM is: scancel,
+time limit, Slurm's own preemption; a run stopped by SIGTERM is never requeued by us)."""
+
+MANAGED_SBATCH_OPTIONS = {
+    "nodes": "nodes", "ntasks-per-node": "tasks_per_node", "gpus-per-node": "gpus_per_node",
+    "cpus-per-task": "cpus_per_task", "mem": "mem_gb", "time": "time_min", "partition": "partition",
+    "account": "account", "qos": "qos", "job-name": "job_name", "signal": "signal", "requeue": "requeue",
+    "no-requeue": "requeue", "output": "(the run directory)", "error": "(the run directory)",
+    "open-mode": "(always append)"}
+"""sbatch options that a launcher key sets: in launcher.sbatch_args they would contradict it."""
+
+_WORD = re.compile(r"^[A-Za-z0-9_.,:@+%=-]+$")  # a partition, account, QOS or job name: no spaces or shell syntax
+
+
+def _int_at_least(key: str, value: Any, low: int, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        fix = f"set launcher.{key}=<integer >= {low}>" + (" or null" if optional else "")
+        raise ValueError(f"launcher.{key}: {value!r} is not an integer >= {low} ({fix})")
+
+
+def _name(key: str, value: Any) -> None:
+    if value is not None and (not isinstance(value, str) or not _WORD.match(value)):
+        raise ValueError(f"launcher.{key}: {value!r} is not a Slurm name (use letters, digits, - _ . ; or null)")
+
+
+def _strings(key: str, value: Any, example: str) -> None:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"launcher.{key}: {value!r} is not a list of strings (e.g. launcher.{key}='[{example}]')")
+
+
+@dataclasses.dataclass(frozen=True)
+class LauncherSettings:
+    """One Slurm job's resources, time, preemption and requeue settings; field docs are in conf/launcher/slurm.yaml."""
+
+    nodes: int = 1
+    tasks_per_node: int = 1
+    gpus_per_node: int | None = None
+    cpus_per_task: int | None = None
+    mem_gb: int | None = None
+    time_min: int = 60
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    job_name: str | None = None
+    signal: str | None = "USR1"
+    signal_lead_s: int = 120
+    requeue: bool = True
+    max_requeues: int = 3
+    sbatch_args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    srun_args: tuple[str, ...] = ()
+    setup: tuple[str, ...] = ()
+
+    @classmethod
+    def from_cfg(cls, cfg: Any) -> "LauncherSettings":
+        """From the composed `launcher` node (DictConfig or dict); every problem is one ValueError naming the key."""
+        if cfg is None:
+            raise ValueError("launcher: no launcher settings (add the group: launcher=slurm, conf/launcher/slurm.yaml)")
+        if not isinstance(cfg, dict):
+            from omegaconf import OmegaConf
+
+            cfg = OmegaConf.to_container(cfg, resolve=True)
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(cfg) - fields)
+        if unknown:
+            raise _unknown_key("launcher", unknown[0], fields)
+        values = dict(cfg)
+        if values.get("sbatch_args") is None:  # (null in the YAML, so that launcher.sbatch_args={...} can set it)
+            values["sbatch_args"] = {}
+        for key in ("srun_args", "setup"):
+            if key in values:
+                _strings(key, values[key], "--cpu-bind=none" if key == "srun_args" else "export OMP_NUM_THREADS=1")
+                values[key] = tuple(values[key])
+        settings = cls(**values)
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        for key in ("nodes", "tasks_per_node", "time_min", "signal_lead_s"):
+            _int_at_least(key, getattr(self, key), 1)
+        for key in ("gpus_per_node", "cpus_per_task", "mem_gb"):
+            _int_at_least(key, getattr(self, key), 1, optional=True)
+        _int_at_least("max_requeues", self.max_requeues, 0)
+        for key in ("partition", "account", "qos", "job_name"):
+            _name(key, getattr(self, key))
+        if self.signal is not None and self.signal not in SIGNALS:
+            raise ValueError(f"launcher.signal: {self.signal!r} is not one of {' | '.join(SIGNALS)} | null"
+                             f"{_did_you_mean(str(self.signal).removeprefix('SIG'), SIGNALS)} (scripts/train.py "
+                             f"checkpoints on SIGUSR1; SIGTERM means Slurm is ending the job)")
+        if self.signal is not None and self.signal_lead_s >= self.time_min * 60:
+            raise ValueError(f"launcher.signal_lead_s: {self.signal_lead_s} s is not shorter than launcher.time_min="
+                             f"{self.time_min} min (lower signal_lead_s or raise time_min)")
+        if not isinstance(self.requeue, bool):
+            raise ValueError(f"launcher.requeue: {self.requeue!r} is not true or false (set launcher.requeue=true)")
+        if not isinstance(self.sbatch_args, Mapping):
+            raise ValueError(f"launcher.sbatch_args: {self.sbatch_args!r} is not a mapping "
+                             f"(e.g. launcher.sbatch_args='{{constraint: h200}}')")
+        for option, value in self.sbatch_args.items():
+            name = str(option).lstrip("-").replace("_", "-")
+            if name in MANAGED_SBATCH_OPTIONS:
+                raise ValueError(f"launcher.sbatch_args.{option}: set by launcher.{MANAGED_SBATCH_OPTIONS[name]} "
+                                 f"(remove it from sbatch_args)")
+            if value is None or isinstance(value, (dict, list)) or "\n" in str(value):
+                raise ValueError(f"launcher.sbatch_args.{option}: {value!r} is not one sbatch value "
+                                 f"(a string, a number or true)")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+    @property
+    def signal_option(self) -> str | None:
+        """sbatch's ``--signal`` value: to the job steps (no ``B:``), where every training process handles it."""
+        return None if self.signal is None else f"{self.signal}@{self.signal_lead_s}"
+
+    def sbatch_options(self, default_job_name: str) -> dict[str, Any]:
+        """sbatch options (long names without ``--``; True = a flag) for one training job, extra ones last."""
+        options: dict[str, Any] = {"job-name": self.job_name or default_job_name, "nodes": self.nodes,
+                                   "ntasks-per-node": self.tasks_per_node}
+        optional = {"gpus-per-node": self.gpus_per_node, "cpus-per-task": self.cpus_per_task,
+                    "mem": f"{self.mem_gb}G" if self.mem_gb else None, "partition": self.partition,
+                    "account": self.account, "qos": self.qos}
+        options.update({k: v for k, v in optional.items() if v is not None})
+        options["time"] = self.time_min
+        if self.signal_option:
+            options["signal"] = self.signal_option
+        options["requeue" if self.requeue else "no-requeue"] = True
+        options.update({str(k).lstrip("-").replace("_", "-"): v for k, v in self.sbatch_args.items()})
+        return options

@@ -1,0 +1,197 @@
+"""Hydra launcher ``hydra/launcher=slurm`` (conf/hydra/launcher/slurm.yaml -> hydra_plugins.fp8_recipes_slurm):
+hydra-submitit-launcher's Slurm launcher, made to train with several tasks, survive preemption and continue after
+a requeue.
+
+    python scripts/train.py -m hydra/launcher=slurm +recipe=hybrid launcher.tasks_per_node=2
+
+What it adds to ``hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher``:
+
+- Before submitting (on this host): ``launcher.*`` is checked (LauncherSettings), every job's config gets the checks
+  scripts/train.py makes first, and each job gets one fixed absolute ``run_dir`` and ``trainer.resume=auto``
+  (launch/job.py). All of a job's tasks, and every requeued run of it, then write to and resume from one directory.
+- The submitit parameters the YAML cannot interpolate: ``--signal=USR1@<signal_lead_s>`` (to the tasks, replacing
+  submitit's ``USR2``), ``--requeue``, ``launcher.sbatch_args``, ``srun_args``, ``setup`` and the job name, plus
+  ``export SUBMITIT_PREEMPT_SIGNAL=USR1`` so that submitit's own handler listens to the same signal.
+- In each task: the ``launcher`` node is dropped from the task config (scripts/train.py knows no such key), and
+  the exit of train.py's ``main`` is translated (:class:`TrainTask`).
+
+Preemption, the design that works here (docs/slurm.md): submitit's own protocol (signal -> ``checkpoint()`` of the
+task function -> ``scontrol requeue`` from global rank 0 -> exit) would stop rank 0 in the middle of a step and
+leave the other ranks waiting in a collective. Instead, while training runs, scripts/train.py's handler owns
+SIGUSR1 and SIGTERM on every rank: every rank finishes the step, the checkpoint is written, and ``main`` exits 4
+(PREEMPTED_EXIT). :class:`TrainTask` then requeues the job from global rank 0 (``scontrol requeue``, at most
+``launcher.max_requeues`` times, only for the configured signal: SIGTERM is Slurm ending the job) and lets the
+process exit without a result, so submitit keeps waiting; the requeued job runs the same pickled task, which
+resumes from run_dir's latest checkpoint. Before and after training, submitit's handler (on the same signal)
+requeues through the launcher's ``checkpoint()``: nothing is lost there.
+
+Rendezvous needs nothing here: submitit starts each task with srun, so SLURM_PROCID / SLURM_STEP_NUM_TASKS are set
+and fp8_recipes.megatron.model.init_distributed takes the first node of the step as master address and a port
+derived from the job id.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as SubmititSlurmLauncher
+
+from fp8_recipes.launch.job import (
+    check_train_config, default_job_name, fixed_run_dir, override_key, resumable_overrides,
+)
+from fp8_recipes.launch.settings import LauncherSettings
+from fp8_recipes.training.errors import PREEMPTED_EXIT, USER_ERROR_EXIT
+
+__all__ = ["TrainingSlurmLauncher", "TrainTask", "submitit_parameters"]
+
+log = logging.getLogger(__name__)
+
+
+# sbatch options that conf/hydra/launcher/slurm.yaml already hands submitit through its own keys
+_SET_BY_SUBMITIT_KEYS = {"job-name", "nodes", "ntasks-per-node", "gpus-per-node", "cpus-per-task", "mem", "time",
+                         "partition", "account", "qos"}
+
+
+def submitit_parameters(params: dict[str, Any], settings: LauncherSettings, job_name: str) -> dict[str, Any]:
+    """hydra-submitit-launcher's parameters plus what conf/hydra/launcher/slurm.yaml cannot interpolate: the
+    ``--signal`` (replacing submitit's USR2), ``--requeue``, launcher.sbatch_args, srun_args, setup, the job name."""
+    extra = {k: v for k, v in settings.sbatch_options(job_name).items() if k not in _SET_BY_SUBMITIT_KEYS}
+    setup = [*(params.get("setup") or []), *settings.setup]
+    if settings.signal:
+        setup.insert(0, f"export SUBMITIT_PREEMPT_SIGNAL={settings.signal}")
+    out = {**params, "additional_parameters": {**(params.get("additional_parameters") or {}), **extra},
+           "setup": setup, "srun_args": list(settings.srun_args)}
+    if not settings.job_name and params.get("name") in (None, "train", "app"):  # Hydra's default: the script name
+        out["name"] = job_name
+    elif settings.job_name:
+        out["name"] = settings.job_name
+    return out
+
+
+class TrainTask:
+    """The task function run in every Slurm task: scripts/train.py's ``main`` on the config without ``launcher``.
+
+    ``main`` ends with ``sys.exit`` on anything but success. Exit 4 (preempted, checkpoint written) leaves the
+    process without a result, after global rank 0 requeued the job when the settings allow it; any other exit
+    becomes a RuntimeError, which submitit reports to the submitting process instead of waiting for a result.
+    """
+
+    def __init__(self, function: Callable[[Any], Any], settings: LauncherSettings):
+        self.function = function
+        self.settings = settings
+
+    def __call__(self, cfg: Any) -> Any:
+        from omegaconf import open_dict
+
+        restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+        with open_dict(cfg):
+            cfg.pop("launcher", None)
+            if restarts > 0:  # a requeued run continues from its own checkpoints
+                cfg.trainer.resume = "auto"
+        try:
+            return self.function(cfg)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if code == 0:
+                return None
+            if code == PREEMPTED_EXIT:
+                self._requeue_after_preemption(Path(str(cfg.run_dir)), restarts)
+                raise
+            raise RuntimeError(f"scripts/train.py exited with code {code} in Slurm task "
+                               f"{os.environ.get('SLURM_PROCID', '?')} of job {os.environ.get('SLURM_JOB_ID', '?')}; "
+                               f"its error line is in {_task_log()}") from None
+
+    def _requeue_after_preemption(self, run_dir: Path, restarts: int) -> None:
+        if int(os.environ.get("SLURM_PROCID", "0")) != 0:
+            return  # one requeue per job: global rank 0's
+        signal = _preemption_signal(run_dir)
+        settings = self.settings
+        if not (settings.requeue and settings.signal) or signal != f"SIG{settings.signal}":
+            print(f"fp8-recipes: preempted by {signal}; not requeued (launcher.requeue={settings.requeue}, "
+                  f"launcher.signal={settings.signal}; SIGTERM is Slurm ending the job)", file=sys.stderr)
+            return
+        if restarts >= settings.max_requeues:
+            print(f"fp8-recipes: preempted and requeued {restarts} times already (launcher.max_requeues="
+                  f"{settings.max_requeues}); continue with trainer.resume=auto run_dir={run_dir}", file=sys.stderr)
+            return
+        job = os.environ["SLURM_JOB_ID"]
+        print(f"fp8-recipes: preempted (exit {PREEMPTED_EXIT}); requeueing job {job} (restart {restarts + 1} of at "
+              f"most {settings.max_requeues})", file=sys.stderr, flush=True)
+        proc = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+        if proc.returncode != 0:
+            print(f"fp8-recipes: scontrol requeue {job} failed: {proc.stderr.strip()}", file=sys.stderr)
+
+
+def _task_log() -> str:
+    """This task's stderr file under submitit (where train.py printed its ``error:`` line)."""
+    try:
+        import submitit
+
+        return str(submitit.JobEnvironment().paths.stderr)
+    except Exception:  # noqa: BLE001 - outside a submitit job: no file to name
+        return "this task's log"
+
+
+def _preemption_signal(run_dir: Path) -> str | None:
+    """The signal that stopped the run, from rank 0's summary.json (``{"preempted": {"signal": ..., "step": ...}}``)."""
+    try:
+        return (json.loads((run_dir / "summary.json").read_text()).get("preempted") or {}).get("signal")
+    except (OSError, ValueError):
+        return None
+
+
+class TrainingSlurmLauncher(SubmititSlurmLauncher):
+    """The launcher's behaviour (module docstring). Hydra accepts launcher classes only from modules under
+    ``hydra_plugins``: conf/hydra/launcher/slurm.yaml names its subclass hydra_plugins.fp8_recipes_slurm.SlurmLauncher."""
+
+    def setup(self, *, hydra_context, task_function, config) -> None:
+        settings = _settings_or_exit(config)
+        super().setup(hydra_context=hydra_context, task_function=TrainTask(task_function, settings), config=config)
+        self.settings = settings
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int):
+        fixed, job_name = self._fixed_jobs(job_overrides, initial_job_idx)
+        self.params = submitit_parameters(self.params, self.settings, job_name)
+        if self.settings.signal:  # the sbatch --signal line submitit writes, and its handler in the job
+            os.environ["SUBMITIT_PREEMPT_SIGNAL"] = self.settings.signal
+        return super().launch(fixed, initial_job_idx)
+
+    def _fixed_jobs(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> tuple[list[list[str]], str]:
+        """Every job's overrides with its own fixed run_dir (checked first); the first job's default name."""
+        loader = self.hydra_context.config_loader
+        fixed, seen, names = [], set(), set()
+        for idx, overrides in enumerate(job_overrides):
+            cfg = loader.load_sweep_config(self.config, list(overrides))
+            try:
+                check_train_config(cfg)
+            except ValueError as e:
+                _exit_user_error(str(e), overrides)
+            run_dir = fixed_run_dir(cfg)
+            if run_dir in seen:  # a sweep whose jobs share a run_dir (same recipe, same second): one each
+                run_dir = run_dir.with_name(f"{run_dir.name}-{initial_job_idx + idx}")
+            seen.add(run_dir)
+            names.add(default_job_name(cfg))
+            kept = [o for o in overrides if not override_key(o).startswith("launcher")]
+            fixed.append(resumable_overrides(kept, run_dir) + [o for o in overrides if o not in kept])
+            log.info("job %d: run_dir %s", initial_job_idx + idx, run_dir)
+        return fixed, names.pop() if len(names) == 1 else "fp8-sweep"  # one job array: one name
+
+
+def _settings_or_exit(config: Any) -> LauncherSettings:
+    try:
+        return LauncherSettings.from_cfg(config.get("launcher"))
+    except ValueError as e:
+        _exit_user_error(str(e), ())
+
+
+def _exit_user_error(message: str, overrides: Sequence[str]) -> None:
+    """A user error found before submitting: one line, exit 2, nothing submitted."""
+    job = f" (job {' '.join(overrides)})" if overrides else ""
+    print(f"error: {message.splitlines()[0]}{job}", file=sys.stderr)
+    sys.exit(USER_ERROR_EXIT)
