@@ -393,11 +393,22 @@ def _due(done: int, interval: int, last: int) -> bool:
     return interval > 0 and (done % interval == 0 or done == last)
 
 
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process so far: allocated on the GPU (CUDA's allocator), resident on the CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
 def train(model: torch.nn.Module, batches_train: Iterator[Mapping[str, Any]],
           batches_valid: Iterator[Mapping[str, Any]] | None, trainer_cfg: Any, precision: Precision,
           run_dir: str | os.PathLike, *, rank: int = 0, world_size: int = 1,
-          resume_from: str | os.PathLike | None = None) -> dict[str, Any]:
-    """Train ``model`` for ``trainer_cfg.max_steps`` optimizer steps; return the summary (also in summary.json).
+          resume_from: str | os.PathLike | None = None,
+          summary_extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Train ``model`` for ``trainer_cfg.max_steps`` optimizer steps; return the summary (also in summary.json,
+    with ``summary_extra``'s keys, e.g. the recipe's name and the backend).
 
     ``batches_*`` yield dicts of ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` ([b, s] tensors) for
     this data-parallel rank. ``resume_from`` (a run dir or step dir) restores model, optimizer, schedule,
@@ -552,6 +563,8 @@ def train(model: torch.nn.Module, batches_train: Iterator[Mapping[str, Any]],
         "bf16_fallbacks": fallbacks,
         "stopped": stopped,
         "preempted": preempted,
+        "peak_memory_bytes": peak_memory_bytes(device),
+        **(summary_extra or {}),
     }
     writer.close()
     if rank == 0:

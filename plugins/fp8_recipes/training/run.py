@@ -78,7 +78,7 @@ def _recipe_keys():
         raise RecipeError([f"recipe.{p}" for p in e.problems]) from None
 
 
-def _dtype(name: str) -> "torch.dtype":
+def torch_dtype(name: str) -> "torch.dtype":
     import torch
 
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -103,7 +103,7 @@ def quiet_third_party_logs() -> None:
         warnings.filterwarnings("ignore", message=f".*{msg}.*")
 
 
-def _attach_emulated(model_cfg: dict, recipe, hardware, params_dtype: torch.dtype, device: torch.device):
+def attach_emulated(model_cfg: dict, recipe, hardware, params_dtype: torch.dtype, device: torch.device):
     """Megatron-Core's local spec with plan-driven fake-quantized linears (any device, any recipe)."""
     from fp8_recipes.megatron.emulated_layers import (
         EmulatedColumnParallelLinear, EmulatedRowParallelLinear, attach_emulated_backend,
@@ -117,7 +117,7 @@ def _attach_emulated(model_cfg: dict, recipe, hardware, params_dtype: torch.dtyp
     return model, plan, attach_emulated_backend(model, plan)
 
 
-def _attach_te(model_cfg: dict, recipe, hardware, params_dtype: torch.dtype, device: torch.device):
+def attach_te(model_cfg: dict, recipe, hardware, params_dtype: torch.dtype, device: torch.device):
     """Megatron-Core's TE layer spec (no fp8 in its config) under per-layer te.autocast from the plan."""
     from fp8_recipes.megatron.model import build_gpt_model, model_layout
     from fp8_recipes.megatron.te_layers import attach_te_backend
@@ -128,9 +128,44 @@ def _attach_te(model_cfg: dict, recipe, hardware, params_dtype: torch.dtype, dev
     return model, plan, attach_te_backend(model, plan)
 
 
-def run_training(cfg) -> dict:
+VALID_SEED_OFFSET = 1000
+"""The validation stream's seed is the trainer's seed + this (its own order, the same at every evaluation)."""
+
+
+def valid_seed(trainer) -> int:
+    return int(trainer.seed) + VALID_SEED_OFFSET
+
+
+def run_datasets(cfg, data_dir: Path, data_parallel_size: int):
+    """(train, valid) datasets of a run as training builds them: the sample counts its steps, evaluations and
+    data-parallel size ask for (training/evaluate.py rebuilds a run's validation batches with it)."""
+    from fp8_recipes.megatron.data import build_gpt_datasets
+
+    trainer = cfg.trainer
+    n_train = int(trainer.max_steps) * int(trainer.global_batch_size)
+    n_valid = (int(trainer.max_steps) // max(int(trainer.eval_interval), 1) + 1) * int(trainer.eval_iters) * \
+        int(trainer.micro_batch_size) * data_parallel_size
+    train_ds, valid_ds, _ = build_gpt_datasets(data_dir, int(cfg.model.seq_length), int(trainer.seed),
+                                               (n_train, n_valid, None), split=cfg.data.split)
+    return train_ds, valid_ds
+
+
+def run_model_cfg(cfg, meta: dict, data_dir: Path) -> dict:
+    """The model group as a dict, its vocabulary filled in from the tokenizer's (``meta``: the dataset's
+    meta.json) when the config says null. A larger one (llama3's 128256) is kept as configured, so speed and
+    memory match the model's name; a smaller one cannot hold every token id and is refused."""
     from omegaconf import OmegaConf
 
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    if model_cfg.get("vocab_size") is None:
+        model_cfg["vocab_size"] = int(meta["vocab_size"])
+    elif int(model_cfg["vocab_size"]) < int(meta["vocab_size"]):
+        raise ValueError(f"model.vocab_size: {model_cfg['vocab_size']} is smaller than the tokenizer's "
+                         f"{meta['vocab_size']} ({data_dir}); set model.vocab_size=${{data.vocab_size}} or larger")
+    return model_cfg
+
+
+def run_training(cfg) -> dict:
     from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan
     from fp8_recipes.schema import Backend
     from fp8_recipes.training.config import check_run_config
@@ -146,7 +181,7 @@ def run_training(cfg) -> dict:
     with _recipe_keys():
         first_plan = PrecisionPlan(recipe, ModelLayout.gpt(int(cfg.model.num_layers)), hardware)
 
-    from fp8_recipes.megatron.data import build_gpt_datasets, data_parallel_batches, prepare_dataset
+    from fp8_recipes.megatron.data import data_parallel_batches, prepare_dataset
     from fp8_recipes.megatron.model import destroy_distributed, init_distributed
     from fp8_recipes.training.checkpoint import checkpoint_meta, find_resume, resume_skip
     from fp8_recipes.training.loop import train
@@ -170,20 +205,15 @@ def run_training(cfg) -> dict:
             dist.barrier()
         data_dir = Path(data.path)
         meta = json.loads((data_dir / "meta.json").read_text())
-        seq = int(cfg.model.seq_length)
         from megatron.core import parallel_state as ps
 
         dp = ps.get_data_parallel_world_size()
-        n_train = int(trainer.max_steps) * gbs
-        n_valid = (int(trainer.max_steps) // max(int(trainer.eval_interval), 1) + 1) * int(trainer.eval_iters) * \
-            int(trainer.micro_batch_size) * dp
-        train_ds, valid_ds, _ = build_gpt_datasets(data_dir, seq, int(trainer.seed), (n_train, n_valid, None),
-                                                   split=data.split)
+        train_ds, valid_ds = run_datasets(cfg, data_dir, dp)
         # One global stream of micro-batches dealt out round robin to the data-parallel ranks: a step trains on the
         # same samples at any DP size, and a resumed run starts after the samples its checkpoint consumed.
         dp_rank = ps.get_data_parallel_rank()
         train_iter = data_parallel_batches(train_ds, mbs, int(trainer.seed), dp_rank, dp, skip=skip)
-        valid_iter = data_parallel_batches(valid_ds, mbs, int(trainer.seed) + 1000, dp_rank, dp)
+        valid_iter = data_parallel_batches(valid_ds, mbs, valid_seed(trainer), dp_rank, dp)
         if rank == 0 and resume_from is not None:
             saved = checkpoint_meta(resume_from)
             saved_dp = saved.get("data_parallel_size", dp)
@@ -195,16 +225,9 @@ def run_training(cfg) -> dict:
             logger.info("data: %s (%d tokens, vocab %d) ready in %.1fs", data_dir, meta.get("num_tokens", -1),
                         meta["vocab_size"], time.perf_counter() - t0)
 
-        model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
-        # The model's vocabulary must hold every token id; a larger one (llama3's 128256) is kept as configured,
-        # so speed and memory match the model's name.
-        if model_cfg.get("vocab_size") is None:
-            model_cfg["vocab_size"] = int(meta["vocab_size"])
-        elif int(model_cfg["vocab_size"]) < int(meta["vocab_size"]):
-            raise ValueError(f"model.vocab_size: {model_cfg['vocab_size']} is smaller than the tokenizer's "
-                             f"{meta['vocab_size']} ({data_dir}); set model.vocab_size=${{data.vocab_size}} or larger")
-        params_dtype = _dtype(str(trainer.params_dtype))
-        attach = _attach_te if first_plan.backend is Backend.TE else _attach_emulated
+        model_cfg = run_model_cfg(cfg, meta, data_dir)
+        params_dtype = torch_dtype(str(trainer.params_dtype))
+        attach = attach_te if first_plan.backend is Backend.TE else attach_emulated
         model, plan, precision = attach(model_cfg, recipe, hardware, params_dtype, device)
         if rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -217,11 +240,12 @@ def run_training(cfg) -> dict:
         precision, recorder = _observe(precision, debug, run_dir, rank, plan.backend)
         try:
             summary = train(model, train_iter, valid_iter, trainer, precision, run_dir, rank=rank,
-                            world_size=world_size, resume_from=resume_from)
+                            world_size=world_size, resume_from=resume_from,
+                            summary_extra={"recipe": recipe.name, "backend": str(plan.backend)})
         finally:
             if recorder is not None:  # the last step's rows and the heat map, also after a failed step
                 recorder.close()
-        summary.update(recipe=recipe.name, backend=str(plan.backend), rank=rank)
+        summary["rank"] = rank
         if recorder is not None:
             summary["numerics_s"] = recorder.seconds  # time spent on statistics and dumps (bench_stats.py)
         if hasattr(precision, "execution_summary"):  # what the TE linears really ran, against the plan

@@ -1,0 +1,522 @@
+"""The recipe shoot-out: one model, one data stream, one seed, trained under BF16 and N FP8 recipes side by side.
+
+    result = compare_recipes(["tensorwise", "blockwise"], ["trainer.max_steps=200"], Path("runs/compare"))
+    save(result, Path("runs/compare"))          # compare.json, compare.md, compare.png
+
+Each run is scripts/train.py in a subprocess (its own run dir ``OUT/NAME``, its own Megatron-Core world), through
+:func:`child_main`, which also records the process's peak memory (CUDA: ``torch.cuda.max_memory_allocated``;
+CPU: the peak RSS) and, for FP8 runs, evaluates the final checkpoint with FP8 and with BF16 GEMMs
+(training/evaluate.py: inference parity). ``--parallel N`` runs N at once (several small models fit on one H200;
+on several GPUs each run gets one).
+
+What the table says, from each run's own metrics.jsonl:
+- final loss: the mean of the last k logged training losses, k = 5% of the rows (at least 1): one step's loss
+  is one batch's and swings by more than the gaps sought; gap % = 100 x (recipe - BF16) / BF16;
+- tokens/s: the median over the steady state: rows in the run's last precision stage, after the first 10% of rows
+  (start-up, allocator warm-up and any BF16 warmup stage left out); with --parallel > 1 the runs share the device,
+  so compare tokens/s only within one shoot-out;
+- eval loss: the last ``val_loss`` the run logged (same validation batches in every run);
+- parity: the FP8-trained checkpoint's eval loss with FP8 and with BF16 GEMMs, and their gap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["REFERENCE", "add_gaps", "check_runs", "child_main", "collect", "compare_recipes", "final_loss",
+           "plot_curves", "run_overrides", "save", "steady_tokens_per_s", "summarize", "summarize_run"]
+
+REFERENCE = "bf16"        # the run every gap is measured against
+FINAL_FRACTION = 0.05     # final loss = mean of the last 5% of logged training losses
+WARMUP_FRACTION = 0.10    # tokens/s ignores the first 10% of rows (start-up, allocator warm-up)
+PEAK_FILE = "peak_memory.json"
+PARITY_FILE = "parity.json"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The numbers (pure: lists of metrics rows in, floats out)
+
+
+def _finite_losses(rows: Sequence[dict]) -> list[float]:
+    """Training losses of the steps that updated the model (a skipped step's loss is non-finite by definition)."""
+    values = [float(r["loss"]) for r in rows if "loss" in r and not r.get("skipped")]
+    return [v for v in values if math.isfinite(v)]
+
+
+def final_loss(rows: Sequence[dict], fraction: float = FINAL_FRACTION) -> tuple[float, int]:
+    """(mean of the last k training losses, k) with k = max(1, round(fraction x rows)); (nan, 0) without rows."""
+    losses = _finite_losses(rows)
+    if not losses:
+        return math.nan, 0
+    k = max(1, round(fraction * len(losses)))
+    return statistics.fmean(losses[-k:]), k
+
+
+def steady_tokens_per_s(rows: Sequence[dict], warmup_fraction: float = WARMUP_FRACTION) -> float:
+    """Median tokens/s of the steady state: rows of the last stage, after the first ``warmup_fraction`` of rows
+    (at least one row dropped when there are two or more); all rows when that leaves none."""
+    rows = [r for r in rows if isinstance(r.get("tokens_per_s"), (int, float))]
+    if not rows:
+        return math.nan
+    drop = max(1, math.ceil(warmup_fraction * len(rows))) if len(rows) > 1 else 0
+    last_stage = rows[-1].get("stage")
+    steady = [r for r in rows[drop:] if r.get("stage") == last_stage] or rows
+    return statistics.median(float(r["tokens_per_s"]) for r in steady)
+
+
+def _gap(value: float | None, reference: float | None) -> float | None:
+    from fp8_recipes.training.evaluate import gap_pct
+
+    if value is None or reference is None or not math.isfinite(value) or not math.isfinite(reference):
+        return None
+    return gap_pct(value, reference)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One run's outputs -> one row
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _backend(run_dir: Path) -> str | None:
+    """The backend the run printed in plan.txt (``backend   te (auto: ...)``); summary.json does not hold it."""
+    try:
+        lines = (run_dir / "plan.txt").read_text().splitlines()
+    except OSError:
+        return None
+    return next((ln.split()[1] for ln in lines if ln.startswith("backend ") and len(ln.split()) > 1), None)
+
+
+def summarize_run(run_dir: Path, name: str) -> dict[str, Any]:
+    """One run's row: losses, speed, memory and parity read from its run dir (missing parts are None)."""
+    from fp8_recipes.training.metrics import read_metrics
+
+    summary = _read_json(run_dir / "summary.json")
+    peak = _read_json(run_dir / PEAK_FILE)
+    parity = _read_json(run_dir / PARITY_FILE)
+    train = read_metrics(run_dir, "train") if (run_dir / "metrics.jsonl").is_file() else []
+    evals = [r for r in (read_metrics(run_dir, "eval") if train else []) if "val_loss" in r]
+    loss, k = final_loss(train)
+    status = "ok" if summary and not summary.get("stopped") and not summary.get("preempted") else (
+        "stopped" if summary.get("stopped") else "preempted" if summary.get("preempted") else
+        "failed" if run_dir.exists() else "not run")
+    peak_bytes = summary.get("peak_memory_bytes") or peak.get("cuda_max_allocated_bytes") or \
+        peak.get("cpu_max_rss_bytes")
+    return {
+        "name": name, "run_dir": str(run_dir), "status": status, "recipe": summary.get("recipe", name),
+        "backend": summary.get("backend") or _backend(run_dir), "device": peak.get("device"), "steps": len(train),
+        "final_loss": loss, "final_k": k, "val_loss": float(evals[-1]["val_loss"]) if evals else None,
+        "val_step": evals[-1]["step"] if evals else None, "tokens_per_s": steady_tokens_per_s(train),
+        "peak_memory_gib": peak_bytes / 2**30 if peak_bytes else None,
+        "peak_memory_kind": "cuda max allocated" if peak.get("cuda_max_allocated_bytes") else
+        ("cpu peak rss" if peak.get("cpu_max_rss_bytes") else None),
+        "skipped_steps": summary.get("skipped_steps"),
+        "parity": {k: parity[k] for k in ("fp8_loss", "bf16_loss", "fp8_ppl", "bf16_ppl", "gap_pct", "eval_step",
+                                          "stage", "eval_tokens") if k in parity} or None,
+    }
+
+
+def add_gaps(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each row's final-loss and eval-loss gap % and speed ratio against the BF16 row (None without one)."""
+    ref = next((r for r in rows if r["name"] == REFERENCE and r["status"] == "ok"), None)
+    for r in rows:
+        r["loss_gap_pct"] = _gap(r["final_loss"], ref["final_loss"]) if ref else None
+        r["val_gap_pct"] = _gap(r["val_loss"], ref["val_loss"]) if ref else None
+        speed = ref["tokens_per_s"] if ref else None
+        r["tokens_vs_bf16"] = r["tokens_per_s"] / speed if speed and math.isfinite(r["tokens_per_s"]) else None
+    return rows
+
+
+def collect(out_dir: Path, names: Sequence[str] | None = None) -> dict[str, Any]:
+    """Every run of a shoot-out directory (``names``, else compare.json's runs, else each subdirectory with
+    metrics.jsonl; BF16 first) as table rows, with the gaps filled in."""
+    previous = _read_json(out_dir / "compare.json")
+    if names is None:
+        names = [r["name"] for r in previous.get("runs", [])] or sorted(
+            (p.name for p in out_dir.iterdir() if (p / "metrics.jsonl").is_file()),
+            key=lambda n: (n != REFERENCE, n))
+    if not names:
+        raise ValueError(f"--plot-only: {str(out_dir)!r} holds no run (no */metrics.jsonl); give a directory "
+                         "written by compare_recipes.py")
+    rows = add_gaps([summarize_run(out_dir / n, n) for n in names])
+    device = next((r["device"] for r in rows if r.get("device")), None)
+    keep = {k: previous[k] for k in ("command", "overrides", "parallel", "date") if k in previous}
+    return {"kind": "compare", **keep, "device": device, "final_fraction": FINAL_FRACTION,
+            "warmup_fraction": WARMUP_FRACTION, "runs": rows}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Table and plot
+
+
+def _fmt(value: float | None, spec: str) -> str | None:
+    return None if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def summarize(result: dict[str, Any]) -> str:
+    """The Markdown table: one row per run."""
+    from fp8_recipes.bench.output import markdown_table
+
+    header = ["run", "backend", "steps", "final loss", "vs BF16", "eval loss", "vs BF16", "tokens/s", "x BF16",
+              "peak GiB", "parity: FP8 eval", "BF16 eval", "FP8 vs BF16", "status"]
+    rows = []
+    for r in result["runs"]:
+        p = r.get("parity") or {}
+        rows.append([r["name"], r["backend"], r["steps"], _fmt(r["final_loss"], ".4f"),
+                     _fmt(r["loss_gap_pct"], "+.2f") and f"{r['loss_gap_pct']:+.2f}%", _fmt(r["val_loss"], ".4f"),
+                     _fmt(r["val_gap_pct"], "+.2f") and f"{r['val_gap_pct']:+.2f}%", _fmt(r["tokens_per_s"], ",.0f"),
+                     _fmt(r["tokens_vs_bf16"], ".3f"), _fmt(r["peak_memory_gib"], ".2f"),
+                     _fmt(p.get("fp8_loss"), ".4f"), _fmt(p.get("bf16_loss"), ".4f"),
+                     _fmt(p.get("gap_pct"), "+.3f") and f"{p['gap_pct']:+.3f}%", r["status"]])
+    kinds = sorted({r["peak_memory_kind"] for r in result["runs"] if r.get("peak_memory_kind")})
+    k = max((r["final_k"] for r in result["runs"]), default=0)
+    notes = [f"final loss: mean of the last {k} logged training losses ({FINAL_FRACTION:.0%} of the steps); "
+             f"gaps: 100 x (recipe - BF16) / BF16; tokens/s: median of the last stage after the first "
+             f"{WARMUP_FRACTION:.0%} of steps; peak memory: {', '.join(kinds) or '-'}; parity: the FP8-trained "
+             "final checkpoint evaluated with FP8 and with BF16 GEMMs on the run's validation batches."]
+    if int(result.get("parallel") or 1) > 1:
+        notes.append(f"{result['parallel']} runs at a time shared the device: tokens/s compare within this table only.")
+    return markdown_table(header, rows) + "\n\n" + "\n".join(notes)
+
+
+def _smooth(values: list[float], window: int) -> list[float]:
+    """Trailing moving average (the first points average what exists so far)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def _curve(run_dir: Path, window: int) -> tuple[list[int], list[float]]:
+    from fp8_recipes.training.metrics import read_metrics
+
+    rows = [r for r in read_metrics(run_dir, "train") if not r.get("skipped")]
+    pairs = [(r["step"], float(r["loss"])) for r in rows if math.isfinite(float(r["loss"]))]
+    return [s for s, _ in pairs], _smooth([v for _, v in pairs], window)
+
+
+def plot_curves(result: dict[str, Any], path: Path) -> Path | None:
+    """compare.png: training loss per run (BF16 bold) above its relative difference to BF16 in % (the layout of
+    the NeMo FP8 blog's figure 2); both smoothed by a trailing mean over 2% of the steps."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display on GPU nodes; must precede pyplot's import
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"note: matplotlib is not installed: no {path.name}; draw it elsewhere with --plot-only")
+        return None
+    runs = [r for r in result["runs"] if r["steps"]]
+    window = max(1, max((r["steps"] for r in runs), default=1) // 50)
+    curves = {r["name"]: _curve(Path(r["run_dir"]), window) for r in runs}
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), dpi=120, sharex=True,
+                                      gridspec_kw={"height_ratios": [3, 2]})
+    ref = curves.get(REFERENCE)
+    for r in runs:
+        steps, loss = curves[r["name"]]
+        is_ref = r["name"] == REFERENCE
+        style = dict(color="black", linewidth=2.4, zorder=3) if is_ref else dict(linewidth=1.2)
+        line, = top.plot(steps, loss, label=r["name"].upper() if is_ref else r["name"], **style)
+        evals = _eval_points(Path(r["run_dir"]))
+        if evals[0]:
+            top.plot(*evals, "o", color=line.get_color(), markersize=4)
+        if ref and not is_ref:
+            at = dict(zip(*ref))
+            pairs = [(s, 100 * (v - at[s]) / at[s]) for s, v in zip(steps, loss) if s in at and at[s]]
+            bottom.plot([s for s, _ in pairs], [d for _, d in pairs], color=line.get_color(), linewidth=1.2)
+    if ref:
+        skip = len(ref[1]) // 50  # the first steps' losses (~ln vocab) would flatten the rest of the curve
+        top.set_ylim(top=max(ref[1][skip:]) * 1.02, bottom=min(ref[1]) * 0.98)
+    bottom.axhline(0.0, color="black", linewidth=1.6)
+    bottom.axhspan(-0.5, 0.5, color="grey", alpha=0.15, label="±0.5%")
+    top.set_ylabel(f"training loss (mean of {window} steps)")
+    bottom.set_ylabel("vs BF16 (%)")
+    bottom.set_xlabel("step")
+    top.set_title(f"{result.get('device') or ''}: {', '.join(r['name'] for r in runs)}; dots: eval loss",
+                  fontsize=9)
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _eval_points(run_dir: Path) -> tuple[list[int], list[float]]:
+    from fp8_recipes.training.metrics import read_metrics
+
+    rows = [r for r in read_metrics(run_dir, "eval") if "val_loss" in r]
+    return [r["step"] for r in rows], [float(r["val_loss"]) for r in rows]
+
+
+def save(result: dict[str, Any], out_dir: Path) -> str:
+    """compare.json, compare.md and compare.png in ``out_dir``; returns the table."""
+    from fp8_recipes.bench.output import save_json
+
+    save_json(out_dir / "compare.json", result)
+    table = summarize(result)
+    (out_dir / "compare.md").write_text(table + "\n")
+    plot_curves(result, out_dir / "compare.png")
+    return table
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Running the shoot-out
+
+
+def _reserved(overrides: Sequence[str]) -> None:
+    """Keys the shoot-out sets itself may not come in as overrides (one line naming the key)."""
+    for o in overrides:
+        key = o.split("=", 1)[0].lstrip("+~")
+        if key == "recipe":
+            raise ValueError(f"{key}: chosen by --recipes, not by an override ({o!r}); e.g. --recipes tensorwise")
+        if key == "run_dir":
+            raise ValueError(f"{key}: each run's directory is OUT/NAME; set --out instead of {o!r}")
+
+
+def run_overrides(name: str, overrides: Sequence[str], run_dir: Path) -> list[str]:
+    """scripts/train.py's overrides for one run. ``recipe.*`` overrides edit the FP8 recipes only (the BF16
+    reference has no schedule or policies to edit)."""
+    own = [o for o in overrides if name != REFERENCE or not o.lstrip("+~").startswith("recipe.")]
+    return [f"+recipe={name}", *own, f"run_dir={run_dir}"]
+
+
+def check_runs(names: Sequence[str], overrides: Sequence[str], out_dir: Path, parity: bool) -> Any:
+    """Every run's config composed and checked as scripts/train.py would, before any run starts (a typo costs a
+    second, not N trainings); returns the BF16 run's config (for the data to prepare). ValueError: one line."""
+    from hydra import compose, initialize_config_dir
+
+    from fp8_recipes.recipes import conf_dir, load_recipe, recipe_names
+    from fp8_recipes.training.config import check_run_config
+    from fp8_recipes.training.errors import one_line
+    from fp8_recipes.training.run import resolve_recipe
+
+    for name in names:
+        if name not in recipe_names():
+            load_recipe(name)  # raises the pack's own message: did you mean, choices
+            raise ValueError(f"--recipes: {name!r} is a file, not a recipe of the pack; choose from "
+                             f"{', '.join(recipe_names())}")
+    _reserved(overrides)
+    configs = {}
+    for name in names:
+        if (out_dir / name).exists():
+            raise ValueError(f"--out: {str(out_dir / name)!r} already exists (a run dir appends to its metrics); "
+                             f"choose a new --out, or redraw with --plot-only {out_dir}")
+        try:
+            with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+                cfg = compose("train", overrides=run_overrides(name, overrides, out_dir / name))
+            check_run_config(cfg)
+            resolve_recipe(cfg)
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - Hydra's errors, as scripts/train.py reports them
+            line = one_line(e)
+            if line is None:
+                raise
+            raise ValueError(line) from None
+        configs[name] = cfg
+    if parity and not configs[REFERENCE].trainer.save_checkpoints:
+        raise ValueError("trainer.save_checkpoints: false leaves no checkpoint for the inference-parity evaluation; "
+                         "drop the override, or pass --no-parity")
+    return configs[REFERENCE]
+
+
+def _prepare_data(cfg: Any) -> None:
+    """Build (or reuse) the dataset once here: N runs starting at once must not all build it in one place."""
+    from fp8_recipes.megatron.data import prepare_dataset
+
+    data = cfg.data
+    prepare_dataset(data.inputs, data.path, tokenizer_kind=data.tokenizer, vocab_size=int(data.vocab_size),
+                    json_key=data.json_key)
+
+
+def _child_env(slot: int, parallel: int) -> dict[str, str]:
+    """One run's environment: the package importable, its share of CPU threads, its GPU when there are several."""
+    import torch
+
+    env = dict(os.environ)
+    plugins = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (plugins, env.get("PYTHONPATH")) if p)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS"):
+        env.pop(var, None)  # each run is a world of its own, never a rank of this process's launcher
+    gpus = torch.cuda.device_count()  # (NVML: no CUDA context in this process)
+    if gpus == 0 and parallel > 1 and "OMP_NUM_THREADS" not in env:  # oversubscribed OpenMP spins (FACTS)
+        env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // parallel))
+    if gpus > 1 and "CUDA_VISIBLE_DEVICES" not in env:
+        env["CUDA_VISIBLE_DEVICES"] = str(slot % gpus)
+    return env
+
+
+def _last_step(run_dir: Path) -> int | None:
+    """The step of the last metrics row (for the progress bar), reading only the file's tail."""
+    try:
+        with open(run_dir / "metrics.jsonl", "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - 4096))
+            last = f.read().splitlines()[-1]
+        return int(json.loads(last)["step"])
+    except (OSError, ValueError, IndexError, KeyError):
+        return None
+
+
+def _last_error(log: Path) -> str:
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()] if log.is_file() else []
+    return next((ln for ln in reversed(lines) if ln.startswith("error:")), lines[-1] if lines else "no output")
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _run_all(jobs: dict[str, list[str]], parallel: int, out_dir: Path) -> dict[str, int]:
+    """Run the commands, ``parallel`` at a time, under a progress bar over runs; each run's output goes to
+    ``OUT/logs/NAME.log``. Ctrl-C or SIGTERM (a batch job's preemption) passes SIGTERM on to the runs, which
+    checkpoint and stop (exit 4, resumable with trainer.resume=auto). Returns exit codes."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # a bare GPU image may lack it: a line per finished run only
+        from fp8_recipes.training.loop import _PlainBar
+
+        tqdm = functools.partial(_PlainBar, disable=True)
+
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _interrupt)
+
+    logs = out_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    pending, running, codes = list(jobs), {}, {}
+    free_slots = list(range(parallel))
+    bar = tqdm(total=len(jobs), desc="runs", unit="run", dynamic_ncols=True)
+    try:
+        while pending or running:
+            while pending and free_slots:
+                name, slot = pending.pop(0), free_slots.pop(0)
+                with open(logs / f"{name}.log", "w") as log:
+                    proc = subprocess.Popen(jobs[name], stdout=log, stderr=subprocess.STDOUT,
+                                            env=_child_env(slot, parallel))
+                running[name] = (proc, slot, time.perf_counter())
+            time.sleep(1.0)
+            for name, (proc, slot, t0) in list(running.items()):
+                if proc.poll() is None:
+                    continue
+                del running[name]
+                free_slots.append(slot)
+                codes[name] = proc.returncode
+                what = "done" if proc.returncode == 0 else \
+                    f"FAILED (exit {proc.returncode}): {_last_error(logs / f'{name}.log')}"
+                bar.write(f"{name}: {what} ({time.perf_counter() - t0:.0f}s; log {logs / f'{name}.log'})")
+                bar.update(1)
+            bar.set_postfix_str(" | ".join(f"{n} step {_last_step(out_dir / n) or 0}" for n in running),
+                                refresh=False)
+    except KeyboardInterrupt:
+        for proc, _, _ in running.values():
+            proc.terminate()
+        for proc, _, _ in running.values():
+            proc.wait()
+        raise
+    finally:
+        bar.close()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    return codes
+
+
+def _child_command(name: str, overrides: Sequence[str], out_dir: Path, train_script: Path, parity: bool,
+                   parity_iters: int | None) -> list[str]:
+    run_dir = out_dir / name
+    cmd = [sys.executable, "-c", "from fp8_recipes.bench.compare import child_main; child_main()",
+           "--script", str(train_script), "--run-dir", str(run_dir)]
+    if parity and name != REFERENCE:
+        cmd += ["--parity"] + (["--parity-iters", str(parity_iters)] if parity_iters else [])
+    return cmd + ["--", *run_overrides(name, overrides, run_dir)]
+
+
+def compare_recipes(recipes: Sequence[str], overrides: Sequence[str], out_dir: Path, *, parallel: int = 1,
+                    parity: bool = True, parity_iters: int | None = None, train_script: Path | None = None,
+                    command: str | None = None) -> dict[str, Any]:
+    """Train BF16 and each recipe with the same overrides (so the same model, data and seed), then collect.
+    User errors (a bad recipe name or override, an existing run dir) are ValueErrors of one line, raised before
+    any run starts. A failed run becomes a row with status ``failed`` (its log says why)."""
+    from fp8_recipes.bench.output import save_json
+    from fp8_recipes.recipes import project_root
+
+    if parallel < 1:
+        raise ValueError(f"--parallel: {parallel} must be >= 1")
+    names = [REFERENCE] + list(dict.fromkeys(r for r in recipes if r != REFERENCE))
+    script = train_script or (project_root() or Path(".")) / "scripts" / "train.py"
+    if not script.is_file():
+        raise ValueError(f"--train-script: {str(script)!r} does not exist; run from a checkout of fp8-recipes")
+    reference_cfg = check_runs(names, overrides, out_dir, parity)
+    _prepare_data(reference_cfg)
+    jobs = {n: _child_command(n, overrides, out_dir, script, parity, parity_iters) for n in names}
+    meta = {"command": command, "overrides": list(overrides), "parallel": parallel,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": [{"name": n} for n in names]}
+    save_json(out_dir / "compare.json", meta)  # the run list first, so --plot-only works on a cut-short shoot-out
+    codes = _run_all(jobs, min(parallel, len(names)), out_dir)
+    result = collect(out_dir, names)
+    for row in result["runs"]:  # trained, then failed after (the parity evaluation): not a clean row either
+        if row["status"] == "ok" and codes.get(row["name"]) != 0:
+            row["status"] = f"exit {codes.get(row['name'])}"
+    return result
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Inside each run's subprocess
+
+
+def _peak_memory() -> dict[str, Any]:
+    """This process's peak memory: CUDA's max allocated when CUDA was used, and the peak RSS."""
+    import resource
+
+    import torch
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    device = torch.cuda.get_device_name() if cuda else f"CPU ({len(os.sched_getaffinity(0))} cores)"
+    return {"device": device, "cpu_max_rss_bytes": rss,
+            "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None}
+
+
+def child_main(argv: Sequence[str] | None = None) -> None:
+    """One run of the shoot-out: scripts/train.py as __main__ (its exit codes, errors and outputs unchanged),
+    then the peak memory into RUN_DIR/peak_memory.json and, with --parity, RUN_DIR/parity.json."""
+    import runpy
+
+    p = argparse.ArgumentParser(prog="compare child")
+    p.add_argument("--script", type=Path, required=True)
+    p.add_argument("--run-dir", type=Path, required=True)
+    p.add_argument("--parity", action="store_true")
+    p.add_argument("--parity-iters", type=int)
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    sys.argv = [str(args.script), *args.overrides]
+    runpy.run_path(str(args.script), run_name="__main__")  # SystemExit (errors, preemption) passes through
+    from fp8_recipes.bench.output import save_json
+
+    save_json(args.run_dir / PEAK_FILE, _peak_memory())  # before the evaluation: training's peak only
+    if args.parity:
+        from fp8_recipes.training.evaluate import evaluate_checkpoint, format_parity
+
+        result = evaluate_checkpoint(args.run_dir, eval_iters=args.parity_iters)
+        save_json(args.run_dir / PARITY_FILE, result)
+        print(f"parity: {format_parity(result)}", flush=True)

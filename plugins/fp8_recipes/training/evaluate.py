@@ -1,0 +1,173 @@
+"""Inference parity: a trained checkpoint's validation loss with the recipe's FP8 GEMMs and with BF16 GEMMs.
+
+    result = evaluate_checkpoint("runs/tensorwise-...")      # the run's latest checkpoint, the run's own recipe
+    result["gap_pct"]                                         # 100 x (FP8 eval loss - BF16 eval loss) / BF16
+
+The model, data and validation batches are rebuilt from what the run recorded (``.hydra/config.yaml``, the
+composed config of scripts/train.py, and ``recipe.yaml``), so the batches are exactly the ones the run's own
+evaluations used: on the CPU the FP8 number equals the run's last ``val_loss`` bit for bit when the checkpoint is
+the final step of a one-process run. (A data-parallel run reduced each tensor's amax over its ranks, i.e. over
+other ranks' batches too, which one process evaluating every batch cannot repeat: seen 5e-6 relative at DP 2.) FP8 means the plan at a step where every stage of the schedule is on (BF16 warmup and staged enablement
+over); BF16 means the same model under ``precision.high_precision()`` (every GEMM in high precision, as the
+training loop's full-precision evaluation). The checkpoint's scaling state (delayed-scaling amax histories) is
+restored, so delayed scaling evaluates with the scales training ended with; another ``recipe`` starts from fresh
+scaling state (load_checkpoint says so). The backend follows the recipe (``auto``: TE on an FP8 GPU, emulated
+elsewhere); a checkpoint loads only into the model kind it was written from (TE spec on the GPU, local spec on
+the CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+__all__ = ["evaluate_checkpoint", "eval_step_all_on", "format_parity", "gap_pct", "load_run_config"]
+
+logger = logging.getLogger("fp8_recipes")
+
+
+def gap_pct(value: float, reference: float) -> float:
+    """100 x (value - reference) / reference: how much worse (positive) or better than the reference, in %."""
+    return 100.0 * (value - reference) / reference if reference else math.nan
+
+
+def load_run_config(run_dir: str | Path) -> Any:
+    """The composed config scripts/train.py ran with (Hydra writes it to ``run_dir/.hydra/config.yaml``)."""
+    from omegaconf import OmegaConf
+
+    path = Path(run_dir) / ".hydra" / "config.yaml"
+    if not path.is_file():
+        raise ValueError(f"run_dir: {str(run_dir)!r} has no .hydra/config.yaml; give a directory written by "
+                         "scripts/train.py")
+    return OmegaConf.load(path)
+
+
+def eval_step_all_on(recipe: Any, trained_steps: int) -> int:
+    """The 0-based step whose plan evaluates: the checkpoint's last training step, or later when the schedule's
+    last stage had not begun by then (every FP8 role on: the recipe's steady state, what inference would run)."""
+    from fp8_recipes.schema import ROLES
+
+    starts = [recipe.schedule.role_start(r) for r in ROLES if recipe.policy(r).is_fp8]
+    return max([trained_steps - 1, 0, *starts])
+
+
+def run_data_parallel_size(step_dir: Path) -> int:
+    """The data-parallel size the checkpoint was trained at (its meta.json; 1 for a checkpoint without one)."""
+    try:
+        return int(json.loads((step_dir / "meta.json").read_text()).get("data_parallel_size", 1))
+    except (OSError, ValueError):
+        return 1
+
+
+def _valid_batches(cfg: Any, eval_iters: int, train_dp: int) -> list[dict]:
+    """This rank's share of the first ``eval_iters`` micro-batches of the run's validation stream, built as
+    training/run.py builds it (the same sample counts for ``train_dp`` ranks, the same seed), so the batches are
+    the ones the run itself evaluated on: at ``train_dp`` ranks, rank r evaluated micro-batches r, r + dp, ... of
+    one global stream (in a single process, all of them)."""
+    from megatron.core import parallel_state as ps
+
+    from fp8_recipes.megatron.data import batches
+    from fp8_recipes.training.run import run_datasets, valid_seed
+
+    _, valid_ds = run_datasets(cfg, Path(cfg.data.path), train_dp)
+    stream = batches(valid_ds, int(cfg.trainer.micro_batch_size), valid_seed(cfg.trainer))
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    return [b for i, b in zip(range(eval_iters), stream) if i % dp == rank]
+
+
+def _model_cfg(cfg: Any) -> dict:
+    """The model group with the vocabulary training/run.py gave it (the tokenizer's when the config says null)."""
+    from fp8_recipes.training.run import run_model_cfg
+
+    data_dir = Path(cfg.data.path)
+    return run_model_cfg(cfg, json.loads((data_dir / "meta.json").read_text()), data_dir)
+
+
+def _run_recipe(run_dir: Path, recipe: str | None) -> Any:
+    """``recipe`` (a pack name or YAML path), else what the run trained with (its resolved recipe.yaml)."""
+    import yaml
+
+    from fp8_recipes.recipes import load_recipe
+
+    if recipe is not None:
+        return load_recipe(recipe)
+    path = run_dir / "recipe.yaml"
+    if not path.is_file():
+        raise ValueError(f"run_dir: {str(run_dir)!r} has no recipe.yaml; give a directory written by "
+                         "scripts/train.py, or --recipe NAME")
+    return load_recipe(yaml.safe_load(path.read_text()))
+
+
+def evaluate_checkpoint(run_dir: str | Path, *, checkpoint: str | Path | None = None, recipe: str | None = None,
+                        eval_iters: int | None = None) -> dict[str, Any]:
+    """Validation loss and perplexity of a run's checkpoint with FP8 and with BF16 GEMMs, and the gap between them.
+
+    ``checkpoint``: a run dir, checkpoints dir or step_N dir (default: the run's latest); ``recipe``: evaluate
+    with another recipe's FP8 (a pack name or YAML path; default: the run's own); ``eval_iters``: validation
+    micro-batches (default: the run's ``trainer.eval_iters`` x its data-parallel size, the ones its evaluations
+    used). User errors (not a run dir, no checkpoint, a bad recipe) are ValueErrors of one line naming the argument.
+    """
+    from fp8_recipes.training.checkpoint import resolve_checkpoint
+
+    run_dir = Path(run_dir)
+    cfg = load_run_config(run_dir)
+    chosen = _run_recipe(run_dir, recipe)
+    try:
+        step_dir = resolve_checkpoint(checkpoint if checkpoint is not None else run_dir)
+    except FileNotFoundError as e:
+        raise ValueError(f"checkpoint: {e}; train with trainer.save_checkpoints=true") from None
+    train_dp = run_data_parallel_size(step_dir)  # the run evaluated eval_iters micro-batches on each of its ranks
+    iters = int(eval_iters if eval_iters is not None else int(cfg.trainer.eval_iters) * train_dp)
+    if iters < 1:
+        raise ValueError(f"eval_iters: {iters} must be >= 1")
+    return _evaluate(cfg, chosen, step_dir, iters, train_dp) | {"run_dir": str(run_dir), "checkpoint": str(step_dir)}
+
+
+def _evaluate(cfg: Any, recipe: Any, step_dir: Path, eval_iters: int, train_dp: int) -> dict[str, Any]:
+    """Build the run's model under ``recipe``'s backend, load ``step_dir``, evaluate in FP8 and in BF16."""
+    from fp8_recipes.megatron.model import destroy_distributed, init_distributed
+    from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan
+    from fp8_recipes.schema import Backend
+    from fp8_recipes.training.checkpoint import checkpoint_step, load_checkpoint
+    from fp8_recipes.training.loop import evaluate
+    from fp8_recipes.training.run import attach_emulated, attach_te, quiet_third_party_logs, torch_dtype
+
+    quiet_third_party_logs()
+    hardware = Hardware.detect()
+    first_plan = PrecisionPlan(recipe, ModelLayout.gpt(int(cfg.model.num_layers)), hardware)  # refuses early
+    _, _, device = init_distributed(tensor_model_parallel_size=int(cfg.trainer.get("tensor_model_parallel_size", 1)),
+                                    seed=int(cfg.trainer.seed))
+    try:
+        valid = _valid_batches(cfg, eval_iters, train_dp)
+        attach = attach_te if first_plan.backend is Backend.TE else attach_emulated
+        model, plan, precision = attach(_model_cfg(cfg), recipe, hardware, torch_dtype(str(cfg.trainer.params_dtype)),
+                                        device)
+        trained = load_checkpoint(step_dir, model=model, precision=precision, restore_rng=False)
+        step = eval_step_all_on(recipe, checkpoint_step(step_dir))
+        stage = precision.begin_step(step)
+        fp8_loss = evaluate(model, valid, device)
+        with precision.high_precision():
+            bf16_loss = evaluate(model, valid, device)
+    finally:
+        destroy_distributed()
+    tokens = sum(int(b["loss_mask"].sum()) for b in valid)  # (this rank's: the losses are over all ranks)
+    return {"recipe": recipe.name, "backend": str(plan.backend), "trained_steps": trained, "eval_step": step + 1,
+            "stage": stage, "eval_iters": eval_iters, "eval_tokens": tokens,
+            "fp8_loss": fp8_loss, "bf16_loss": bf16_loss, "fp8_ppl": _ppl(fp8_loss), "bf16_ppl": _ppl(bf16_loss),
+            "gap_pct": gap_pct(fp8_loss, bf16_loss)}
+
+
+def _ppl(loss: float) -> float:
+    """Perplexity of a mean token loss in nats (inf past float range rather than an OverflowError)."""
+    return math.exp(loss) if loss < 700 else math.inf
+
+
+def format_parity(result: dict[str, Any]) -> str:
+    """One line for a person: what was evaluated, both losses and perplexities, the gap."""
+    return (f"{result['recipe']} ({result['backend']}) checkpoint step {result['trained_steps']}, "
+            f"{result['eval_iters']} batches ({result['eval_tokens']:,} tokens), plan of step {result['eval_step']} "
+            f"({result['stage']}): FP8 eval loss {result['fp8_loss']:.4f} (ppl {result['fp8_ppl']:.2f}), "
+            f"BF16 eval loss {result['bf16_loss']:.4f} (ppl {result['bf16_ppl']:.2f}), gap {result['gap_pct']:+.3f}%")

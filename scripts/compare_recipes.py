@@ -1,0 +1,80 @@
+"""The recipe shoot-out: the same model, data and seed trained under BF16 and N FP8 recipes; loss curves against
+BF16, a table (final-loss gap %, eval loss, tokens/s, peak memory) and inference parity per recipe.
+
+    python scripts/compare_recipes.py --recipes tensorwise blockwise               # tiny model, CPU, emulated
+    python scripts/compare_recipes.py --recipes tensorwise blockwise hybrid delayed --out runs/cmp \
+        trainer.max_steps=150 trainer.eval_interval=50
+    python scripts/compare_recipes.py --recipes tensorwise blockwise hybrid --parallel 4 --out runs/cmp125m \
+        model=gpt_125m trainer=gpu trainer.max_steps=1000 trainer.eval_interval=1000       # one H200, real FP8
+    python scripts/compare_recipes.py --plot-only runs/cmp                         # redraw table and PNG
+
+BF16 is always run, as the reference. Every other argument is a Hydra override of scripts/train.py, given to every
+run (`recipe.*` ones to the FP8 runs only); each run is scripts/train.py in a subprocess with its run dir OUT/NAME
+and its log in OUT/logs/NAME.log. After each FP8 run its final checkpoint is evaluated with FP8 and with BF16
+GEMMs (inference parity; scripts/eval_checkpoint.py does the same for any run; --no-parity skips it).
+Writes OUT/compare.json, OUT/compare.md and OUT/compare.png (see fp8_recipes/bench/compare.py for what each
+number is). Exit codes: 0 every run finished; 1 some run failed (its row says so); 2 a bad argument or override
+(one `error: <key>: ...` line, nothing run); 130 interrupted by Ctrl-C or SIGTERM (each running run finishes its
+step and checkpoints; the table and PNG show what was logged).
+"""
+
+import argparse
+import logging
+import shlex
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))  # a checkout without `pip install -e`
+
+
+def _is_override(arg: str) -> bool:
+    return "=" in arg and not arg.startswith("-")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--recipes", nargs="+", default=["tensorwise", "blockwise", "hybrid"], metavar="NAME",
+                   help="recipes of the pack to compare with BF16 (default: tensorwise blockwise hybrid)")
+    p.add_argument("--out", type=Path, default=None, help="output directory (default: runs/compare-<time>)")
+    p.add_argument("--parallel", type=int, default=1, help="runs at once (default 1; one H200 fits 4 gpt_125m)")
+    p.add_argument("--no-parity", dest="parity", action="store_false", help="skip the inference-parity evaluation")
+    p.add_argument("--parity-iters", type=int, help="validation micro-batches for parity (default: trainer.eval_iters)")
+    p.add_argument("--plot-only", type=Path, metavar="DIR", help="redraw table and PNG of a shoot-out directory")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides for every run, e.g. model=gpt_125m trainer=gpu")
+    # KEY=VALUE words are overrides wherever they stand (else `--recipes a b trainer.max_steps=9` would take the
+    # override for a recipe name); recipe names and option values never hold '='.
+    argv = sys.argv[1:]
+    args = p.parse_args([a for a in argv if not _is_override(a)])
+    args.overrides += [a for a in argv if _is_override(a)]
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+
+    from fp8_recipes.bench.compare import collect, compare_recipes, save
+    from fp8_recipes.training.errors import USER_ERROR_EXIT
+    from fp8_recipes.training.run import quiet_third_party_logs
+
+    quiet_third_party_logs()
+    out = args.plot_only or args.out or Path("runs") / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
+    try:
+        if args.plot_only:
+            result = collect(args.plot_only)
+        else:
+            result = compare_recipes(args.recipes, args.overrides, out, parallel=args.parallel, parity=args.parity,
+                                     parity_iters=args.parity_iters, command=shlex.join(["python", *sys.argv]))
+    except ValueError as e:  # a user error: one line naming the key, no run started
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        sys.exit(USER_ERROR_EXIT)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (e.g. `timeout`): the runs checkpointed; tabulate what they logged
+        print(f"interrupted: the runs stopped after their current step (checkpoints in {out}/*/checkpoints)",
+              file=sys.stderr)
+        if any(out.glob("*/metrics.jsonl")):
+            print(save(collect(out), out))
+        sys.exit(130)
+    print(save(result, out))
+    print(f"(compare.json, compare.md, compare.png in {out})")
+    if any(r["status"] != "ok" for r in result["runs"]):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""The recipe shoot-out end to end on the CPU: scripts/compare_recipes.py trains BF16 and two recipes (tiny model,
+emulated FP8), writes its PNG, table and JSON with numbers recomputed here from each run's own metrics.jsonl, and
+evaluates each FP8 checkpoint with FP8 and BF16 GEMMs (inference parity); bad input ends in one line, exit 2."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from test_train_cpu import ROOT, dataset, small_run  # noqa: F401  (dataset: the shared session fixture)
+
+from fp8_recipes.training.metrics import read_metrics
+
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+STEPS = 16
+RECIPES = ["tensorwise", "blockwise"]
+SCRIPT = str(ROOT / "scripts" / "compare_recipes.py")
+
+
+def _overrides(tmp_path) -> list[str]:
+    """small_run's quick settings, with an evaluation at the end and checkpoints kept (the parity step loads them);
+    the run dirs are the shoot-out's own."""
+    own = ("run_dir=", "trainer.save_checkpoints=", "trainer.eval_interval=", "trainer.eval_iters=")
+    return [o for o in small_run(tmp_path, steps=STEPS) if not o.startswith(own)] + [
+        f"trainer.eval_interval={STEPS}", "trainer.eval_iters=2", "model.seq_length=64"]
+
+
+@pytest.fixture(scope="module")
+def shootout(dataset, tmp_path_factory):  # noqa: F811
+    out = tmp_path_factory.mktemp("compare") / "out"
+    cmd = [sys.executable, SCRIPT, "--recipes", *RECIPES, "--parallel", "2", "--out", str(out), *dataset,
+           *_overrides(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc.stdout
+
+
+def _recomputed_final(run_dir) -> float:
+    losses = [float(r["loss"]) for r in read_metrics(run_dir, "train")]
+    k = max(1, round(0.05 * len(losses)))
+    return sum(losses[-k:]) / k
+
+
+def test_shootout_writes_png_table_and_json(shootout):
+    out, stdout = shootout
+    assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    result = json.loads((out / "compare.json").read_text())
+    names = ["bf16", *RECIPES]
+    assert [r["name"] for r in result["runs"]] == names
+    table = (out / "compare.md").read_text()
+    assert table.strip() in stdout  # the table is also what the script printed
+    for name in names:
+        assert sum(line.startswith(f"| {name} |") for line in table.splitlines()) == 1, table
+    for r in result["runs"]:
+        assert r["status"] == "ok" and r["steps"] == STEPS and r["backend"] == "emulated"
+        for key in ("final_loss", "val_loss", "tokens_per_s", "peak_memory_gib", "loss_gap_pct", "val_gap_pct"):
+            assert isinstance(r[key], float) and math.isfinite(r[key]), (r["name"], key, r[key])
+        assert r["peak_memory_gib"] > 0.05 and r["peak_memory_kind"] == "cpu peak rss"
+
+
+def test_gaps_match_each_runs_own_metrics(shootout):
+    out, _ = shootout
+    runs = {r["name"]: r for r in json.loads((out / "compare.json").read_text())["runs"]}
+    ref = _recomputed_final(out / "bf16")
+    ref_val = read_metrics(out / "bf16", "eval")[-1]["val_loss"]
+    for name, r in runs.items():
+        final = _recomputed_final(out / name)
+        val = read_metrics(out / name, "eval")[-1]["val_loss"]
+        assert r["final_loss"] == pytest.approx(final, rel=1e-12)
+        assert r["loss_gap_pct"] == pytest.approx(100 * (final - ref) / ref, rel=1e-9, abs=1e-12)
+        assert r["val_gap_pct"] == pytest.approx(100 * (val - ref_val) / ref_val, rel=1e-9, abs=1e-12)
+    assert any(runs[n]["loss_gap_pct"] != 0.0 for n in RECIPES)  # emulated FP8 changes the numbers at all
+
+
+def test_parity_of_each_fp8_checkpoint(shootout):
+    out, _ = shootout
+    runs = {r["name"]: r for r in json.loads((out / "compare.json").read_text())["runs"]}
+    assert runs["bf16"]["parity"] is None and not (out / "bf16" / "parity.json").exists()
+    for name in RECIPES:
+        p = runs[name]["parity"]
+        assert all(math.isfinite(p[k]) for k in ("fp8_loss", "bf16_loss", "fp8_ppl", "bf16_ppl", "gap_pct")), p
+        # The checkpoint, the rebuilt model and the rebuilt validation batches are the run's own: its FP8
+        # evaluation reproduces the val_loss the run logged at its last step (same batches, same plan).
+        assert p["fp8_loss"] == pytest.approx(read_metrics(out / name, "eval")[-1]["val_loss"], rel=1e-6)
+        assert p["fp8_loss"] != p["bf16_loss"]  # BF16 really switched the quantization off
+        assert p["gap_pct"] == pytest.approx(100 * (p["fp8_loss"] - p["bf16_loss"]) / p["bf16_loss"])
+        assert p["fp8_ppl"] == pytest.approx(math.exp(p["fp8_loss"]))
+        assert p["eval_step"] == STEPS and p["stage"] == "fp8 w+a+g"
+
+
+def test_evaluate_a_bf16_checkpoint_with_another_recipe(shootout, monkeypatch):
+    """evaluate_checkpoint (scripts/eval_checkpoint.py's function) on the BF16 run's checkpoint with tensorwise FP8."""
+    from fp8_recipes.training.evaluate import evaluate_checkpoint
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(var, raising=False)
+    out, _ = shootout
+    monkeypatch.chdir(ROOT)  # the run's data.path is as the shoot-out gave it (absolute here)
+    result = evaluate_checkpoint(out / "bf16", recipe="tensorwise")
+    assert result["recipe"] == "tensorwise" and result["trained_steps"] == STEPS and result["eval_iters"] == 2
+    # BF16 GEMMs on the BF16-trained checkpoint: exactly the BF16 run's own last evaluation
+    assert result["bf16_loss"] == pytest.approx(read_metrics(out / "bf16", "eval")[-1]["val_loss"], rel=1e-6)
+    assert math.isfinite(result["gap_pct"]) and result["fp8_loss"] != result["bf16_loss"]
+
+
+def test_plot_only_redraws_from_the_run_dirs(shootout):
+    out, _ = shootout
+    (out / "compare.png").unlink()
+    table = (out / "compare.md").read_text()
+    proc = subprocess.run([sys.executable, SCRIPT, "--plot-only", str(out)], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the same rows (the shoot-out's note on --parallel comes back from compare.json too)
+    assert (out / "compare.md").read_text() == table
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--recipes", "tensorwize"], "error: recipe: 'tensorwize' is not a recipe (did you mean 'tensorwise'?)"),
+    (["--recipes", "tensorwise", "trainer.max_stepz=3"], "error: trainer.max_stepz: not in the config"),
+])
+def test_bad_input_is_one_line_exit_2(args, expected, tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, SCRIPT, *args, "--out", str(out)], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and not _is_import_noise(ln)]
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(expected), proc.stderr
+    assert "Traceback" not in proc.stderr and not out.exists()
+
+
+def test_eval_checkpoint_of_a_non_run_is_one_line_exit_2(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "eval_checkpoint.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(
+        f"error: run_dir: '{tmp_path}' has no .hydra/config.yaml"), proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def _is_import_noise(line: str) -> bool:
+    """torch's and Megatron-Core's import-time warnings on a machine without CUDA or Transformer Engine."""
+    return "No CUDA runtime is found" in line or "Warning" in line or line.strip().startswith("warnings.warn")

@@ -1,0 +1,147 @@
+"""The shoot-out's arithmetic on constructed metrics: final loss over the last 5% of steps, steady-state tokens/s,
+gaps against BF16, the table and the plot from run directories written here (no training), the overrides each run
+gets, and the parity evaluation's choice of step."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from fp8_recipes.bench.compare import (
+    REFERENCE, add_gaps, check_runs, collect, final_loss, run_overrides, save, steady_tokens_per_s, summarize_run,
+)
+from fp8_recipes.recipes import load_recipe
+from fp8_recipes.schema import ROLES
+from fp8_recipes.training.evaluate import eval_step_all_on, gap_pct
+
+
+def _rows(losses, stages=None, rates=None, skipped=()):
+    stages = stages or ["fp8 w+a+g"] * len(losses)
+    rates = rates or [1000.0] * len(losses)
+    return [{"kind": "train", "step": i + 1, "loss": x, "stage": s, "tokens_per_s": t, "skipped": i + 1 in skipped}
+            for i, (x, s, t) in enumerate(zip(losses, stages, rates))]
+
+
+def test_final_loss_is_the_mean_of_the_last_five_percent():
+    losses = [float(100 - i) for i in range(100)]  # 100, 99, ..., 1
+    value, k = final_loss(_rows(losses))
+    assert k == 5 and value == pytest.approx((5 + 4 + 3 + 2 + 1) / 5)
+    value, k = final_loss(_rows([3.0, 2.0, 1.0]))  # 5% of 3 rounds to 0: at least the last one
+    assert (value, k) == (1.0, 1)
+
+
+def test_final_loss_leaves_out_skipped_and_non_finite_steps():
+    rows = _rows([4.0] * 38 + ["nan", 2.0], skipped={39})  # metrics.jsonl writes NaN as the string "nan"
+    value, k = final_loss(rows)
+    assert k == 2 and value == pytest.approx((4.0 + 2.0) / 2)  # 39 finite losses, k = round(1.95) = 2
+    assert math.isnan(final_loss([])[0])
+
+
+def test_steady_tokens_per_s_drops_the_start_and_earlier_stages():
+    stages = ["bf16 warmup"] * 4 + ["fp8 w+a+g"] * 16
+    rates = [10.0] * 4 + [50.0, 60.0] + [100.0 + i for i in range(14)]
+    # the first 10% of 20 rows (2) are dropped, then every row not in the last stage: left are 50, 60, 100..113,
+    # 16 values whose middle two are 105 and 106
+    assert steady_tokens_per_s(_rows([1.0] * 20, stages, rates)) == 105.5
+    assert steady_tokens_per_s(_rows([1.0], rates=[7.0])) == 7.0  # a single row is its own steady state
+    assert math.isnan(steady_tokens_per_s([]))
+
+
+def test_gaps_against_bf16():
+    rows = [{"name": "tensorwise", "status": "ok", "final_loss": 3.03, "val_loss": 2.97, "tokens_per_s": 150.0},
+            {"name": REFERENCE, "status": "ok", "final_loss": 3.0, "val_loss": 3.0, "tokens_per_s": 100.0},
+            {"name": "blockwise", "status": "failed", "final_loss": math.nan, "val_loss": None,
+             "tokens_per_s": math.nan}]
+    add_gaps(rows)
+    assert rows[0]["loss_gap_pct"] == pytest.approx(1.0) and rows[0]["val_gap_pct"] == pytest.approx(-1.0)
+    assert rows[0]["tokens_vs_bf16"] == pytest.approx(1.5) and rows[1]["loss_gap_pct"] == 0.0
+    assert rows[2]["loss_gap_pct"] is None and rows[2]["val_gap_pct"] is None and rows[2]["tokens_vs_bf16"] is None
+    assert gap_pct(1.01, 1.0) == pytest.approx(1.0) and math.isnan(gap_pct(1.0, 0.0))
+
+
+def _write_run(run_dir: Path, losses: list[float], val: float, parity: dict | None = None) -> None:
+    run_dir.mkdir(parents=True)
+    rows = _rows(losses) + [{"kind": "eval", "step": len(losses), "val_loss": val, "stage": "fp8 w+a+g"}]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run_dir / "summary.json").write_text(json.dumps({"steps": len(losses), "stopped": None, "preempted": None}))
+    (run_dir / "plan.txt").write_text("recipe    x: y\nbackend   emulated (auto: CPU)\nhardware  CPU\n")
+    (run_dir / "peak_memory.json").write_text(json.dumps({"device": "CPU (2 cores)", "cpu_max_rss_bytes": 2**30,
+                                                          "cuda_max_allocated_bytes": None}))
+    if parity:
+        (run_dir / "parity.json").write_text(json.dumps(parity))
+
+
+def test_collect_and_save_from_run_dirs(tmp_path):
+    n = 40
+    _write_run(tmp_path / "bf16", [5.0 - 0.05 * i for i in range(n)], 3.1)
+    _write_run(tmp_path / "tensorwise", [5.0 - 0.049 * i for i in range(n)], 3.2,
+               {"fp8_loss": 3.2, "bf16_loss": 3.19, "gap_pct": gap_pct(3.2, 3.19), "fp8_ppl": math.exp(3.2),
+                "bf16_ppl": math.exp(3.19)})
+    (tmp_path / "blockwise").mkdir()  # a run that failed before writing anything
+    result = collect(tmp_path, ["bf16", "tensorwise", "blockwise"])
+    bf16, tw, bw = result["runs"]
+    ref_final = statistics_mean([5.0 - 0.05 * i for i in range(n)][-2:])
+    assert bf16["final_loss"] == pytest.approx(ref_final) and bf16["final_k"] == 2
+    assert tw["loss_gap_pct"] == pytest.approx(100 * (statistics_mean([5.0 - 0.049 * i for i in range(n)][-2:])
+                                                      - ref_final) / ref_final)
+    assert tw["val_gap_pct"] == pytest.approx(100 * (3.2 - 3.1) / 3.1)
+    assert tw["parity"]["gap_pct"] == pytest.approx(100 * 0.01 / 3.19) and bf16["parity"] is None
+    assert (bf16["backend"], bf16["peak_memory_gib"], bf16["peak_memory_kind"]) == ("emulated", 1.0, "cpu peak rss")
+    assert bw["status"] == "failed" and bw["steps"] == 0 and bw["loss_gap_pct"] is None
+
+    table = save(result, tmp_path)
+    lines = (tmp_path / "compare.md").read_text().splitlines()
+    assert [ln.split("|")[1].strip() for ln in lines[2:5]] == ["bf16", "tensorwise", "blockwise"]
+    assert f"{tw['loss_gap_pct']:+.2f}%" in lines[3] and "+0.313%" in lines[3] and "failed" in lines[4]
+    assert table.splitlines()[0] == lines[0]
+    assert (tmp_path / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((tmp_path / "compare.json").read_text())["runs"][1]["name"] == "tensorwise"
+    # --plot-only reads the run list back from compare.json
+    assert [r["name"] for r in collect(tmp_path)["runs"]] == ["bf16", "tensorwise", "blockwise"]
+
+
+def statistics_mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def test_summarize_run_of_a_missing_dir_is_a_not_run_row(tmp_path):
+    row = summarize_run(tmp_path / "nothing", "delayed")
+    assert row["status"] == "not run" and row["steps"] == 0 and row["parity"] is None
+
+
+def test_run_overrides_keep_recipe_edits_off_the_bf16_reference(tmp_path):
+    overrides = ["trainer.max_steps=10", "recipe.schedule.bf16_warmup_steps=2", "++recipe.backend=emulated"]
+    assert run_overrides("bf16", overrides, tmp_path / "bf16") == [
+        "+recipe=bf16", "trainer.max_steps=10", f"run_dir={tmp_path / 'bf16'}"]
+    assert run_overrides("safe", overrides, tmp_path / "safe") == [
+        "+recipe=safe", *overrides, f"run_dir={tmp_path / 'safe'}"]
+
+
+@pytest.mark.parametrize("names, overrides, expected", [
+    (["bf16", "tensorwize"], [], "recipe: 'tensorwize' is not a recipe (did you mean 'tensorwise'?)"),
+    (["bf16"], ["+recipe=delayed"], "recipe: chosen by --recipes"),
+    (["bf16"], ["run_dir=/tmp/x"], "run_dir: each run's directory is OUT/NAME"),
+    (["bf16"], ["trainer.max_stepz=3"], "trainer.max_stepz: not in the config (did you mean 'max_steps'?)"),
+    (["bf16"], ["trainer.save_checkpoints=false"], "trainer.save_checkpoints: false leaves no checkpoint"),
+])
+def test_check_runs_refuses_with_one_line(names, overrides, expected, tmp_path):
+    with pytest.raises(ValueError) as e:
+        check_runs(names, overrides, tmp_path / "out", parity=True)
+    assert str(e.value).startswith(expected) and "\n" not in str(e.value)
+
+
+def test_check_runs_refuses_an_existing_run_dir(tmp_path):
+    (tmp_path / "bf16").mkdir()
+    with pytest.raises(ValueError, match=r"^--out: .*bf16' already exists"):
+        check_runs(["bf16"], [], tmp_path, parity=False)
+
+
+def test_parity_evaluates_with_every_stage_on():
+    safe = load_recipe("safe")  # BF16 warmup, then weights at 100, activations at 200, gradients at 300
+    starts = [safe.schedule.role_start(r) for r in ROLES]
+    assert eval_step_all_on(safe, trained_steps=50) == max(starts) == 300
+    assert eval_step_all_on(safe, trained_steps=400) == 399  # the checkpoint's own last step
+    assert eval_step_all_on(load_recipe("tensorwise"), trained_steps=1) == 0
