@@ -32,8 +32,8 @@ def test_observed_operands_are_what_te_multiplied(scaling, megatron_gpu, tmp_pat
     outputs: dict[str, torch.Tensor] = {}
     watched = ("decoder.layers.1.mlp.linear_fc2", "decoder.layers.1.mlp.linear_fc1")  # Linear, LayerNormLinear
     for name in watched:
-        states[name].observer = lambda s, gemm, role, hp, fq: seen.__setitem__((s.name, str(gemm), str(role)),
-                                                                               (hp.clone(), fq.clone()))
+        states[name].observer = lambda s, gemm, role, hp, fq, q=None: seen.__setitem__(
+            (s.name, str(gemm), str(role)), (hp.clone(), fq.clone()))
         precision.linears[name].register_forward_hook(
             lambda m, a, out, name=name: outputs.__setitem__(name, out[0].detach().clone()))
     precision.begin_step(3)

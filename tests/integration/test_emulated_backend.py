@@ -312,7 +312,7 @@ def test_observer_sees_the_plans_operands_and_stages_switch_at_the_enable_steps(
     modules = dict(named_linear_modules(model))
     calls: list[tuple[str, Gemm, Role, torch.Tensor, torch.Tensor]] = []
     for state in precision.states.values():
-        state.observer = lambda st, gemm, role, hp, fq: calls.append((st.name, gemm, role, hp, fq))
+        state.observer = lambda st, gemm, role, hp, fq, q=None: calls.append((st.name, gemm, role, hp, fq))
 
     # a forward hook on every linear: is its output exactly Megatron-Core's unquantized GEMM of its input?
     unquantized: dict[str, bool] = {}
@@ -357,7 +357,7 @@ def test_observer_sees_the_plans_operands_and_stages_switch_at_the_enable_steps(
 def amax_recorder(precision):
     amax: dict[tuple[str, Role], torch.Tensor] = {}
 
-    def observe(state, gemm, role, hp, fq):
+    def observe(state, gemm, role, hp, fq, q=None):
         key = (state.name, role)
         a = hp.detach().float().abs().max()
         amax[key] = torch.maximum(amax[key], a) if key in amax else a

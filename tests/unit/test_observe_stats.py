@@ -155,3 +155,25 @@ def test_validate_checks_a_recipes_debug_section(tmp_path, capsys):
     assert cli.main(["validate", str(path)]) == 1
     err = capsys.readouterr().err
     assert f"{path}: debug.interval: -2 is out of range" in err and "layers" not in err
+
+
+@pytest.mark.parametrize("policy", [
+    TENSORWISE, DELAYED, TensorPolicy(scaling=Scaling.BLOCKWISE, block=(1, 16), pow2_scales=True),
+    TensorPolicy(scaling=Scaling.BLOCKWISE, block=(16, 16)),
+    TensorPolicy(scaling=Scaling.MXFP8, mx_rounding=MxRounding.FLOOR)], ids=str)
+@pytest.mark.parametrize("columnwise", [False, True])
+def test_the_backends_quantized_scales_give_the_same_statistics(policy, columnwise):
+    """measure(quantized=q), the backends' path, reads q's scales and block maxima instead of deriving them:
+    every statistic equals the derived one, saturation (OCP floor clips) included."""
+    x = torch.randn(24, 64) * torch.logspace(-4, 3, 64)
+    x[3, 5] = 0.0
+    scaler = DelayedScaler(policy) if policy.scaling is Scaling.DELAYED else None
+    if scaler is not None:
+        scaler.observe(x.abs().amax() / 40)  # a stale scale: some values clip
+        scaler.update()
+    q = quantize(x, policy, columnwise=columnwise, scaler=scaler, record_amax=False)
+    fq = fake_quant(x, policy, columnwise=columnwise, scaler=scaler, record_amax=False)
+    derived = measure(x, fq, policy, columnwise=columnwise, scaler=scaler).row()
+    given = measure(x, fq, policy, columnwise=columnwise, scaler=scaler, quantized=q).row()
+    assert given == derived
+    assert derived["saturation_pct"] > 0 or policy.scaling in (Scaling.TENSORWISE, Scaling.BLOCKWISE)

@@ -39,7 +39,7 @@ def observed(scaling: str):
     module = NormLinear()
     state = TEObservedLinear(NAME, module, lambda: plan.at(0))
     seen = []
-    state.observer = lambda s, gemm, role, hp, fq: seen.append((str(gemm), str(role), hp, fq))
+    state.observer = lambda s, gemm, role, hp, fq, q=None: seen.append((str(gemm), str(role), hp, fq))
     x = torch.randn(8, 2, 64, requires_grad=True)
     module(x)[0].square().sum().backward()
     return plan.at(0).modules[NAME], module, x, seen

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from fp8_recipes.backends.groups import amax_reduction_group
-from fp8_recipes.numerics import DelayedScaler, block_for, fake_quant
+from fp8_recipes.numerics import DelayedScaler, block_for, dequantize, quantize
 from fp8_recipes.plan import Gemm, ModulePlan, PrecisionPlan
 from fp8_recipes.schema import ROLES, AmaxReduction, Role, Scaling, TensorPolicy
 
@@ -63,11 +63,12 @@ class EmulatedLinearState:
         policy = self.policy(gemm, role)
         if policy is None:
             return t
-        out = fake_quant(t, policy, columnwise=columnwise, scaler=self.scalers.get(role),
-                         amax_reduce=self.amax_reduce if policy.scaling is Scaling.TENSORWISE else None,
-                         record_amax=self.record_amax)
+        q = quantize(t, policy, columnwise=columnwise, scaler=self.scalers.get(role),
+                     amax_reduce=self.amax_reduce if policy.scaling is Scaling.TENSORWISE else None,
+                     record_amax=self.record_amax)
+        out = dequantize(q)  # fake_quant(), keeping the scales for the observer
         if self.observer is not None:
-            self.observer(self, gemm, role, t, out)
+            self.observer(self, gemm, role, t, out, q)
         return out
 
 

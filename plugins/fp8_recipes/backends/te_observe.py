@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from fp8_recipes.numerics import block_for, fake_quant
+from fp8_recipes.numerics import block_for, dequantize, quantize
 from fp8_recipes.observe.stats import COLUMNWISE
 from fp8_recipes.plan import Gemm, ModulePlan
 from fp8_recipes.schema import Role
@@ -89,9 +89,9 @@ class TEObservedLinear:
             hp, columnwise = tensors[role], COLUMNWISE[(str(gemm), str(role))]
             key = (role, policy, block_for(policy, hp.shape, columnwise))
             if key not in done:
-                done[key] = fake_quant(hp, policy, columnwise=columnwise, scaler=self.scalers[role],
-                                       record_amax=False)
-            self.observer(self, gemm, role, hp, done[key])
+                q = quantize(hp, policy, columnwise=columnwise, scaler=self.scalers[role], record_amax=False)
+                done[key] = (dequantize(q), q)
+            self.observer(self, gemm, role, hp, *done[key])
 
     def _after_forward(self, module, args, output) -> None:
         if self.observer is None or not module.training or not getattr(module, "fp8", False):

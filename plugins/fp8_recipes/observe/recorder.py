@@ -18,7 +18,8 @@ modules a due step watches and cleared otherwise, so steps between intervals run
 Evaluation forwards (modules in eval mode: ``state.record_amax`` is False) are never recorded. Statistics are
 computed on every rank (a tensorwise amax reduction is a collective), written by rank 0 only.
 
-The observer protocol is the emulated backend's: ``observer(state, gemm, role, hp_tensor, fake_quant_tensor)``
+The observer protocol is the emulated backend's: ``observer(state, gemm, role, hp_tensor, fake_quant_tensor[,
+quantized])``
 with ``state.plan`` (the module's plan this step), ``state.scalers`` and ``state.amax_reduce``; the Transformer
 Engine backend plugs in with hooks on its linears that call it the same way (``backends/te_observe.py``).
 """
@@ -91,16 +92,17 @@ class NumericsRecorder:
             state.observer = self.observe if watched else None
 
     # -- the observer ---------------------------------------------------------------------------------------------
-    def observe(self, state, gemm, role, hp_x: torch.Tensor, fq_x: torch.Tensor) -> None:
+    def observe(self, state, gemm, role, hp_x: torch.Tensor, fq_x: torch.Tensor, quantized=None) -> None:
+        """`quantized`: the Quantized `fq_x` came from, when the backend has it (its scales are then reused)."""
         if not state.record_amax:  # an evaluation forward: the model is in eval mode
             return
         t0 = time.perf_counter()
         try:
-            self._observe(state, gemm, Role(role), hp_x, fq_x)
+            self._observe(state, gemm, Role(role), hp_x, fq_x, quantized)
         finally:
             self.seconds += time.perf_counter() - t0
 
-    def _observe(self, state, gemm, role: Role, hp_x: torch.Tensor, fq_x: torch.Tensor) -> None:
+    def _observe(self, state, gemm, role: Role, hp_x: torch.Tensor, fq_x: torch.Tensor, quantized=None) -> None:
         name, gemm_s = state.name, str(gemm)
         policy = state.plan.gemms[gemm].policy(role)
         if policy is None:
@@ -110,7 +112,7 @@ class NumericsRecorder:
         reduce = state.amax_reduce if policy.scaling is Scaling.TENSORWISE else None
         key = (name, gemm_s, str(role))
         if self._stats_due and role in self.config.tensors and self.config.stats_module(name):
-            s = self._measure(key, hp_x, fq_x, policy, columnwise, scaler, reduce)
+            s = self._measure(key, hp_x, fq_x, policy, columnwise, scaler, reduce, quantized)
             if key in self._pending:
                 self._pending[key].merge(s)
             else:
@@ -118,7 +120,7 @@ class NumericsRecorder:
         if self._dump_due and role in self.config.dump.tensors and self.config.dump_module(name):
             self._dump(key, hp_x, policy, columnwise, scaler, reduce)
 
-    def _measure(self, key, hp_x, fq_x, policy, columnwise, scaler, reduce) -> OperandStats:
+    def _measure(self, key, hp_x, fq_x, policy, columnwise, scaler, reduce, quantized=None) -> OperandStats:
         """measure(), or the statistics of the same copy when the backend reuses an earlier GEMM's quantization
         (fprop's activations for wgrad, ...): the same FP8 values of the same tensor, so the same numbers, at no
         cost. The earlier copy is held by a weak reference: while it lives its memory cannot hold another
@@ -130,7 +132,8 @@ class NumericsRecorder:
             if (ref() is not None and fq_ptr == fq_x.data_ptr() and hp_ptr == hp_x.data_ptr()
                     and numel == fq_x.numel() and last_policy == policy):
                 return stats.copy()
-        stats = measure(hp_x, fq_x, policy, columnwise=columnwise, scaler=scaler, amax_reduce=reduce)
+        stats = measure(hp_x, fq_x, policy, columnwise=columnwise, scaler=scaler, amax_reduce=reduce,
+                        quantized=quantized)
         self._last[slot] = (weakref.ref(fq_x), fq_x.data_ptr(), hp_x.data_ptr(), fq_x.numel(), policy, stats.copy())
         return stats
 

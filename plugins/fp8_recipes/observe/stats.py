@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fp8_recipes.numerics import DelayedScaler, amax_to_scale, fp8_spec, nan_ignoring_amax
+from fp8_recipes.numerics import DelayedScaler, Quantized, amax_to_scale, fp8_spec, nan_ignoring_amax
 # quantize's own block-scale rule and block multiply, fed the |x| computed here (no second float copy, no cast)
 from fp8_recipes.numerics.quantize import _block_scales, _rows_cols, _scale_blocks, block_for
 from fp8_recipes.numerics.scaling import AmaxReduce
@@ -127,11 +127,15 @@ def measure(
     columnwise: bool = False,
     scaler: DelayedScaler | None = None,
     amax_reduce: AmaxReduce | None = None,
+    quantized: Quantized | None = None,
 ) -> OperandStats:
     """Statistics of one quantization: `hp_x` the GEMM operand, `fq_x` what the GEMM read (dequantized FP8).
 
     `scaler` is the operand's DelayedScaler (delayed scaling: read, never written); `amax_reduce` the reduction
     tensorwise scaling used (a collective: every rank must measure the same operands, as the recorder does).
+    `quantized`: the :class:`~fp8_recipes.numerics.Quantized` that `fq_x` was dequantized from, when the backend
+    has it: its scales (and block maxima) are used as they are instead of being derived again (a third of the
+    cost for block scaling; no amax collective for tensorwise).
     """
     if not policy.is_fp8:
         raise ValueError("measure: policy.scaling is 'none'; there is no quantization to measure")
@@ -151,7 +155,15 @@ def measure(
     zeros_hp = numel - torch.count_nonzero(hp_x)
     underflow = (numel - torch.count_nonzero(fq_x)) - zeros_hp
 
-    if policy.scaling is Scaling.DELAYED:
+    per_tensor = policy.scaling in (Scaling.DELAYED, Scaling.TENSORWISE)
+    if not per_tensor:
+        block = block_for(policy, hp_x.shape, columnwise)
+        mag2d = mag.reshape(_rows_cols(hp_x.shape))
+    if quantized is not None:  # the backend's own scales: nothing to derive (they are what the GEMM used)
+        scale = quantized.scale.reshape(()) if per_tensor else quantized.scale
+        block_amax = amax if per_tensor else quantized.amax
+        block_scale = scale
+    elif policy.scaling is Scaling.DELAYED:
         if scaler is None:
             raise ValueError("measure: scaling 'delayed' needs the operand's DelayedScaler (scaler=...)")
         scale = scaler.scale.to(mag.device).reshape(())
@@ -162,14 +174,12 @@ def measure(
                               pow2=policy.pow2_scales)
         block_amax, block_scale = amax, scale
     else:  # blockwise, mxfp8: the block scales quantize() derives (no amax reduction for blocks)
-        block = block_for(policy, hp_x.shape, columnwise)
-        mag2d = mag.reshape(_rows_cols(hp_x.shape))
         block_amax, scale, _, _ = _block_scales(mag2d, policy, block, hp_x.dtype, nan_free_abs=not has_nan)
         block_scale = scale
     # Rounding is monotonic: no element of a block passes the clip point after scaling unless its amax does, so
     # the element-wise count runs only when some block is clipped (delayed scaling's stale scale, OCP's floor rule).
     if bool((block_amax * block_scale > clip).any()):
-        if policy.scaling in (Scaling.DELAYED, Scaling.TENSORWISE):
+        if per_tensor:
             saturated = (mag * scale > clip).sum()
         else:
             saturated = (_scale_blocks(mag2d, scale, block) > clip).sum()  # |x| * s == |x * s|: s > 0
