@@ -56,6 +56,12 @@ def test_debug_on_records_stats_and_dumps(dataset, tmp_path, fresh_world):  # no
 
     assert (tmp_path / "numerics_underflow.png").stat().st_size > 1000
     assert any((tmp_path / "tb").glob("events.out.tfevents.*"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags = {t for t in EventAccumulator(str(tmp_path / "tb")).Reload().Tags()["scalars"] if t.startswith("numerics/")}
+    assert {t.split("/")[-3] + "/" + t.split("/")[-2] for t in tags} == {"fprop/activations", "fprop/weights",
+                                                                         "dgrad/gradients"}  # each role once
+    assert "numerics/decoder.layers.0.mlp.linear_fc1/fprop/activations/underflow_pct" in tags
 
     dumps = sorted((tmp_path / "dumps").rglob("*.pt"))
     assert [p.relative_to(tmp_path).as_posix() for p in dumps] == [

@@ -9,8 +9,8 @@
 
 Outputs in the run directory: ``numerics.jsonl`` (one row per step, module, GEMM and operand role, keys of
 :data:`~fp8_recipes.observe.stats.STAT_KEYS`), TensorBoard scalars ``numerics/<module>/<gemm>/<role>/<stat>`` in
-``tb/`` (a few stats: underflow_pct, saturation_pct, cosine, scale_ratio), ``numerics_underflow.png``
-(modules x steps, underflow % of the fprop activations), and ``dumps/step_N/<module>.<gemm>.<role>.<k>.pt``
+``tb/`` (a few stats: underflow_pct, saturation_pct, cosine, scale_ratio; each role as its first GEMM reads it),
+``numerics_underflow.png`` (modules x steps, underflow % of the fprop activations), and ``dumps/step_N/<module>.<gemm>.<role>.<k>.pt``
 (read them with :func:`load_dump`).
 
 Cost: nothing when the run has no ``debug`` section (no recorder exists); with one, an observer is set only on the
@@ -48,6 +48,9 @@ logger = logging.getLogger(__name__)
 
 TB_STATS = ("underflow_pct", "saturation_pct", "cosine", "scale_ratio")
 """The statistics also written to TensorBoard (all of them are in numerics.jsonl); each scalar costs ~50 us."""
+TB_OPERANDS = frozenset({("fprop", "activations"), ("fprop", "weights"), ("dgrad", "gradients")})
+"""Each role once in TensorBoard, as its first GEMM reads it (the other GEMM's copy is the same tensor along the
+other dimension: same numbers for per-tensor scales; numerics.jsonl has both)."""
 
 
 class NumericsRecorder:
@@ -162,7 +165,7 @@ class NumericsRecorder:
         self._open()
         for row in rows:
             self._file.write(json.dumps({k: _jsonable(v) for k, v in row.items()}) + "\n")
-            if self._tb is not None:
+            if self._tb is not None and (row["gemm"], row["role"]) in TB_OPERANDS:
                 for stat in TB_STATS:
                     v = row.get(stat)
                     if isinstance(v, (int, float)) and math.isfinite(v):
