@@ -226,10 +226,16 @@ def test_loss_matches_one_rank(name, reference, runs):
 
 @pytest.mark.slow
 def test_resume_refuses_another_tensor_parallel_size(runs, dataset, tmp_path):
-    """A checkpoint holds one file per TP rank (its shards): resuming it at TP=1 ends in one line, exit 2, before
+    """A checkpoint holds one payload per TP rank (its shards): resuming it at TP=1 ends in one line, exit 2, before
     any process group or model is built (training/checkpoint.py:resume_skip)."""
+    import torch
+
+    from fp8_recipes.training.checkpoint import read_checkpoint
+
     step_dir = runs["delayed-tp2-data_tensor"]["run_dir"] / "checkpoints" / f"step_{STEPS}"
-    assert sorted(p.name for p in step_dir.glob("tp_*.pt")) == ["tp_00.pt", "tp_01.pt"]
+    shards = [read_checkpoint(step_dir, tp_rank)["model"] for tp_rank in (0, 1)]
+    qkv = [name for name in shards[0] if name.endswith("linear_qkv.weight")]
+    assert qkv and not any(torch.equal(shards[0][name], shards[1][name]) for name in qkv)  # each rank its own shard
     meta = json.loads((step_dir / "meta.json").read_text())
     assert (meta["tensor_model_parallel_size"], meta["data_parallel_size"]) == (2, 1)
     run_dir = tmp_path / "run"
@@ -239,6 +245,6 @@ def test_resume_refuses_another_tensor_parallel_size(runs, dataset, tmp_path):
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
     assert [line for line in proc.stderr.splitlines() if line.strip()] == [
-        f"error: trainer.tensor_model_parallel_size: 1 differs from the checkpoint's 2 ({step_dir} holds one file "
-        f"per tensor-parallel rank; resume with trainer.tensor_model_parallel_size=2)"]
+        f"error: trainer.tensor_model_parallel_size: 1 differs from the checkpoint's 2 ({step_dir} holds the "
+        f"shards of 2 tensor-parallel ranks; resume with trainer.tensor_model_parallel_size=2)"]
     assert not run_dir.exists()

@@ -93,7 +93,7 @@ def test_signal_checkpoints_and_exits_preempted(name, preempted):
     assert [row["step"] for row in rows] == list(range(1, n + 1))  # every step it began, it finished
     assert rows[-1]["preempted"] == name and all("preempted" not in row for row in rows[:-1])
     ckpts = run_dir / "checkpoints"
-    assert (ckpts / "latest").read_text().strip() == f"step_{n}" and (ckpts / f"step_{n}" / "tp_00.pt").is_file()
+    assert (ckpts / "latest").read_text().strip() == f"step_{n}" and (ckpts / f"step_{n}" / ".metadata").is_file()
     assert not list(ckpts.glob(".*.tmp"))
     assert f"preempted: {name} signal, stopped after step {n}" in r["output"] and "Traceback" not in r["output"]
 

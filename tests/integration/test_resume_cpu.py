@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8_recipes.training.checkpoint import find_resume
+from fp8_recipes.training.checkpoint import find_resume, read_checkpoint
 from fp8_recipes.training.metrics import read_metrics
 from test_train_cpu import ROOT, compose_train, dataset, small_run  # noqa: F401  (dataset: the shared fixture)
 
@@ -47,7 +47,7 @@ def rows(run_dir: Path) -> dict[int, tuple[float, float]]:
 
 
 def payload(step_dir: Path) -> dict:
-    return torch.load(step_dir / "tp_00.pt", weights_only=True)
+    return read_checkpoint(step_dir)
 
 
 def assert_same(a, b) -> None:
@@ -93,7 +93,8 @@ def test_resume_is_bit_exact_and_skips_unfinished_checkpoints(recipe, reference,
     (ckpts / "latest").write_text(f"step_{SAVED}\n")
     for unfinished in (".step_8.tmp", "step_8"):
         (ckpts / unfinished).mkdir()
-        (ckpts / unfinished / "tp_00.pt").write_bytes(b"half-written")
+        for name in (".metadata", "__0_0.distcp"):
+            (ckpts / unfinished / name).write_bytes(b"half-written")
     summary = train_run(recipe, tmp_path, dataset, "trainer.resume=auto")
 
     assert summary["steps"] == STEPS
@@ -128,7 +129,7 @@ def test_resume_refuses_unfinished_or_missing_checkpoints(tmp_path):
 
     tmp = tmp_path / "checkpoints" / ".step_8.tmp"
     tmp.mkdir(parents=True)
-    (tmp / "tp_00.pt").write_bytes(b"half-written")
+    (tmp / ".metadata").write_bytes(b"half-written")
     for where in (tmp, tmp_path, tmp_path / "checkpoints"):  # no `latest`: nothing finished to resume from
         with pytest.raises(ValueError, match=r"^trainer\.resume: "):
             find_resume(str(where), tmp_path)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from fp8_recipes.numerics import DelayedScaler
 from fp8_recipes.schema import Role, Scaling, TensorPolicy
 from fp8_recipes.training import loop
+from fp8_recipes.training.checkpoint import read_checkpoint
 from fp8_recipes.training.errors import NonFiniteStop
 from fp8_recipes.training.loop import NoPrecision, Precision, TrainerConfig, train
 from fp8_recipes.training.metrics import read_metrics
@@ -182,7 +183,7 @@ def test_stop_mode_checkpoints_the_last_good_state(tmp_path, monkeypatch):
     assert str(err).endswith(f"; the weights from before step 2 are checkpointed in {step_dir} (continue with "
                              f"trainer.resume={step_dir} and a lower trainer.lr or another recipe)")
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_3"
-    saved = torch.load(step_dir / "tp_00.pt", weights_only=True)
+    saved = read_checkpoint(step_dir)
     model, optimizer, lr = spy.snapshots[1]  # at the start of the first bad step: what the last good one left
     assert all(torch.equal(saved["model"][k], v) for k, v in model.items()) and saved["model"].keys() == model.keys()
     assert saved["optimizer"]["state"][0]["step"] == optimizer["state"][0]["step"] == 1

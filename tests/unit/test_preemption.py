@@ -6,9 +6,9 @@ import signal
 import threading
 
 import pytest
-import torch
 
 from fp8_recipes.training import loop
+from fp8_recipes.training.checkpoint import read_checkpoint
 from fp8_recipes.training.loop import NoPrecision, PreemptionSignals, train
 from fp8_recipes.training.metrics import read_metrics
 from test_faults import BATCH, TinyLM, batches
@@ -59,5 +59,5 @@ def test_another_ranks_signal_stops_after_the_same_step(tmp_path, monkeypatch):
     rows = read_metrics(tmp_path, "train")
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["preempted"] == "another rank"
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_3"
-    assert torch.load(tmp_path / "checkpoints" / "step_3" / "tp_00.pt", weights_only=True)["step"] == 3
+    assert read_checkpoint(tmp_path / "checkpoints" / "step_3")["step"] == 3
     assert signal.getsignal(signal.SIGTERM) is before

@@ -119,6 +119,8 @@ def evaluate_checkpoint(run_dir: str | Path, *, checkpoint: str | Path | None = 
         step_dir = resolve_checkpoint(checkpoint if checkpoint is not None else run_dir)
     except FileNotFoundError as e:
         raise ValueError(f"checkpoint: {e}; train with trainer.save_checkpoints=true") from None
+    except ValueError as e:  # a checkpoint of a format this version cannot read
+        raise ValueError(f"checkpoint: {e}") from None
     train_dp = run_data_parallel_size(step_dir)  # the run evaluated eval_iters micro-batches on each of its ranks
     iters = int(eval_iters if eval_iters is not None else int(cfg.trainer.eval_iters) * train_dp)
     if iters < 1:

@@ -1,0 +1,202 @@
+"""Checkpoints stored through torch.distributed.checkpoint (training/checkpoint.py): a step dir is a DCP dir
+(``.metadata`` + ``.distcp`` files); a payload comes back with its exact Python structure (int optimizer-state keys,
+empty dicts, tuples, OrderedDict metadata); data-parallel replicas are written once, by DP rank 0; a format-1
+checkpoint (``tp_RR.pt`` files) is refused in one line, also by scripts/train.py (exit 2, before anything runs)."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp8_recipes.training.checkpoint import (FORMAT_VERSION, checkpoint_meta, find_resume, load_checkpoint,
+                                             read_checkpoint, resolve_checkpoint, save_checkpoint)
+
+ROOT = Path(__file__).resolve().parents[2]
+WIDTH = 256  # a 256x256 Linear + AdamW state: ~0.8 MB of tensors, so a duplicated copy would double the size
+
+# Run as a plain script: one process, no process group; under torchrun: each rank a data-parallel replica.
+WORKER = f'''
+import os, sys, torch
+from fp8_recipes.training.checkpoint import load_checkpoint, save_checkpoint
+distributed = "RANK" in os.environ
+if distributed:
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+rank = int(os.environ.get("RANK", 0))
+torch.manual_seed(0)
+model = torch.nn.Linear({WIDTH}, {WIDTH})
+optimizer = torch.optim.AdamW(model.parameters())
+model(torch.ones(2, {WIDTH})).sum().backward()
+optimizer.step()
+save_checkpoint(sys.argv[1], 1, model=model, optimizer=optimizer, extra={{"rank": rank}})
+fresh = torch.nn.Linear({WIDTH}, {WIDTH})
+load_checkpoint(sys.argv[1], model=fresh)
+assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
+if distributed:
+    dist.destroy_process_group()
+'''
+
+
+def leaves(obj: object, path: tuple = ()) -> list[tuple]:
+    """Every container and leaf of ``obj`` as (key path, type, content): two objects with equal lists are equal in
+    values and in types, dict key types included (what a round trip must keep)."""
+    if isinstance(obj, dict):
+        return [(path, type(obj), tuple(obj))] + [leaf for k, v in obj.items() for leaf in leaves(v, (*path, k))]
+    if isinstance(obj, (list, tuple)):
+        return [(path, type(obj), len(obj))] + [leaf for i, v in enumerate(obj) for leaf in leaves(v, (*path, i))]
+    if isinstance(obj, torch.Tensor):
+        return [(path, obj.dtype, tuple(obj.shape), obj.tolist())]
+    return [(path, type(obj), obj)]
+
+
+def assert_same(a: object, b: object) -> None:
+    assert leaves(a) == leaves(b)
+
+
+class State:
+    """Anything with ``state_dict()``, like the precision backend and the fp32 master weights."""
+
+    def __init__(self, state: dict) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return self.state
+
+
+def trained_model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """A bf16 model after two AdamW steps (optimizer state present) under a scheduler."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)).to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step)
+    for _ in range(2):
+        model(torch.randn(3, 8, dtype=torch.bfloat16)).float().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    return model, optimizer, scheduler
+
+
+def test_payload_round_trips_exactly_through_a_dcp_dir(tmp_path):
+    model, optimizer, scheduler = trained_model_and_optimizer()
+    precision = State({"recipe": "delayed", "scalers": {"decoder.layers.0": {"weights": {
+        "history": torch.arange(4.0), "scale": torch.tensor(2.0)}}}, "empty": {}, "pair": (1, "a", None)})
+    master = State({"fp32": [torch.randn(3), torch.randn(2, 2)]})
+    random.seed(5)
+    step_dir = save_checkpoint(tmp_path, 2, model=model, optimizer=optimizer, scheduler=scheduler,
+                               precision=precision, master_params=master, extra={"trainer": {}, "n": 3})
+
+    names = sorted(p.name for p in step_dir.iterdir())
+    assert names[0] == ".metadata" and names[-1] == "meta.json" and all(n.endswith(".distcp") for n in names[1:-1])
+    assert resolve_checkpoint(tmp_path) == step_dir and checkpoint_meta(step_dir)["tensor_model_parallel_size"] == 1
+    payload = read_checkpoint(step_dir)
+    assert payload["format_version"] == FORMAT_VERSION == 2 and payload["step"] == 2
+    assert_same(payload["model"], model.state_dict())
+    assert payload["model"]._metadata == model.state_dict()._metadata  # module versions load_state_dict reads
+    assert_same(payload["optimizer"], optimizer.state_dict())  # its state is keyed by int parameter index
+    assert_same(payload["scheduler"], scheduler.state_dict())
+    assert_same(payload["precision"], precision.state)  # the empty dict and the tuple included
+    assert_same(payload["master_params"], master.state)
+    assert_same(payload["extra"], {"trainer": {}, "n": 3})
+    assert payload["rng"]["python"] == random.getstate() and torch.equal(payload["rng"]["cpu"], torch.get_rng_state())
+
+    # load_checkpoint puts it into fresh objects; the optimizer continues exactly
+    fresh = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)).to(torch.bfloat16)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    fresh_sched = torch.optim.lr_scheduler.LambdaLR(fresh_opt, lambda step: 0.5 ** step)
+    assert load_checkpoint(tmp_path, model=fresh, optimizer=fresh_opt, scheduler=fresh_sched) == 2
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    for m, o in ((model, optimizer), (fresh, fresh_opt)):
+        m(x).float().sum().backward()
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+
+
+def test_missing_tensor_parallel_rank_is_named(tmp_path):
+    model, _, _ = trained_model_and_optimizer()
+    step_dir = save_checkpoint(tmp_path, 1, model=model)
+    with pytest.raises(FileNotFoundError, match=r"holds no state of tensor-parallel rank 1 \(it holds tp00\)"):
+        read_checkpoint(step_dir, tp_rank=1)
+    (step_dir / "meta.json").unlink()  # (save_checkpoint always writes it) the TP size from DCP's metadata then
+    assert checkpoint_meta(step_dir) == {"step": 1, "tensor_model_parallel_size": 1}
+
+
+def dir_bytes(step_dir: Path) -> int:
+    return sum(p.stat().st_size for p in step_dir.glob("*.distcp"))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_data_parallel_replicas_are_written_once(tmp_path, free_port):
+    """Two gloo ranks, each a replica of the same model and optimizer: the checkpoint is as large as one rank's,
+    its entries are rank 0's (the lowest rank holding them), and both ranks load it back."""
+    (tmp_path / "worker.py").write_text(WORKER)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    one = subprocess.run([sys.executable, str(tmp_path / "worker.py"), str(tmp_path / "dp1")], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                          str(free_port()), str(tmp_path / "worker.py"), str(tmp_path / "dp2")], env=env,
+                         capture_output=True, text=True, timeout=180)
+    assert two.returncode == 0, two.stderr[-3000:]
+
+    dp1, dp2 = (tmp_path / name / "checkpoints" / "step_1" for name in ("dp1", "dp2"))
+    assert checkpoint_meta(dp2)["data_parallel_size"] == 2 and (dp2 / ".metadata").is_file()
+    size1, size2 = dir_bytes(dp1), dir_bytes(dp2)
+    assert size1 > 3 * WIDTH * WIDTH * 4  # weight, exp_avg, exp_avg_sq in fp32
+    assert abs(size2 - size1) < 0.02 * size1, (size1, size2)  # not twice: each replica entry once
+    assert sum(p.stat().st_size for p in dp2.glob("__1_*.distcp")) == 0  # rank 1 wrote nothing
+    a, b = read_checkpoint(dp1), read_checkpoint(dp2)
+    assert b["extra"] == {"rank": 0}  # the entries kept are data-parallel rank 0's
+    assert_same(a["model"], b["model"])
+    assert_same(a["optimizer"], b["optimizer"])
+
+
+def write_format_1(run_dir: Path) -> Path:
+    """What the previous version left: checkpoints/step_3/tp_00.pt (one torch.save file per TP rank) + latest."""
+    step_dir = run_dir / "checkpoints" / "step_3"
+    step_dir.mkdir(parents=True)
+    torch.save({"format_version": 1, "step": 3}, step_dir / "tp_00.pt")
+    (run_dir / "checkpoints" / "latest").write_text("step_3\n")
+    return step_dir
+
+
+def test_format_1_checkpoint_is_refused_in_one_line(tmp_path):
+    step_dir = write_format_1(tmp_path / "old")
+    for resume in ("auto", str(tmp_path / "old"), str(step_dir)):
+        with pytest.raises(ValueError, match=r"^trainer\.resume: .*step_3 is a format-1 checkpoint \(tp_RR\.pt "
+                                             r"files\), which this version cannot read .*start a fresh run$"):
+            find_resume(resume, tmp_path / "old")
+    with pytest.raises(ValueError, match="format-1"):
+        load_checkpoint(step_dir, model=torch.nn.Linear(2, 2))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_train_py_refuses_a_format_1_checkpoint(tmp_path):
+    """scripts/train.py: one line on stderr, exit 2, before any process group, data or model (nothing written)."""
+    step_dir = write_format_1(tmp_path / "old")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID")}
+    proc = subprocess.run([sys.executable, "scripts/train.py", f"run_dir={tmp_path / 'new'}",
+                           f"trainer.resume={step_dir}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(f"error: trainer.resume: {step_dir} is a format-1 checkpoint"), lines
+    assert not (tmp_path / "new").exists()
+
+
+def test_eval_checkpoint_refuses_a_format_1_checkpoint(tmp_path):
+    """evaluate_checkpoint (scripts/eval_checkpoint.py) names its argument: one line, no traceback."""
+    from fp8_recipes.training.evaluate import evaluate_checkpoint
+
+    step_dir = write_format_1(tmp_path)
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "config.yaml").write_text("trainer: {}\n")  # a run dir as far as the refusal looks
+    with pytest.raises(ValueError, match=rf"^checkpoint: {step_dir} is a format-1 checkpoint"):
+        evaluate_checkpoint(tmp_path, recipe="bf16")
