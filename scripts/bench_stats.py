@@ -3,6 +3,8 @@
     python scripts/bench_stats.py                                  # tensorwise and hybrid, tiny model, 40 steps x 3
     python scripts/bench_stats.py --recipes delayed --interval 5 --steps 60
     python scripts/bench_stats.py -- model.num_layers=2             # extra Hydra overrides
+    python scripts/bench_stats.py --json docs/bench/bench_stats.json  # also the JSON and a PNG beside it
+    python scripts/bench_stats.py --plot-only docs/bench/bench_stats.json
 
 Prints a Markdown table: mean step time with debug off and on, and the overhead.
 """
@@ -17,21 +19,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))  # a ch
 
 
 def main() -> None:
-    from fp8_recipes.bench.observe import bench_stats, format_table
+    from fp8_recipes.bench.observe import bench_stats, format_table, plot_overhead
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipes", nargs="+", default=["tensorwise", "hybrid"])
     p.add_argument("--interval", type=int, default=10)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--json", type=Path, default=None, help="also write the result here")
+    p.add_argument("--json", type=Path, default=None, help="also write the result here (and a PNG beside it)")
+    p.add_argument("--plot-only", type=Path, default=None, help="redraw the table and PNG of a saved JSON")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if args.plot_only:
+        result = json.loads(args.plot_only.read_text())
+        print(format_table(result))
+        plot_overhead(result, args.plot_only.with_suffix(".png"))
+        return
     result = bench_stats(args.recipes, interval=args.interval, steps=args.steps, repeats=args.repeats,
                          overrides=args.overrides)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
+        plot_overhead(result, args.json.with_suffix(".png"))
     print(format_table(result))
     print(f"({args.steps} steps x {args.repeats} repeats, statistics every {args.interval} steps, every module)")
 

@@ -14,7 +14,7 @@ import tempfile
 
 from fp8_recipes.bench.emulated import _compose
 
-__all__ = ["bench_stats", "format_table"]
+__all__ = ["bench_stats", "format_table", "plot_overhead"]
 
 
 def bench_stats(recipes: list[str], *, interval: int = 10, steps: int = 40, repeats: int = 3,
@@ -50,3 +50,18 @@ def format_table(result: dict) -> str:
         lines.append(f"| {r['recipe']} | {r['step_s_off']:.4f} | {r['step_s_on']:.4f} | {r['overhead_pct']:+.1f}% | "
                      f"{r['in_run_overhead_pct']:.2f}% |")
     return "\n".join(lines)
+
+
+def plot_overhead(result: dict, path):
+    """Both overheads per recipe as bars, with the 5% target as the dashed line."""
+    from pathlib import Path
+
+    from fp8_recipes.bench.output import bar_chart
+
+    rows = result["rows"]
+    return bar_chart(Path(path), [r["recipe"] for r in rows],
+                     {"A/B: step time on vs off": [r["overhead_pct"] for r in rows],
+                      "in-run: recorder time / rest": [r["in_run_overhead_pct"] for r in rows]},
+                     ylabel="overhead %", baseline=5.0,
+                     title=f"numerics statistics every {result['interval']} steps (target <= 5%), "
+                           f"{result['steps']} steps x {result['repeats']}")
