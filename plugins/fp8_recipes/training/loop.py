@@ -402,6 +402,36 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
+def _optimizer_state(model: torch.nn.Module, cfg: TrainerConfig, precision: Precision,
+                     resume_from: str | os.PathLike | None, rank: int):
+    """fp32 masters, AdamW and the warmup + cosine LR schedule (lr scaled by the global batch when asked), restored
+    from `resume_from` when given: (master, optimizer, scheduler, first step). A resumed run keeps the configured
+    peak LR (a stop checkpoint may be resumed with a lower one)."""
+    lr, min_lr = cfg.lr, cfg.min_lr
+    if cfg.lr_scaling.enabled:
+        base = cfg.lr_scaling.base_global_batch_size
+        lr, min_lr = (scaled_lr(x, cfg.global_batch_size, base) for x in (cfg.lr, cfg.min_lr))
+        if rank == 0:
+            logger.info("lr scaling: global batch %d / base %d: lr %.3g -> %.3g, min_lr %.3g -> %.3g",
+                        cfg.global_batch_size, base, cfg.lr, lr, cfg.min_lr, min_lr)
+    master = MasterParams([p for p in model.parameters() if p.requires_grad], enabled=cfg.fp32_master_weights)
+    optimizer = build_optimizer(master, cfg, lr)
+
+    def lr_factor(step: int) -> float:  # LambdaLR multiplies the optimizer's initial lr by this
+        return lr_at(step, lr=lr, min_lr=min_lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps) / lr
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    start = 0
+    if resume_from is not None:
+        start = load_checkpoint(resume_from, model=model, optimizer=optimizer, scheduler=scheduler,
+                                precision=precision, master_params=master)
+        saved_lr = _use_configured_lr(optimizer, scheduler, lr, lr_factor(scheduler.last_epoch))
+        if saved_lr is not None and rank == 0:
+            logger.info("resume: peak lr %.3g -> %.3g (the configured trainer.lr; the schedule continues)",
+                        saved_lr, lr)
+    return master, optimizer, scheduler, start
+
+
 def train(model: torch.nn.Module, batches_train: Iterator[Mapping[str, Any]],
           batches_valid: Iterator[Mapping[str, Any]] | None, trainer_cfg: Any, precision: Precision,
           run_dir: str | os.PathLike, *, rank: int = 0, world_size: int = 1,
@@ -427,33 +457,11 @@ def train(model: torch.nn.Module, batches_train: Iterator[Mapping[str, Any]],
     dp_size = ps.get_data_parallel_world_size() if ps else world_size
     accumulation = cfg.gradient_accumulation_steps(dp_size)
     device = next(model.parameters()).device
-    lr, min_lr = cfg.lr, cfg.min_lr
-    if cfg.lr_scaling.enabled:
-        base = cfg.lr_scaling.base_global_batch_size
-        lr, min_lr = (scaled_lr(x, cfg.global_batch_size, base) for x in (cfg.lr, cfg.min_lr))
-        if rank == 0:
-            logger.info("lr scaling: global batch %d / base %d: lr %.3g -> %.3g, min_lr %.3g -> %.3g",
-                        cfg.global_batch_size, base, cfg.lr, lr, cfg.min_lr, min_lr)
     if rank == 0:
         logger.info("global batch %d = micro %d x data parallel %d x accumulation %d", cfg.global_batch_size,
                     cfg.micro_batch_size, dp_size, accumulation)
-
     model.train()
-    master = MasterParams([p for p in model.parameters() if p.requires_grad], enabled=cfg.fp32_master_weights)
-    optimizer = build_optimizer(master, cfg, lr)
-
-    def lr_factor(step: int) -> float:  # LambdaLR multiplies the optimizer's initial lr by this
-        return lr_at(step, lr=lr, min_lr=min_lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps) / lr
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-    start = 0
-    if resume_from is not None:
-        start = load_checkpoint(resume_from, model=model, optimizer=optimizer, scheduler=scheduler,
-                                precision=precision, master_params=master)
-        saved_lr = _use_configured_lr(optimizer, scheduler, lr, lr_factor(scheduler.last_epoch))
-        if saved_lr is not None and rank == 0:
-            logger.info("resume: peak lr %.3g -> %.3g (the configured trainer.lr; the schedule continues)",
-                        saved_lr, lr)
+    master, optimizer, scheduler, start = _optimizer_state(model, cfg, precision, resume_from, rank)
     # The same validation batches every time: val curves (and full vs training precision) differ by the model only.
     valid = [next(batches_valid) for _ in range(cfg.eval_iters)] if batches_valid is not None else []
     fp_interval = int(getattr(precision, "full_precision_eval_interval", 0) or 0)
