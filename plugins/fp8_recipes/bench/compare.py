@@ -4,9 +4,9 @@
     save(result, Path("runs/compare"))          # compare.json, compare.md, compare.png
 
 Each run is scripts/train.py in a subprocess (its own run dir ``OUT/NAME``, its own Megatron-Core world), through
-:func:`child_main`, which also records the process's peak memory (CUDA: ``torch.cuda.max_memory_allocated``;
-CPU: the peak RSS) and, for FP8 runs, evaluates the final checkpoint with FP8 and with BF16 GEMMs
-(training/evaluate.py: inference parity). ``--parallel N`` runs N at once (several small models fit on one H200;
+:func:`child_main`, which for FP8 runs also evaluates the final checkpoint with FP8 and with BF16 GEMMs
+(training/evaluate.py: inference parity). Backend, device and peak memory (CUDA: ``torch.cuda.max_memory_allocated``;
+CPU: the peak RSS) come from the run's summary.json. ``--parallel N`` runs N at once (several small models fit on one H200;
 on several GPUs each run gets one).
 
 What the table says, from each run's own metrics.jsonl:
@@ -41,7 +41,6 @@ __all__ = ["REFERENCE", "add_gaps", "check_runs", "child_main", "collect", "comp
 REFERENCE = "bf16"        # the run every gap is measured against
 FINAL_FRACTION = 0.05     # final loss = mean of the last 5% of logged training losses
 WARMUP_FRACTION = 0.10    # tokens/s ignores the first 10% of rows (start-up, allocator warm-up)
-PEAK_FILE = "peak_memory.json"
 PARITY_FILE = "parity.json"
 
 
@@ -95,21 +94,11 @@ def _read_json(path: Path) -> dict:
         return {}
 
 
-def _backend(run_dir: Path) -> str | None:
-    """The backend the run printed in plan.txt (``backend   te (auto: ...)``); summary.json does not hold it."""
-    try:
-        lines = (run_dir / "plan.txt").read_text().splitlines()
-    except OSError:
-        return None
-    return next((ln.split()[1] for ln in lines if ln.startswith("backend ") and len(ln.split()) > 1), None)
-
-
 def summarize_run(run_dir: Path, name: str) -> dict[str, Any]:
     """One run's row: losses, speed, memory and parity read from its run dir (missing parts are None)."""
     from fp8_recipes.training.metrics import read_metrics
 
     summary = _read_json(run_dir / "summary.json")
-    peak = _read_json(run_dir / PEAK_FILE)
     parity = _read_json(run_dir / PARITY_FILE)
     train = read_metrics(run_dir, "train") if (run_dir / "metrics.jsonl").is_file() else []
     evals = [r for r in (read_metrics(run_dir, "eval") if train else []) if "val_loss" in r]
@@ -117,16 +106,14 @@ def summarize_run(run_dir: Path, name: str) -> dict[str, Any]:
     status = "ok" if summary and not summary.get("stopped") and not summary.get("preempted") else (
         "stopped" if summary.get("stopped") else "preempted" if summary.get("preempted") else
         "failed" if run_dir.exists() else "not run")
-    peak_bytes = summary.get("peak_memory_bytes") or peak.get("cuda_max_allocated_bytes") or \
-        peak.get("cpu_max_rss_bytes")
+    peak_bytes, device = summary.get("peak_memory_bytes"), summary.get("device")
     return {
         "name": name, "run_dir": str(run_dir), "status": status, "recipe": summary.get("recipe", name),
-        "backend": summary.get("backend") or _backend(run_dir), "device": peak.get("device"), "steps": len(train),
+        "backend": summary.get("backend"), "device": device, "steps": len(train),
         "final_loss": loss, "final_k": k, "val_loss": float(evals[-1]["val_loss"]) if evals else None,
         "val_step": evals[-1]["step"] if evals else None, "tokens_per_s": steady_tokens_per_s(train),
         "peak_memory_gib": peak_bytes / 2**30 if peak_bytes else None,
-        "peak_memory_kind": "cuda max allocated" if peak.get("cuda_max_allocated_bytes") else
-        ("cpu peak rss" if peak.get("cpu_max_rss_bytes") else None),
+        "peak_memory_kind": None if not peak_bytes else "cpu peak rss" if device == "CPU" else "cuda max allocated",
         "skipped_steps": summary.get("skipped_steps"),
         "parity": {k: parity[k] for k in ("fp8_loss", "bf16_loss", "fp8_ppl", "bf16_ppl", "gap_pct", "eval_step",
                                           "stage", "eval_tokens") if k in parity} or None,
@@ -484,22 +471,9 @@ def compare_recipes(recipes: Sequence[str], overrides: Sequence[str], out_dir: P
 # Inside each run's subprocess
 
 
-def _peak_memory() -> dict[str, Any]:
-    """This process's peak memory: CUDA's max allocated when CUDA was used, and the peak RSS."""
-    import resource
-
-    import torch
-
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    device = torch.cuda.get_device_name() if cuda else f"CPU ({len(os.sched_getaffinity(0))} cores)"
-    return {"device": device, "cpu_max_rss_bytes": rss,
-            "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None}
-
-
 def child_main(argv: Sequence[str] | None = None) -> None:
     """One run of the shoot-out: scripts/train.py as __main__ (its exit codes, errors and outputs unchanged),
-    then the peak memory into RUN_DIR/peak_memory.json and, with --parity, RUN_DIR/parity.json."""
+    then, with --parity, the inference parity into RUN_DIR/parity.json."""
     import runpy
 
     p = argparse.ArgumentParser(prog="compare child")
@@ -511,10 +485,8 @@ def child_main(argv: Sequence[str] | None = None) -> None:
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     sys.argv = [str(args.script), *args.overrides]
     runpy.run_path(str(args.script), run_name="__main__")  # SystemExit (errors, preemption) passes through
-    from fp8_recipes.bench.output import save_json
-
-    save_json(args.run_dir / PEAK_FILE, _peak_memory())  # before the evaluation: training's peak only
     if args.parity:
+        from fp8_recipes.bench.output import save_json
         from fp8_recipes.training.evaluate import evaluate_checkpoint, format_parity
 
         result = evaluate_checkpoint(args.run_dir, eval_iters=args.parity_iters)

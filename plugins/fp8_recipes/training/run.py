@@ -241,7 +241,8 @@ def run_training(cfg) -> dict:
         try:
             summary = train(model, train_iter, valid_iter, trainer, precision, run_dir, rank=rank,
                             world_size=world_size, resume_from=resume_from,
-                            summary_extra={"recipe": recipe.name, "backend": str(plan.backend)})
+                            summary_extra={"recipe": recipe.name, "backend": str(plan.backend),
+                                           "device": hardware.describe()})
         finally:
             if recorder is not None:  # the last step's rows and the heat map, also after a failed step
                 recorder.close()
