@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from fp8_recipes.backends.te import _delayed_tensors
 from fp8_recipes.numerics import block_for, dequantize, quantize
 from fp8_recipes.observe.stats import COLUMNWISE
 from fp8_recipes.plan import Gemm, ModulePlan
@@ -36,9 +37,8 @@ from fp8_recipes.schema import Role
 __all__ = ["TEObservedLinear", "te_observer_states"]
 
 # TE's delayed-scaling slots of a one-GEMM module (tex.FP8FwdTensors / FP8BwdTensors): GEMM1_INPUT, GEMM1_WEIGHT,
-# GRAD_OUTPUT1.
-_DELAYED_SLOT = {Role.ACTIVATIONS: ("scaling_fwd", 0), Role.WEIGHTS: ("scaling_fwd", 1),
-                 Role.GRADIENTS: ("scaling_bwd", 0)}
+# GRAD_OUTPUT1, in the scale tensors backends/te.py's _delayed_tensors reads.
+_DELAYED_SLOT = {Role.ACTIVATIONS: ("scale_fwd", 0), Role.WEIGHTS: ("scale_fwd", 1), Role.GRADIENTS: ("scale_bwd", 0)}
 _FORWARD_OPERANDS = ((Gemm.FPROP, Role.ACTIVATIONS), (Gemm.FPROP, Role.WEIGHTS), (Gemm.DGRAD, Role.WEIGHTS),
                      (Gemm.WGRAD, Role.ACTIVATIONS))
 _BACKWARD_OPERANDS = ((Gemm.DGRAD, Role.GRADIENTS), (Gemm.WGRAD, Role.GRADIENTS))
@@ -52,9 +52,8 @@ class _TEScale:
 
     @property
     def scale(self) -> torch.Tensor:
-        state = (getattr(self.module, "fp8_meta", None) or {}).get(self.key)
-        scale = getattr(state, "scale", None)
-        if not isinstance(scale, torch.Tensor):  # not allocated before the module's first FP8 forward: TE's 1.0
+        scale = _delayed_tensors(self.module).get(self.key)
+        if scale is None:  # not allocated before the module's first FP8 forward: TE's 1.0
             return torch.ones((), dtype=torch.float32)
         return scale[self.index]
 

@@ -56,10 +56,9 @@ def eval_step_all_on(recipe: Any, trained_steps: int) -> int:
 
 def run_data_parallel_size(step_dir: Path) -> int:
     """The data-parallel size the checkpoint was trained at (its meta.json; 1 for a checkpoint without one)."""
-    try:
-        return int(json.loads((step_dir / "meta.json").read_text()).get("data_parallel_size", 1))
-    except (OSError, ValueError):
-        return 1
+    from fp8_recipes.training.checkpoint import checkpoint_meta
+
+    return int(checkpoint_meta(step_dir).get("data_parallel_size", 1))
 
 
 def _valid_batches(cfg: Any, eval_iters: int, train_dp: int) -> list[dict]:
