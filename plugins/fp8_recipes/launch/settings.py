@@ -13,7 +13,8 @@ import dataclasses
 import re
 from typing import Any, Mapping
 
-from fp8_recipes.training.config import _did_you_mean, _unknown_key
+from fp8_recipes.training.config import unknown_key
+from fp8_recipes.training.errors import did_you_mean
 
 __all__ = ["LauncherSettings", "SIGNALS", "MANAGED_SBATCH_OPTIONS"]
 
@@ -84,7 +85,7 @@ class LauncherSettings:
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(cfg) - fields)
         if unknown:
-            raise _unknown_key("launcher", unknown[0], fields)
+            raise unknown_key("launcher", unknown[0], fields)
         values = dict(cfg)
         if values.get("sbatch_args") is None:  # (null in the YAML, so that launcher.sbatch_args={...} can set it)
             values["sbatch_args"] = {}
@@ -106,7 +107,7 @@ class LauncherSettings:
             _name(key, getattr(self, key))
         if self.signal is not None and self.signal not in SIGNALS:
             raise ValueError(f"launcher.signal: {self.signal!r} is not one of {' | '.join(SIGNALS)} | null"
-                             f"{_did_you_mean(str(self.signal).removeprefix('SIG'), SIGNALS)} (scripts/train.py "
+                             f"{did_you_mean(str(self.signal).removeprefix('SIG'), SIGNALS)} (scripts/train.py "
                              f"checkpoints on SIGUSR1; SIGTERM means Slurm is ending the job)")
         if self.signal is not None and self.signal_lead_s >= self.time_min * 60:
             raise ValueError(f"launcher.signal_lead_s: {self.signal_lead_s} s is not shorter than launcher.time_min="

@@ -10,25 +10,21 @@ start-up of a training job.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import os
 from pathlib import Path
 from typing import Any, Mapping
 
+from fp8_recipes.training.errors import did_you_mean
+
 __all__ = ["LRScaling", "TrainerConfig", "NONFINITE_ACTIONS", "check_model_cfg", "check_data_cfg",
-           "check_writable_dir", "check_run_config", "launch_world_size"]
+           "check_writable_dir", "check_run_config", "launch_world_size", "unknown_key"]
 
 NONFINITE_ACTIONS = ("skip_then_bf16", "stop")
 
 
-def _did_you_mean(word: str, choices) -> str:
-    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
-    return f" (did you mean '{close[0]}'?)" if close else ""
-
-
-def _unknown_key(group: str, key: str, known) -> ValueError:
-    return ValueError(f"{group}.{key}: unknown key{_did_you_mean(key, known)}; known keys: {', '.join(sorted(known))}")
+def unknown_key(group: str, key: str, known) -> ValueError:
+    return ValueError(f"{group}.{key}: unknown key{did_you_mean(key, known)}; known keys: {', '.join(sorted(known))}")
 
 
 def _is_int(v: Any) -> bool:
@@ -125,7 +121,7 @@ class TrainerConfig:
         fields = {f.name: f.type for f in dataclasses.fields(cls)}
         unknown = sorted(set(cfg) - set(fields))
         if unknown:
-            raise _unknown_key("trainer", unknown[0], fields)
+            raise unknown_key("trainer", unknown[0], fields)
         values = dict(cfg)
         scaling = values.pop("lr_scaling", None) or {}
         if not isinstance(scaling, Mapping):
@@ -133,7 +129,7 @@ class TrainerConfig:
         scaling_fields = {f.name: f.type for f in dataclasses.fields(LRScaling)}
         bad = sorted(set(scaling) - set(scaling_fields))
         if bad:
-            raise _unknown_key("trainer.lr_scaling", bad[0], scaling_fields)
+            raise unknown_key("trainer.lr_scaling", bad[0], scaling_fields)
         for key, value in values.items():
             _check_type(f"trainer.{key}", value, fields[key])
         for key, value in scaling.items():
@@ -167,10 +163,10 @@ class TrainerConfig:
                 raise ValueError(f"trainer.{key}={getattr(self, key)!r}: must be a number >= 0 (0 = off)")
         if self.params_dtype not in ("bf16", "fp32", "bfloat16", "float32"):
             raise ValueError(f"trainer.params_dtype={self.params_dtype!r}: choose bf16 or fp32"
-                             f"{_did_you_mean(self.params_dtype, ('bf16', 'fp32'))}")
+                             f"{did_you_mean(self.params_dtype, ('bf16', 'fp32'))}")
         if self.on_nonfinite not in NONFINITE_ACTIONS:
             raise ValueError(f"trainer.on_nonfinite={self.on_nonfinite!r}: choose one of "
-                             f"{' | '.join(NONFINITE_ACTIONS)}{_did_you_mean(self.on_nonfinite, NONFINITE_ACTIONS)}")
+                             f"{' | '.join(NONFINITE_ACTIONS)}{did_you_mean(self.on_nonfinite, NONFINITE_ACTIONS)}")
         if self.resume is not None and self.resume != "auto" and not Path(self.resume).is_dir():
             raise ValueError(f"trainer.resume={self.resume!r}: no such directory; give auto, a run dir, its "
                              f"checkpoints dir or a step_N dir (null = start fresh)")
@@ -203,7 +199,7 @@ def check_model_cfg(cfg: Mapping[str, Any], *, vocab_may_be_unset: bool = False,
     known = MODEL_REQUIRED + MODEL_OPTIONAL
     unknown = sorted(set(cfg) - set(known))
     if unknown:
-        raise _unknown_key("model", unknown[0], known)
+        raise unknown_key("model", unknown[0], known)
     for key in MODEL_REQUIRED:
         if cfg.get(key) is None and not (key == "vocab_size" and vocab_may_be_unset):
             raise ValueError(f"model.{key} is required (got no value); set model.{key}=<integer>")
@@ -214,7 +210,7 @@ def check_model_cfg(cfg: Mapping[str, Any], *, vocab_may_be_unset: bool = False,
     for key, choices in MODEL_CHOICES.items():
         if key in cfg and cfg[key] not in choices:
             raise ValueError(f"model.{key}={cfg[key]!r}: choose one of {' | '.join(choices)}"
-                             f"{_did_you_mean(cfg[key], choices)}")
+                             f"{did_you_mean(cfg[key], choices)}")
     for key in ("share_embeddings_and_output_weights", "add_bias_linear"):
         if key in cfg and not isinstance(cfg[key], bool):
             raise ValueError(f"model.{key}={cfg[key]!r}: must be true or false")
@@ -268,10 +264,10 @@ def check_data_cfg(cfg: Mapping[str, Any]) -> None:
     """The `data` group: keys, tokenizer settings, split weights, inputs that exist, a usable dataset path."""
     unknown = sorted(set(cfg) - set(DATA_KEYS))
     if unknown:
-        raise _unknown_key("data", unknown[0], DATA_KEYS)
+        raise unknown_key("data", unknown[0], DATA_KEYS)
     tok = cfg.get("tokenizer", "bpe")
     if tok not in ("bpe", "bytes"):
-        raise ValueError(f"data.tokenizer={tok!r}: choose bpe or bytes{_did_you_mean(tok, ('bpe', 'bytes'))}")
+        raise ValueError(f"data.tokenizer={tok!r}: choose bpe or bytes{did_you_mean(tok, ('bpe', 'bytes'))}")
     vocab = cfg.get("vocab_size", 4096)
     if tok == "bpe" and not (_is_int(vocab) and 258 <= vocab <= 65500):  # 256 bytes + EOD + >=1 merge; uint16 ids
         raise ValueError(f"data.vocab_size={vocab!r}: must be an integer in 258..65500 (e.g. 4096)")
@@ -352,7 +348,7 @@ def check_run_config(cfg: Any) -> TrainerConfig:
     container = dict(cfg) if isinstance(cfg, dict) else _resolved(cfg)
     unknown = sorted(set(container) - RUN_KEYS)
     if unknown:
-        raise ValueError(f"{unknown[0]}: unknown top-level key{_did_you_mean(unknown[0], RUN_KEYS)}; known: "
+        raise ValueError(f"{unknown[0]}: unknown top-level key{did_you_mean(unknown[0], RUN_KEYS)}; known: "
                          f"{', '.join(sorted(RUN_KEYS))}")
     for group in ("trainer", "model", "data"):
         if not isinstance(container.get(group), Mapping):

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["NonFiniteStop", "USER_ERROR_EXIT", "NONFINITE_EXIT", "PREEMPTED_EXIT", "hydra_errors_as_one_line",
-           "one_line", "remove_partial_run_dir"]
+__all__ = ["NonFiniteStop", "USER_ERROR_EXIT", "NONFINITE_EXIT", "PREEMPTED_EXIT", "did_you_mean",
+           "hydra_errors_as_one_line", "one_line", "remove_partial_run_dir"]
 
 USER_ERROR_EXIT = 2  # a bad config, recipe or command line: nothing was run
 NONFINITE_EXIT = 3   # training stopped on non-finite losses or gradients (trainer.on_nonfinite)
@@ -38,7 +38,8 @@ class NonFiniteStop(RuntimeError):
     """The run stopped on non-finite losses or gradients (``trainer.on_nonfinite``); ``str()`` is one line."""
 
 
-def _did_you_mean(word: str, choices) -> str:
+def did_you_mean(word: str, choices) -> str:
+    """`` (did you mean 'x'?)`` for the closest of `choices`, or nothing: the tail of a one-line error."""
     close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
 
@@ -61,7 +62,7 @@ def one_line(e: BaseException) -> str | None:
         missing = str(e.missing_cfg_file or "")
         group, _, name = missing.rpartition("/")
         if group and e.options:
-            return (f"{group}: {name!r} is not an option of the {group} group{_did_you_mean(name, e.options)}; "
+            return (f"{group}: {name!r} is not an option of the {group} group{did_you_mean(name, e.options)}; "
                     f"choose one of {', '.join(e.options)}")
         return f"{missing or '(config)'}: {_first_line(str(e))}; check the group name (model, data, trainer, recipe)"
     if isinstance(e, OverrideParseException):
@@ -77,7 +78,7 @@ def one_line(e: BaseException) -> str | None:
             known = list(parent.keys()) if hasattr(parent, "keys") else []
             leaf = key.rsplit(".", 1)[-1]
             append = re.search(r"use (\+\S+)", msg)
-            return (f"{key}: not in the config{_did_you_mean(leaf, known)}; fix the spelling, or add it "
+            return (f"{key}: not in the config{did_you_mean(leaf, known)}; fix the spelling, or add it "
                     f"with {append.group(1) if append else f'+{key}=VALUE'}")
         if "No match in the defaults list" in msg:
             return f"{key}: not in the defaults list; add the group with +{key}=NAME"
