@@ -188,12 +188,17 @@ class PrecisionPlan:
     # -- static decisions --------------------------------------------------------------------------------------
     def _resolve_backend(self) -> tuple[Backend, str]:
         want = self.recipe.backend
-        if not self.recipe.is_fp8:
-            return Backend.EMULATED, "no FP8 role: every GEMM runs BF16"
-        if want is Backend.EMULATED:
-            return Backend.EMULATED, "requested"
         hw = self.hardware
         te_ready = hw.has_fp8 and _te_backend_available()
+        if not self.recipe.is_fp8:
+            if want is Backend.EMULATED or not te_ready:
+                return Backend.EMULATED, "no FP8 role: every GEMM runs BF16"
+            # BF16 in TE's layers, the kernels the FP8 runs use, so a BF16 baseline differs from them by FP8
+            # alone (the emulated backend's local layers would add unfused attention and other kernels)
+            self.te = resolve_te(self.recipe, hw.compute_capability, hw.name)  # unsupported: no stage is FP8
+            return Backend.TE, "no FP8 role: every GEMM runs BF16 in Transformer Engine's layers"
+        if want is Backend.EMULATED:
+            return Backend.EMULATED, "requested"
         if want is Backend.TE and not te_ready:
             if hw.has_fp8:
                 raise RecipeError(["backend: 'te' is not available in this build of fp8-recipes "

@@ -62,15 +62,14 @@ def test_every_recipe_trains_on_te(name, data_dir, tmp_path, monkeypatch):
     assert len(losses) == 8 and all(math.isfinite(x) for x in losses), losses
     assert sum(losses[-2:]) / 2 < losses[0] - 1.0, losses  # bytes of Python source: learnt within a few steps
     assert math.isfinite(summary["val_loss"])
-    if name == "bf16":
-        assert summary["backend"] == "emulated"  # nothing FP8: Megatron-Core's own BF16 path
-        return
-    assert summary["backend"] == "te", summary
+    assert summary["backend"] == "te", summary  # bf16 too: TE's layers in BF16, the FP8 runs' kernels
     run = summary["te_execution"]
     assert run["plan_mismatches"] == 0, run["mismatch_examples"]
     plan_text = (tmp_path / "run" / "plan.txt").read_text()
     assert "backend   te" in plan_text
-    if name == "safe":  # layers 0 and 3 BF16; 1-2: BF16 (w alone), forward-only (w+a), then FP8 (w+a+g)
+    if name == "bf16":
+        assert run["module_forwards"] == {BF16: 8 * 16}, run
+    elif name == "safe":  # layers 0 and 3 BF16; 1-2: BF16 (w alone), forward-only (w+a), then FP8 (w+a+g)
         assert run["by_stage"]["bf16 warmup"] == {BF16: 2 * 16}
         assert run["by_stage"]["fp8 w"] == {BF16: 2 * 16}
         assert run["by_stage"]["fp8 w+a"] == {BF16: 2 * 8, FP8_FWD: 2 * 8}

@@ -295,6 +295,12 @@ def test_backend_resolution():
     assert plan_for(emu).backend is Backend.EMULATED and plan_for(emu).backend_reason == "requested"
     bf16_te = dataclasses.replace(load_recipe("bf16"), backend=Backend.TE)
     assert plan_for(bf16_te).backend is Backend.EMULATED  # nothing FP8 to run: no error
+    h200 = Hardware("cuda", (9, 0), "2.20.2", "NVIDIA H200")
+    on_te = PrecisionPlan(load_recipe("bf16"), LAYOUT, h200)  # a BF16 baseline in the FP8 runs' TE layers
+    assert on_te.backend is Backend.TE and "BF16" in on_te.backend_reason
+    assert all(m.te is None and not m.any_fp8 for m in on_te.at(0).modules.values())
+    emu = PrecisionPlan(dataclasses.replace(load_recipe("bf16"), backend=Backend.EMULATED), LAYOUT, h200)
+    assert emu.backend is Backend.EMULATED
     assert not any(m.any_fp8 for m in plan_for("bf16").at(0).modules.values())
 
 
