@@ -76,7 +76,7 @@ def test_training_with_debug_writes_statistics_on_te(recipe, tmp_path, monkeypat
         f"run_dir={run_dir}", "++debug.interval=2"]))
     assert summary["backend"] == "te" and summary["numerics_s"] > 0
     rows = read_numerics(run_dir)
-    assert sorted({r["step"] for r in rows}) == [2, 4]
+    assert sorted({r["step"] for r in rows}) == [1, 3]  # 1-based steps 1, 1 + interval
     modules = {r["module"] for r in rows}
     assert len(modules) == 4 * 4 and "output_layer" not in modules  # every TE linear; the BF16 LM head has none
     assert len(rows) == 2 * 16 * 6  # 2 steps x 16 linears x (fprop, dgrad, wgrad) x 2 operands
