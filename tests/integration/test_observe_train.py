@@ -93,3 +93,40 @@ def test_bad_debug_key_fails_before_training(dataset, tmp_path, fresh_world):  #
         run_training(compose_train(["+recipe=tensorwise", *dataset, *small_run(tmp_path, num_layers=1, steps=2),
                                     "++debug.tensors=[activation]"]))
     assert not tmp_path.joinpath("metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("micro_batches", [1, 0])
+def test_micro_batches_sampled_or_merged(dataset, tmp_path, fresh_world, micro_batches,  # noqa: F811
+                                        monkeypatch):
+    """Two micro-batches of 2 sequences per step: `micro_batches: 1` measures (and dumps) the first one of each
+    module (every operand still there: the module is switched off only after its last), 0 sums both."""
+    from fp8_recipes.observe.recorder import NumericsRecorder
+    from fp8_recipes.training.run import run_training
+
+    calls = []
+    observe = NumericsRecorder.observe
+    monkeypatch.setattr(NumericsRecorder, "observe", lambda self, state, *a, **k: (
+        calls.append(self.step) if state.record_amax else None, observe(self, state, *a, **k))[-1])
+
+    overrides = ["+recipe=tensorwise", *dataset, *small_run(tmp_path, num_layers=1, steps=2),
+                 "trainer.micro_batch_size=2", "trainer.global_batch_size=4", "++debug.interval=1",
+                 f"++debug.micro_batches={micro_batches}", "++debug.dump.steps=[2]",
+                 r"++debug.dump.layers='layers\.0\.mlp\.linear_fc2'", "++debug.dump.tensors=[activations]"]
+    run_training(compose_train(overrides))
+
+    rows = read_numerics(tmp_path)
+    modules = {f"decoder.layers.0.{m}" for m in LINEARS}
+    for step in (1, 2):
+        keys = [(r["module"], r["gemm"], r["role"]) for r in rows if r["step"] == step]
+        assert len(keys) == len(set(keys)) == len(modules) * len(OPERANDS)
+        assert {k[0] for k in keys} == modules and {k[1:] for k in keys} == OPERANDS
+    per_micro_batch = 2 * 128 * 128  # 2 sequences x 128 tokens x hidden 128
+    qkv = [r for r in rows if r["module"].endswith("linear_qkv") and r["gemm"] == "fprop"
+           and r["role"] == "activations"]
+    assert [r["numel"] for r in qkv] == [per_micro_batch * (1 if micro_batches == 1 else 2)] * 2
+    # switched off after micro-batch 1: the backend no longer calls the observer (nothing reaches the recorder)
+    assert calls.count(1) == calls.count(2) == len(modules) * len(OPERANDS) * (1 if micro_batches == 1 else 2)
+    dumps = sorted(p.name for p in (tmp_path / "dumps" / "step_2").glob("*.pt"))
+    indices = [0] if micro_batches == 1 else [0, 1]
+    assert dumps == sorted(f"decoder.layers.0.mlp.linear_fc2.{g}.activations.{i}.pt"
+                           for g in ("fprop", "wgrad") for i in indices)

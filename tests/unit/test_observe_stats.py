@@ -177,3 +177,95 @@ def test_the_backends_quantized_scales_give_the_same_statistics(policy, columnwi
     given = measure(x, fq, policy, columnwise=columnwise, scaler=scaler, quantized=q).row()
     assert given == derived
     assert derived["saturation_pct"] > 0 or policy.scaling in (Scaling.TENSORWISE, Scaling.BLOCKWISE)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The GPU's sync-free measure() and the one-transfer rows()
+
+
+def _same(a, b) -> bool:
+    """Row equality with NaN equal to NaN."""
+    if a.keys() != b.keys():
+        return False
+    return all(x == y or (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y))
+               for x, y in ((a[k], b[k]) for k in a))
+
+
+@pytest.mark.parametrize("policy", [
+    TENSORWISE, DELAYED, TensorPolicy(scaling=Scaling.BLOCKWISE, block=(1, 16), pow2_scales=True),
+    TensorPolicy(scaling=Scaling.BLOCKWISE, block=(16, 16)),
+    TensorPolicy(scaling=Scaling.MXFP8, mx_rounding=MxRounding.FLOOR)], ids=str)
+@pytest.mark.parametrize("nan", [False, True], ids=["finite", "nan"])
+@pytest.mark.parametrize("given", [False, True], ids=["derived", "quantized"])
+def test_sync_free_measure_equals_the_branchy_one(policy, nan, given):
+    """The GPU path (no host check: NaN zeroed in |x|, clipped elements always counted), forced on the CPU, gives
+    the CPU path's numbers exactly: NaN, inf, zeros, clipping (stale delayed scale, OCP floor) and blocks."""
+    torch.manual_seed(1)
+    x = torch.randn(24, 64) * torch.logspace(-4, 3, 64)
+    x[3, 5] = x[7, :] = 0.0
+    if nan:
+        x[2, 9] = x[20, 60] = math.nan
+        x[5, 1] = math.inf
+    scaler = DelayedScaler(policy) if policy.scaling is Scaling.DELAYED else None
+    if scaler is not None:
+        scaler.observe(torch.nan_to_num(x, nan=0.0, posinf=0.0).abs().amax() / 40)  # stale: some values clip
+        scaler.update()
+    fq = fake_quant(x, policy, scaler=scaler, record_amax=False)
+    q = quantize(x, policy, scaler=scaler, record_amax=False) if given else None
+    branchy = measure(x, fq, policy, scaler=scaler, quantized=q, sync_free=False)
+    free = measure(x, fq, policy, scaler=scaler, quantized=q, sync_free=True)
+    assert torch.equal(branchy.sums.nan_to_num(nan=-1.0), free.sums.nan_to_num(nan=-1.0))
+    assert torch.equal(branchy.amax, free.amax) and torch.equal(branchy.min_nonzero, free.min_nonzero)
+    assert all(torch.equal(a, b) for a, b in zip(branchy.scales, free.scales))
+    assert _same(branchy.row(), free.row())
+    if policy.scaling is Scaling.DELAYED or policy.mx_rounding is MxRounding.FLOOR:
+        assert free.row()["saturation_pct"] > 0
+    if nan:
+        assert free.row()["amax"] == math.inf  # NaN ignored, inf kept
+
+
+def test_sync_free_switch_defaults_to_the_device(monkeypatch):
+    from fp8_recipes.observe import stats as stats_mod
+
+    x = torch.tensor([1.0, math.nan, 500.0])
+    calls = []
+    real_bool = torch.Tensor.__bool__
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: calls.append(1) or real_bool(t))
+    measure(x, fake_quant(x, TENSORWISE, record_amax=False), TENSORWISE)
+    assert calls  # the CPU branches (a sync is free there)
+    calls.clear()
+    monkeypatch.setattr(stats_mod, "SYNC_FREE", True)
+    measure(x, fake_quant(x, TENSORWISE, record_amax=False), TENSORWISE)
+    assert not calls  # no host check at all: what a CUDA tensor gets
+
+
+def test_rows_of_many_equal_each_row():
+    """rows() gathers every operand's numbers into one transfer; each row is the one row() gives alone (per
+    tensor, merged micro-batches, blocks, delayed scale_ratio, an all-zero tensor)."""
+    from fp8_recipes.observe.stats import rows
+
+    scaler = DelayedScaler(DELAYED)
+    scaler.scale = torch.tensor(4.0)
+    blocks = TensorPolicy(scaling=Scaling.BLOCKWISE, block=(1, 16))
+    torch.manual_seed(2)
+    a, b = torch.randn(16, 32) * 50, torch.randn(16, 32)
+    items = [measure(a, fake_quant(a, TENSORWISE, record_amax=False), TENSORWISE),
+             measure(a, fake_quant(a, DELAYED, scaler=scaler, record_amax=False), DELAYED, scaler=scaler),
+             measure(b, fake_quant(b, blocks, record_amax=False), blocks),
+             measure(torch.zeros(4, 16), torch.zeros(4, 16), blocks)]
+    merged = measure(a, fake_quant(a, blocks, record_amax=False), blocks).merge(items[2].copy())
+    per_tensor_merged = items[0].copy().merge(measure(b, fake_quant(b, TENSORWISE, record_amax=False), TENSORWISE))
+    items += [merged, per_tensor_merged]
+    singles = [s.row() for s in items]
+    assert rows(items) == singles
+    assert singles[1]["scale"] == 4.0 and singles[1]["scale_ratio"] is not None
+    assert singles[3]["min_nonzero"] is None and {"scale_min", "scale_median"} <= set(singles[2])
+    assert singles[4]["numel"] == 2 * 16 * 32
+
+
+def test_debug_config_micro_batches():
+    assert DebugConfig.from_dict(None).micro_batches == 1
+    assert DebugConfig.from_dict({"interval": 1, "micro_batches": 0}).micro_batches == 0
+    with pytest.raises(RecipeError, match=r"debug\.micro_batches: -1 is out of range"):
+        DebugConfig.from_dict({"interval": 1, "micro_batches": -1})
+    assert debug_config({"micro_batches": 3}, {"interval": 2}).micro_batches == 3

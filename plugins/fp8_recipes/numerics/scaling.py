@@ -51,7 +51,7 @@ def amax_to_scale(
     amax 0, inf or NaN -> scale 1 (never a NaN or inf scale); a scale that overflows float32 -> value_for_inf.
     """
     amax = amax.float()
-    fp8_max = torch.tensor(fp8_spec(fmt).max, dtype=torch.float32, device=amax.device)
+    fp8_max = torch.full((), fp8_spec(fmt).max, dtype=torch.float32, device=amax.device)  # no host copy (a sync on CUDA)
     if epsilon > 0:
         amax = torch.where(amax < epsilon, torch.full_like(amax, epsilon), amax)
     degenerate = ~torch.isfinite(amax) | (amax == 0)
@@ -76,8 +76,8 @@ def amax_to_e8m0(amax: torch.Tensor, fmt: Format | str, rounding: MxRounding | s
     amax = amax.float()
     amax = torch.where(torch.isnan(amax), torch.zeros_like(amax), amax)
     if MxRounding(rounding) is MxRounding.RCEIL:
-        rcp = torch.tensor(1.0 / spec.max, dtype=torch.float32)  # float32 constant, as TE's max_norm_rcp
-        val = amax * rcp.to(amax.device)
+        rcp = torch.full((), 1.0 / spec.max, dtype=torch.float32, device=amax.device)  # TE's float32 max_norm_rcp
+        val = amax * rcp
         bits = val.contiguous().view(torch.int32)
         exponent = (bits >> 23) & 0xFF
         mantissa = bits & 0x7FFFFF
@@ -119,7 +119,7 @@ def delayed_scale_update(amax: torch.Tensor, scale: torch.Tensor, fp8_max: float
     """TE's delayed-scaling update (``_default_sf_compute``): fp8_max / amax / 2^margin, float32 max when that
     overflows, the previous `scale` where amax is 0 or not finite; optionally rounded down to a power of two."""
     amax = amax.float()
-    sf = torch.tensor(fp8_max, dtype=torch.float32, device=amax.device) / amax
+    sf = torch.full((), fp8_max, dtype=torch.float32, device=amax.device) / amax
     sf = sf / (2.0 ** margin)
     sf = torch.where(torch.isinf(sf), torch.full_like(sf, FLOAT32_MAX), sf)
     if pow2:

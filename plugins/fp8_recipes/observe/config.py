@@ -10,6 +10,7 @@ Steps count optimizer steps completed, as ``metrics.jsonl`` rows do: step 1 is t
       tensors: [activations, gradients]
       start_step: 1              # first step with statistics; then every `interval` steps
       end_step: null             # last step with statistics (null = the end of the run)
+      micro_batches: 1           # micro-batches measured per due step and module (0 = all; default 1)
       dump: {steps: [1, 100], layers: "linear_fc2", tensors: [activations], dir: dumps}
 
 Problems are reported as ``debug.<key>: ...`` in a :class:`~fp8_recipes.schema.RecipeError` (a ValueError),
@@ -54,6 +55,10 @@ class DebugConfig:
     """First step with statistics (steps count from 1, as in metrics.jsonl)."""
     end_step: int | None = None
     """Last step with statistics (None = until the end)."""
+    micro_batches: int = 1
+    """How many micro-batches of a due step are measured (and dumped) per module and operand: the first ones;
+    0 = every micro-batch, merged into one row. Once a module has handed every operand it will get, its observer
+    is cleared for the rest of the step, so the other micro-batches cost nothing."""
     dump: DumpConfig = field(default_factory=DumpConfig)
     """Tensor dumps: high-precision operand, FP8 codes, scales, policy."""
 
@@ -150,7 +155,8 @@ class _DebugReader(_RecipeReader):
         return tuple(sorted({self.integer(f"{key}[{i}]", v, 1, 1) for i, v in enumerate(value)}))
 
     def read(self, key: str, data: Any) -> DebugConfig:
-        raw = self.mapping(key, data, {"interval", "layers", "tensors", "start_step", "end_step", "dump"})
+        raw = self.mapping(key, data, {"interval", "layers", "tensors", "start_step", "end_step",
+                                          "micro_batches", "dump"})
         d = self.mapping(f"{key}.dump", raw.get("dump"), {"steps", "layers", "tensors", "dir"})
         dump = DumpConfig(steps=self.steps(f"{key}.dump.steps", d.get("steps")),
                           layers=self.regex(f"{key}.dump.layers", d.get("layers")),
@@ -166,4 +172,6 @@ class _DebugReader(_RecipeReader):
         return DebugConfig(interval=self.integer(f"{key}.interval", raw.get("interval", 0), 0, 0),
                            layers=self.regex(f"{key}.layers", raw.get("layers")),
                            tensors=self.roles(f"{key}.tensors", raw.get("tensors")),
-                           start_step=start, end_step=end, dump=dump)
+                           start_step=start, end_step=end,
+                           micro_batches=self.integer(f"{key}.micro_batches", raw.get("micro_batches", 1), 0, 1),
+                           dump=dump)

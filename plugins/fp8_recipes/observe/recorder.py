@@ -14,7 +14,11 @@ Outputs in the run directory: ``numerics.jsonl`` (one row per step, module, GEMM
 (read them with :func:`load_dump`).
 
 Cost: nothing when the run has no ``debug`` section (no recorder exists); with one, an observer is set only on the
-modules a due step watches and cleared otherwise, so steps between intervals run the backend's plain path.
+modules a due step watches and cleared otherwise, so steps between intervals run the backend's plain path. Within a
+due step only the first ``debug.micro_batches`` micro-batches (default 1) are measured: once a module has handed
+every operand it will get this step (the (GEMM, role) pairs its plan runs in FP8 and the config asks for) that many
+times, its observer is cleared until the next due step. Operands that never arrive (not FP8 on that path) leave it
+set; later arrivals are then skipped by a per-operand count. The rows are copied to the host once per step.
 Evaluation forwards (modules in eval mode: ``state.record_amax`` is False) are never recorded. Statistics are
 computed on every rank (a tensorwise amax reduction is a collective), written by rank 0 only.
 
@@ -39,7 +43,8 @@ from typing import Any
 import torch
 
 from fp8_recipes.observe.config import DebugConfig
-from fp8_recipes.observe.stats import COLUMNWISE, OperandStats, measure
+from fp8_recipes.observe.stats import COLUMNWISE, OperandStats, measure, rows as stats_rows
+from fp8_recipes.plan import Gemm
 from fp8_recipes.schema import Role, Scaling
 
 __all__ = ["NumericsRecorder", "ObservedPrecision", "load_dump", "read_numerics"]
@@ -68,6 +73,8 @@ class NumericsRecorder:
         self._stats_due = self._dump_due = False
         self._pending: dict[tuple[str, str, str], OperandStats] = {}
         self._dump_count: dict[tuple[str, str, str], int] = defaultdict(int)
+        self._count: dict[tuple[str, str, str], int] = defaultdict(int)  # operand -> quantizations observed
+        self._expected: dict[str, tuple[tuple[str, str, str], ...]] = {}  # module -> its operands due this step
         self._last: dict[tuple[str, str], tuple] = {}  # (module, role) -> the last measured copy (see _measure)
         self._heat: dict[str, dict[int, float]] = {}  # module -> step -> underflow % (fprop activations)
         self._file = None
@@ -88,6 +95,8 @@ class NumericsRecorder:
         self._stats_due = self.config.stats_due(self.step)
         self._dump_due = self.config.dump_due(self.step)
         self._dump_count.clear()
+        self._count.clear()
+        self._expected.clear()
         self._last.clear()
         for name, state in self.states.items():
             watched = ((self._stats_due and self.config.stats_module(name))
@@ -114,14 +123,43 @@ class NumericsRecorder:
         scaler = state.scalers.get(role)
         reduce = state.amax_reduce if policy.scaling is Scaling.TENSORWISE else None
         key = (name, gemm_s, str(role))
-        if self._stats_due and role in self.config.tensors and self.config.stats_module(name):
+        stats, dump = self._wants(name, role)
+        if not (stats or dump):
+            return
+        limit = self.config.micro_batches
+        if limit and self._count[key] >= limit:  # a later micro-batch (the module still waits for another operand)
+            return
+        self._count[key] += 1
+        if stats:
             s = self._measure(key, hp_x, fq_x, policy, columnwise, scaler, reduce, quantized)
             if key in self._pending:
                 self._pending[key].merge(s)
             else:
                 self._pending[key] = s
-        if self._dump_due and role in self.config.dump.tensors and self.config.dump_module(name):
+        if dump:
             self._dump(key, hp_x, policy, columnwise, scaler, reduce)
+        if limit:
+            expected = self._expected.get(name)
+            if expected is None:
+                expected = self._expected[name] = self._due_operands(state)
+            if all(self._count[k] >= limit for k in expected):
+                state.observer = None  # done for this step: the backend skips the other micro-batches' work
+
+    def _wants(self, name: str, role: Role) -> tuple[bool, bool]:
+        """Whether this step's statistics / dumps take this module's `role` operands."""
+        return (self._stats_due and role in self.config.tensors and self.config.stats_module(name),
+                self._dump_due and role in self.config.dump.tensors and self.config.dump_module(name))
+
+    def _due_operands(self, state) -> tuple[tuple[str, str, str], ...]:
+        """The operands `state` will hand over this step (FP8 in its plan) that statistics or dumps take."""
+        out = []
+        for gemm_s, role_s in COLUMNWISE:
+            role = Role(role_s)
+            gemm_plan = state.plan.gemms.get(Gemm(gemm_s))
+            if gemm_plan is None or gemm_plan.policy(role) is None or not any(self._wants(state.name, role)):
+                continue
+            out.append((state.name, gemm_s, role_s))
+        return tuple(out)
 
     def _measure(self, key, hp_x, fq_x, policy, columnwise, scaler, reduce, quantized=None) -> OperandStats:
         """measure(), or the statistics of the same copy when the backend reuses an earlier GEMM's quantization
@@ -154,9 +192,10 @@ class NumericsRecorder:
 
     def _write(self, pending: dict[tuple[str, str, str], OperandStats]) -> None:
         rows = []
-        for (module, gemm, role), s in pending.items():
+        values = stats_rows(list(pending.values()))  # one device->host transfer for the whole step
+        for ((module, gemm, role), s), v in zip(pending.items(), values):
             row = {"step": self.step, "module": module, "gemm": gemm, "role": role, "policy": s.policy.describe(),
-                   **s.row()}
+                   **v}
             rows.append(row)
             if gemm == "fprop" and role == "activations":
                 self._heat.setdefault(module, {})[self.step] = row["underflow_pct"]

@@ -24,8 +24,11 @@ The scale is never re-derived by a rule of our own: delayed reads the scaler the
 changes only after the optimizer step), tensorwise recomputes ``amax_to_scale`` of the (reduced) amax exactly as
 ``quantize`` does, and block modes use quantize's own block-scale rule (without the cast; block amaxes are never
 reduced). Clipped elements are counted one by one only when some block's amax x scale passes the clip point.
-Sums stay on the tensor's device until :meth:`OperandStats.row`; on a GPU, measure() syncs twice per call (the
-NaN and saturation checks), on due steps only. Pure torch (plus our numerics).
+Sums stay on the tensor's device until :func:`rows` (or :meth:`OperandStats.row`), which copies every pending
+operand's numbers to the host in one transfer. On a GPU measure() never waits for the device: the amax is taken
+from |x| with NaN zeroed and clipped elements are counted unconditionally (:data:`SYNC_FREE`); on the CPU, where a
+sync is free, it branches (NaN pass and element-wise clip count only when needed). Both give the same numbers.
+Pure torch (plus our numerics).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from fp8_recipes.numerics.quantize import _block_scales, _rows_cols, _scale_bloc
 from fp8_recipes.numerics.scaling import AmaxReduce
 from fp8_recipes.schema import Role, Scaling, TensorPolicy
 
-__all__ = ["COLUMNWISE", "OperandStats", "STAT_KEYS", "measure"]
+__all__ = ["COLUMNWISE", "OperandStats", "STAT_KEYS", "SYNC_FREE", "measure", "rows"]
 
 # Which copy each GEMM reads (the emulated backend's layout, TE's too): the backward GEMMs read the weights, the
 # gradients of wgrad and the activations of wgrad along the other dimension.
@@ -56,6 +59,11 @@ STAT_KEYS = ("numel", "amax", "min_nonzero", "underflow_pct", "saturation_pct", 
 """Every key a row may hold (a key that does not apply to the policy is absent)."""
 
 _SUMS = ("numel", "nonzero", "underflow", "saturated", "sq_err", "dot", "hp_sq", "fq_sq")
+
+SYNC_FREE: bool | None = None
+"""measure()'s path: None = sync-free on any device but the CPU (no ``bool(tensor)``), True/False = forced (tests).
+The sync-free path zeroes NaN in |x| in place and counts clipped elements unconditionally; the CPU path takes the
+NaN-ignoring amax and the element-wise clip count only when a check says they are needed."""
 
 
 @dataclass
@@ -83,40 +91,84 @@ class OperandStats:
         return self
 
     def row(self) -> dict[str, float | int | None]:
-        """The statistics as plain Python numbers (the one device sync)."""
-        sums = dict(zip(_SUMS, self.sums.tolist()))
-        amax, min_nz = float(self.amax), float(self.min_nonzero)
-        numel = int(sums["numel"])
-        norm = math.sqrt(sums["hp_sq"] * sums["fq_sq"])
-        if norm > 0:
-            cosine = sums["dot"] / norm
-        else:  # both zero: the same tensor; one zero: nothing in common
-            cosine = 1.0 if sums["hp_sq"] == sums["fq_sq"] == 0 else 0.0
-        out: dict[str, float | int | None] = {
-            "numel": numel,
-            "amax": amax,
-            "min_nonzero": min_nz if math.isfinite(min_nz) else None,
-            "underflow_pct": 100.0 * sums["underflow"] / max(sums["nonzero"], 1.0),
-            "saturation_pct": 100.0 * sums["saturated"] / max(numel, 1),
-            "mse": sums["sq_err"] / max(numel, 1),
-            "cosine": cosine,
-        }
-        per_tensor = self.policy.scaling in (Scaling.TENSORWISE, Scaling.DELAYED)
-        if per_tensor and len(self.scales) == 1:  # the common case: one micro-batch
-            scales = self.scales[0].reshape(1).float()
-        else:
-            scales = torch.cat([s.reshape(-1).float() for s in self.scales]) if self.scales else None
-        if scales is not None and per_tensor:
-            out["scale"] = float(scales.median())
-        elif scales is not None:
-            out["scale_min"], out["scale_median"] = float(scales.min()), float(scales.median())
-        if self.policy.scaling is Scaling.DELAYED and scales is not None:
-            out["scale_ratio"] = None
-            if amax > 0 and math.isfinite(amax):
-                current = amax_to_scale(self.amax.reshape(()), self.policy.format, margin=self.policy.margin,
-                                        pow2=self.policy.pow2_scales)
-                out["scale_ratio"] = out["scale"] / float(current)
-        return out
+        """The statistics as plain Python numbers (one device->host transfer; see :func:`rows`)."""
+        return rows([self])[0]
+
+
+def _summary_pieces(s: OperandStats) -> tuple[list[torch.Tensor], int]:
+    """float32 1-D pieces: amax, min_nonzero, then the scale summary (per tensor: the median; blocks: min and
+    median; nothing without scales), all computed on the device; and the summary's length."""
+    pieces = [s.amax.reshape(1).float(), s.min_nonzero.reshape(1).float()]
+    if not s.scales:
+        return pieces, 0
+    per_tensor = s.policy.scaling in (Scaling.TENSORWISE, Scaling.DELAYED)
+    if per_tensor and len(s.scales) == 1:  # the common case: one micro-batch (the median of one value is itself)
+        return pieces + [s.scales[0].reshape(1).float()], 1
+    scales = s.scales[0].reshape(-1).float() if len(s.scales) == 1 else \
+        torch.cat([t.reshape(-1).float() for t in s.scales])
+    if per_tensor:
+        return pieces + [scales.median().reshape(1)], 1
+    return pieces + [scales.min().reshape(1), scales.median().reshape(1)], 2
+
+
+def rows(stats: list[OperandStats]) -> list[dict[str, float | int | None]]:
+    """:meth:`OperandStats.row` of each, with one device->host transfer per device (one per step on a GPU): every
+    number (sums, amax, min_nonzero, scale min/median) is gathered into one float64 tensor first."""
+    stats = list(stats)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, s in enumerate(stats):
+        by_device.setdefault(s.sums.device, []).append(i)
+    out: list[dict[str, float | int | None] | None] = [None] * len(stats)
+    for device, idx in by_device.items():
+        sums = torch.cat([stats[i].sums.reshape(-1).double() for i in idx])
+        pieces, lengths = [], []
+        for i in idx:
+            p, n = _summary_pieces(stats[i])
+            pieces.extend(p)
+            lengths.append(n)
+        values = torch.cat([sums, torch.cat([t.to(device) for t in pieces]).double()]).tolist()  # the one sync
+        sums_v, rest = values[:len(_SUMS) * len(idx)], values[len(_SUMS) * len(idx):]
+        pos = 0
+        for k, (i, n) in enumerate(zip(idx, lengths)):
+            summary = rest[pos:pos + 2 + n]
+            pos += 2 + n
+            out[i] = _row(stats[i].policy, sums_v[k * len(_SUMS):(k + 1) * len(_SUMS)], summary[0], summary[1],
+                          summary[2:])
+    return out  # type: ignore[return-value]
+
+
+def _row(policy: TensorPolicy, sums_list: list[float], amax: float, min_nz: float,
+         scale_summary: list[float]) -> dict[str, float | int | None]:
+    """A row from host numbers: `scale_summary` is [] (no scales), [median] (per tensor) or [min, median]."""
+    sums = dict(zip(_SUMS, sums_list))
+    numel = int(sums["numel"])
+    norm = math.sqrt(sums["hp_sq"] * sums["fq_sq"])
+    if norm > 0:
+        cosine = sums["dot"] / norm
+    else:  # both zero: the same tensor; one zero: nothing in common
+        cosine = 1.0 if sums["hp_sq"] == sums["fq_sq"] == 0 else 0.0
+    out: dict[str, float | int | None] = {
+        "numel": numel,
+        "amax": amax,
+        "min_nonzero": min_nz if math.isfinite(min_nz) else None,
+        "underflow_pct": 100.0 * sums["underflow"] / max(sums["nonzero"], 1.0),
+        "saturation_pct": 100.0 * sums["saturated"] / max(numel, 1),
+        "mse": sums["sq_err"] / max(numel, 1),
+        "cosine": cosine,
+    }
+    per_tensor = policy.scaling in (Scaling.TENSORWISE, Scaling.DELAYED)
+    if scale_summary and per_tensor:
+        out["scale"] = scale_summary[0]
+    elif scale_summary:
+        out["scale_min"], out["scale_median"] = scale_summary
+    if policy.scaling is Scaling.DELAYED and scale_summary:
+        out["scale_ratio"] = None
+        if amax > 0 and math.isfinite(amax):
+            # on the host, from the float32 amax copied exactly: the same float32 arithmetic as on the device
+            current = amax_to_scale(torch.tensor(amax, dtype=torch.float32), policy.format, margin=policy.margin,
+                                    pow2=policy.pow2_scales)
+            out["scale_ratio"] = out["scale"] / float(current)
+    return out
 
 
 def measure(
@@ -128,6 +180,7 @@ def measure(
     scaler: DelayedScaler | None = None,
     amax_reduce: AmaxReduce | None = None,
     quantized: Quantized | None = None,
+    sync_free: bool | None = None,
 ) -> OperandStats:
     """Statistics of one quantization: `hp_x` the GEMM operand, `fq_x` what the GEMM read (dequantized FP8).
 
@@ -136,6 +189,8 @@ def measure(
     `quantized`: the :class:`~fp8_recipes.numerics.Quantized` that `fq_x` was dequantized from, when the backend
     has it: its scales (and block maxima) are used as they are instead of being derived again (a third of the
     cost for block scaling; no amax collective for tensorwise).
+    `sync_free`: None = :data:`SYNC_FREE` (default: sync-free unless the tensors are on the CPU); both paths give
+    the same numbers.
     """
     if not policy.is_fp8:
         raise ValueError("measure: policy.scaling is 'none'; there is no quantization to measure")
@@ -145,12 +200,20 @@ def measure(
     numel = hp_x.numel()
     hp = hp_x.detach().reshape(-1).float()
     fq = fq_x.detach().reshape(-1).float()
+    if sync_free is None:
+        sync_free = SYNC_FREE if SYNC_FREE is not None else hp.device.type != "cpu"
     mag = hp.abs()
-    amax = mag.max() if numel else torch.zeros((), device=mag.device)
-    has_nan = bool(torch.isnan(amax))  # (a host sync, as is every check below: statistics run on due steps only)
-    if has_nan:
-        amax = nan_ignoring_amax(mag)
-    min_nonzero = torch.where(mag > 0, mag, math.inf).min() if numel else torch.full((), math.inf)
+    if sync_free:  # NaN -> 0 in place (abs made a copy): nan_ignoring_amax's values, no check on the host
+        mag.nan_to_num_(nan=0.0, posinf=math.inf)  # NaN is neither > 0 nor clipped: the counts below are unchanged
+        has_nan = False
+        amax = mag.max() if numel else torch.zeros((), device=mag.device)
+    else:
+        amax = mag.max() if numel else torch.zeros((), device=mag.device)
+        has_nan = bool(torch.isnan(amax))  # a host sync (free on the CPU)
+        if has_nan:
+            amax = nan_ignoring_amax(mag)
+    min_nonzero = torch.where(mag > 0, mag, math.inf).min() if numel else \
+        torch.full((), math.inf, device=mag.device)
     # 0 quantizes to 0 (and NaN to NaN), so the values that underflow are fq's zeros beyond x's own
     zeros_hp = numel - torch.count_nonzero(hp_x)
     underflow = (numel - torch.count_nonzero(fq_x)) - zeros_hp
@@ -178,7 +241,8 @@ def measure(
         block_scale = scale
     # Rounding is monotonic: no element of a block passes the clip point after scaling unless its amax does, so
     # the element-wise count runs only when some block is clipped (delayed scaling's stale scale, OCP's floor rule).
-    if bool((block_amax * block_scale > clip).any()):
+    # Sync-free: count unconditionally (one pass; no host check).
+    if sync_free or bool((block_amax * block_scale > clip).any()):
         if per_tensor:
             saturated = (mag * scale > clip).sum()
         else:
@@ -188,7 +252,7 @@ def measure(
 
     err = fq - hp
     sums = torch.stack([
-        torch.tensor(float(numel), device=hp.device, dtype=torch.float64),
+        torch.full((), float(numel), device=hp.device, dtype=torch.float64),  # a fill: no host->device copy
         torch.as_tensor(numel - zeros_hp, device=hp.device).double(),
         torch.as_tensor(underflow, device=hp.device).double(),
         saturated.double(),
