@@ -15,7 +15,7 @@ FP8 fields reach Megatron-Core) and Lightning's own setup calls its ``convert_mo
 ``.module``) and wraps each step in its ``train_step_context``. The callback then finds no ``megatron_parallel``
 and drives the LightningModule itself (its ``.module`` chain leads to the GPTModel).
 
-On the GPU machine NeMo comes from wheels carried in ``.nwhl`` (not in git; ``.nwhl/README.txt``):
+On the GPU machine NeMo comes from wheels carried in ``.nwhl`` (not in git; tests/gpu/offline/nemo_wheels.txt):
 ``pip install --no-index --no-deps --target /tmp/nsite .nwhl/*.whl`` and ``PYTHONPATH=/tmp/nsite:$PWD/plugins``.
 """
 
