@@ -72,7 +72,6 @@ class NumericsRecorder:
         """The step being recorded, counted as metrics.jsonl does (optimizer steps completed after it)."""
         self._stats_due = self._dump_due = False
         self._pending: dict[tuple[str, str, str], OperandStats] = {}
-        self._dump_count: dict[tuple[str, str, str], int] = defaultdict(int)
         self._count: dict[tuple[str, str, str], int] = defaultdict(int)  # operand -> quantizations observed
         self._expected: dict[str, tuple[tuple[str, str, str], ...]] = {}  # module -> its operands due this step
         self._last: dict[tuple[str, str], tuple] = {}  # (module, role) -> the last measured copy (see _measure)
@@ -94,7 +93,6 @@ class NumericsRecorder:
         self.step = step + 1
         self._stats_due = self.config.stats_due(self.step)
         self._dump_due = self.config.dump_due(self.step)
-        self._dump_count.clear()
         self._count.clear()
         self._expected.clear()
         self._last.clear()
@@ -246,8 +244,7 @@ class NumericsRecorder:
 
         # the quantization the GEMM used, again: delayed reads the same scale and records nothing
         q = quantize(hp_x, policy, columnwise=columnwise, scaler=scaler, amax_reduce=reduce, record_amax=False)
-        index = self._dump_count[key]
-        self._dump_count[key] += 1
+        index = self._count[key] - 1  # this quantization's number in the step (counted in _observe)
         if not self.write:
             return
         module, gemm, role = key
