@@ -27,7 +27,7 @@ from collections import Counter
 import pytest
 import torch
 
-from fp8_recipes.backends.te import BF16, FP8, FP8_FWD, te_available
+from fp8_recipes.backends.te import BF16, FP8, FP8_FWD, te_available, what_ran
 
 try:  # anything NeMo's import chain raises (not only ImportError) means: no usable NeMo here
     import lightning.pytorch as pl
@@ -67,13 +67,6 @@ def transformer_config(cuda: bool):
                              cross_entropy_loss_fusion=cuda, gradient_accumulation_fusion=False)
 
 
-def what_te_ran(module) -> str:
-    """BF16, FP8 or FP8_FWD (FP8 forward, BF16 gradients) for a TE linear's last forward, from its own flags."""
-    if not getattr(module, "fp8", False):
-        return BF16
-    return FP8_FWD if getattr(module.fp8_meta["recipe"], "backward_override", None) is not None else FP8
-
-
 class TinyGPT(pl.LightningModule):
     """NeMo's layout: ``config`` (a TransformerConfig the strategy updates), ``module`` built in configure_model.
     Records per step the loss, what every TE linear ran, the recipe class TE saw and the schedule callback's stage."""
@@ -111,7 +104,7 @@ class TinyGPT(pl.LightningModule):
         losses = self.module(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
         loss = (losses.float() * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
         linears = self.te_linears()
-        self.kinds.append(Counter(what_te_ran(m) for m in linears.values()))
+        self.kinds.append(Counter(what_ran(m) for m in linears.values()))
         self.te_recipes.append({type(m.fp8_meta["recipe"]).__name__ for m in linears.values() if m.fp8})
         self.losses.append(float(loss.detach()))
         self.stages.append(next((c.driver.stage for c in self.trainer.callbacks if hasattr(c, "driver")), None))

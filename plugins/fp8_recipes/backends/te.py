@@ -38,7 +38,8 @@ from fp8_recipes.numerics.scaling import delayed_scale_update, history_percentil
 from fp8_recipes.plan import PrecisionPlan, StepPlan, TERecipe
 from fp8_recipes.schema import AmaxAlgo, AmaxReduction, Format, Role, Scaling, TensorPolicy
 
-__all__ = ["DelayedScaleUpdate", "PercentileAmax", "RoleQuantizers", "TEPrecision", "te_available", "te_recipe"]
+__all__ = ["DelayedScaleUpdate", "PercentileAmax", "RoleQuantizers", "TEPrecision", "te_available", "te_recipe",
+           "what_ran"]
 
 FP8, FP8_FWD, BF16 = "fp8", "fp8 fwd", "bf16"  # what a TE linear ran, as counted by TEPrecision
 
@@ -234,6 +235,13 @@ def _kind(choice: TERecipe | None) -> str:
     return BF16 if choice is None else (FP8_FWD if choice.forward_only else FP8)
 
 
+def what_ran(module: torch.nn.Module) -> str:
+    """BF16, FP8 or FP8_FWD (FP8 forward, BF16 backward) for a TE linear's last forward, from its own flags."""
+    if not getattr(module, "fp8", False):
+        return BF16
+    return FP8_FWD if module.fp8_meta["recipe"].backward_override is not None else FP8
+
+
 class TEPrecision:
     """Executes a PrecisionPlan on Transformer Engine modules (the training loop's precision controller).
 
@@ -301,8 +309,7 @@ class TEPrecision:
 
     def _counter(self, name: str) -> Callable:
         def hook(module, args, output):
-            got = BF16 if not getattr(module, "fp8", False) else (
-                FP8_FWD if module.fp8_meta["recipe"].backward_override is not None else FP8)
+            got = what_ran(module)
             expected = self._expected.get(name, BF16)
             if got != expected:
                 self.mismatches[(name, expected, got)] += 1
