@@ -205,13 +205,10 @@ def measure(
     mag = hp.abs()
     if sync_free:  # NaN -> 0 in place (abs made a copy): nan_ignoring_amax's values, no check on the host
         mag.nan_to_num_(nan=0.0, posinf=math.inf)  # NaN is neither > 0 nor clipped: the counts below are unchanged
-        has_nan = False
-        amax = mag.max() if numel else torch.zeros((), device=mag.device)
-    else:
-        amax = mag.max() if numel else torch.zeros((), device=mag.device)
-        has_nan = bool(torch.isnan(amax))  # a host sync (free on the CPU)
-        if has_nan:
-            amax = nan_ignoring_amax(mag)
+    amax = mag.max() if numel else torch.zeros((), device=mag.device)
+    has_nan = not sync_free and bool(torch.isnan(amax))  # a host sync (free on the CPU)
+    if has_nan:
+        amax = nan_ignoring_amax(mag)
     min_nonzero = torch.where(mag > 0, mag, math.inf).min() if numel else \
         torch.full((), math.inf, device=mag.device)
     # 0 quantizes to 0 (and NaN to NaN), so the values that underflow are fq's zeros beyond x's own
