@@ -1,4 +1,4 @@
-"""Overhead of numerics statistics (debug.interval) on emulated FP8 training (target: <= 5% at interval 10).
+"""Overhead of numerics statistics (debug.interval) on FP8 training, emulated or TE (target: <= 5% at interval 10).
 
     python scripts/bench_stats.py                                  # tensorwise and hybrid, tiny model, 40 steps x 3
     python scripts/bench_stats.py --recipes delayed --interval 5 --steps 60
@@ -6,7 +6,8 @@
     python scripts/bench_stats.py --json docs/bench/bench_stats.json  # also the JSON and a PNG beside it
     python scripts/bench_stats.py --plot-only docs/bench/bench_stats.json
 
-Prints a Markdown table: mean step time with debug off and on, and the overhead.
+Prints a Markdown table: mean step time with debug off and on, the A/B overhead, the in-run overhead (recorded
+steps' extra time within each run) and the recorder's own time.
 """
 
 import argparse
@@ -26,6 +27,7 @@ def main() -> None:
     p.add_argument("--interval", type=int, default=10)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-warmup", action="store_true", help="skip the untimed two-step run before each recipe")
     p.add_argument("--json", type=Path, default=None, help="also write the result here (and a PNG beside it)")
     p.add_argument("--plot-only", type=Path, default=None, help="redraw the table and PNG of a saved JSON")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
@@ -37,7 +39,7 @@ def main() -> None:
         plot_overhead(result, args.plot_only.with_suffix(".png"))
         return
     result = bench_stats(args.recipes, interval=args.interval, steps=args.steps, repeats=args.repeats,
-                         overrides=args.overrides)
+                         overrides=args.overrides, warmup=not args.no_warmup)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
         plot_overhead(result, args.json.with_suffix(".png"))

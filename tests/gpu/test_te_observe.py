@@ -1,6 +1,6 @@
-"""Numerics statistics on the TE backend (backends/te_observe.py): the operands handed to the recorder are what
-TE's FP8 GEMMs read (TE's own output equals the product of our quantized operands, and not the high-precision
-one), and a training run with `debug:` writes numerics.jsonl rows for every TE linear, GEMM and operand."""
+"""Numerics statistics on the TE backend (backends/te_observe.py): the operands handed to the recorder, as its
+fused kernel quantizes them, are what TE's FP8 GEMMs read (TE's own output equals the product of those FP8
+operands, and not the high-precision one), and a training run with `debug:` writes numerics.jsonl rows for every TE linear, GEMM and operand."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("scaling", ["tensorwise", "blockwise", "delayed"])
 def test_observed_operands_are_what_te_multiplied(scaling, megatron_gpu, tmp_path):
     from fp8_recipes.backends.te_observe import te_observer_states
+    from fp8_recipes.observe.stats import COLUMNWISE, measure_fused
 
     model, precision = build({"weights": scaling, "activations": scaling, "gradients": scaling}, megatron_gpu[2])
     run(model, precision, tmp_path, 3)  # delayed: scales from real amax histories, not TE's initial 1.0
@@ -31,9 +32,16 @@ def test_observed_operands_are_what_te_multiplied(scaling, megatron_gpu, tmp_pat
     seen: dict[tuple[str, str, str], tuple[torch.Tensor, torch.Tensor]] = {}
     outputs: dict[str, torch.Tensor] = {}
     watched = ("decoder.layers.1.mlp.linear_fc2", "decoder.layers.1.mlp.linear_fc1")  # Linear, LayerNormLinear
+    def fused_copy(s, gemm, role, hp):
+        """The FP8 values the recorder's fused kernel measures (what measure(fq_x=None) quantizes on the GPU)."""
+        fq = torch.empty(hp.shape, dtype=torch.float32, device=hp.device)
+        measure_fused(hp, s.plan.gemms[gemm].policy(role), columnwise=COLUMNWISE[(str(gemm), str(role))],
+                      scaler=s.scalers[role], fq_out=fq)
+        return fq
+
     for name in watched:
         states[name].observer = lambda s, gemm, role, hp, fq, q=None: seen.__setitem__(
-            (s.name, str(gemm), str(role)), (hp.clone(), fq.clone()))
+            (s.name, str(gemm), str(role)), (hp.clone(), fused_copy(s, gemm, role, hp)))
         precision.linears[name].register_forward_hook(
             lambda m, a, out, name=name: outputs.__setitem__(name, out[0].detach().clone()))
     precision.begin_step(3)

@@ -4,6 +4,9 @@ dumps that load back bit-exactly; `debug:` off writes none of it."""
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 import torch
 
@@ -130,3 +133,32 @@ def test_micro_batches_sampled_or_merged(dataset, tmp_path, fresh_world, micro_b
     indices = [0] if micro_batches == 1 else [0, 1]
     assert dumps == sorted(f"decoder.layers.0.mlp.linear_fc2.{g}.activations.{i}.pt"
                            for g in ("fprop", "wgrad") for i in indices)
+
+
+def test_bench_stats_measures_three_overheads(dataset, tmp_path, fresh_world):  # noqa: F811
+    """scripts/bench_stats.py's measurement on a tiny run: off/on step times, the in-run extra of the recorded
+    steps, the recorder's own share; the table and the PNG."""
+    from fp8_recipes.bench.observe import bench_stats, format_table, plot_overhead
+
+    overrides = [*dataset, "model.num_layers=1", "model.vocab_size=null", "trainer.micro_batch_size=2",
+                 "trainer.global_batch_size=2"]
+    result = bench_stats(["tensorwise"], interval=3, steps=12, repeats=1, overrides=overrides)
+    row = result["rows"][0]
+    assert result["warmup"] and len(row["runs"]["off"]) == len(row["runs"]["on"]) == len(row["in_run"]) == 1
+    assert row["step_s_off"] > 0 and row["step_s_on"] > 0 and row["recorder_pct"] > 0
+    assert row["overhead_pct"] == pytest.approx(100 * (row["step_s_on"] / row["step_s_off"] - 1))
+    assert math.isfinite(row["in_run_overhead_pct"])
+    assert "| tensorwise |" in format_table(result)
+    assert plot_overhead(result, tmp_path / "o.png").stat().st_size > 1000
+
+
+def test_step_time_overhead_counts_recorded_steps_and_writes(tmp_path):
+    from fp8_recipes.bench.observe import step_time_overhead
+
+    times = {s: (0.3 if s % 10 == 1 else 0.2) for s in range(1, 41)}  # interval 10: steps 1, 11, 21, 31 record
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps({"kind": "train", "step": s, "step_time": t}) + "\n"
+                                              for s, t in times.items()))
+    # after step 5: 35 steps, 3 recorded at +0.1 s each, plus 3/4 of the 0.4 s of writes -> 0.6 s over 35 x 0.2 s
+    assert step_time_overhead(tmp_path / "m.jsonl", 10, write_s=0.4) == pytest.approx(100 * 0.6 / 7.0)
+    with pytest.raises(ValueError, match="no recorded"):
+        step_time_overhead(tmp_path / "m.jsonl", 100, write_s=0.0)

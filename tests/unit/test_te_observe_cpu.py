@@ -1,6 +1,6 @@
-"""backends/te_observe.py without a GPU: the hooks hand the recorder every operand of a linear's three GEMMs,
-quantized with the plan's policy from the tensor the GEMM reads (a LayerNormLinear's normalised input), once per
-distinct copy. The same code on Transformer Engine modules, against TE's own GEMM output: tests/gpu/test_te_observe.py."""
+"""backends/te_observe.py without a GPU: the hooks hand the recorder every operand of a linear's three GEMMs, the
+tensor the GEMM reads (a LayerNormLinear's normalised input), and the recorder measures the plan's quantization of
+it once per distinct copy. The same code on Transformer Engine modules, against TE's own GEMM output: tests/gpu/test_te_observe.py."""
 
 from __future__ import annotations
 
@@ -46,22 +46,51 @@ def observed(scaling: str):
 
 
 @pytest.mark.parametrize("scaling", ["tensorwise", "blockwise"])
-def test_every_operand_of_the_three_gemms_is_observed_as_quantized(scaling):
+def test_every_operand_of_the_three_gemms_is_observed_unquantized(scaling):
     plan, module, x, seen = observed(scaling)
     assert [(g, r) for g, r, _, _ in seen] == [("fprop", "activations"), ("fprop", "weights"), ("dgrad", "weights"),
                                                ("wgrad", "activations"), ("dgrad", "gradients"), ("wgrad", "gradients")]
     by = {(g, r): (hp, fq) for g, r, hp, fq in seen}
     normed = torch.nn.functional.rms_norm(x.detach(), (64,), module.layer_norm_weight.detach(), 1e-5)
     torch.testing.assert_close(by[("fprop", "activations")][0], normed)  # the GEMM's input, not the module's
-    for (gemm, role), (hp, fq) in by.items():
-        columnwise = (gemm, role) in (("dgrad", "weights"), ("wgrad", "gradients"), ("wgrad", "activations"))
-        policy = plan.gemms[gemm].policy(Role(role))
-        assert torch.equal(fq, fake_quant(hp, policy, columnwise=columnwise)), (gemm, role)
-    # one copy per distinct quantization: per-tensor scales and 128x128 weight blocks are the same both ways,
-    # 1x128 activation blocks are not
-    assert by[("fprop", "weights")][1] is by[("dgrad", "weights")][1]
-    same = by[("fprop", "activations")][1] is by[("wgrad", "activations")][1]
-    assert same == (scaling == "tensorwise")
+    assert all(fq is None for _, fq in by.values())  # the recorder quantizes (measure(fq_x=None))
+    for role in ("activations", "weights", "gradients"):  # both GEMMs of a role read the same tensor object
+        first, second = (hp for (g, r), (hp, _) in by.items() if r == role)
+        assert first is second, role
+
+
+@pytest.mark.parametrize("scaling, measured", [("tensorwise", 3), ("blockwise", 5)])
+def test_the_recorder_measures_each_distinct_copy_once(scaling, measured, tmp_path, monkeypatch):
+    """Per-tensor copies are the same both ways (one measure per role); 1x128 activation and gradient blocks
+    are not (128x1 for wgrad), 128x128 weight blocks are. Each row is the statistics of the policy's own
+    quantization of the GEMM's tensor, as measure() of the numerics core's copy gives them."""
+    from fp8_recipes.observe import recorder as recorder_mod
+    from fp8_recipes.observe.config import DebugConfig
+    from fp8_recipes.observe.stats import COLUMNWISE, measure
+
+    calls = []
+    monkeypatch.setattr(recorder_mod, "measure", lambda *a, **k: calls.append(a) or measure(*a, **k))
+    torch.manual_seed(0)
+    recipe = Recipe.from_dict({"weights": scaling, "activations": scaling, "gradients": scaling})
+    plan = PrecisionPlan(recipe, ModelLayout.gpt(1), Hardware())
+    module = NormLinear()
+    state = TEObservedLinear(NAME, module, lambda: plan.at(0))
+    state.record_amax = True
+    seen = {}
+    rec = recorder_mod.NumericsRecorder(DebugConfig.from_dict({"interval": 1}), tmp_path, tensorboard=False)
+    rec.attach({NAME: state})
+    rec.begin_step(0)
+    real = state.observer
+    state.observer = lambda s, g, r, hp, fq, q=None: seen.__setitem__((str(g), str(r)), hp) or real(s, g, r, hp, fq)
+    x = torch.randn(8, 2, 64, requires_grad=True)
+    module(x)[0].square().sum().backward()
+    rows = dict(zip((k[1:] for k in rec._pending), recorder_mod.stats_rows(list(rec._pending.values()))))
+    assert len(calls) == measured and len(rows) == 6
+    mod_plan = plan.at(0).modules[NAME]
+    for (gemm, role), hp in seen.items():
+        policy = mod_plan.gemms[gemm].policy(Role(role))
+        fq = fake_quant(hp, policy, columnwise=COLUMNWISE[(gemm, role)]).float()
+        assert rows[(gemm, role)] == measure(hp, fq, policy, columnwise=COLUMNWISE[(gemm, role)]).row(), (gemm, role)
 
 
 def test_nothing_is_observed_when_off_or_bf16_or_in_eval():

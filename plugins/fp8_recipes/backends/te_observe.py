@@ -5,9 +5,10 @@
 
 TE quantizes a linear's operands inside its fused autograd functions and hands none of them out. Our numerics
 core reproduces TE's quantization bit for bit (tests/gpu/test_te_numerics.py: current, delayed and block scaling),
-so the operands are quantized again here, from the tensors the GEMMs read, with the policy the plan gives the
-module this step (``ModulePlan.gemms``: what TE really runs, after substitutions) and, for delayed scaling, the
-scale TE holds for that operand:
+and so does the recorder's fused statistics kernel (tests/gpu/test_fused_stats.py), so the operands are quantized
+again by the recorder, from the tensors the GEMMs read, with the policy the plan gives the module this step
+(``ModulePlan.gemms``: what TE really runs, after substitutions) and, for delayed scaling, the scale TE holds for
+that operand. The hooks hand over the high-precision operands:
 
 - forward hook (after the module ran, so only when it really ran FP8: ``module.fp8``): the activations (input;
   for ``LayerNormLinear`` the normalisation is recomputed from the module's own parameters, see
@@ -29,8 +30,6 @@ from typing import Any
 import torch
 
 from fp8_recipes.backends.te import _delayed_tensors
-from fp8_recipes.numerics import block_for, dequantize, quantize
-from fp8_recipes.observe.stats import COLUMNWISE
 from fp8_recipes.plan import Gemm, ModulePlan
 from fp8_recipes.schema import Role
 
@@ -77,20 +76,15 @@ class TEObservedLinear:
         return self._step_plan().modules[self.name]
 
     def _emit(self, operands: tuple[tuple[Gemm, Role], ...], tensors: dict[Role, torch.Tensor]) -> None:
-        """Quantize each (GEMM, role) operand as TE did and hand it to the observer. A copy that equals an earlier
-        GEMM's (same policy, same blocks: every per-tensor copy) is handed over again, as the emulated backend
-        does: the recorder then reuses its statistics instead of measuring the same values twice."""
-        plan, done = self.plan, {}
+        """Hand each (GEMM, role) operand to the observer, unquantized (``fq`` None): the recorder quantizes it as
+        TE did (:func:`~fp8_recipes.observe.stats.measure`: the policy of the plan, and for delayed scaling the
+        scale TE holds, from ``scalers``; one Triton kernel on the GPU). Both GEMMs' operands of a role are the
+        same tensor object, so the recorder measures a copy once when the two are quantized alike."""
         for gemm, role in operands:
-            policy = plan.gemms[gemm].policy(role)
-            if policy is None or self.observer is None:
-                continue
-            hp, columnwise = tensors[role], COLUMNWISE[(str(gemm), str(role))]
-            key = (role, policy, block_for(policy, hp.shape, columnwise))
-            if key not in done:
-                q = quantize(hp, policy, columnwise=columnwise, scaler=self.scalers[role], record_amax=False)
-                done[key] = (dequantize(q), q)
-            self.observer(self, gemm, role, hp, *done[key])
+            if self.observer is None:
+                return
+            if self.plan.gemms[gemm].policy(role) is not None:
+                self.observer(self, gemm, role, tensors[role], None)
 
     def _after_forward(self, module, args, output) -> None:
         if self.observer is None or not module.training or not getattr(module, "fp8", False):

@@ -23,7 +23,8 @@ Evaluation forwards (modules in eval mode: ``state.record_amax`` is False) are n
 computed on every rank (a tensorwise amax reduction is a collective), written by rank 0 only.
 
 The observer protocol is the emulated backend's: ``observer(state, gemm, role, hp_tensor, fake_quant_tensor[,
-quantized])``
+quantized])``, where a backend that keeps its FP8 copies to itself passes ``None`` as the fake-quantized tensor
+and the recorder quantizes (the Transformer Engine backend; on the GPU one Triton kernel per operand measures)
 with ``state.plan`` (the module's plan this step), ``state.scalers`` and ``state.amax_reduce``; the Transformer
 Engine backend plugs in with hooks on its linears that call it the same way (``backends/te_observe.py``).
 """
@@ -43,6 +44,7 @@ from typing import Any
 import torch
 
 from fp8_recipes.observe.config import DebugConfig
+from fp8_recipes.numerics import block_for
 from fp8_recipes.observe.stats import COLUMNWISE, OperandStats, measure, rows as stats_rows
 from fp8_recipes.plan import Gemm
 from fp8_recipes.schema import Role, Scaling
@@ -52,7 +54,7 @@ __all__ = ["NumericsRecorder", "ObservedPrecision", "load_dump", "read_numerics"
 logger = logging.getLogger(__name__)
 
 TB_STATS = ("underflow_pct", "saturation_pct", "cosine", "scale_ratio")
-"""The statistics also written to TensorBoard (all of them are in numerics.jsonl); each scalar costs ~50 us."""
+"""The statistics also written to TensorBoard (all of them are in numerics.jsonl), one event per step."""
 TB_OPERANDS = frozenset({("fprop", "activations"), ("fprop", "weights"), ("dgrad", "gradients")})
 """Each role once in TensorBoard, as its first GEMM reads it (the other GEMM's copy is the same tensor along the
 other dimension: same numbers for per-tensor scales; numerics.jsonl has both)."""
@@ -80,6 +82,8 @@ class NumericsRecorder:
         self._tb = None
         self.seconds = 0.0
         """Wall time spent measuring, dumping and writing (on a GPU, the host's share): the benchmark's numerator."""
+        self.write_seconds = 0.0
+        """The part of `seconds` spent writing a finished step's rows (in the next step's begin_step)."""
 
     # -- wiring ---------------------------------------------------------------------------------------------------
     def attach(self, states: dict[str, Any]) -> None:
@@ -102,8 +106,9 @@ class NumericsRecorder:
             state.observer = self.observe if watched else None
 
     # -- the observer ---------------------------------------------------------------------------------------------
-    def observe(self, state, gemm, role, hp_x: torch.Tensor, fq_x: torch.Tensor, quantized=None) -> None:
-        """`quantized`: the Quantized `fq_x` came from, when the backend has it (its scales are then reused)."""
+    def observe(self, state, gemm, role, hp_x: torch.Tensor, fq_x: torch.Tensor | None, quantized=None) -> None:
+        """`quantized`: the Quantized `fq_x` came from, when the backend has it (its scales are then reused).
+        `fq_x` None: the backend did not quantize; the recorder does, with ``state.scalers`` (see measure())."""
         if not state.record_amax:  # an evaluation forward: the model is in eval mode
             return
         t0 = time.perf_counter()
@@ -160,20 +165,21 @@ class NumericsRecorder:
         return tuple(out)
 
     def _measure(self, key, hp_x, fq_x, policy, columnwise, scaler, reduce, quantized=None) -> OperandStats:
-        """measure(), or the statistics of the same copy when the backend reuses an earlier GEMM's quantization
-        (fprop's activations for wgrad, ...): the same FP8 values of the same tensor, so the same numbers, at no
-        cost. The earlier copy is held by a weak reference: while it lives its memory cannot hold another
-        tensor, so the same address and size mean the same values."""
+        """measure(), or the statistics of the same copy when an earlier GEMM's quantization is reused (fprop's
+        activations for wgrad, ...): the same FP8 values of the same tensor, so the same numbers, at no cost. A
+        copy is the backend's FP8 tensor `fq_x`, or, when the backend hands over none (the recorder quantizes),
+        the operand `hp_x` with its policy and block. The earlier tensor is held by a weak reference: while it
+        lives its memory cannot hold another tensor, so the same address and size mean the same values."""
         slot = (key[0], key[2])
+        held = fq_x if fq_x is not None else hp_x
+        copy = (fq_x is None, held.data_ptr(), hp_x.data_ptr(), held.numel(), policy,
+                block_for(policy, hp_x.shape, columnwise) if fq_x is None else None)
         last = self._last.get(slot)
-        if last is not None:
-            ref, fq_ptr, hp_ptr, numel, last_policy, stats = last
-            if (ref() is not None and fq_ptr == fq_x.data_ptr() and hp_ptr == hp_x.data_ptr()
-                    and numel == fq_x.numel() and last_policy == policy):
-                return stats.copy()
+        if last is not None and last[0]() is not None and last[1] == copy:
+            return last[2].copy()
         stats = measure(hp_x, fq_x, policy, columnwise=columnwise, scaler=scaler, amax_reduce=reduce,
                         quantized=quantized)
-        self._last[slot] = (weakref.ref(fq_x), fq_x.data_ptr(), hp_x.data_ptr(), fq_x.numel(), policy, stats.copy())
+        self._last[slot] = (weakref.ref(held), copy, stats.copy())
         return stats
 
     # -- writing --------------------------------------------------------------------------------------------------
@@ -186,7 +192,9 @@ class NumericsRecorder:
             self._write(self._pending)
         finally:
             self._pending = {}
-            self.seconds += time.perf_counter() - t0
+            spent = time.perf_counter() - t0
+            self.seconds += spent
+            self.write_seconds += spent
 
     def _write(self, pending: dict[tuple[str, str, str], OperandStats]) -> None:
         rows = []
@@ -200,15 +208,13 @@ class NumericsRecorder:
         if not self.write:
             return
         self._open()
-        for row in rows:
-            self._file.write(json.dumps({k: _jsonable(v) for k, v in row.items()}) + "\n")
-            if self._tb is not None and (row["gemm"], row["role"]) in TB_OPERANDS:
-                for stat in TB_STATS:
-                    v = row.get(stat)
-                    if isinstance(v, (int, float)) and math.isfinite(v):
-                        self._tb.add_scalar(f"numerics/{row['module']}/{row['gemm']}/{row['role']}/{stat}", v,
-                                            row["step"])
+        self._file.write("".join(json.dumps({k: _jsonable(v) for k, v in row.items()}) + "\n" for row in rows))
         self._file.flush()
+        if self._tb is not None:
+            scalars = {f"numerics/{row['module']}/{row['gemm']}/{row['role']}/{stat}": row[stat]
+                       for row in rows if (row["gemm"], row["role"]) in TB_OPERANDS
+                       for stat in TB_STATS if isinstance(row.get(stat), (int, float)) and math.isfinite(row[stat])}
+            _add_scalars(self._tb, scalars, self.step)
 
     def _open(self) -> None:
         if self._file is not None:
@@ -345,6 +351,16 @@ def plot_heatmap(heat: dict[str, dict[int, float]], path: Path, what: str = "und
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def _add_scalars(writer, scalars: dict[str, float], step: int) -> None:
+    """`add_scalar` for each, as one TensorBoard event (one Summary of many values: the same scalars in
+    TensorBoard, at a fraction of the cost of an event per value)."""
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    if scalars:
+        writer._get_file_writer().add_summary(
+            Summary(value=[Summary.Value(tag=tag, simple_value=float(v)) for tag, v in scalars.items()]), step)
 
 
 def _jsonable(value: Any) -> Any:

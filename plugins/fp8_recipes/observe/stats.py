@@ -28,23 +28,30 @@ Sums stay on the tensor's device until :func:`rows` (or :meth:`OperandStats.row`
 operand's numbers to the host in one transfer. On a GPU measure() never waits for the device: the amax is taken
 from |x| with NaN zeroed and clipped elements are counted unconditionally (:data:`SYNC_FREE`); on the CPU, where a
 sync is free, it branches (NaN pass and element-wise clip count only when needed). Both give the same numbers.
-Pure torch (plus our numerics).
+Pure torch (plus our numerics), except :func:`measure_fused`: for an operand handed over without its FP8 copy
+(the TE backend's), on CUDA, quantization and statistics are one Triton kernel (observe/stats_kernels.py) with the
+same numbers; elsewhere the numerics core quantizes and the torch path measures.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
 
-from fp8_recipes.numerics import DelayedScaler, Quantized, amax_to_scale, fp8_spec, nan_ignoring_amax
+from fp8_recipes.numerics import (
+    DelayedScaler, Quantized, amax_to_scale, dequantize, fp8_spec, nan_ignoring_amax, quantize,
+)
+from fp8_recipes.numerics.formats import FLOAT32_MAX
 # quantize's own block-scale rule and block multiply, fed the |x| computed here (no second float copy, no cast)
 from fp8_recipes.numerics.quantize import _block_scales, _rows_cols, _scale_blocks, block_for
 from fp8_recipes.numerics.scaling import AmaxReduce
-from fp8_recipes.schema import Role, Scaling, TensorPolicy
+from fp8_recipes.schema import MxRounding, Role, Scaling, TensorPolicy
 
-__all__ = ["COLUMNWISE", "OperandStats", "STAT_KEYS", "SYNC_FREE", "measure", "rows"]
+__all__ = ["COLUMNWISE", "FUSED", "OperandStats", "STAT_KEYS", "SYNC_FREE", "fused", "measure", "measure_fused", "rows"]
 
 # Which copy each GEMM reads (the emulated backend's layout, TE's too): the backward GEMMs read the weights, the
 # gradients of wgrad and the activations of wgrad along the other dimension.
@@ -59,6 +66,11 @@ STAT_KEYS = ("numel", "amax", "min_nonzero", "underflow_pct", "saturation_pct", 
 """Every key a row may hold (a key that does not apply to the policy is absent)."""
 
 _SUMS = ("numel", "nonzero", "underflow", "saturated", "sq_err", "dot", "hp_sq", "fq_sq")
+
+FUSED: bool | None = None
+"""measure()'s quantize-and-measure path for an operand handed over without its FP8 copy (``fq_x`` None): None =
+the Triton kernel on CUDA (or anywhere under ``TRITON_INTERPRET=1``), True/False = forced (tests; True still
+needs Triton and a block of powers of two). Both give the same numbers (tests/gpu/test_fused_stats.py)."""
 
 SYNC_FREE: bool | None = None
 """measure()'s path: None = sync-free on any device but the CPU (no ``bool(tensor)``), True/False = forced (tests).
@@ -173,7 +185,7 @@ def _row(policy: TensorPolicy, sums_list: list[float], amax: float, min_nz: floa
 
 def measure(
     hp_x: torch.Tensor,
-    fq_x: torch.Tensor,
+    fq_x: torch.Tensor | None,
     policy: TensorPolicy,
     *,
     columnwise: bool = False,
@@ -191,9 +203,17 @@ def measure(
     cost for block scaling; no amax collective for tensorwise).
     `sync_free`: None = :data:`SYNC_FREE` (default: sync-free unless the tensors are on the CPU); both paths give
     the same numbers.
+    `fq_x` None: quantize `hp_x` here (delayed: with `scaler`'s scale, recording nothing). Where :func:`fused`
+    holds, in one Triton kernel (:func:`measure_fused`), otherwise with the numerics core.
     """
     if not policy.is_fp8:
         raise ValueError("measure: policy.scaling is 'none'; there is no quantization to measure")
+    if fq_x is None:
+        if amax_reduce is None and fused(hp_x, policy, columnwise):
+            return measure_fused(hp_x, policy, columnwise=columnwise, scaler=scaler)
+        quantized = quantize(hp_x, policy, columnwise=columnwise, scaler=scaler, amax_reduce=amax_reduce,
+                             record_amax=False)
+        fq_x = dequantize(quantized, torch.float32)  # what the GEMM reads: codes x scale_inv in float32
     spec = fp8_spec(policy.format)
     # clipped = rounds beyond fp8_max in an FP8 format with more exponent: above fp8_max + half its ulp
     clip = spec.max + 2.0**spec.emax * torch.finfo(spec.dtype).eps / 2
@@ -260,3 +280,99 @@ def measure(
     ])
     return OperandStats(policy, sums, amax, min_nonzero, [scale.detach()])
 
+
+
+# -- one Triton kernel per operand (observe/stats_kernels.py) --------------------------------------------------------
+
+_TILE = 8192
+"""Elements per program: a tile of whole blocks, at least one block (128x128 blocks: 16384)."""
+
+
+def _tile(block: tuple[int, int]) -> tuple[int, int]:
+    br, bc = block
+    tc = max(bc, min(128, max(1, _TILE // br)))
+    return max(br, _TILE // tc), tc
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@functools.cache
+def _triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # noqa: BLE001 - no Triton (or one that cannot load): the numerics core measures
+        return False
+    return True
+
+
+def fused(hp_x: torch.Tensor, policy: TensorPolicy, columnwise: bool = False) -> bool:
+    """Whether :func:`measure_fused` takes this operand: :data:`FUSED`, else a CUDA tensor (or Triton's
+    interpreter), and in either case Triton present and a block whose sides are powers of two."""
+    want = FUSED if FUSED is not None else (hp_x.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+    if not (want and _triton()) or hp_x.numel() == 0:
+        return False
+    if policy.scaling in (Scaling.TENSORWISE, Scaling.DELAYED):
+        return True
+    br, bc = block_for(policy, hp_x.shape, columnwise)
+    return _pow2(br) and _pow2(bc) and br * bc <= 2 * _TILE
+
+
+_OUTPUT: dict[torch.device, torch.Tensor] = {}
+
+
+def _output(device: torch.device) -> torch.Tensor:
+    """A fresh output buffer (one device copy of a template made once per device): float64 sums of _SUMS, then
+    float32 amax (0), min_nonzero (inf), scale (0) in the last two float64 slots."""
+    template = _OUTPUT.get(device)
+    if template is None:
+        template = torch.zeros(len(_SUMS) + 2, dtype=torch.float64)
+        template[len(_SUMS):].view(torch.float32)[1] = math.inf
+        template = _OUTPUT[device] = template.to(device)
+    return template.clone()
+
+
+def measure_fused(hp_x: torch.Tensor, policy: TensorPolicy, *, columnwise: bool = False,
+                  scaler: DelayedScaler | None = None, fq_out: torch.Tensor | None = None) -> OperandStats:
+    """:func:`measure` of `hp_x` quantized under `policy`, in one Triton kernel (tensorwise: two, the amax first):
+    the FP8 copy is never written (`fq_out`, a float32 tensor of hp_x's size: write it there, for tests).
+    Delayed scaling reads `scaler.scale` and records nothing. Same numbers as the numerics core's quantize +
+    :func:`measure` (counts, amax, min_nonzero and scales equal; float sums up to summation order)."""
+    from fp8_recipes.observe import stats_kernels as k
+
+    spec = fp8_spec(policy.format)
+    rows, cols = _rows_cols(hp_x.shape)
+    x = hp_x.detach().reshape(rows, cols)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    buf = _output(x.device)
+    out64, out32 = buf[:len(_SUMS)], buf[len(_SUMS):].view(torch.float32)
+    per_tensor = policy.scaling in (Scaling.TENSORWISE, Scaling.DELAYED)
+    block = (1, 1) if per_tensor else block_for(policy, hp_x.shape, columnwise)
+    tr, tc = _tile(block)
+    grid = ((rows + tr - 1) // tr, (cols + tc - 1) // tc)
+    scale, block_scales = out32, out32  # placeholders where the mode reads none
+    if policy.scaling is Scaling.DELAYED:
+        if scaler is None:
+            raise ValueError("measure: scaling 'delayed' needs the operand's DelayedScaler (scaler=...)")
+        scale = scaler.scale.to(x.device, torch.float32).reshape(1)
+        mode = k.MODE_DELAYED
+    elif policy.scaling is Scaling.TENSORWISE:
+        k.amax_kernel[grid](x, rows, cols, out32, TR=tr, TC=tc, num_warps=8)
+        mode = k.MODE_TENSORWISE
+    else:
+        block_scales = torch.empty(((rows + block[0] - 1) // block[0], (cols + block[1] - 1) // block[1]),
+                                   dtype=torch.float32, device=x.device)
+        mode = k.MODE_MXFP8 if policy.scaling is Scaling.MXFP8 else k.MODE_BLOCKWISE
+    dtype = hp_x.dtype  # blockwise: TE's kernel uses the input type's max for a scale that overflows float32
+    big = torch.finfo(dtype).max if (mode == k.MODE_BLOCKWISE and dtype.is_floating_point
+                                     and torch.finfo(dtype).bits <= 32) else FLOAT32_MAX
+    clip = spec.max + 2.0**spec.emax * torch.finfo(spec.dtype).eps / 2
+    k.stats_kernel[grid](
+        x, rows, cols, scale, out64, out32, block_scales, fq_out if fq_out is not None else out32,
+        spec.max, clip, policy.amax_epsilon, 2.0 ** -policy.margin, big, 1.0 / spec.max,
+        MODE=mode, POW2=policy.pow2_scales, RCEIL=policy.mx_rounding is MxRounding.RCEIL,
+        MBITS=round(math.log2(spec.min_normal / spec.min_subnormal)), EMIN=round(math.log2(spec.min_normal)),
+        EMAX=spec.emax, BR=block[0], BC=block[1], TR=tr, TC=tc, STORE_FQ=fq_out is not None, num_warps=8)
+    return OperandStats(policy, out64, out32[0], out32[1], [out32[2:3] if per_tensor else block_scales])

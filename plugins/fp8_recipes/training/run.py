@@ -249,6 +249,7 @@ def run_training(cfg) -> dict:
         summary["rank"] = rank
         if recorder is not None:
             summary["numerics_s"] = recorder.seconds  # time spent on statistics and dumps (bench_stats.py)
+            summary["numerics_write_s"] = recorder.write_seconds  # of which writing rows, between steps
         if hasattr(precision, "execution_summary"):  # what the TE linears really ran, against the plan
             summary["te_execution"] = precision.execution_summary()
         return summary
