@@ -83,6 +83,8 @@ def test_training_with_debug_writes_statistics_on_te(recipe, tmp_path, monkeypat
         "trainer.save_checkpoints=false", "data.tokenizer=bytes", f"data.path={tmp_path / 'data'}",
         f"run_dir={run_dir}", "++debug.interval=2"]))
     assert summary["backend"] == "te" and summary["numerics_s"] > 0
+    from fp8_recipes.observe import stats
+    assert stats.FUSED_ERROR is None  # every operand went through the fused kernel (no fallback to the core)
     rows = read_numerics(run_dir)
     assert sorted({r["step"] for r in rows}) == [1, 3]  # 1-based steps 1, 1 + interval
     modules = {r["module"] for r in rows}

@@ -71,6 +71,18 @@ def compare(x: torch.Tensor, policy: TensorPolicy, columnwise: bool) -> None:
     a, b = ref.row(), got.row()
     assert a.keys() == b.keys() and a["numel"] == b["numel"] and a["underflow_pct"] == b["underflow_pct"], where
     assert a["saturation_pct"] == b["saturation_pct"] and a.get("scale_ratio") == b.get("scale_ratio"), where
+    # block scales: min and median (from the exponent counts when they are powers of two) as torch gives them
+    assert (a.get("scale_min"), a.get("scale_median")) == (b.get("scale_min"), b.get("scale_median")), (where, a, b)
+    assert (got.scale_hist is not None) == (policy.scaling is Scaling.MXFP8 or (
+        policy.scaling is Scaling.BLOCKWISE and policy.pow2_scales)), where
+    two = measure_fused(x, policy, columnwise=columnwise, scaler=scaler).merge(
+        measure_fused(x * 0.5, policy, columnwise=columnwise, scaler=scaler))  # micro-batches: counts add up
+    q2 = quantize(x * 0.5, policy, columnwise=columnwise, scaler=scaler, record_amax=False)
+    ref2 = measure(x, fq_core, policy, columnwise=columnwise, scaler=scaler, quantized=q).merge(
+        measure(x * 0.5, dequantize(q2, torch.float32), policy, columnwise=columnwise, scaler=scaler, quantized=q2))
+    a2, b2 = ref2.row(), two.row()
+    assert (a2.get("scale_min"), a2.get("scale_median"), a2["underflow_pct"]) == \
+        (b2.get("scale_min"), b2.get("scale_median"), b2["underflow_pct"]), (where, a2, b2)
 
 
 def check_all(device: str = "cpu", shapes=((40, 96), (33, 50)), dtypes=(torch.bfloat16, torch.float32)) -> int:
@@ -126,3 +138,26 @@ def test_the_fused_path_is_taken_on_cuda_or_in_the_interpreter_only(monkeypatch)
 
 if __name__ == "__main__":
     print("checked", check_all())
+
+
+def test_a_failing_kernel_falls_back_to_the_core_once(monkeypatch, caplog):
+    """A Triton that cannot compile or launch the kernel here must not fail training: the numerics core measures
+    (same numbers), with one warning, and the kernel is not tried again in this process."""
+    calls = []
+
+    def broken(*a, **k):
+        calls.append(1)
+        raise RuntimeError("PTX .version 9.9 does not support .target sm_90a")
+
+    monkeypatch.setattr(stats_mod, "FUSED", True)
+    monkeypatch.setattr(stats_mod, "FUSED_ERROR", None)
+    monkeypatch.setattr(stats_mod, "_triton", lambda: True)
+    monkeypatch.setattr(stats_mod, "measure_fused", broken)
+    x = operand(24, 64, torch.bfloat16, special=False)
+    policy = POLICIES["blockwise-1x16"]
+    q = quantize(x, policy, record_amax=False)
+    want = measure(x, dequantize(q, torch.float32), policy).row()
+    with caplog.at_level("WARNING"):
+        assert measure(x, None, policy).row() == want and measure(x, None, policy).row() == want
+    assert len(calls) == 1 and "sm_90a" in stats_mod.FUSED_ERROR
+    assert sum("fused Triton kernel failed" in r.message for r in caplog.records) == 1

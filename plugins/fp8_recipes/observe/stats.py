@@ -36,6 +36,7 @@ same numbers; elsewhere the numerics core quantizes and the torch path measures.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -51,7 +52,10 @@ from fp8_recipes.numerics.quantize import _block_scales, _rows_cols, _scale_bloc
 from fp8_recipes.numerics.scaling import AmaxReduce
 from fp8_recipes.schema import MxRounding, Role, Scaling, TensorPolicy
 
-__all__ = ["COLUMNWISE", "FUSED", "OperandStats", "STAT_KEYS", "SYNC_FREE", "fused", "measure", "measure_fused", "rows"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["COLUMNWISE", "FUSED", "FUSED_ERROR", "OperandStats", "STAT_KEYS", "SYNC_FREE", "fused", "measure",
+           "measure_fused", "rows"]
 
 # Which copy each GEMM reads (the emulated backend's layout, TE's too): the backward GEMMs read the weights, the
 # gradients of wgrad and the activations of wgrad along the other dimension.
@@ -90,9 +94,12 @@ class OperandStats:
     """inf when every element is zero."""
     scales: list[torch.Tensor] = field(default_factory=list)
     """The scale of each quantization (one element per tensor, or one per block)."""
+    scale_hist: torch.Tensor | None = None
+    """Block scales that are powers of two (measure_fused): int32 (256,) counts by float32 exponent field, from
+    which rows() takes scale_min and scale_median on the host (no sort on the device); None: from `scales`."""
 
     def copy(self) -> OperandStats:
-        return OperandStats(self.policy, self.sums, self.amax, self.min_nonzero, list(self.scales))
+        return OperandStats(self.policy, self.sums, self.amax, self.min_nonzero, list(self.scales), self.scale_hist)
 
     def merge(self, other: OperandStats) -> OperandStats:
         """Fold another quantization of the same operand (the next micro-batch) into this one."""
@@ -100,6 +107,8 @@ class OperandStats:
         self.amax = torch.maximum(self.amax, other.amax)
         self.min_nonzero = torch.minimum(self.min_nonzero, other.min_nonzero)
         self.scales.extend(other.scales)
+        both = self.scale_hist is not None and other.scale_hist is not None
+        self.scale_hist = self.scale_hist + other.scale_hist if both else None
         return self
 
     def row(self) -> dict[str, float | int | None]:
@@ -114,6 +123,8 @@ def _summary_pieces(s: OperandStats) -> tuple[list[torch.Tensor], int]:
     if not s.scales:
         return pieces, 0
     per_tensor = s.policy.scaling in (Scaling.TENSORWISE, Scaling.DELAYED)
+    if s.scale_hist is not None and not per_tensor:  # 256 counts: min and median decoded by _hist_summary
+        return pieces + [s.scale_hist.float()], len(_HIST)
     if per_tensor and len(s.scales) == 1:  # the common case: one micro-batch (the median of one value is itself)
         return pieces + [s.scales[0].reshape(1).float()], 1
     scales = s.scales[0].reshape(-1).float() if len(s.scales) == 1 else \
@@ -144,9 +155,27 @@ def rows(stats: list[OperandStats]) -> list[dict[str, float | int | None]]:
         for k, (i, n) in enumerate(zip(idx, lengths)):
             summary = rest[pos:pos + 2 + n]
             pos += 2 + n
+            scale_summary = _hist_summary(summary[2:]) if n == len(_HIST) else summary[2:]
             out[i] = _row(stats[i].policy, sums_v[k * len(_SUMS):(k + 1) * len(_SUMS)], summary[0], summary[1],
-                          summary[2:])
+                          scale_summary)
     return out  # type: ignore[return-value]
+
+
+_HIST = tuple(2.0 ** (max(b, 1) - 127) if b else 2.0 ** -127 for b in range(256))
+"""The power of two of each float32 exponent field (0: MXFP8's smallest multiplier, 2^-127, subnormal)."""
+
+
+def _hist_summary(counts: list[float]) -> list[float]:
+    """[min, median] of power-of-two scales from their counts by exponent field; the median is torch's (the lower
+    of the two middle values for an even count)."""
+    total = int(sum(counts))
+    middle, seen = (total - 1) // 2, 0
+    smallest = next(_HIST[b] for b, c in enumerate(counts) if c)
+    for b, c in enumerate(counts):
+        seen += int(c)
+        if seen > middle:
+            return [smallest, _HIST[b]]
+    raise ValueError("scale histogram: no counts")
 
 
 def _row(policy: TensorPolicy, sums_list: list[float], amax: float, min_nz: float,
@@ -210,7 +239,10 @@ def measure(
         raise ValueError("measure: policy.scaling is 'none'; there is no quantization to measure")
     if fq_x is None:
         if amax_reduce is None and fused(hp_x, policy, columnwise):
-            return measure_fused(hp_x, policy, columnwise=columnwise, scaler=scaler)
+            try:
+                return measure_fused(hp_x, policy, columnwise=columnwise, scaler=scaler)
+            except Exception as e:  # noqa: BLE001 - e.g. a Triton that cannot compile the kernel: the core measures
+                _fused_failed(e)
         quantized = quantize(hp_x, policy, columnwise=columnwise, scaler=scaler, amax_reduce=amax_reduce,
                              record_amax=False)
         fq_x = dequantize(quantized, torch.float32)  # what the GEMM reads: codes x scale_inv in float32
@@ -307,11 +339,23 @@ def _triton() -> bool:
     return True
 
 
+FUSED_ERROR: str | None = None
+"""Why the fused kernel failed in this process (then the numerics core measures for the rest of it), or None."""
+
+
+def _fused_failed(e: Exception) -> None:
+    global FUSED_ERROR
+    FUSED_ERROR = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+    logger.warning("numerics statistics: the fused Triton kernel failed (%s); measuring with the numerics core "
+                   "from now on (same numbers, slower)", FUSED_ERROR)
+
+
 def fused(hp_x: torch.Tensor, policy: TensorPolicy, columnwise: bool = False) -> bool:
     """Whether :func:`measure_fused` takes this operand: :data:`FUSED`, else a CUDA tensor (or Triton's
-    interpreter), and in either case Triton present and a block whose sides are powers of two."""
+    interpreter), and in either case Triton present, the kernel not failed before (:data:`FUSED_ERROR`) and a
+    block whose sides are powers of two."""
     want = FUSED if FUSED is not None else (hp_x.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
-    if not (want and _triton()) or hp_x.numel() == 0:
+    if not (want and _triton()) or FUSED_ERROR is not None or hp_x.numel() == 0:
         return False
     if policy.scaling in (Scaling.TENSORWISE, Scaling.DELAYED):
         return True
@@ -324,10 +368,11 @@ _OUTPUT: dict[torch.device, torch.Tensor] = {}
 
 def _output(device: torch.device) -> torch.Tensor:
     """A fresh output buffer (one device copy of a template made once per device): float64 sums of _SUMS, then
-    float32 amax (0), min_nonzero (inf), scale (0) in the last two float64 slots."""
+    float32 amax (0), min_nonzero (inf), scale (0) in the next two float64 slots, then 256 int32 zeros (the block
+    scales' counts by exponent)."""
     template = _OUTPUT.get(device)
     if template is None:
-        template = torch.zeros(len(_SUMS) + 2, dtype=torch.float64)
+        template = torch.zeros(len(_SUMS) + 2 + len(_HIST) // 2, dtype=torch.float64)
         template[len(_SUMS):].view(torch.float32)[1] = math.inf
         template = _OUTPUT[device] = template.to(device)
     return template.clone()
@@ -347,7 +392,8 @@ def measure_fused(hp_x: torch.Tensor, policy: TensorPolicy, *, columnwise: bool 
     if not x.is_contiguous():
         x = x.contiguous()
     buf = _output(x.device)
-    out64, out32 = buf[:len(_SUMS)], buf[len(_SUMS):].view(torch.float32)
+    out64, out32 = buf[:len(_SUMS)], buf[len(_SUMS):len(_SUMS) + 2].view(torch.float32)
+    hist = buf[len(_SUMS) + 2:].view(torch.int32)
     per_tensor = policy.scaling in (Scaling.TENSORWISE, Scaling.DELAYED)
     block = (1, 1) if per_tensor else block_for(policy, hp_x.shape, columnwise)
     tr, tc = _tile(block)
@@ -369,10 +415,12 @@ def measure_fused(hp_x: torch.Tensor, policy: TensorPolicy, *, columnwise: bool 
     big = torch.finfo(dtype).max if (mode == k.MODE_BLOCKWISE and dtype.is_floating_point
                                      and torch.finfo(dtype).bits <= 32) else FLOAT32_MAX
     clip = spec.max + 2.0**spec.emax * torch.finfo(spec.dtype).eps / 2
+    pow2 = mode == k.MODE_MXFP8 or (mode == k.MODE_BLOCKWISE and policy.pow2_scales)  # histogram-able scales
     k.stats_kernel[grid](
-        x, rows, cols, scale, out64, out32, block_scales, fq_out if fq_out is not None else out32,
+        x, rows, cols, scale, out64, out32, block_scales, hist, fq_out if fq_out is not None else out32,
         spec.max, clip, policy.amax_epsilon, 2.0 ** -policy.margin, big, 1.0 / spec.max,
-        MODE=mode, POW2=policy.pow2_scales, RCEIL=policy.mx_rounding is MxRounding.RCEIL,
+        MODE=mode, POW2=policy.pow2_scales, RCEIL=policy.mx_rounding is MxRounding.RCEIL, HIST=pow2,
         MBITS=round(math.log2(spec.min_normal / spec.min_subnormal)), EMIN=round(math.log2(spec.min_normal)),
         EMAX=spec.emax, BR=block[0], BC=block[1], TR=tr, TC=tc, STORE_FQ=fq_out is not None, num_warps=8)
-    return OperandStats(policy, out64, out32[0], out32[1], [out32[2:3] if per_tensor else block_scales])
+    return OperandStats(policy, out64, out32[0], out32[1], [out32[2:3] if per_tensor else block_scales],
+                        hist if pow2 else None)

@@ -13,7 +13,8 @@ and in Triton's CPU interpreter (``TRITON_INTERPRET=1``, which tests use on mach
 
 Output layout (one float64 buffer per operand, see ``stats.measure_fused``): ``out64[0:8]`` the sums of
 ``stats._SUMS`` (numel, nonzero, underflow, saturated, sum sq err, <x,fq>, |x|^2, |fq|^2), ``out32[0:3]`` (the
-buffer's tail viewed as float32) amax, min_nonzero, per-tensor scale.
+next two slots viewed as float32) amax, min_nonzero, per-tensor scale, then 256 int32 counts of power-of-two block
+scales by exponent (their minimum and median without a sort on the device).
 """
 
 import triton
@@ -125,14 +126,15 @@ def amax_kernel(x_ptr, rows, cols, out32_ptr, TR: tl.constexpr, TC: tl.constexpr
 
 
 @triton.jit
-def stats_kernel(x_ptr, rows, cols, scale_ptr, out64_ptr, out32_ptr, bscale_ptr, fq_ptr,
+def stats_kernel(x_ptr, rows, cols, scale_ptr, out64_ptr, out32_ptr, bscale_ptr, hist_ptr, fq_ptr,
                  fp8_max, clip, epsilon, margin_mult, value_for_inf, rcp,
-                 MODE: tl.constexpr, POW2: tl.constexpr, RCEIL: tl.constexpr,
+                 MODE: tl.constexpr, POW2: tl.constexpr, RCEIL: tl.constexpr, HIST: tl.constexpr,
                  MBITS: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
                  BR: tl.constexpr, BC: tl.constexpr, TR: tl.constexpr, TC: tl.constexpr, STORE_FQ: tl.constexpr):
     """Quantize a contiguous (rows, cols) tensor under one scaling mode and add its statistics to the outputs.
     Blocks are (BR, BC); a program's tile (TR, TC) holds whole blocks. Block modes write their scales to
-    bscale_ptr (row_blocks, col_blocks)."""
+    bscale_ptr (row_blocks, col_blocks) and, with HIST (scales that are powers of two), count them by exponent
+    field in hist_ptr (256 int32)."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     r = pid_r * TR + tl.arange(0, TR)[:, None]
@@ -166,7 +168,10 @@ def stats_kernel(x_ptr, rows, cols, scale_ptr, out64_ptr, out32_ptr, bscale_ptr,
         bc = pid_c * (TC // BC) + tl.arange(0, TC // BC)[None, :]
         row_blocks = (rows + BR - 1) // BR
         col_blocks = (cols + BC - 1) // BC
-        tl.store(bscale_ptr + br * col_blocks + bc, bscale, mask=(br < row_blocks) & (bc < col_blocks))
+        valid = (br < row_blocks) & (bc < col_blocks)
+        tl.store(bscale_ptr + br * col_blocks + bc, bscale, mask=valid)
+        if HIST:  # power-of-two scales: their exponent field counts them exactly (min and median on the host)
+            tl.atomic_add(hist_ptr + ((bscale.to(tl.int32, bitcast=True) >> 23) & 0xFF), 1, mask=valid)
         s = _per_element(bscale, BR, BC, TR, TC)
         s_inv = _per_element(bscale_inv, BR, BC, TR, TC)
 
