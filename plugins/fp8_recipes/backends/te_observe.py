@@ -5,7 +5,7 @@
 
 TE quantizes a linear's operands inside its fused autograd functions and hands none of them out. Our numerics
 core reproduces TE's quantization bit for bit (tests/gpu/test_te_numerics.py: current, delayed and block scaling),
-and so does the recorder's fused statistics kernel (tests/gpu/test_fused_stats.py), so the operands are quantized
+and so does the recorder's fused statistics kernel (tests/gpu/test_fused_stats_gpu.py), so the operands are quantized
 again by the recorder, from the tensors the GEMMs read, with the policy the plan gives the module this step
 (``ModulePlan.gemms``: what TE really runs, after substitutions) and, for delayed scaling, the scale TE holds for
 that operand. The hooks hand over the high-precision operands:

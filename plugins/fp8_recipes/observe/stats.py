@@ -74,7 +74,8 @@ _SUMS = ("numel", "nonzero", "underflow", "saturated", "sq_err", "dot", "hp_sq",
 FUSED: bool | None = None
 """measure()'s quantize-and-measure path for an operand handed over without its FP8 copy (``fq_x`` None): None =
 the Triton kernel on CUDA (or anywhere under ``TRITON_INTERPRET=1``), True/False = forced (tests; True still
-needs Triton and a block of powers of two). Both give the same numbers (tests/gpu/test_fused_stats.py)."""
+needs Triton and a block of powers of two). Both give the same numbers (tests/unit/test_fused_stats.py, and
+compiled on the GPU tests/gpu/test_fused_stats_gpu.py)."""
 
 SYNC_FREE: bool | None = None
 """measure()'s path: None = sync-free on any device but the CPU (no ``bool(tensor)``), True/False = forced (tests).
@@ -161,7 +162,7 @@ def rows(stats: list[OperandStats]) -> list[dict[str, float | int | None]]:
     return out  # type: ignore[return-value]
 
 
-_HIST = tuple(2.0 ** (max(b, 1) - 127) if b else 2.0 ** -127 for b in range(256))
+_HIST = tuple(2.0 ** (b - 127) for b in range(256))
 """The power of two of each float32 exponent field (0: MXFP8's smallest multiplier, 2^-127, subnormal)."""
 
 
