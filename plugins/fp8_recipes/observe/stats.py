@@ -124,8 +124,8 @@ def _summary_pieces(s: OperandStats) -> tuple[list[torch.Tensor], int]:
     if not s.scales:
         return pieces, 0
     per_tensor = s.policy.scaling in (Scaling.TENSORWISE, Scaling.DELAYED)
-    if s.scale_hist is not None and not per_tensor:  # 256 counts: min and median decoded by _hist_summary
-        return pieces + [s.scale_hist.float()], len(_HIST)
+    if s.scale_hist is not None and not per_tensor:  # min and median from the counts, for all at once: _hist_summary
+        return pieces, _FROM_HIST
     if per_tensor and len(s.scales) == 1:  # the common case: one micro-batch (the median of one value is itself)
         return pieces + [s.scales[0].reshape(1).float()], 1
     scales = s.scales[0].reshape(-1).float() if len(s.scales) == 1 else \
@@ -145,38 +145,42 @@ def rows(stats: list[OperandStats]) -> list[dict[str, float | int | None]]:
     out: list[dict[str, float | int | None] | None] = [None] * len(stats)
     for device, idx in by_device.items():
         sums = torch.cat([stats[i].sums.reshape(-1).double() for i in idx])
-        pieces, lengths = [], []
+        pieces, lengths, hists = [], [], []
         for i in idx:
             p, n = _summary_pieces(stats[i])
             pieces.extend(p)
             lengths.append(n)
+            if n == _FROM_HIST:
+                hists.append(stats[i].scale_hist)
+        if hists:
+            pieces.append(_hist_summary(torch.stack(hists)).reshape(-1))
         values = torch.cat([sums, torch.cat([t.to(device) for t in pieces]).double()]).tolist()  # the one sync
         sums_v, rest = values[:len(_SUMS) * len(idx)], values[len(_SUMS) * len(idx):]
-        pos = 0
+        pos, from_hist = 0, len(rest) - 2 * len(hists)
         for k, (i, n) in enumerate(zip(idx, lengths)):
-            summary = rest[pos:pos + 2 + n]
-            pos += 2 + n
-            scale_summary = _hist_summary(summary[2:]) if n == len(_HIST) else summary[2:]
+            if n == _FROM_HIST:
+                summary, pos = rest[pos:pos + 2] + rest[from_hist:from_hist + 2], pos + 2
+                from_hist += 2
+            else:
+                summary, pos = rest[pos:pos + 2 + n], pos + 2 + n
             out[i] = _row(stats[i].policy, sums_v[k * len(_SUMS):(k + 1) * len(_SUMS)], summary[0], summary[1],
-                          scale_summary)
+                          summary[2:])
     return out  # type: ignore[return-value]
 
 
-_HIST = tuple(2.0 ** (b - 127) for b in range(256))
-"""The power of two of each float32 exponent field (0: MXFP8's smallest multiplier, 2^-127, subnormal)."""
+_FROM_HIST = -1
+"""_summary_pieces' length for an operand whose scale min and median come from its exponent counts."""
 
 
-def _hist_summary(counts: list[float]) -> list[float]:
-    """[min, median] of power-of-two scales from their counts by exponent field; the median is torch's (the lower
-    of the two middle values for an even count)."""
-    total = int(sum(counts))
-    middle, seen = (total - 1) // 2, 0
-    smallest = next(_HIST[b] for b, c in enumerate(counts) if c)
-    for b, c in enumerate(counts):
-        seen += int(c)
-        if seen > middle:
-            return [smallest, _HIST[b]]
-    raise ValueError("scale histogram: no counts")
+def _hist_summary(hists: torch.Tensor) -> torch.Tensor:
+    """(n, 2) float32 [min, median] of power-of-two scales from their counts by float32 exponent field (n, 256),
+    on the counts' device for all n at once; the median is torch's (the lower of the two middle values for an even
+    count). Field 0 is 2^-127 (MXFP8's smallest multiplier, subnormal). Every row counts at least one scale."""
+    counts = hists.float()  # exact: fewer than 2^24 blocks per operand
+    seen = counts.cumsum(1)
+    middle = torch.div(seen[:, -1:] - 1, 2, rounding_mode="floor")
+    fields = torch.stack([(counts > 0).int().argmax(1), (seen > middle).int().argmax(1)], 1)  # first bin passing
+    return torch.ldexp(torch.ones_like(counts[:, :2]), fields - 127)
 
 
 def _row(policy: TensorPolicy, sums_list: list[float], amax: float, min_nz: float,
@@ -373,7 +377,7 @@ def _output(device: torch.device) -> torch.Tensor:
     scales' counts by exponent)."""
     template = _OUTPUT.get(device)
     if template is None:
-        template = torch.zeros(len(_SUMS) + 2 + len(_HIST) // 2, dtype=torch.float64)
+        template = torch.zeros(len(_SUMS) + 2 + 256 // 2, dtype=torch.float64)
         template[len(_SUMS):].view(torch.float32)[1] = math.inf
         template = _OUTPUT[device] = template.to(device)
     return template.clone()
