@@ -181,3 +181,31 @@ def test_script_bad_path_exits_2_with_one_line(tmp_path):
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     assert "data.inputs: path" in proc.stderr and "does not exist" in proc.stderr
+
+
+def test_runs_sharing_a_dataset_build_its_index_cache_one_at_a_time(tmp_path):
+    """Megatron-Core writes its index cache in place: a second run on the same prepared dataset that read a file
+    still being written got a truncated one (seen as `EOFError: No data left in file` in two Slurm jobs at once).
+    A run builds under an exclusive lock on the cache: while another process holds it, a build waits."""
+    import fcntl
+    import time
+
+    out = prepare_dataset(write_corpus(tmp_path / "src", DOCS * 3), tmp_path / "ds", "bytes")
+    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'plugins')!r}); "
+            "from fp8_recipes.megatron.data import build_gpt_datasets; "
+            "import megatron.core.datasets.blended_megatron_dataset_builder, megatron.core.datasets.gpt_dataset; "
+            "print('ready', flush=True); "
+            f"build_gpt_datasets({str(out)!r}, seq_length=16, seed=7, num_samples=(40, 4, 4), split='6,3,3'); "
+            "print('built')")
+    (out / "cache").mkdir(exist_ok=True)
+    with open(out / "cache" / ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another run building
+        other = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True)
+        assert other.stdout.readline().strip() == "ready"  # Megatron imported: the build is next
+        time.sleep(3)  # unlocked, a build of this size takes ~10 ms
+        assert other.poll() is None  # waiting for the lock, nothing read or written yet
+        assert not list((out / "cache").glob("**/*.npy"))
+    stdout, stderr = other.communicate(timeout=120)  # lock released: it builds
+    assert other.returncode == 0 and "built" in stdout, stderr[-2000:]
+    assert list((out / "cache").glob("**/*.npy"))

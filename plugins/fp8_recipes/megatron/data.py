@@ -338,10 +338,35 @@ def build_gpt_datasets(
         )
         # lambda: True = "this rank builds the indices": fine without torch.distributed. Never compile_helpers():
         # the helpers ship compiled in the wheel, and that call exits the process.
-        train, valid, test = BlendedMegatronDatasetBuilder(
-            GPTDataset, list(num_samples), lambda: True, config
-        ).build()
+        with _cache_lock(data_dir / "cache"):
+            train, valid, test = BlendedMegatronDatasetBuilder(
+                GPTDataset, list(num_samples), lambda: True, config
+            ).build()
     return train, valid, test
+
+
+@contextlib.contextmanager
+def _cache_lock(cache_dir: Path) -> Iterator[None]:
+    """Runs that share a prepared dataset share its index cache, and Megatron-Core writes the cache files in place
+    (no temporary name): a second run's builder that finds a file still being written reads a truncated one
+    (``EOFError: No data left in file``). Within a run Megatron builds on rank 0 first and the other ranks read
+    after a barrier, so rank 0 of each run (or a run without torch.distributed) holds an exclusive lock on the
+    cache for its whole build; other ranks take none (they wait at that barrier, not here). Where ``fcntl`` does
+    not exist (Windows) nothing is locked."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not on Linux
+        yield
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        yield
+        return
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with open(cache_dir / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
 
 
 def _check_split(split: str, num_documents: int, num_samples: Sequence[int | None]) -> None:
