@@ -209,3 +209,16 @@ def test_runs_sharing_a_dataset_build_its_index_cache_one_at_a_time(tmp_path):
     stdout, stderr = other.communicate(timeout=120)  # lock released: it builds
     assert other.returncode == 0 and "built" in stdout, stderr[-2000:]
     assert list((out / "cache").glob("**/*.npy"))
+
+
+def test_a_file_system_without_locks_builds_with_a_warning(tmp_path, monkeypatch):
+    import fcntl
+
+    def refuse(fd, op):
+        raise OSError(38, "Function not implemented")
+
+    out = prepare_dataset(write_corpus(tmp_path / "src", DOCS * 3), tmp_path / "ds", "bytes")
+    monkeypatch.setattr(fcntl, "flock", refuse)
+    with pytest.warns(UserWarning, match="no lock on .*Function not implemented"):
+        train, _, _ = build_gpt_datasets(out, seq_length=16, seed=7, num_samples=(40, 4, 4), split="6,3,3")
+    assert len(train) >= 40

@@ -352,7 +352,7 @@ def _cache_lock(cache_dir: Path) -> Iterator[None]:
     (``EOFError: No data left in file``). Within a run Megatron builds on rank 0 first and the other ranks read
     after a barrier, so rank 0 of each run (or a run without torch.distributed) holds an exclusive lock on the
     cache for its whole build; other ranks take none (they wait at that barrier, not here). Where ``fcntl`` does
-    not exist (Windows) nothing is locked."""
+    not exist (Windows) or the file system refuses locks, nothing is locked (with a warning for the latter)."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - not on Linux
@@ -365,7 +365,11 @@ def _cache_lock(cache_dir: Path) -> Iterator[None]:
         return
     cache_dir.mkdir(parents=True, exist_ok=True)
     with open(cache_dir / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        except OSError as e:  # a file system without locks (Lustre mounted without -o flock): build as before
+            warnings.warn(f"data: no lock on {cache_dir} ({e.strerror}); runs that share this dataset should not "
+                          "start at the same moment", stacklevel=2)
         yield
 
 
