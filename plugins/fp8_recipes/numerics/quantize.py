@@ -109,12 +109,16 @@ def _block_scales(hp_x: torch.Tensor, policy: TensorPolicy, block: tuple[int, in
         e8m0 = amax_to_e8m0(amax, policy.format, policy.mx_rounding)
         scale, scale_inv = e8m0_to_multiplier(e8m0), e8m0_to_scale_inv(e8m0)
     else:
-        # TE's blockwise kernel uses the input type's max for a scale that overflows float32
-        big = torch.finfo(dtype).max if dtype.is_floating_point and torch.finfo(dtype).bits <= 32 else FLOAT32_MAX
         scale = amax_to_scale(amax, policy.format, margin=policy.margin, epsilon=policy.amax_epsilon,
-                              pow2=policy.pow2_scales, value_for_inf=big)
+                              pow2=policy.pow2_scales, value_for_inf=block_scale_for_inf(dtype))
         scale_inv = torch.reciprocal(scale)
     return amax, scale, scale_inv, e8m0
+
+
+def block_scale_for_inf(dtype: torch.dtype) -> float:
+    """The scale blockwise scaling uses where fp8_max / amax overflows float32: TE's blockwise kernel takes the
+    input type's max (float32's for wider or non-float inputs)."""
+    return torch.finfo(dtype).max if dtype.is_floating_point and torch.finfo(dtype).bits <= 32 else FLOAT32_MAX
 
 
 def quantize(

@@ -48,7 +48,7 @@ from fp8_recipes.numerics import (
 )
 from fp8_recipes.numerics.formats import FLOAT32_MAX
 # quantize's own block-scale rule and block multiply, fed the |x| computed here (no second float copy, no cast)
-from fp8_recipes.numerics.quantize import _block_scales, _rows_cols, _scale_blocks, block_for
+from fp8_recipes.numerics.quantize import _block_scales, _rows_cols, _scale_blocks, block_for, block_scale_for_inf
 from fp8_recipes.numerics.scaling import AmaxReduce
 from fp8_recipes.schema import MxRounding, Role, Scaling, TensorPolicy
 
@@ -217,6 +217,12 @@ def _row(policy: TensorPolicy, sums_list: list[float], amax: float, min_nz: floa
     return out
 
 
+def _clip_point(spec) -> float:
+    """|x * scale| beyond which an element counts as clipped: above fp8_max + half its ulp (below that it rounds
+    to fp8_max in an FP8 format with more exponent anyway)."""
+    return spec.max + 2.0**spec.emax * torch.finfo(spec.dtype).eps / 2
+
+
 def measure(
     hp_x: torch.Tensor,
     fq_x: torch.Tensor | None,
@@ -252,8 +258,7 @@ def measure(
                              record_amax=False)
         fq_x = dequantize(quantized, torch.float32)  # what the GEMM reads: codes x scale_inv in float32
     spec = fp8_spec(policy.format)
-    # clipped = rounds beyond fp8_max in an FP8 format with more exponent: above fp8_max + half its ulp
-    clip = spec.max + 2.0**spec.emax * torch.finfo(spec.dtype).eps / 2
+    clip = _clip_point(spec)
     numel = hp_x.numel()
     hp = hp_x.detach().reshape(-1).float()
     fq = fq_x.detach().reshape(-1).float()
@@ -416,10 +421,8 @@ def measure_fused(hp_x: torch.Tensor, policy: TensorPolicy, *, columnwise: bool 
         block_scales = torch.empty(((rows + block[0] - 1) // block[0], (cols + block[1] - 1) // block[1]),
                                    dtype=torch.float32, device=x.device)
         mode = k.MODE_MXFP8 if policy.scaling is Scaling.MXFP8 else k.MODE_BLOCKWISE
-    dtype = hp_x.dtype  # blockwise: TE's kernel uses the input type's max for a scale that overflows float32
-    big = torch.finfo(dtype).max if (mode == k.MODE_BLOCKWISE and dtype.is_floating_point
-                                     and torch.finfo(dtype).bits <= 32) else FLOAT32_MAX
-    clip = spec.max + 2.0**spec.emax * torch.finfo(spec.dtype).eps / 2
+    big = block_scale_for_inf(hp_x.dtype) if mode == k.MODE_BLOCKWISE else FLOAT32_MAX
+    clip = _clip_point(spec)
     pow2 = mode == k.MODE_MXFP8 or (mode == k.MODE_BLOCKWISE and policy.pow2_scales)  # histogram-able scales
     k.stats_kernel[grid](
         x, rows, cols, scale, out64, out32, block_scales, hist, fq_out if fq_out is not None else out32,
