@@ -43,3 +43,42 @@ def test_the_recorder_takes_the_fused_path_on_cuda(monkeypatch):
     row = stats_mod.measure(x, None, POLICIES["tensorwise"]).row()
     assert calls and stats_mod.FUSED_ERROR is None  # the kernel ran (no fallback to the core)
     assert row["numel"] == x.numel() and 0.99 < row["cosine"] <= 1.0 + 1e-6
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "delayed-stale", "blockwise-128x128", "blockwise-16x16-no-pow2",
+                                  "mxfp8-rceil"])
+def test_direct_launches_equal_tritons_own(name):
+    """stats_kernels.Launcher calls the compiled kernel itself once Triton has compiled it for a specialization:
+    the same kernel on the same arguments as Triton's own launch, so the same numbers (float sums up to the order of
+    the atomics), and the direct path is really taken."""
+    from fp8_recipes.numerics import DelayedScaler
+    from fp8_recipes.observe import stats_kernels as k
+    from fp8_recipes.observe.stats import measure_fused
+
+    policy = POLICIES[name]
+    scaler = None
+    if name.startswith("delayed"):
+        scaler = DelayedScaler(policy, device="cuda")
+        scaler.scale = torch.tensor(448.0 / 50.0, device="cuda")
+    x = operand(1024, 768, torch.bfloat16, special=True, device="cuda", seed=5)
+    launchers = (k.stats, k.amax)
+    try:
+        for launcher in launchers:
+            launcher.direct = False
+        own = measure_fused(x, policy, scaler=scaler)
+        for launcher in launchers:
+            launcher.direct = True
+        measure_fused(x, policy, scaler=scaler)  # Triton's launch, remembered
+        before = [launcher.direct_launches for launcher in launchers]
+        direct = measure_fused(x, policy, scaler=scaler)
+    finally:
+        for launcher in launchers:
+            launcher.direct = True
+    assert k.stats.direct_launches == before[0] + 1
+    assert k.amax.direct_launches == before[1] + (name == "tensorwise")
+    assert torch.equal(own.sums[:4], direct.sums[:4])  # counts
+    torch.testing.assert_close(direct.sums[4:], own.sums[4:], rtol=1e-9, atol=0, equal_nan=True)
+    assert torch.equal(own.amax, direct.amax) and torch.equal(own.min_nonzero, direct.min_nonzero)
+    assert all(torch.equal(a, b) for a, b in zip(own.scales, direct.scales))
+    assert (own.scale_hist is None) == (direct.scale_hist is None)
+    assert own.scale_hist is None or torch.equal(own.scale_hist, direct.scale_hist)

@@ -8,6 +8,7 @@ defined, so in a subprocess). The same checks on the H200, compiled, at TE's sha
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -73,16 +74,29 @@ def compare(x: torch.Tensor, policy: TensorPolicy, columnwise: bool) -> None:
     assert a["saturation_pct"] == b["saturation_pct"] and a.get("scale_ratio") == b.get("scale_ratio"), where
     # block scales: min and median (from the exponent counts when they are powers of two) as torch gives them
     assert (a.get("scale_min"), a.get("scale_median")) == (b.get("scale_min"), b.get("scale_median")), (where, a, b)
-    assert (got.scale_hist is not None) == (policy.scaling is Scaling.MXFP8 or (
-        policy.scaling is Scaling.BLOCKWISE and policy.pow2_scales)), where
+    pow2 = policy.scaling is Scaling.MXFP8 or (policy.scaling is Scaling.BLOCKWISE and policy.pow2_scales)
+    assert (got.scale_hist is not None) == pow2, where
+    # rows() reads a packed buffer on the host: the same row as the device path (the core's numbers, above)
+    assert (got.packed is not None) == (pow2 or policy.scaling in (Scaling.TENSORWISE, Scaling.DELAYED)), where
+    assert same_row(dataclasses.replace(got, packed=None).row(), b), where
     two = measure_fused(x, policy, columnwise=columnwise, scaler=scaler).merge(
         measure_fused(x * 0.5, policy, columnwise=columnwise, scaler=scaler))  # micro-batches: counts add up
     q2 = quantize(x * 0.5, policy, columnwise=columnwise, scaler=scaler, record_amax=False)
     ref2 = measure(x, fq_core, policy, columnwise=columnwise, scaler=scaler, quantized=q).merge(
         measure(x * 0.5, dequantize(q2, torch.float32), policy, columnwise=columnwise, scaler=scaler, quantized=q2))
+    assert two.packed is None, where  # merged: the device path
     a2, b2 = ref2.row(), two.row()
+    together = stats_mod.rows([got, two, ref])  # packed and not, in one call
+    assert all(same_row(r, want) for r, want in zip(together, (b, b2, a))), where
     assert (a2.get("scale_min"), a2.get("scale_median"), a2["underflow_pct"]) == \
         (b2.get("scale_min"), b2.get("scale_median"), b2["underflow_pct"]), (where, a2, b2)
+
+
+def same_row(a: dict, b: dict) -> bool:
+    """Equal rows, NaN equal to NaN."""
+    return a.keys() == b.keys() and all(
+        a[k] == b[k] or (isinstance(a[k], float) and isinstance(b[k], float) and math.isnan(a[k]) and math.isnan(b[k]))
+        for k in a)
 
 
 def check_all(device: str = "cpu", shapes=((40, 96), (33, 50)), dtypes=(torch.bfloat16, torch.float32)) -> int:

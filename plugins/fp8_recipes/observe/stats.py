@@ -25,7 +25,7 @@ changes only after the optimizer step), tensorwise recomputes ``amax_to_scale`` 
 ``quantize`` does, and block modes use quantize's own block-scale rule (without the cast; block amaxes are never
 reduced). Clipped elements are counted one by one only when some block's amax x scale passes the clip point.
 Sums stay on the tensor's device until :func:`rows` (or :meth:`OperandStats.row`), which copies every pending
-operand's numbers to the host in one transfer. On a GPU measure() never waits for the device: the amax is taken
+operand's numbers to the host at once. On a GPU measure() never waits for the device: the amax is taken
 from |x| with NaN zeroed and clipped elements are counted unconditionally (:data:`SYNC_FREE`); on the CPU, where a
 sync is free, it branches (NaN pass and element-wise clip count only when needed). Both give the same numbers.
 Pure torch (plus our numerics), except :func:`measure_fused`: for an operand handed over without its FP8 copy
@@ -41,6 +41,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from fp8_recipes.numerics import (
@@ -98,9 +99,14 @@ class OperandStats:
     scale_hist: torch.Tensor | None = None
     """Block scales that are powers of two (measure_fused): int32 (256,) counts by float32 exponent field, from
     which rows() takes scale_min and scale_median on the host (no sort on the device); None: from `scales`."""
+    packed: torch.Tensor | None = None
+    """measure_fused's whole output buffer (see _output), while it holds every number of the row (one quantization;
+    a per-tensor scale or exponent counts): rows() then copies the step's packed buffers in one stacked transfer
+    and reads them on the host, with no device op per operand. merge() drops it."""
 
     def copy(self) -> OperandStats:
-        return OperandStats(self.policy, self.sums, self.amax, self.min_nonzero, list(self.scales), self.scale_hist)
+        return OperandStats(self.policy, self.sums, self.amax, self.min_nonzero, list(self.scales), self.scale_hist,
+                            self.packed)
 
     def merge(self, other: OperandStats) -> OperandStats:
         """Fold another quantization of the same operand (the next micro-batch) into this one."""
@@ -110,6 +116,7 @@ class OperandStats:
         self.scales.extend(other.scales)
         both = self.scale_hist is not None and other.scale_hist is not None
         self.scale_hist = self.scale_hist + other.scale_hist if both else None
+        self.packed = None
         return self
 
     def row(self) -> dict[str, float | int | None]:
@@ -136,13 +143,18 @@ def _summary_pieces(s: OperandStats) -> tuple[list[torch.Tensor], int]:
 
 
 def rows(stats: list[OperandStats]) -> list[dict[str, float | int | None]]:
-    """:meth:`OperandStats.row` of each, with one device->host transfer per device (one per step on a GPU): every
-    number (sums, amax, min_nonzero, scale min/median) is gathered into one float64 tensor first."""
+    """:meth:`OperandStats.row` of each, with one device->host transfer per device (one per step on a GPU) for the
+    `packed` operands (their buffers stacked, decoded on the host: :func:`_packed_rows`) and one for the others,
+    whose numbers (sums, amax, min_nonzero, scale min/median) are gathered into one float64 tensor first."""
     stats = list(stats)
+    out: list[dict[str, float | int | None] | None] = [None] * len(stats)
+    packed: dict[torch.device, list[int]] = {}
     by_device: dict[torch.device, list[int]] = {}
     for i, s in enumerate(stats):
-        by_device.setdefault(s.sums.device, []).append(i)
-    out: list[dict[str, float | int | None] | None] = [None] * len(stats)
+        (packed if s.packed is not None else by_device).setdefault(s.sums.device, []).append(i)
+    for idx in packed.values():
+        for i, row in zip(idx, _packed_rows([stats[i] for i in idx])):
+            out[i] = row
     for device, idx in by_device.items():
         sums = torch.cat([stats[i].sums.reshape(-1).double() for i in idx])
         pieces, lengths, hists = [], [], []
@@ -166,6 +178,25 @@ def rows(stats: list[OperandStats]) -> list[dict[str, float | int | None]]:
             out[i] = _row(stats[i].policy, sums_v[k * len(_SUMS):(k + 1) * len(_SUMS)], summary[0], summary[1],
                           summary[2:])
     return out  # type: ignore[return-value]
+
+
+def _packed_rows(stats: list[OperandStats]) -> list[dict[str, float | int | None]]:
+    """The rows of operands whose `packed` buffers (on one device) hold everything: one stacked copy to the host,
+    decoded there as rows() does on the device (scale min and median from the counts: :func:`_hist_summary`)."""
+    table = torch.stack([s.packed for s in stats]).cpu().numpy()
+    n = len(_SUMS)
+    f32 = np.ascontiguousarray(table[:, n:n + 2]).view(np.float32)  # amax, min_nonzero, per-tensor scale, unused
+    counts = np.ascontiguousarray(table[:, n + 2:]).view(np.int32).astype(np.int64)
+    seen = counts.cumsum(1)
+    middle = (seen[:, -1:] - 1) // 2
+    # 2^(field - 127): the float32 power of two of the exponent field (field 0: 2^-127, subnormal), exact in float64
+    hist_min = np.ldexp(1.0, (counts > 0).argmax(1) - 127)
+    hist_median = np.ldexp(1.0, (seen > middle).argmax(1) - 127)
+    out = []
+    for k, s in enumerate(stats):
+        summary = [float(f32[k, 2])] if s.scale_hist is None else [float(hist_min[k]), float(hist_median[k])]
+        out.append(_row(s.policy, table[k, :n].tolist(), float(f32[k, 0]), float(f32[k, 1]), summary))
+    return out
 
 
 _FROM_HIST = -1
@@ -328,6 +359,8 @@ def measure(
 
 _TILE = 8192
 """Elements per program: a tile of whole blocks, at least one block (128x128 blocks: 16384)."""
+_WARPS = 8
+"""Warps per program of the fused kernels."""
 
 
 def _tile(block: tuple[int, int]) -> tuple[int, int]:
@@ -415,7 +448,7 @@ def measure_fused(hp_x: torch.Tensor, policy: TensorPolicy, *, columnwise: bool 
         scale = scaler.scale.to(x.device, torch.float32).reshape(1)
         mode = k.MODE_DELAYED
     elif policy.scaling is Scaling.TENSORWISE:
-        k.amax_kernel[grid](x, rows, cols, out32, TR=tr, TC=tc, num_warps=8)
+        k.amax(grid, (x, rows, cols, out32), (tr, tc), _WARPS)
         mode = k.MODE_TENSORWISE
     else:
         block_scales = torch.empty(((rows + block[0] - 1) // block[0], (cols + block[1] - 1) // block[1]),
@@ -424,11 +457,11 @@ def measure_fused(hp_x: torch.Tensor, policy: TensorPolicy, *, columnwise: bool 
     big = block_scale_for_inf(hp_x.dtype) if mode == k.MODE_BLOCKWISE else FLOAT32_MAX
     clip = _clip_point(spec)
     pow2 = mode == k.MODE_MXFP8 or (mode == k.MODE_BLOCKWISE and policy.pow2_scales)  # histogram-able scales
-    k.stats_kernel[grid](
-        x, rows, cols, scale, out64, out32, block_scales, hist, fq_out if fq_out is not None else out32,
-        spec.max, clip, policy.amax_epsilon, 2.0 ** -policy.margin, big, 1.0 / spec.max,
-        MODE=mode, POW2=policy.pow2_scales, RCEIL=policy.mx_rounding is MxRounding.RCEIL, HIST=pow2,
-        MBITS=round(math.log2(spec.min_normal / spec.min_subnormal)), EMIN=round(math.log2(spec.min_normal)),
-        EMAX=spec.emax, BR=block[0], BC=block[1], TR=tr, TC=tc, STORE_FQ=fq_out is not None, num_warps=8)
+    k.stats(grid, (x, rows, cols, scale, out64, out32, block_scales, hist, fq_out if fq_out is not None else out32,
+                   spec.max, clip, policy.amax_epsilon, 2.0 ** -policy.margin, big, 1.0 / spec.max),
+            (mode, policy.pow2_scales, policy.mx_rounding is MxRounding.RCEIL, pow2,  # MODE POW2 RCEIL HIST
+             round(math.log2(spec.min_normal / spec.min_subnormal)), round(math.log2(spec.min_normal)),  # MBITS EMIN
+             spec.emax, block[0], block[1], tr, tc, fq_out is not None),  # EMAX BR BC TR TC STORE_FQ
+            _WARPS)
     return OperandStats(policy, out64, out32[0], out32[1], [out32[2:3] if per_tensor else block_scales],
-                        hist if pow2 else None)
+                        hist if pow2 else None, buf if per_tensor or pow2 else None)

@@ -15,10 +15,19 @@ Output layout (one float64 buffer per operand, see ``stats.measure_fused``): ``o
 ``stats._SUMS`` (numel, nonzero, underflow, saturated, sum sq err, <x,fq>, |x|^2, |fq|^2), ``out32[0:3]`` (the
 next two slots viewed as float32) amax, min_nonzero, per-tensor scale, then 256 int32 counts of power-of-two block
 scales by exponent (their minimum and median without a sort on the device).
+
+``stats.measure_fused`` launches them through :data:`stats` and :data:`amax` (:class:`Launcher`: after Triton's
+first launch of a specialization, the compiled kernel is called directly).
 """
 
+import inspect
+import logging
+
+import torch
 import triton
 import triton.language as tl
+
+logger = logging.getLogger(__name__)
 
 MODE_DELAYED = 0     # per-tensor scale read from scale_ptr
 MODE_TENSORWISE = 1  # per-tensor scale from the amax already in out32[0] (amax_kernel)
@@ -203,3 +212,77 @@ def stats_kernel(x_ptr, rows, cols, scale_ptr, out64_ptr, out32_ptr, bscale_ptr,
     if MODE != 1:  # tensorwise: amax_kernel wrote it
         tl.atomic_max(out32_ptr, tl.max(tl.max(mag, axis=1), axis=0))
     tl.atomic_min(out32_ptr + 1, tl.min(tl.min(tl.where(mag > 0, mag, float("inf")), axis=1), axis=0))
+
+
+class Launcher:
+    """``kernel[grid](*args, **constexprs)``, launching Triton's compiled kernel directly once one exists for the
+    call's specialization: Triton's own launch binds and specializes every argument and looks the kernel up on each
+    call, which is most of a launch's host time (tens of microseconds on a slow host, per operand of a recorded
+    step). The direct call is the one Triton's ``JITFunction.run`` makes (Triton 3.3 and later; torch inductor's
+    launchers make it too): ``compiled.run(grid, stream, function, packed_metadata, launch_metadata, hooks, *args)``.
+
+    The cache key holds everything Triton specializes a launch on: each tensor's dtype and 16-byte alignment, each
+    integer's type range, divisibility by 16 and equality to 1, each scalar's type, the constexprs, the warps and
+    the device. Triton's own path is taken on a miss (which compiles or finds the kernel, then is remembered), under
+    the interpreter, while a launch hook is set (profilers), and for good once a direct launch fails.
+    """
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.compiled: dict[tuple, tuple] = {}
+        self.direct = True
+        self.direct_launches = 0
+        """Launches that went straight to the compiled kernel (tests check that the path is taken)."""
+        self._names = None
+
+    def __call__(self, grid: tuple[int, int], args: tuple, constexprs: tuple, num_warps: int) -> None:
+        key = (_spec_key(args), constexprs, num_warps)
+        hit = self.compiled.get(key) if self.direct else None
+        if hit is not None and not _hooked():
+            run, function, metadata, device = hit
+            try:
+                run(grid[0], grid[1], 1, _stream(device), function, metadata, None, None, None, *args, *constexprs)
+                self.direct_launches += 1
+                return
+            except Exception as e:  # noqa: BLE001 - a Triton whose launch convention differs: its own path from now on
+                self.direct = False
+                logger.warning("numerics statistics: launching the compiled Triton kernel directly failed (%s: %s); "
+                               "launching through Triton from now on", type(e).__name__, e)
+        if self._names is None:
+            self._names = list(inspect.signature(self.kernel.fn).parameters)[len(args):]
+            assert len(self._names) == len(constexprs), (self._names, constexprs)
+        compiled = self.kernel[grid](*args, **dict(zip(self._names, constexprs)), num_warps=num_warps)
+        x = args[0]
+        if self.direct and hit is None and getattr(x, "is_cuda", False) and hasattr(compiled, "packed_metadata"):
+            self.compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata, x.device.index)
+
+
+def _spec_key(args: tuple) -> tuple:
+    key = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.data_ptr() % 16 == 0, a.device.index))
+        elif isinstance(a, bool) or not isinstance(a, int):
+            key.append(type(a))
+        else:
+            key.append((a == 1, a % 16 == 0, -2**31 <= a < 2**31, 0 <= a < 2**64))
+    return tuple(key)
+
+
+def _hooked() -> bool:
+    """Whether a launch hook is set (Triton 3.6 keeps a HookChain there, set when it holds a call)."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None:  # a Triton before knobs (3.4): no direct launches
+        return True
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return any(h is not None and getattr(h, "calls", True) for h in hooks)
+
+
+def _stream(device: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
+stats = Launcher(stats_kernel)
+"""stats_kernel's launcher: ``stats(grid, args, constexprs, num_warps)``, constexprs in the signature's order."""
+amax = Launcher(amax_kernel)
+"""amax_kernel's launcher."""
