@@ -253,7 +253,8 @@ class Launcher:
             assert len(self._names) == len(constexprs), (self._names, constexprs)
         compiled = self.kernel[grid](*args, **dict(zip(self._names, constexprs)), num_warps=num_warps)
         x = args[0]
-        if self.direct and hit is None and getattr(x, "is_cuda", False) and hasattr(compiled, "packed_metadata"):
+        if (self.direct and hit is None and getattr(x, "is_cuda", False) and hasattr(compiled, "packed_metadata")
+                and x.device.index == torch.cuda.current_device()):  # Triton launched on the current device
             self.compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata, x.device.index)
 
 
@@ -265,7 +266,7 @@ def _spec_key(args: tuple) -> tuple:
         elif isinstance(a, bool) or not isinstance(a, int):
             key.append(type(a))
         else:
-            key.append((a == 1, a % 16 == 0, -2**31 <= a < 2**31, 0 <= a < 2**64))
+            key.append((a == 1, a % 16 == 0, -2**31 <= a < 2**31, a < 2**63))  # i32 / i64 / u64
     return tuple(key)
 
 
