@@ -186,17 +186,12 @@ def _packed_rows(stats: list[OperandStats]) -> list[dict[str, float | int | None
     table = torch.stack([s.packed for s in stats]).cpu().numpy()
     n = len(_SUMS)
     f32 = np.ascontiguousarray(table[:, n:n + 2]).view(np.float32)  # amax, min_nonzero, per-tensor scale, unused
-    counts = np.ascontiguousarray(table[:, n + 2:]).view(np.int32).astype(np.int64)
-    seen = counts.cumsum(1)
-    middle = (seen[:, -1:] - 1) // 2
-    # 2^(field - 127): the float32 power of two of the exponent field (field 0: 2^-127, subnormal), exact in float64
-    hist_min = np.ldexp(1.0, (counts > 0).argmax(1) - 127)
-    hist_median = np.ldexp(1.0, (seen > middle).argmax(1) - 127)
-    out = []
-    for k, s in enumerate(stats):
-        summary = [float(f32[k, 2])] if s.scale_hist is None else [float(hist_min[k]), float(hist_median[k])]
-        out.append(_row(s.policy, table[k, :n].tolist(), float(f32[k, 0]), float(f32[k, 1]), summary))
-    return out
+    hist = [k for k, s in enumerate(stats) if s.scale_hist is not None]
+    from_hist = dict(zip(hist, _hist_summary(torch.from_numpy(
+        np.ascontiguousarray(table[hist, n + 2:]).view(np.int32))).tolist())) if hist else {}
+    return [_row(s.policy, table[k, :n].tolist(), float(f32[k, 0]), float(f32[k, 1]),
+                 from_hist[k] if k in from_hist else [float(f32[k, 2])])
+            for k, s in enumerate(stats)]
 
 
 _FROM_HIST = -1
