@@ -136,9 +136,9 @@ class EmulatedPrecision:
     """Drives every emulated layer from the plan (the training loop's precision controller)."""
 
     def __init__(self, plan: PrecisionPlan, states: dict[str, EmulatedLinearState]):
-        missing = set(plan.layout.module_names) - set(states)
-        if missing:
-            raise ValueError(f"emulated backend: the plan names modules the model lacks: {sorted(missing)[:3]}")
+        unknown = set(states) - set(plan.layout.module_names)  # a pipeline stage holds a subset of the plan's
+        if unknown:
+            raise ValueError(f"emulated backend: the plan does not name these modules: {sorted(unknown)[:3]}")
         self.plan = plan
         self.states = states
         self.full_precision_eval_interval = plan.recipe.schedule.full_precision_eval_interval

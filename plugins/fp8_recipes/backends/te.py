@@ -245,14 +245,15 @@ def what_ran(module: torch.nn.Module) -> str:
 class TEPrecision:
     """Executes a PrecisionPlan on Transformer Engine modules (the training loop's precision controller).
 
-    ``layers``: the TransformerLayers in order (plan layer i = layers[i]); ``linears``: the TE linear modules by
-    plan name; ``decoder``: the module spanning all layers (the outer autocast of delayed scaling).
+    ``layers``: this rank's TransformerLayers by global layer number (plan layer i = layers[i]; a pipeline stage
+    holds some of them); ``linears``: its TE linear modules by plan name; ``decoders``: per model chunk, the module
+    spanning its layers (the outer autocast of delayed scaling: per chunk, as Megatron-Core's own FP8 path does).
     ``count``: record what each TE linear really ran (``step_kinds``, ``module_kinds``, ``mismatches`` against
     the plan) with a forward hook reading the module's own ``fp8`` flag and recipe (off for benchmarks).
     """
 
-    def __init__(self, plan: PrecisionPlan, *, layers: Sequence[torch.nn.Module],
-                 linears: Mapping[str, torch.nn.Module], decoder: torch.nn.Module, amax_group: Any = None,
+    def __init__(self, plan: PrecisionPlan, *, layers: Mapping[int, torch.nn.Module],
+                 linears: Mapping[str, torch.nn.Module], decoders: Sequence[torch.nn.Module], amax_group: Any = None,
                  count: bool = True):
         import transformer_engine.pytorch as te
         from transformer_engine.common.recipe import Float8CurrentScaling
@@ -269,7 +270,7 @@ class TEPrecision:
         self._off = (False, Float8CurrentScaling(), None)
         self._recipes: dict[TERecipe, Any] = {}
         self._layer_of = {n: plan.layout.layer_of(n) for n in self.linears}
-        self._layer_ctx: list[tuple | None] = [self._off] * len(layers)
+        self._layer_ctx: dict[int, tuple | None] = dict.fromkeys(layers, self._off)
         self._module_ctx: dict[str, tuple | None] = {}
         self._outer: tuple | None = None
         self._choices: dict[str, TERecipe | None] = {}
@@ -282,16 +283,17 @@ class TEPrecision:
         self.step_kinds: dict[int, Counter] = defaultdict(Counter)
         self.module_kinds: Counter = Counter()
         self.mismatches: Counter = Counter()
-        for i, layer in enumerate(layers):
+        for i, layer in layers.items():
             self._wrap(layer, lambda i=i: self._layer_ctx[i])
         for name, module in self.linears.items():
             self._wrap(module, lambda name=name: self._module_ctx.get(name))
             if count:
                 module.register_forward_hook(self._counter(name))
-        self._wrap(decoder, lambda: self._outer)
-        for module in decoder.modules():  # every TE module (linears, attention): see the module docstring
-            if hasattr(module, "fp8_meta"):  # TE's TransformerEngineBaseModule and only it carries fp8_meta
-                module.get_extra_state = _empty_extra_state
+        for decoder in decoders:
+            self._wrap(decoder, lambda: self._outer)
+            for module in decoder.modules():  # every TE module (linears, attention): see the module docstring
+                if hasattr(module, "fp8_meta"):  # TE's TransformerEngineBaseModule and only it carries fp8_meta
+                    module.get_extra_state = _empty_extra_state
         self._cached_weights = [m for m in self.linears.values() if hasattr(m, "is_first_microbatch")]
 
     # -- wiring ----------------------------------------------------------------------------------------------------
@@ -334,7 +336,7 @@ class TEPrecision:
         by_layer: dict[int, list[str]] = defaultdict(list)
         for name in self.linears:
             by_layer[self._layer_of[name]].append(name)
-        for i in range(len(self._layer_ctx)):
+        for i in self._layer_ctx:
             names = by_layer.get(i, [])
             layer_choice = Counter(choices[n] for n in names).most_common(1)[0][0] if names else None
             self._layer_ctx[i] = self._ctx(layer_choice)
@@ -373,14 +375,14 @@ class TEPrecision:
 
     @contextlib.contextmanager
     def high_precision(self) -> Iterator[None]:
-        saved = (list(self._layer_ctx), self._module_ctx, self._outer, self._expected)
-        self._layer_ctx[:] = [self._off] * len(self._layer_ctx)
+        saved = (dict(self._layer_ctx), self._module_ctx, self._outer, self._expected)
+        self._layer_ctx = dict.fromkeys(self._layer_ctx, self._off)
         self._module_ctx, self._outer = {}, None
         self._expected = dict.fromkeys(self.linears, BF16)
         try:
             yield
         finally:
-            self._layer_ctx[:], self._module_ctx, self._outer, self._expected = saved
+            self._layer_ctx, self._module_ctx, self._outer, self._expected = saved
 
     def after_optimizer_step(self, step: int) -> None:
         # TE updates delayed scales itself (autocast exit, backward); the weights changed: requantize them next.

@@ -50,15 +50,16 @@ class EmulatedRowParallelLinear(_EmulatedGemmMixin, RowParallelLinear):
     """RowParallelLinear (attention proj, MLP fc2) with plan-driven fake-quantized GEMMs."""
 
 
-def attach_emulated_backend(model: torch.nn.Module, plan: PrecisionPlan) -> EmulatedPrecision:
-    """Give every emulated linear of `model` its state and return the controller that drives them."""
+def attach_emulated_backend(model: torch.nn.Module | list[torch.nn.Module], plan: PrecisionPlan) -> EmulatedPrecision:
+    """Give every emulated linear of `model` (a GPTModel or this rank's pipeline chunks) its state and return the
+    controller that drives them. The plan is the whole model's; a pipeline stage runs its own modules' part."""
     states = {}
     for name, module in named_linear_modules(model):
         if not isinstance(module, _EmulatedGemmMixin):
             raise ValueError(f"emulated backend: module {name} is a {type(module).__name__}; build the model with "
                              f"the emulated linear classes (build_gpt_model(column_linear=..., row_linear=...))")
         module._fp8_state = states[name] = EmulatedLinearState(name)
-    if set(states) != set(plan.layout.module_names):
+    if not set(states) <= set(plan.layout.module_names):
         raise ValueError("emulated backend: the plan was made for another model layout; build the plan from "
                          "model_layout(model)")
     return EmulatedPrecision(plan, states)

@@ -1,8 +1,8 @@
 """Process groups and a Megatron-Core GPTModel, on the CPU (gloo, local spec) or on GPUs (NCCL, TE spec).
 
-    rank, world_size, device = init_distributed(tensor_model_parallel_size=1, seed=1234)
-    model = build_gpt_model(cfg.model, column_linear=MyColumn, row_linear=MyRow, device=device)
-    names = linear_module_names(model)      # ["decoder.layers.0.self_attention.linear_qkv", ...]
+    rank, world_size, device = init_distributed(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
+    chunks = build_model_chunks(cfg.model, column_linear=MyColumn, row_linear=MyRow, device=device)
+    names = linear_module_names(chunks)     # ["decoder.layers.2.self_attention.linear_qkv", ...] (global numbers)
     ...
     destroy_distributed()
 
@@ -52,10 +52,12 @@ __all__ = [
     "init_distributed",
     "destroy_distributed",
     "build_gpt_model",
+    "build_model_chunks",
     "pad_vocab_size",
     "unwrap_model",
     "replace_output_layer_class",
     "named_linear_modules",
+    "transformer_layers",
     "linear_module_names",
     "model_layout",
 ]
@@ -127,7 +129,9 @@ def _share_cpu_threads(world_size: int) -> None:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local))
 
 
-def init_distributed(backend: str | None = None, *, tensor_model_parallel_size: int = 1, seed: int = 1234,
+def init_distributed(backend: str | None = None, *, tensor_model_parallel_size: int = 1,
+                     pipeline_model_parallel_size: int = 1, virtual_pipeline_model_parallel_size: int | None = None,
+                     context_parallel_size: int = 1, seed: int = 1234,
                      timeout_minutes: int = 30) -> tuple[int, int, torch.device]:
     """Start torch.distributed and Megatron-Core's model-parallel groups; seed every RNG.
 
@@ -154,8 +158,10 @@ def init_distributed(backend: str | None = None, *, tensor_model_parallel_size: 
         device = torch.device("cpu")
         install_cpu_shim()
         _share_cpu_threads(world_size)
-    if world_size % tensor_model_parallel_size:
-        raise ValueError(f"tensor_model_parallel_size={tensor_model_parallel_size} does not divide "
+    model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size
+    if world_size % model_parallel:
+        raise ValueError(f"tensor x pipeline x context parallel = {tensor_model_parallel_size} x "
+                         f"{pipeline_model_parallel_size} x {context_parallel_size} does not divide "
                          f"world_size={world_size}")
 
     if not dist.is_initialized():
@@ -174,15 +180,20 @@ def init_distributed(backend: str | None = None, *, tensor_model_parallel_size: 
                            f"launch environment says {world_size}")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size,
-                                             distributed_timeout_minutes=timeout_minutes)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        context_parallel_size=context_parallel_size, distributed_timeout_minutes=timeout_minutes)
     # Same seed on every data-parallel rank: weights are initialised identically there without a broadcast;
     # tensor-parallel ranks get their own stream through the tracker (seed + 2718 + tp_rank).
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)  # the CPU shim's version when there is no CUDA
     if rank == 0:
-        logger.info("distributed: %s, backend %s, world %d, TP %d, device %s", launcher, backend, world_size,
-                    tensor_model_parallel_size, device)
+        logger.info("distributed: %s, backend %s, world %d, TP %d, PP %d%s, CP %d, device %s", launcher, backend,
+                    world_size, tensor_model_parallel_size, pipeline_model_parallel_size,
+                    f" x VPP {virtual_pipeline_model_parallel_size}" if virtual_pipeline_model_parallel_size else "",
+                    context_parallel_size, device)
     return rank, world_size, device
 
 
@@ -256,7 +267,8 @@ def _substitute_linears(spec, column_linear: type | None, row_linear: type | Non
 def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_linear: type | None = None,
                     output_linear: type | None = None, use_te_spec: bool = False,
                     params_dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                    config_overrides: Mapping[str, Any] | None = None) -> torch.nn.Module:
+                    config_overrides: Mapping[str, Any] | None = None, pre_process: bool = True,
+                    post_process: bool = True, vp_stage: int | None = None) -> torch.nn.Module:
     """Build a Megatron-Core ``GPTModel`` from a ``model`` config group (dict or DictConfig).
 
     ``init_distributed`` must have run (the model reads TP size and groups from parallel_state).
@@ -275,7 +287,9 @@ def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_li
     linear_proj / linear_fc2 TERowParallelLinear, under the same names, so :func:`linear_module_names` and the
     plan's layout are those of the local spec; the LM head stays a ColumnParallelLinear. ``config_overrides``
     go into the TransformerConfig as they are (e.g. ``{"fp8": "hybrid", "fp8_recipe": "tensorwise"}`` for
-    Megatron-Core's own FP8 path, which the benchmarks compare against).
+    Megatron-Core's own FP8 path, which the benchmarks compare against, or the parallel layout:
+    ``pipeline_model_parallel_size``, ``sequence_parallel``, ``recompute_granularity``, ...). ``pre_process`` /
+    ``post_process`` / ``vp_stage``: which part of a pipeline-parallel model this is (:func:`build_model_chunks`).
     """
     import torch.nn.functional as F
     from megatron.core import parallel_state, tensor_parallel
@@ -303,7 +317,7 @@ def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_li
                     VOCAB_MULTIPLE, tp)
     swiglu = cfg.get("activation", "gelu") == "swiglu"
     hidden = int(cfg["hidden_size"])
-    config = TransformerConfig(
+    fields = dict(
         num_layers=int(cfg["num_layers"]),
         hidden_size=hidden,
         ffn_hidden_size=int(cfg.get("ffn_hidden_size") or 4 * hidden),
@@ -318,8 +332,10 @@ def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_li
         init_method_std=float(cfg.get("init_method_std", 0.02)),
         layernorm_epsilon=float(cfg.get("layernorm_epsilon", 1e-5)),
         tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=1,
-        sequence_parallel=False,
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+        context_parallel_size=parallel_state.get_context_parallel_world_size(),
+        pipeline_dtype=params_dtype,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         # CPU: weights are created on the CPU (the GPU init path calls torch.cuda). On GPUs the CPU path would
@@ -333,9 +349,10 @@ def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_li
         bias_dropout_fusion=device.type == "cuda",
         apply_rope_fusion=device.type == "cuda" and use_te_spec,  # TE's fused RoPE
         cross_entropy_loss_fusion=device.type == "cuda",
-        gradient_accumulation_fusion=False,  # needs main_grad buffers (Megatron's DDP); our loop uses .grad
-        **dict(config_overrides or {}),
+        gradient_accumulation_fusion=False,  # TE's fused wgrad into DDP's main_grad: not measured here yet
     )
+    fields.update(config_overrides or {})
+    config = TransformerConfig(**fields)
 
     if use_te_spec:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -351,20 +368,39 @@ def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_li
         transformer_layer_spec=spec,
         vocab_size=vocab,
         max_sequence_length=int(cfg["seq_length"]),
-        pre_process=True,
-        post_process=True,
+        pre_process=pre_process,
+        post_process=post_process,
+        vp_stage=vp_stage,
         parallel_output=True,  # the loss is computed on vocab shards (vocab_parallel_cross_entropy)
         share_embeddings_and_output_weights=bool(cfg.get("share_embeddings_and_output_weights", False)),
         position_embedding_type=cfg.get("position_embedding_type", "learned_absolute"),
         rotary_base=int(cfg.get("rotary_base", 10000)),
     )
     output_linear = output_linear or column_linear
-    if output_linear is not None:
+    if output_linear is not None and post_process:
         replace_output_layer_class(model, output_linear)
     model.to(device)
     if params_dtype == torch.bfloat16:
         model = Float16Module(config, model)
     return model
+
+
+def build_model_chunks(model_cfg: Any, **kwargs: Any) -> list[torch.nn.Module]:
+    """This rank's model chunks: one :func:`build_gpt_model` per virtual pipeline stage (one without interleaving),
+    each with Megatron-Core's ``pre_process`` (embedding: the first stage's first chunk) and ``post_process`` (LM
+    head and loss: the last stage's last chunk); GPTModel places each chunk's layers at Megatron's layer offset.
+    ``kwargs`` go to :func:`build_gpt_model`."""
+    from megatron.core import parallel_state as ps
+
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        chunks.append(build_gpt_model(model_cfg, pre_process=ps.is_pipeline_first_stage(ignore_virtual=False,
+                                                                                          vp_stage=stage),
+                                      post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                                      vp_stage=stage, **kwargs))
+    return chunks
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -401,15 +437,36 @@ def replace_output_layer_class(model: torch.nn.Module, cls: type) -> torch.nn.Mo
 _LINEAR_SUFFIXES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")
 
 
-def named_linear_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+def _global_names(gpt: torch.nn.Module) -> dict[str, str]:
+    """``decoder.layers.<local>.`` -> ``decoder.layers.<global>.`` for a (pipeline-stage) GPTModel: each
+    TransformerLayer's ``layer_number`` is Megatron-Core's global 1-based number (local index + layer offset)."""
+    decoder = getattr(gpt, "decoder", None)
+    return {f"decoder.layers.{j}.": f"decoder.layers.{layer.layer_number - 1}."
+            for j, layer in enumerate(getattr(decoder, "layers", []))}
+
+
+def _global_name(name: str, prefixes: dict[str, str]) -> str:
+    for local, global_ in prefixes.items():
+        if name.startswith(local):
+            return global_ + name[len(local):]
+    return name
+
+
+def named_linear_modules(model: torch.nn.Module | list[torch.nn.Module]) -> list[tuple[str, torch.nn.Module]]:
     """(name, module) for every GEMM-bearing linear (attention qkv/proj, MLP fc1/fc2, LM head), in execution order.
 
-    Names are relative to the GPTModel (any Float16Module ``module.`` prefix is dropped), e.g.
-    ``decoder.layers.0.self_attention.linear_qkv``, ``output_layer``. (``named_modules`` alone lists
-    ``linear_proj`` before ``linear_qkv``: the attention base class registers it first.)
+    ``model``: a GPTModel (any wrappers) or this rank's list of model chunks. Names are relative to the GPTModel
+    (any Float16Module / DDP ``module.`` prefix dropped) with **global** layer numbers, e.g.
+    ``decoder.layers.5.self_attention.linear_qkv`` on a pipeline stage whose first layer is 4, ``output_layer``.
+    (``named_modules`` alone lists ``linear_proj`` before ``linear_qkv``: the attention base class registers it
+    first.)
     """
+    if isinstance(model, (list, tuple)):
+        return [item for chunk in model for item in named_linear_modules(chunk)]
     gpt = unwrap_model(model)
-    found = [(name, mod) for name, mod in gpt.named_modules() if name.rsplit(".", 1)[-1] in _LINEAR_SUFFIXES]
+    prefixes = _global_names(gpt)
+    found = [(_global_name(name, prefixes), mod) for name, mod in gpt.named_modules()
+             if name.rsplit(".", 1)[-1] in _LINEAR_SUFFIXES]
     layer_order: dict[str, int] = {}
     for name, _ in found:
         layer_order.setdefault(name.split(".self_attention.")[0].split(".mlp.")[0], len(layer_order))
@@ -422,13 +479,22 @@ def named_linear_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Mod
     return sorted(found, key=key)
 
 
-def linear_module_names(model: torch.nn.Module) -> list[str]:
+def transformer_layers(model: torch.nn.Module | list[torch.nn.Module]) -> dict[int, torch.nn.Module]:
+    """This rank's TransformerLayers by global 0-based layer number (all chunks)."""
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    return {layer.layer_number - 1: layer for chunk in chunks for layer in unwrap_model(chunk).decoder.layers}
+
+
+def linear_module_names(model: torch.nn.Module | list[torch.nn.Module]) -> list[str]:
     """Names of the linear modules a precision plan decides on (see :func:`named_linear_modules`)."""
     return [name for name, _ in named_linear_modules(model)]
 
 
-def model_layout(model: torch.nn.Module):
-    """The plan's view of a built GPTModel (local or TE spec): its transformer layer count and linear names."""
+def model_layout(model: torch.nn.Module | list[torch.nn.Module]):
+    """The plan's view of a built GPTModel (local or TE spec): the whole model's transformer layer count and linear
+    names, whichever pipeline stage ``model`` is (the plan spans the stages: its names are global)."""
     from fp8_recipes.plan import ModelLayout
 
-    return ModelLayout(unwrap_model(model).config.num_layers, tuple(linear_module_names(model)))
+    first = model[0] if isinstance(model, (list, tuple)) else model
+    config = unwrap_model(first).config
+    return ModelLayout.gpt(config.num_layers)

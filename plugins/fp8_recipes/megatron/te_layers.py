@@ -16,22 +16,25 @@ import torch
 
 from fp8_recipes.backends.groups import amax_reduction_group
 from fp8_recipes.backends.te import TEPrecision
-from fp8_recipes.megatron.model import named_linear_modules, unwrap_model
+from fp8_recipes.megatron.model import named_linear_modules, transformer_layers, unwrap_model
 from fp8_recipes.plan import PrecisionPlan
 
 __all__ = ["attach_te_backend"]
 
 
-def attach_te_backend(model: torch.nn.Module, plan: PrecisionPlan, *, count: bool = True) -> TEPrecision:
-    """Wrap the layers and TE linears of `model` in plan-driven autocasts; return the controller."""
+def attach_te_backend(model: torch.nn.Module | list[torch.nn.Module], plan: PrecisionPlan, *,
+                      count: bool = True) -> TEPrecision:
+    """Wrap the layers and TE linears of `model` (a GPTModel or this rank's pipeline chunks) in plan-driven
+    autocasts; return the controller. The plan is the whole model's: each stage runs its own layers' part."""
     from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
 
-    gpt = unwrap_model(model)
-    if getattr(gpt.config, "fp8", None):
-        raise ValueError(f"te backend: the model was built with fp8={gpt.config.fp8!r} in its TransformerConfig; "
-                         "build it without (the backend chooses each layer's autocast)")
-    linears = dict(named_linear_modules(model))
-    if set(linears) != set(plan.layout.module_names):
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    gpts = [unwrap_model(c) for c in chunks]
+    if getattr(gpts[0].config, "fp8", None):
+        raise ValueError(f"te backend: the model was built with fp8={gpts[0].config.fp8!r} in its "
+                         "TransformerConfig; build it without (the backend chooses each layer's autocast)")
+    linears = dict(named_linear_modules(chunks))
+    if not set(linears) <= set(plan.layout.module_names):
         raise ValueError("te backend: the plan was made for another model layout; build the plan from "
                          "model_layout(model)")
     te_linears = {n: m for n, m in linears.items() if isinstance(m, TransformerEngineBaseModule)}
@@ -39,5 +42,6 @@ def attach_te_backend(model: torch.nn.Module, plan: PrecisionPlan, *, count: boo
     if missing:
         raise ValueError(f"te backend: {missing[0]} is a {type(linears[missing[0]]).__name__}, not a Transformer "
                          f"Engine module; build the model with build_gpt_model(..., use_te_spec=True)")
-    return TEPrecision(plan, layers=list(gpt.decoder.layers), linears=te_linears, decoder=gpt.decoder,
-                       amax_group=amax_reduction_group(plan.recipe.amax_reduction), count=count)
+    return TEPrecision(plan, layers=transformer_layers(chunks), linears=te_linears,
+                       decoders=[g.decoder for g in gpts], amax_group=amax_reduction_group(plan.recipe.amax_reduction),
+                       count=count)

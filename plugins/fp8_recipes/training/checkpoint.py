@@ -1,33 +1,39 @@
 """Checkpoints: ``run_dir/checkpoints/step_N/``, a torch.distributed.checkpoint (DCP) directory written atomically,
 plus a ``latest`` pointer file.
 
-Every rank takes part in the save (``dcp.save`` is collective). Each rank offers its tensor-parallel rank's payload
-under the key ``tpRR``: the data-parallel replicas of a TP rank offer the same keys and DCP's save planner keeps
-one copy of each, written by the lowest rank that holds it (data-parallel rank 0 of that TP rank, as before), so a
-checkpoint is as large at DP=8 as at DP=1. The step dir holds DCP's ``.metadata`` and ``__R_0.distcp`` files.
-A payload holds: model state (of the GPTModel, without the Float16Module wrapper, so it loads into either),
-optimizer, LR scheduler, fp32 master weights (when the model is bf16), the precision backend's state (e.g. amax
+Every rank takes part in the save (``dcp.save`` is collective). Each rank offers the payload of its model shard,
+its (pipeline, tensor)-parallel rank, under the key ``ppPPtpRR``: the data- (and context-) parallel replicas of a
+shard offer the same keys and DCP's save planner keeps one copy of each, written by the lowest rank that holds it
+(data-parallel rank 0 of that shard), so a checkpoint is as large at DP=8 as at DP=1. The step dir holds DCP's
+``.metadata`` and ``__R_0.distcp`` files. A payload holds: the model state of each of the rank's model chunks (the
+GPTModel, without the DDP and Float16Module wrappers), Megatron-Core's optimizer state (training/engine.py:
+``state_dict()`` and, with the distributed optimizer, the parameter state gathered onto data-parallel rank 0, which
+does not depend on the data-parallel size), the LR schedule's position, the precision backend's state (e.g. amax
 histories), the step and the RNG states (CPU, CUDA, Megatron's model-parallel tracker, Python's ``random``).
-Its tensors go through DCP one by one (``tpRR.tensors.<key path>``); the rest of it, the exact Python structure
-with a marker where each tensor was, is one pickled bytes entry (``tpRR.skeleton``): DCP's own flattening of
+Its tensors go through DCP one by one (``ppPPtpRR.tensors.<key path>``); the rest of it, the exact Python structure
+with a marker where each tensor was, is one pickled bytes entry (``ppPPtpRR.skeleton``): DCP's own flattening of
 nested dicts would turn the optimizer state's int keys into strings and drop empty dicts.
-:func:`read_checkpoint` gives one TP rank's payload back, in one process, without a process group.
+:func:`read_checkpoint` gives one shard's payload back, in one process, without a process group.
 
 Atomicity: every rank writes into ``checkpoints/.step_N.tmp``; after a barrier rank 0 renames it to
 ``step_N`` and then replaces ``latest``. A crash leaves either the old checkpoint or the new one, never half:
 a run dir is resumed from what ``latest`` names only, and a ``.tmp`` directory is never loaded.
 
 ``meta.json`` (rank 0, inside the step dir, so atomic with it) says how the checkpoint was made: step, samples
-consumed, global and micro batch size, data- and tensor-parallel size. It is read before any process group or
+consumed, global and micro batch size, the parallel layout (data, tensor, pipeline, virtual pipeline, context) and
+whether the optimizer was distributed. It is read before any process group or
 model exists (:func:`resume_skip`), so a resume that cannot work is refused in one line.
 
 Resuming (``trainer.resume``, see :func:`find_resume`): the data position is the samples consumed (step x global
 batch; training/run.py starts the global micro-batch stream there, megatron/data.py:data_parallel_batches), so a
-run resumes exactly at another data-parallel size with the same global batch size: every rank reads its TP rank's
-payload (the optimizer state is not sharded over DP). A different tensor-parallel size or global batch size is
-refused. The recipe's schedule stage follows from the step. A checkpoint of another recipe (its precision state's
+run resumes exactly at another data-parallel size with the same global batch size: every rank reads its shard's
+payload, and the distributed optimizer scatters the parameter state from data-parallel rank 0 to the new
+data-parallel ranks. Another tensor-parallel, pipeline or virtual-pipeline layout, another global batch size or a
+switch between the plain and the distributed optimizer is refused in one line. The recipe's schedule stage follows
+from the step. A checkpoint of another recipe (its precision state's
 ``recipe`` differs) restores model, optimizer, schedule and step but not the scaling state, and says so in one log
-line. A format-1 checkpoint (``step_N/tp_RR.pt`` torch.save files, before DCP) is refused in one line.
+line. Checkpoints of earlier formats (1: ``step_N/tp_RR.pt`` files; 2: the engine before Megatron-Core's, with a
+torch AdamW state) are refused in one line.
 """
 
 from __future__ import annotations
@@ -55,8 +61,10 @@ __all__ = ["barrier", "save_checkpoint", "load_checkpoint", "read_checkpoint", "
 
 logger = logging.getLogger("fp8_recipes")
 
-FORMAT_VERSION = 2
-"""1: ``step_N/tp_RR.pt``, one torch.save file per TP rank (refused now); 2: a torch.distributed.checkpoint dir."""
+FORMAT_VERSION = 3
+"""1: ``step_N/tp_RR.pt``, one torch.save file per TP rank; 2: a torch.distributed.checkpoint dir of the engine
+before Megatron-Core's (torch AdamW, ``tpRR`` keys); 3: that dir with Megatron-Core's optimizer state, one payload per
+(pipeline, tensor) rank. Only 3 is read."""
 _METADATA = ".metadata"  # DCP's index of a checkpoint dir (FileSystemWriter writes it last, via a rename)
 _TENSOR = "__fp8_recipes_tensor__"  # in a payload's skeleton: (_TENSOR, name) stands where tensor ``name`` was
 
@@ -73,31 +81,40 @@ def barrier() -> None:
 
 
 def _ranks() -> tuple[int, int, int]:
-    """(global rank, tensor-parallel rank, data-parallel rank), all 0 without Megatron's groups."""
+    """(global rank, tensor-parallel rank, pipeline rank), all 0 without Megatron's groups."""
     dist = _dist()
     rank = dist.get_rank() if dist else 0
     try:
         from megatron.core import parallel_state
         if parallel_state.model_parallel_is_initialized():
             return (rank, parallel_state.get_tensor_model_parallel_rank(),
-                    parallel_state.get_data_parallel_rank())
+                    parallel_state.get_pipeline_model_parallel_rank())
     except ImportError:
         pass
-    return rank, 0, rank
+    return rank, 0, 0
 
 
-def _parallel_sizes() -> dict[str, int]:
-    """This run's data- and tensor-parallel sizes (1 and 1 without Megatron's groups)."""
+LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+               "context_parallel_size")
+"""The layout keys a checkpoint records (with ``data_parallel_size``); the first three must match on resume."""
+
+
+def _parallel_sizes() -> dict[str, Any]:
+    """This run's parallel layout (data parallel = world, the rest 1, without Megatron's groups)."""
     dist = _dist()
     world = dist.get_world_size() if dist else 1
     try:
-        from megatron.core import parallel_state
-        if parallel_state.model_parallel_is_initialized():
-            return {"data_parallel_size": parallel_state.get_data_parallel_world_size(),
-                    "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size()}
+        from megatron.core import parallel_state as ps
+        if ps.model_parallel_is_initialized():
+            return {"data_parallel_size": ps.get_data_parallel_world_size(),
+                    "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+                    "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+                    "virtual_pipeline_model_parallel_size": ps.get_virtual_pipeline_model_parallel_world_size(),
+                    "context_parallel_size": ps.get_context_parallel_world_size()}
     except ImportError:
         pass
-    return {"data_parallel_size": world, "tensor_model_parallel_size": 1}
+    return {"data_parallel_size": world, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+            "virtual_pipeline_model_parallel_size": None, "context_parallel_size": 1}
 
 
 def _rng_state() -> dict[str, Any]:
@@ -122,9 +139,9 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _tp_key(tp_rank: int) -> str:
-    """The top-level DCP key of one tensor-parallel rank's payload."""
-    return f"tp{tp_rank:02d}"
+def _shard_key(tp_rank: int, pp_rank: int = 0) -> str:
+    """The top-level DCP key of one model shard's payload: its pipeline and tensor-parallel rank."""
+    return f"pp{pp_rank:02d}tp{tp_rank:02d}"
 
 
 def _split_tensors(obj: Any, path: tuple[str, ...], tensors: dict[str, torch.Tensor]) -> Any:
@@ -170,8 +187,8 @@ def _single_process_quiet() -> Iterator[None]:
         yield
 
 
-def _write_payload(step_dir: Path, tp_rank: int, payload: dict[str, Any]) -> None:
-    """Save ``payload`` as ``tpRR`` into the DCP dir ``step_dir``. Collective over all ranks (when a group exists):
+def _write_payload(step_dir: Path, key: str, payload: dict[str, Any]) -> None:
+    """Save ``payload`` as ``key`` (:func:`_shard_key`) into the DCP dir ``step_dir``. Collective over all ranks (when a group exists):
     replicas of the same key (data-parallel ranks) are written once, by the lowest rank holding it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -179,14 +196,14 @@ def _write_payload(step_dir: Path, tp_rank: int, payload: dict[str, Any]) -> Non
     tensors: dict[str, torch.Tensor] = {}
     skeleton = io.BytesIO()
     torch.save(_split_tensors(payload, (), tensors), skeleton)
-    state = {_tp_key(tp_rank): {"skeleton": skeleton.getvalue(), "tensors": tensors}}
+    state = {key: {"skeleton": skeleton.getvalue(), "tensors": tensors}}
     with _single_process_quiet():
         dcp.save(state, storage_writer=dcp.FileSystemWriter(step_dir),
                  planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True), no_dist=_dist() is None)
 
 
 def _saved_payloads(step_dir: Path) -> dict[str, list[tuple[tuple, Any]]]:
-    """Per ``tpRR`` key in the DCP dir ``step_dir``, its entries as (key path below ``tpRR``, storage metadata),
+    """Per shard key in the DCP dir ``step_dir``, its entries as (key path below the key, storage metadata),
     read from ``.metadata`` only (``planner_data`` maps each flattened key to its path)."""
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -200,11 +217,12 @@ def _saved_payloads(step_dir: Path) -> dict[str, list[tuple[tuple, Any]]]:
 
 
 def read_checkpoint(step_dir: str | os.PathLike, tp_rank: int = 0,
-                    map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """The payload :func:`save_checkpoint` wrote for ``tp_rank`` in ``step_dir`` (a finished ``step_N`` dir):
-    ``{"format_version", "step", "model", "optimizer", "scheduler", "master_params", "precision", "rng", "extra"}``.
+                    map_location: str | torch.device = "cpu", pp_rank: int = 0) -> dict[str, Any]:
+    """The payload :func:`save_checkpoint` wrote for the shard (``tp_rank``, ``pp_rank``) in ``step_dir`` (a
+    finished ``step_N`` dir): ``{"format_version", "step", "model" (a state dict per model chunk), "optimizer",
+    "scheduler", "precision", "rng", "extra"}``.
 
-    Reads in this process only (no process group needed, none used: each rank reads its own TP rank's payload).
+    Reads in this process only (no process group needed, none used: each rank reads its own shard's payload).
     The template DCP loads into is built from the checkpoint's own metadata, since a fresh optimizer has no state.
     """
     import torch.distributed.checkpoint as dcp
@@ -212,11 +230,15 @@ def read_checkpoint(step_dir: str | os.PathLike, tp_rank: int = 0,
 
     step_dir = Path(step_dir)
     per_tp = _saved_payloads(step_dir)
-    key = _tp_key(tp_rank)
+    key = _shard_key(tp_rank, pp_rank)
     if key not in per_tp:
-        raise FileNotFoundError(f"{step_dir} holds no state of tensor-parallel rank {tp_rank} (it holds "
-                                f"{', '.join(sorted(per_tp)) or 'none'}): was it written at another "
-                                "tensor-parallel size?")
+        if any(k.startswith("tp") for k in per_tp):
+            raise ValueError(f"{step_dir} is a format-2 checkpoint (the engine before Megatron-Core's), which this "
+                             f"version cannot read; continue it with the fp8-recipes version that wrote it, or start "
+                             f"a fresh run")
+        raise FileNotFoundError(f"{step_dir} holds no state of pipeline rank {pp_rank}, tensor-parallel rank "
+                                f"{tp_rank} (it holds {', '.join(sorted(per_tp)) or 'none'}): was it written at "
+                                "another layout?")
     template: dict[str, Any] = {"skeleton": None, "tensors": {}}  # None: replaced by the loaded bytes
     for path, storage in per_tp[key]:
         if path[0] == "tensors" and isinstance(storage, TensorStorageMetadata):
@@ -228,16 +250,16 @@ def read_checkpoint(step_dir: str | os.PathLike, tp_rank: int = 0,
     return _join_tensors(skeleton, template["tensors"])
 
 
-def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Module, optimizer=None,
-                    scheduler=None, precision=None, master_params=None, extra: dict | None = None,
-                    meta: dict | None = None) -> Path:
+def save_checkpoint(run_dir: str | os.PathLike, step: int, *, engine=None, models=None, precision=None,
+                    scheduler=None, extra: dict | None = None, meta: dict | None = None) -> Path:
     """Save everything needed to continue from ``step`` (optimizer steps completed). Collective: call on all ranks.
 
-    ``precision`` and ``master_params`` are anything with ``state_dict()``; ``extra`` is a small plain dict
-    (e.g. the trainer config); ``meta`` (JSON-able: the data position, batch sizes) goes into ``meta.json`` with
-    the step and the parallel sizes. Returns the final ``step_N`` directory.
+    ``engine`` (training/engine.py): its model chunks and optimizer state; or ``models`` alone (a model or a list of
+    chunks: weights only). ``precision`` and ``scheduler`` are anything with ``state_dict()``; ``extra`` is a small
+    plain dict (e.g. the trainer config); ``meta`` (JSON-able: the data position, batch sizes) goes into
+    ``meta.json`` with the step and the parallel layout. Returns the final ``step_N`` directory.
     """
-    rank, tp_rank, _ = _ranks()
+    rank, tp_rank, pp_rank = _ranks()
     root = Path(run_dir) / "checkpoints"
     final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
     if rank == 0:
@@ -245,21 +267,23 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model: torch.nn.Mo
         shutil.rmtree(tmp, ignore_errors=True)  # left over by a crash during an earlier save
         tmp.mkdir()
     barrier()
+    chunks = engine.models if engine is not None else (models if isinstance(models, (list, tuple)) else [models])
     payload = {
         "format_version": FORMAT_VERSION,
         "step": step,
-        "model": _unwrap(model).state_dict(),
-        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "model": [_unwrap(c).state_dict() for c in chunks],
+        "optimizer": engine.optimizer_state_dict() if engine is not None else None,  # collective (DP)
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "master_params": master_params.state_dict() if master_params is not None else None,
         "precision": precision.state_dict() if precision is not None else None,
         "rng": _rng_state(),
         "extra": extra or {},
     }
-    _write_payload(tmp, tp_rank, payload)
+    _write_payload(tmp, _shard_key(tp_rank, pp_rank), payload)
     barrier()
     if rank == 0:
-        (tmp / "meta.json").write_text(json.dumps({"step": step, **_parallel_sizes(), **(meta or {})}, indent=1))
+        distributed = {"use_distributed_optimizer": engine.cfg.use_distributed_optimizer} if engine else {}
+        (tmp / "meta.json").write_text(json.dumps({"step": step, **_parallel_sizes(), **distributed, **(meta or {})},
+                                                  indent=1))
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
@@ -286,13 +310,18 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 
 
 def _current_format(step_dir: Path) -> Path:
-    """``step_dir``, unless it is a format-1 checkpoint (``tp_RR.pt`` files, no DCP metadata): a one-line
-    ValueError then, before any process group or model is built."""
+    """``step_dir``, unless it is a checkpoint of an earlier format (1: ``tp_RR.pt`` files, no DCP metadata; 2: DCP
+    payloads under ``tpRR`` keys, the engine before Megatron-Core's): a one-line ValueError then, before any process
+    group or model is built."""
     if not (step_dir / _METADATA).is_file() and any(step_dir.glob("tp_*.pt")):
-        raise ValueError(f"{step_dir} is a format-1 checkpoint (tp_RR.pt files), which this version cannot read "
-                         f"(format {FORMAT_VERSION}: a torch.distributed.checkpoint dir); continue it with the "
-                         "fp8-recipes version that wrote it, or start a fresh run")
-    return step_dir
+        version = 1
+    elif (step_dir / _METADATA).is_file() and any(k.startswith("tp") for k in _saved_payloads(step_dir)):
+        version = 2
+    else:
+        return step_dir
+    raise ValueError(f"{step_dir} is a format-{version} checkpoint, which this version cannot read (format "
+                     f"{FORMAT_VERSION}: Megatron-Core's optimizer state in a torch.distributed.checkpoint dir); "
+                     "continue it with the fp8-recipes version that wrote it, or start a fresh run")
 
 
 def find_resume(resume: str | None, run_dir: str | os.PathLike) -> Path | None:
@@ -322,21 +351,38 @@ def checkpoint_meta(step_dir: str | os.PathLike) -> dict[str, Any]:
     step_dir = Path(step_dir)
     if (step_dir / "meta.json").is_file():
         return json.loads((step_dir / "meta.json").read_text(encoding="utf-8"))
-    return {"step": checkpoint_step(step_dir), "tensor_model_parallel_size": len(_saved_payloads(step_dir))}
+    shards = _saved_payloads(step_dir)
+    return {"step": checkpoint_step(step_dir),
+            "tensor_model_parallel_size": len([k for k in shards if k.startswith("pp00")]) or len(shards)}
 
 
 def resume_skip(step_dir: str | os.PathLike, *, global_batch_size: int, micro_batch_size: int,
-                tensor_model_parallel_size: int) -> int:
+                tensor_model_parallel_size: int, pipeline_model_parallel_size: int = 1,
+                virtual_pipeline_model_parallel_size: int | None = None,
+                use_distributed_optimizer: bool | None = None) -> int:
     """The global micro-batches a run resumed from ``step_dir`` skips (samples consumed / micro_batch_size), after
-    refusing, as a one-line ValueError naming the key, what cannot continue that run: another tensor-parallel size
-    (a payload per TP rank, each holding its shards) or another global batch size (a different sample count per step
-    breaks the data position and the LR schedule's meaning). The data-parallel size may change."""
+    refusing, as a one-line ValueError naming the key, what cannot continue that run: another tensor-parallel,
+    pipeline or virtual-pipeline size (a payload per model shard, each holding its layers' weights and optimizer
+    state), another global batch size (a different sample count per step breaks the data position and the LR
+    schedule's meaning), or a switch between the plain and the distributed optimizer (their states differ). The
+    data-parallel and context-parallel sizes may change."""
     meta = checkpoint_meta(step_dir)
-    tp = meta.get("tensor_model_parallel_size")
-    if tp != tensor_model_parallel_size:
-        raise ValueError(f"trainer.tensor_model_parallel_size: {tensor_model_parallel_size} differs from the "
-                         f"checkpoint's {tp} ({step_dir} holds the shards of {tp} tensor-parallel ranks; resume with "
-                         f"trainer.tensor_model_parallel_size={tp})")
+    wanted = {"tensor_model_parallel_size": tensor_model_parallel_size,
+              "pipeline_model_parallel_size": pipeline_model_parallel_size,
+              "virtual_pipeline_model_parallel_size": virtual_pipeline_model_parallel_size}
+    defaults = {"pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": None}
+    for key, value in wanted.items():
+        saved = meta.get(key, defaults.get(key))
+        if saved != value:
+            shown = "null" if saved is None else saved
+            raise ValueError(f"trainer.{key}: {'null' if value is None else value} differs from the checkpoint's "
+                             f"{shown} ({step_dir} holds the model shards of that layout; resume with "
+                             f"trainer.{key}={shown})")
+    saved_dist = meta.get("use_distributed_optimizer")
+    if use_distributed_optimizer is not None and saved_dist is not None and saved_dist != use_distributed_optimizer:
+        raise ValueError(f"trainer.use_distributed_optimizer: {str(use_distributed_optimizer).lower()} differs from "
+                         f"the checkpoint's {str(saved_dist).lower()} ({step_dir}; resume with "
+                         f"trainer.use_distributed_optimizer={str(saved_dist).lower()})")
     gbs = meta.get("global_batch_size", global_batch_size)
     if gbs != global_batch_size:
         raise ValueError(f"trainer.global_batch_size: {global_batch_size} differs from the checkpoint's {gbs} "
@@ -350,20 +396,25 @@ def resume_skip(step_dir: str | os.PathLike, *, global_batch_size: int, micro_ba
     return consumed // micro_batch_size
 
 
-def load_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module, optimizer=None, scheduler=None,
-                    precision=None, master_params=None, restore_rng: bool = True,
-                    map_location: str | torch.device = "cpu") -> int:
+def load_checkpoint(path: str | os.PathLike, *, engine=None, models=None, precision=None, scheduler=None,
+                    restore_rng: bool = True, map_location: str | torch.device = "cpu") -> int:
     """Restore what :func:`save_checkpoint` wrote into the given objects; returns the step saved.
 
-    Every rank reads its tensor-parallel rank's payload (:func:`read_checkpoint`, no collective: ranks may load
-    at different times). Objects passed as None are skipped.
+    Every rank reads its shard's payload (:func:`read_checkpoint`); with the distributed optimizer the optimizer's
+    load is collective over the data-parallel group (rank 0 of it scatters the parameter state). Objects passed as
+    None are skipped; ``models`` (a model or a list of chunks) when there is no ``engine``.
     """
-    rank, tp_rank, _ = _ranks()
+    rank, tp_rank, pp_rank = _ranks()
     step_dir = resolve_checkpoint(path)
-    payload = read_checkpoint(step_dir, tp_rank, map_location)
+    payload = read_checkpoint(step_dir, tp_rank, map_location, pp_rank=pp_rank)
     if payload.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{step_dir}: format_version {payload.get('format_version')}, expected {FORMAT_VERSION}")
-    _unwrap(model).load_state_dict(payload["model"])
+    chunks = engine.models if engine is not None else (models if isinstance(models, (list, tuple)) else [models])
+    if len(chunks) != len(payload["model"]):
+        raise ValueError(f"{step_dir} holds {len(payload['model'])} model chunks per rank, this run builds "
+                         f"{len(chunks)}; resume with the checkpoint's trainer.virtual_pipeline_model_parallel_size")
+    for chunk, state in zip(chunks, payload["model"]):
+        _unwrap(chunk).load_state_dict(state)
     if precision is not None:  # another recipe's scaling state means nothing here: start it afresh
         saved, current = (payload["precision"] or {}).get("recipe"), precision.state_dict().get("recipe")
         if saved != current:
@@ -371,12 +422,15 @@ def load_checkpoint(path: str | os.PathLike, *, model: torch.nn.Module, optimize
             if rank == 0:
                 logger.warning("resume: %s was written by recipe %r, this run uses %r: scaling state reset "
                                "(model, optimizer, LR schedule, step and RNG restored)", step_dir, saved, current)
-    for name, obj in (("optimizer", optimizer), ("scheduler", scheduler), ("master_params", master_params),
-                      ("precision", precision)):
+    for name, obj in (("scheduler", scheduler), ("precision", precision)):
         if obj is not None:
             if payload[name] is None:
                 raise ValueError(f"{step_dir} has no {name} state to restore")
             obj.load_state_dict(payload[name])
+    if engine is not None:
+        if payload["optimizer"] is None:
+            raise ValueError(f"{step_dir} has no optimizer state to restore")
+        engine.load_optimizer_state_dict(payload["optimizer"])
     if restore_rng:
         _set_rng_state(payload["rng"])
     return int(payload["step"])

@@ -98,9 +98,29 @@ class TrainerConfig:
     params_dtype: str = "bf16"
     """Model parameter dtype, bf16 | fp32 (aliases bfloat16 | float32); read by training/run.py for build_gpt_model."""
     tensor_model_parallel_size: int = 1
-    """Tensor-parallel size; read by training/run.py for init_distributed (data parallel = world / this)."""
-    fp32_master_weights: bool = True
-    """Keep fp32 copies of bf16 params for accumulation and AdamW (Megatron's mixed precision)."""
+    """Tensor-parallel size (data parallel = world / (tensor x pipeline x context parallel))."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline stages: the layers split evenly over them, run by Megatron-Core's 1F1B schedule."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Model chunks per pipeline stage (interleaved 1F1B); null = one. Needs pipeline_model_parallel_size >= 2."""
+    context_parallel_size: int = 1
+    """Context parallel: each rank holds 1/CP of every sequence (Transformer Engine's attention; GPUs only)."""
+    sequence_parallel: bool = False
+    """With TP > 1: norms, dropout and residuals on 1/TP of the sequence (Megatron's --sequence-parallel)."""
+    use_distributed_optimizer: bool = False
+    """Shard fp32 main params and Adam moments over the data-parallel ranks (Megatron's distributed optimizer)."""
+    overlap_grad_reduce: bool = False
+    """Reduce gradient buckets during the backward pass (Megatron-Core's DistributedDataParallel)."""
+    overlap_param_gather: bool = False
+    """All-gather updated params during the next forward (needs use_distributed_optimizer, overlap_grad_reduce)."""
+    grad_reduce_in_fp32: bool = True
+    """Accumulate and reduce gradients in fp32 buffers (Megatron-LM's --accumulate-allreduce-grads-in-fp32)."""
+    recompute_granularity: str | None = None
+    """Activation recompute: null = off | selective (attention core) | full (whole layers; set recompute_method)."""
+    recompute_method: str | None = None
+    """With full recompute: uniform (every recompute_num_layers layers) | block (the first N layers per stage)."""
+    recompute_num_layers: int | None = None
+    """With full recompute: layers per recompute unit (uniform) or recomputed layers per stage (block)."""
     on_nonfinite: str = "skip_then_bf16"
     """A step with a non-finite loss or gradient is always skipped; after max_consecutive_skips in a row:
     skip_then_bf16 = run fallback_bf16_steps steps in BF16, then the plan again | stop = end the run (exit 3)."""
@@ -140,7 +160,8 @@ class TrainerConfig:
 
     def validate(self) -> None:
         for key in ("max_steps", "micro_batch_size", "global_batch_size", "log_interval", "tensor_model_parallel_size",
-                    "max_consecutive_skips", "fallback_bf16_steps"):
+                    "pipeline_model_parallel_size", "context_parallel_size", "max_consecutive_skips",
+                    "fallback_bf16_steps"):
             if not _is_int(getattr(self, key)) or getattr(self, key) < 1:
                 raise ValueError(f"trainer.{key}={getattr(self, key)!r}: must be an integer >= 1")
         for key in ("warmup_steps", "eval_interval", "eval_iters", "save_interval", "seed"):
@@ -170,8 +191,68 @@ class TrainerConfig:
         if self.resume is not None and self.resume != "auto" and not Path(self.resume).is_dir():
             raise ValueError(f"trainer.resume={self.resume!r}: no such directory; give auto, a run dir, its "
                              f"checkpoints dir or a step_N dir (null = start fresh)")
+        self._validate_engine()
         if self.lr_scaling.enabled and not (self.lr_scaling.base_global_batch_size or 0) >= 1:
             raise ValueError("trainer.lr_scaling.base_global_batch_size must be set (>= 1) when lr_scaling.enabled")
+
+    def _validate_engine(self) -> None:
+        """The parallel layout and Megatron-Core engine keys: the combinations Megatron-Core asserts on."""
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp is not None and (vpp < 2 or self.pipeline_model_parallel_size < 2):
+            raise ValueError(f"trainer.virtual_pipeline_model_parallel_size={vpp}: needs an integer >= 2 and "
+                             f"trainer.pipeline_model_parallel_size >= 2 (null = no interleaving)")
+        if self.sequence_parallel and self.tensor_model_parallel_size < 2:
+            raise ValueError("trainer.sequence_parallel=true needs trainer.tensor_model_parallel_size >= 2 (it splits "
+                             "the sequence over the tensor-parallel ranks); set it to false")
+        if self.overlap_param_gather and not (self.use_distributed_optimizer and self.overlap_grad_reduce):
+            raise ValueError("trainer.overlap_param_gather=true needs trainer.use_distributed_optimizer=true and "
+                             "trainer.overlap_grad_reduce=true")
+        choices = (None, "selective", "full")
+        if self.recompute_granularity not in choices:
+            raise ValueError(f"trainer.recompute_granularity={self.recompute_granularity!r}: choose null | selective "
+                             f"| full{did_you_mean(str(self.recompute_granularity), ('selective', 'full'))}")
+        if self.recompute_granularity == "full":
+            if self.recompute_method not in ("uniform", "block"):
+                raise ValueError(f"trainer.recompute_method={self.recompute_method!r}: full recompute needs uniform "
+                                 f"| block")
+            if not (_is_int(self.recompute_num_layers) and self.recompute_num_layers >= 1):
+                raise ValueError(f"trainer.recompute_num_layers={self.recompute_num_layers!r}: full recompute needs "
+                                 f"an integer >= 1")
+        elif self.recompute_method is not None or self.recompute_num_layers is not None:
+            raise ValueError("trainer.recompute_method / recompute_num_layers apply to "
+                             "trainer.recompute_granularity=full only; set them to null")
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks per model replica: tensor x pipeline x context parallel."""
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+
+    def check_layout(self, world_size: int, num_layers: int) -> int:
+        """The data-parallel size at ``world_size`` ranks, after refusing in one line a layout Megatron-Core cannot
+        build or schedule: ranks, layers per (virtual) stage, micro-batches per interleaved step."""
+        mp = self.model_parallel_size
+        if world_size % mp:
+            raise ValueError(f"trainer: tensor x pipeline x context parallel = {self.tensor_model_parallel_size} x "
+                             f"{self.pipeline_model_parallel_size} x {self.context_parallel_size} = {mp} does not "
+                             f"divide the {world_size} launched processes; launch a multiple of {mp} or change them")
+        chunks = self.pipeline_model_parallel_size * (self.virtual_pipeline_model_parallel_size or 1)
+        if num_layers % chunks:
+            raise ValueError(f"model.num_layers={num_layers} is not divisible by pipeline x virtual pipeline = "
+                             f"{chunks}; pick trainer.pipeline_model_parallel_size / "
+                             f"virtual_pipeline_model_parallel_size that divide it")
+        dp = world_size // mp
+        accumulation = self.gradient_accumulation_steps(dp)
+        pp = self.pipeline_model_parallel_size
+        if self.virtual_pipeline_model_parallel_size:
+            for key, n in (("global_batch_size", accumulation), ("eval_iters", self.eval_iters)):
+                if key == "eval_iters" and n == 0:
+                    continue
+                if n < pp or n % pp:
+                    what = (f"{accumulation} micro-batches per step (global / (micro x data parallel))"
+                            if key == "global_batch_size" else f"trainer.eval_iters={n}")
+                    raise ValueError(f"trainer.{key}: the interleaved schedule needs a multiple of "
+                                     f"pipeline_model_parallel_size={pp} micro-batches; {what} is not")
+        return dp
 
     def gradient_accumulation_steps(self, data_parallel_size: int) -> int:
         per_step = self.micro_batch_size * data_parallel_size
@@ -354,13 +435,9 @@ def check_run_config(cfg: Any) -> TrainerConfig:
         if not isinstance(container.get(group), Mapping):
             raise ValueError(f"{group}: {container.get(group)!r} is not a config group; pick one with {group}=NAME")
     trainer = TrainerConfig.from_cfg(container["trainer"])
-    world = launch_world_size()
-    tp = trainer.tensor_model_parallel_size
-    if world % tp:
-        raise ValueError(f"trainer.tensor_model_parallel_size={tp} does not divide the {world} launched processes")
-    trainer.gradient_accumulation_steps(world // tp)
     model, data = container["model"], container["data"]
-    check_model_cfg(model, vocab_may_be_unset=True, tensor_parallel=tp)
+    check_model_cfg(model, vocab_may_be_unset=True, tensor_parallel=trainer.tensor_model_parallel_size)
+    trainer.check_layout(launch_world_size(), int(model["num_layers"]))
     check_data_cfg(data)
     tokenizer_vocab = 257 if data.get("tokenizer") == "bytes" else data.get("vocab_size")
     if model.get("vocab_size") is not None and model["vocab_size"] < tokenizer_vocab:

@@ -1,7 +1,9 @@
-"""The training loop: gradient accumulation, fp32 master weights, DP all-reduce, AdamW, warmup + cosine LR,
-evaluation (in the training precision and in full precision), metrics, checkpoints, a summary.
+"""The training loop on Megatron-Core's engine (training/engine.py: its DDP, optimizer and pipeline schedules): the
+warmup + cosine LR schedule, evaluation (in the training precision and in full precision), the non-finite policy,
+preemption, metrics, checkpoints, a summary.
 
-    summary = train(model, batches_train, batches_valid, cfg.trainer, precision, run_dir, rank=rank,
+    engine = build_engine(chunks, cfg.trainer, seq_length=..., lr=..., device=...)
+    summary = train(engine, batches_train, batches_valid, cfg.trainer, precision, run_dir, rank=rank,
                     world_size=world_size)
 
 Step convention: ``step`` is the 0-based index of the iteration in progress (= iterations completed before it,
@@ -9,7 +11,7 @@ skipped ones included, as Megatron counts them). ``precision.begin_step(step)`` 
 use it; metrics rows, evaluation and ``checkpoints/step_N`` use ``N = step + 1`` (Megatron's "iteration").
 
 Faults: a non-finite loss or gradient norm on any rank skips the optimizer step on every rank (one flag, summed
-over data- and tensor-parallel ranks): weights, optimizer state and the LR schedule stay as they were (Megatron
+over every rank): weights, optimizer state and the LR schedule stay as they were (Megatron
 also does not advance its scheduler on a skipped iteration), and the precision backend forgets what the step
 recorded (``skip_step``). After ``trainer.max_consecutive_skips`` in a row: ``on_nonfinite=skip_then_bf16`` runs
 the next ``fallback_bf16_steps`` steps under ``precision.high_precision()``; ``stop`` (or the limit reached again
@@ -20,7 +22,7 @@ run takes the configured LR, not the checkpoint's) or another recipe. The one-li
 
 Preemption: while :func:`train` runs (in the main thread) SIGTERM and SIGUSR1 only set a flag; the previous
 handlers come back when it returns. The flag rides in the per-step all-reduce that already carries the non-finite
-flag (summed over the data- and tensor-parallel groups, i.e. every rank), so all ranks agree on the step after
+flag (summed over every rank), so all ranks agree on the step after
 which to stop, even when only one rank got the signal: that step finishes (its metrics row says ``preempted``),
 the checkpoint ``checkpoints/step_N`` is written, and the summary's ``preempted`` names the signal and step
 (scripts/train.py then exits with ``PREEMPTED_EXIT``; ``trainer.resume=auto`` continues at step N + 1).
@@ -47,11 +49,12 @@ import torch
 
 from fp8_recipes.training.checkpoint import barrier, load_checkpoint, save_checkpoint
 from fp8_recipes.training.config import LRScaling, TrainerConfig  # noqa: F401  (re-exported: the loop's config)
+from fp8_recipes.training.engine import Engine
 from fp8_recipes.training.errors import NonFiniteStop
 from fp8_recipes.training.metrics import MetricsWriter, plot_loss, write_summary
 
 __all__ = ["Precision", "NoPrecision", "NonFiniteStop", "PreemptionSignals", "TrainerConfig", "lr_at", "scaled_lr",
-           "MasterParams", "train"]
+           "train"]
 
 logger = logging.getLogger(__name__)
 
@@ -128,160 +131,6 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: 
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Parameters, gradients, optimizer
-
-_TP_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel", "allreduce")
-
-
-class MasterParams:
-    """fp32 master copies of low-precision params: grads accumulate and AdamW steps in fp32 (as Megatron's
-    Float16OptimizerWithFloat16Params does); fp32 params are their own master (no copy)."""
-
-    def __init__(self, params: list[torch.nn.Parameter], enabled: bool = True):
-        self.pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
-        for p in params:
-            if enabled and p.dtype != torch.float32:
-                master = torch.nn.Parameter(p.detach().float().clone())
-                for attr in _TP_ATTRS:  # grad-norm needs to know which params are TP shards
-                    if hasattr(p, attr):
-                        setattr(master, attr, getattr(p, attr))
-            else:
-                master = p
-            self.pairs.append((p, master))
-
-    @property
-    def masters(self) -> list[torch.nn.Parameter]:
-        return [m for _, m in self.pairs]
-
-    def accumulate_grads(self) -> None:
-        """Move each low-precision grad into its fp32 master grad (call after every micro-batch backward)."""
-        for p, m in self.pairs:
-            if p is not m and p.grad is not None:
-                if m.grad is None:
-                    m.grad = p.grad.float()
-                else:
-                    m.grad.add_(p.grad)
-                p.grad = None
-
-    @torch.no_grad()
-    def copy_to_model(self) -> None:
-        for p, m in self.pairs:
-            if p is not m:
-                p.copy_(m)
-
-    def state_dict(self) -> dict:
-        return {"fp32": [m.detach() for p, m in self.pairs if p is not m]}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        copies = [m for p, m in self.pairs if p is not m]
-        if len(copies) != len(state_dict["fp32"]):
-            raise ValueError(f"checkpoint has {len(state_dict['fp32'])} master params, model {len(copies)}")
-        with torch.no_grad():
-            for m, saved in zip(copies, state_dict["fp32"]):
-                m.copy_(saved)
-        self.copy_to_model()
-
-
-def _parallel_state():
-    try:
-        from megatron.core import parallel_state
-        return parallel_state if parallel_state.model_parallel_is_initialized() else None
-    except ImportError:
-        return None
-
-
-def _allreduce_grads_data_parallel(masters: list[torch.nn.Parameter]) -> None:
-    """Average grads over Megatron's data-parallel group only (TP ranks hold different shards: never mixed)."""
-    ps = _parallel_state()
-    if ps is None or ps.get_data_parallel_world_size() == 1:
-        return
-    for m in masters:  # every rank must contribute the same list of tensors
-        if m.grad is None:
-            m.grad = torch.zeros_like(m)
-    grads = [m.grad for m in masters]
-    flat = torch._utils._flatten_dense_tensors(grads)
-    torch.distributed.all_reduce(flat, group=ps.get_data_parallel_group())
-    flat /= ps.get_data_parallel_world_size()
-    for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-        g.copy_(synced)
-
-
-def _clip_grad_norm(pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]], max_norm: float) -> float:
-    """Global grad norm over all TP shards (replicated params counted once), then clip in place."""
-    ps = _parallel_state()
-    tp_rank = ps.get_tensor_model_parallel_rank() if ps else 0
-    grads, counted = [], []
-    for p, m in pairs:
-        if m.grad is None:
-            continue
-        grads.append(m.grad)
-        if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
-            counted.append(m.grad)
-    sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
-    if counted:
-        sq = torch.stack([torch.linalg.vector_norm(g.float()) for g in counted]).square().sum()
-    if ps is not None and ps.get_tensor_model_parallel_world_size() > 1:
-        torch.distributed.all_reduce(sq, group=ps.get_tensor_model_parallel_group())
-    norm = sq.sqrt().item()  # a CPU-GPU sync point, once per step
-    if max_norm > 0 and norm > max_norm:
-        torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
-    return norm
-
-
-def build_optimizer(master: MasterParams, cfg: TrainerConfig, lr: float) -> torch.optim.AdamW:
-    """torch AdamW (Megatron's optimizer needs CUDA), fused on GPU; no weight decay on norms and biases."""
-    decay = [m for m in master.masters if m.requires_grad and m.ndim >= 2]
-    no_decay = [m for m in master.masters if m.requires_grad and m.ndim < 2]
-    fused = bool(master.masters) and master.masters[0].device.type == "cuda"
-    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, fused=fused)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Forward, evaluation, the loop
-
-
-def _to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
-    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
-
-
-def _loss_sums(model: torch.nn.Module, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Σ per-token loss × loss_mask, Σ loss_mask) for one micro-batch; GPTModel returns per-token losses [b, s]."""
-    losses = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
-    mask = batch["loss_mask"].float()
-    return (losses.float() * mask).sum(), mask.sum()
-
-
-def _dp_sum(t: torch.Tensor) -> torch.Tensor:
-    ps = _parallel_state()
-    if ps is not None and ps.get_data_parallel_world_size() > 1:
-        torch.distributed.all_reduce(t, group=ps.get_data_parallel_group())
-    return t
-
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: list[Mapping[str, Any]], device: torch.device) -> float:
-    """Token-weighted mean loss over ``batches`` and all data-parallel ranks."""
-    was_training = model.training
-    model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=device)
-    for batch in batches:
-        loss_sum, tokens = _loss_sums(model, _to_device(batch, device))
-        totals += torch.stack([loss_sum.double(), tokens.double()])
-    model.train(was_training)
-    totals = _dp_sum(totals)
-    return (totals[0] / totals[1].clamp(min=1)).item()
-
-
-def _any_tensor_parallel(flag: torch.Tensor) -> torch.Tensor:
-    ps = _parallel_state()
-    if ps is not None and ps.get_tensor_model_parallel_world_size() > 1:
-        torch.distributed.all_reduce(flag, group=ps.get_tensor_model_parallel_group())
-    return flag
-
-
 class PreemptionSignals:
     """SIGTERM / SIGUSR1 (Slurm's preemption and ``--signal``) set :attr:`received` instead of ending the process.
 
@@ -310,53 +159,6 @@ class PreemptionSignals:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
-
-
-def _train_step(model, batches, accumulation: int, dp_size: int, master: MasterParams, optimizer,
-                cfg: TrainerConfig, device: torch.device,
-                preemption: PreemptionSignals | None = None) -> tuple[float, int, float, bool, bool]:
-    """One optimizer step over ``accumulation`` micro-batches: (mean loss over DP ranks, global tokens, grad norm,
-    skipped, preempted). A non-finite loss or grad norm on any rank skips the update on every rank, leaving weights
-    and optimizer state untouched (the decision is one flag summed over the DP and TP groups: identical everywhere).
-    ``preempted``: some rank had received a preemption signal when this step's flags were reduced (the same
-    all-reduce, one more element: no extra collective)."""
-    loss_total = torch.zeros((), dtype=torch.float64, device=device)
-    tokens = 0
-    for _ in range(accumulation):
-        batch = _to_device(next(batches), device)
-        loss_sum, n_mask = _loss_sums(model, batch)
-        loss = loss_sum / n_mask.clamp(min=1)  # masked mean of this micro-batch
-        (loss / accumulation).backward()
-        master.accumulate_grads()
-        loss_total += loss.detach().double()
-        tokens += batch["tokens"].numel()
-    _allreduce_grads_data_parallel(master.masters)
-    grad_norm = _clip_grad_norm(master.pairs, cfg.clip_grad)  # NaN/inf when any grad on any rank is (TP-reduced)
-    bad = (~torch.isfinite(loss_total)).double() + (0.0 if math.isfinite(grad_norm) else 1.0)
-    signalled = torch.tensor(float(preemption is not None and preemption.received is not None),
-                             dtype=torch.float64, device=device)
-    synced = _dp_sum(torch.stack([loss_total, torch.tensor(float(tokens), dtype=torch.float64, device=device), bad,
-                                  signalled]))
-    flags = _any_tensor_parallel(synced[2:].clone()).tolist()  # a sync point, once per step
-    skipped, preempted = flags[0] > 0, flags[1] > 0
-    if not skipped:
-        optimizer.step()
-        master.copy_to_model()
-    optimizer.zero_grad(set_to_none=True)  # a skipped step's grads go too (the model's own were moved to masters)
-    return synced[0].item() / (accumulation * dp_size), int(synced[1].item()), grad_norm, skipped, preempted
-
-
-def _use_configured_lr(optimizer: torch.optim.Optimizer, scheduler: Any, lr: float, factor: float) -> float | None:
-    """Make a resumed run train on the configured schedule: a checkpoint restores the peak LR it was made with (the
-    scheduler's ``base_lrs``, the groups' ``initial_lr``) and the next step's LR as its own schedule had it.
-    ``factor``: the configured schedule's factor for the next step; ``lr * factor`` is LambdaLR's own expression,
-    so an unchanged schedule resumes bit for bit. Returns the checkpoint's peak LR when it differed."""
-    saved = scheduler.base_lrs[0]
-    scheduler.base_lrs = [lr] * len(optimizer.param_groups)
-    for group in optimizer.param_groups:
-        group["initial_lr"], group["lr"] = lr, lr * factor
-    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
-    return saved if saved != lr else None
 
 
 def _stop_message(reason: str, first_bad: int, saved: Path | None) -> str:
@@ -402,11 +204,22 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
-def _optimizer_state(model: torch.nn.Module, cfg: TrainerConfig, precision: Precision,
-                     resume_from: str | os.PathLike | None, rank: int):
-    """fp32 masters, AdamW and the warmup + cosine LR schedule (lr scaled by the global batch when asked), restored
-    from `resume_from` when given: (master, optimizer, scheduler, first step). A resumed run keeps the configured
-    peak LR (a stop checkpoint may be resumed with a lower one)."""
+class LRScheduleState:
+    """Where the LR schedule stands: the optimizer steps taken (skipped steps do not advance it, as in Megatron).
+    The schedule itself is the configured one (``lr_at``), so a resumed run follows the configured LR."""
+
+    def __init__(self) -> None:
+        self.last_epoch = 0
+
+    def state_dict(self) -> dict:
+        return {"last_epoch": self.last_epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.last_epoch = int(state["last_epoch"])
+
+
+def _peak_lr(cfg: TrainerConfig, rank: int) -> tuple[float, float]:
+    """(lr, min_lr) of the run: as configured, or scaled by the global batch when trainer.lr_scaling asks."""
     lr, min_lr = cfg.lr, cfg.min_lr
     if cfg.lr_scaling.enabled:
         base = cfg.lr_scaling.base_global_batch_size
@@ -414,37 +227,23 @@ def _optimizer_state(model: torch.nn.Module, cfg: TrainerConfig, precision: Prec
         if rank == 0:
             logger.info("lr scaling: global batch %d / base %d: lr %.3g -> %.3g, min_lr %.3g -> %.3g",
                         cfg.global_batch_size, base, cfg.lr, lr, cfg.min_lr, min_lr)
-    master = MasterParams([p for p in model.parameters() if p.requires_grad], enabled=cfg.fp32_master_weights)
-    optimizer = build_optimizer(master, cfg, lr)
-
-    def lr_factor(step: int) -> float:  # LambdaLR multiplies the optimizer's initial lr by this
-        return lr_at(step, lr=lr, min_lr=min_lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps) / lr
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-    start = 0
-    if resume_from is not None:
-        start = load_checkpoint(resume_from, model=model, optimizer=optimizer, scheduler=scheduler,
-                                precision=precision, master_params=master)
-        saved_lr = _use_configured_lr(optimizer, scheduler, lr, lr_factor(scheduler.last_epoch))
-        if saved_lr is not None and rank == 0:
-            logger.info("resume: peak lr %.3g -> %.3g (the configured trainer.lr; the schedule continues)",
-                        saved_lr, lr)
-    return master, optimizer, scheduler, start
+    return lr, min_lr
 
 
-def train(model: torch.nn.Module, batches_train: Iterator[Mapping[str, Any]],
+def train(engine: Engine, batches_train: Iterator[Mapping[str, Any]] | list[Iterator[Mapping[str, Any]]],
           batches_valid: Iterator[Mapping[str, Any]] | None, trainer_cfg: Any, precision: Precision,
           run_dir: str | os.PathLike, *, rank: int = 0, world_size: int = 1,
           resume_from: str | os.PathLike | None = None,
           summary_extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Train ``model`` for ``trainer_cfg.max_steps`` optimizer steps; return the summary (also in summary.json,
-    with ``summary_extra``'s keys, e.g. the recipe's name and the backend).
+    """Train ``engine``'s model for ``trainer_cfg.max_steps`` optimizer steps; return the summary (also in
+    summary.json, with ``summary_extra``'s keys, e.g. the recipe's name and the backend).
 
     ``batches_*`` yield dicts of ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` ([b, s] tensors) for
-    this data-parallel rank. ``resume_from`` (a run dir or step dir) restores model, optimizer, schedule,
-    precision state and RNG (the LR schedule is the configured one, from the checkpoint's step); the caller starts
-    ``batches_train`` at the checkpoint's data position (the samples it consumed, in its meta.json; training/run.py
-    does, through checkpoint.resume_skip).
+    this data-parallel rank; ``batches_train`` may be a list, one iterator per model chunk (interleaved pipeline
+    stages each read the stream). ``resume_from`` (a run dir or step dir) restores model, optimizer, precision state
+    and RNG (the LR schedule is the configured one, from the checkpoint's step); the caller starts ``batches_train``
+    at the checkpoint's data position (the samples it consumed, in its meta.json; training/run.py does, through
+    checkpoint.resume_skip).
     """
     try:
         from tqdm.auto import tqdm
@@ -453,18 +252,25 @@ def train(model: torch.nn.Module, batches_train: Iterator[Mapping[str, Any]],
 
     cfg = TrainerConfig.from_cfg(trainer_cfg)
     run_dir = Path(run_dir)
-    ps = _parallel_state()
-    dp_size = ps.get_data_parallel_world_size() if ps else world_size
-    accumulation = cfg.gradient_accumulation_steps(dp_size)
-    device = next(model.parameters()).device
+    device = engine.device
     if rank == 0:
         logger.info("global batch %d = micro %d x data parallel %d x accumulation %d", cfg.global_batch_size,
-                    cfg.micro_batch_size, dp_size, accumulation)
-    model.train()
-    master, optimizer, scheduler, start = _optimizer_state(model, cfg, precision, resume_from, rank)
+                    cfg.micro_batch_size, engine.dp_size, engine.num_microbatches)
+    for chunk in engine.chunks:
+        chunk.train()
+    lr, min_lr = _peak_lr(cfg, rank)
+
+    def lr_of(step: int) -> float:
+        return lr_at(step, lr=lr, min_lr=min_lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps)
+
+    schedule = LRScheduleState()
+    start = 0
+    if resume_from is not None:
+        start = load_checkpoint(resume_from, engine=engine, precision=precision, scheduler=schedule)
     # The same validation batches every time: val curves (and full vs training precision) differ by the model only.
     valid = [next(batches_valid) for _ in range(cfg.eval_iters)] if batches_valid is not None else []
     fp_interval = int(getattr(precision, "full_precision_eval_interval", 0) or 0)
+    tokens = cfg.global_batch_size * engine.seq_length  # per optimizer step, all ranks
 
     def checkpoint(done: int) -> Path | None:
         if not cfg.save_checkpoints:
@@ -472,9 +278,8 @@ def train(model: torch.nn.Module, batches_train: Iterator[Mapping[str, Any]],
         # the data position in samples: a run at another data-parallel size continues from it exactly
         position = {"consumed_samples": done * cfg.global_batch_size, "global_batch_size": cfg.global_batch_size,
                     "micro_batch_size": cfg.micro_batch_size}
-        return save_checkpoint(run_dir, done, model=model, optimizer=optimizer, scheduler=scheduler,
-                               precision=precision, master_params=master, extra={"trainer": dataclasses.asdict(cfg)},
-                               meta=position)
+        return save_checkpoint(run_dir, done, engine=engine, precision=precision, scheduler=schedule,
+                               extra={"trainer": dataclasses.asdict(cfg)}, meta=position)
 
     writer = MetricsWriter(run_dir, enabled=rank == 0)
     bar = tqdm(total=cfg.max_steps, initial=start, desc="train", unit="step", disable=rank != 0,
@@ -490,15 +295,17 @@ def train(model: torch.nn.Module, batches_train: Iterator[Mapping[str, Any]],
             if in_fallback:
                 stage = "bf16 fallback"
             t0 = time.perf_counter()
-            step_lr = optimizer.param_groups[0]["lr"]
+            # A skipped step leaves the schedule where it was: the next step runs at this step's LR (Megatron's rule).
+            step_lr = lr_of(schedule.last_epoch)
+            engine.set_lr(step_lr)
             with precision.high_precision() if in_fallback else contextlib.nullcontext():
-                step_loss, tokens, grad_norm, skipped, stop_now = _train_step(
-                    model, batches_train, accumulation, dp_size, master, optimizer, cfg, device, signals)
-            if skipped:  # the LR schedule stays too: the next step runs at this step's LR (Megatron's rule)
+                result = engine.train_step(batches_train, preempt_requested=signals.received is not None)
+            step_loss, grad_norm, skipped, stop_now = result.loss, result.grad_norm, result.skipped, result.preempted
+            if skipped:
                 precision.skip_step(step)
                 skipped_total, in_a_row = skipped_total + 1, in_a_row + 1
             else:
-                scheduler.step()
+                schedule.last_epoch += 1
                 precision.after_optimizer_step(step)
                 in_a_row = 0
             fallback_left = max(fallback_left - 1, 0)
@@ -536,13 +343,13 @@ def train(model: torch.nn.Module, batches_train: Iterator[Mapping[str, Any]],
                     bar.write(f"step {done}: {preempted['signal']} signal: checkpointing and stopping (preempted)")
                 break
             if valid and _due(done, cfg.eval_interval, cfg.max_steps):
-                val_loss = evaluate(model, valid, device)
+                val_loss = engine.evaluate(valid)
                 writer.log({"kind": "eval", "step": done, "val_loss": val_loss, "stage": stage})
                 if rank == 0:
                     bar.write(f"step {done}: val_loss {val_loss:.4f} ({stage})")
             if valid and _due(done, fp_interval, cfg.max_steps):
                 with precision.high_precision():
-                    val_loss_fp = evaluate(model, valid, device)
+                    val_loss_fp = engine.evaluate(valid)
                 writer.log({"kind": "eval", "step": done, "val_loss_full_precision": val_loss_fp})
                 if rank == 0:
                     bar.write(f"step {done}: val_loss_full_precision {val_loss_fp:.4f}")

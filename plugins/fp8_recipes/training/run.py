@@ -103,29 +103,43 @@ def quiet_third_party_logs() -> None:
         warnings.filterwarnings("ignore", message=f".*{msg}.*")
 
 
-def attach_emulated(model_cfg: dict, recipe, hardware, params_dtype: torch.dtype, device: torch.device):
-    """Megatron-Core's local spec with plan-driven fake-quantized linears (any device, any recipe)."""
+ENGINE_CONFIG_KEYS = ("sequence_parallel", "recompute_granularity", "recompute_method", "recompute_num_layers")
+"""Trainer keys that go into Megatron-Core's TransformerConfig under the same names (the parallel sizes come from
+parallel_state, set by init_distributed)."""
+
+
+def engine_config_overrides(trainer) -> dict:
+    return {key: trainer.get(key) if hasattr(trainer, "get") else getattr(trainer, key) for key in ENGINE_CONFIG_KEYS}
+
+
+def attach_emulated(model_cfg: dict, recipe, hardware, params_dtype: torch.dtype, device: torch.device,
+                    config_overrides: dict | None = None):
+    """Megatron-Core's local spec with plan-driven fake-quantized linears (any device, any recipe): this rank's
+    model chunks, the whole model's plan, and the backend driving this rank's part of it."""
     from fp8_recipes.megatron.emulated_layers import (
         EmulatedColumnParallelLinear, EmulatedRowParallelLinear, attach_emulated_backend,
     )
-    from fp8_recipes.megatron.model import build_gpt_model, model_layout
+    from fp8_recipes.megatron.model import build_model_chunks, model_layout
     from fp8_recipes.plan import PrecisionPlan
 
-    model = build_gpt_model(model_cfg, params_dtype=params_dtype, device=device,
-                            column_linear=EmulatedColumnParallelLinear, row_linear=EmulatedRowParallelLinear)
-    plan = PrecisionPlan(recipe, model_layout(model), hardware)
-    return model, plan, attach_emulated_backend(model, plan)
+    chunks = build_model_chunks(model_cfg, params_dtype=params_dtype, device=device,
+                                column_linear=EmulatedColumnParallelLinear, row_linear=EmulatedRowParallelLinear,
+                                config_overrides=config_overrides)
+    plan = PrecisionPlan(recipe, model_layout(chunks), hardware)
+    return chunks, plan, attach_emulated_backend(chunks, plan)
 
 
-def attach_te(model_cfg: dict, recipe, hardware, params_dtype: torch.dtype, device: torch.device):
+def attach_te(model_cfg: dict, recipe, hardware, params_dtype: torch.dtype, device: torch.device,
+              config_overrides: dict | None = None):
     """Megatron-Core's TE layer spec (no fp8 in its config) under per-layer te.autocast from the plan."""
-    from fp8_recipes.megatron.model import build_gpt_model, model_layout
+    from fp8_recipes.megatron.model import build_model_chunks, model_layout
     from fp8_recipes.megatron.te_layers import attach_te_backend
     from fp8_recipes.plan import PrecisionPlan
 
-    model = build_gpt_model(model_cfg, use_te_spec=True, params_dtype=params_dtype, device=device)
-    plan = PrecisionPlan(recipe, model_layout(model), hardware)
-    return model, plan, attach_te_backend(model, plan)
+    chunks = build_model_chunks(model_cfg, use_te_spec=True, params_dtype=params_dtype, device=device,
+                                config_overrides=config_overrides)
+    plan = PrecisionPlan(recipe, model_layout(chunks), hardware)
+    return chunks, plan, attach_te_backend(chunks, plan)
 
 
 VALID_SEED_OFFSET = 1000
@@ -184,15 +198,21 @@ def run_training(cfg) -> dict:
     from fp8_recipes.megatron.data import data_parallel_batches, prepare_dataset
     from fp8_recipes.megatron.model import destroy_distributed, init_distributed
     from fp8_recipes.training.checkpoint import checkpoint_meta, find_resume, resume_skip
+    from fp8_recipes.training.config import TrainerConfig
+    from fp8_recipes.training.engine import build_engine
     from fp8_recipes.training.loop import train
 
-    tp_size, gbs, mbs = (int(trainer.get("tensor_model_parallel_size", 1)), int(trainer.global_batch_size),
-                         int(trainer.micro_batch_size))
-    # A resume that cannot continue the run (another TP size or global batch) is refused before anything is built.
+    tcfg = TrainerConfig.from_cfg(trainer)
+    gbs, mbs = tcfg.global_batch_size, tcfg.micro_batch_size
+    layout = {"tensor_model_parallel_size": tcfg.tensor_model_parallel_size,
+              "pipeline_model_parallel_size": tcfg.pipeline_model_parallel_size,
+              "virtual_pipeline_model_parallel_size": tcfg.virtual_pipeline_model_parallel_size}
+    # A resume that cannot continue the run (another layout or global batch) is refused before anything is built.
     resume_from = find_resume(trainer.get("resume"), run_dir)
-    skip = resume_skip(resume_from, global_batch_size=gbs, micro_batch_size=mbs,
-                       tensor_model_parallel_size=tp_size) if resume_from is not None else 0
-    rank, world_size, device = init_distributed(tensor_model_parallel_size=tp_size, seed=int(trainer.seed))
+    skip = resume_skip(resume_from, global_batch_size=gbs, micro_batch_size=mbs, **layout,
+                       use_distributed_optimizer=tcfg.use_distributed_optimizer) if resume_from is not None else 0
+    rank, world_size, device = init_distributed(**layout, context_parallel_size=tcfg.context_parallel_size,
+                                                seed=tcfg.seed)
     try:
         import torch.distributed as dist
 
@@ -212,7 +232,9 @@ def run_training(cfg) -> dict:
         # One global stream of micro-batches dealt out round robin to the data-parallel ranks: a step trains on the
         # same samples at any DP size, and a resumed run starts after the samples its checkpoint consumed.
         dp_rank = ps.get_data_parallel_rank()
-        train_iter = data_parallel_batches(train_ds, mbs, int(trainer.seed), dp_rank, dp, skip=skip)
+        # every pipeline stage and model chunk reads the same stream (the first stage its tokens, the last its labels)
+        train_iters = [data_parallel_batches(train_ds, mbs, int(trainer.seed), dp_rank, dp, skip=skip)
+                       for _ in range(tcfg.virtual_pipeline_model_parallel_size or 1)]
         valid_iter = data_parallel_batches(valid_ds, mbs, valid_seed(trainer), dp_rank, dp)
         if rank == 0 and resume_from is not None:
             saved = checkpoint_meta(resume_from)
@@ -228,7 +250,9 @@ def run_training(cfg) -> dict:
         model_cfg = run_model_cfg(cfg, meta, data_dir)
         params_dtype = torch_dtype(str(trainer.params_dtype))
         attach = attach_te if first_plan.backend is Backend.TE else attach_emulated
-        model, plan, precision = attach(model_cfg, recipe, hardware, params_dtype, device)
+        chunks, plan, precision = attach(model_cfg, recipe, hardware, params_dtype, device,
+                                         engine_config_overrides(tcfg.__dict__))
+        engine = build_engine(chunks, tcfg, seq_length=int(model_cfg["seq_length"]), lr=tcfg.lr, device=device)
         if rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
             explained = plan.explain(max_steps=int(trainer.max_steps))
@@ -239,7 +263,7 @@ def run_training(cfg) -> dict:
             _write_text(run_dir / "recipe.yaml", yaml.safe_dump(recipe.to_dict(), sort_keys=False))
         precision, recorder = _observe(precision, debug, run_dir, rank, plan.backend)
         try:
-            summary = train(model, train_iter, valid_iter, trainer, precision, run_dir, rank=rank,
+            summary = train(engine, train_iters, valid_iter, trainer, precision, run_dir, rank=rank,
                             world_size=world_size, resume_from=resume_from,
                             summary_extra={"recipe": recipe.name, "backend": str(plan.backend),
                                            "device": hardware.describe()})

@@ -1,0 +1,276 @@
+"""Megatron-Core's own training engine under this project's loop: DistributedDataParallel, its optimizer (the
+distributed optimizer when asked) and the pipeline schedules, wired as Megatron-LM's ``pretrain`` wires them.
+
+    engine = build_engine(chunks, trainer_cfg, seq_length=..., lr=...)   # chunks: megatron/model.build_model_chunks
+    result = engine.train_step(batches, preempt_requested=False)        # one optimizer step, or a skipped one
+    val = engine.evaluate(valid_batches)
+
+What is Megatron-Core's, used as it is (megatron-core 0.19):
+- ``DistributedDataParallel`` per model chunk (bucketed gradient buffers, ``overlap_grad_reduce``,
+  ``overlap_param_gather``; only the first chunk is bucketed, as Megatron-LM's ``get_model`` does);
+- ``get_megatron_optimizer`` (fp32 main params for BF16 models, the distributed optimizer, AdamW with weight decay
+  on matrices only);
+- ``get_forward_backward_func()``: no pipelining, 1F1B, or interleaved 1F1B with virtual stages; the schedule runs
+  ``finalize_model_grads`` (DP/CP gradient reduction, sequence-parallel norm grads over TP, tied embeddings over the
+  first and last stage) and the ``no_sync`` / ``start_grad_sync`` / ``start_param_sync`` hooks of the config.
+
+What stays ours (the loop's duties): the LR schedule (training/loop.py's ``lr_at``, written into every param group
+each step, scaled by the group's ``lr_mult``), and the skip of a non-finite step: Megatron-Core's ``optimizer.step()``
+skips only on a loss scaler's found-inf (FP16), so :meth:`Engine.train_step` runs its parts
+(``prepare_grads``, ``get_grad_norm``, clipping by that norm, ``step_with_ready_grads``) and leaves out the update
+when the loss or the gradient norm is not finite on any rank: weights and optimizer state stay as they were.
+
+Losses: a micro-batch's loss is its masked mean; the schedule divides by the micro-batches and DDP averages over the
+data-parallel ranks, so a step's loss is the mean of its micro-batches' means, at any layout. Under context
+parallelism each rank's token sum is divided by the whole sequence's token count (Megatron-LM's rule), which the
+schedule's x CP and DDP's average over DP x CP turn back into that mean.
+
+On the CPU (gloo) the engine's calls run inside megatron/cpu_shim.py's ``cuda_as_cpu()``: Megatron-Core names the
+CUDA device in a few tensor factories and type checks (see that module).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+
+from fp8_recipes.megatron.cpu_shim import cuda_as_cpu
+from fp8_recipes.megatron.model import unwrap_model
+from fp8_recipes.training.config import TrainerConfig
+
+__all__ = ["Engine", "StepResult", "build_engine"]
+
+
+@dataclasses.dataclass
+class StepResult:
+    loss: float
+    """Mean micro-batch loss of the step over all data-parallel ranks (NaN/inf when some rank's was)."""
+    grad_norm: float
+    """Global gradient norm before clipping (Megatron-Core's, over every rank that holds a shard)."""
+    skipped: bool
+    """The update was left out: a non-finite loss or gradient norm on some rank."""
+    preempted: bool
+    """Some rank asked to stop after this step (its flag rode in the step's one all-reduce)."""
+
+
+def _to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def _chained(optimizer: Any) -> list[Any]:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+class Engine:
+    """This rank's model chunks (each in Megatron-Core's DDP), the optimizer, and the schedule that runs them."""
+
+    def __init__(self, chunks: list[torch.nn.Module], optimizer: Any, cfg: TrainerConfig, *, seq_length: int,
+                 num_microbatches: int, device: torch.device):
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        self.chunks, self.optimizer, self.cfg = chunks, optimizer, cfg
+        self.seq_length, self.num_microbatches, self.device = seq_length, num_microbatches, device
+        self.config = unwrap_model(chunks[0]).config
+        self._forward_backward = get_forward_backward_func()
+        self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+        self.cp_size = ps.get_context_parallel_world_size()
+        # The one rank of each data-parallel replica whose loss counts: last stage, first TP and CP rank.
+        self._reports_loss = (self.is_last_stage and ps.get_tensor_model_parallel_rank() == 0
+                              and ps.get_context_parallel_rank() == 0)
+        self.dp_size = ps.get_data_parallel_world_size()
+
+    # -- the model as one module, for code that reads it (checkpoints, statistics) --------------------------------
+    @property
+    def models(self) -> list[torch.nn.Module]:
+        """This rank's GPTModel chunks, unwrapped (DDP and Float16Module removed)."""
+        return [unwrap_model(c) for c in self.chunks]
+
+    # -- forward steps ----------------------------------------------------------------------------------------------
+    def _batch(self, data_iterator: Iterator) -> dict[str, Any]:
+        batch = _to_device(next(data_iterator), self.device)
+        if self.cp_size > 1:  # each CP rank keeps its two (load-balanced) slices of every sequence
+            from megatron.core.utils import get_batch_on_this_cp_rank
+
+            batch = get_batch_on_this_cp_rank({**batch, "cu_seqlens": None}, is_hybrid_cp=False)
+        return batch
+
+    def _forward(self, data_iterator: Iterator, model: torch.nn.Module, *, train: bool):
+        batch = self._batch(data_iterator)
+        losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        return losses, partial(self._train_loss if train else self._eval_loss, batch["loss_mask"])
+
+    def _train_loss(self, loss_mask: torch.Tensor, losses: torch.Tensor):
+        mask = loss_mask.float()
+        local = (losses.float() * mask).sum()
+        count = mask.sum()
+        if self.cp_size > 1:  # the whole sequence's token count (a value: no gradient flows through it)
+            from megatron.core import parallel_state as ps
+
+            count = count.detach().clone()
+            torch.distributed.all_reduce(count, group=ps.get_context_parallel_group())
+        loss = local / count.clamp(min=1)
+        reported = loss.detach().clone()
+        if self.cp_size > 1:
+            from megatron.core import parallel_state as ps
+
+            torch.distributed.all_reduce(reported, group=ps.get_context_parallel_group())
+        return loss / self.cp_size if self.cp_size > 1 else loss, {"loss": reported}
+
+    def _eval_loss(self, loss_mask: torch.Tensor, losses: torch.Tensor):
+        mask = loss_mask.float()
+        sums = torch.stack([(losses.float() * mask).sum().double(), mask.sum().double()])
+        return sums[0].float(), {"sums": sums}
+
+    def _run_schedule(self, batches: Sequence[Iterator] | Iterator, num_microbatches: int, *, train: bool):
+        iterators = list(batches) if isinstance(batches, (list, tuple)) else [batches]
+        return self._forward_backward(
+            forward_step_func=partial(self._forward_step, train=train),
+            data_iterator=iterators if len(self.chunks) > 1 else iterators[0],
+            model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
+            num_microbatches=num_microbatches, seq_length=self.seq_length,
+            micro_batch_size=self.cfg.micro_batch_size, forward_only=not train)
+
+    def _forward_step(self, data_iterator: Iterator, model: torch.nn.Module, *, train: bool):
+        return self._forward(data_iterator, model, train=train)
+
+    # -- one optimizer step -----------------------------------------------------------------------------------------
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+
+    def train_step(self, batches: Sequence[Iterator] | Iterator, preempt_requested: bool = False) -> StepResult:
+        """Forward and backward of ``num_microbatches`` micro-batches through the schedule, then the optimizer step
+        unless the loss or the gradient norm is not finite on some rank (the decision and the preemption flag ride in
+        one all-reduce over every rank, so every rank decides the same). ``batches``: one iterator per model chunk
+        (each yields the same micro-batches: pipeline stages and chunks each read the stream)."""
+        with cuda_as_cpu():
+            for chunk in self.chunks:
+                chunk.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            reported = self._run_schedule(batches, self.num_microbatches, train=True)
+            self.optimizer.prepare_grads()
+            grad_norm = float(self.optimizer.get_grad_norm())
+            local = torch.zeros((), dtype=torch.float64, device=self.device)
+            if self._reports_loss:
+                local = torch.stack([r["loss"].double() for r in reported]).mean()
+            bad = (~torch.isfinite(local)).double()
+            flags = torch.stack([local, bad, torch.tensor(float(preempt_requested), dtype=torch.float64,
+                                                          device=self.device)])
+            torch.distributed.all_reduce(flags)  # every rank: one small sum per step (a sync point)
+            loss_sum, bad_ranks, preempting = flags.tolist()
+            skipped = bad_ranks > 0 or not math.isfinite(grad_norm)
+            if not skipped:
+                self._clip(grad_norm)
+                self.optimizer.step_with_ready_grads()
+        return StepResult(loss_sum / self.dp_size, grad_norm, skipped, preempting > 0)
+
+    def _clip(self, grad_norm: float) -> None:
+        """Clip every main grad by the global norm already computed (ChainedOptimizer.step's clipping, without
+        a second norm computation)."""
+        if self.cfg.clip_grad <= 0:
+            return
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        for opt in _chained(self.optimizer):
+            if getattr(opt, "is_stub_optimizer", False):
+                continue
+            params = opt.get_parameters()
+            if params:
+                clip_grad_by_total_norm_fp32(params, self.cfg.clip_grad, grad_norm,
+                                             use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+
+    # -- evaluation ------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, batches: list[Mapping[str, Any]]) -> float:
+        """Token-weighted mean loss over ``batches`` (this data-parallel rank's) and all data-parallel ranks."""
+        was_training = [c.training for c in self.chunks]
+        for c in self.chunks:
+            c.eval()
+        overlap = self.cfg.overlap_param_gather
+        with cuda_as_cpu():
+            if overlap:  # Megatron-LM's evaluate: the params must be gathered before a forward without hooks
+                for c in self.chunks:
+                    c.disable_forward_pre_hook()
+            try:
+                reported = self._run_schedule([iter(batches) for _ in self.chunks], len(batches), train=False)
+            finally:
+                if overlap:
+                    for c in self.chunks:
+                        c.enable_forward_pre_hook()
+            totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+            from megatron.core import parallel_state as ps
+
+            if self.is_last_stage and ps.get_tensor_model_parallel_rank() == 0:  # every CP rank: its own tokens
+                for r in reported:
+                    totals += r["sums"]
+            torch.distributed.all_reduce(totals)
+        for c, mode in zip(self.chunks, was_training):
+            c.train(mode)
+        return (totals[0] / totals[1].clamp(min=1)).item()
+
+    # -- state -----------------------------------------------------------------------------------------------------
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """The optimizer's state, independent of the data-parallel size: Megatron-Core's ``state_dict()`` and, with
+        the distributed optimizer, the parameter state gathered onto data-parallel rank 0 (``None`` elsewhere;
+        collective over the data-parallel group)."""
+        with cuda_as_cpu():
+            state = {"distributed": self.cfg.use_distributed_optimizer, "state_dict": self.optimizer.state_dict()}
+            if self.cfg.use_distributed_optimizer:
+                state["param_state"] = [opt.get_parameter_state_dp_zero() for opt in _chained(self.optimizer)]
+        return state
+
+    def load_optimizer_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`optimizer_state_dict` (collective over the data-parallel group with the distributed
+        optimizer: data-parallel rank 0 scatters the parameter state)."""
+        if bool(state.get("distributed")) != self.cfg.use_distributed_optimizer:
+            raise ValueError(f"trainer.use_distributed_optimizer: {self.cfg.use_distributed_optimizer} differs from "
+                             f"the checkpoint's {bool(state.get('distributed'))}; resume with "
+                             f"trainer.use_distributed_optimizer={str(bool(state.get('distributed'))).lower()}")
+        with cuda_as_cpu():
+            self.optimizer.load_state_dict(state["state_dict"])
+            if self.cfg.use_distributed_optimizer:
+                for opt, param_state in zip(_chained(self.optimizer), state["param_state"]):
+                    opt.load_parameter_state_from_dp_zero(param_state)
+
+
+def build_engine(chunks: list[torch.nn.Module], cfg: TrainerConfig, *, seq_length: int, lr: float,
+                 device: torch.device) -> Engine:
+    """Wrap ``chunks`` (this rank's GPTModel chunks, Float16Module-wrapped for BF16) in Megatron-Core's DDP, build
+    its optimizer and hook both into the model config the schedules read, as Megatron-LM's ``pretrain`` does."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = unwrap_model(chunks[0]).config
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=cfg.grad_reduce_in_fp32, overlap_grad_reduce=cfg.overlap_grad_reduce,
+        overlap_param_gather=cfg.overlap_param_gather, use_distributed_optimizer=cfg.use_distributed_optimizer)
+    bf16 = config.params_dtype == torch.bfloat16
+    with cuda_as_cpu():
+        wrapped = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                           disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
+        optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
+            adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad, bf16=bf16,
+            params_dtype=config.params_dtype, use_distributed_optimizer=cfg.use_distributed_optimizer,
+            overlap_param_gather=cfg.overlap_param_gather), wrapped)
+
+    def one_or_list(fns: list) -> Any:
+        return fns[0] if len(fns) == 1 else fns
+
+    config.finalize_model_grads_func = finalize_model_grads
+    if cfg.overlap_grad_reduce:
+        config.no_sync_func = one_or_list([c.no_sync for c in wrapped])
+        config.grad_sync_func = one_or_list([c.start_grad_sync for c in wrapped])
+    if cfg.overlap_param_gather and ps.get_pipeline_model_parallel_world_size() > 1:
+        config.param_sync_func = one_or_list([c.start_param_sync for c in wrapped])
+    dp = ps.get_data_parallel_world_size()
+    return Engine(wrapped, optimizer, cfg, seq_length=seq_length,
+                  num_microbatches=cfg.gradient_accumulation_steps(dp), device=device)
