@@ -1,7 +1,13 @@
 """Checkpoints stored through torch.distributed.checkpoint (training/checkpoint.py): a step dir is a DCP dir
 (``.metadata`` + ``.distcp`` files); a payload comes back with its exact Python structure (int optimizer-state keys,
-empty dicts, tuples, OrderedDict metadata); data-parallel replicas are written once, by DP rank 0; a format-1
-checkpoint (``tp_RR.pt`` files) is refused in one line, also by scripts/train.py (exit 2, before anything runs)."""
+empty dicts, tuples, OrderedDict metadata); data-parallel replicas are written once, by DP rank 0; checkpoints of
+earlier formats (1: ``tp_RR.pt`` files; 2: ``tpRR`` payloads of the engine before Megatron-Core's) are refused in
+one line, also by scripts/train.py (exit 2, before anything runs).
+
+The optimizer state here comes from a stand-in with the engine's state interface (``models``,
+``optimizer_state_dict``, ``load_optimizer_state_dict``) around a torch AdamW: what is tested is the storage of an
+optimizer-shaped state. Megatron-Core's own optimizer state through a real engine: tests/integration/test_resume_cpu.py
+and test_pipeline_cpu.py."""
 
 from __future__ import annotations
 
@@ -24,6 +30,8 @@ WIDTH = 256  # a 256x256 Linear + AdamW state: ~0.8 MB of tensors, so a duplicat
 WORKER = f'''
 import os, sys, torch
 from fp8_recipes.training.checkpoint import load_checkpoint, save_checkpoint
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+from test_checkpoint_dcp import StateEngine
 distributed = "RANK" in os.environ
 if distributed:
     import torch.distributed as dist
@@ -34,9 +42,9 @@ model = torch.nn.Linear({WIDTH}, {WIDTH})
 optimizer = torch.optim.AdamW(model.parameters())
 model(torch.ones(2, {WIDTH})).sum().backward()
 optimizer.step()
-save_checkpoint(sys.argv[1], 1, model=model, optimizer=optimizer, extra={{"rank": rank}})
+save_checkpoint(sys.argv[1], 1, engine=StateEngine(model, optimizer), extra={{"rank": rank}})
 fresh = torch.nn.Linear({WIDTH}, {WIDTH})
-load_checkpoint(sys.argv[1], model=fresh)
+load_checkpoint(sys.argv[1], models=fresh)
 assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
 if distributed:
     dist.destroy_process_group()
@@ -69,6 +77,20 @@ class State:
         return self.state
 
 
+class StateEngine:
+    """The engine's state interface (training/engine.py) around a plain model and torch optimizer."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.models, self.optimizer = [model], optimizer
+        self.cfg = type("Cfg", (), {"use_distributed_optimizer": False})()
+
+    def optimizer_state_dict(self) -> dict:
+        return {"distributed": False, "state_dict": self.optimizer.state_dict()}
+
+    def load_optimizer_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["state_dict"])
+
+
 def trained_model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """A bf16 model after two AdamW steps (optimizer state present) under a scheduler."""
     torch.manual_seed(0)
@@ -87,22 +109,20 @@ def test_payload_round_trips_exactly_through_a_dcp_dir(tmp_path):
     model, optimizer, scheduler = trained_model_and_optimizer()
     precision = State({"recipe": "delayed", "scalers": {"decoder.layers.0": {"weights": {
         "history": torch.arange(4.0), "scale": torch.tensor(2.0)}}}, "empty": {}, "pair": (1, "a", None)})
-    master = State({"fp32": [torch.randn(3), torch.randn(2, 2)]})
     random.seed(5)
-    step_dir = save_checkpoint(tmp_path, 2, model=model, optimizer=optimizer, scheduler=scheduler,
-                               precision=precision, master_params=master, extra={"trainer": {}, "n": 3})
+    step_dir = save_checkpoint(tmp_path, 2, engine=StateEngine(model, optimizer), scheduler=scheduler,
+                               precision=precision, extra={"trainer": {}, "n": 3})
 
     names = sorted(p.name for p in step_dir.iterdir())
     assert names[0] == ".metadata" and names[-1] == "meta.json" and all(n.endswith(".distcp") for n in names[1:-1])
     assert resolve_checkpoint(tmp_path) == step_dir and checkpoint_meta(step_dir)["tensor_model_parallel_size"] == 1
     payload = read_checkpoint(step_dir)
-    assert payload["format_version"] == FORMAT_VERSION == 2 and payload["step"] == 2
-    assert_same(payload["model"], model.state_dict())
-    assert payload["model"]._metadata == model.state_dict()._metadata  # module versions load_state_dict reads
-    assert_same(payload["optimizer"], optimizer.state_dict())  # its state is keyed by int parameter index
+    assert payload["format_version"] == FORMAT_VERSION == 3 and payload["step"] == 2
+    assert_same(payload["model"], [model.state_dict()])  # one state dict per model chunk
+    assert payload["model"][0]._metadata == model.state_dict()._metadata  # module versions load_state_dict reads
+    assert_same(payload["optimizer"]["state_dict"], optimizer.state_dict())  # state keyed by int parameter index
     assert_same(payload["scheduler"], scheduler.state_dict())
     assert_same(payload["precision"], precision.state)  # the empty dict and the tuple included
-    assert_same(payload["master_params"], master.state)
     assert_same(payload["extra"], {"trainer": {}, "n": 3})
     assert payload["rng"]["python"] == random.getstate() and torch.equal(payload["rng"]["cpu"], torch.get_rng_state())
 
@@ -110,7 +130,7 @@ def test_payload_round_trips_exactly_through_a_dcp_dir(tmp_path):
     fresh = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)).to(torch.bfloat16)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
     fresh_sched = torch.optim.lr_scheduler.LambdaLR(fresh_opt, lambda step: 0.5 ** step)
-    assert load_checkpoint(tmp_path, model=fresh, optimizer=fresh_opt, scheduler=fresh_sched) == 2
+    assert load_checkpoint(tmp_path, engine=StateEngine(fresh, fresh_opt), scheduler=fresh_sched) == 2
     x = torch.randn(3, 8, dtype=torch.bfloat16)
     for m, o in ((model, optimizer), (fresh, fresh_opt)):
         m(x).float().sum().backward()
@@ -120,9 +140,12 @@ def test_payload_round_trips_exactly_through_a_dcp_dir(tmp_path):
 
 def test_missing_tensor_parallel_rank_is_named(tmp_path):
     model, _, _ = trained_model_and_optimizer()
-    step_dir = save_checkpoint(tmp_path, 1, model=model)
-    with pytest.raises(FileNotFoundError, match=r"holds no state of tensor-parallel rank 1 \(it holds tp00\)"):
+    step_dir = save_checkpoint(tmp_path, 1, models=model)
+    with pytest.raises(FileNotFoundError, match=r"holds no state of pipeline rank 0, tensor-parallel rank 1 \(it "
+                                                r"holds pp00tp00\)"):
         read_checkpoint(step_dir, tp_rank=1)
+    with pytest.raises(FileNotFoundError, match=r"pipeline rank 1, tensor-parallel rank 0"):
+        read_checkpoint(step_dir, pp_rank=1)
     (step_dir / "meta.json").unlink()  # (save_checkpoint always writes it) the TP size from DCP's metadata then
     assert checkpoint_meta(step_dir) == {"step": 1, "tensor_model_parallel_size": 1}
 
@@ -158,6 +181,25 @@ def test_data_parallel_replicas_are_written_once(tmp_path, free_port):
     assert_same(a["optimizer"], b["optimizer"])
 
 
+def write_format_2(run_dir: Path) -> Path:
+    """What the engine before Megatron-Core's left: a DCP dir whose payload key is ``tp00`` + latest."""
+    import torch.distributed.checkpoint as dcp
+
+    step_dir = run_dir / "checkpoints" / "step_4"
+    dcp.save({"tp00": {"skeleton": b"x", "tensors": {"w": torch.zeros(2)}}}, storage_writer=dcp.FileSystemWriter(
+        step_dir), no_dist=True)
+    (run_dir / "checkpoints" / "latest").write_text("step_4\n")
+    return step_dir
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_format_2_checkpoint_is_refused_in_one_line(tmp_path):
+    step_dir = write_format_2(tmp_path / "old")
+    with pytest.raises(ValueError, match=r"^trainer\.resume: .*step_4 is a format-2 checkpoint, which this version "
+                                         r"cannot read \(format 3: Megatron-Core's optimizer state.*start a fresh run$"):
+        find_resume("auto", tmp_path / "old")
+
+
 def write_format_1(run_dir: Path) -> Path:
     """What the previous version left: checkpoints/step_3/tp_00.pt (one torch.save file per TP rank) + latest."""
     step_dir = run_dir / "checkpoints" / "step_3"
@@ -170,11 +212,11 @@ def write_format_1(run_dir: Path) -> Path:
 def test_format_1_checkpoint_is_refused_in_one_line(tmp_path):
     step_dir = write_format_1(tmp_path / "old")
     for resume in ("auto", str(tmp_path / "old"), str(step_dir)):
-        with pytest.raises(ValueError, match=r"^trainer\.resume: .*step_3 is a format-1 checkpoint \(tp_RR\.pt "
-                                             r"files\), which this version cannot read .*start a fresh run$"):
+        with pytest.raises(ValueError, match=r"^trainer\.resume: .*step_3 is a format-1 checkpoint, which this version "
+                                             r"cannot read .*start a fresh run$"):
             find_resume(resume, tmp_path / "old")
     with pytest.raises(ValueError, match="format-1"):
-        load_checkpoint(step_dir, model=torch.nn.Linear(2, 2))
+        load_checkpoint(step_dir, models=torch.nn.Linear(2, 2))
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")

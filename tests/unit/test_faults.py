@@ -1,6 +1,7 @@
-"""Non-finite steps in the training loop, on a two-matrix language model (no Megatron): the optimizer step is
-skipped without touching weights, optimizer state or the LR schedule; skips are counted and logged; after
-``max_consecutive_skips`` in a row the run falls back to high precision, or stops with one line."""
+"""Non-finite steps in the training loop on Megatron-Core's engine (a one-layer GPT, tests/unit/tiny_engine.py): the
+optimizer step is skipped without touching weights, optimizer state (fp32 main params, Adam moments) or the LR
+schedule; skips are counted and logged; after ``max_consecutive_skips`` in a row the run falls back to high
+precision, or stops with one line."""
 
 import copy
 import json
@@ -8,64 +9,28 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from fp8_recipes.numerics import DelayedScaler
 from fp8_recipes.schema import Role, Scaling, TensorPolicy
-from fp8_recipes.training import loop
 from fp8_recipes.training.checkpoint import read_checkpoint
 from fp8_recipes.training.errors import NonFiniteStop
 from fp8_recipes.training.loop import NoPrecision, Precision, TrainerConfig, train
 from fp8_recipes.training.metrics import read_metrics
-
-VOCAB, SEQ, BATCH = 16, 8, 4
-
-
-class TinyLM(torch.nn.Module):
-    """Per-token losses like GPTModel's; ``poison`` = {training forward index: "loss" | "grad"}."""
-
-    def __init__(self, poison: dict[int, str]):
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = torch.nn.Embedding(VOCAB, 8)
-        self.head = torch.nn.Linear(8, VOCAB, bias=False)
-        self.poison, self.calls = poison, 0
-
-    def forward(self, tokens, position_ids, attention_mask, labels):
-        losses = F.cross_entropy(self.head(self.emb(tokens)).transpose(1, 2), labels, reduction="none")
-        if self.training:
-            kind = self.poison.get(self.calls)
-            self.calls += 1
-            if kind == "loss":  # the loss itself is NaN
-                losses = losses * float("nan")
-            elif kind == "grad":  # a finite loss, but one weight gradient is inf (this backward only)
-                def corrupt(g):
-                    handle.remove()
-                    return torch.full_like(g, float("inf"))
-                handle = self.head.weight.register_hook(corrupt)
-        return losses
-
-
-def batches():
-    gen = torch.Generator().manual_seed(1)
-    while True:
-        tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
-        yield {"tokens": tokens, "labels": torch.roll(tokens, -1, 1), "loss_mask": torch.ones(BATCH, SEQ),
-               "position_ids": torch.arange(SEQ).expand(BATCH, SEQ)}
+from tiny_engine import BATCH, batches, tensors, tiny_engine
 
 
 class SpyPrecision(NoPrecision):
     """Snapshots weights and optimizer state at every step's start; records skips and high-precision steps."""
 
-    def __init__(self, model, optimizers):
+    def __init__(self, engine):
         super().__init__("fp8")
-        self.model, self.optimizers = model, optimizers
+        self.engine = engine
         self.snapshots, self.skipped, self.high_precision_steps, self.step = {}, [], [], None
 
     def begin_step(self, step):
         self.step = step
-        opt = self.optimizers[0]
-        self.snapshots[step] = (copy.deepcopy(self.model.state_dict()), copy.deepcopy(opt.state_dict()),
+        opt = self.engine.optimizer
+        self.snapshots[step] = (copy.deepcopy(self.engine.models[0].state_dict()), copy.deepcopy(opt.state_dict()),
                                 opt.param_groups[0]["lr"])
         return self.label
 
@@ -78,24 +43,20 @@ class SpyPrecision(NoPrecision):
 
 
 def run(tmp_path, monkeypatch, poison, steps=8, resume_from=None, **trainer):
-    optimizers = []
-    build = loop.build_optimizer
-    monkeypatch.setattr(loop, "build_optimizer", lambda *a, **k: optimizers.append(build(*a, **k)) or optimizers[-1])
-    model = TinyLM(poison)
-    precision = SpyPrecision(model, optimizers)
     cfg = {"max_steps": steps, "micro_batch_size": BATCH, "global_batch_size": BATCH, "warmup_steps": 2,
            "eval_interval": 0, "save_checkpoints": False, "lr": 1e-2, "min_lr": 1e-3, **trainer}
-    try:
-        summary = train(model, batches(), None, cfg, precision, tmp_path, resume_from=resume_from)
-    except NonFiniteStop as e:
-        summary = e
+    with tiny_engine(cfg, poison) as engine:
+        precision = SpyPrecision(engine)
+        try:
+            summary = train(engine, batches(), None, cfg, precision, tmp_path, resume_from=resume_from)
+        except NonFiniteStop as e:
+            summary = e
     return summary, precision, read_metrics(tmp_path, "train")
 
 
 def same_state(a, b) -> bool:
     (ma, oa, lra), (mb, ob, lrb) = a, b
-    tensors_a = [*ma.values(), *(v for s in oa["state"].values() for v in s.values())]
-    tensors_b = [*mb.values(), *(v for s in ob["state"].values() for v in s.values())]
+    tensors_a, tensors_b = tensors(ma) + tensors(oa), tensors(mb) + tensors(ob)
     return lra == lrb and len(tensors_a) == len(tensors_b) and all(torch.equal(x, y)
                                                                    for x, y in zip(tensors_a, tensors_b))
 
@@ -185,8 +146,12 @@ def test_stop_mode_checkpoints_the_last_good_state(tmp_path, monkeypatch):
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_3"
     saved = read_checkpoint(step_dir)
     model, optimizer, lr = spy.snapshots[1]  # at the start of the first bad step: what the last good one left
-    assert all(torch.equal(saved["model"][k], v) for k, v in model.items()) and saved["model"].keys() == model.keys()
-    assert saved["optimizer"]["state"][0]["step"] == optimizer["state"][0]["step"] == 1
+    weights = saved["model"][0]
+    assert all(torch.equal(weights[k], v) for k, v in model.items() if torch.is_tensor(v))
+    assert weights.keys() == model.keys()
+    adam = saved["optimizer"]["state_dict"]["optimizer"]["state"]
+    assert adam[0]["step"] == optimizer["optimizer"]["state"][0]["step"] == 1
+    assert all(torch.equal(x, y) for x, y in zip(tensors(saved["optimizer"]["state_dict"]), tensors(optimizer)))
     assert json.loads((step_dir / "meta.json").read_text())["consumed_samples"] == 3 * BATCH
 
 

@@ -1,5 +1,5 @@
-"""The training loop's pieces without a model: config validation, LR schedule and scaling, master weights,
-the Precision protocol, metrics files."""
+"""The training loop's pieces without a model: config validation (the parallel layout and the engine keys too), LR
+schedule and scaling, the Precision protocol, metrics files."""
 
 import json
 import math
@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 
 from fp8_recipes.training.loop import (
-    MasterParams, NoPrecision, Precision, TrainerConfig, lr_at, scaled_lr,
+    NoPrecision, Precision, TrainerConfig, lr_at, scaled_lr,
 )
 from fp8_recipes.training.metrics import MetricsWriter, plot_loss, read_metrics, write_summary
 
@@ -54,26 +54,41 @@ def test_linear_lr_scaling():
     assert scaled_lr(3e-4, 8, 16) == pytest.approx(1.5e-4)
 
 
-def test_master_params_accumulate_in_fp32_and_copy_back():
-    p16 = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
-    p32 = torch.nn.Parameter(torch.zeros(2))
-    mp = MasterParams([p16, p32])
-    m16, m32 = mp.masters
-    assert m16 is not p16 and m16.dtype == torch.float32 and m32 is p32
-    tiny = 2.0 ** -10  # lost when added to 1.0 in bf16 (8 bits of mantissa), kept in fp32
-    for g in (1.0, tiny, tiny):
-        p16.grad = torch.full((4,), g, dtype=torch.bfloat16)
-        mp.accumulate_grads()
-        assert p16.grad is None
-    assert m16.grad[0].item() == 1.0 + 2 * tiny
-    with torch.no_grad():
-        m16.add_(1.5)
-    mp.copy_to_model()
-    assert p16.dtype == torch.bfloat16 and p16[0].item() == 1.5
-    sd = mp.state_dict()
-    other = MasterParams([torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16)), p32])
-    other.load_state_dict(sd)
-    assert torch.equal(other.masters[0], m16) and other.pairs[0][0][0].item() == 1.5
+@pytest.mark.parametrize("keys, match", [
+    ({"virtual_pipeline_model_parallel_size": 2}, r"trainer\.virtual_pipeline_model_parallel_size=2: needs .* >= 2"),
+    ({"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 1},
+     r"trainer\.virtual_pipeline_model_parallel_size=1"),
+    ({"sequence_parallel": True}, r"trainer\.sequence_parallel=true needs trainer\.tensor_model_parallel_size >= 2"),
+    ({"overlap_param_gather": True}, r"trainer\.overlap_param_gather=true needs .*use_distributed_optimizer"),
+    ({"recompute_granularity": "ful"}, r"trainer\.recompute_granularity='ful'.*did you mean 'full'"),
+    ({"recompute_granularity": "full"}, r"trainer\.recompute_method=None: full recompute needs uniform"),
+    ({"recompute_granularity": "full", "recompute_method": "block"}, r"trainer\.recompute_num_layers=None"),
+    ({"recompute_method": "block"}, r"apply to trainer\.recompute_granularity=full only"),
+    ({"context_parallel_size": 0}, r"trainer\.context_parallel_size=0: must be an integer >= 1"),
+])
+def test_engine_keys_refused_in_one_line(keys, match):
+    with pytest.raises(ValueError, match=match) as e:
+        TrainerConfig.from_cfg(keys)
+    assert "\n" not in str(e.value)
+
+
+def test_layout_checks():
+    cfg = TrainerConfig.from_cfg({"micro_batch_size": 2, "global_batch_size": 8, "tensor_model_parallel_size": 2,
+                                  "pipeline_model_parallel_size": 2})
+    assert cfg.model_parallel_size == 4 and cfg.check_layout(8, 4) == 2
+    with pytest.raises(ValueError, match=r"tensor x pipeline x context parallel = 2 x 2 x 1 = 4 does not divide the 6"):
+        cfg.check_layout(6, 4)
+    with pytest.raises(ValueError, match=r"model\.num_layers=3 is not divisible by pipeline x virtual pipeline = 2"):
+        cfg.check_layout(4, 3)
+    vpp = TrainerConfig.from_cfg({"micro_batch_size": 2, "global_batch_size": 6, "pipeline_model_parallel_size": 2,
+                                  "virtual_pipeline_model_parallel_size": 2, "eval_iters": 4})
+    with pytest.raises(ValueError, match=r"trainer\.global_batch_size: the interleaved schedule needs a multiple of "
+                                         r"pipeline_model_parallel_size=2 micro-batches; 3 micro-batches"):
+        vpp.check_layout(2, 4)
+    odd_eval = TrainerConfig.from_cfg({"micro_batch_size": 2, "global_batch_size": 8, "pipeline_model_parallel_size": 2,
+                                       "virtual_pipeline_model_parallel_size": 2, "eval_iters": 3})
+    with pytest.raises(ValueError, match=r"trainer\.eval_iters: .*trainer\.eval_iters=3 is not"):
+        odd_eval.check_layout(2, 4)
 
 
 def test_no_precision_satisfies_protocol():

@@ -7,11 +7,11 @@ import threading
 
 import pytest
 
-from fp8_recipes.training import loop
 from fp8_recipes.training.checkpoint import read_checkpoint
+from fp8_recipes.training.engine import Engine
 from fp8_recipes.training.loop import NoPrecision, PreemptionSignals, train
 from fp8_recipes.training.metrics import read_metrics
-from test_faults import BATCH, TinyLM, batches
+from tiny_engine import BATCH, batches, tiny_engine
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -41,20 +41,21 @@ def test_handlers_only_inside_and_restored_after():
 
 def test_another_ranks_signal_stops_after_the_same_step(tmp_path, monkeypatch):
     """The flag summed in the step's all-reduce (here: another rank's 1 added at step 3) stops every rank."""
-    dp_sum, calls = loop._dp_sum, []
+    reduce, calls = Engine._reduce_flags, []
 
-    def other_rank_signalled_at_step_3(t):
-        calls.append(t.numel())
-        if t.numel() == 4 and len([n for n in calls if n == 4]) == 3:
-            t = t.clone()
-            t[3] += 1.0
-        return dp_sum(t)
+    def other_rank_signalled_at_step_3(flags):
+        calls.append(flags)
+        if len(calls) == 3:
+            flags = flags.clone()
+            flags[2] += 1.0  # [loss, non-finite, preemption]
+        return reduce(flags)
 
-    monkeypatch.setattr(loop, "_dp_sum", other_rank_signalled_at_step_3)
+    monkeypatch.setattr(Engine, "_reduce_flags", staticmethod(other_rank_signalled_at_step_3))
     cfg = {"max_steps": 8, "micro_batch_size": BATCH, "global_batch_size": BATCH, "warmup_steps": 2,
            "eval_interval": 0, "lr": 1e-2, "min_lr": 1e-3}
     before = signal.getsignal(signal.SIGTERM)
-    summary = train(TinyLM({}), batches(), None, cfg, NoPrecision(), tmp_path)
+    with tiny_engine(cfg) as engine:
+        summary = train(engine, batches(), None, cfg, NoPrecision(), tmp_path)
     assert summary["steps"] == 3 and summary["preempted"] == {"signal": "another rank", "step": 3}
     rows = read_metrics(tmp_path, "train")
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["preempted"] == "another rank"

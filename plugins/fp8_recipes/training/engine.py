@@ -67,7 +67,8 @@ def _chained(optimizer: Any) -> list[Any]:
 
 
 class Engine:
-    """This rank's model chunks (each in Megatron-Core's DDP), the optimizer, and the schedule that runs them."""
+    """This rank's model chunks (each in Megatron-Core's DDP), the optimizer, and the schedule that runs them.
+    Without an optimizer (``None``) and with plain chunks it only evaluates (training/evaluate.py)."""
 
     def __init__(self, chunks: list[torch.nn.Module], optimizer: Any, cfg: TrainerConfig, *, seq_length: int,
                  num_microbatches: int, device: torch.device):
@@ -162,13 +163,19 @@ class Engine:
             bad = (~torch.isfinite(local)).double()
             flags = torch.stack([local, bad, torch.tensor(float(preempt_requested), dtype=torch.float64,
                                                           device=self.device)])
-            torch.distributed.all_reduce(flags)  # every rank: one small sum per step (a sync point)
-            loss_sum, bad_ranks, preempting = flags.tolist()
+            loss_sum, bad_ranks, preempting = self._reduce_flags(flags).tolist()
             skipped = bad_ranks > 0 or not math.isfinite(grad_norm)
             if not skipped:
                 self._clip(grad_norm)
                 self.optimizer.step_with_ready_grads()
         return StepResult(loss_sum / self.dp_size, grad_norm, skipped, preempting > 0)
+
+    @staticmethod
+    def _reduce_flags(flags: torch.Tensor) -> torch.Tensor:
+        """[loss of this replica (its reporting rank only), non-finite loss, preemption asked]: summed over every
+        rank, one small all-reduce per step (a CPU-GPU sync point)."""
+        torch.distributed.all_reduce(flags)
+        return flags
 
     def _clip(self, grad_norm: float) -> None:
         """Clip every main grad by the global norm already computed (ChainedOptimizer.step's clipping, without
@@ -192,7 +199,7 @@ class Engine:
         was_training = [c.training for c in self.chunks]
         for c in self.chunks:
             c.eval()
-        overlap = self.cfg.overlap_param_gather
+        overlap = self.cfg.overlap_param_gather and all(hasattr(c, "disable_forward_pre_hook") for c in self.chunks)
         with cuda_as_cpu():
             if overlap:  # Megatron-LM's evaluate: the params must be gathered before a forward without hooks
                 for c in self.chunks:
@@ -232,11 +239,29 @@ class Engine:
             raise ValueError(f"trainer.use_distributed_optimizer: {self.cfg.use_distributed_optimizer} differs from "
                              f"the checkpoint's {bool(state.get('distributed'))}; resume with "
                              f"trainer.use_distributed_optimizer={str(bool(state.get('distributed'))).lower()}")
+        current = self.optimizer.param_groups[0] if self.optimizer.param_groups else {}
+        _set_lr_bounds(state["state_dict"], current.get("max_lr"), current.get("min_lr"))
         with cuda_as_cpu():
             self.optimizer.load_state_dict(state["state_dict"])
             if self.cfg.use_distributed_optimizer:
                 for opt, param_state in zip(_chained(self.optimizer), state["param_state"]):
                     opt.load_parameter_state_from_dp_zero(param_state)
+
+
+def _set_lr_bounds(state: Any, max_lr: float | None, min_lr: float | None) -> None:
+    """Give every saved param group this run's ``max_lr`` / ``min_lr``: Megatron-Core matches saved groups to its own
+    by them, and the LR schedule is the configured one (a run may resume under another ``trainer.lr``)."""
+    if isinstance(state, dict):
+        for key, value in state.items():
+            if key == "param_groups" and isinstance(value, list):
+                for group in value:
+                    if isinstance(group, dict) and "max_lr" in group:
+                        group["max_lr"], group["min_lr"] = max_lr, min_lr
+            else:
+                _set_lr_bounds(value, max_lr, min_lr)
+    elif isinstance(state, (list, tuple)):
+        for value in state:
+            _set_lr_bounds(value, max_lr, min_lr)
 
 
 def build_engine(chunks: list[torch.nn.Module], cfg: TrainerConfig, *, seq_length: int, lr: float,

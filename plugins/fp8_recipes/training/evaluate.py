@@ -132,26 +132,34 @@ def _evaluate(cfg: Any, recipe: Any, step_dir: Path, eval_iters: int, train_dp: 
     from fp8_recipes.megatron.model import destroy_distributed, init_distributed
     from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan
     from fp8_recipes.schema import Backend
-    from fp8_recipes.training.checkpoint import checkpoint_step, load_checkpoint
-    from fp8_recipes.training.loop import evaluate
+    from fp8_recipes.training.checkpoint import checkpoint_meta, checkpoint_step, load_checkpoint
+    from fp8_recipes.training.config import TrainerConfig
+    from fp8_recipes.training.engine import Engine
     from fp8_recipes.training.run import attach_emulated, attach_te, quiet_third_party_logs, torch_dtype
 
     quiet_third_party_logs()
     hardware = Hardware.detect()
     first_plan = PrecisionPlan(recipe, ModelLayout.gpt(int(cfg.model.num_layers)), hardware)  # refuses early
-    _, _, device = init_distributed(tensor_model_parallel_size=int(cfg.trainer.get("tensor_model_parallel_size", 1)),
-                                    seed=int(cfg.trainer.seed))
+    meta = checkpoint_meta(step_dir)
+    for key in ("pipeline_model_parallel_size", "context_parallel_size"):
+        if (meta.get(key) or 1) > 1:
+            raise ValueError(f"checkpoint: {step_dir} was written with trainer.{key}={meta[key]}; evaluating it runs "
+                             f"in one process, which reads pipeline- and context-parallel size 1 checkpoints only")
+    trainer = TrainerConfig.from_cfg({**_plain(cfg.trainer), "pipeline_model_parallel_size": 1,
+                                      "virtual_pipeline_model_parallel_size": None, "context_parallel_size": 1})
+    _, _, device = init_distributed(tensor_model_parallel_size=trainer.tensor_model_parallel_size, seed=trainer.seed)
     try:
         valid = _valid_batches(cfg, eval_iters, train_dp)
         attach = attach_te if first_plan.backend is Backend.TE else attach_emulated
-        model, plan, precision = attach(_model_cfg(cfg), recipe, hardware, torch_dtype(str(cfg.trainer.params_dtype)),
-                                        device)
-        trained = load_checkpoint(step_dir, model=model, precision=precision, restore_rng=False)
+        chunks, plan, precision = attach(_model_cfg(cfg), recipe, hardware, torch_dtype(trainer.params_dtype), device)
+        trained = load_checkpoint(step_dir, models=chunks, precision=precision, restore_rng=False)
+        engine = Engine(chunks, None, trainer, seq_length=int(cfg.model.seq_length), num_microbatches=len(valid),
+                        device=device)
         step = eval_step_all_on(recipe, checkpoint_step(step_dir))
         stage = precision.begin_step(step)
-        fp8_loss = evaluate(model, valid, device)
+        fp8_loss = engine.evaluate(valid)
         with precision.high_precision():
-            bf16_loss = evaluate(model, valid, device)
+            bf16_loss = engine.evaluate(valid)
     finally:
         destroy_distributed()
     tokens = sum(int(b["loss_mask"].sum()) for b in valid)  # (this rank's: the losses are over all ranks)
@@ -159,6 +167,12 @@ def _evaluate(cfg: Any, recipe: Any, step_dir: Path, eval_iters: int, train_dp: 
             "stage": stage, "eval_iters": eval_iters, "eval_tokens": tokens,
             "fp8_loss": fp8_loss, "bf16_loss": bf16_loss, "fp8_ppl": _ppl(fp8_loss), "bf16_ppl": _ppl(bf16_loss),
             "gap_pct": gap_pct(fp8_loss, bf16_loss)}
+
+
+def _plain(node: Any) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
 
 
 def _ppl(loss: float) -> float:

@@ -290,14 +290,14 @@ def train(engine: Engine, batches_train: Iterator[Mapping[str, Any]] | list[Iter
     wall0 = time.perf_counter()
     with PreemptionSignals() as signals:  # SIGTERM/SIGUSR1 -> a flag, for the loop's lifetime only
         for step in range(start, cfg.max_steps):
+            # A skipped step leaves the schedule where it was: the next step runs at this step's LR (Megatron's rule).
+            step_lr = lr_of(schedule.last_epoch)
+            engine.set_lr(step_lr)
             stage = precision.begin_step(step)
             in_fallback = fallback_left > 0
             if in_fallback:
                 stage = "bf16 fallback"
             t0 = time.perf_counter()
-            # A skipped step leaves the schedule where it was: the next step runs at this step's LR (Megatron's rule).
-            step_lr = lr_of(schedule.last_epoch)
-            engine.set_lr(step_lr)
             with precision.high_precision() if in_fallback else contextlib.nullcontext():
                 result = engine.train_step(batches_train, preempt_requested=signals.received is not None)
             step_loss, grad_norm, skipped, stop_now = result.loss, result.grad_norm, result.skipped, result.preempted
