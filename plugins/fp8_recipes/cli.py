@@ -4,6 +4,7 @@
     fp8-recipes show hybrid                       the resolved recipe (defaults list applied, every default filled in)
     fp8-recipes validate recipes/*.yaml my.yaml   exit 0, or 1 with one line per problem
     fp8-recipes explain safe --layers 8           per-role policies, stages and per-layer GEMM precision
+    fp8-recipes explain safe --layers 8 --layout tp=2,pp=4,dp=8    ... and which pipeline stage runs which layers
     fp8-recipes doctor RUN_DIR --baseline BF16_RUN --write fixed.yaml
                                                   diagnose a run: exit 0 healthy, 1 problem found, 2 bad input
 
@@ -60,9 +61,15 @@ def _cmd_explain(args) -> int:
     from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan
     from fp8_recipes.recipes import load_recipe
 
+    from fp8_recipes.plan import ParallelLayout
+
     hardware = Hardware.detect() if args.detect else Hardware()
+    parallel = None
+    if args.layout:
+        parallel = ParallelLayout.parse(args.layout)
+        parallel.check(args.layers)
     plan = PrecisionPlan(load_recipe(args.recipe), ModelLayout.gpt(args.layers), hardware)
-    print(plan.explain(max_steps=args.steps))
+    print(plan.explain(max_steps=args.steps, parallel=parallel))
     return 0
 
 
@@ -107,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--layers", type=int, default=4, help="transformer layers of the model (default 4)")
     e.add_argument("--steps", type=int, default=None, help="training steps, to bound the stage table")
     e.add_argument("--detect", action="store_true", help="plan for this machine's GPU/TE instead of a CPU")
+    e.add_argument("--layout", metavar="tp=2,pp=4,vpp=2,cp=2,dp=8",
+                   help="a parallel layout: also print which pipeline stage runs which layers in which precision")
     e.set_defaults(fn=_cmd_explain)
     d = sub.add_parser("doctor", help="diagnose a run and propose a recipe change (exit 0 healthy, 1 problem)")
     d.add_argument("run_dir", metavar="RUN_DIR", help="a scripts/train.py run directory (metrics.jsonl, ...)")

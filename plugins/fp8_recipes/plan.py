@@ -30,8 +30,8 @@ from fp8_recipes.plan_te import Substitution, TERecipe, TEResolution, resolve_te
 from fp8_recipes.schema import ROLES, Backend, Recipe, RecipeError, Role, TensorPolicy
 
 __all__ = [
-    "Execution", "Gemm", "GemmPlan", "Hardware", "ModelLayout", "ModulePlan", "PrecisionPlan", "StepPlan",
-    "GEMM_OPERANDS", "Substitution", "TERecipe",
+    "Execution", "Gemm", "GemmPlan", "Hardware", "ModelLayout", "ModulePlan", "ParallelLayout", "PrecisionPlan",
+    "StepPlan", "GEMM_OPERANDS", "Substitution", "TERecipe",
 ]
 
 
@@ -128,6 +128,60 @@ class ModelLayout:
                  for m in ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
                            "mlp.linear_fc2")]
         return cls(num_layers, tuple(names + (["output_layer"] if output_layer else [])))
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How a run splits the model over GPUs (Megatron-Core's sizes): the plan's layer numbers are global, and this
+    says which pipeline stage and virtual chunk holds which layers, as Megatron-Core places them."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    cp: int = 1
+    dp: int = 1
+
+    KEYS = ("tp", "pp", "vpp", "cp", "dp")
+
+    @classmethod
+    def parse(cls, text: str) -> ParallelLayout:
+        """``tp=2,pp=4,vpp=2,cp=2,dp=8`` (any subset; the rest 1, vpp none); ValueError naming the bad part."""
+        values: dict[str, int] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, _, value = part.partition("=")
+            if key not in cls.KEYS:
+                raise ValueError(f"--layout: {key!r} is not one of {', '.join(cls.KEYS)} (e.g. tp=2,pp=4,dp=8)")
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"--layout: {part!r}: the size must be an integer >= 1")
+            values[key] = int(value)
+        if values.get("vpp") == 1:
+            values.pop("vpp")
+        return cls(**values)
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    def check(self, num_layers: int) -> None:
+        chunks = self.pp * (self.vpp or 1)
+        if self.vpp and self.pp < 2:
+            raise ValueError("--layout: vpp needs pp >= 2")
+        if num_layers % chunks:
+            raise ValueError(f"--layout: {num_layers} layers do not split evenly over pp x vpp = {chunks} chunks")
+
+    def chunk_layers(self, num_layers: int) -> dict[tuple[int, int], range]:
+        """{(stage, chunk): global layers}: Megatron-Core's even split, chunk v of stage s holding the
+        (v x pp + s)-th run of num_layers / (pp x vpp) layers (interleaving: stage 0 chunk 1 follows the last
+        stage's chunk 0)."""
+        self.check(num_layers)
+        vpp = self.vpp or 1
+        per = num_layers // (self.pp * vpp)
+        return {(stage, v): range((v * self.pp + stage) * per, (v * self.pp + stage + 1) * per)
+                for stage in range(self.pp) for v in range(vpp)}
+
+    def describe(self) -> str:
+        vpp = f", vpp={self.vpp}" if self.vpp else ""
+        return f"tp={self.tp}, pp={self.pp}{vpp}, cp={self.cp}, dp={self.dp}: {self.gpus} GPUs"
 
 
 @dataclass(frozen=True)
@@ -322,10 +376,11 @@ class PrecisionPlan:
         return out
 
     # -- printing ----------------------------------------------------------------------------------------------
-    def explain(self, max_steps: int | None = None) -> str:
+    def explain(self, max_steps: int | None = None, parallel: ParallelLayout | None = None) -> str:
+        """The printed plan; with ``parallel``, also which pipeline stage runs which layers in which precision."""
         from fp8_recipes.plan_format import format_plan  # printing lives apart from deciding
 
-        return format_plan(self, max_steps)
+        return format_plan(self, max_steps, parallel)
 
 
 def _te_backend_available() -> bool:

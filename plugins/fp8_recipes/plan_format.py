@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fp8_recipes.plan import Gemm, ModulePlan, PrecisionPlan
+from fp8_recipes.plan import Gemm, ModulePlan, ParallelLayout, PrecisionPlan, StepPlan
 from fp8_recipes.schema import ROLES
 
 __all__ = ["format_plan"]
@@ -27,7 +27,42 @@ def _te_lines(plan: PrecisionPlan) -> list[str]:
     return out if len(out) > 1 else []
 
 
-def format_plan(plan: PrecisionPlan, max_steps: int | None = None) -> str:
+def _precision_runs(layers: range, step_plan: StepPlan) -> str:
+    """'0 bf16, 1-2 fp8' for a chunk's layers: each layer's precision with every role on (BF16 when all its GEMMs
+    are, FP8 / emulated when all are, else mixed)."""
+    def kind(layer: int) -> str:
+        mps = [m for m in step_plan.modules.values() if m.layer == layer]
+        execs = {str(g.execution) for m in mps for g in m.gemms.values()}
+        return execs.pop() if len(execs) == 1 else "mixed"
+
+    runs: list[tuple[list[int], str]] = []
+    for layer in layers:
+        k = kind(layer)
+        if runs and runs[-1][1] == k:
+            runs[-1][0].append(layer)
+        else:
+            runs.append(([layer], k))
+    return ", ".join(f"{_ranges(ls)} {k}" for ls, k in runs)
+
+
+def _pipeline_lines(plan: PrecisionPlan, parallel: ParallelLayout, final: StepPlan) -> list[str]:
+    lines = ["", f"pipeline stages ({parallel.describe()}; layer numbers are global)"]
+    head = final.modules.get("output_layer")
+    chunks = parallel.chunk_layers(plan.layout.num_layers)
+    last = max(chunks)
+    for (stage, chunk), layers in sorted(chunks.items()):
+        extra = ""
+        if (stage, chunk) == (0, 0):
+            extra = "  + embedding"
+        if (stage, chunk) == last and head is not None:
+            extra += "  + LM head " + (str(next(iter(head.gemms.values())).execution) if head.any_fp8 else "bf16")
+        chunk_label = f" chunk {chunk}" if parallel.vpp else ""
+        lines.append(f"  stage {stage}{chunk_label:<9} layers {_ranges(list(layers)):<8} "
+                     f"{_precision_runs(layers, final)}{extra}")
+    return lines
+
+
+def format_plan(plan: PrecisionPlan, max_steps: int | None = None, parallel: ParallelLayout | None = None) -> str:
     r = plan.recipe
     sched = r.schedule
     lines = [
@@ -82,6 +117,8 @@ def format_plan(plan: PrecisionPlan, max_steps: int | None = None) -> str:
                 lines.append(_row(_ranges(layers), m.name.split(f"layers.{m.layer}.", 1)[-1], m))
     for m in others:
         lines.append(_row("-", m.name, m))
+    if parallel is not None and parallel.pp > 1:
+        lines += _pipeline_lines(plan, parallel, final)
     for pat in plan.unmatched_patterns:
         lines.append(f"warning: layers.bf16_modules pattern '{pat}' matches no module of this model")
     return "\n".join(lines)

@@ -104,11 +104,17 @@ def build(recipe: dict, device, seed: int = 0):
 
 
 def run(model, precision, out: Path, steps: int, resume_from: Path | None = None, **trainer):
+    """``steps`` steps of the loop on Megatron-Core's engine (its DDP and optimizer around ``model``)."""
+    from fp8_recipes.training.config import TrainerConfig
+    from fp8_recipes.training.engine import build_engine
     from fp8_recipes.training.loop import train
 
-    cfg = dict(max_steps=steps, micro_batch_size=8, global_batch_size=8, lr=3e-3, min_lr=3e-3, warmup_steps=0,
-               eval_interval=0, eval_iters=0, save_checkpoints=False)
-    return train(model, fixed_batches(), None, {**cfg, **trainer}, precision, out, resume_from=resume_from)
+    cfg = {**dict(max_steps=steps, micro_batch_size=8, global_batch_size=8, lr=3e-3, min_lr=3e-3, warmup_steps=0,
+                  eval_interval=0, eval_iters=0, save_checkpoints=False), **trainer}
+    tcfg = TrainerConfig.from_cfg(cfg)
+    engine = build_engine([model], tcfg, seq_length=int(TINY["seq_length"]), lr=tcfg.lr,
+                          device=next(model.parameters()).device)
+    return train(engine, fixed_batches(), None, cfg, precision, out, resume_from=resume_from)
 
 
 def recorded(history: torch.Tensor) -> list[int]:

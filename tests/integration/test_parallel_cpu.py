@@ -56,15 +56,15 @@ STEPS = 8
 # loss and the final scales, per rank.
 DRIVER = r'''
 import inspect, json, os, runpy, sys
-from fp8_recipes.training import loop
+from fp8_recipes.training import engine as engine_module, loop
 
-_train, _train_step = loop.train, loop._train_step
+_train, _train_step = loop.train, engine_module.Engine.train_step
 _losses, _dump = [], {}
 
 
-def _step(*args, **kwargs):
-    out = _train_step(*args, **kwargs)
-    _losses.append(out[0])
+def _step(self, *args, **kwargs):
+    out = _train_step(self, *args, **kwargs)
+    _losses.append(out.loss)
     return out
 
 
@@ -73,12 +73,15 @@ def train(*args, **kwargs):
     summary = _train(**bound)
     precision = bound["precision"]
     from megatron.core import parallel_state as ps
+    states = getattr(getattr(precision, "inner", precision), "states", {})
     _dump.update(rank=bound["rank"], tp_rank=ps.get_tensor_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank(),
-                 losses=list(_losses), scales=precision.scales() if hasattr(precision, "scales") else {})
+                 pp_rank=ps.get_pipeline_model_parallel_rank(), losses=list(_losses),
+                 scales=precision.scales() if hasattr(precision, "scales") else {},
+                 fp8_modules={n: s.plan.any_fp8 for n, s in states.items()})
     return summary
 
 
-loop.train, loop._train_step = train, _step
+loop.train, engine_module.Engine.train_step = train, _step
 for name, dump_dir, args in json.loads(open(sys.argv[1]).read()):
     _losses.clear()
     _dump.clear()
@@ -98,7 +101,13 @@ for name, dump_dir, args in json.loads(open(sys.argv[1]).read()):
 # 1e-3 leaves >10x headroom and still catches a wrong batch or a missed reduction (steps move the loss by ~5%).
 # FP8 (E4M3, 3 mantissa bits): per-shard or TP-reduced scales move elements' rounding by up to half an E4M3 ulp
 # (~6%), averaging out over thousands of elements per GEMM: observed <= 6e-4 (delayed and tensorwise); 1e-2.
-LOSS_TOL = {"bf16": 1e-3, "delayed": 1e-2, "tensorwise": 1e-2}
+LOSS_TOL = {"bf16": 1e-3, "delayed": 1e-2, "tensorwise": 1e-2, "safe": 1e-2}
+
+PP2 = ["trainer.pipeline_model_parallel_size=2"]
+FOUR_LAYERS = ["model.num_layers=4"]
+SAFE_NOW = ["++recipe.schedule.bf16_warmup_steps=0", "++recipe.schedule.enable={weights:0,activations:0,gradients:0}"]
+DISTOPT = ["trainer.use_distributed_optimizer=true", "trainer.overlap_grad_reduce=true",
+           "trainer.overlap_param_gather=true"]
 
 
 RUNS = {  # name: (recipe, processes, TP, extra overrides)
@@ -112,6 +121,15 @@ RUNS = {  # name: (recipe, processes, TP, extra overrides)
     # the default amax_reduction, Megatron-Core's amax reduction group; its checkpoint: a TP=2 one to refuse at TP=1
     "delayed-tp2-data_tensor": ("delayed", 2, 2, ["trainer.save_checkpoints=true"]),
     "tensorwise-tp2-data": ("tensorwise", 2, 2, ["++recipe.amax_reduction=data"]),
+    # Megatron-Core's engine past one model replica (4 layers, so each of 2 stages / 4 chunks holds some)
+    "bf16-4l-1": ("bf16", 1, 1, FOUR_LAYERS),
+    "bf16-pp2": ("bf16", 2, 1, [*FOUR_LAYERS, *PP2]),
+    "bf16-vpp2": ("bf16", 2, 1, [*FOUR_LAYERS, *PP2, "trainer.virtual_pipeline_model_parallel_size=2"]),
+    "bf16-tp2-pp2": ("bf16", 4, 2, [*FOUR_LAYERS, *PP2]),
+    "safe-4l-1": ("safe", 1, 1, [*FOUR_LAYERS, *SAFE_NOW]),
+    "safe-pp2": ("safe", 2, 1, [*FOUR_LAYERS, *PP2, *SAFE_NOW]),
+    # the distributed optimizer with overlapped reduce and gather; its checkpoint: resumed at DP=1 below
+    "delayed-dp2-distopt": ("delayed", 2, 1, [*DISTOPT, "trainer.save_checkpoints=true"]),
 }
 
 
@@ -121,6 +139,9 @@ def _args(recipe: str, tp: int, extra: list[str], dataset: list[str], run_dir: P
             "trainer.eval_interval=0", "trainer.eval_iters=1", "trainer.micro_batch_size=2",
             "trainer.global_batch_size=4", "trainer.save_checkpoints=false", "model.num_layers=2",
             "model.vocab_size=512", f"trainer.tensor_model_parallel_size={tp}", f"run_dir={run_dir}", *extra]
+
+
+MAX_PROCESSES = 8
 
 
 @pytest.fixture(scope="module")
@@ -142,28 +163,39 @@ def runs(tmp_path_factory, dataset, free_port) -> dict[str, dict]:
                                 env={**env, **(rank_env or {})}, text=True, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE)
 
-    procs, single = [], []
+    waves, single, wave_size = [[]], [], 0
     for name, (recipe, n, tp, extra) in RUNS.items():
         (tmp / name / "dump").mkdir(parents=True)
         spec = [name, str(tmp / name / "dump"), _args(recipe, tp, extra, dataset, tmp / name / "run")]
         if n == 1:
             single.append(spec)
             continue
-        port = str(free_port())
-        for r in range(n):
-            procs.append((f"{name} rank {r}", spawn(tmp / name / f"spec{r}.json", [spec], dict(
-                RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=port))))
-    procs.append(("1-rank runs", spawn(tmp / "single.json", single)))
-    try:
-        for what, p in procs:
-            stdout, stderr = p.communicate(timeout=300)
-            assert p.returncode == 0, f"{what}: {stderr[-4000:]}"
-            assert "Traceback" not in stderr and "error:" not in stderr, f"{what}: {stderr[-4000:]}"
-    finally:
-        for _, p in procs:
-            if p.poll() is None:
-                p.kill()
+        if wave_size + n > MAX_PROCESSES:  # at most this many interpreters at once (2 cores, ~1 GB each)
+            waves.append([])
+            wave_size = 0
+        waves[-1].append((name, n, spec))
+        wave_size += n
+    waves[0].append(("1-rank runs", 1, single))
+    for wave in waves:
+        procs = []
+        for name, n, spec in wave:
+            if name == "1-rank runs":
+                procs.append((name, spawn(tmp / "single.json", spec)))
+                continue
+            port = str(free_port())
+            for r in range(n):
+                procs.append((f"{name} rank {r}", spawn(tmp / name / f"spec{r}.json", [spec], dict(
+                    RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
+                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port))))
+        try:
+            for what, p in procs:
+                stdout, stderr = p.communicate(timeout=600)
+                assert p.returncode == 0, f"{what}: {stderr[-4000:]}"
+                assert "Traceback" not in stderr and "error:" not in stderr, f"{what}: {stderr[-4000:]}"
+        finally:
+            for _, p in procs:
+                if p.poll() is None:
+                    p.kill()
     return {name: {"ranks": [json.loads((tmp / name / "dump" / f"rank{r}.json").read_text()) for r in range(n)],
                    "run_dir": tmp / name / "run"} for name, (_, n, _, _) in RUNS.items()}
 
@@ -213,7 +245,10 @@ def _rel(a: list[float], b: list[float]) -> float:
 @pytest.mark.parametrize("name,reference", [("bf16-dp2", "bf16-1"), ("bf16-tp2", "bf16-1"),
                                             ("delayed-tp2-tensor", "delayed-1"), ("delayed-tp2-data", "delayed-1"),
                                             ("delayed-tp2-data_tensor", "delayed-1"),
-                                            ("tensorwise-tp2-data", "tensorwise-1")])
+                                            ("tensorwise-tp2-data", "tensorwise-1"),
+                                            ("bf16-pp2", "bf16-4l-1"), ("bf16-vpp2", "bf16-4l-1"),
+                                            ("bf16-tp2-pp2", "bf16-4l-1"), ("safe-pp2", "safe-4l-1"),
+                                            ("delayed-dp2-distopt", "delayed-1")])
 def test_loss_matches_one_rank(name, reference, runs):
     ref = runs[reference]["ranks"][0]["losses"]
     assert len(ref) == STEPS and all(math.isfinite(x) for x in ref)
@@ -233,7 +268,7 @@ def test_resume_refuses_another_tensor_parallel_size(runs, dataset, tmp_path):
     from fp8_recipes.training.checkpoint import read_checkpoint
 
     step_dir = runs["delayed-tp2-data_tensor"]["run_dir"] / "checkpoints" / f"step_{STEPS}"
-    shards = [read_checkpoint(step_dir, tp_rank)["model"] for tp_rank in (0, 1)]
+    shards = [read_checkpoint(step_dir, tp_rank)["model"][0] for tp_rank in (0, 1)]
     qkv = [name for name in shards[0] if name.endswith("linear_qkv.weight")]
     assert qkv and not any(torch.equal(shards[0][name], shards[1][name]) for name in qkv)  # each rank its own shard
     meta = json.loads((step_dir / "meta.json").read_text())
@@ -245,6 +280,77 @@ def test_resume_refuses_another_tensor_parallel_size(runs, dataset, tmp_path):
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
     assert [line for line in proc.stderr.splitlines() if line.strip()] == [
-        f"error: trainer.tensor_model_parallel_size: 1 differs from the checkpoint's 2 ({step_dir} holds the "
-        f"shards of 2 tensor-parallel ranks; resume with trainer.tensor_model_parallel_size=2)"]
+        f"error: trainer.tensor_model_parallel_size: 1 differs from the checkpoint's 2 ({step_dir} holds the model "
+        f"shards of that layout; resume with trainer.tensor_model_parallel_size=2)"]
     assert not run_dir.exists()
+
+
+@pytest.mark.slow
+def test_pipeline_stages_hold_their_layers_and_the_plan_spans_them(runs):
+    """PP=2: stage 0 holds layers 0-1 (and the embedding), stage 1 layers 2-3 and the LM head, under their global
+    names; `safe` keeps layer 0 BF16 on stage 0 and layer 3 and the LM head BF16 on stage 1, layers 1 and 2 FP8.
+    Interleaved (VPP=2): stage 0 holds layers 0 and 2, stage 1 layers 1 and 3 (Megatron-Core's chunk offsets)."""
+    def layers(dump):
+        return sorted({int(n.split(".")[2]) for n in dump["fp8_modules"] if n.startswith("decoder.layers.")})
+
+    stage0, stage1 = sorted(runs["safe-pp2"]["ranks"], key=lambda d: d["pp_rank"])
+    assert (stage0["pp_rank"], stage1["pp_rank"]) == (0, 1)
+    assert layers(stage0) == [0, 1] and layers(stage1) == [2, 3]
+    assert "output_layer" in stage1["fp8_modules"] and "output_layer" not in stage0["fp8_modules"]
+    fp8 = {**stage0["fp8_modules"], **stage1["fp8_modules"]}
+    for name, on in fp8.items():
+        layer = int(name.split(".")[2]) if name.startswith("decoder.layers.") else None
+        assert on == (layer in (1, 2)), name  # bf16_first: 1 on stage 0, bf16_last: 1 and the head on stage 1
+    assert stage0["losses"] == stage1["losses"]  # the last stage's loss, on every rank
+    v0, v1 = sorted(runs["bf16-vpp2"]["ranks"], key=lambda d: d["pp_rank"])
+    assert layers(v0) == [0, 2] and layers(v1) == [1, 3]
+    summary = json.loads((runs["safe-pp2"]["run_dir"] / "summary.json").read_text())
+    assert summary["final_stage"] == "fp8 w+a+g"
+    plan = (runs["safe-pp2"]["run_dir"] / "plan.txt").read_text()
+    assert "bf16_first: 1" in plan and "bf16_last: 1" in plan
+    assert "  stage 0          layers 0-1      0 bf16, 1 emulated  + embedding" in plan
+    assert "  stage 1          layers 2-3      2 emulated, 3 bf16  + LM head bf16" in plan
+
+
+@pytest.mark.slow
+def test_four_ranks_tensor_and_pipeline_parallel(runs):
+    """TP=2 x PP=2 on 4 ranks: each (stage, TP rank) once, every rank reports the same losses."""
+    dumps = runs["bf16-tp2-pp2"]["ranks"]
+    assert sorted((d["pp_rank"], d["tp_rank"]) for d in dumps) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(d["losses"] == dumps[0]["losses"] for d in dumps)
+
+
+@pytest.mark.slow
+def test_distributed_optimizer_shards_and_resumes_at_one_rank(runs, dataset, tmp_path):
+    """DP=2 with the distributed optimizer (overlapped reduce and gather): replicas keep one set of delayed scales
+    (the default amax_reduction, data x tensor);
+    its checkpoint holds the whole optimizer state (gathered onto DP rank 0) and resumes at DP=1, where the first
+    resumed step's loss equals the loss a DP=2 continuation reports up to summation order."""
+    from fp8_recipes.training.checkpoint import read_checkpoint
+
+    r0, r1 = runs["delayed-dp2-distopt"]["ranks"]
+    assert r0["scales"] == r1["scales"] and r0["losses"] == r1["losses"]
+    step_dir = runs["delayed-dp2-distopt"]["run_dir"] / "checkpoints" / f"step_{STEPS}"
+    meta = json.loads((step_dir / "meta.json").read_text())
+    assert meta["data_parallel_size"] == 2 and meta["use_distributed_optimizer"] is True
+    optimizer = read_checkpoint(step_dir)["optimizer"]
+    assert optimizer["distributed"] is True and optimizer["param_state"][0] is not None
+    run_dir = tmp_path / "resumed"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID")}
+    args = _args("delayed", 1, [*DISTOPT, f"trainer.resume={step_dir}", f"trainer.max_steps={STEPS + 2}"], dataset,
+                 run_dir)
+    proc = subprocess.run([sys.executable, "scripts/train.py", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if r.get("kind") == "train"]
+    assert [r["step"] for r in rows if r.get("kind") == "train"] == [STEPS + 1, STEPS + 2]
+    assert all(math.isfinite(x) for x in losses) and losses[0] < r0["losses"][0]  # trained weights, not fresh ones
+    # the plain optimizer cannot read it: refused in one line, before anything is built
+    refused = subprocess.run([sys.executable, "scripts/train.py", *_args(
+        "delayed", 1, [f"trainer.resume={step_dir}"], dataset, tmp_path / "refused")], cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert [line for line in refused.stderr.splitlines() if line.strip()] == [
+        f"error: trainer.use_distributed_optimizer: false differs from the checkpoint's true ({step_dir}; resume "
+        f"with trainer.use_distributed_optimizer=true)"]

@@ -260,7 +260,8 @@ def sbatch_options(text: str) -> dict[str, str | bool]:
 
 def test_sbatch_script_from_the_launcher_config(tmp_path, monkeypatch, capsys):
     run_dir = tmp_path / "run"
-    argv = ["+recipe=hybrid", "model=gpt_125m", "trainer.max_steps=50", "launcher.nodes=2",
+    argv = ["+recipe=hybrid", "model=gpt_125m", "trainer.max_steps=50", "trainer.global_batch_size=128",
+            "launcher.nodes=2",
             "launcher.tasks_per_node=4", "launcher.gpus_per_node=4", "launcher.cpus_per_task=8", "launcher.mem_gb=200",
             "launcher.time_min=90", "launcher.partition=h200", "launcher.account=proj-1", "launcher.qos=high",
             "launcher.signal_lead_s=300", "launcher.max_requeues=2", "launcher.sbatch_args={constraint: h200}",
@@ -277,11 +278,31 @@ def test_sbatch_script_from_the_launcher_config(tmp_path, monkeypatch, capsys):
         "open-mode": "append"}
     srun = next(shlex.split(line) for line in text.splitlines() if line.startswith("srun "))
     assert srun == ["srun", "--cpu-bind=none", sys.executable, str(TRAIN), "+recipe=hybrid", "model=gpt_125m",
-                    "trainer.max_steps=50", "trainer.resume=auto", f"run_dir={run_dir}", "${resume[@]}"]
+                    "trainer.max_steps=50", "trainer.global_batch_size=128", "trainer.resume=auto", f"run_dir={run_dir}",
+                    "${resume[@]}"]
     body = text.split("#SBATCH --open-mode=append\n", 1)[1]
     assert body.index("module load cuda\nexport A=1\n") < body.index("srun ")
     assert 'if [ "${SLURM_RESTART_COUNT:-0}" -lt 2 ]; then' in text
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+
+
+def test_gpu_trainer_requests_a_gpu_per_task_for_a_pipeline_layout(tmp_path, monkeypatch):
+    """trainer=gpu (trainer.device: gpu) asks for a GPU per task when launcher.gpus_per_node is null; the parallel
+    layout is checked at the job's nodes x tasks per node (2 x 2: TP=2 x PP=2 fits), not at the submitting host's one
+    process; a layout that does not fit the job is refused in one line, nothing written."""
+    run_dir = tmp_path / "run"
+    argv = ["+recipe=safe", "trainer=gpu", "model=llama3_8b_8l", "launcher.nodes=2", "launcher.tasks_per_node=2",
+            "trainer.tensor_model_parallel_size=2", "trainer.pipeline_model_parallel_size=2", f"run_dir={run_dir}"]
+    assert make_sbatch_main(argv, monkeypatch) == 0
+    options = sbatch_options((run_dir / "job.sbatch").read_text())
+    assert (options["nodes"], options["ntasks-per-node"], options["gpus-per-node"]) == ("2", "2", "2")
+    cpu_dir = tmp_path / "cpu"
+    assert make_sbatch_main([f"run_dir={cpu_dir}", "launcher.tasks_per_node=2", "trainer.global_batch_size=32"],
+                            monkeypatch) == 0
+    assert "gpus-per-node" not in sbatch_options((cpu_dir / "job.sbatch").read_text())  # a CPU trainer: none
+    bad = tmp_path / "bad"
+    assert make_sbatch_main([*argv[:-1], "trainer.pipeline_model_parallel_size=3", f"run_dir={bad}"], monkeypatch) == 2
+    assert not bad.exists()
 
 
 def test_requeue_without_signal_or_requeue(tmp_path, monkeypatch):

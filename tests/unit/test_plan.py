@@ -338,3 +338,35 @@ def test_layer_rules_default_plan_is_all_fp8_but_lm_head():
     r = dataclasses.replace(load_recipe("mxfp8"), layers=LayerRules())
     sp = plan_for(r).at(0)
     assert [n for n, m in sp.modules.items() if not m.any_fp8] == ["output_layer"]
+
+
+def test_parallel_layout_places_layers_as_megatron_core():
+    """Megatron-Core's even split (tests/integration/test_parallel_cpu.py checks it against built models): chunk v of
+    stage s holds the (v x pp + s)-th run of layers."""
+    from fp8_recipes.plan import ParallelLayout
+
+    layout = ParallelLayout.parse("tp=2,pp=2,vpp=2,cp=2,dp=8")
+    assert (layout.tp, layout.pp, layout.vpp, layout.cp, layout.dp, layout.gpus) == (2, 2, 2, 2, 8, 64)
+    assert layout.chunk_layers(8) == {(0, 0): range(0, 2), (1, 0): range(2, 4), (0, 1): range(4, 6),
+                                      (1, 1): range(6, 8)}
+    assert ParallelLayout.parse("pp=4").chunk_layers(8)[(3, 0)] == range(6, 8)
+    assert ParallelLayout.parse("pp=2,vpp=1").vpp is None
+    for text, match in (("tp=2,ep=4", r"'ep' is not one of tp, pp, vpp, cp, dp"), ("pp=0", r"'pp=0'.* >= 1"),
+                        ("pp=x", r"'pp=x'")):
+        with pytest.raises(ValueError, match=match):
+            ParallelLayout.parse(text)
+    with pytest.raises(ValueError, match=r"8 layers do not split evenly over pp x vpp = 3 chunks"):
+        ParallelLayout.parse("pp=3").check(8)
+    with pytest.raises(ValueError, match=r"vpp needs pp >= 2"):
+        ParallelLayout(vpp=2).check(8)
+
+
+def test_explain_shows_which_stage_runs_which_layers():
+    from fp8_recipes.plan import ParallelLayout
+
+    plan = PrecisionPlan(load_recipe("safe"), ModelLayout.gpt(4))
+    text = plan.explain(parallel=ParallelLayout(pp=2, dp=4))
+    assert "pipeline stages (tp=1, pp=2, cp=1, dp=4: 8 GPUs; layer numbers are global)" in text
+    assert "  stage 0          layers 0-1      0 bf16, 1 emulated  + embedding" in text
+    assert "  stage 1          layers 2-3      2 emulated, 3 bf16  + LM head bf16" in text
+    assert "pipeline stages" not in plan.explain()  # one stage: nothing to add

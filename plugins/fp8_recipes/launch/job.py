@@ -48,14 +48,15 @@ def without_launcher(cfg: Any) -> Any:
     return plain
 
 
-def check_train_config(cfg: Any) -> None:
-    """The checks scripts/train.py makes before it builds anything (groups, values, run_dir, the recipe), here on
-    the submitting host, so that a typo costs a second instead of a queue wait; ValueError names the key."""
+def check_train_config(cfg: Any, world_size: int | None = None) -> None:
+    """The checks scripts/train.py makes before it builds anything (groups, values, run_dir, the recipe, the parallel
+    layout at the job's ``world_size`` processes), here on the submitting host, so that a typo costs a second
+    instead of a queue wait; ValueError names the key."""
     from fp8_recipes.training.config import check_run_config
     from fp8_recipes.training.run import resolve_recipe
 
     plain = without_launcher(cfg)
-    check_run_config(plain)
+    check_run_config(plain, world_size)
     resolve_recipe(plain)
 
 

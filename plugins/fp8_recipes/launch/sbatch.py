@@ -141,8 +141,8 @@ def write_sbatch(overrides: Iterable[str], output: Path | None = None, *, python
     from fp8_recipes.launch.job import check_train_config, default_job_name, fixed_run_dir, resumable_overrides
 
     cfg, train = compose_job(overrides)
-    settings = LauncherSettings.from_cfg(cfg.launcher)
-    check_train_config(cfg)
+    settings = LauncherSettings.from_cfg(cfg.launcher).for_trainer(cfg.trainer)
+    check_train_config(cfg, settings.world_size)
     run_dir = fixed_run_dir(cfg)
     path = Path(output).resolve() if output else run_dir / "job.sbatch"
     text = sbatch_script(settings, resumable_overrides(train, run_dir), run_dir=run_dir, workdir=workdir,

@@ -126,6 +126,14 @@ class LauncherSettings:
                 raise ValueError(f"launcher.sbatch_args.{option}: {value!r} is not one sbatch value "
                                  f"(a string, a number or true)")
 
+    def for_trainer(self, trainer: Any) -> "LauncherSettings":
+        """These settings for a job of ``trainer`` (its config group): a GPU per task when the trainer runs on GPUs
+        (``trainer.device: gpu``, as trainer=gpu sets it) and launcher.gpus_per_node is null."""
+        device = trainer.get("device") if hasattr(trainer, "get") else getattr(trainer, "device", None)
+        if self.gpus_per_node is None and device == "gpu":
+            return dataclasses.replace(self, gpus_per_node=self.tasks_per_node)
+        return self
+
     @property
     def world_size(self) -> int:
         return self.nodes * self.tasks_per_node

@@ -158,6 +158,8 @@ class TrainingSlurmLauncher(SubmititSlurmLauncher):
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int):
         fixed, job_name = self._fixed_jobs(job_overrides, initial_job_idx)
         self.params = submitit_parameters(self.params, self.settings, job_name)
+        if self.params.get("gpus_per_node") is None and self.settings.gpus_per_node is not None:
+            self.params["gpus_per_node"] = self.settings.gpus_per_node  # trainer.device=gpu: a GPU per task
         if self.settings.signal:  # the sbatch --signal line submitit writes, and its handler in the job
             os.environ["SUBMITIT_PREEMPT_SIGNAL"] = self.settings.signal
         return super().launch(fixed, initial_job_idx)
@@ -168,8 +170,10 @@ class TrainingSlurmLauncher(SubmititSlurmLauncher):
         fixed, seen, names = [], set(), set()
         for idx, overrides in enumerate(job_overrides):
             cfg = loader.load_sweep_config(self.config, list(overrides))
+            if idx == 0:  # one job array: the first job's trainer decides the GPUs per task
+                self.settings = self.settings.for_trainer(cfg.trainer)
             try:
-                check_train_config(cfg)
+                check_train_config(cfg, self.settings.world_size)
             except ValueError as e:
                 _exit_user_error(str(e), overrides)
             run_dir = fixed_run_dir(cfg)

@@ -37,6 +37,7 @@ wgrad ``grad_output.t() @ total_input``). Overriding ``_forward_impl`` swaps exa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -268,7 +269,8 @@ def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_li
                     output_linear: type | None = None, use_te_spec: bool = False,
                     params_dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                     config_overrides: Mapping[str, Any] | None = None, pre_process: bool = True,
-                    post_process: bool = True, vp_stage: int | None = None) -> torch.nn.Module:
+                    post_process: bool = True, vp_stage: int | None = None,
+                    init_seed: int | None = None) -> torch.nn.Module:
     """Build a Megatron-Core ``GPTModel`` from a ``model`` config group (dict or DictConfig).
 
     ``init_distributed`` must have run (the model reads TP size and groups from parallel_state).
@@ -290,6 +292,9 @@ def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_li
     Megatron-Core's own FP8 path, which the benchmarks compare against, or the parallel layout:
     ``pipeline_model_parallel_size``, ``sequence_parallel``, ``recompute_granularity``, ...). ``pre_process`` /
     ``post_process`` / ``vp_stage``: which part of a pipeline-parallel model this is (:func:`build_model_chunks`).
+    ``init_seed``: initialise independently of the pipeline layout (:func:`_layout_seeded`): the embedding from
+    ``init_seed`` itself, each transformer layer from its own stream (by its global number), the LM head after the
+    last layer, so a model has the same initial weights at any pipeline and virtual-pipeline size.
     """
     import torch.nn.functional as F
     from megatron.core import parallel_state, tensor_parallel
@@ -363,19 +368,25 @@ def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_li
         if column_linear or row_linear:
             spec = _substitute_linears(spec, column_linear, row_linear)
 
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=vocab,
-        max_sequence_length=int(cfg["seq_length"]),
-        pre_process=pre_process,
-        post_process=post_process,
-        vp_stage=vp_stage,
-        parallel_output=True,  # the loss is computed on vocab shards (vocab_parallel_cross_entropy)
-        share_embeddings_and_output_weights=bool(cfg.get("share_embeddings_and_output_weights", False)),
-        position_embedding_type=cfg.get("position_embedding_type", "learned_absolute"),
-        rotary_base=int(cfg.get("rotary_base", 10000)),
-    )
+    if init_seed is not None:
+        spec = dataclasses.replace(spec, module=_layout_seeded(spec.module))
+        _reseed(init_seed)
+    with _init_seed_for_layers(init_seed):
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=vocab,
+            max_sequence_length=int(cfg["seq_length"]),
+            pre_process=pre_process,
+            post_process=post_process,
+            vp_stage=vp_stage,
+            parallel_output=True,  # the loss is computed on vocab shards (vocab_parallel_cross_entropy)
+            share_embeddings_and_output_weights=bool(cfg.get("share_embeddings_and_output_weights", False)),
+            position_embedding_type=cfg.get("position_embedding_type", "learned_absolute"),
+            rotary_base=int(cfg.get("rotary_base", 10000)),
+        )
+    if init_seed is not None:  # the streams after the build as init_distributed left them (dropout, data order)
+        _reseed(init_seed)
     output_linear = output_linear or column_linear
     if output_linear is not None and post_process:
         replace_output_layer_class(model, output_linear)
@@ -383,6 +394,50 @@ def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_li
     if params_dtype == torch.bfloat16:
         model = Float16Module(config, model)
     return model
+
+
+_LAYER_INIT_SEED: list[int | None] = [None]  # set while build_gpt_model(init_seed=...) builds a GPTModel
+
+
+@contextlib.contextmanager
+def _init_seed_for_layers(seed: int | None):
+    _LAYER_INIT_SEED[0] = seed
+    try:
+        yield
+    finally:
+        _LAYER_INIT_SEED[0] = None
+
+
+def _reseed(seed: int) -> None:
+    """The default generators and Megatron's model-parallel RNG tracker, as init_distributed seeds them."""
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)  # the CPU shim's version when there is no CUDA
+
+
+@functools.lru_cache(maxsize=None)
+def _layout_seeded(layer_class: type) -> type:
+    """``layer_class`` (Megatron-Core's TransformerLayer) initialising from a stream of its own: seeded by the build's
+    seed and the layer's global number (local number + Megatron's layer offset for this stage and chunk), so its
+    weights do not depend on which stage builds it or what was built before it. Megatron-Core draws a pipeline
+    stage's weights in construction order (with CPU initialisation from the default generator, on GPUs from the
+    model-parallel tracker), so without this PP=2 starts from other weights than PP=1."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    class LayoutSeededLayer(layer_class):
+        def __init__(self, config, *args, **kwargs):
+            seed = _LAYER_INIT_SEED[0]
+            if seed is not None:
+                local = kwargs.get("layer_number", args[1] if len(args) > 1 else 1)
+                offset = get_transformer_layer_offset(config, kwargs.get("vp_stage"),
+                                                      ps.get_pipeline_model_parallel_rank())
+                _reseed(seed + 7919 * (local + offset))  # (a prime apart: no two layers share a stream)
+            super().__init__(config, *args, **kwargs)
+
+    LayoutSeededLayer.__name__ = LayoutSeededLayer.__qualname__ = layer_class.__name__
+    return LayoutSeededLayer
 
 
 def build_model_chunks(model_cfg: Any, **kwargs: Any) -> list[torch.nn.Module]:

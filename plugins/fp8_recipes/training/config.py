@@ -95,6 +95,9 @@ class TrainerConfig:
     """Write a metrics row every this many steps."""
     seed: int = 1234
     """Seed for weights, dropout and data order (used by init_distributed in scripts/train.py)."""
+    device: str = "auto"
+    """auto = a CUDA GPU when there is one, else the CPU | gpu = a CUDA GPU or a one-line refusal (trainer=gpu sets
+    it: a GPU run never trains on the CPU unnoticed; Slurm jobs request a GPU per task)."""
     params_dtype: str = "bf16"
     """Model parameter dtype, bf16 | fp32 (aliases bfloat16 | float32); read by training/run.py for build_gpt_model."""
     tensor_model_parallel_size: int = 1
@@ -185,6 +188,8 @@ class TrainerConfig:
         if self.params_dtype not in ("bf16", "fp32", "bfloat16", "float32"):
             raise ValueError(f"trainer.params_dtype={self.params_dtype!r}: choose bf16 or fp32"
                              f"{did_you_mean(self.params_dtype, ('bf16', 'fp32'))}")
+        if self.device not in ("auto", "gpu"):
+            raise ValueError(f"trainer.device={self.device!r}: choose auto | gpu{did_you_mean(self.device, ('auto', 'gpu'))}")
         if self.on_nonfinite not in NONFINITE_ACTIONS:
             raise ValueError(f"trainer.on_nonfinite={self.on_nonfinite!r}: choose one of "
                              f"{' | '.join(NONFINITE_ACTIONS)}{did_you_mean(self.on_nonfinite, NONFINITE_ACTIONS)}")
@@ -245,7 +250,7 @@ class TrainerConfig:
         pp = self.pipeline_model_parallel_size
         if self.virtual_pipeline_model_parallel_size:
             for key, n in (("global_batch_size", accumulation), ("eval_iters", self.eval_iters)):
-                if key == "eval_iters" and n == 0:
+                if key == "eval_iters" and (n == 0 or self.eval_interval == 0):
                     continue
                 if n < pp or n % pp:
                     what = (f"{accumulation} micro-batches per step (global / (micro x data parallel))"
@@ -424,8 +429,10 @@ def _fails(cfg: Any, key: str) -> bool:
         return True
 
 
-def check_run_config(cfg: Any) -> TrainerConfig:
-    """Check every group of a composed train config before anything is built; return the trainer config."""
+def check_run_config(cfg: Any, world_size: int | None = None) -> TrainerConfig:
+    """Check every group of a composed train config before anything is built; return the trainer config.
+    ``world_size``: the processes the run will have (default: what the launcher started here; a Slurm job's
+    nodes x tasks per node when checked on the submitting host)."""
     container = dict(cfg) if isinstance(cfg, dict) else _resolved(cfg)
     unknown = sorted(set(container) - RUN_KEYS)
     if unknown:
@@ -437,7 +444,7 @@ def check_run_config(cfg: Any) -> TrainerConfig:
     trainer = TrainerConfig.from_cfg(container["trainer"])
     model, data = container["model"], container["data"]
     check_model_cfg(model, vocab_may_be_unset=True, tensor_parallel=trainer.tensor_model_parallel_size)
-    trainer.check_layout(launch_world_size(), int(model["num_layers"]))
+    trainer.check_layout(world_size or launch_world_size(), int(model["num_layers"]))
     check_data_cfg(data)
     tokenizer_vocab = 257 if data.get("tokenizer") == "bytes" else data.get("vocab_size")
     if model.get("vocab_size") is not None and model["vocab_size"] < tokenizer_vocab:

@@ -113,7 +113,7 @@ def engine_config_overrides(trainer) -> dict:
 
 
 def attach_emulated(model_cfg: dict, recipe, hardware, params_dtype: torch.dtype, device: torch.device,
-                    config_overrides: dict | None = None):
+                    config_overrides: dict | None = None, init_seed: int | None = None):
     """Megatron-Core's local spec with plan-driven fake-quantized linears (any device, any recipe): this rank's
     model chunks, the whole model's plan, and the backend driving this rank's part of it."""
     from fp8_recipes.megatron.emulated_layers import (
@@ -124,20 +124,20 @@ def attach_emulated(model_cfg: dict, recipe, hardware, params_dtype: torch.dtype
 
     chunks = build_model_chunks(model_cfg, params_dtype=params_dtype, device=device,
                                 column_linear=EmulatedColumnParallelLinear, row_linear=EmulatedRowParallelLinear,
-                                config_overrides=config_overrides)
+                                config_overrides=config_overrides, init_seed=init_seed)
     plan = PrecisionPlan(recipe, model_layout(chunks), hardware)
     return chunks, plan, attach_emulated_backend(chunks, plan)
 
 
 def attach_te(model_cfg: dict, recipe, hardware, params_dtype: torch.dtype, device: torch.device,
-              config_overrides: dict | None = None):
+              config_overrides: dict | None = None, init_seed: int | None = None):
     """Megatron-Core's TE layer spec (no fp8 in its config) under per-layer te.autocast from the plan."""
     from fp8_recipes.megatron.model import build_model_chunks, model_layout
     from fp8_recipes.megatron.te_layers import attach_te_backend
     from fp8_recipes.plan import PrecisionPlan
 
     chunks = build_model_chunks(model_cfg, use_te_spec=True, params_dtype=params_dtype, device=device,
-                                config_overrides=config_overrides)
+                                config_overrides=config_overrides, init_seed=init_seed)
     plan = PrecisionPlan(recipe, model_layout(chunks), hardware)
     return chunks, plan, attach_te_backend(chunks, plan)
 
@@ -179,8 +179,24 @@ def run_model_cfg(cfg, meta: dict, data_dir: Path) -> dict:
     return model_cfg
 
 
+def check_engine_backend(trainer, backend) -> None:
+    """Sequence and context parallelism need Transformer Engine's layers: Megatron-Core's local spec builds torch
+    norms, which refuse sequence parallelism, and its attention has no context parallelism."""
+    from fp8_recipes.schema import Backend
+
+    if backend is Backend.TE:
+        return
+    for key, on in (("sequence_parallel", bool(trainer.get("sequence_parallel"))),
+                    ("context_parallel_size", int(trainer.get("context_parallel_size") or 1) > 1)):
+        if on:
+            value = "true" if key == "sequence_parallel" else trainer.get(key)
+            raise ValueError(f"trainer.{key}={value} needs Transformer Engine's layers (the te backend, on an FP8 "
+                             f"GPU); the {backend} backend builds Megatron-Core's local layers, which have none: "
+                             f"unset it here")
+
+
 def run_training(cfg) -> dict:
-    from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan
+    from fp8_recipes.plan import Hardware, ModelLayout, ParallelLayout, PrecisionPlan
     from fp8_recipes.schema import Backend
     from fp8_recipes.training.config import check_run_config
 
@@ -194,6 +210,7 @@ def run_training(cfg) -> dict:
     # Fail on the recipe/hardware combination before any process group, data or model exists.
     with _recipe_keys():
         first_plan = PrecisionPlan(recipe, ModelLayout.gpt(int(cfg.model.num_layers)), hardware)
+    check_engine_backend(trainer, first_plan.backend)
 
     from fp8_recipes.megatron.data import data_parallel_batches, prepare_dataset
     from fp8_recipes.megatron.model import destroy_distributed, init_distributed
@@ -203,6 +220,9 @@ def run_training(cfg) -> dict:
     from fp8_recipes.training.loop import train
 
     tcfg = TrainerConfig.from_cfg(trainer)
+    if tcfg.device == "gpu" and hardware.device != "cuda":
+        raise ValueError("trainer.device=gpu: this machine has no CUDA GPU; train on the CPU with trainer=cpu (or "
+                         "trainer.device=auto)")
     gbs, mbs = tcfg.global_batch_size, tcfg.micro_batch_size
     layout = {"tensor_model_parallel_size": tcfg.tensor_model_parallel_size,
               "pipeline_model_parallel_size": tcfg.pipeline_model_parallel_size,
@@ -250,12 +270,15 @@ def run_training(cfg) -> dict:
         model_cfg = run_model_cfg(cfg, meta, data_dir)
         params_dtype = torch_dtype(str(trainer.params_dtype))
         attach = attach_te if first_plan.backend is Backend.TE else attach_emulated
+        # the same initial weights at any pipeline layout (megatron/model.py: build_gpt_model's init_seed)
         chunks, plan, precision = attach(model_cfg, recipe, hardware, params_dtype, device,
-                                         engine_config_overrides(tcfg.__dict__))
+                                         engine_config_overrides(tcfg.__dict__), init_seed=tcfg.seed)
         engine = build_engine(chunks, tcfg, seq_length=int(model_cfg["seq_length"]), lr=tcfg.lr, device=device)
         if rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
-            explained = plan.explain(max_steps=int(trainer.max_steps))
+            explained = plan.explain(max_steps=int(trainer.max_steps), parallel=ParallelLayout(
+                tcfg.tensor_model_parallel_size, tcfg.pipeline_model_parallel_size,
+                tcfg.virtual_pipeline_model_parallel_size, tcfg.context_parallel_size, dp))
             print(explained, flush=True)
             _write_text(run_dir / "plan.txt", explained + "\n")
             import yaml
