@@ -197,11 +197,29 @@ def test_no_gpu_and_no_compute_capability_is_a_clear_error():
         megatron_fp8_fields("tensorwise")
 
 
-def test_schedule_driver_refuses_pipeline_parallel_chunks():
+def test_schedule_driver_plans_the_whole_model_over_pipeline_chunks(monkeypatch):
+    """A pipeline stage's chunks (here two, as with virtual stages) go to the TE backend together, under the plan of
+    the whole model (global layer numbers; which stage holds which layer: tests/integration/test_parallel_cpu.py)."""
+    import types
+
     import torch
 
-    with pytest.raises(RuntimeError, match="pipeline parallelism"):
-        ScheduleDriver("safe").attach([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+    import fp8_recipes.megatron.te_layers as te_layers
+    from fp8_recipes.plan import Hardware
+
+    class Chunk(torch.nn.Module):
+        config = types.SimpleNamespace(num_layers=4)
+
+    attached = []
+    monkeypatch.setattr(Hardware, "detect", classmethod(lambda cls: Hardware("cuda", (9, 0), "2.20.2", "H200")))
+    monkeypatch.setattr(te_layers, "attach_te_backend", lambda chunks, plan: attached.append((chunks, plan)) or "te")
+    chunks = [Chunk(), Chunk()]
+    driver = ScheduleDriver("safe")
+    driver.attach(chunks)
+    (got, plan), = attached
+    assert got == chunks and driver.precision == "te" and plan.layout.num_layers == 4
+    assert plan.bf16_reason("decoder.layers.0.self_attention.linear_qkv") == "bf16_first: 1"
+    assert plan.bf16_reason("decoder.layers.3.mlp.linear_fc2") == "bf16_last: 1"
 
 
 # ---------------------------------------------------------------------------------------------------------------

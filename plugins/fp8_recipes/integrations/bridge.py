@@ -56,8 +56,8 @@ def _classes() -> dict[str, type]:
     class FP8RecipeCallback(Callback):
         """Plugin-owned precision in Bridge's loop: BF16 warmup, stages, per-layer and per-module BF16.
 
-        Needs the model built without fp8 (``apply_recipe`` sets plain BF16), the TE layer spec (Bridge's default
-        with TE installed) and pipeline_model_parallel_size 1."""
+        Needs the model built without fp8 (``apply_recipe`` sets plain BF16) and the TE layer spec (Bridge's default
+        with TE installed); with pipeline stages, every chunk of the rank runs its layers' part of the whole plan."""
 
         def __init__(self, recipe: RecipeRef, *, max_steps: int | None = None):
             self.driver = ScheduleDriver(recipe, max_steps=max_steps)

@@ -297,7 +297,8 @@ class ScheduleDriver:
 
     ``attach(chunks)`` once the model exists (TE layer spec, ``config.fp8`` unset); ``begin_step(step)`` before each
     step's forward (0-based count of finished steps); ``end_step(step, skipped)`` after its optimizer step.
-    Pipeline parallelism is refused: the plan numbers layers within one chunk.
+    With pipeline parallelism ``chunks`` are this rank's model chunks: the plan is the whole model's (global layer
+    numbers, megatron/model.py's named_linear_modules), and each stage runs its own layers' part of it.
     """
 
     def __init__(self, recipe: Recipe | str | Path | Mapping[str, Any], *, max_steps: int | None = None):
@@ -312,14 +313,11 @@ class ScheduleDriver:
         from fp8_recipes.megatron.te_layers import attach_te_backend
 
         chunks = list(chunks)
-        if len(chunks) != 1 or _pipeline_parallel_size() > 1:
-            raise RuntimeError("fp8-recipes schedule callback: pipeline parallelism is not supported (the plan "
-                               "numbers layers within one model chunk); use pipeline_model_parallel_size=1")
-        self.plan = PrecisionPlan(self.recipe, model_layout(chunks[0]), Hardware.detect())
+        self.plan = PrecisionPlan(self.recipe, model_layout(chunks), Hardware.detect())
         if self.plan.backend is not Backend.TE:
             raise RuntimeError(f"fp8-recipes schedule callback: recipe '{self.recipe.name}' cannot run on Transformer "
                                f"Engine here ({self.plan.backend_reason})")
-        self.precision = attach_te_backend(chunks[0], self.plan)
+        self.precision = attach_te_backend(chunks, self.plan)
         if _rank() == 0:
             log.info("fp8-recipes precision plan:\n%s", self.plan.explain(self.max_steps))
 
@@ -335,12 +333,6 @@ class ScheduleDriver:
             self.precision.skip_step(step)
         else:
             self.precision.after_optimizer_step(step)
-
-
-def _pipeline_parallel_size() -> int:
-    from megatron.core import parallel_state as ps
-
-    return ps.get_pipeline_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
 
 
 def _rank() -> int:
