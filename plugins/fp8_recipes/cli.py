@@ -5,6 +5,7 @@
     fp8-recipes validate recipes/*.yaml my.yaml   exit 0, or 1 with one line per problem
     fp8-recipes explain safe --layers 8           per-role policies, stages and per-layer GEMM precision
     fp8-recipes explain safe --layers 8 --layout tp=2,pp=4,dp=8    ... and which pipeline stage runs which layers
+    fp8-recipes memory llama3-70b --layout tp=4,pp=4,cp=2,dp=4 --fp8   estimated memory per GPU
     fp8-recipes doctor RUN_DIR --baseline BF16_RUN --write fixed.yaml
                                                   diagnose a run: exit 0 healthy, 1 problem found, 2 bad input
 
@@ -73,6 +74,32 @@ def _cmd_explain(args) -> int:
     return 0
 
 
+def _cmd_memory(args) -> int:
+    from fp8_recipes.memory import LLAMA3, estimate_memory, format_estimate
+    from fp8_recipes.plan import ParallelLayout
+
+    if args.model in LLAMA3:
+        model = LLAMA3[args.model]
+    else:
+        from omegaconf import OmegaConf
+
+        from fp8_recipes.recipes import conf_dir
+
+        path = conf_dir() / "model" / f"{args.model}.yaml"
+        if not path.is_file():
+            choices = sorted(LLAMA3) + sorted(p.stem for p in path.parent.glob("*.yaml"))
+            raise ValueError(f"error: memory: {args.model!r} is not a model ({', '.join(choices)})")
+        model = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        if not isinstance(model.get("vocab_size"), int):
+            model["vocab_size"] = 4096  # the stdlib tokenizer's, which the small configs take from data
+    layout = ParallelLayout.parse(args.layout)
+    estimate = estimate_memory(model, layout, micro_batch_size=args.mbs, seq_length=args.seq, fp8=args.fp8,
+                               distributed_optimizer=not args.replicated_optimizer)
+    print(format_estimate(args.model, layout, estimate, micro_batch_size=args.mbs, seq_length=args.seq,
+                          fp8=args.fp8, distributed_optimizer=not args.replicated_optimizer))
+    return 0
+
+
 def _cmd_doctor(args) -> int:
     """0: healthy, 1: a problem was found (the report says which), 2: a run directory or --write path is unusable."""
     from fp8_recipes.observe.doctor import DoctorInputError, diagnose
@@ -117,6 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--layout", metavar="tp=2,pp=4,vpp=2,cp=2,dp=8",
                    help="a parallel layout: also print which pipeline stage runs which layers in which precision")
     e.set_defaults(fn=_cmd_explain)
+    m = sub.add_parser("memory", help="estimated memory per GPU of a GPT at a parallel layout (docs/scale.md)")
+    m.add_argument("model", metavar="MODEL", help="llama3-8b | llama3-70b | llama3-405b | a conf/model name")
+    m.add_argument("--layout", default="", metavar="tp=8,pp=4,vpp=2,cp=2,dp=8")
+    m.add_argument("--mbs", type=int, default=1, help="micro-batch size (default 1)")
+    m.add_argument("--seq", type=int, default=8192, help="sequence length (default 8192)")
+    m.add_argument("--fp8", action="store_true", help="an FP8 recipe with per-tensor scaling (FP8 weight copies)")
+    m.add_argument("--replicated-optimizer", action="store_true", help="without the distributed optimizer")
+    m.set_defaults(fn=_cmd_memory)
     d = sub.add_parser("doctor", help="diagnose a run and propose a recipe change (exit 0 healthy, 1 problem)")
     d.add_argument("run_dir", metavar="RUN_DIR", help="a scripts/train.py run directory (metrics.jsonl, ...)")
     d.add_argument("--baseline", metavar="DIR", help="a BF16 run of the same config: tells FP8 from the LR and "
