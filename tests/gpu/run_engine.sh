@@ -2,6 +2,8 @@
 # Megatron-Core's engine on the GPU machine, from the project root (after ../shared/gpu's install.sh):
 #     bash tests/gpu/run_engine.sh tests     # the TE training tests on the engine + a real llama3_8b_8l run (cap 420 s)
 #     BASELINE=.oldsrc bash tests/gpu/run_engine.sh bench   # one GPU: the engine before (BASELINE checkout) and now
+#     bash tests/gpu/run_engine.sh two       # two GPUs: scales across the amax group, safe at PP=2, bench_parallel
+#         (10 runs of ~40 s; a second call with LAYOUTS="1gpu dp2 tp2sp pp2 cp2" RECIPES="tensorwise" covers the rest)
 # Logs, JSON and PNG into $OUT (default runs/gpu); a short summary is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -28,6 +30,15 @@ tests)
   echo "GPU tests: $(grep -E ' in [0-9.]+s' "$OUT/tests.log" | tail -1)"
   grep -E '^(FAILED|ERROR) ' "$OUT/tests.log" | head -20
   grep -E "^done:|^error" "$OUT/train.log"
+  ;;
+two)
+  stamp "two GPUs: tests/gpu/test_parallel_gpu.py" | tee "$OUT/two.log"
+  timeout -s INT 420 "$PY" -m pytest tests/gpu/test_parallel_gpu.py -q -p no:cacheprovider -o addopts="" -rfEs \
+      2>&1 | tee -a "$OUT/two.log"
+  stamp "two GPUs: bench_parallel" | tee -a "$OUT/two.log"
+  timeout -s INT 560 "$PY" scripts/bench_parallel.py --layouts ${LAYOUTS:-1gpu dp2 dp2-plainopt tp2sp pp2} \
+      --recipes ${RECIPES:-bf16 delayed} --steps 12 --gbs 8 --out "$OUT" -- model=llama3_8b_8l trainer=gpu \
+      trainer.micro_batch_size=2 trainer.warmup_steps=1 2>&1 | tee -a "$OUT/two.log"
   ;;
 bench)
   stamp "bench_parallel on one GPU: baseline ${BASELINE:-none} and this engine" | tee "$OUT/bench.log"

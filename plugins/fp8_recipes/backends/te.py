@@ -393,6 +393,16 @@ class TEPrecision:
         # step's non-finite amax stays in them, and TE's scale update keeps the previous scale while it is there.
         pass
 
+    def scales(self) -> dict[str, dict[str, list[float]]]:
+        """This rank's delayed scales per TE linear: forward (input, weight) and backward (grad_output) as TE keeps
+        them (for the multi-rank checks: one amax-reduction group must agree)."""
+        out = {}
+        for name, module in self.linears.items():
+            tensors = _delayed_tensors(module)
+            if tensors:
+                out[name] = {k: tensors[f"scale_{k}"].float().flatten().tolist() for k in ("fwd", "bwd")}
+        return out
+
     def state_dict(self) -> dict:
         delayed = dict(self._pending)  # not put back yet (the module has not run FP8 since loading): keep them
         for name, module in self.linears.items():
