@@ -1,8 +1,9 @@
 """Non-finite steps through scripts/train.py: a NaN seen by one rank of two skips the step on both, identically;
 ``trainer.on_nonfinite=stop`` ends the run with exit code 3 and one line, keeping its outputs.
 
-NaNs are injected by a test-only sitecustomize that patches the loop's loss: the loss *value* of the chosen
-training forwards becomes NaN while its gradients stay finite, so only the rank that computed it can tell.
+NaNs are injected by a test-only sitecustomize that patches the engine's training loss (training/engine.py): the loss
+*value* of the chosen training forwards becomes NaN while its gradients stay finite, so only the rank that computed
+it can tell.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 NAN_HOOK = r'''
 import os
 if os.environ.get("FP8_TEST_NAN") and (os.environ.get("RANK") is not None or os.environ.get("FP8_TEST_NAN_SINGLE")):
-    from fp8_recipes.training import loop
+    from fp8_recipes.training.engine import Engine
 
     _rank = int(os.environ.get("RANK", 0))
     _steps = set()
@@ -36,17 +37,17 @@ if os.environ.get("FP8_TEST_NAN") and (os.environ.get("RANK") is not None or os.
         _lo, _, _hi = _s.partition("-")
         if int(_r) == _rank:
             _steps |= set(range(int(_lo), int(_hi or _lo) + 1))
-    _loss_sums, _calls = loop._loss_sums, [0]
+    _train_loss, _calls = Engine._train_loss, [0]
 
-    def _nan_loss_sums(model, batch):
-        loss_sum, n = _loss_sums(model, batch)
-        if model.training:
-            if _calls[0] in _steps:
-                loss_sum = loss_sum + loss_sum.detach() * float("nan")  # the value only: grads stay finite
-            _calls[0] += 1
-        return loss_sum, n
+    def _nan_train_loss(self, loss_mask, losses):  # training forwards only (evaluation has its own loss)
+        loss, reported = _train_loss(self, loss_mask, losses)
+        if _calls[0] in _steps:
+            loss = loss + loss.detach() * float("nan")  # the value only: grads stay finite
+            reported = {"loss": reported["loss"] * float("nan")}
+        _calls[0] += 1
+        return loss, reported
 
-    loop._loss_sums = _nan_loss_sums
+    Engine._train_loss = _nan_train_loss
 '''
 
 
@@ -125,7 +126,7 @@ def test_stop_checkpoints_the_last_good_state_and_resumes_with_a_lower_lr(datase
     assert (ckpts / "latest").read_text().strip() == "step_3" and not list(ckpts.glob(".*.tmp"))
     last_good, stopped = payload(ckpts / "step_1"), payload(ckpts / "step_3")  # step_2: save_interval's, skipped
     assert stopped["step"] == 3
-    for key in ("model", "optimizer", "master_params", "scheduler"):  # the skipped steps changed nothing
+    for key in ("model", "optimizer", "scheduler"):  # the skipped steps changed nothing
         assert_same(stopped[key], last_good[key])
     assert json.loads((ckpts / "step_3" / "meta.json").read_text())["consumed_samples"] == 3 * 4  # past the bad data
 

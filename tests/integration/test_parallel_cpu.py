@@ -77,7 +77,8 @@ def train(*args, **kwargs):
     _dump.update(rank=bound["rank"], tp_rank=ps.get_tensor_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank(),
                  pp_rank=ps.get_pipeline_model_parallel_rank(), losses=list(_losses),
                  scales=precision.scales() if hasattr(precision, "scales") else {},
-                 fp8_modules={n: s.plan.any_fp8 for n, s in states.items()})
+                 fp8_modules={n: s.plan.any_fp8 for n, s in states.items()},
+                 recompute=bound["engine"].config.recompute_granularity)
     return summary
 
 
@@ -123,11 +124,15 @@ RUNS = {  # name: (recipe, processes, TP, extra overrides)
     "tensorwise-tp2-data": ("tensorwise", 2, 2, ["++recipe.amax_reduction=data"]),
     # Megatron-Core's engine past one model replica (4 layers, so each of 2 stages / 4 chunks holds some)
     "bf16-4l-1": ("bf16", 1, 1, FOUR_LAYERS),
+    "bf16-4l-recompute-full": ("bf16", 1, 1, [*FOUR_LAYERS, "trainer.recompute_granularity=full",
+                                              "trainer.recompute_method=uniform", "trainer.recompute_num_layers=1"]),
+    "bf16-4l-recompute-selective": ("bf16", 1, 1, [*FOUR_LAYERS, "trainer.recompute_granularity=selective"]),
     "bf16-pp2": ("bf16", 2, 1, [*FOUR_LAYERS, *PP2]),
     "bf16-vpp2": ("bf16", 2, 1, [*FOUR_LAYERS, *PP2, "trainer.virtual_pipeline_model_parallel_size=2"]),
     "bf16-tp2-pp2": ("bf16", 4, 2, [*FOUR_LAYERS, *PP2]),
     "safe-4l-1": ("safe", 1, 1, [*FOUR_LAYERS, *SAFE_NOW]),
     "safe-pp2": ("safe", 2, 1, [*FOUR_LAYERS, *PP2, *SAFE_NOW]),
+    "delayed-pp2-stats": ("delayed", 2, 1, [*FOUR_LAYERS, *PP2, "++debug.interval=4"]),
     # the distributed optimizer with overlapped reduce and gather; its checkpoint: resumed at DP=1 below
     "delayed-dp2-distopt": ("delayed", 2, 1, [*DISTOPT, "trainer.save_checkpoints=true"]),
 }
@@ -248,6 +253,8 @@ def _rel(a: list[float], b: list[float]) -> float:
                                             ("tensorwise-tp2-data", "tensorwise-1"),
                                             ("bf16-pp2", "bf16-4l-1"), ("bf16-vpp2", "bf16-4l-1"),
                                             ("bf16-tp2-pp2", "bf16-4l-1"), ("safe-pp2", "safe-4l-1"),
+                                            ("bf16-4l-recompute-full", "bf16-4l-1"),
+                                            ("bf16-4l-recompute-selective", "bf16-4l-1"),
                                             ("delayed-dp2-distopt", "delayed-1")])
 def test_loss_matches_one_rank(name, reference, runs):
     ref = runs[reference]["ranks"][0]["losses"]
@@ -354,3 +361,31 @@ def test_distributed_optimizer_shards_and_resumes_at_one_rank(runs, dataset, tmp
     assert [line for line in refused.stderr.splitlines() if line.strip()] == [
         f"error: trainer.use_distributed_optimizer: false differs from the checkpoint's true ({step_dir}; resume "
         f"with trainer.use_distributed_optimizer=true)"]
+
+
+@pytest.mark.slow
+def test_activation_recompute_reaches_megatron_core(runs):
+    """trainer.recompute_* become TransformerConfig's: the runs above train the same losses as without (recompute
+    repeats the forward in the backward; it changes memory, not numerics)."""
+    assert runs["bf16-4l-recompute-full"]["ranks"][0]["recompute"] == "full"
+    assert runs["bf16-4l-recompute-selective"]["ranks"][0]["recompute"] == "selective"
+    assert runs["bf16-4l-1"]["ranks"][0]["recompute"] is None
+
+
+@pytest.mark.slow
+def test_statistics_per_pipeline_stage(runs):
+    """Each stage's first rank writes its own modules' statistics: stage 0 to numerics.jsonl, stage 1 to
+    numerics.stage1.jsonl; read_numerics (and the doctor) read them as one."""
+    from fp8_recipes.observe.recorder import read_numerics
+
+    run_dir = runs["delayed-pp2-stats"]["run_dir"]
+    def modules(path):
+        return {json.loads(line)["module"] for line in path.read_text().splitlines()}
+
+    stage0, stage1 = modules(run_dir / "numerics.jsonl"), modules(run_dir / "numerics.stage1.jsonl")
+    assert {m.split(".")[2] for m in stage0 if m.startswith("decoder.")} == {"0", "1"}
+    assert {m.split(".")[2] for m in stage1 if m.startswith("decoder.")} == {"2", "3"}
+    assert "output_layer" not in stage0 and not stage0 & stage1
+    rows = read_numerics(run_dir)
+    assert len({r["step"] for r in rows}) == 2 and {r["module"] for r in rows} == stage0 | stage1
+    assert (run_dir / "numerics_underflow.png").is_file() and (run_dir / "numerics_underflow.stage1.png").is_file()

@@ -152,14 +152,15 @@ if os.environ.get("FP8_TEST_DUMP") and os.environ.get("RANK") is not None:
                     first["tokens"] = _tensor_sha(b["tokens"])
                 yield b
 
-        bound["batches_train"] = spy(bound["batches_train"])
+        streams = bound["batches_train"]  # one per model chunk (one here)
+        bound["batches_train"] = [spy(streams[0]), *streams[1:]]
         summary = _train(**bound)
         precision = bound["precision"]
         state = precision.state_dict()
         out = {"rank": bound["rank"], "first_batch": first["tokens"], "scales": precision.scales(),
                "histories": {n: {r: _tensor_sha(s["history"]) for r, s in per.items()}
                              for n, per in state.get("scalers", {}).items()},
-               "params": {k: _tensor_sha(v) for k, v in unwrap_model(bound["model"]).state_dict().items()
+               "params": {k: _tensor_sha(v) for k, v in unwrap_model(bound["engine"].models[0]).state_dict().items()
                           if hasattr(v, "numpy")}}
         with open(os.path.join(os.environ["FP8_TEST_DUMP"], f"rank{out['rank']}.json"), "w") as f:
             json.dump(out, f)
@@ -196,7 +197,7 @@ def test_two_rank_data_parallel(name, dataset, tmp_path):
     assert r0["scales"] == r1["scales"] and r0["histories"] == r1["histories"]
     # the checkpoint (each entry written once, by data-parallel rank 0) holds the same state
     ckpt = read_checkpoint(run_dir / "checkpoints" / "step_10")
-    assert {k: hashlib.sha256(v.float().numpy().tobytes()).hexdigest() for k, v in ckpt["model"].items()
+    assert {k: hashlib.sha256(v.float().numpy().tobytes()).hexdigest() for k, v in ckpt["model"][0].items()
             if torch.is_tensor(v)} == r1["params"]
     saved = ckpt["precision"]["scalers"]
     if name == "delayed":  # amaxes are MAX-reduced over the data-parallel group: one set of scales everywhere

@@ -28,7 +28,8 @@ SURFACE = {
     "list": ([], []),
     "show": (["recipe"], []),
     "validate": (["recipes"], []),
-    "explain": (["recipe"], ["--detect", "--layers", "--steps"]),
+    "explain": (["recipe"], ["--detect", "--layers", "--layout", "--steps"]),
+    "memory": (["model"], ["--fp8", "--layout", "--mbs", "--replicated-optimizer", "--seq"]),
     "doctor": (["run_dir"], ["--baseline", "--write"]),
 }
 

@@ -76,7 +76,8 @@ def test_layout_checks():
     cfg = TrainerConfig.from_cfg({"micro_batch_size": 2, "global_batch_size": 8, "tensor_model_parallel_size": 2,
                                   "pipeline_model_parallel_size": 2})
     assert cfg.model_parallel_size == 4 and cfg.check_layout(8, 4) == 2
-    with pytest.raises(ValueError, match=r"tensor x pipeline x context parallel = 2 x 2 x 1 = 4 does not divide the 6"):
+    with pytest.raises(ValueError, match=r"^trainer\.tensor_model_parallel_size x pipeline_model_parallel_size x "
+                                         r"context_parallel_size = 2 x 2 x 1 = 4 does not divide the 6 launched"):
         cfg.check_layout(6, 4)
     with pytest.raises(ValueError, match=r"model\.num_layers=3 is not divisible by pipeline x virtual pipeline = 2"):
         cfg.check_layout(4, 3)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8_recipes.observe.doctor import Diagnosis, DoctorInputError, Finding, RunData
+from fp8_recipes.observe.files import numerics_files
 from fp8_recipes.schema import Recipe
 
 __all__ = ["format_report", "load_run", "patched_recipe", "write_recipe"]
@@ -49,7 +50,7 @@ def load_run(run_dir: str | Path, key: str = "RUN_DIR") -> RunData:
                    key=lambda r: r.get("step", 0))
     if not train:
         raise DoctorInputError(f"{key}: '{run_dir}'/metrics.jsonl has no training step yet (let the run take steps)")
-    numerics = _jsonl(path / "numerics.jsonl", key) if (path / "numerics.jsonl").is_file() else []
+    numerics = [row for f in numerics_files(path) for row in _jsonl(f, key)]
     recipe: dict[str, Any] = {}
     if (path / "recipe.yaml").is_file():
         try:

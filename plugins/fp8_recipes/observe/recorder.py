@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from fp8_recipes.observe.config import DebugConfig
+from fp8_recipes.observe.files import numerics_files, numerics_name
 from fp8_recipes.numerics import block_for
 from fp8_recipes.observe.stats import COLUMNWISE, OperandStats, measure, rows as stats_rows
 from fp8_recipes.plan import Gemm
@@ -64,10 +65,14 @@ class NumericsRecorder:
     """Aggregates operand statistics per step and writes them; saves the dumps a step asks for."""
 
     def __init__(self, config: DebugConfig, run_dir: str | os.PathLike, *, write: bool = True,
-                 tensorboard: bool = True):
+                 tensorboard: bool = True, stage: int | None = None):
         self.config = config
         self.run_dir = Path(run_dir)
         self.write = write
+        self.stage = stage
+        """The pipeline stage whose modules this rank observes (None: one stage). Each stage's first rank writes
+        its own rows: stage 0 (or the only one) to numerics.jsonl, stage N to numerics.stageN.jsonl (one writer per
+        file; module names are global, so the files read as one: :func:`numerics_files`)."""
         self.tensorboard = tensorboard
         self.states: dict[str, Any] = {}
         self.step: int | None = None
@@ -220,7 +225,7 @@ class NumericsRecorder:
         if self._file is not None:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.run_dir / "numerics.jsonl", "a", encoding="utf-8")
+        self._file = open(self.run_dir / numerics_name(self.stage), "a", encoding="utf-8")
         if self.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -241,7 +246,8 @@ class NumericsRecorder:
             self._tb = None
         if self.write and self._heat:
             try:
-                plot_heatmap(self._heat, self.run_dir / "numerics_underflow.png")
+                suffix = f".stage{self.stage}" if self.stage else ""
+                plot_heatmap(self._heat, self.run_dir / f"numerics_underflow{suffix}.png")
             except Exception as e:  # noqa: BLE001 - a plot must never fail a finished run
                 logger.warning("numerics heat map failed: %s: %s", type(e).__name__, e)
 
@@ -321,9 +327,9 @@ def load_dump(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def read_numerics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """Every row of ``run_dir/numerics.jsonl``."""
-    path = Path(run_dir) / "numerics.jsonl"
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    """Every row of the run's statistics (numerics.jsonl and, for a pipelined run, each stage's file)."""
+    return [json.loads(line) for path in numerics_files(run_dir)
+            for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def plot_heatmap(heat: dict[str, dict[int, float]], path: Path, what: str = "underflow % of fprop activations"):

@@ -237,9 +237,10 @@ class TrainerConfig:
         build or schedule: ranks, layers per (virtual) stage, micro-batches per interleaved step."""
         mp = self.model_parallel_size
         if world_size % mp:
-            raise ValueError(f"trainer: tensor x pipeline x context parallel = {self.tensor_model_parallel_size} x "
-                             f"{self.pipeline_model_parallel_size} x {self.context_parallel_size} = {mp} does not "
-                             f"divide the {world_size} launched processes; launch a multiple of {mp} or change them")
+            raise ValueError(f"trainer.tensor_model_parallel_size x pipeline_model_parallel_size x context_parallel_size "
+                             f"= {self.tensor_model_parallel_size} x {self.pipeline_model_parallel_size} x "
+                             f"{self.context_parallel_size} = {mp} does not divide the {world_size} launched "
+                             f"processes; launch a multiple of {mp} or lower them")
         chunks = self.pipeline_model_parallel_size * (self.virtual_pipeline_model_parallel_size or 1)
         if num_layers % chunks:
             raise ValueError(f"model.num_layers={num_layers} is not divisible by pipeline x virtual pipeline = "

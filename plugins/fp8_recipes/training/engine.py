@@ -96,9 +96,11 @@ class Engine:
     def _batch(self, data_iterator: Iterator) -> dict[str, Any]:
         batch = _to_device(next(data_iterator), self.device)
         if self.cp_size > 1:  # each CP rank keeps its two (load-balanced) slices of every sequence
+            from megatron.core import parallel_state as ps
             from megatron.core.utils import get_batch_on_this_cp_rank
 
-            batch = get_batch_on_this_cp_rank({**batch, "cu_seqlens": None}, is_hybrid_cp=False)
+            batch = get_batch_on_this_cp_rank({**batch, "cu_seqlens": None}, is_hybrid_cp=False,
+                                              cp_group=ps.get_context_parallel_group())
         return batch
 
     def _forward(self, data_iterator: Iterator, model: torch.nn.Module, *, train: bool):

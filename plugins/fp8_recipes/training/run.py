@@ -62,7 +62,14 @@ def _observe(precision, debug, run_dir: Path, rank: int, backend):
         states = te_observer_states(precision)
     else:
         states = precision.states
-    recorder = NumericsRecorder(debug, run_dir, write=rank == 0)
+    from megatron.core import parallel_state as ps
+
+    # the first rank of each pipeline stage writes that stage's rows (its modules; the others hold the same numbers)
+    first_of_stage = (ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
+                      and ps.get_context_parallel_rank() == 0)
+    pp = ps.get_pipeline_model_parallel_world_size()
+    recorder = NumericsRecorder(debug, run_dir, write=first_of_stage,
+                                stage=ps.get_pipeline_model_parallel_rank() if pp > 1 else None)
     recorder.attach(states)
     return ObservedPrecision(precision, recorder), recorder
 
