@@ -1,7 +1,7 @@
 """Megatron-Core's engine on two GPUs of one host (NCCL), through scripts/train.py under torchrun: delayed scales
 identical across the amax-reduction group (data x tensor parallel, per pipeline stage), and the issue's "done when"
 run: `safe` at PP=2 with layer 0 and the last layer BF16 on their own stages. Skips with fewer than two GPUs (the
-device tool's nvidia-h200-x2 kind runs it: bash tests/gpu/run_engine.sh two)."""
+device tool's nvidia-h200-x2 kind runs it: bash tests/gpu/run_gpu.sh two)."""
 
 from __future__ import annotations
 

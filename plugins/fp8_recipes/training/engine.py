@@ -31,6 +31,7 @@ CUDA device in a few tensor factories and type checks (see that module).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Iterator, Mapping, Sequence
@@ -247,7 +248,27 @@ class Engine:
             self.optimizer.load_state_dict(state["state_dict"])
             if self.cfg.use_distributed_optimizer:
                 for opt, param_state in zip(_chained(self.optimizer), state["param_state"]):
-                    opt.load_parameter_state_from_dp_zero(param_state)
+                    with _step_tensors_aside(opt):
+                        opt.load_parameter_state_from_dp_zero(param_state)
+
+
+@contextlib.contextmanager
+def _step_tensors_aside(optimizer: Any) -> Iterator[None]:
+    """Megatron-Core 0.19's ``load_parameter_state_from_dp_zero`` copies every tensor of a param's optimizer state
+    from the gathered state, which holds ``param``, ``exp_avg`` and ``exp_avg_sq`` only; torch's AdamW (the
+    optimizer where neither Transformer Engine nor Apex is installed: the CPU) also keeps a ``step`` tensor per param,
+    which ``load_state_dict`` has already restored from the param groups (KeyError: 'step' otherwise). TE's
+    FusedAdam keeps ``step`` in the param groups: nothing is set aside there."""
+    inner = getattr(optimizer, "optimizer", None)
+    aside = {}
+    for param, state in (getattr(inner, "state", {}) or {}).items():
+        if isinstance(state, dict) and isinstance(state.get("step"), torch.Tensor):
+            aside[param] = state.pop("step")
+    try:
+        yield
+    finally:
+        for param, step in aside.items():
+            inner.state[param]["step"] = step
 
 
 def _set_lr_bounds(state: Any, max_lr: float | None, min_lr: float | None) -> None:

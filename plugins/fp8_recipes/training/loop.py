@@ -306,6 +306,7 @@ def train(engine: Engine, batches_train: Iterator[Mapping[str, Any]] | list[Iter
                 skipped_total, in_a_row = skipped_total + 1, in_a_row + 1
             else:
                 schedule.last_epoch += 1
+                engine.set_lr(lr_of(schedule.last_epoch))  # the next step's, as a scheduler leaves it (checkpoints)
                 precision.after_optimizer_step(step)
                 in_a_row = 0
             fallback_left = max(fallback_left - 1, 0)
