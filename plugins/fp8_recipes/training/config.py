@@ -118,6 +118,16 @@ class TrainerConfig:
     """All-gather updated params during the next forward (needs use_distributed_optimizer, overlap_grad_reduce)."""
     grad_reduce_in_fp32: bool = True
     """Accumulate and reduce gradients in fp32 buffers (Megatron-LM's --accumulate-allreduce-grads-in-fp32)."""
+    use_precision_aware_optimizer: bool = False
+    """Keep optimizer state in the dtypes below (Transformer Engine's FusedAdam; needs the distributed optimizer)."""
+    exp_avg_dtype: str = "fp32"
+    """Adam's first moment with the precision-aware optimizer: fp32 | bf16 | fp16."""
+    exp_avg_sq_dtype: str = "fp32"
+    """Adam's second moment with the precision-aware optimizer: fp32 | bf16 | fp16."""
+    main_params_dtype: str = "fp32"
+    """Main (master) params with the precision-aware optimizer: fp32 | fp16."""
+    main_grads_dtype: str = "fp32"
+    """Main grads with the precision-aware optimizer: fp32 | bf16."""
     recompute_granularity: str | None = None
     """Activation recompute: null = off | selective (attention core) | full (whole layers; set recompute_method)."""
     recompute_method: str | None = None
@@ -212,6 +222,18 @@ class TrainerConfig:
         if self.overlap_param_gather and not (self.use_distributed_optimizer and self.overlap_grad_reduce):
             raise ValueError("trainer.overlap_param_gather=true needs trainer.use_distributed_optimizer=true and "
                              "trainer.overlap_grad_reduce=true")
+        dtypes = {"exp_avg_dtype": ("fp32", "bf16", "fp16"), "exp_avg_sq_dtype": ("fp32", "bf16", "fp16"),
+                  "main_params_dtype": ("fp32", "fp16"), "main_grads_dtype": ("fp32", "bf16")}
+        for key, allowed in dtypes.items():
+            value = getattr(self, key)
+            if value not in allowed:
+                raise ValueError(f"trainer.{key}={value!r}: choose {' | '.join(allowed)}"
+                                 f"{did_you_mean(str(value), allowed)}")
+            if value != "fp32" and not self.use_precision_aware_optimizer:
+                raise ValueError(f"trainer.{key}={value}: needs trainer.use_precision_aware_optimizer=true")
+        if self.use_precision_aware_optimizer and not self.use_distributed_optimizer:
+            raise ValueError("trainer.use_precision_aware_optimizer=true needs trainer.use_distributed_optimizer=true "
+                             "(Megatron-Core keeps the low-precision state in the distributed optimizer's shards)")
         choices = (None, "selective", "full")
         if self.recompute_granularity not in choices:
             raise ValueError(f"trainer.recompute_granularity={self.recompute_granularity!r}: choose null | selective "

@@ -287,6 +287,9 @@ def _set_lr_bounds(state: Any, max_lr: float | None, min_lr: float | None) -> No
             _set_lr_bounds(value, max_lr, min_lr)
 
 
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def build_engine(chunks: list[torch.nn.Module], cfg: TrainerConfig, *, seq_length: int, lr: float,
                  device: torch.device) -> Engine:
     """Wrap ``chunks`` (this rank's GPTModel chunks, Float16Module-wrapped for BF16) in Megatron-Core's DDP, build
@@ -308,7 +311,10 @@ def build_engine(chunks: list[torch.nn.Module], cfg: TrainerConfig, *, seq_lengt
             optimizer="adam", lr=lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
             adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad, bf16=bf16,
             params_dtype=config.params_dtype, use_distributed_optimizer=cfg.use_distributed_optimizer,
-            overlap_param_gather=cfg.overlap_param_gather), wrapped)
+            overlap_param_gather=cfg.overlap_param_gather,
+            use_precision_aware_optimizer=cfg.use_precision_aware_optimizer,
+            **{key: _DTYPES[getattr(cfg, key)] for key in ("exp_avg_dtype", "exp_avg_sq_dtype", "main_params_dtype",
+                                                            "main_grads_dtype")}), wrapped)
 
     def one_or_list(fns: list) -> Any:
         return fns[0] if len(fns) == 1 else fns

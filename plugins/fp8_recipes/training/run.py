@@ -188,18 +188,19 @@ def run_model_cfg(cfg, meta: dict, data_dir: Path) -> dict:
 
 def check_engine_backend(trainer, backend) -> None:
     """Sequence and context parallelism need Transformer Engine's layers: Megatron-Core's local spec builds torch
-    norms, which refuse sequence parallelism, and its attention has no context parallelism."""
+    norms, which refuse sequence parallelism, and its attention has no context parallelism; the precision-aware
+    optimizer needs Transformer Engine's FusedAdam."""
     from fp8_recipes.schema import Backend
 
     if backend is Backend.TE:
         return
     for key, on in (("sequence_parallel", bool(trainer.get("sequence_parallel"))),
-                    ("context_parallel_size", int(trainer.get("context_parallel_size") or 1) > 1)):
+                    ("context_parallel_size", int(trainer.get("context_parallel_size") or 1) > 1),
+                    ("use_precision_aware_optimizer", bool(trainer.get("use_precision_aware_optimizer")))):
         if on:
-            value = "true" if key == "sequence_parallel" else trainer.get(key)
-            raise ValueError(f"trainer.{key}={value} needs Transformer Engine's layers (the te backend, on an FP8 "
-                             f"GPU); the {backend} backend builds Megatron-Core's local layers, which have none: "
-                             f"unset it here")
+            value = "true" if isinstance(trainer.get(key), bool) else trainer.get(key)
+            raise ValueError(f"trainer.{key}={value} needs Transformer Engine (the te backend, on an FP8 GPU); the "
+                             f"{backend} backend builds Megatron-Core's local layers and torch's AdamW: unset it here")
 
 
 def run_training(cfg) -> dict:
