@@ -7,8 +7,9 @@ FP8 vs BF16 within each layout, peak memory per GPU, with and without the distri
         -- model=llama3_8b_8l trainer=gpu
     python scripts/bench_parallel.py --plot-only runs/bench_parallel/bench_parallel.json
 
-Layouts (fp8_recipes/bench/parallel.py): 1gpu, 1gpu-plainopt, dp2, dp2-plainopt, tp2sp, pp2, cp2, dp4, tp2pp2;
-`-plainopt` turns the distributed optimizer and the overlaps off. Data-parallel layouts scale the global batch with
+Layouts (fp8_recipes/bench/parallel.py): 1gpu, 1gpu-plainopt, 1gpu-bf16moments, dp2, dp2-plainopt, tp2sp, pp2, cp2,
+dp4, tp2pp2; `-plainopt` turns the distributed optimizer and the overlaps off, `-bf16moments` keeps Adam's moments in
+BF16 (the precision-aware optimizer). Data-parallel layouts scale the global batch with
 the ranks (the same micro-batch and accumulation per rank as the one-GPU run). Needs as many GPUs as a layout has.
 """
 

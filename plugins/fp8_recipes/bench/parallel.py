@@ -28,6 +28,8 @@ LAYOUTS: dict[str, tuple[int, list[str], int]] = {
     # name: (processes, trainer overrides, global-batch multiple of the one-GPU run's)
     "1gpu": (1, [], 1),
     "1gpu-plainopt": (1, DISTOPT_OFF, 1),
+    "1gpu-bf16moments": (1, ["trainer.use_precision_aware_optimizer=true", "trainer.exp_avg_dtype=bf16",
+                             "trainer.exp_avg_sq_dtype=bf16"], 1),
     "dp2": (2, [], 2),
     "dp2-plainopt": (2, DISTOPT_OFF, 2),
     "tp2sp": (2, ["trainer.tensor_model_parallel_size=2", "trainer.sequence_parallel=true"], 1),
