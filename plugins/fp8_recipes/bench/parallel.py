@@ -113,7 +113,7 @@ def _ratios(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def save(result: dict[str, Any], out: Path) -> str:
-    """bench_parallel.json, .md (the table) and .png (tokens/s per GPU relative to one GPU); returns the table."""
+    """bench_parallel.json, .md (the table) and .png (tokens/s per GPU, per layout and recipe); returns the table."""
     rows = _ratios(result)
     table = markdown_table(
         ["layout", "recipe", "GPUs", "tokens/s", "per GPU", "x one GPU (same recipe)", "FP8 / BF16", "peak GiB/GPU"],
@@ -123,8 +123,8 @@ def save(result: dict[str, Any], out: Path) -> str:
     (out / "bench_parallel.md").write_text(table + "\n")
     layouts = list(dict.fromkeys(r["layout"] for r in rows))
     recipes = list(dict.fromkeys(r["recipe"] for r in rows))
-    series = {rec: [next((r["vs_1gpu"] for r in rows if r["layout"] == lay and r["recipe"] == rec), float("nan"))
-                    for lay in layouts] for rec in recipes}
-    bar_chart(out / "bench_parallel.png", layouts, series, ylabel="tokens/s vs one GPU (same recipe)",
-              title=f"scripts/train.py per layout ({result['date']})")
+    series = {rec: [next((r["per_gpu"] / 1000 for r in rows if r["layout"] == lay and r["recipe"] == rec),
+                         float("nan")) for lay in layouts] for rec in recipes}
+    bar_chart(out / "bench_parallel.png", layouts, series, ylabel="thousand tokens/s per GPU",
+              title=f"scripts/train.py per layout ({result['date']}): tokens/s per GPU", baseline=None)
     return table
