@@ -328,7 +328,7 @@ def test_four_ranks_tensor_and_pipeline_parallel(runs):
 
 
 @pytest.mark.slow
-def test_distributed_optimizer_shards_and_resumes_at_one_rank(runs, dataset, tmp_path):
+def test_distributed_optimizer_shards_and_resumes_at_one_rank(runs, dataset, tmp_path):  # noqa: F811
     """DP=2 with the distributed optimizer (overlapped reduce and gather): replicas keep one set of delayed scales
     (the default amax_reduction, data x tensor);
     its checkpoint holds the whole optimizer state (gathered onto DP rank 0) and resumes at DP=1, where the first

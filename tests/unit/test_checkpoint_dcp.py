@@ -198,6 +198,8 @@ def test_format_2_checkpoint_is_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"^trainer\.resume: .*step_4 is a format-2 checkpoint, which this version "
                                          r"cannot read \(format 3: Megatron-Core's optimizer state.*start a fresh run$"):
         find_resume("auto", tmp_path / "old")
+    with pytest.raises(ValueError, match="format-2"):
+        find_resume(str(step_dir), tmp_path / "elsewhere")
 
 
 def write_format_1(run_dir: Path) -> Path:

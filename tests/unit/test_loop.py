@@ -6,7 +6,6 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 from omegaconf import OmegaConf
 
 from fp8_recipes.training.loop import (
