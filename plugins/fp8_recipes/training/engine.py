@@ -124,7 +124,9 @@ class Engine:
             from megatron.core import parallel_state as ps
 
             torch.distributed.all_reduce(reported, group=ps.get_context_parallel_group())
-        return loss / self.cp_size if self.cp_size > 1 else loss, {"loss": reported}
+        # (the schedule multiplies a 2-tuple loss by the CP size and DDP averages over DP x CP: the sum over the CP
+        # ranks of their token sums over the whole sequence's count, i.e. the sequence's mean, per replica)
+        return loss, {"loss": reported}
 
     def _eval_loss(self, loss_mask: torch.Tensor, losses: torch.Tensor):
         mask = loss_mask.float()
