@@ -6,7 +6,7 @@
     resolution.unsupported       # set when no GEMM of the recipe can run FP8 sensibly (`auto` falls back to emulated)
     te_recipe_for(resolution, roles_enabled)   # per stage: the TERecipe a layer runs under, or None (BF16)
 
-The rules (measured on an H200 or read in TE 2.20.2's source, see docs/FACTS.md):
+The rules (measured on an H200 or read in TE 2.20.2's source, see docs/facts.md):
 - Both operands of one GEMM share a scaling family: per-tensor (delayed and current scaling: one scale per tensor),
   block (1x128 and 128x128 blocks, ``Float8BlockQuantizer``) or MXFP8. FP8 x BF16 GEMMs do not exist.
 - Block GEMMs: 1x128 x 1x128 and 1x128 x 128x128 only ("2D by 2D block gemm not supported"); TE has no other

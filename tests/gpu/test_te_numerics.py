@@ -183,7 +183,7 @@ def test_block_scaling(dtype, kind, dim, fmt, pow2, shape):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Forward-only FP8: the backward must be the BF16 one (FACTS.md saw a training anomaly: check the gradients)
+# Forward-only FP8: the backward must be the BF16 one (docs/facts.md records a training anomaly: check the gradients)
 
 
 def _policies(scaling: Scaling):

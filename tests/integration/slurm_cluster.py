@@ -7,9 +7,8 @@ jobs end), slurmctld and slurmd from Debian's packages, every file under one tem
     info = cluster.wait_until_done(job)  # {"JobState": "COMPLETED", "Restarts": "1", "ExitCode": "0:0", ...}
     cluster.stop()                       # scancel every job, then each daemon by its pid file
 
-Settings are those measured in shared/docs/FACTS.md ("A real Slurm on the CPU machine", "submitit /
-hydra-submitit-launcher on that Slurm"): no cgroups (proctrack/linuxproc, task/none), munge on its own socket, and
-``cred_expire=10`` so that a requeued job restarts within seconds instead of two minutes. Every client finds this
+Settings are those measured in docs/facts.md ("A real Slurm on the CPU machine"): no cgroups (proctrack/linuxproc,
+task/none), munge on its own socket, and ``cred_expire=10`` so that a requeued job restarts within seconds instead of two minutes. Every client finds this
 cluster through ``SLURM_CONF`` in :attr:`SlurmCluster.env`. Daemons are stopped by their pid files, never by name:
 other Slurm or MariaDB processes on the machine are left alone.
 """
@@ -173,7 +172,7 @@ class SlurmCluster:
         mem_mb = max(1024, int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20) - 1024)
         self.conf.write_text("\n".join([
             "ClusterName=fp8test", f"SlurmctldHost={self.host}",
-            f"AuthInfo=socket={self.munge_socket},cred_expire=10",  # requeued jobs restart in seconds (FACTS)
+            f"AuthInfo=socket={self.munge_socket},cred_expire=10",  # requeued jobs restart in seconds (docs/facts.md)
             "SlurmUser=root", "SlurmdUser=root", f"SlurmctldPort={self.free_port()}", f"SlurmdPort={self.free_port()}",
             f"StateSaveLocation={r / 'state'}", f"SlurmdSpoolDir={r / 'spool'}",
             f"SlurmctldPidFile={r / 'run' / 'slurmctld.pid'}", f"SlurmdPidFile={r / 'run' / 'slurmd.pid'}",

@@ -111,7 +111,7 @@ def test_same_data_is_reused_and_new_data_rebuilds(tmp_path):
 
 
 def test_rebuilt_data_never_reuses_stale_megatron_index_cache(tmp_path):
-    """FACTS: Megatron's cache key ignores the data; a same-prefix rebuild would silently reuse old indices."""
+    """docs/facts.md: Megatron's cache key ignores the data; a same-prefix rebuild would silently reuse old indices."""
     out = tmp_path / "ds"
     prepare_dataset(write_corpus(tmp_path / "a", [d[:20] for d in DOCS]), out, "bytes")
     small = build_gpt_datasets(out, seq_length=8, seed=1, num_samples=(None, None, None), split="2,1,1")[0]

@@ -179,7 +179,7 @@ def test_refusals_are_one_line(kw, key, plugin_owned):
 
 
 def test_megatron_itself_refuses_delayed_with_first_last_bf16():
-    """Why the mapping refuses it (FACTS.md): Megatron-Core's own check, not ours."""
+    """Why the mapping refuses it (docs/facts.md): Megatron-Core's own check, not ours."""
     with pytest.raises(ValueError, match="Delayed scaling does not support first / last layer"):
         transformer_config(dict(fp8="hybrid", fp8_recipe="delayed", first_last_layers_bf16=True))
 

@@ -3,7 +3,7 @@
     precision = attach_te_backend(model, plan)        # fp8_recipes.megatron.te_layers: finds layers and linears
     stage = precision.begin_step(step)                 # applies plan.at(step): which layers run FP8, under what
 
-How it runs (FACTS.md, "plugin-owned precision"): the Megatron-Core model is built with the TE layer spec and no
+How it runs (docs/facts.md, "Plugin-owned precision"): the Megatron-Core model is built with the TE layer spec and no
 ``fp8`` in its config; each TransformerLayer's forward runs inside our own ``te.autocast(enabled, recipe)``
 chosen from the plan for that layer and step (as fast as Megatron-Core's own path). A linear kept BF16 inside an
 FP8 layer (a ``bf16_modules`` pattern) runs under its own ``te.autocast(enabled=False)``. When a step has
@@ -321,7 +321,7 @@ class TEPrecision:
         return hook
 
     def te_recipe(self, choice: TERecipe) -> Any:
-        """The TE recipe object of `choice`, built once (FACTS: one object per layer or shared: same speed)."""
+        """The TE recipe object of `choice`, built once (docs/facts.md: one object per layer or shared: same speed)."""
         if choice not in self._recipes:
             self._recipes[choice] = te_recipe(choice, reduce_amax=self._reduce_amax)
         return self._recipes[choice]

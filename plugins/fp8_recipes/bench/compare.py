@@ -347,7 +347,7 @@ def _child_env(slot: int, parallel: int) -> dict[str, str]:
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS"):
         env.pop(var, None)  # each run is a world of its own, never a rank of this process's launcher
     gpus = torch.cuda.device_count()  # (NVML: no CUDA context in this process)
-    if gpus == 0 and parallel > 1 and "OMP_NUM_THREADS" not in env:  # oversubscribed OpenMP spins (FACTS)
+    if gpus == 0 and parallel > 1 and "OMP_NUM_THREADS" not in env:  # oversubscribed OpenMP spins (docs/facts.md)
         env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // parallel))
     if gpus > 1 and "CUDA_VISIBLE_DEVICES" not in env:
         env["CUDA_VISIBLE_DEVICES"] = str(slot % gpus)

@@ -13,7 +13,7 @@ Two ways to run a recipe inside someone else's training loop:
   forward-only FP8) is refused in one line that names the key and points at the other way.
 - **plugin-owned**: the model is built without ``fp8`` and :class:`ScheduleDriver` runs our TE backend
   (``backends/te.py``: one ``te.autocast`` per layer, chosen from the PrecisionPlan per step), driven by the
-  framework's step hooks. Everything a recipe can say runs this way, as fast as the native path (FACTS.md).
+  framework's step hooks. Everything a recipe can say runs this way, as fast as the native path (docs/facts.md, "Plugin-owned precision").
 
 Both resolve the recipe with the same PrecisionPlan the training script uses, for the GPU the job runs on: the
 same substitutions (``hybrid`` on an H200 runs Float8BlockScaling), the same refusals for ``backend: te``.

@@ -1,6 +1,6 @@
 """Let Megatron-Core's local (non-Transformer-Engine) GPT path run on a machine without CUDA.
 
-Megatron-Core 0.19 assumes CUDA in three places that the CPU training path reaches (FACTS.md,
+Megatron-Core 0.19 assumes CUDA in three places that the CPU training path reaches (docs/facts.md,
 "Megatron-Core on the CPU", names the first two; the third is hit as soon as no attention mask is passed);
 everything else works with ``use_cpu_initialization=True`` and gloo:
 

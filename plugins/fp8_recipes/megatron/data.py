@@ -115,7 +115,7 @@ class Tokenizer:
     """A byte-level BPE (HuggingFace ``tokenizers``) or plain-bytes tokenizer, as Megatron's GPTDataset wants it.
 
     GPTDataset reads ``vocab_size``, ``eod`` and ``unique_identifiers``; the last one goes into the key of
-    Megatron's index cache, which otherwise ignores the data itself (FACTS: a rebuilt .bin silently reuses stale
+    Megatron's index cache, which otherwise ignores the data itself (docs/facts.md: a rebuilt .bin silently reuses stale
     indices). So it carries a hash of the tokenizer and of the data it is paired with.
     """
 
@@ -141,7 +141,7 @@ class Tokenizer:
 
     @classmethod
     def train_bpe(cls, docs: Sequence[str], vocab_size: int, data_hash: str = "") -> Tokenizer:
-        """Byte-level BPE trained on ``docs``; the same docs give a byte-identical tokenizer (FACTS)."""
+        """Byte-level BPE trained on ``docs``; the same docs give a byte-identical tokenizer (docs/facts.md)."""
         from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
 
         hf = HFTokenizer(models.BPE())
@@ -426,7 +426,7 @@ def batches(dataset: Any, micro_batch_size: int, seed: int, skip: int = 0) -> It
     run; the last partial batch of an epoch is dropped. ``skip``: start after that many micro-batches (a resumed
     run's data position), exactly where the full stream would be, without loading the skipped samples (only the
     skipped epochs' permutations are drawn). Plain indexing in this process: DataLoader workers were slower here
-    (FACTS).
+    (docs/facts.md).
     """
     for indices in _micro_batch_indices(len(dataset), micro_batch_size, seed, skip):
         yield _load_batch(dataset, indices)

@@ -281,7 +281,7 @@ def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_li
 
     Returns the GPTModel for float32 params; for bfloat16 params a ``Float16Module`` wrapping it (``.module``
     is the GPTModel): its forward casts float inputs to bf16 and upcasts the per-token loss to fp32, and it
-    is the only way all params (norms, embeddings) end up bf16 (FACTS.md). Use :func:`unwrap_model` to reach
+    is the only way all params (norms, embeddings) end up bf16 (docs/facts.md, "Megatron-Core on the CPU"). Use :func:`unwrap_model` to reach
     the GPTModel either way.
 
     ``use_te_spec=True`` (GPUs with Transformer Engine): linear_qkv / linear_fc1 become

@@ -94,11 +94,6 @@ def _ranks() -> tuple[int, int, int]:
     return rank, 0, 0
 
 
-LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-               "context_parallel_size")
-"""The layout keys a checkpoint records (with ``data_parallel_size``); the first three must match on resume."""
-
-
 def _parallel_sizes() -> dict[str, Any]:
     """This run's parallel layout (data parallel = world, the rest 1, without Megatron's groups)."""
     dist = _dist()

@@ -82,9 +82,11 @@ class Engine:
         self._forward_backward = get_forward_backward_func()
         self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
         self.cp_size = ps.get_context_parallel_world_size()
-        # The one rank of each data-parallel replica whose loss counts: last stage, first TP and CP rank.
-        self._reports_loss = (self.is_last_stage and ps.get_tensor_model_parallel_rank() == 0
-                              and ps.get_context_parallel_rank() == 0)
+        self._cp_group = ps.get_context_parallel_group() if self.cp_size > 1 else None
+        # The ranks whose losses count: evaluation sums every CP rank's tokens on the last stage's first TP rank;
+        # a training step's mean is the same on every CP rank, so one of them reports it.
+        self._sums_eval = self.is_last_stage and ps.get_tensor_model_parallel_rank() == 0
+        self._reports_loss = self._sums_eval and ps.get_context_parallel_rank() == 0
         self.dp_size = ps.get_data_parallel_world_size()
 
     # -- the model as one module, for code that reads it (checkpoints, statistics) --------------------------------
@@ -97,11 +99,10 @@ class Engine:
     def _batch(self, data_iterator: Iterator) -> dict[str, Any]:
         batch = _to_device(next(data_iterator), self.device)
         if self.cp_size > 1:  # each CP rank keeps its two (load-balanced) slices of every sequence
-            from megatron.core import parallel_state as ps
             from megatron.core.utils import get_batch_on_this_cp_rank
 
             batch = get_batch_on_this_cp_rank({**batch, "cu_seqlens": None}, is_hybrid_cp=False,
-                                              cp_group=ps.get_context_parallel_group())
+                                              cp_group=self._cp_group)
         return batch
 
     def _forward(self, data_iterator: Iterator, model: torch.nn.Module, *, train: bool):
@@ -114,16 +115,12 @@ class Engine:
         local = (losses.float() * mask).sum()
         count = mask.sum()
         if self.cp_size > 1:  # the whole sequence's token count (a value: no gradient flows through it)
-            from megatron.core import parallel_state as ps
-
             count = count.detach().clone()
-            torch.distributed.all_reduce(count, group=ps.get_context_parallel_group())
+            torch.distributed.all_reduce(count, group=self._cp_group)
         loss = local / count.clamp(min=1)
         reported = loss.detach().clone()
         if self.cp_size > 1:
-            from megatron.core import parallel_state as ps
-
-            torch.distributed.all_reduce(reported, group=ps.get_context_parallel_group())
+            torch.distributed.all_reduce(reported, group=self._cp_group)
         # (the schedule multiplies a 2-tuple loss by the CP size and DDP averages over DP x CP: the sum over the CP
         # ranks of their token sums over the whole sequence's count, i.e. the sequence's mean, per replica)
         return loss, {"loss": reported}
@@ -216,9 +213,7 @@ class Engine:
                     for c in self.chunks:
                         c.enable_forward_pre_hook()
             totals = torch.zeros(2, dtype=torch.float64, device=self.device)
-            from megatron.core import parallel_state as ps
-
-            if self.is_last_stage and ps.get_tensor_model_parallel_rank() == 0:  # every CP rank: its own tokens
+            if self._sums_eval:
                 for r in reported:
                     totals += r["sums"]
             torch.distributed.all_reduce(totals)

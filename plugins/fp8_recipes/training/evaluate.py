@@ -18,6 +18,7 @@ the CPU).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -145,8 +146,8 @@ def _evaluate(cfg: Any, recipe: Any, step_dir: Path, eval_iters: int, train_dp: 
         if (meta.get(key) or 1) > 1:
             raise ValueError(f"checkpoint: {step_dir} was written with trainer.{key}={meta[key]}; evaluating it runs "
                              f"in one process, which reads pipeline- and context-parallel size 1 checkpoints only")
-    trainer = TrainerConfig.from_cfg({**_plain(cfg.trainer), "pipeline_model_parallel_size": 1,
-                                      "virtual_pipeline_model_parallel_size": None, "context_parallel_size": 1})
+    trainer = dataclasses.replace(TrainerConfig.from_cfg(cfg.trainer), pipeline_model_parallel_size=1,
+                                  virtual_pipeline_model_parallel_size=None, context_parallel_size=1)
     _, _, device = init_distributed(tensor_model_parallel_size=trainer.tensor_model_parallel_size, seed=trainer.seed)
     try:
         valid = _valid_batches(cfg, eval_iters, train_dp)
@@ -167,12 +168,6 @@ def _evaluate(cfg: Any, recipe: Any, step_dir: Path, eval_iters: int, train_dp: 
             "stage": stage, "eval_iters": eval_iters, "eval_tokens": tokens,
             "fp8_loss": fp8_loss, "bf16_loss": bf16_loss, "fp8_ppl": _ppl(fp8_loss), "bf16_ppl": _ppl(bf16_loss),
             "gap_pct": gap_pct(fp8_loss, bf16_loss)}
-
-
-def _plain(node: Any) -> dict:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
 
 
 def _ppl(loss: float) -> float:

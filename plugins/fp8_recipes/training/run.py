@@ -116,7 +116,8 @@ parallel_state, set by init_distributed)."""
 
 
 def engine_config_overrides(trainer) -> dict:
-    return {key: trainer.get(key) if hasattr(trainer, "get") else getattr(trainer, key) for key in ENGINE_CONFIG_KEYS}
+    """The TransformerConfig fields of a TrainerConfig (ENGINE_CONFIG_KEYS)."""
+    return {key: getattr(trainer, key) for key in ENGINE_CONFIG_KEYS}
 
 
 def attach_emulated(model_cfg: dict, recipe, hardware, params_dtype: torch.dtype, device: torch.device,
@@ -194,11 +195,11 @@ def check_engine_backend(trainer, backend) -> None:
 
     if backend is Backend.TE:
         return
-    for key, on in (("sequence_parallel", bool(trainer.get("sequence_parallel"))),
-                    ("context_parallel_size", int(trainer.get("context_parallel_size") or 1) > 1),
-                    ("use_precision_aware_optimizer", bool(trainer.get("use_precision_aware_optimizer")))):
+    for key, on in (("sequence_parallel", trainer.sequence_parallel),
+                    ("context_parallel_size", trainer.context_parallel_size > 1),
+                    ("use_precision_aware_optimizer", trainer.use_precision_aware_optimizer)):
         if on:
-            value = "true" if isinstance(trainer.get(key), bool) else trainer.get(key)
+            value = "true" if isinstance(getattr(trainer, key), bool) else getattr(trainer, key)
             raise ValueError(f"trainer.{key}={value} needs Transformer Engine (the te backend, on an FP8 GPU); the "
                              f"{backend} backend builds Megatron-Core's local layers and torch's AdamW: unset it here")
 
@@ -209,7 +210,7 @@ def run_training(cfg) -> dict:
     from fp8_recipes.training.config import check_run_config
 
     quiet_third_party_logs()
-    check_run_config(cfg)  # trainer, model, data, run_dir: before anything is built (and before torch loads)
+    tcfg = check_run_config(cfg)  # trainer, model, data, run_dir: before anything is built (and before torch loads)
     recipe = resolve_recipe(cfg)
     debug = resolve_debug(cfg)
     hardware = Hardware.detect()
@@ -218,16 +219,14 @@ def run_training(cfg) -> dict:
     # Fail on the recipe/hardware combination before any process group, data or model exists.
     with _recipe_keys():
         first_plan = PrecisionPlan(recipe, ModelLayout.gpt(int(cfg.model.num_layers)), hardware)
-    check_engine_backend(trainer, first_plan.backend)
+    check_engine_backend(tcfg, first_plan.backend)
 
     from fp8_recipes.megatron.data import data_parallel_batches, prepare_dataset
     from fp8_recipes.megatron.model import destroy_distributed, init_distributed
     from fp8_recipes.training.checkpoint import checkpoint_meta, find_resume, resume_skip
-    from fp8_recipes.training.config import TrainerConfig
     from fp8_recipes.training.engine import build_engine
     from fp8_recipes.training.loop import train
 
-    tcfg = TrainerConfig.from_cfg(trainer)
     if tcfg.device == "gpu" and hardware.device != "cuda":
         raise ValueError("trainer.device=gpu: this machine has no CUDA GPU; train on the CPU with trainer=cpu (or "
                          "trainer.device=auto)")
@@ -280,7 +279,7 @@ def run_training(cfg) -> dict:
         attach = attach_te if first_plan.backend is Backend.TE else attach_emulated
         # the same initial weights at any pipeline layout (megatron/model.py: build_gpt_model's init_seed)
         chunks, plan, precision = attach(model_cfg, recipe, hardware, params_dtype, device,
-                                         engine_config_overrides(tcfg.__dict__), init_seed=tcfg.seed)
+                                         engine_config_overrides(tcfg), init_seed=tcfg.seed)
         engine = build_engine(chunks, tcfg, seq_length=int(model_cfg["seq_length"]), lr=tcfg.lr, device=device)
         if rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
