@@ -289,10 +289,10 @@ def train(engine: Engine, batches_train: Iterator[Mapping[str, Any]] | list[Iter
     first_bad = 0
     wall0 = time.perf_counter()
     with PreemptionSignals() as signals:  # SIGTERM/SIGUSR1 -> a flag, for the loop's lifetime only
+        engine.set_lr(lr_of(schedule.last_epoch))  # then again after each optimizer step: only they move the LR
         for step in range(start, cfg.max_steps):
             # A skipped step leaves the schedule where it was: the next step runs at this step's LR (Megatron's rule).
             step_lr = lr_of(schedule.last_epoch)
-            engine.set_lr(step_lr)
             stage = precision.begin_step(step)
             in_fallback = fallback_left > 0
             if in_fallback:
