@@ -124,14 +124,24 @@ def test_diverged_from_start_is_classified_and_warmup_proposed(tmp_path):
     assert [list(p.changes) for p in d.proposals] == [["schedule.bf16_warmup_steps"]]  # nothing blind
     assert any("--baseline" in n for n in d.notes)
     assert load_recipe(patched_recipe(d)).schedule.bf16_warmup_steps >= 10
-    # against a healthy BF16 run with the same LR, FP8 is to blame: the poisoned layer's role changes too
-    run2 = write_run(tmp_path / "run2", diverging_losses(), rows=numerics([1, 5, 9, SPIKE_AT, 29],
-                                                                          poison=outlier_poison))
-    base = write_run(tmp_path / "base", smooth_losses(), recipe="bf16", stage="bf16")
-    d = diagnose(load_run(run2), load_run(base))
+    # against a healthy BF16 run with the same LR, FP8 is to blame: the layer that clipped at the onset (the
+    # first statistics at or after step 3) has its role changed too
+    def clipped_at_onset(row):
+        if row["module"] == TARGET and row["role"] == "activations" and row["step"] == 5:
+            row.update(saturation_pct=95.0, scale_ratio=950.0, cosine=0.6)
+
+    base = load_run(write_run(tmp_path / "base", smooth_losses(), recipe="bf16", stage="bf16"))
+    run2 = write_run(tmp_path / "run2", diverging_losses(), rows=numerics([1, 5, 9], poison=clipped_at_onset))
+    d = diagnose(load_run(run2), base)
     assert d.verdict == "diverged_from_start" and "not an FP8 problem" not in d.summary
     assert {"activations.scaling", "layers.bf16_modules", "schedule.bf16_warmup_steps"} <= {
         k for p in d.proposals for k in p.changes}
+    # the same layer's trouble only long after the onset is a consequence of the divergence: listed, not blamed
+    run3 = write_run(tmp_path / "run3", diverging_losses(), rows=numerics([1, 5, 9, SPIKE_AT, 29],
+                                                                          poison=outlier_poison))
+    d = diagnose(load_run(run3), base)
+    assert d.findings[0].module == TARGET
+    assert [list(p.changes) for p in d.proposals] == [["schedule.bf16_warmup_steps"]]
 
 
 def test_spike_names_the_poisoned_layer_and_writes_a_valid_recipe(tmp_path, capsys):
@@ -194,13 +204,27 @@ def test_other_causes_are_named(tmp_path, case):
     assert expected in d.summary and d.proposals == []
 
 
-def test_spikes_no_larger_than_the_baselines_are_healthy(tmp_path):
+def test_spikes_are_matched_to_the_baselines_by_step(tmp_path):
     run = load_run(spike_run(tmp_path))
-    same = load_run(spike_run(tmp_path, "same"))
-    assert diagnose(run, same).verdict == "healthy"
+    d = diagnose(run, load_run(spike_run(tmp_path, "same")))  # the same event in both runs: not FP8's
+    assert d.verdict == "healthy" and {s.start for s in d.shared} == {SPIKE_AT}
+    assert any("same steps as the baseline's" in n for n in d.notes)
     calm = load_run(write_run(tmp_path / "calm", smooth_losses(), recipe="bf16", stage="bf16"))
     d = diagnose(run, calm)
-    assert d.verdict == "spikes" and "the baseline has no spikes" in d.summary
+    assert d.verdict == "spikes" and "the baseline has no spike at those steps" in d.summary
+    # a larger spike of the baseline at other steps explains nothing (the old rule compared the largest sizes)
+    losses, norms = smooth_losses(), grad_norms()
+    losses[9] += 4.0
+    norms[9] *= 30.0
+    elsewhere = load_run(write_run(tmp_path / "elsewhere", losses, norms, recipe="bf16", stage="bf16"))
+    d = diagnose(run, elsewhere)
+    assert d.verdict == "spikes" and d.onset == SPIKE_AT and not d.shared
+    # FP8 amplifying a shared event (12x against the baseline's 2x) still counts
+    losses, norms = smooth_losses(), grad_norms()
+    norms[SPIKE_AT - 1] *= 2.0
+    losses[SPIKE_AT - 1] += 0.3
+    small = load_run(write_run(tmp_path / "small", losses, norms, recipe="bf16", stage="bf16"))
+    assert diagnose(run, small).verdict == "spikes"
 
 
 def test_mid_run_divergence(tmp_path):

@@ -16,43 +16,54 @@ Verdicts (one per run, the first that applies):
                          (or a non-finite loss / a loss above 1.5x the first one appears in the first steps), and
                          the run had not learnt anything before (its loss never fell below 0.9x the first one)
 ``mid_run_divergence``   the same, after the loss had come down
+``worse_than_baseline``  with a baseline: the loss gap (final, smoothed, eval) is beyond run-to-run noise
+                         (:mod:`~fp8_recipes.observe.doctor_gap`)
 ``spikes``               loss or grad-norm spikes: a value above the running median of the previous
                          :data:`WINDOW` accepted steps by more than ``max(REL x median, Z x robust sigma)``; with a
-                         baseline only spikes larger (x1.25) or longer than the baseline's largest count
-``healthy``              none of the above
+                         baseline, only those the baseline does not share at the same steps (:func:`_match_baseline`)
+``healthy``              none of the above; also spikes in a run without FP8 (its own, noted)
 
-A problem is "not an FP8 problem" (and no FP8 change is proposed) when the recipe has no FP8 role, when no FP8
-was active at its first step (stage ``bf16 ...`` in metrics.jsonl), or when the baseline diverged too or was
-trained with a peak LR at least 1.5x lower. A divergence from the start without a baseline gets a BF16 warmup
-only: when everything explodes, every layer's numbers look bad and none of them is the cause.
+The onset is the earliest anomaly kept after the baseline filter (a kept spike, the divergence, the gap's
+opening); the stage check, the warmup rule and the cause window all use it. A problem is "not an FP8 problem" (and
+no FP8 change is proposed) when the recipe has no FP8 role, when no FP8 was active at the onset (stage
+``bf16 ...`` in metrics.jsonl), or when the baseline diverged too or was trained with a peak LR at least 1.5x
+lower. A divergence in the first steps without a baseline gets a BF16 warmup only, and a request for a baseline:
+when everything explodes, every layer's numbers look bad and none of them is the cause. After any divergence, the
+proposals come from the statistics up to the onset.
 
 Findings come from numerics.jsonl (``debug.interval > 0``, :mod:`~fp8_recipes.observe.doctor_findings`); each
-names a module and role and the worst value with its step. Pure functions over plain rows (no torch).
+names a module and role and the worst value with its step; :mod:`~fp8_recipes.observe.doctor_remedies` turns
+them into changes that fit their extent. Pure functions over plain rows (no torch).
 """
 
 from __future__ import annotations
 
 import math
-import re
 import statistics
-from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp8_recipes.observe.doctor_findings import SCALE_RATIO_HIGH, SUPPORTING, Finding, find_problems, module_scores
+from fp8_recipes.observe.doctor_findings import Finding, find_problems
+from fp8_recipes.observe.doctor_gap import LossGap, loss_gap
+from fp8_recipes.observe.doctor_remedies import Proposal, propose, warmup_proposal
 from fp8_recipes.schema import ROLES
 
-__all__ = ["Diagnosis", "DoctorInputError", "Proposal", "RunData", "Spike", "detect_spikes", "diagnose"]
+__all__ = ["Diagnosis", "DoctorInputError", "LossGap", "Proposal", "RunData", "Spike", "detect_spikes", "diagnose"]
 
 WINDOW = 10
 """Steps of the running median a value is compared with (spike steps never enter it)."""
 SETTLE = 5
 """Steps before spike detection starts (the median needs a few values; early steps have their own rule)."""
-SPIKE_RULES = {"loss": (0.10, 5.0), "grad_norm": (1.0, 5.0)}
-"""metric -> (REL, Z): a spike exceeds the median by more than REL x median and Z robust sigmas (1.4826 MAD)."""
-BASELINE_MARGIN = 1.25
-"""With a baseline, a spike counts when it is this much larger than the baseline's largest (or longer)."""
+SPIKE_RULES = {"loss": (0.10, 5.0), "grad_norm": (4.0, 5.0)}
+"""metric -> (REL, Z): a spike exceeds the median by more than REL x median and Z robust sigmas (1.4826 MAD).
+The grad norm is noisy: healthy BF16 and FP8 runs of the CPU setups blip to 3.4x their running median (measured,
+docs/doctor.md), so a grad-norm spike is above 5x."""
+MATCH_STEPS = 1
+"""A baseline excursion up to this many steps before or after a spike is the same event."""
+MATCH_MARGIN = 2.0
+"""A spike the baseline shares still counts when its excess over the running median is more than this many
+times the baseline's at the same steps (FP8 amplified it)."""
 
 
 class DoctorInputError(ValueError):
@@ -69,6 +80,8 @@ class RunData:
     recipe: dict[str, Any]
     """recipe.yaml: the resolved recipe the run trained with."""
     summary: dict[str, Any]
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    """metrics.jsonl rows of kind "eval" (val_loss), in step order."""
 
 
 @dataclass(frozen=True)
@@ -83,15 +96,6 @@ class Spike:
     """The excursion lasts to the last step of the run."""
 
 
-@dataclass(frozen=True)
-class Proposal:
-    changes: dict[str, Any]
-    """Dotted recipe keys -> new value (None: remove the key)."""
-    reason: str
-    alternative: bool = False
-    """An alternative to a proposal above: printed, not applied by --write."""
-
-
 @dataclass
 class Diagnosis:
     run: RunData
@@ -102,6 +106,12 @@ class Diagnosis:
     proposals: list[Proposal] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     baseline: RunData | None = None
+    gap: LossGap | None = None
+    """The loss gap to the baseline (None without one, or with fewer than 10 common steps)."""
+    shared: list[Spike] = field(default_factory=list)
+    """Spikes the baseline has at the same steps: not counted."""
+    onset: int | None = None
+    """The earliest anomaly kept after the baseline filter (None when healthy)."""
 
     @property
     def healthy(self) -> bool:
@@ -195,82 +205,6 @@ def _peak_lr(run: RunData) -> float | None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Proposals
-
-
-def _module_layer(name: str) -> int | None:
-    m = re.search(r"layers\.(\d+)\.", name)
-    return int(m.group(1)) if m else None
-
-
-def _layer_proposals(findings: list[Finding], recipe: dict[str, Any], numerics: list[dict[str, Any]]) -> list[Proposal]:
-    """BF16 for the modules behind most of the trouble: bf16_first/bf16_last when half of the first/last layer's
-    linears are flagged, else the modules by name (bf16_modules globs match the names exactly)."""
-    primary = {f.module for f in findings if f.kind not in SUPPORTING}
-    score = {m: v for m, v in module_scores(findings).items() if m in primary}
-    if not score:
-        return []
-    top = max(score.values())
-    named = [m for m, s in sorted(score.items(), key=lambda t: -t[1]) if s >= 0.5 * top][:3]
-    layers = {_module_layer(str(r.get("module", ""))) for r in numerics} - {None}
-    per_layer = defaultdict(set)
-    for r in numerics:
-        per_layer[_module_layer(str(r.get("module", "")))].add(r.get("module"))
-    rules = recipe.get("layers") or {}
-    out, left = [], list(named)
-    for key, layer in (("bf16_first", min(layers, default=None)), ("bf16_last", max(layers, default=None))):
-        hit = [m for m in named if _module_layer(m) == layer]
-        if layer is not None and len(layers) > 2 and len(hit) * 2 >= len(per_layer[layer]) and hit:
-            out.append(Proposal({f"layers.{key}": max(int(rules.get(key) or 0), 1)},
-                                f"{len(hit)} of layer {layer}'s {len(per_layer[layer])} linears show the problem"))
-            left = [m for m in left if m not in hit]
-    if left:
-        mods = list(rules.get("bf16_modules") or [])
-        out.append(Proposal({"layers.bf16_modules": mods + [m for m in left if m not in mods]},
-                            "BF16 for the module(s) behind it: " + "; ".join(
-                                f"{m} (score {score[m]:.1f})" for m in left)))
-    return out
-
-
-def _role_proposals(findings: list[Finding], recipe: dict[str, Any]) -> list[Proposal]:
-    out = []
-    for role in map(str, ROLES):
-        policy = recipe.get(role) or {}
-        mine = [f for f in findings if f.role == role and f.kind not in SUPPORTING]
-        if not mine or not isinstance(policy, dict):
-            continue
-        worst = max(mine, key=lambda f: f.severity)
-        where = f"{worst.module} {worst.gemm}: {worst.text}"
-        if policy.get("scaling") == "delayed":
-            out.append(Proposal({f"{role}.scaling": "tensorwise", f"{role}.amax_history_len": None,
-                                 f"{role}.amax_compute_algo": None, f"{role}.percentile": None},
-                                f"delayed -> tensorwise: the scale then comes from each step's own amax, so one "
-                                f"outlier cannot skew later steps ({where})"))
-            hist = int(policy.get("amax_history_len") or 1024)
-            if hist > 1:
-                out.append(Proposal({f"{role}.amax_history_len": max(1, hist // 2)},
-                                    f"or keep delayed with a 50% shorter amax history: an outlier leaves it "
-                                    f"{hist - hist // 2} steps sooner", alternative=True))
-            if any(f.kind in ("saturation_pct",) or (f.kind == "scale_gap" and f.value >= SCALE_RATIO_HIGH)
-                   for f in mine):
-                out.append(Proposal({f"{role}.margin": int(policy.get("margin") or 0) + 1},
-                                    "or a margin of one more power of two against the amax growing between steps",
-                                    alternative=True))
-        elif any(f.kind == "saturation_pct" for f in mine) and policy.get("scaling") in ("tensorwise", "blockwise"):
-            out.append(Proposal({f"{role}.margin": int(policy.get("margin") or 0) + 1},
-                                f"margin +1: headroom against values beyond the amax the scale came from ({where})"))
-    return out
-
-
-def _warmup_proposal(recipe: dict[str, Any], onset: int, total: int) -> Proposal:
-    sched = recipe.get("schedule") or {}
-    steps = max(int(sched.get("bf16_warmup_steps") or 0), 10 * math.ceil(2 * onset / 10), min(100, total // 10))
-    return Proposal({"schedule.bf16_warmup_steps": steps},
-                    f"BF16 warmup for the first {steps} steps: the trouble starts at step {onset}, before the "
-                    f"weights and activations have settled")
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # The diagnosis
 
 
@@ -294,66 +228,111 @@ def _not_fp8_reason(run: RunData, baseline: RunData | None, onset: int, base_ver
     return None
 
 
-def _spikes_over_baseline(spikes: list[Spike], base: list[Spike]) -> list[Spike]:
-    out = []
-    for s in spikes:
-        mine = [b for b in base if b.metric == s.metric]
-        size = max((b.size for b in mine), default=0.0)
-        length = max((b.length for b in mine), default=0)
-        if s.size > BASELINE_MARGIN * size or s.length > length:
-            out.append(s)
-    return out
+def _evals(run: RunData) -> list[tuple[int, float]]:
+    return [(int(r["step"]), v) for r in run.evals if (v := _value(r, "val_loss")) is not None]
 
 
 def _all_spikes(run: RunData) -> list[Spike]:
     return [s for m in SPIKE_RULES for s in detect_spikes(_series(run, m), m)]
 
 
-def _verdict(run: RunData) -> tuple[str, int | None, list[Spike]]:
-    spikes = _all_spikes(run)
-    div = _divergence(_series(run, "loss"), spikes)
-    if div is not None:
-        return div[0], div[1], spikes
-    return ("spikes" if spikes else "healthy"), (spikes[0].start if spikes else None), spikes
+def _baseline_excess(series: list[tuple[int, float]], spike: Spike) -> float:
+    """The baseline over the spike's steps (MATCH_STEPS either side): its largest value / the median of its
+    WINDOW steps before them (inf: a non-finite value; 1: no data there)."""
+    lo, hi = spike.start - MATCH_STEPS, spike.start + spike.length - 1 + MATCH_STEPS
+    before = [v for s, v in series if s < lo and math.isfinite(v)][-WINDOW:]
+    during = [v for s, v in series if lo <= s <= hi]
+    if not before or not during:
+        return 1.0
+    if not all(math.isfinite(v) for v in during):
+        return math.inf
+    med = statistics.median(before)
+    return max(during) / med if med > 0 else 1.0
+
+
+def _match_baseline(spikes: list[Spike], baseline: RunData) -> tuple[list[Spike], list[Spike]]:
+    """(kept, shared): a spike is shared when the baseline rises at the same steps by at least 1/MATCH_MARGIN of
+    the run's excess over its running median (a data or LR event both runs see)."""
+    kept, shared = [], []
+    series = {m: _series(baseline, m) for m in SPIKE_RULES}
+    for s in spikes:
+        base = _baseline_excess(series[s.metric], s)
+        same = base == math.inf or (math.isfinite(s.size) and s.size - 1 <= MATCH_MARGIN * (base - 1))
+        (shared if same else kept).append(s)
+    return kept, shared
+
+
+def _first_recorded(numerics: list[dict[str, Any]], step: int) -> int:
+    """The first step with statistics at or after `step` (what the numerics saw of the onset)."""
+    return min((int(r.get("step", 0)) for r in numerics if int(r.get("step", 0)) >= step), default=step)
 
 
 def diagnose(run: RunData, baseline: RunData | None = None) -> Diagnosis:
     """Classify the run, list what numerics.jsonl says about its layers and tensors, and propose changes."""
-    verdict, onset, spikes = _verdict(run)
-    base_verdict, base_spikes = (_verdict(baseline)[0], _all_spikes(baseline)) if baseline else (None, [])
-    if verdict == "spikes" and baseline is not None:
-        spikes = _spikes_over_baseline(spikes, base_spikes)
-        if not spikes:
-            verdict, onset = "healthy", None
-    d = Diagnosis(run, verdict, "", spikes=spikes, baseline=baseline)
+    losses = _series(run, "loss")
+    spikes = _all_spikes(run)
+    div = _divergence(losses, spikes)
+    shared: list[Spike] = []
+    gap = base_div = None
+    if baseline is not None:
+        spikes, shared = _match_baseline(spikes, baseline)
+        base_div = _divergence(_series(baseline, "loss"), _all_spikes(baseline))
+        gap = loss_gap(losses, _series(baseline, "loss"), _evals(run), _evals(baseline))
+    fp8 = _has_fp8(run.recipe)
+    if gap is not None and not gap.paired:
+        notes = ["the baseline did not see the run's batches (another seed, batch size or data?): its loss gap is "
+                 "held to the wider threshold that noise gives, and eval losses are not compared"]
+    else:
+        notes = []
+    if div is not None:
+        verdict = div[0]
+    elif gap is not None and gap.worse:
+        verdict = "worse_than_baseline"
+    else:
+        verdict = "spikes" if spikes and fp8 else "healthy"
+    d = Diagnosis(run, verdict, "", spikes=spikes, baseline=baseline, gap=gap, shared=shared)
     d.findings = find_problems(run.numerics)
-    if not run.numerics and _has_fp8(run.recipe):
+    d.notes += notes
+    if not run.numerics and fp8:
         d.notes.append("no numerics.jsonl: rerun with ++debug.interval=10 to name the layers and tensors")
+    if shared:
+        d.notes.append(f"{len(shared)} spike(s) at the same steps as the baseline's (steps "
+                       f"{', '.join(str(s.start) for s in shared)}): both runs see them, not counted")
     if verdict == "healthy":
-        d.summary = "the loss came down without divergence or spikes" + (
-            " beyond the baseline's" if baseline else "")
+        d.summary = _healthy_summary(d)
+        if spikes:
+            d.notes.append(f"{len(spikes)} spike(s) (steps {', '.join(str(s.start) for s in spikes)}) in a run "
+                           f"without FP8: its own, nothing for an FP8 doctor")
+        if baseline is None and fp8:
+            d.notes.append("without --baseline the doctor cannot see a loss gap, the most common FP8 failure: train "
+                           "the same config without +recipe and pass it as --baseline")
         return d
-    onset = onset or 1
-    d.summary = _summary(verdict, onset, spikes, base_spikes if baseline else None)
+    # the onset: the earliest anomaly kept after the baseline filter (what the stage, warmup and cause rules use)
+    onset = min([s.start for s in spikes] + ([div[1]] if div else []) + (
+        [gap.opens] if verdict == "worse_than_baseline" else []))
+    d.onset = onset
+    d.summary = _summary(d, onset)
     d.notes += _run_notes(run)
-    reason = _not_fp8_reason(run, baseline, onset, base_verdict)
+    reason = _not_fp8_reason(run, baseline, onset, base_div[0] if base_div else None)
     if reason is not None:
         d.summary += f"; not an FP8 problem: {reason}"
         d.notes.append("check the LR (trainer.lr, trainer.warmup_steps), the data and the config before the recipe")
         return d
-    blind = baseline is None and verdict == "diverged_from_start"  # everything explodes: findings are consequences
-    if not blind:
-        d.proposals = _role_proposals(d.findings, run.recipe) + _layer_proposals(d.findings, run.recipe,
-                                                                                  run.numerics)
     total = int(run.train[-1].get("step", len(run.train)))
-    if (blind or onset <= max(SETTLE, total // 10)) and run.recipe:
-        d.proposals.append(_warmup_proposal(run.recipe, onset, total))
+    early = onset <= max(SETTLE, total // 10)
+    blind = baseline is None and div is not None and early  # everything explodes: findings are consequences
+    if not blind:  # after a divergence, the numbers are its consequences: the causes are in the steps up to it
+        causes = find_problems(run.numerics, _first_recorded(run.numerics, onset)) if div else d.findings
+        d.proposals = propose(causes, run.recipe, run.numerics)
+    if (blind or early) and run.recipe:
+        d.proposals.append(warmup_proposal(run.recipe, onset, total))
     if not d.proposals:
         why = "the FP8 numerics show nothing beyond the limits" if run.numerics else "no numerics.jsonl"
         d.notes.append(f"no recipe change proposed: {why}; look at the data and the LR around step {onset}")
     if blind:
-        d.notes.append("FP8 is not ruled out, nor blamed: only a BF16 warmup is proposed. A BF16 run of the same "
-                       "config (no +recipe) tells FP8 from the LR: pass it as --baseline")
+        d.notes.append(f"a divergence in the first steps (step {onset}) without a baseline: FP8 is not ruled out, "
+                       f"nor blamed, and only a BF16 warmup is proposed. A BF16 run of the same config (no +recipe) "
+                       f"tells FP8 from the LR: pass it as --baseline")
     return d
 
 
@@ -368,12 +347,27 @@ def _run_notes(run: RunData) -> list[str]:
     return out
 
 
-def _summary(verdict: str, onset: int, spikes: list[Spike], base: list[Spike] | None) -> str:
-    words = {"diverged_from_start": f"diverged from the start (step {onset})",
-             "mid_run_divergence": f"diverged mid-run at step {onset}"}
-    text = words.get(verdict, f"{len(spikes)} spike(s), the first at step {onset}")
-    if base is not None:
-        sizes = {m: max((b.size for b in base if b.metric == m), default=0.0) for m in SPIKE_RULES}
-        text += "; the baseline has no spikes" if not base else "; baseline's largest spike: " + ", ".join(
-            f"{m} {v:.3g}x" for m, v in sizes.items() if v)
+def _healthy_summary(d: Diagnosis) -> str:
+    text = "the loss came down without divergence or spikes" + (" beyond the baseline's" if d.baseline else "")
+    if d.gap is not None:
+        m = d.gap.measure("smoothed")
+        text += f"; {m.gap:+.1%} against the baseline (smoothed, steps {m.steps}; counts from {m.threshold:.1%})"
+    return text
+
+
+def _summary(d: Diagnosis, onset: int) -> str:
+    if d.verdict == "diverged_from_start":
+        text = f"diverged from the start (step {onset})"
+    elif d.verdict == "mid_run_divergence":
+        text = f"diverged mid-run at step {onset}"
+    elif d.verdict == "worse_than_baseline":
+        m = d.gap.measure("smoothed")
+        text = (f"the loss ends {m.gap:+.1%} above the baseline's (smoothed, steps {m.steps}; counts from "
+                f"{m.threshold:.1%}); the gap opens at step {d.gap.opens}")
+        if onset < d.gap.opens:
+            text += f", after a spike at step {onset}"
+    else:
+        text = f"{len(d.spikes)} spike(s), the first at step {onset}"
+    if d.baseline is not None and d.verdict != "worse_than_baseline":
+        text += "; the baseline has no spike at those steps" if d.spikes else ""
     return text

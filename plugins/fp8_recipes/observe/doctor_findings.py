@@ -39,6 +39,8 @@ class Finding:
     severity: float
     """value / its limit (log scale for ratios): what orders findings."""
     policy: str = ""
+    effect: str = ""
+    """What the finding does to the values: underflow (lost to zero) | clipping | precision | "" (supporting)."""
 
 
 def _gemm_order(gemm: str) -> int:
@@ -68,29 +70,30 @@ def _worst(rows: list[dict[str, Any]], key: str, pick=max) -> tuple[float, dict[
 def _findings_for(module: str, role: str, rows: list[dict[str, Any]]) -> list[Finding]:
     out = []
 
-    def add(kind: str, value: float, row: dict[str, Any], text: str, severity: float) -> None:
+    def add(kind: str, value: float, row: dict[str, Any], text: str, severity: float, effect: str) -> None:
         out.append(Finding(module, role, str(row.get("gemm", "?")), kind, value, int(row.get("step", 0)), text,
-                           severity, str(row.get("policy", ""))))
+                           severity, str(row.get("policy", "")), effect))
 
     for kind in ("underflow_pct", "saturation_pct"):
         w = _worst(rows, kind)
         if w and w[0] >= LIMITS[kind]:
             steps = sum(1 for r in rows if (r.get(kind) or 0) >= LIMITS[kind])
             add(kind, w[0], w[1], f"{kind.split('_')[0]} {w[0]:.2f}% (step {w[1]['step']}; {steps} rows >= "
-                                  f"{LIMITS[kind]:g}%)", w[0] / LIMITS[kind])
+                                  f"{LIMITS[kind]:g}%)", w[0] / LIMITS[kind],
+                "underflow" if kind == "underflow_pct" else "clipping")
     w = _worst(rows, "cosine", min)
     if w and 1 - w[0] >= LIMITS["cosine_drop"]:
         add("cosine_drop", 1 - w[0], w[1], f"cosine {w[0]:.4f} (step {w[1]['step']})",
-            (1 - w[0]) / LIMITS["cosine_drop"])
+            (1 - w[0]) / LIMITS["cosine_drop"], "precision")
     lo, hi = _worst(rows, "scale_ratio", min), _worst(rows, "scale_ratio", max)
     if lo and 0 < lo[0] <= 1 / LIMITS["scale_gap"]:
         after = sum(1 for r in rows if 0 < (r.get("scale_ratio") or 1) <= 1 / LIMITS["scale_gap"])
         add("scale_gap", 1 / lo[0], lo[1], f"delayed/current scale {lo[0]:.2g}x (step {lo[1]['step']}; {after} rows "
                                            f"< 1/{LIMITS['scale_gap']:g}): underflows",
-            math.log2(1 / lo[0]) / math.log2(LIMITS["scale_gap"]))
+            math.log2(1 / lo[0]) / math.log2(LIMITS["scale_gap"]), "underflow")
     if hi and hi[0] >= SCALE_RATIO_HIGH:
         add("scale_gap", hi[0], hi[1], f"delayed/current scale {hi[0]:.3g}x (step {hi[1]['step']}): clips",
-            math.log2(hi[0]) / math.log2(SCALE_RATIO_HIGH))
+            math.log2(hi[0]) / math.log2(SCALE_RATIO_HIGH), "clipping")
     rel = [(float(r["mse"]) / float(r["amax"]) ** 2, r) for r in rows
            if isinstance(r.get("mse"), (int, float)) and isinstance(r.get("amax"), (int, float)) and r["amax"] > 0
            and math.isfinite(float(r["mse"]))]
@@ -99,7 +102,7 @@ def _findings_for(module: str, role: str, rows: list[dict[str, Any]]) -> list[Fi
         worst, row = max(rel, key=lambda t: t[0])
         if median > 0 and worst >= LIMITS["mse_jump"] * median:
             add("mse_jump", worst / median, row, f"MSE/amax^2 {worst / median:.3g}x its median (step {row['step']})",
-                math.log10(worst / median) / math.log10(LIMITS["mse_jump"]))
+                math.log10(worst / median) / math.log10(LIMITS["mse_jump"]), "")
     return out
 
 
@@ -110,8 +113,11 @@ def module_scores(findings: list[Finding]) -> dict[str, float]:
     return score
 
 
-def find_problems(numerics: list[dict[str, Any]]) -> list[Finding]:
-    """Every finding of every (module, role), the most severe module first, then by severity within a module."""
+def find_problems(numerics: list[dict[str, Any]], until: int | None = None) -> list[Finding]:
+    """Every finding of every (module, role), the most severe module first, then by severity within a module;
+    with `until`, from the rows of steps up to it only (what came before a divergence, not its consequences)."""
+    if until is not None:
+        numerics = [r for r in numerics if int(r.get("step", 0)) <= until]
     findings = [f for (m, role), rows in _usable_rows(numerics).items() for f in _findings_for(m, role, rows)]
     score = module_scores(findings)
     return sorted(findings, key=lambda f: (-score[f.module], f.module, -f.severity, _gemm_order(f.gemm)))

@@ -46,8 +46,9 @@ def load_run(run_dir: str | Path, key: str = "RUN_DIR") -> RunData:
                                f"runs/delayed-<time>)")
     if not (path / "metrics.jsonl").is_file():
         raise DoctorInputError(f"{key}: '{run_dir}' has no metrics.jsonl (give the run_dir of a scripts/train.py run)")
-    train = sorted((r for r in _jsonl(path / "metrics.jsonl", key) if r.get("kind") == "train"),
-                   key=lambda r: r.get("step", 0))
+    rows = _jsonl(path / "metrics.jsonl", key)
+    train = sorted((r for r in rows if r.get("kind") == "train"), key=lambda r: r.get("step", 0))
+    evals = sorted((r for r in rows if r.get("kind") == "eval" and "val_loss" in r), key=lambda r: r.get("step", 0))
     if not train:
         raise DoctorInputError(f"{key}: '{run_dir}'/metrics.jsonl has no training step yet (let the run take steps)")
     numerics = [row for f in numerics_files(path) for row in _jsonl(f, key)]
@@ -63,7 +64,7 @@ def load_run(run_dir: str | Path, key: str = "RUN_DIR") -> RunData:
             summary = json.loads((path / "summary.json").read_text(encoding="utf-8"))
         except json.JSONDecodeError:
             summary = {}  # a run killed while writing: the metrics rows say enough
-    return RunData(path, train, numerics, recipe if isinstance(recipe, dict) else {}, summary)
+    return RunData(path, train, numerics, recipe if isinstance(recipe, dict) else {}, summary, evals)
 
 
 def patched_recipe(d: Diagnosis) -> dict[str, Any] | None:
@@ -123,6 +124,11 @@ def format_report(d: Diagnosis, max_findings: int = 8) -> str:
     if d.baseline is not None:
         lines.append(f"baseline  {d.baseline.path}  (recipe {d.baseline.recipe.get('name', '?')})")
     lines.append(f"verdict   {d.verdict}: {d.summary}")
+    if d.gap is not None and (d.verdict == "worse_than_baseline" or any(m.over for m in d.gap.measures)):
+        lines += ["", f"loss gap to the baseline (over the {d.gap.steps} steps both have)"] + _table(
+            [["loss", "steps", "run", "baseline", "gap", "counts from"]]
+            + [[m.name, m.steps, f"{m.run:.4f}", f"{m.baseline:.4f}", f"{m.gap:+.2%}", f"{m.threshold:.2%}"]
+               for m in d.gap.measures])
     if d.spikes:
         lines += ["", "evidence"] + _table([["metric", "from step", "steps", "size (x running median)", "to the end"]]
                                           + [[s.metric, str(s.start), str(s.length), f"{s.size:.3g}",
