@@ -2,11 +2,13 @@
 
     python scripts/bench_train.py                                    # llama3_8b_8l + _16l, delayed/tensorwise/blockwise
     python scripts/bench_train.py --models llama3_8b_8l --configs tensorwise tensorwise:raw --steps 20
+    python scripts/bench_train.py --models llama3_8b_16l --configs delayed delayed+head delayed:raw
     python scripts/bench_train.py --models llama3_8b_16l --mbs 2 --seq 4096 --warmup 3 --steps 8 --out runs/train16
     python scripts/bench_train.py --plot-only runs/bench_train/bench_train.json
 
-Configs: bf16 (always first, the baseline), NAME (a recipe through this project's TE backend) and NAME:raw (the
-same TE recipe through Megatron-Core's own fp8 config and get_fp8_context). Same model, seed and random tokens;
+Configs: bf16 (always first, the baseline), NAME (a recipe through this project's TE backend), NAME:raw (the
+same TE recipe through Megatron-Core's own fp8 config and get_fp8_context) and NAME+LEVER (a speed lever on:
+`head` runs the LM head in FP8). Same model, seed and random tokens;
 one GPU, plain fused torch AdamW. Prints tokens/s, the ratio to BF16, ours / raw and peak memory; writes
 bench_train.json and bench_train.png into --out. Needs a GPU with Transformer Engine.
 """
@@ -23,12 +25,12 @@ DEFAULT_CONFIGS = ["delayed", "delayed:raw", "tensorwise", "tensorwise:raw", "bl
 
 
 def main() -> None:
-    from fp8_recipes.bench.train import bench_train, save, summarize
+    from fp8_recipes.bench.train import bench_train, check_configs, save, summarize
     from fp8_recipes.plan import Hardware
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=["llama3_8b_8l", "llama3_8b_16l"], help="conf/model/ names")
-    p.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, metavar="NAME[:raw]")
+    p.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, metavar="NAME[+LEVER][:raw]")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--mbs", type=int, default=2)
     p.add_argument("--warmup", type=int, default=3)
@@ -39,6 +41,10 @@ def main() -> None:
     p.add_argument("--plot-only", type=Path, metavar="JSON", help="redraw the table and PNG from a result file")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    try:
+        check_configs(args.configs)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     if args.plot_only:
         result = json.loads(args.plot_only.read_text())
         save(result, args.plot_only.parent)

@@ -262,11 +262,6 @@ class PrecisionPlan:
         if not te_ready:
             return Backend.EMULATED, f"auto: {hw.describe()} has no Transformer Engine FP8 backend"
         resolution = resolve_te(self.recipe, hw.compute_capability, hw.name)
-        if "output_layer" in self.layout.module_names and self.bf16_reason("output_layer") is None:
-            resolution = dataclasses.replace(resolution, substitutions=resolution.substitutions + (Substitution(
-                "layers.fp8_output_layer", True, "FP8 LM head", "BF16 LM head",
-                "Megatron-Core builds the LM head as a plain ColumnParallelLinear, not a TE module",
-                "set layers.fp8_output_layer: false"),))
         if want is Backend.TE:
             refusal = resolution.refusal()
             if refusal:  # one line, before any model is built: the user asked for exactly this recipe on TE
@@ -344,11 +339,9 @@ class PrecisionPlan:
         return ModulePlan(name, self.layout.layer_of(name), reason, gemms)
 
     def _te_module_plan(self, name: str, roles: frozenset[Role], te: TERecipe | None) -> ModulePlan:
-        """A module on the TE backend: the stage's TE recipe, unless the module is kept BF16 or is the LM head
-        (Megatron-Core builds it as a plain ColumnParallelLinear, never a TE module)."""
+        """A module on the TE backend: the stage's TE recipe unless the module is kept BF16 (the LM head runs it
+        through a te.Linear when ``fp8_output_layer`` is on: megatron/te_layers.py)."""
         reason = self.bf16_reason(name)
-        if reason is None and self.layout.layer_of(name) is None:
-            reason = "LM head is not a Transformer Engine module"
         te = te if reason is None else None
         gemms = {}
         for gemm, (a, b) in GEMM_OPERANDS.items():

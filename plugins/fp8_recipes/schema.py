@@ -210,7 +210,8 @@ class LayerRules:
     bf16_modules: tuple[str, ...] = ()
     """fnmatch glob patterns over module names (e.g. "*.linear_qkv", "decoder.layers.3.*") forced to BF16."""
     fp8_output_layer: bool = False
-    """Quantize the LM head too (emulated backend only; Megatron-Core keeps it BF16)."""
+    """Quantize the LM head too, under the roles' policies: input (activations), weight (weights; the word embedding
+    when embeddings are tied) and the logits' gradient (gradients). Both backends; on TE through a te.Linear."""
 
 
 @dataclass(frozen=True)

@@ -90,14 +90,14 @@ def fixed_batches(batch_size=8, seq=128, vocab=4096, seed=0):
     return repeated_batch(batch_size, seq, vocab, seed)
 
 
-def build(recipe: dict, device, seed: int = 0):
+def build(recipe: dict, device, seed: int = 0, **model_cfg):
     from fp8_recipes.megatron.model import build_gpt_model, model_layout
     from fp8_recipes.megatron.te_layers import attach_te_backend
     from fp8_recipes.plan import Hardware, PrecisionPlan
     from fp8_recipes.schema import Recipe
 
     torch.manual_seed(seed)
-    model = build_gpt_model(TINY, use_te_spec=True, params_dtype=torch.bfloat16, device=device)
+    model = build_gpt_model({**TINY, **model_cfg}, use_te_spec=True, params_dtype=torch.bfloat16, device=device)
     plan = PrecisionPlan(Recipe.from_dict(recipe), model_layout(model), Hardware.detect())
     assert str(plan.backend) == "te", plan.backend_reason
     return model, attach_te_backend(model, plan)
@@ -226,3 +226,76 @@ def test_delayed_state_survives_a_checkpoint(megatron_gpu, tmp_path):
         for key in ("amax_history_fwd", "amax_history_bwd"):
             assert recorded(tensors[key]) == [1021, 1022, 1023] and recorded(now[key]) == [1020, 1021, 1022, 1023]
             assert torch.equal(now[key][-4:-1], tensors[key][-3:]), (name, key)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The FP8 LM head (layers.fp8_output_layer): a te.Linear handed Megatron-Core's head weight, or the tied embedding
+
+
+def head_recipe(scaling: str) -> dict:
+    return {"weights": scaling, "activations": scaling, "gradients": scaling, "layers": {"fp8_output_layer": True}}
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("scaling", ["tensorwise", "blockwise", "delayed"])
+def test_fp8_lm_head_trains(scaling, tied, megatron_gpu, tmp_path):
+    from fp8_recipes.megatron.model import unwrap_model
+    from fp8_recipes.megatron.te_layers import TEOutputLayer
+
+    model, precision = build(head_recipe(scaling), megatron_gpu[2], share_embeddings_and_output_weights=tied)
+    gpt = unwrap_model(model)
+    assert isinstance(gpt.output_layer, TEOutputLayer) and "output_layer" in precision.linears
+    assert (gpt.output_layer.weight is None) == tied
+    summary = run(model, precision, tmp_path, 4)
+    assert summary["nonfinite_loss_steps"] == 0 and math.isfinite(summary["final_loss"])
+    head = {kind for (name, kind) in precision.module_kinds if name == "output_layer"}
+    assert head == {FP8} and sum(precision.mismatches.values()) == 0
+    weight = gpt.embedding.word_embeddings.weight if tied else gpt.output_layer.weight
+    assert precision.linears["output_layer"].weight is weight  # TE ran on Megatron-Core's parameter
+    assert weight.main_grad.abs().sum() > 0  # its gradient reached DDP's buffer
+    if scaling == "delayed":  # the outer autocast spans the head: every history rolled once per step
+        from fp8_recipes.backends.te import _delayed_tensors
+
+        for name in ("output_layer", "decoder.layers.0.mlp.linear_fc1"):
+            tensors = _delayed_tensors(precision.linears[name])
+            assert recorded(tensors["amax_history_fwd"]) == [1020, 1021, 1022, 1023], name
+        assert "output_layer" in precision.state_dict()["delayed"]
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_fp8_lm_head_computes_the_quantized_gemm(tied, megatron_gpu):
+    """The head's logits are the tensorwise-quantized input times the quantized weight (our numerics core, which
+    equals TE's quantizers bit for bit), up to the GEMM's accumulation order, and far from the unquantized ones."""
+    from fp8_recipes.megatron.model import unwrap_model
+    from fp8_recipes.numerics import fake_quant
+    from fp8_recipes.schema import Recipe, Role
+
+    recipe = head_recipe("tensorwise")
+    model, precision = build(recipe, megatron_gpu[2], share_embeddings_and_output_weights=tied)
+    gpt = unwrap_model(model)
+    seen = {}
+    gpt.output_layer.register_forward_pre_hook(
+        lambda m, args, kwargs: seen.update(x=args[0].detach(), w=kwargs.get("weight")), with_kwargs=True)
+    precision.begin_step(0)
+    batch = {k: v.cuda() for k, v in next(fixed_batches()).items()}
+    model.eval()
+    with torch.no_grad():
+        logits = model(batch["tokens"], batch["position_ids"], None).float().transpose(0, 1)  # [s, b, v]
+    w = (seen["w"] if seen["w"] is not None else gpt.output_layer.weight).detach()
+    r = Recipe.from_dict(recipe)
+    ref = fake_quant(seen["x"], r.policy(Role.ACTIVATIONS)).float() @ fake_quant(w, r.policy(Role.WEIGHTS)).float().t()
+    plain = seen["x"].float() @ w.float().t()
+    err, unquantized = (logits - ref).abs().max().item(), (plain - ref).abs().max().item()
+    assert err < unquantized / 8, (err, unquantized)
+    assert {kind for (name, kind) in precision.module_kinds if name == "output_layer"} == set()  # eval: not counted
+    assert sum(precision.mismatches.values()) == 0
+
+
+def test_bf16_lm_head_is_left_as_built(megatron_gpu):
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    from fp8_recipes.megatron.model import unwrap_model
+
+    model, precision = build({"weights": "tensorwise", "activations": "tensorwise", "gradients": "tensorwise"},
+                             megatron_gpu[2])
+    assert type(unwrap_model(model).output_layer) is ColumnParallelLinear and "output_layer" not in precision.linears

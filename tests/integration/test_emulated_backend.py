@@ -410,3 +410,35 @@ def test_delayed_scales_follow_the_observed_amax_and_round_trip(megatron_cpu):
     precision.begin_step(2)
     fresh.begin_step(2)
     assert identical(forward_backward(model, seed=20), forward_backward(fresh_model, seed=20))
+
+
+def test_fp8_lm_head_with_tied_embeddings(megatron_cpu):
+    """fp8_output_layer with tied embeddings: the LM head's GEMM quantizes its input (activations) and the word
+    embedding it is handed as its weight (weights), and its weight gradient reaches the embedding."""
+    cfg = {**MODEL, "num_layers": 2, "share_embeddings_and_output_weights": True}
+    recipe = Recipe.from_dict({**load_recipe_dict("tensorwise"), "layers": {"fp8_output_layer": True}})
+    model = build(emulated=True, cfg=cfg)
+    gpt = model.module
+    assert gpt.output_layer.weight is None  # tied: Megatron-Core hands the head the embedding at each call
+    precision = attach_emulated_backend(model, PrecisionPlan(recipe, model_layout(model)))
+    assert precision.plan.at(0).modules["output_layer"].any_fp8
+    seen = {}
+    gpt.output_layer.register_forward_pre_hook(lambda m, args, kwargs: seen.update(x=args[0], w=kwargs["weight"]),
+                                               with_kwargs=True)
+    precision.begin_step(0)
+    logits, _, grads = forward_backward(model)
+    emb = gpt.embedding.word_embeddings.weight
+    assert seen["w"] is emb
+    x = seen["x"].detach()
+    expected = fake_quant(x, recipe.policy(A)) @ fake_quant(emb.detach(), recipe.policy(W)).t()  # [s, b, vocab]
+    assert torch.equal(logits, expected.transpose(0, 1))  # the model returns [b, s, vocab]
+    assert not torch.equal(expected, x @ emb.detach().t())  # the quantization shows
+    # the same model with a BF16 head: same logits only where FP8 is off, and another embedding gradient
+    plain = build(emulated=True, cfg=cfg)
+    bf16_head = attach_emulated_backend(plain, PrecisionPlan(
+        Recipe.from_dict(load_recipe_dict("tensorwise")), model_layout(plain)))
+    bf16_head.begin_step(0)
+    logits_bf16, _, grads_bf16 = forward_backward(plain)
+    assert not torch.equal(logits, logits_bf16)
+    key = next(n for n in grads if n.endswith("word_embeddings.weight"))
+    assert grads[key].abs().sum() > 0 and not torch.equal(grads[key], grads_bf16[key])

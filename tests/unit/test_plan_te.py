@@ -281,17 +281,21 @@ def test_nothing_sensible_on_te_falls_back_to_emulated():
         assert str(e.value).startswith(key) and "\n" not in str(e.value) and "backend: emulated" in str(e.value)
 
 
-def test_fp8_output_layer_stays_bf16_on_te():
+def test_fp8_output_layer_runs_fp8_on_te():
+    """The LM head runs the stage's TE recipe when fp8_output_layer is on (a te.Linear: megatron/te_layers.py),
+    with nothing substituted; off (the default) or kept by a pattern, it stays BF16 with the reason named."""
     r = {"weights": "tensorwise", "activations": "tensorwise", "gradients": "tensorwise",
          "layers": {"fp8_output_layer": True}}
     plan = plan_for(r)
-    assert [s.key for s in plan.substitutions] == ["layers.fp8_output_layer"]
-    out = final(plan).modules["output_layer"]
-    assert out.te is None and out.bf16_reason == "LM head is not a Transformer Engine module"
-    with pytest.raises(ValueError, match=r"^layers\.fp8_output_layer: True cannot run on Transformer Engine"):
-        plan_for({**r, "backend": "te"})
-    # a pattern that keeps the head BF16 anyway: nothing to substitute
-    assert plan_for({**r, "layers": {"fp8_output_layer": True, "bf16_modules": ["output_layer"]}}).substitutions == ()
+    assert plan.substitutions == ()
+    out, layer = final(plan).modules["output_layer"], final(plan).modules["decoder.layers.1.mlp.linear_fc1"]
+    assert out.te is not None and out.te == layer.te and out.bf16_reason is None and out.any_fp8
+    assert plan_for({**r, "backend": "te"}).te is not None  # asked for TE explicitly: runs, no refusal
+    off = final(plan_for({**r, "layers": {}})).modules["output_layer"]
+    assert off.te is None and off.bf16_reason == "LM head (fp8_output_layer: false)"
+    kept = final(plan_for({**r, "layers": {"fp8_output_layer": True, "bf16_modules": ["output_layer"]}}))
+    assert kept.modules["output_layer"].te is None
+    assert kept.modules["output_layer"].bf16_reason == "bf16_modules 'output_layer'"
 
 
 def test_bf16_module_patterns_on_te():

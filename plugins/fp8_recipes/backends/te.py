@@ -7,7 +7,8 @@ How it runs (docs/facts.md, "Plugin-owned precision"): the Megatron-Core model i
 ``fp8`` in its config; each TransformerLayer's forward runs inside our own ``te.autocast(enabled, recipe)``
 chosen from the plan for that layer and step (as fast as Megatron-Core's own path). A linear kept BF16 inside an
 FP8 layer (a ``bf16_modules`` pattern) runs under its own ``te.autocast(enabled=False)``. When a step has
-delayed scaling anywhere, one more ``te.autocast`` spans the decoder, as Megatron-Core does: TE reduces and
+delayed scaling anywhere, one more ``te.autocast`` spans the model chunk (its layers and, when it runs FP8, the LM
+head), as Megatron-Core's spans its decoder: TE reduces and
 updates amax histories when the *outermost* autocast exits (forward) and after the first FP8 module's backward,
 so per-layer autocasts alone would roll every history once per layer (why Megatron-Core refuses first/last-layer
 BF16 with delayed scaling; nested inside one outer autocast it is exact).
@@ -246,14 +247,15 @@ class TEPrecision:
     """Executes a PrecisionPlan on Transformer Engine modules (the training loop's precision controller).
 
     ``layers``: this rank's TransformerLayers by global layer number (plan layer i = layers[i]; a pipeline stage
-    holds some of them); ``linears``: its TE linear modules by plan name; ``decoders``: per model chunk, the module
-    spanning its layers (the outer autocast of delayed scaling: per chunk, as Megatron-Core's own FP8 path does).
+    holds some of them); ``linears``: its TE linear modules by plan name (the LM head's when it runs FP8);
+    ``chunks``: per model chunk, the module spanning its TE modules, the GPTModel (the outer autocast of delayed
+    scaling: per chunk, as Megatron-Core's own FP8 path does, with the LM head inside it).
     ``count``: record what each TE linear really ran (``step_kinds``, ``module_kinds``, ``mismatches`` against
     the plan) with a forward hook reading the module's own ``fp8`` flag and recipe (off for benchmarks).
     """
 
     def __init__(self, plan: PrecisionPlan, *, layers: Mapping[int, torch.nn.Module],
-                 linears: Mapping[str, torch.nn.Module], decoders: Sequence[torch.nn.Module], amax_group: Any = None,
+                 linears: Mapping[str, torch.nn.Module], chunks: Sequence[torch.nn.Module], amax_group: Any = None,
                  count: bool = True):
         import transformer_engine.pytorch as te
         from transformer_engine.common.recipe import Float8CurrentScaling
@@ -289,9 +291,9 @@ class TEPrecision:
             self._wrap(module, lambda name=name: self._module_ctx.get(name))
             if count:
                 module.register_forward_hook(self._counter(name))
-        for decoder in decoders:
-            self._wrap(decoder, lambda: self._outer)
-            for module in decoder.modules():  # every TE module (linears, attention): see the module docstring
+        for chunk in chunks:
+            self._wrap(chunk, lambda: self._outer)
+            for module in chunk.modules():  # every TE module (linears, attention): see the module docstring
                 if hasattr(module, "fp8_meta"):  # TE's TransformerEngineBaseModule and only it carries fp8_meta
                     module.get_extra_state = _empty_extra_state
         self._cached_weights = [m for m in self.linears.values() if hasattr(m, "is_first_microbatch")]
@@ -331,11 +333,14 @@ class TEPrecision:
 
     def _apply(self, sp: StepPlan) -> None:
         """Derive every autocast of a stage from the plan: per layer the most common choice of its linears, per
-        linear an override where it differs, and the outer autocast when any choice has delayed state."""
+        linear an override where it differs, its own for a linear outside the layers (the LM head), and the outer
+        autocast when any choice has delayed state."""
         choices = {n: sp.modules[n].te for n in self.linears}
-        by_layer: dict[int, list[str]] = defaultdict(list)
+        by_layer: dict[int | None, list[str]] = defaultdict(list)
         for name in self.linears:
             by_layer[self._layer_of[name]].append(name)
+        for n in by_layer.pop(None, []):
+            self._module_ctx[n] = self._ctx(choices[n])
         for i in self._layer_ctx:
             names = by_layer.get(i, [])
             layer_choice = Counter(choices[n] for n in names).most_common(1)[0][0] if names else None

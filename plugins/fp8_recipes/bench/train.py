@@ -7,6 +7,9 @@ Per model, configs run one after another on a freshly built model (same seed, sa
   NAME:raw     Megatron-Core's own path: TransformerConfig(fp8=..., fp8_recipe=...) with the TE recipe the plan
                chose (delayed: the same margin / history / algorithm), Megatron's get_fp8_context per layer,
                set_is_first_microbatch() each step as its schedules do
+  NAME+LEVER   recipe NAME with a speed lever on (levers combine: NAME+head+...):
+               head  layers.fp8_output_layer: true (the LM head's GEMMs in FP8; Megatron-Core has no FP8 head on
+                     Hopper, so its ours / raw column compares with NAME:raw, the best Megatron-Core does there)
 Recipes with BF16 warmup or staged enablement are timed in their final stage (all roles FP8), the steady state.
 A step is forward (per-token loss, mean) + backward + plain fused torch AdamW on the BF16 params (no master
 weights, no DDP: the GEMMs dominate); tokens/s over ``steps`` timed steps after ``warmup``, peak memory from
@@ -22,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["bench_train", "load_model_cfg", "summarize"]
+__all__ = ["bench_train", "check_configs", "load_model_cfg", "summarize", "with_levers"]
 
 _MEGATRON_RECIPE = {"DelayedScaling": "delayed", "Float8CurrentScaling": "tensorwise",
                     "Float8BlockScaling": "blockwise", "MXFP8BlockScaling": "mxfp8"}
@@ -62,6 +65,36 @@ def raw_megatron_fp8(choice: Any, recipe: Any) -> dict | None:
     return out
 
 
+LEVERS = ("head",)
+
+
+def check_configs(configs: list[str]) -> None:
+    """ValueError (one line, naming the config) for a config label bench_train cannot run, before anything runs."""
+    from fp8_recipes.recipes import recipe_names
+
+    for label in configs:
+        name, _, mode = label.partition(":")
+        name, *levers = name.split("+")
+        if name != "bf16" and name not in recipe_names():
+            raise ValueError(f"--configs {label}: no recipe {name!r}; choose from {', '.join(recipe_names())}")
+        if mode not in ("", "raw"):
+            raise ValueError(f"--configs {label}: unknown mode {mode!r}; write NAME or NAME:raw")
+        bad = [lever for lever in levers if lever not in LEVERS]
+        if bad or (levers and name == "bf16"):
+            raise ValueError(f"--configs {label}: unknown lever {(bad or levers)[0]!r}; levers (on a recipe): "
+                             f"{', '.join(LEVERS)}")
+
+
+def with_levers(recipe: Any, levers: list[str]) -> Any:
+    """``recipe`` with the named speed levers on (bench config ``NAME+LEVER``)."""
+    import dataclasses
+
+    check_configs([f"{recipe.name}+{'+'.join(levers)}"] if levers else [])
+    if "head" in levers:
+        recipe = dataclasses.replace(recipe, layers=dataclasses.replace(recipe.layers, fp8_output_layer=True))
+    return recipe
+
+
 def _run_config(model_cfg: dict, label: str, *, seq: int, mbs: int, warmup: int, steps: int, seed: int,
                 profile: bool = False) -> dict[str, Any]:
     from megatron.core import tensor_parallel
@@ -73,9 +106,13 @@ def _run_config(model_cfg: dict, label: str, *, seq: int, mbs: int, warmup: int,
     from fp8_recipes.schema import ROLES
 
     name, _, mode = label.partition(":")
+    name, *levers = name.split("+")
     overrides, precision, describe, steady = None, None, "BF16", 0
     if name != "bf16":
-        recipe = load_recipe(name)
+        recipe = with_levers(load_recipe(name), levers)
+        if mode == "raw" and levers:
+            return {"config": label, "skipped": f"Megatron-Core has no flag for {'+'.join(levers)} on this GPU; "
+                                                f"{name}+{'+'.join(levers)} is compared with {name}:raw"}
         plan = PrecisionPlan(recipe, ModelLayout.gpt(int(model_cfg["num_layers"])), Hardware.detect())
         if plan.te is None:
             return {"config": label, "skipped": f"no TE plan ({plan.backend_reason})"}
@@ -196,7 +233,10 @@ def summarize(result: dict[str, Any]) -> tuple[str, list[str], dict[str, list[fl
             if "skipped" in r:
                 rows.append([model, label, r["skipped"], None, None, None, None])
                 continue
-            raw = cfgs.get(f"{label}:raw", {}).get("tokens_per_s") if ":" not in label and label != "bf16" else None
+            raw = None
+            if ":" not in label and label != "bf16":  # NAME+LEVER: NAME:raw, the best Megatron-Core runs there
+                raw = (cfgs.get(f"{label}:raw", {}).get("tokens_per_s")
+                       or cfgs.get(f"{label.split('+')[0]}:raw", {}).get("tokens_per_s"))
             vs_bf16 = r["tokens_per_s"] / base if base else float("nan")
             rows.append([model, label, r["te_recipe"], r["tokens_per_s"], vs_bf16,
                          r["tokens_per_s"] / raw if raw else None, r["peak_mem_gib"]])

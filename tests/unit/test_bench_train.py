@@ -1,0 +1,35 @@
+"""scripts/bench_train.py's config labels (NAME, NAME:raw, NAME+LEVER) and its table, without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from fp8_recipes.bench.train import check_configs, summarize, with_levers
+from fp8_recipes.recipes import load_recipe
+
+
+def test_levers_turn_on_what_they_name():
+    plain = load_recipe("delayed")
+    assert not plain.layers.fp8_output_layer and with_levers(plain, ["head"]).layers.fp8_output_layer
+    assert with_levers(plain, []) == plain
+
+
+@pytest.mark.parametrize("label, says", [("delayed+hed", "unknown lever 'hed'"), ("bf16+head", "unknown lever 'head'"),
+                                         ("delayd", "no recipe 'delayd'"), ("delayed:rwa", "unknown mode 'rwa'")])
+def test_bad_labels_are_one_line(label, says):
+    with pytest.raises(ValueError) as e:
+        check_configs(["delayed", label])
+    assert str(e.value).startswith(f"--configs {label}: {says}") and "\n" not in str(e.value)
+
+
+def test_lever_rows_compare_with_the_recipes_raw_megatron():
+    def row(config, tps):
+        return {"model": "m", "config": config, "te_recipe": "x", "tokens_per_s": tps, "peak_mem_gib": 1.0}
+
+    result = {"rows": [row("bf16", 100.0), row("delayed", 135.0), row("delayed:raw", 134.0),
+                       row("delayed+head", 148.0),
+                       {"model": "m", "config": "delayed+head:raw", "skipped": "no flag"}]}
+    table, _, series = summarize(result)
+    line = next(r for r in table.splitlines() if "| delayed+head |" in r)
+    assert line == "| m | delayed+head | x | 148 | 1.48 | 1.10 | 1.00 |"  # x BF16, ours / delayed:raw
+    assert series["delayed+head"] == [pytest.approx(1.48)]
