@@ -74,7 +74,7 @@ def outlier_poison(row: dict) -> None:
         row.update(underflow_pct=8.0, scale_ratio=0.001)
 
 
-def write_run(path: Path, losses, norms=None, *, recipe: str = "delayed", stage: str = "fp8 w+a+g",
+def write_run(path: Path, losses, norms=None, *, recipe: str | dict = "delayed", stage: str = "fp8 w+a+g",
               rows: list[dict] | None = None, lr: float = 2e-3) -> Path:
     path.mkdir(parents=True)
     norms = norms or grad_norms(len(losses))
@@ -85,7 +85,8 @@ def write_run(path: Path, losses, norms=None, *, recipe: str = "delayed", stage:
                                 "grad_norm": norm, "stage": stage(i) if callable(stage) else stage,
                                 "skipped": not finite}) + "\n")
         f.write(json.dumps({"kind": "eval", "step": len(losses), "val_loss": 9.0}) + "\n")  # ignored
-    (path / "recipe.yaml").write_text(yaml.safe_dump(load_recipe(recipe).to_dict(), sort_keys=False))
+    resolved = load_recipe(recipe).to_dict() if isinstance(recipe, str) else recipe
+    (path / "recipe.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
     (path / "summary.json").write_text(json.dumps({"steps": len(losses)}))
     if rows:
         (path / "numerics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -299,3 +300,96 @@ def test_spike_in_a_bf16_stage_is_not_fp8_and_summary_notes_are_shown(tmp_path):
 def test_a_run_that_never_learns_diverged_from_the_start(tmp_path):
     flat = [6.0 + 0.01 * i + 0.05 * math.sin(i) for i in range(STEPS)]  # ends no lower than it started
     assert diagnose(load_run(write_run(tmp_path / "run", flat))).verdict == "diverged_from_start"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The loss gap, the onset, role-wide remedies, quiet runs
+
+
+def gapped_losses(gap: float, opens: int = 10) -> list[float]:
+    """smooth_losses() with the run's loss `gap` (relative) above it from step `opens` on, reached in 5 steps."""
+    return [v * (1 + gap * min(1.0, max(0, i + 1 - opens) / 5)) for i, v in enumerate(smooth_losses())]
+
+
+def e4m3_gradients(margin: int = 0) -> dict:
+    recipe = load_recipe("tensorwise").to_dict()
+    recipe["gradients"].update(format="e4m3", margin=margin)
+    return recipe
+
+
+def gradient_underflow(row: dict) -> None:
+    """Every linear's gradients underflow (a role-wide problem); steps 1 and 5 are still clean."""
+    if row["role"] == "gradients" and row["step"] > 5:
+        row.update(underflow_pct=12.0 + row["step"] / 10, policy="tensorwise e4m3")
+
+
+@pytest.mark.parametrize("margin", [0, 4])
+def test_a_role_wide_gap_gets_a_role_wide_change(tmp_path, margin):
+    base = load_run(write_run(tmp_path / "base", smooth_losses(), recipe="bf16", stage="bf16"))
+    rows = numerics(range(1, STEPS + 1, 4), scaling="tensorwise", poison=gradient_underflow)
+    run = load_run(write_run(tmp_path / "run", gapped_losses(0.08), recipe=e4m3_gradients(margin), rows=rows))
+    d = diagnose(run, base)
+    assert d.verdict == "worse_than_baseline" and "+8.0% above the baseline's" in d.summary
+    assert d.onset == d.gap.opens and 10 <= d.onset <= 16  # where the gap opens, and what the stage check read
+    applied = [p for p in d.proposals if not p.alternative]
+    expected = {"gradients.margin": 0} if margin else {"gradients.format": "e5m2"}
+    assert [p.changes for p in applied] == [expected]  # no BF16 modules for a role-wide problem
+    assert "16 of 16 gradients linears show underflow" in applied[0].reason
+    alternatives = [p.changes.get("gradients.block") for p in d.proposals if p.alternative]
+    assert [1, 128] in alternatives  # 1x128 blocks, ranked below
+    written = load_recipe(patched_recipe(d))
+    assert (str(written.gradients.format), written.gradients.margin) == (("e4m3", 0) if margin else ("e5m2", 0))
+    text = format_report(d)
+    assert "loss gap to the baseline" in text and "smoothed" in text and "+8.00%" in text
+
+
+def test_a_gap_within_noise_is_healthy_and_another_seed_widens_the_threshold(tmp_path):
+    base = load_run(write_run(tmp_path / "base", smooth_losses(), recipe="bf16", stage="bf16"))
+    d = diagnose(load_run(write_run(tmp_path / "small", gapped_losses(0.01))), base)
+    assert d.verdict == "healthy" and "+1.0% against the baseline" in d.summary
+    # another seed: other batches, so the step-to-step wiggles do not match; the noise widens the threshold
+    other = [v + 0.3 * math.sin(2.9 * i + 1) for i, v in enumerate(smooth_losses())]
+    d = diagnose(load_run(write_run(tmp_path / "other", [v * 1.04 for v in other])), base)
+    assert not d.gap.paired and d.gap.measure("smoothed").threshold > 0.04 and d.verdict == "healthy"
+    assert any("did not see the run's batches" in n for n in d.notes)
+    d = diagnose(load_run(write_run(tmp_path / "paired", gapped_losses(0.04, opens=1))), base)
+    assert d.gap.paired and d.verdict == "worse_than_baseline"
+
+
+def test_onset_is_the_earliest_spike_kept_after_the_baseline_filter(tmp_path):
+    losses, norms = smooth_losses(), grad_norms()
+    losses[29] += 2.0      # a loss spike at step 30
+    norms[19] *= 12.0      # a grad-norm spike at step 20, earlier (the loss is listed first)
+    norms[11] *= 12.0      # and one at step 12 that the baseline shares
+    run = load_run(write_run(tmp_path / "run", losses, norms))
+    d = diagnose(run)
+    assert d.onset == 12 and "the first at step 12" in d.summary
+    base_norms = grad_norms()
+    base_norms[11] *= 10.0
+    d = diagnose(run, load_run(write_run(tmp_path / "base", smooth_losses(), base_norms, recipe="bf16",
+                                         stage="bf16")))
+    assert [s.start for s in d.shared] == [12] and d.onset == 20 and "the first at step 20" in d.summary
+    assert "20" in format_report(d).split("evidence")[1].splitlines()[2]  # the onset is in its own table
+
+
+def test_an_early_blow_up_without_a_baseline_blames_nothing(tmp_path):
+    losses = [6.0, 5.0, 4.4, 30.0, 60.0] + [70.0 + i for i in range(STEPS - 5)]  # a dip, then up at step 4
+    rows = numerics(range(1, STEPS + 1, 4), poison=outlier_poison)
+    d = diagnose(load_run(write_run(tmp_path / "run", losses, rows=rows)))
+    assert d.verdict == "mid_run_divergence" and d.onset == 4
+    assert [list(p.changes) for p in d.proposals] == [["schedule.bf16_warmup_steps"]]
+    assert any("without a baseline" in n and "--baseline" in n for n in d.notes)
+
+
+def test_spikes_in_a_run_without_fp8_are_quiet(tmp_path, capsys):
+    run = write_run(tmp_path / "run", spike_run_losses(), recipe="bf16", stage="bf16")
+    d = diagnose(load_run(run))
+    assert d.verdict == "healthy" and any("in a run without FP8" in n for n in d.notes)
+    rc, out, _ = doctor(capsys, run)
+    assert rc == 0 and "verdict   healthy" in out
+
+
+def spike_run_losses() -> list[float]:
+    losses = smooth_losses()
+    losses[SPIKE_AT - 1] += 2.0
+    return losses

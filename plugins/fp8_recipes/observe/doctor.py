@@ -233,7 +233,8 @@ def _evals(run: RunData) -> list[tuple[int, float]]:
 
 
 def _all_spikes(run: RunData) -> list[Spike]:
-    return [s for m in SPIKE_RULES for s in detect_spikes(_series(run, m), m)]
+    """Every metric's spikes, in step order (the evidence table reads in time)."""
+    return sorted((s for m in SPIKE_RULES for s in detect_spikes(_series(run, m), m)), key=lambda s: s.start)
 
 
 def _baseline_excess(series: list[tuple[int, float]], spike: Spike) -> float:
