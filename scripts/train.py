@@ -3,8 +3,9 @@
     python scripts/train.py +recipe=hybrid                          # tiny model on the CPU, emulated FP8
     python scripts/train.py                                         # the same in BF16
     python scripts/train.py +recipe=safe trainer.max_steps=400 recipe.schedule.bf16_warmup_steps=50
+    python scripts/train.py +recipe=path/to/mine.yaml                # a recipe file anywhere (defaults: [hybrid, _self_])
     python scripts/train.py +recipe=tensorwise model=llama3_8b_16l trainer=gpu
-    torchrun --nproc-per-node 2 scripts/train.py +recipe=delayed    # data parallel (gloo on CPU, NCCL on GPU)
+    torchrun --nproc-per-node 2 scripts/train.py +recipe=delayed trainer.global_batch_size=32  # data parallel
 
 Config: conf/train.yaml (+ groups model/, data/, trainer/), recipes from recipes/ (group `recipe`). Outputs go to
 `run_dir` (plan.txt, recipe.yaml, metrics.jsonl, tb/, checkpoints/, summary.json, loss.png).
@@ -43,7 +44,7 @@ def main(cfg: DictConfig) -> None:
     from omegaconf.errors import OmegaConfBaseException
 
     from fp8_recipes.training.errors import (
-        NONFINITE_EXIT, PREEMPTED_EXIT, USER_ERROR_EXIT, NonFiniteStop, remove_partial_run_dir,
+        NONFINITE_EXIT, PREEMPTED_EXIT, USER_ERROR_EXIT, NonFiniteStop, print_error_once, remove_partial_run_dir,
     )
     from fp8_recipes.training.run import run_training
 
@@ -53,9 +54,12 @@ def main(cfg: DictConfig) -> None:
     except (ValueError, OmegaConfBaseException) as e:  # a user error: one line naming the key, nothing half-written
         lines = [f"{e.full_key}: {str(e).splitlines()[0]}"] if isinstance(e, OmegaConfBaseException) else \
             str(e).splitlines()
-        for line in lines:
-            print(f"error: {line}", file=sys.stderr)
         remove_partial_run_dir(run_dir)
+        if getattr(e, "same_on_every_rank", False):  # a config error: torchrun/srun ranks all raise it, said once
+            print_error_once(lines)
+        else:
+            for line in lines:
+                print(f"error: {line}", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT)
     except NonFiniteStop as e:  # trainer.on_nonfinite=stop: the run's outputs so far stay
         print(f"error: {e}", file=sys.stderr)
@@ -67,14 +71,21 @@ def main(cfg: DictConfig) -> None:
         _exit_written(PREEMPTED_EXIT)
     if summary.get("rank", 0) == 0:
         val = f", val loss {summary['val_loss']:.3f}" if summary.get("val_loss") is not None else ""
-        print(f"done: {summary['steps']} steps of {summary['recipe']} ({summary['backend']}), loss "
+        how = summary["backend"] if summary.get("fp8", True) else "every GEMM BF16"
+        print(f"done: {summary['steps']} steps of {summary['recipe']} ({how}), loss "
               f"{summary['final_loss_mean_last_10']:.3f} (mean of last 10){val}, "
               f"{summary['tokens_per_s_median']:,.0f} tokens/s -> {run_dir}")
 
 
 if __name__ == "__main__":
-    from fp8_recipes.training.errors import hydra_errors_as_one_line
+    from fp8_recipes.recipes import recipe_file_overrides
+    from fp8_recipes.training.errors import USER_ERROR_EXIT, hydra_errors_as_one_line, print_error_once
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:  # +recipe=path/to/mine.yaml: a recipe file anywhere (as fp8-recipes show/validate/explain take it)
+        sys.argv[1:] = recipe_file_overrides(sys.argv[1:])
+    except ValueError as e:
+        print_error_once(str(e).splitlines())
+        sys.exit(USER_ERROR_EXIT)
     with hydra_errors_as_one_line():  # Hydra's own errors (unknown key, group option, run_dir) as one line, exit 2
         main()

@@ -88,7 +88,7 @@ def _cmd_memory(args) -> int:
         path = conf_dir() / "model" / f"{args.model}.yaml"
         if not path.is_file():
             choices = sorted(LLAMA3) + sorted(p.stem for p in path.parent.glob("*.yaml"))
-            raise ValueError(f"error: memory: {args.model!r} is not a model ({', '.join(choices)})")
+            raise ValueError(f"memory: {args.model!r} is not a model ({', '.join(choices)})")
         model = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
         if not isinstance(model.get("vocab_size"), int):
             model["vocab_size"] = 4096  # the stdlib tokenizer's, which the small configs take from data
@@ -166,12 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     for option in ("layers", "steps"):  # a plan for no layers or no steps means nothing
         value = getattr(args, option, None)
         if value is not None and value < 1:
-            print(f"explain: --{option} must be >= 1", file=sys.stderr)
+            print(f"error: explain: --{option} must be >= 1", file=sys.stderr)
             return 2
     try:
         return args.fn(args)
-    except ValueError as e:  # RecipeError and other user errors: their text is the message
-        print(str(e), file=sys.stderr)
+    except ValueError as e:  # RecipeError and other user errors: their text is the message, as `error: ...` lines
+        for line in str(e).splitlines():
+            print(line if line.startswith("error: ") else f"error: {line}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # `fp8-recipes show x | head`
         return 0

@@ -18,9 +18,14 @@ from typing import Any
 from fp8_recipes.schema import Recipe, RecipeError
 
 __all__ = [
-    "conf_dir", "conf_search_path", "load_recipe", "load_recipe_dict", "project_root", "recipe_names",
-    "recipes_dir",
+    "conf_dir", "conf_search_path", "load_recipe", "load_recipe_dict", "project_root", "recipe_file_overrides",
+    "recipe_names", "recipes_dir",
 ]
+
+
+EMPTY_RECIPE = ("the recipe states nothing (an empty file, or only comments), so it would train BF16 "
+                "unnamed; build on a recipe (defaults: [tensorwise, _self_]) or state a role (weights: tensorwise); "
+                "the BF16 baseline is the recipe bf16")
 
 
 @lru_cache(maxsize=1)
@@ -113,6 +118,8 @@ def load_recipe_dict(ref: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str,
         chain = " -> ".join(p.stem for p in _seen + (path.resolve(),))
         raise RecipeError([f"defaults: circular recipe inheritance {chain}; remove one of the defaults"], str(path))
     data = _read_yaml(path)
+    if not data:
+        raise RecipeError([f"(top level): {EMPTY_RECIPE}"], str(path))
     defaults = data.pop("defaults", None) or []
     if not isinstance(defaults, list):
         raise RecipeError([f"defaults: {defaults!r} is not a list (e.g. [tensorwise, _self_])"], str(path))
@@ -134,6 +141,35 @@ def load_recipe_dict(ref: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str,
 def load_recipe(ref: str | Path | Mapping[str, Any]) -> Recipe:
     """A validated Recipe from a pack name, a YAML path or a mapping (e.g. Hydra's ``cfg.recipe``)."""
     if isinstance(ref, Mapping):
+        if not ref:
+            raise RecipeError([f"(top level): {EMPTY_RECIPE}"])
         return Recipe.from_dict(dict(ref))
     path = _resolve_ref(ref)
     return Recipe.from_dict(load_recipe_dict(path), source=str(path))
+
+
+def _is_file_ref(value: str) -> bool:
+    return value.endswith((".yaml", ".yml")) or "/" in value
+
+
+def recipe_file_overrides(overrides: list[str]) -> list[str]:
+    """Hydra overrides in which ``+recipe=PATH.yaml`` (a recipe file anywhere, as ``fp8-recipes show`` takes it)
+    names a recipe Hydra can compose: the file, its defaults list applied, goes into Hydra's ConfigStore as the
+    option ``file:<stem>`` of the group ``recipe``, and the override names that option. Overrides of its keys
+    (``recipe.weights.scaling=...``) then work as for a pack recipe, and its problems are named ``recipe.<key>``
+    when the run checks it. A missing or empty file is a RecipeError here."""
+    out = []
+    for override in overrides:
+        key, eq, value = override.partition("=")
+        if eq and key.lstrip("+") == "recipe" and _is_file_ref(value.strip("'\"")):
+            value = value.strip("'\"")
+            path = _resolve_ref(value)
+            data = load_recipe_dict(path)
+            data.setdefault("name", path.stem)
+            from hydra.core.config_store import ConfigStore
+
+            option = f"file:{path.stem}"
+            ConfigStore.instance().store(group="recipe", name=option, node=data)
+            override = f"{key}={option}"
+        out.append(override)
+    return out

@@ -33,6 +33,7 @@ def test_corpus_is_well_formed():
 def outcomes(tmp_path_factory, dataset):  # noqa: F811
     """{case id: (returncode, stdout, stderr, run_dir)} for the whole corpus, run 4 at a time."""
     tmp = tmp_path_factory.mktemp("bad_input")
+    (tmp / "empty.yaml").write_text("# a recipe of comments only\n")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "HYDRA_FULL_ERROR")}
 
     def run(case):

@@ -32,8 +32,19 @@ def test_trainer_config_errors_name_the_key():
         TrainerConfig.from_cfg({"lr": 1e-3, "min_lr": 1e-2})
     cfg = TrainerConfig.from_cfg({"micro_batch_size": 4, "global_batch_size": 12})
     assert cfg.gradient_accumulation_steps(3) == 1
-    with pytest.raises(ValueError, match=r"trainer\.global_batch_size=12 is not a multiple of .* 4 × 2"):
+    with pytest.raises(ValueError, match=r"trainer\.global_batch_size=12 is not a multiple of .* 4 x 2 = 8; set "
+                                         r"trainer\.global_batch_size=8 \(or a multiple\) or trainer\.micro_batch_size=2$"):
         cfg.gradient_accumulation_steps(2)
+
+
+def test_a_run_shorter_than_the_lr_warmup_warms_up_over_a_tenth_of_it():
+    assert TrainerConfig.from_cfg({"max_steps": 200, "warmup_steps": 20}).lr_warmup_steps == 20
+    assert TrainerConfig.from_cfg({"max_steps": 20, "warmup_steps": 20}).lr_warmup_steps == 20
+    short = TrainerConfig.from_cfg({"max_steps": 15, "warmup_steps": 20})  # was refused: any max_steps runs
+    assert short.warmup_steps == 20 and short.lr_warmup_steps == 1
+    assert TrainerConfig.from_cfg({"max_steps": 5, "warmup_steps": 20}).lr_warmup_steps == 0
+    no_warmup = [lr_at(s, lr=1e-3, min_lr=1e-4, warmup_steps=0, max_steps=5) for s in range(5)]
+    assert 0.9e-3 < no_warmup[0] <= 1e-3 and no_warmup[-1] == pytest.approx(1e-4)  # the cosine from the first step
 
 
 def test_lr_schedule_values():

@@ -120,15 +120,23 @@ def split_overrides(overrides: Iterable[str]) -> tuple[list[str], list[str]]:
     return launcher, train
 
 
+QUOTES = "'\""
+
+
 def compose_job(overrides: Iterable[str]):
     """(train config with the `launcher` group, overrides for train.py), composed as scripts/train.py would."""
     from hydra import compose, initialize_config_dir
 
-    from fp8_recipes.recipes import conf_dir
+    from fp8_recipes.recipes import conf_dir, recipe_file_overrides
 
     launcher, train = split_overrides(overrides)
+    composable = recipe_file_overrides(train)  # +recipe=FILE.yaml: composed here, passed to train.py as an absolute path
+    for i, (original, changed) in enumerate(zip(list(train), composable)):
+        if original != changed:
+            key, value = original.split("=", 1)
+            train[i] = f"{key}={Path(value.strip(QUOTES)).resolve()}"
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        cfg = compose("train", overrides=[*launcher, *train])
+        cfg = compose("train", overrides=[*launcher, *composable])
     return cfg, train
 
 

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 from fp8_recipes.training.errors import did_you_mean
 
 __all__ = ["LRScaling", "TrainerConfig", "NONFINITE_ACTIONS", "check_model_cfg", "check_data_cfg",
-           "check_writable_dir", "check_run_config", "launch_world_size", "unknown_key"]
+           "check_writable_dir", "check_run_config", "launch_rank", "launch_world_size", "unknown_key"]
 
 NONFINITE_ACTIONS = ("skip_then_bf16", "stop")
 
@@ -72,7 +72,8 @@ class TrainerConfig:
     min_lr: float = 1e-4
     """Learning rate at the last step (cosine decay from lr)."""
     warmup_steps: int = 20
-    """Linear warmup from lr/warmup_steps to lr."""
+    """Linear warmup from lr/warmup_steps to lr. A run shorter than this warms up over a tenth of its steps instead
+    (lr_warmup_steps; said in one line), so any max_steps runs."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay, applied to matrices only (not to norms and biases)."""
     adam_beta1: float = 0.9
@@ -184,9 +185,6 @@ class TrainerConfig:
             raise ValueError(f"trainer.lr={self.lr!r}: must be a number > 0 (e.g. 2.0e-3)")
         if not (_is_number(self.min_lr) and 0 <= self.min_lr <= self.lr):
             raise ValueError(f"trainer.min_lr={self.min_lr}: must lie in [0, trainer.lr={self.lr}]")
-        if self.warmup_steps > self.max_steps:
-            raise ValueError(f"trainer.warmup_steps={self.warmup_steps} exceeds trainer.max_steps={self.max_steps}; "
-                             f"lower it or raise max_steps")
         for key in ("adam_beta1", "adam_beta2"):
             if not (_is_number(getattr(self, key)) and 0 <= getattr(self, key) < 1):
                 raise ValueError(f"trainer.{key}={getattr(self, key)!r}: must lie in [0, 1) (e.g. 0.9)")
@@ -250,6 +248,12 @@ class TrainerConfig:
                              "trainer.recompute_granularity=full only; set them to null")
 
     @property
+    def lr_warmup_steps(self) -> int:
+        """The LR warmup the schedule runs: warmup_steps, or a tenth of max_steps when the run is shorter than it
+        (the default 20 of 200); training/notices.py says so."""
+        return self.warmup_steps if self.warmup_steps <= self.max_steps else self.max_steps // 10
+
+    @property
     def model_parallel_size(self) -> int:
         """Ranks per model replica: tensor x pipeline x context parallel."""
         return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
@@ -285,8 +289,13 @@ class TrainerConfig:
     def gradient_accumulation_steps(self, data_parallel_size: int) -> int:
         per_step = self.micro_batch_size * data_parallel_size
         if self.global_batch_size % per_step:
+            fix = f"set trainer.global_batch_size={per_step} (or a multiple)"
+            mbs = math.gcd(self.micro_batch_size, self.global_batch_size // data_parallel_size)
+            if self.global_batch_size % data_parallel_size == 0:
+                fix += f" or trainer.micro_batch_size={mbs}"
             raise ValueError(f"trainer.global_batch_size={self.global_batch_size} is not a multiple of "
-                             f"micro_batch_size × data parallel = {self.micro_batch_size} × {data_parallel_size}")
+                             f"micro_batch_size x data parallel = {self.micro_batch_size} x {data_parallel_size} = "
+                             f"{per_step}; {fix}")
         return self.global_batch_size // per_step
 
 
@@ -408,6 +417,16 @@ def check_data_cfg(cfg: Mapping[str, Any]) -> None:
 
 RUN_KEYS = {"model", "data", "trainer", "run_dir", "recipe", "debug"}
 """Top-level keys of conf/train.yaml; a module adding a group extends this set."""
+
+
+def launch_rank() -> int:
+    """This process's global rank as the launcher (torchrun or srun) set it; 0 without a launcher."""
+    env = os.environ
+    if "WORLD_SIZE" in env and "RANK" in env:
+        return int(env["RANK"])
+    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
+        return int(env["SLURM_PROCID"])
+    return 0
 
 
 def launch_world_size() -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import logging
 import os
 import re
 import shutil
@@ -21,8 +22,8 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["NonFiniteStop", "USER_ERROR_EXIT", "NONFINITE_EXIT", "PREEMPTED_EXIT", "did_you_mean",
-           "hydra_errors_as_one_line", "one_line", "remove_partial_run_dir"]
+__all__ = ["ConsoleFormatter", "NonFiniteStop", "USER_ERROR_EXIT", "NONFINITE_EXIT", "PREEMPTED_EXIT", "did_you_mean",
+           "hydra_errors_as_one_line", "one_line", "print_error_once", "remove_partial_run_dir"]
 
 USER_ERROR_EXIT = 2  # a bad config, recipe or command line: nothing was run
 NONFINITE_EXIT = 3   # training stopped on non-finite losses or gradients (trainer.on_nonfinite)
@@ -32,6 +33,15 @@ PREEMPTED_EXIT = 4   # SIGTERM/SIGUSR1: checkpointed after the current step, not
 _RUN_OUTPUTS = (".hydra", "train.log", "plan.txt", "recipe.yaml", "metrics.jsonl", "tb", "summary.json", "loss.png")
 _PACKAGE = str(Path(__file__).resolve().parents[1])
 _IMPORTED_AT = time.time()  # scripts/train.py imports this module before Hydra creates run_dir
+
+
+class ConsoleFormatter(logging.Formatter):
+    """The console's log lines (conf/train.yaml's hydra.job_logging): the message alone, a warning as
+    ``warning: <message>``; train.log keeps Hydra's timestamped lines."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = super().format(record)
+        return f"{record.levelname.lower()}: {message}" if record.levelno >= logging.WARNING else message
 
 
 class NonFiniteStop(RuntimeError):
@@ -123,8 +133,24 @@ def hydra_errors_as_one_line() -> Iterator[None]:
         line = one_line(e)
         if line is None:
             raise
-        print(f"error: {line}", file=sys.stderr, flush=True)
+        print_error_once([line])  # under torchrun/srun every rank composes the same config
         sys.exit(USER_ERROR_EXIT)
+
+
+QUIET_RANK_DELAY_S = 5.0
+"""How long a rank other than 0 waits before leaving with an error rank 0 prints: torchrun stops the other workers
+as soon as one exits, and a silent rank that left first would cut rank 0 off before its line."""
+
+
+def print_error_once(lines: list[str]) -> None:
+    """``error: <line>`` on stderr, by the launcher's rank 0 only (for errors every rank raises alike)."""
+    from fp8_recipes.training.config import launch_rank
+
+    if launch_rank() == 0:
+        for line in lines:
+            print(f"error: {line}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(QUIET_RANK_DELAY_S)
 
 
 def remove_partial_run_dir(run_dir: str | os.PathLike, since: float = _IMPORTED_AT) -> None:
@@ -143,3 +169,10 @@ def remove_partial_run_dir(run_dir: str | os.PathLike, since: float = _IMPORTED_
             p.unlink()
     with contextlib.suppress(OSError):
         run_dir.rmdir()  # only when empty
+    # and the parents Hydra made for it (runs/ in a fresh checkout): empty, changed since, below the working directory
+    cwd = Path.cwd().resolve()
+    with contextlib.suppress(OSError):  # (another rank may be removing them too)
+        for parent in run_dir.resolve().parents:
+            if cwd not in parent.parents or any(parent.iterdir()) or parent.stat().st_mtime < since - 1.0:
+                break
+            parent.rmdir()

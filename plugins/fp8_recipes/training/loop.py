@@ -261,7 +261,7 @@ def train(engine: Engine, batches_train: Iterator[Mapping[str, Any]] | list[Iter
     lr, min_lr = _peak_lr(cfg, rank)
 
     def lr_of(step: int) -> float:
-        return lr_at(step, lr=lr, min_lr=min_lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps)
+        return lr_at(step, lr=lr, min_lr=min_lr, warmup_steps=cfg.lr_warmup_steps, max_steps=cfg.max_steps)
 
     schedule = LRScheduleState()
     start = 0

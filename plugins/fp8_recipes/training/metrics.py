@@ -28,6 +28,7 @@ class MetricsWriter:
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         self._tb = None
+        self._stage: dict[str, str] = {}  # the last precision stage written to TensorBoard, per kind
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -40,7 +41,8 @@ class MetricsWriter:
                 print(f"metrics: TensorBoard disabled ({type(e).__name__}: {e})")
 
     def log(self, row: dict[str, Any]) -> None:
-        """Write one row; numeric fields also go to TensorBoard as ``<kind>/<key>`` at ``row['step']``."""
+        """Write one row; numeric fields also go to TensorBoard as ``<kind>/<key>`` at ``row['step']``, and the
+        precision ``stage`` (a label: "bf16 warmup", "fp8 w+a", ...) as the text ``<kind>/stage`` where it changes."""
         if not self.enabled:
             return
         self._file.write(json.dumps({k: _jsonable(v) for k, v in row.items()}) + "\n")
@@ -50,6 +52,10 @@ class MetricsWriter:
             for key, value in row.items():
                 if key not in ("step", "kind") and isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._tb.add_scalar(f"{kind}/{key}", value, row["step"])
+            stage = row.get("stage")
+            if isinstance(stage, str) and stage and stage != self._stage.get(kind):
+                self._tb.add_text(f"{kind}/stage", stage, row["step"])
+                self._stage[kind] = stage
 
     def close(self) -> None:
         if not self.enabled:

@@ -30,6 +30,10 @@ def resolve_recipe(cfg) -> Any:
     if node is None:
         return load_recipe("bf16")
     data = OmegaConf.to_container(node, resolve=True) if not isinstance(node, dict) else node
+    if not data:
+        from fp8_recipes.recipes import EMPTY_RECIPE
+
+        raise ValueError(f"recipe: {EMPTY_RECIPE}")
     with _recipe_keys():
         return load_recipe(data)
 
@@ -102,11 +106,17 @@ def _write_text(path: Path, text: str) -> None:
 
 def quiet_third_party_logs() -> None:
     """Keep the console for our plan, progress and results: Megatron-Core's dataset chatter, its GPTModel
-    deprecation notice and "Apex is not installed" say nothing a user of this tool can act on."""
+    deprecation notice and experimental-API notices, "Apex is not installed", torch's "No CUDA runtime is found"
+    on a CPU machine, matplotlib's font cache and the CPU shim's list of patches say nothing a user of this tool
+    can act on."""
     import warnings
 
     logging.getLogger("megatron").setLevel(logging.ERROR)
-    for msg in ("Apex is not installed", "Transformer Engine and Apex are not installed", "full scope is deprecated"):
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
+    logging.getLogger("fp8_recipes.megatron.cpu_shim").setLevel(logging.WARNING)
+    for msg in ("Apex is not installed", "Transformer Engine and Apex are not installed", "full scope is deprecated",
+                "is experimental and still under active development"):
         warnings.filterwarnings("ignore", message=f".*{msg}.*")
 
 
@@ -204,22 +214,36 @@ def check_engine_backend(trainer, backend) -> None:
                              f"{backend} backend builds Megatron-Core's local layers and torch's AdamW: unset it here")
 
 
+@contextlib.contextmanager
+def same_on_every_rank():
+    """Errors raised inside come from the config and the files every rank reads alike: every rank of a launched
+    job raises the same one, so scripts/train.py prints it once (rank 0)."""
+    try:
+        yield
+    except Exception as e:
+        e.same_on_every_rank = True
+        raise
+
+
 def run_training(cfg) -> dict:
     from fp8_recipes.plan import Hardware, ModelLayout, ParallelLayout, PrecisionPlan
     from fp8_recipes.schema import Backend
-    from fp8_recipes.training.config import check_run_config
+    from fp8_recipes.training.config import check_run_config, launch_rank
+    from fp8_recipes.training.notices import run_notices
 
     quiet_third_party_logs()
-    tcfg = check_run_config(cfg)  # trainer, model, data, run_dir: before anything is built (and before torch loads)
-    recipe = resolve_recipe(cfg)
-    debug = resolve_debug(cfg)
+    with same_on_every_rank():
+        tcfg = check_run_config(cfg)  # trainer, model, data, run_dir: before anything is built (and torch loads)
+        recipe = resolve_recipe(cfg)
+        debug = resolve_debug(cfg)
     hardware = Hardware.detect()
     trainer = cfg.trainer
     run_dir = Path(cfg.run_dir)
-    # Fail on the recipe/hardware combination before any process group, data or model exists.
-    with _recipe_keys():
-        first_plan = PrecisionPlan(recipe, ModelLayout.gpt(int(cfg.model.num_layers)), hardware)
-    check_engine_backend(tcfg, first_plan.backend)
+    with same_on_every_rank():
+        # Fail on the recipe/hardware combination before any process group, data or model exists.
+        with _recipe_keys():
+            first_plan = PrecisionPlan(recipe, ModelLayout.gpt(int(cfg.model.num_layers)), hardware)
+        check_engine_backend(tcfg, first_plan.backend)
 
     from fp8_recipes.megatron.data import data_parallel_batches, prepare_dataset
     from fp8_recipes.megatron.model import destroy_distributed, init_distributed
@@ -227,17 +251,21 @@ def run_training(cfg) -> dict:
     from fp8_recipes.training.engine import build_engine
     from fp8_recipes.training.loop import train
 
-    if tcfg.device == "gpu" and hardware.device != "cuda":
-        raise ValueError("trainer.device=gpu: this machine has no CUDA GPU; train on the CPU with trainer=cpu (or "
-                         "trainer.device=auto)")
-    gbs, mbs = tcfg.global_batch_size, tcfg.micro_batch_size
-    layout = {"tensor_model_parallel_size": tcfg.tensor_model_parallel_size,
-              "pipeline_model_parallel_size": tcfg.pipeline_model_parallel_size,
-              "virtual_pipeline_model_parallel_size": tcfg.virtual_pipeline_model_parallel_size}
-    # A resume that cannot continue the run (another layout or global batch) is refused before anything is built.
-    resume_from = find_resume(trainer.get("resume"), run_dir)
-    skip = resume_skip(resume_from, global_batch_size=gbs, micro_batch_size=mbs, **layout,
-                       use_distributed_optimizer=tcfg.use_distributed_optimizer) if resume_from is not None else 0
+    with same_on_every_rank():
+        if tcfg.device == "gpu" and hardware.device != "cuda":
+            raise ValueError("trainer.device=gpu: this machine has no CUDA GPU; train on the CPU with trainer=cpu (or "
+                             "trainer.device=auto)")
+        gbs, mbs = tcfg.global_batch_size, tcfg.micro_batch_size
+        layout = {"tensor_model_parallel_size": tcfg.tensor_model_parallel_size,
+                  "pipeline_model_parallel_size": tcfg.pipeline_model_parallel_size,
+                  "virtual_pipeline_model_parallel_size": tcfg.virtual_pipeline_model_parallel_size}
+        # A resume that cannot continue the run (another layout or global batch) is refused before anything is built.
+        resume_from = find_resume(trainer.get("resume"), run_dir)
+        skip = resume_skip(resume_from, global_batch_size=gbs, micro_batch_size=mbs, **layout,
+                           use_distributed_optimizer=tcfg.use_distributed_optimizer) if resume_from is not None else 0
+    if launch_rank() == 0:
+        for line in run_notices(tcfg, recipe, debug):
+            logger.warning(line)
     rank, world_size, device = init_distributed(**layout, context_parallel_size=tcfg.context_parallel_size,
                                                 seed=tcfg.seed)
     try:
@@ -296,6 +324,8 @@ def run_training(cfg) -> dict:
             summary = train(engine, train_iters, valid_iter, trainer, precision, run_dir, rank=rank,
                             world_size=world_size, resume_from=resume_from,
                             summary_extra={"recipe": recipe.name, "backend": str(plan.backend),
+                                           "fp8": any(str(recipe.policy(r).scaling) != "none"
+                                                      for r in ("weights", "activations", "gradients")),
                                            "device": hardware.describe()})
         finally:
             if recorder is not None:  # the last step's rows and the heat map, also after a failed step
