@@ -12,7 +12,8 @@
 # Megatron-Core's engine (one part per call):
 #     bash tests/gpu/run_gpu.sh engine       # the TE training tests on the engine + a real llama3_8b_8l run (cap 450 s)
 #     BASELINE=.oldsrc LAYOUTS=1gpu bash tests/gpu/run_gpu.sh engine-bench   # one GPU: the engine before and now
-#     PROFILE=1 bash tests/gpu/run_gpu.sh levers   # speed levers (FP8 LM head): their GPU tests + bench_train, 16 layers
+#     bash tests/gpu/run_gpu.sh levers       # speed levers (FP8 LM head): TE training tests + gpt_125m run (cap 360 s)
+#     PROFILE=1 bash tests/gpu/run_gpu.sh levers-bench   # ... and bench_train per lever on 16 layers (cap 330 s)
 #     bash tests/gpu/run_gpu.sh two          # two GPUs: scales across the amax group, safe at PP=2, bench_parallel
 #         (10 runs of ~40 s; a second call with LAYOUTS="1gpu dp2 tp2sp pp2 cp2" RECIPES="tensorwise" covers the rest)
 # BASELINE: a checkout of the engine before (git archive 107c97b plugins conf scripts recipes setup.cfg | tar -x -C .oldsrc)
@@ -60,15 +61,17 @@ levers)
   timeout -s INT 120 "$PY" scripts/train.py +recipe=delayed model=gpt_125m trainer=gpu trainer.max_steps=30 \
       ++recipe.layers.fp8_output_layer=true trainer.save_checkpoints=false trainer.eval_interval=15 \
       trainer.eval_iters=2 run_dir="$OUT/head125m" 2>&1 | grep -v -E "it/s\]|step/s" | tee -a "$OUT/train.log"
-  stamp "bench_train: the speed levers on 16 Llama-3-8B layers" | tee "$OUT/bench_train.log"
-  timeout -s INT 330 "$PY" scripts/bench_train.py --models llama3_8b_16l --seq 4096 --mbs 2 --warmup 3 --steps 8 \
-      --configs ${CONFIGS:-delayed delayed+head delayed:raw tensorwise tensorwise+head tensorwise:raw blockwise \
-      blockwise+head blockwise:raw} ${PROFILE:+--profile} --out "$OUT" 2>&1 | tee -a "$OUT/bench_train.log"
   echo; stamp "summary"
   echo "GPU tests: $(grep -E ' in [0-9.]+s' "$OUT/tests.log" | tail -1)"
   grep -E '^(FAILED|ERROR) ' "$OUT/tests.log" | head -20
   grep -E "^done:|^error" "$OUT/train.log"
-  [ -f "$OUT/bench_train.json" ] && "$PY" scripts/bench_train.py --plot-only "$OUT/bench_train.json"
+  ;;
+levers-bench)
+  stamp "bench_train: the speed levers on 16 Llama-3-8B layers" | tee "$OUT/bench_train.log"
+  timeout -s INT 330 "$PY" scripts/bench_train.py --models llama3_8b_16l --seq 4096 --mbs 2 --warmup 3 --steps 8 \
+      --configs ${CONFIGS:-delayed delayed+head delayed:raw tensorwise tensorwise+head tensorwise:raw blockwise \
+      blockwise+head blockwise:raw} ${PROFILE:+--profile} --out "$OUT" 2>&1 | tee -a "$OUT/bench_train.log"
+  echo; [ -f "$OUT/bench_train.json" ] && "$PY" scripts/bench_train.py --plot-only "$OUT/bench_train.json"
   ;;
 engine-bench)
   stamp "bench_parallel on one GPU: baseline ${BASELINE:-none} and this engine" | tee "$OUT/bench.log"

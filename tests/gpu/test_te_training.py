@@ -285,8 +285,11 @@ def test_fp8_lm_head_computes_the_quantized_gemm(tied, megatron_gpu):
     r = Recipe.from_dict(recipe)
     ref = fake_quant(seen["x"], r.policy(Role.ACTIVATIONS)).float() @ fake_quant(w, r.policy(Role.WEIGHTS)).float().t()
     plain = seen["x"].float() @ w.float().t()
+    # TE returns BF16 logits: within one BF16 ulp of the largest logit (rounding and accumulation order); the
+    # unquantized GEMM is farther (measured on the H200: 0.0102 vs 0.0494 tied, 4.8x apart)
     err, unquantized = (logits - ref).abs().max().item(), (plain - ref).abs().max().item()
-    assert err < unquantized / 8, (err, unquantized)
+    ulp = 2.0 ** (math.floor(math.log2(ref.abs().max().item())) - 7)
+    assert err <= ulp and unquantized > 2 * err, (err, ulp, unquantized)
     assert {kind for (name, kind) in precision.module_kinds if name == "output_layer"} == set()  # eval: not counted
     assert sum(precision.mismatches.values()) == 0
 
