@@ -334,7 +334,7 @@ def test_a_role_wide_gap_gets_a_role_wide_change(tmp_path, margin):
     applied = [p for p in d.proposals if not p.alternative]
     expected = {"gradients.margin": 0} if margin else {"gradients.format": "e5m2"}
     assert [p.changes for p in applied] == [expected]  # no BF16 modules for a role-wide problem
-    assert "16 of 16 gradients linears show underflow" in applied[0].reason
+    assert "16 of 16 gradients linears show lasting underflow" in applied[0].reason
     alternatives = [p.changes.get("gradients.block") for p in d.proposals if p.alternative]
     assert [1, 128] in alternatives  # 1x128 blocks, ranked below
     written = load_recipe(patched_recipe(d))

@@ -294,8 +294,6 @@ def diagnose(run: RunData, baseline: RunData | None = None) -> Diagnosis:
     d = Diagnosis(run, verdict, "", spikes=spikes, baseline=baseline, gap=gap, shared=shared)
     d.findings = find_problems(run.numerics)
     d.notes += notes
-    if not run.numerics and fp8:
-        d.notes.append("no numerics.jsonl: rerun with ++debug.interval=10 to name the layers and tensors")
     if shared:
         d.notes.append(f"{len(shared)} spike(s) at the same steps as the baseline's (steps "
                        f"{', '.join(str(s.start) for s in shared)}): both runs see them, not counted")
@@ -314,6 +312,8 @@ def diagnose(run: RunData, baseline: RunData | None = None) -> Diagnosis:
     d.onset = onset
     d.summary = _summary(d, onset)
     d.notes += _run_notes(run)
+    if not run.numerics and fp8:
+        d.notes.append("no numerics.jsonl: rerun with ++debug.interval=10 to name the layers and tensors")
     reason = _not_fp8_reason(run, baseline, onset, base_div[0] if base_div else None)
     if reason is not None:
         d.summary += f"; not an FP8 problem: {reason}"

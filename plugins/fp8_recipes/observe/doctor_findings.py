@@ -41,6 +41,8 @@ class Finding:
     policy: str = ""
     effect: str = ""
     """What the finding does to the values: underflow (lost to zero) | clipping | precision | "" (supporting)."""
+    share: float = 0.0
+    """The fraction of the (module, role)'s recorded rows beyond the limit: 1/N is one bad step, near 1 lasting."""
 
 
 def _gemm_order(gemm: str) -> int:
@@ -70,9 +72,10 @@ def _worst(rows: list[dict[str, Any]], key: str, pick=max) -> tuple[float, dict[
 def _findings_for(module: str, role: str, rows: list[dict[str, Any]]) -> list[Finding]:
     out = []
 
-    def add(kind: str, value: float, row: dict[str, Any], text: str, severity: float, effect: str) -> None:
+    def add(kind: str, value: float, row: dict[str, Any], text: str, severity: float, effect: str,
+            beyond: int = 0) -> None:
         out.append(Finding(module, role, str(row.get("gemm", "?")), kind, value, int(row.get("step", 0)), text,
-                           severity, str(row.get("policy", "")), effect))
+                           severity, str(row.get("policy", "")), effect, beyond / len(rows)))
 
     for kind in ("underflow_pct", "saturation_pct"):
         w = _worst(rows, kind)
@@ -80,20 +83,22 @@ def _findings_for(module: str, role: str, rows: list[dict[str, Any]]) -> list[Fi
             steps = sum(1 for r in rows if (r.get(kind) or 0) >= LIMITS[kind])
             add(kind, w[0], w[1], f"{kind.split('_')[0]} {w[0]:.2f}% (step {w[1]['step']}; {steps} rows >= "
                                   f"{LIMITS[kind]:g}%)", w[0] / LIMITS[kind],
-                "underflow" if kind == "underflow_pct" else "clipping")
+                "underflow" if kind == "underflow_pct" else "clipping", steps)
     w = _worst(rows, "cosine", min)
     if w and 1 - w[0] >= LIMITS["cosine_drop"]:
+        low = sum(1 for r in rows if isinstance(r.get("cosine"), (int, float)) and 1 - r["cosine"] >= LIMITS["cosine_drop"])
         add("cosine_drop", 1 - w[0], w[1], f"cosine {w[0]:.4f} (step {w[1]['step']})",
-            (1 - w[0]) / LIMITS["cosine_drop"], "precision")
+            (1 - w[0]) / LIMITS["cosine_drop"], "precision", low)
     lo, hi = _worst(rows, "scale_ratio", min), _worst(rows, "scale_ratio", max)
     if lo and 0 < lo[0] <= 1 / LIMITS["scale_gap"]:
         after = sum(1 for r in rows if 0 < (r.get("scale_ratio") or 1) <= 1 / LIMITS["scale_gap"])
         add("scale_gap", 1 / lo[0], lo[1], f"delayed/current scale {lo[0]:.2g}x (step {lo[1]['step']}; {after} rows "
                                            f"< 1/{LIMITS['scale_gap']:g}): underflows",
-            math.log2(1 / lo[0]) / math.log2(LIMITS["scale_gap"]), "underflow")
+            math.log2(1 / lo[0]) / math.log2(LIMITS["scale_gap"]), "underflow", after)
     if hi and hi[0] >= SCALE_RATIO_HIGH:
+        clipped = sum(1 for r in rows if (r.get("scale_ratio") or 0) >= SCALE_RATIO_HIGH)
         add("scale_gap", hi[0], hi[1], f"delayed/current scale {hi[0]:.3g}x (step {hi[1]['step']}): clips",
-            math.log2(hi[0]) / math.log2(SCALE_RATIO_HIGH), "clipping")
+            math.log2(hi[0]) / math.log2(SCALE_RATIO_HIGH), "clipping", clipped)
     rel = [(float(r["mse"]) / float(r["amax"]) ** 2, r) for r in rows
            if isinstance(r.get("mse"), (int, float)) and isinstance(r.get("amax"), (int, float)) and r["amax"] > 0
            and math.isfinite(float(r["mse"]))]

@@ -27,8 +27,11 @@ from fp8_recipes.schema import ROLES
 __all__ = ["ROLE_WIDE", "Proposal", "propose", "role_extent", "warmup_proposal"]
 
 ROLE_WIDE = 0.5
-"""A role's problem is role-wide when its findings name at least this fraction of the role's quantized linears
-(and at least two of them)."""
+"""A role's problem is role-wide when lasting findings (:data:`LASTING`) name at least this fraction of the role's
+quantized linears (and at least two of them)."""
+LASTING = 0.25
+"""A finding lasts when at least this fraction of its module's recorded steps are beyond the limit: one bad step
+in many linears is an event (an outlier, a blow-up) that the role's setting did not cause."""
 MAX_MODULES = 3
 """Layer fallbacks name at most this many modules: more is a role-wide problem or a warmup problem."""
 
@@ -49,15 +52,18 @@ def _module_layer(name: str) -> int | None:
 
 
 def role_extent(findings: list[Finding], numerics: list[dict[str, Any]]) -> dict[str, tuple[set[str], set[str]]]:
-    """role -> (the modules its findings name, the modules numerics.jsonl has that role for)."""
+    """role -> (the modules its lasting findings name, the modules numerics.jsonl has that role for)."""
     quantized: dict[str, set[str]] = defaultdict(set)
     for r in numerics:
         quantized[str(r.get("role", "?"))].add(str(r.get("module", "?")))
     flagged: dict[str, set[str]] = defaultdict(set)
+    roles = set()
     for f in findings:
         if f.kind not in SUPPORTING:
-            flagged[f.role].add(f.module)
-    return {role: (flagged[role], quantized[role] | flagged[role]) for role in flagged}
+            roles.add(f.role)
+            if f.share >= LASTING:
+                flagged[f.role].add(f.module)
+    return {role: (flagged[role], quantized[role]) for role in roles}
 
 
 def _is_role_wide(flagged: set[str], quantized: set[str]) -> bool:
@@ -72,7 +78,7 @@ def _evidence(role: str, mine: list[Finding], effect: str, flagged: set[str], qu
     hits = [f for f in mine if f.effect == effect] or mine
     worst = max(hits, key=lambda f: f.severity)
     named = len({f.module for f in hits})
-    return (f"{named} of {len(quantized)} {role} linears show {effect} (worst: {worst.module} {worst.gemm}, "
+    return (f"{named} of {len(quantized)} {role} linears show lasting {effect} (worst: {worst.module} {worst.gemm}, "
             f"{worst.text})" if effect else f"{len(flagged)} of {len(quantized)} {role} linears flagged")
 
 
@@ -96,45 +102,45 @@ def _role_wide(role: str, policy: dict[str, Any], mine: list[Finding], flagged: 
         if margin > 0 and scaling != "mxfp8":
             out.append((0, Proposal({f"{role}.margin": 0}, f"margin {margin} -> 0: the margin shrinks every value "
                                     f"{2 ** margin}x before the cast, so the small ones fall below FP8's smallest "
-                                    f"step ({why})")))
+                                    f"step")))
         if scaling == "delayed" and any(f.kind == "scale_gap" for f in mine):
             out.append((1, Proposal({f"{role}.scaling": "tensorwise", f"{role}.amax_history_len": None,
                                      f"{role}.amax_compute_algo": None, f"{role}.percentile": None},
                                     f"delayed -> tensorwise: the scale comes from a stale, larger amax; each step's "
-                                    f"own amax fits its values ({why})")))
+                                    f"own amax fits its values")))
         if fmt == "e4m3" and role == "gradients" and scaling != "mxfp8":
             out.append((2, Proposal({f"{role}.format": "e5m2"}, f"{role} e4m3 -> e5m2: 2^32 of range instead of "
-                                    f"2^18, what gradients spanning many magnitudes need ({why})")))
+                                    f"2^18, what gradients spanning many magnitudes need")))
         if scaling in ("tensorwise", "delayed"):
             out.append((3, Proposal(to_blocks, f"{scaling} -> blockwise {small_block[0]}x{small_block[1]}: one scale "
                                     f"per block, so small values far from the tensor's largest keep their own "
-                                    f"range ({why})")))
+                                    f"range")))
         elif scaling == "blockwise" and block[0] * block[1] > small_block[0] * small_block[1]:
             out.append((3, Proposal({f"{role}.block": small_block}, f"block {block[0]}x{block[1]} -> "
-                                    f"{small_block[0]}x{small_block[1]}: smaller blocks, each with its own scale "
-                                    f"({why})")))
+                                    f"{small_block[0]}x{small_block[1]}: smaller blocks, each with its own scale")))
     elif effect == "clipping":
         if scaling == "delayed":
             out.append((1, Proposal({f"{role}.scaling": "tensorwise", f"{role}.amax_history_len": None,
                                      f"{role}.amax_compute_algo": None, f"{role}.percentile": None},
                                     f"delayed -> tensorwise: the amax grows between steps and a scale from past "
-                                    f"steps clips ({why})")))
+                                    f"steps clips")))
         if scaling in ("delayed", "tensorwise", "blockwise"):
             out.append((2, Proposal({f"{role}.margin": margin + 1}, f"margin {margin} -> {margin + 1}: one more "
-                                    f"power of two of headroom above the amax the scale came from ({why})")))
+                                    f"power of two of headroom above the amax the scale came from")))
         if scaling == "mxfp8" and policy.get("mx_rounding") == "floor":
             out.append((0, Proposal({f"{role}.mx_rounding": "rceil"}, f"mx_rounding floor -> rceil: a floor E8M0 "
-                                    f"exponent lets a block's largest values clip ({why})")))
+                                    f"exponent lets a block's largest values clip")))
     elif effect == "precision":
         if scaling in ("tensorwise", "delayed") or (scaling == "blockwise" and block[0] * block[1] > 128):
             out.append((3, Proposal({**to_blocks, f"{role}.format": "e4m3"},
                                     f"{scaling} {fmt} -> blockwise {small_block[0]}x{small_block[1]} e4m3: blocks "
-                                    f"give E4M3's extra mantissa bit enough range ({why})")))
+                                    f"give E4M3's extra mantissa bit enough range")))
     if scaling != "none":  # always possible, and the last resort: the role loses its FP8 speed
-        out.append((9, Proposal({f"{role}.scaling": "none"}, f"{role} in BF16: no FP8 change above fits ({why})")))
-    out.sort(key=lambda t: t[0])
-    return [p if i == 0 else Proposal(p.changes, "or " + p.reason, alternative=True)
-            for i, (_, p) in enumerate(out)]
+        out.append((9, Proposal({f"{role}.scaling": "none"}, f"{role} in BF16: the last resort, at the cost of "
+                                                                f"the role's FP8 speed")))
+    out.sort(key=lambda t: t[0])  # the evidence once, with the best-ranked change; the others are alternatives
+    return [Proposal(p.changes, f"{p.reason}. Evidence: {why}") if i == 0 else
+            Proposal(p.changes, "or " + p.reason, alternative=True) for i, (_, p) in enumerate(out)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -144,7 +150,8 @@ def _role_wide(role: str, policy: dict[str, Any], mine: list[Finding], flagged: 
 def _local_role(role: str, policy: dict[str, Any], mine: list[Finding]) -> list[Proposal]:
     """A few modules of a role: under delayed scaling, current scaling (an outlier then cannot outlive its step);
     under current scaling, a margin when values clipped."""
-    worst = max(mine, key=lambda f: f.severity)
+    lasting = [f for f in mine if f.share >= LASTING]
+    worst = max(lasting or mine, key=lambda f: f.severity)
     where = f"{worst.module} {worst.gemm}: {worst.text}"
     out = []
     if policy.get("scaling") == "delayed":
@@ -201,14 +208,15 @@ def propose(findings: list[Finding], recipe: dict[str, Any], numerics: list[dict
     docstring). The findings of a role-wide role never name modules for BF16: its change covers them."""
     extent = role_extent(findings, numerics)
     wide, local = [], []
-    for role in map(str, ROLES):
+    weight = {r: sum(f.severity for f in findings if f.role == r and f.kind not in SUPPORTING) for r in map(str, ROLES)}
+    for role in sorted(map(str, ROLES), key=lambda r: -weight[r]):  # the role with the worst evidence first
         policy = recipe.get(role) or {}
         mine = [f for f in findings if f.role == role and f.kind not in SUPPORTING]
         if not mine or not isinstance(policy, dict):
             continue
         flagged, quantized = extent[role]
         if _is_role_wide(flagged, quantized):
-            wide += _role_wide(role, policy, mine, flagged, quantized)
+            wide += _role_wide(role, policy, [f for f in mine if f.share >= LASTING], flagged, quantized)
         else:
             local += _local_role(role, policy, mine)
     wide_roles = {r for r in extent if _is_role_wide(*extent[r])}
