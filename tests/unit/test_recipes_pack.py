@@ -19,7 +19,7 @@ from fp8_recipes.recipes import conf_dir, load_recipe, load_recipe_dict, recipe_
 from fp8_recipes.schema import AmaxAlgo, Format, Recipe, Role, Scaling
 
 PACK = recipe_names()
-EXPECTED_PACK = {"bf16", "blockwise", "delayed", "hybrid", "mxfp8", "safe", "tensorwise"}
+EXPECTED_PACK = {"bf16", "blockwise", "delayed", "fast", "hybrid", "mxfp8", "safe", "tensorwise"}
 TRAIN_GROUPS = re.compile(r"\b(model|data|trainer)/")
 
 
