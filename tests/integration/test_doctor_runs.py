@@ -1,14 +1,21 @@
-"""The doctor on real runs made to fail on purpose through scripts/train.py (tiny 2-layer model, 24 steps):
+"""The doctor on real runs made to fail on purpose through scripts/train.py (tiny 2-layer model, 40 steps):
 
-- a healthy BF16 baseline;
+- a BF16 baseline, and a healthy hybrid run (the README's first recipe): both quiet (exit 0), with and without the baseline;
 - delayed scaling with a learning rate 500x too high: diverged from the start, and, against the baseline, not an
   FP8 problem (its LR is named);
 - delayed scaling with an outlier injected into one layer's activations (a test-only sitecustomize multiplies the
   input of ``decoder.layers.1.self_attention.linear_qkv`` by 1000 in one training step): the amax jumps, the stale
-  delayed scale clips the layer's activations and the gradients spike. The doctor names that layer and writes a
-  recipe that validates.
+  delayed scale clips the layer's activations and the gradients spike. The doctor names that layer;
+- a stale delayed history in one layer (the same sitecustomize records an amax of 1e6 in the activation history
+  of ``decoder.layers.0.mlp.linear_fc2`` in step 4, as a corrupted amax reduction or a bad restore would): the
+  layer's activations underflow for the rest of the run and the loss ends ~4% above BF16's. Layer-local: the doctor
+  names the layer and role first and proposes that layer's fallback and current scaling;
+- E4M3 gradients with a margin of 16 (margin abuse: every gradient shrunk 65536x before the cast): every linear's
+  gradients underflow and the loss ends ~13% above BF16's. Role-wide: the doctor proposes ``gradients.margin: 0``
+  and no BF16 modules.
 
-The three runs start together (2 cores, one thread each) once per module.
+For the last two, the written recipe is trained again (the same fault planted) and must close most of the gap.
+The runs start together (2 cores, one thread each) once per module; the two reruns after them.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from pathlib import Path
 import pytest
 
 from fp8_recipes import cli
+from fp8_recipes.observe.doctor import diagnose
+from fp8_recipes.observe.doctor_report import load_run
 from fp8_recipes.recipes import load_recipe
 from test_train_cpu import dataset, small_run  # noqa: F401  (the shared tiny dataset fixture)
 
@@ -29,55 +38,85 @@ pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 24
+STEPS = 40
 TARGET = "decoder.layers.1.self_attention.linear_qkv"
 OUTLIER_CALL = 12  # 0-based training forward of TARGET: step 13 as metrics.jsonl counts (statistics: 1, 3, ...)
+STALE = "decoder.layers.0.mlp.linear_fc2"
 
 # FP8_TEST_OUTLIER="MODULE:CALL:FACTOR": that module's input x FACTOR in its CALL-th training forward.
-OUTLIER_HOOK = r'''
+# FP8_TEST_STALE_AMAX="MODULE:CALL:AMAX": AMAX recorded in that module's delayed activation history in its CALL-th
+# training forward (nothing happens to a module without one: BF16, or current scaling).
+FAULT_HOOK = r'''
 import os
-if os.environ.get("FP8_TEST_OUTLIER"):
+if os.environ.get("FP8_TEST_OUTLIER") or os.environ.get("FP8_TEST_STALE_AMAX"):
+    import torch
     from fp8_recipes.megatron import emulated_layers as _el
 
-    _module, _call, _factor = os.environ["FP8_TEST_OUTLIER"].split(":")
-    _impl, _calls = _el._EmulatedGemmMixin._forward_impl, [0]
+    _outlier = os.environ.get("FP8_TEST_OUTLIER", "::").split(":")
+    _stale = os.environ.get("FP8_TEST_STALE_AMAX", "::").split(":")
+    _impl, _calls = _el._EmulatedGemmMixin._forward_impl, {}
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         state = self._fp8_state
-        if self.training and state is not None and state.name == _module:
-            if _calls[0] == int(_call):
-                input = input * float(_factor)
-            _calls[0] += 1
+        if self.training and state is not None and state.name in (_outlier[0], _stale[0]):
+            call = _calls[state.name] = _calls.get(state.name, -1) + 1
+            if state.name == _outlier[0] and call == int(_outlier[1]):
+                input = input * float(_outlier[2])
+            scaler = state.scalers.get("activations")
+            if state.name == _stale[0] and call == int(_stale[1]) and scaler is not None:
+                scaler.observe(torch.tensor(float(_stale[2])))
         return _impl(self, input, weight, *args, **kwargs)
 
     _el._EmulatedGemmMixin._forward_impl = _forward_impl
 '''
+DEBUG = ["++debug.interval=4"]
+PLANS = {
+    "base": ([], {}),
+    "healthy": (["+recipe=hybrid", *DEBUG], {}),  # the README's first recipe
+    "high_lr": (["+recipe=delayed", "trainer.lr=1.0", *DEBUG], {}),
+    "outlier": (["+recipe=delayed", *DEBUG], {"FP8_TEST_OUTLIER": f"{TARGET}:{OUTLIER_CALL}:1000"}),
+    "stale": (["+recipe=delayed", *DEBUG], {"FP8_TEST_STALE_AMAX": f"{STALE}:3:1e6"}),
+    "margin": (["+recipe=tensorwise", "++recipe.gradients.format=e4m3", "++recipe.gradients.margin=16", *DEBUG], {}),
+}
+
+
+def _train(root: Path, runs: dict[str, tuple[list[str], dict[str, str]]], dataset: list[str]) -> dict[str, Path]:  # noqa: F811
+    """Start every run at once; {name: run_dir} once all have finished (each must exit 0)."""
+    hook = root / "hook"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(FAULT_HOOK)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(hook), env.get("PYTHONPATH", "")]).rstrip(
+        os.pathsep))
+    procs = {}
+    for name, (overrides, extra) in runs.items():
+        cmd = [sys.executable, "scripts/train.py", *dataset, *small_run(root / name, steps=STEPS),
+               "trainer.eval_interval=40", "trainer.eval_iters=2", *overrides]
+        procs[name] = subprocess.Popen(cmd, cwd=ROOT, env={**env, **extra}, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True)
+    for name, proc in procs.items():
+        out, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, (name, out[-4000:])
+    return {name: root / name for name in runs}
 
 
 @pytest.fixture(scope="module")
 def runs(dataset, tmp_path_factory) -> dict[str, Path]:  # noqa: F811
-    root = tmp_path_factory.mktemp("doctor")
-    hook = root / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(OUTLIER_HOOK)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(hook), env.get("PYTHONPATH", "")]).rstrip(
-        os.pathsep))
-    debug = ["++debug.interval=2"]
-    plans = {
-        "base": ([], {}),
-        "high_lr": (["+recipe=delayed", "trainer.lr=1.0", *debug], {}),
-        "outlier": (["+recipe=delayed", *debug], {"FP8_TEST_OUTLIER": f"{TARGET}:{OUTLIER_CALL}:1000"}),
-    }
-    procs = {}
-    for name, (overrides, extra) in plans.items():
-        cmd = [sys.executable, "scripts/train.py", *dataset, *small_run(root / name, steps=STEPS), *overrides]
-        procs[name] = subprocess.Popen(cmd, cwd=ROOT, env={**env, **extra}, stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT, text=True)
-    for name, proc in procs.items():
-        out, _ = proc.communicate(timeout=300)
-        assert proc.returncode == 0, (name, out[-4000:])
-    return {name: root / name for name in plans}
+    return _train(tmp_path_factory.mktemp("doctor"), PLANS, dataset)
+
+
+@pytest.fixture(scope="module")
+def reruns(runs, dataset, tmp_path_factory) -> dict[str, Path]:  # noqa: F811
+    """The stale and margin runs trained again with the recipe the doctor wrote for each (same fault planted)."""
+    root = tmp_path_factory.mktemp("doctor_fixed")
+    (root / "pack" / "recipe").mkdir(parents=True)
+    plans = {}
+    for name in ("stale", "margin"):
+        written = root / "pack" / "recipe" / f"{name}_fixed.yaml"
+        assert cli.main(["doctor", str(runs[name]), "--baseline", str(runs["base"]), "--write", str(written)]) == 1
+        plans[name] = ([f"hydra.searchpath=[file://{root / 'pack'}]", f"+recipe={name}_fixed", *DEBUG],
+                       PLANS[name][1])
+    return _train(root, plans, dataset)
 
 
 def doctor(capsys, *argv) -> tuple[int, str, str]:
@@ -86,10 +125,16 @@ def doctor(capsys, *argv) -> tuple[int, str, str]:
     return rc, out, err
 
 
+def smoothed_gap(run: Path, base: Path) -> float:
+    return diagnose(load_run(run), load_run(base)).gap.measure("smoothed").gap
+
+
 @pytest.mark.slow
-def test_healthy_baseline(runs, capsys):
-    rc, out, err = doctor(capsys, runs["base"])
-    assert (rc, err) == (0, "") and "verdict   healthy" in out
+def test_healthy_and_bf16_runs_are_quiet(runs, capsys):
+    for argv in ([runs["base"]], [runs["healthy"]], [runs["healthy"], "--baseline", runs["base"]]):
+        rc, out, err = doctor(capsys, *argv)
+        assert (rc, err) == (0, ""), out
+        assert "verdict   healthy" in out and "proposals" not in out, out
 
 
 @pytest.mark.slow
@@ -109,7 +154,7 @@ def test_outlier_names_the_layer_and_the_written_recipe_validates(runs, capsys, 
     written = tmp_path / "fixed.yaml"
     rc, out, err = doctor(capsys, runs["outlier"], "--baseline", runs["base"], "--write", written)
     assert (rc, err) == (1, ""), out
-    assert "verdict   spikes" in out or "verdict   mid_run_divergence" in out, out
+    assert re.search(r"verdict   (spikes|mid_run_divergence|worse_than_baseline)", out), out
     layers = out.split("layers and tensors (worst first)")[1].splitlines()
     assert layers[2].split()[:2] == [TARGET, "activations"], out  # the first row after the header
     saturation = re.search(r"saturation ([\d.]+)% \(step (\d+);", layers[2])  # clipped by the stale scale
@@ -118,3 +163,35 @@ def test_outlier_names_the_layer_and_the_written_recipe_validates(runs, capsys, 
     recipe = load_recipe(written)
     assert TARGET in recipe.layers.bf16_modules
     assert str(recipe.activations.scaling) == "tensorwise"
+
+
+@pytest.mark.slow
+def test_a_stale_history_in_one_layer_gets_that_layers_fallback(runs, reruns, capsys):
+    d = diagnose(load_run(runs["stale"]), load_run(runs["base"]))
+    assert d.verdict == "worse_than_baseline", d.summary
+    top = d.findings[0]
+    assert (top.module, top.role, top.kind) == (STALE, "activations", "underflow_pct")
+    applied = {k: v for p in d.proposals if not p.alternative for k, v in p.changes.items()}
+    assert applied["layers.bf16_modules"] == [STALE] and applied["activations.scaling"] == "tensorwise"
+    assert d.proposals[0].changes.get("activations.scaling") == "tensorwise"  # the role behind it ranked first
+    before, after = smoothed_gap(runs["stale"], runs["base"]), smoothed_gap(reruns["stale"], runs["base"])
+    assert after < 0.5 * before, (before, after)  # the written recipe closes most of the gap
+    rc, out, _ = doctor(capsys, reruns["stale"], "--baseline", runs["base"])
+    assert "worse_than_baseline" not in out, out
+
+
+@pytest.mark.slow
+def test_margin_abuse_gets_a_role_wide_change(runs, reruns, capsys):
+    rc, out, err = doctor(capsys, runs["margin"], "--baseline", runs["base"])
+    assert (rc, err) == (1, "") and "verdict   worse_than_baseline" in out, out
+    d = diagnose(load_run(runs["margin"]), load_run(runs["base"]))
+    assert {f.role for f in d.findings if f.kind == "underflow_pct"} == {"gradients"}
+    applied = [p for p in d.proposals if not p.alternative]
+    assert [p.changes for p in applied] == [{"gradients.margin": 0}], out  # role-wide: no BF16 modules
+    assert "8 of 8 gradients linears show lasting underflow" in applied[0].reason
+    alternatives = [p.changes for p in d.proposals if p.alternative]
+    assert {"gradients.format": "e5m2"} in alternatives
+    before, after = smoothed_gap(runs["margin"], runs["base"]), smoothed_gap(reruns["margin"], runs["base"])
+    assert before > 0.05 and after < 0.5 * before, (before, after)
+    rc, out, _ = doctor(capsys, reruns["margin"], "--baseline", runs["base"])
+    assert "worse_than_baseline" not in out and "gradients.margin" not in out, out

@@ -4,9 +4,10 @@ steadily worse than BF16.
     gap = loss_gap(run_losses, base_losses, run_evals, base_evals)   # [(step, loss)], [(step, val_loss)]
     gap.worse, gap.measures, gap.opens
 
-Three measures, each the run's loss over the baseline's minus 1 at the same steps: **final** (mean of the last
-:data:`FINAL_STEPS` steps both runs have), **smoothed** (mean of the last :data:`TAIL` of them) and **eval** (the
-last validation both runs have; the same held-out batches in both). The run is worse when the smoothed gap and at
+Three measures, each the run's loss over the baseline's minus 1 at the same steps: **final** (the mean over the
+last :data:`FINAL_STEPS` steps both runs have), **smoothed** (the median of the per-step gaps over the last
+:data:`TAIL` of them: one spike, which the spike rules judge, does not move it) and **eval** (the last validation
+both runs have; the same held-out batches in both). The run is worse when the smoothed gap and at
 least one other measure reach their threshold. A threshold is the larger of
 
 - :data:`GAP_FLOOR`, the run-to-run noise measured on the CPU setups of docs/doctor.md (healthy FP8 recipes and
@@ -56,10 +57,8 @@ class GapMeasure:
     baseline: float
     threshold: float
     """The relative gap that counts (see the module docstring)."""
-
-    @property
-    def gap(self) -> float:
-        return self.run / self.baseline - 1
+    gap: float
+    """The run's loss over the baseline's, minus 1."""
 
     @property
     def over(self) -> bool:
@@ -101,19 +100,21 @@ def loss_gap(run: list[tuple[int, float]], base: list[tuple[int, float]], run_ev
     med = statistics.median(tail)
     noise = 1.4826 * statistics.median(abs(d - med) for d in tail)
 
-    def measure(name: str, steps: list[int]) -> GapMeasure:
+    def measure(name: str, steps: list[int], average=statistics.fmean) -> GapMeasure:
         threshold = max(GAP_FLOOR, GAP_Z * noise / math.sqrt(len(steps)))
-        return GapMeasure(name, f"{steps[0]}-{steps[-1]}", statistics.fmean(mine[s] for s in steps),
-                          statistics.fmean(theirs[s] for s in steps), threshold)
+        run_loss, base_loss = average([mine[s] for s in steps]), average([theirs[s] for s in steps])
+        gap = statistics.median(rel[-len(steps):]) if average is statistics.median else run_loss / base_loss - 1
+        return GapMeasure(name, f"{steps[0]}-{steps[-1]}", run_loss, base_loss, threshold, gap)
 
-    measures = [measure("final", common[-FINAL_STEPS:]), measure("smoothed", common[-n_tail:])]
+    measures = [measure("final", common[-FINAL_STEPS:]),
+                measure("smoothed", common[-n_tail:], statistics.median)]
     paired = _correlation(_residuals([mine[s] for s in common]), _residuals([theirs[s] for s in common])) >= PAIRED
     ev_mine = {s: v for s, v in run_evals if math.isfinite(v)}
     ev_theirs = {s: v for s, v in base_evals if math.isfinite(v) and v > 0}
     ev_common = sorted(set(ev_mine) & set(ev_theirs))
     if ev_common and paired:  # the same held-out batches in both runs: no batch noise to allow for
         s = ev_common[-1]
-        measures.append(GapMeasure("eval", str(s), ev_mine[s], ev_theirs[s], GAP_FLOOR))
+        measures.append(GapMeasure("eval", str(s), ev_mine[s], ev_theirs[s], GAP_FLOOR, ev_mine[s] / ev_theirs[s] - 1))
     half = measures[1].threshold / 2
     ema, opens = 0.0, common[0]
     for s, d in zip(common, rel):
