@@ -393,3 +393,20 @@ def spike_run_losses() -> list[float]:
     losses = smooth_losses()
     losses[SPIKE_AT - 1] += 2.0
     return losses
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The README's own first run
+
+README_RUNS = Path(__file__).parent / "doctor_runs"
+"""metrics.jsonl (the fields the doctor reads) and recipe.yaml of two real 200-step runs of the README's default
+config on a 2-core CPU: ``python scripts/train.py +recipe=hybrid`` and ``python scripts/train.py`` (BF16). Both
+have grad-norm blips of 2.5-3x at steps 9 and 31 that the earlier rules called spikes (exit 1)."""
+
+
+@pytest.mark.parametrize("argv", [["readme_hybrid"], ["readme_bf16"], ["readme_hybrid", "--baseline", "readme_bf16"]],
+                         ids=["hybrid", "bf16", "hybrid-vs-bf16"])
+def test_the_readmes_first_run_is_healthy(capsys, argv):
+    rc, out, err = doctor(capsys, *[a if a.startswith("--") else README_RUNS / a for a in argv])
+    assert (rc, err) == (0, "") and "verdict   healthy" in out and "spike(s)" not in out, out
+    assert ("--baseline" in out) == (argv == ["readme_hybrid"])  # alone, an FP8 run is told how to see a gap
