@@ -127,3 +127,14 @@ def test_metrics_files(tmp_path):
     assert plot_loss(tmp_path).stat().st_size > 1000
     write_summary(tmp_path, {"final_loss": 0.1, "steps": 6})
     assert json.loads((tmp_path / "summary.json").read_text()) == {"final_loss": 0.1, "steps": 6}
+
+
+def test_tensorboard_holds_the_precision_stage_where_it_changes(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with MetricsWriter(tmp_path) as w:
+        for step, stage in enumerate(["bf16 warmup", "bf16 warmup", "fp8 w", "fp8 w+a+g", "fp8 w+a+g"], start=1):
+            w.log({"kind": "train", "step": step, "loss": 1.0, "stage": stage})
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0}).Reload()
+    texts = [(e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors("train/stage/text_summary")]
+    assert texts == [(1, "bf16 warmup"), (3, "fp8 w"), (4, "fp8 w+a+g")]
