@@ -148,10 +148,13 @@ def _role_wide(role: str, policy: dict[str, Any], mine: list[Finding], flagged: 
 
 
 def _local_role(role: str, policy: dict[str, Any], mine: list[Finding]) -> list[Proposal]:
-    """A few modules of a role: under delayed scaling, current scaling (an outlier then cannot outlive its step);
-    under current scaling, a margin when values clipped."""
+    """A few modules of a role with a lasting finding: under delayed scaling, current scaling (an outlier then
+    cannot outlive its step); under current scaling, a margin when values clipped. One bad step changes no role:
+    it is an event (a spike elsewhere), and the module's fallback, if it scores, covers it."""
     lasting = [f for f in mine if f.share >= LASTING]
-    worst = max(lasting or mine, key=lambda f: f.severity)
+    if not lasting:
+        return []
+    worst = max(lasting, key=lambda f: f.severity)
     where = f"{worst.module} {worst.gemm}: {worst.text}"
     out = []
     if policy.get("scaling") == "delayed":
