@@ -369,6 +369,6 @@ def _summary(d: Diagnosis, onset: int) -> str:
             text += f", after a spike at step {onset}"
     else:
         text = f"{len(d.spikes)} spike(s), the first at step {onset}"
-    if d.baseline is not None and d.verdict != "worse_than_baseline":
-        text += "; the baseline has no spike at those steps" if d.spikes else ""
+    if d.baseline is not None and d.verdict == "spikes":
+        text += "; the baseline has no spike at those steps"
     return text
