@@ -14,14 +14,15 @@ import os
 import subprocess
 import sys
 
+UNFUSED = {"NVTE_FUSED_ATTN": "0", "NVTE_FLASH_ATTN": "0", "NVTE_UnfusedDPA_Emulate_FP8": "1"}  # TE 2.20 gate
 MODES = {
     "bf16": ({}, None),
     "delayed": ({}, "DelayedScaling"),
     "tensorwise": ({}, "Float8CurrentScaling"),
     "tensorwise+dpa-delayed": ({"NVTE_DPA_FP8_RECIPE": "DelayedScaling"}, "Float8CurrentScaling"),
     "blockwise": ({}, "Float8BlockScaling"),
-    "delayed-unfused": ({"NVTE_FUSED_ATTN": "0", "NVTE_FLASH_ATTN": "0"}, "DelayedScaling"),
-    "tensorwise-unfused": ({"NVTE_FUSED_ATTN": "0", "NVTE_FLASH_ATTN": "0"}, "Float8CurrentScaling"),
+    "delayed-unfused": (UNFUSED, "DelayedScaling"),
+    "tensorwise-unfused": (UNFUSED, "Float8CurrentScaling"),
 }
 
 
@@ -84,7 +85,7 @@ def main() -> None:
         results[mode] = r
         print(mode, json.dumps(r), flush=True)
     import torch
-    for fused, unfused in (("delayed", "delayed-unfused"), ("tensorwise", "tensorwise-unfused")):
+    for fused, unfused in (("delayed", "delayed-unfused"), ("tensorwise+dpa-delayed", "tensorwise-unfused")):
         try:
             a, u = torch.load(f"/tmp/probe_{fused}.pt"), torch.load(f"/tmp/probe_{unfused}.pt")
             results[f"{fused} fused vs unfused"] = {n: float((x.float() - y.float()).norm() / y.float().norm())
