@@ -26,8 +26,10 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cached_property
 
-from fp8_recipes.plan_te import Substitution, TERecipe, TEResolution, resolve_te, te_recipe_for, te_stage_note
-from fp8_recipes.schema import ROLES, Backend, Recipe, RecipeError, Role, TensorPolicy
+from fp8_recipes.plan_te import (
+    Substitution, TERecipe, TEResolution, resolve_te, te_attention, te_recipe_for, te_stage_note,
+)
+from fp8_recipes.schema import ROLES, Attention, Backend, Recipe, RecipeError, Role, TensorPolicy
 
 __all__ = [
     "Execution", "Gemm", "GemmPlan", "Hardware", "ModelLayout", "ModulePlan", "ParallelLayout", "PrecisionPlan",
@@ -225,6 +227,9 @@ class StepPlan:
     modules: dict[str, ModulePlan]
     note: str = ""
     """Transformer Engine backend: how this stage runs there when it differs from the roles ('forward-only ...')."""
+    attention: frozenset[int] = frozenset()
+    """Layers whose core attention runs FP8 this step (recipe ``attention: fp8``): Q, K, V, the softmax output and
+    the output with the activations' policy, their gradients with the gradients' policy."""
 
 
 class PrecisionPlan:
@@ -262,6 +267,7 @@ class PrecisionPlan:
         if not te_ready:
             return Backend.EMULATED, f"auto: {hw.describe()} has no Transformer Engine FP8 backend"
         resolution = resolve_te(self.recipe, hw.compute_capability, hw.name)
+        resolution = self._te_attention_substitution(resolution)
         if want is Backend.TE:
             refusal = resolution.refusal()
             if refusal:  # one line, before any model is built: the user asked for exactly this recipe on TE
@@ -275,6 +281,29 @@ class PrecisionPlan:
         n = len(resolution.substitutions)
         return Backend.TE, "auto: FP8 GPU with Transformer Engine" + (
             f"; {n} setting{'s' * (n > 1)} substituted, see below" if n else "")
+
+    def _te_attention_substitution(self, resolution: TEResolution) -> TEResolution:
+        """``attention: fp8`` where TE cannot run it under the recipe it resolved to: BF16 attention, said once."""
+        if self.recipe.attention is not Attention.FP8 or resolution.unsupported:
+            return resolution
+        final = te_recipe_for(resolution, frozenset(r for r in ROLES if resolution.policies[r].is_fp8))
+        why = te_attention(final, self.hardware.compute_capability)
+        if why is None:
+            return resolution
+        return dataclasses.replace(resolution, substitutions=resolution.substitutions + (Substitution(
+            "attention", "fp8", "FP8 attention", "BF16 attention", why,
+            "give activations and gradients delayed scaling, or set attention: bf16"),))
+
+    def attention_layers(self, roles: frozenset[Role]) -> frozenset[int]:
+        """Layers whose core attention runs FP8 while `roles` are on: with ``attention: fp8``, once activations and
+        gradients both run FP8, in every layer not kept BF16 by ``bf16_first`` / ``bf16_last`` (and on TE only
+        where TE runs it: see the substitutions)."""
+        if self.recipe.attention is not Attention.FP8 or not {Role.ACTIVATIONS, Role.GRADIENTS} <= roles:
+            return frozenset()
+        if any(s.key == "attention" for s in self.substitutions):
+            return frozenset()
+        rules, n = self.recipe.layers, self.layout.num_layers
+        return frozenset(range(rules.bf16_first, max(rules.bf16_first, n - rules.bf16_last)))
 
     @property
     def substitutions(self) -> tuple[Substitution, ...]:
@@ -319,13 +348,17 @@ class PrecisionPlan:
         roles = self.roles_fp8_at(step)
         cached = self._cache.get(roles)
         if cached is None:
+            attention = self.attention_layers(roles)
             if self.te is not None:
                 te = te_recipe_for(self.te, roles)
-                modules = {n: self._te_module_plan(n, roles, te) for n in self.layout.module_names}
+                te_attn = dataclasses.replace(te, fp8_dpa=True) if te is not None and attention else te
+                modules = {n: self._te_module_plan(n, roles, te_attn if self.layout.layer_of(n) in attention else te)
+                           for n in self.layout.module_names}
                 note = te_stage_note(roles, self.roles_fp8_at(10**12))
             else:
                 modules, note = {n: self._module_plan(n, roles) for n in self.layout.module_names}, ""
-            cached = self._cache[roles] = StepPlan(step, self.stage_label(roles, step), roles, modules, note)
+            cached = self._cache[roles] = StepPlan(step, self.stage_label(roles, step), roles, modules, note,
+                                                   attention)
         if cached.step != step:
             return dataclasses.replace(cached, step=step, stage=self.stage_label(roles, step))
         return cached

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fp8_recipes.plan import Gemm, ModulePlan, ParallelLayout, PrecisionPlan, StepPlan
-from fp8_recipes.schema import ROLES
+from fp8_recipes.schema import ROLES, Attention
 
 __all__ = ["format_plan"]
 
@@ -117,6 +117,11 @@ def format_plan(plan: PrecisionPlan, max_steps: int | None = None, parallel: Par
                 lines.append(_row(_ranges(layers), m.name.split(f"layers.{m.layer}.", 1)[-1], m))
     for m in others:
         lines.append(_row("-", m.name, m))
+    if r.attention is Attention.FP8:
+        where = sorted(final.attention)
+        lines.append("  core attention (softmax(Q K^T) V): " + (
+            f"fp8 in layers {_ranges(where)}: Q, K, V, softmax, output as activations; their gradients as gradients"
+            if where else "bf16 (attention: fp8 cannot run here, see above)"))
     if parallel is not None and parallel.pp > 1:
         lines += _pipeline_lines(plan, parallel, final)
     for pat in plan.unmatched_patterns:

@@ -34,7 +34,7 @@ from fp8_recipes.schema import (
     TensorPolicy,
 )
 
-__all__ = ["Substitution", "TERecipe", "TEResolution", "resolve_te", "te_recipe_for", "te_stage_note"]
+__all__ = ["Substitution", "TERecipe", "TEResolution", "resolve_te", "te_attention", "te_recipe_for", "te_stage_note"]
 
 W, A, G = Role.WEIGHTS, Role.ACTIVATIONS, Role.GRADIENTS
 # The GEMMs of a linear module and their operand roles (the plan's GEMM_OPERANDS, kept here to stay import-free).
@@ -91,6 +91,8 @@ class TERecipe:
     """The gradients' policy (what the backward uses once it runs FP8); scaling none = never FP8."""
     forward_only: bool = False
     """backward_override="high_precision": FP8 fprop, dgrad and wgrad in BF16 from the unquantized operands."""
+    fp8_dpa: bool = False
+    """The layer's core attention runs TE's FP8 attention too (the recipe's ``fp8_dpa``; recipe ``attention: fp8``)."""
 
     def policy(self, role: Role) -> TensorPolicy:
         return getattr(self, str(role))
@@ -121,6 +123,8 @@ class TERecipe:
             args += [f"{r} amax_epsilon={p.amax_epsilon:g}" for r in ROLES if (p := self.policy(r)).amax_epsilon]
         if self.forward_only:
             args.append("backward_override=high_precision")
+        if self.fp8_dpa:
+            args.append("fp8_dpa=True")
         return f"{self.recipe}({', '.join(args)})"
 
 
@@ -343,3 +347,17 @@ def te_stage_note(roles: frozenset[Role], fp8_roles: frozenset[Role]) -> str:
         return "the forward GEMM needs weights and activations in FP8, and TE runs no FP8 backward under a BF16 forward"
     on = "+".join(str(r) for r in ROLES if r in roles)
     return f"with {on} alone every GEMM has a BF16 operand; an FP8 GEMM needs both in FP8"
+
+
+def te_attention(choice: TERecipe | None, compute_capability: tuple[int, int] | None) -> str | None:
+    """Why TE 2.20 cannot run FP8 attention under `choice` on this GPU, or None when it can (docs/facts.md, "FP8
+    attention on Hopper": measured on an H200 and read in TE's backend selection)."""
+    if choice is None or choice.forward_only:
+        return "the stage's backward is not FP8"
+    if choice.recipe == "DelayedScaling":
+        return None
+    if choice.recipe == "Float8CurrentScaling":
+        if (compute_capability or (0, 0)) >= (10, 0):
+            return None
+        return f"TE has no current-scaled FP8 attention before sm_100; this GPU is {_sm(compute_capability)}"
+    return f"TE's FP8 attention runs under DelayedScaling or Float8CurrentScaling, not {choice.recipe}"

@@ -21,7 +21,7 @@ from enum import StrEnum
 from typing import Any
 
 __all__ = [
-    "AmaxAlgo", "AmaxReduction", "Backend", "Format", "LayerRules", "MxRounding", "Recipe", "RecipeError",
+    "AmaxAlgo", "AmaxReduction", "Attention", "Backend", "Format", "LayerRules", "MxRounding", "Recipe", "RecipeError",
     "Role", "Scaling", "Schedule", "TensorPolicy",
 ]
 
@@ -60,6 +60,13 @@ class Backend(StrEnum):
     AUTO = "auto"          # Transformer Engine when a GPU and TE are present, else emulated
     TE = "te"              # real FP8 GEMMs through Transformer Engine; refuses what TE cannot run
     EMULATED = "emulated"  # fake-quantization in high precision; runs anything anywhere
+
+
+class Attention(StrEnum):
+    """The core attention (softmax(Q K^T) V): BF16, or FP8 as Transformer Engine's FP8 attention quantizes it."""
+
+    BF16 = "bf16"
+    FP8 = "fp8"
 
 
 class AmaxReduction(StrEnum):
@@ -227,6 +234,11 @@ class Recipe:
     amax_reduction: AmaxReduction = AmaxReduction.DATA_TENSOR
     """Delayed scaling: the ranks whose amaxes are MAX-reduced (data_tensor | data | tensor | none); data_tensor
     is Megatron-Core's choice, and with TP = 1 the same as data."""
+    attention: Attention = Attention.BF16
+    """fp8: the core attention in FP8 too, in the layers and stages whose activations and gradients run FP8: Q, K, V,
+    the softmax output and the attention output quantized with the activations' policy, their gradients (dO, the
+    scores' gradient, dQ/dK/dV) with the gradients' policy, as Transformer Engine's FP8 attention does. Needs
+    per-tensor (delayed or tensorwise) activations and gradients."""
 
     def policy(self, role: Role | str) -> TensorPolicy:
         return getattr(self, str(role))
@@ -254,6 +266,7 @@ class Recipe:
                 "fp8_output_layer": self.layers.fp8_output_layer,
             },
             "amax_reduction": str(self.amax_reduction),
+            "attention": str(self.attention),
         }
 
     @classmethod
@@ -478,6 +491,7 @@ class _RecipeReader:
             layers=self.layers(raw.get("layers")),
             amax_reduction=self.enum("amax_reduction", raw.get("amax_reduction", "data_tensor"), AmaxReduction,
                                      AmaxReduction.DATA_TENSOR),
+            attention=self.enum("attention", raw.get("attention", "bf16"), Attention, Attention.BF16),
             **policies,
         )
         self.cross_checks(recipe)
@@ -487,6 +501,14 @@ class _RecipeReader:
 
     def cross_checks(self, r: Recipe) -> None:
         s = r.schedule
+        if r.attention is Attention.FP8:
+            per_tensor = (Scaling.DELAYED, Scaling.TENSORWISE)
+            off = next((role for role in (Role.ACTIVATIONS, Role.GRADIENTS)
+                        if r.policy(role).scaling not in per_tensor), None)
+            if off is not None:
+                self.bad("attention", f"'fp8' quantizes Q, K, V and the softmax with the activations' policy and their "
+                                      f"gradients with the gradients', which must be per-tensor (delayed or "
+                                      f"tensorwise); {off}.scaling is {r.policy(off).scaling}; set attention: bf16")
         if not r.is_fp8 and s.bf16_warmup_steps:  # (enable steps of non-FP8 roles are reported per role below)
             self.bad("schedule.bf16_warmup_steps", f"{s.bf16_warmup_steps} is set but no role is FP8; give a role a "
                                                    f"scaling (weights/activations/gradients.scaling) or remove it")

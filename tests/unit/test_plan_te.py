@@ -27,6 +27,7 @@ EXPECTED = {
     "H200": {
         "blockwise": ("Float8BlockScaling", "E4M3", ()),
         "delayed": ("DelayedScaling", "HYBRID", ()),
+        "fast": ("DelayedScaling", "HYBRID", ()),
         "hybrid": ("Float8BlockScaling", "HYBRID", ("weights.scaling", "gradients.scaling")),
         "mxfp8": ("Float8BlockScaling", "E4M3", ("weights.scaling", "activations.scaling", "gradients.scaling")),
         "safe": ("Float8CurrentScaling", "HYBRID", ()),
@@ -35,6 +36,7 @@ EXPECTED = {
     "B200": {
         "blockwise": ("Float8BlockScaling", "E4M3", ()),
         "delayed": ("DelayedScaling", "HYBRID", ()),
+        "fast": ("DelayedScaling", "HYBRID", ()),
         "hybrid": ("MXFP8BlockScaling", "HYBRID", ("activations.scaling", "gradients.scaling")),
         "mxfp8": ("MXFP8BlockScaling", "E4M3", ()),
         "safe": ("Float8CurrentScaling", "HYBRID", ()),
@@ -338,3 +340,49 @@ def test_te_recipe_fp8_format_and_describe():
     both = TERecipe("Float8CurrentScaling", dataclasses.replace(pol, pow2_scales=True), pol, e5, forward_only=True)
     assert both.describe() == ("Float8CurrentScaling(fp8_format=HYBRID, weights pow2, "
                                "backward_override=high_precision)")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# attention: fp8 (TE's FP8 dot-product attention, fp8_dpa)
+
+
+def attention_recipe(scaling: str, **extra) -> dict:
+    return {"weights": scaling, "activations": scaling, "gradients": scaling, "attention": "fp8", **extra}
+
+
+def test_fp8_attention_on_te_follows_what_te_runs():
+    # H200, delayed: the FP8 layers' recipe carries fp8_dpa; BF16 layers (bf16_first) keep BF16 attention
+    plan = plan_for(attention_recipe("delayed", layers={"bf16_first": 1}))
+    sp = final(plan)
+    assert plan.substitutions == () and sp.attention == frozenset(range(1, LAYOUT.num_layers))
+    assert sp.modules["decoder.layers.1.mlp.linear_fc1"].te.fp8_dpa
+    assert sp.modules["decoder.layers.0.mlp.linear_fc1"].te is None
+    assert "fp8_dpa=True" in sp.modules["decoder.layers.1.self_attention.linear_qkv"].te.describe()
+    # H200, tensorwise: TE has no current-scaled FP8 attention before sm_100: BF16 attention, said once; refused
+    # (one line) when backend: te asks for exactly this recipe; on a B200 it runs
+    plan = plan_for(attention_recipe("tensorwise"))
+    assert [s.key for s in plan.substitutions] == ["attention"] and final(plan).attention == frozenset()
+    assert "before sm_100; this GPU is sm_90" in plan.substitutions[0].reason
+    assert not any(m.te is not None and m.te.fp8_dpa for m in final(plan).modules.values())
+    with pytest.raises(ValueError, match=r"^attention: 'fp8' cannot run on Transformer Engine as asked") as e:
+        plan_for(attention_recipe("tensorwise", backend="te"))
+    assert "\n" not in str(e.value)
+    b200 = plan_for(attention_recipe("tensorwise"), B200)
+    assert b200.substitutions == () and final(b200).modules["decoder.layers.0.mlp.linear_fc1"].te.fp8_dpa
+    # a per-role mix runs as a CustomRecipe: TE's attention does not run FP8 under it
+    mix = plan_for({"weights": "delayed", "activations": "tensorwise", "gradients": "tensorwise",
+                    "attention": "fp8"}, B200)
+    assert [s.key for s in mix.substitutions] == ["attention"] and "not CustomRecipe" in mix.substitutions[0].reason
+
+
+def test_fp8_attention_waits_for_activations_and_gradients():
+    staged = {"schedule": {"bf16_warmup_steps": 2, "enable": {"weights": 2, "activations": 4, "gradients": 6}}}
+    for scaling, hardware in (("delayed", Hardware()), ("tensorwise", B200)):  # emulated, and TE where it runs
+        plan = plan_for(attention_recipe(scaling, **staged), hardware)
+        assert [bool(plan.at(s).attention) for s in range(8)] == [False] * 6 + [True] * 2
+        assert "core attention (softmax(Q K^T) V): fp8 in layers 0-" in plan.explain()
+    # staged delayed scaling runs TE's CustomRecipe (one history across the forward-only stage): BF16 attention
+    plan = plan_for(attention_recipe("delayed", **staged), H200)
+    assert final(plan).attention == frozenset() and "not CustomRecipe" in plan.substitutions[-1].reason
+    assert "core attention (softmax(Q K^T) V): bf16 (attention: fp8 cannot run here" in plan.explain()
+    assert "core attention" not in plan_for("delayed").explain()  # nothing printed unless asked for

@@ -281,3 +281,17 @@ def test_tensor_policy_describe():
     assert r.weights.describe() == "mxfp8 e4m3 1x32 e8m0/rceil"
     assert r.activations.describe() == "blockwise e4m3 1x128 pow2"
     assert load_recipe("delayed").gradients.describe() == "delayed e5m2 hist 1024 max"
+
+
+def test_attention_key():
+    assert Recipe().attention == "bf16" and Recipe.from_dict({}).to_dict()["attention"] == "bf16"
+    r = Recipe.from_dict({"weights": "delayed", "activations": "delayed", "gradients": "tensorwise",
+                          "attention": "FP8"})
+    assert r.attention == "fp8" and Recipe.from_dict(r.to_dict()) == r
+    for bad, says in (({"weights": "blockwise", "activations": "blockwise", "gradients": "blockwise"},
+                       "activations.scaling is blockwise"),
+                      ({"weights": "tensorwise", "activations": "tensorwise"}, "gradients.scaling is none")):
+        with pytest.raises(RecipeError) as e:
+            Recipe.from_dict({**bad, "attention": "fp8"})
+        assert str(e.value).startswith("attention: 'fp8' quantizes") and says in str(e.value)
+        assert str(e.value).endswith("set attention: bf16") and "\n" not in str(e.value)
