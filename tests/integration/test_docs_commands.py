@@ -163,6 +163,8 @@ def run_command(command: str, box: Path, data: list[str], port: int) -> tuple[st
             argv.append(f"run_dir=runs/{abs(hash(command))}")
         if "trainer.resume=" not in command:
             argv.append("trainer.save_checkpoints=false")
+        if "batch_size" not in command:  # one process: the batch sizes only cost time here (torchrun keeps them)
+            argv += ["trainer.micro_batch_size=4", "trainer.global_batch_size=4"]
         if "$" in command:  # "hydra.searchpath=[file://$PWD/mine]": as a shell would expand it
             argv = [os.path.expandvars(a.replace("$PWD", str(box))) for a in argv]
     elif kind == "torchrun":
