@@ -33,3 +33,9 @@ def test_lever_rows_compare_with_the_recipes_raw_megatron():
     line = next(r for r in table.splitlines() if "| delayed+head |" in r)
     assert line == "| m | delayed+head | x | 148 | 1.48 | 1.10 | 1.00 |"  # x BF16, ours / delayed:raw
     assert series["delayed+head"] == [pytest.approx(1.48)]
+
+
+def test_attn_lever_goes_through_the_schema():
+    assert with_levers(load_recipe("delayed"), ["attn", "head"]).attention == "fp8"
+    with pytest.raises(ValueError, match="set attention: bf16"):
+        with_levers(load_recipe("blockwise"), ["attn"])  # block-scaled activations: refused by the schema

@@ -172,13 +172,14 @@ def te_recipe(choice: TERecipe, *, reduce_amax: bool = True) -> Any:
         return R.DelayedScaling(fp8_format=fmt, margin=w.margin, amax_history_len=w.amax_history_len,
                                 amax_compute_algo=_amax_algo(w),
                                 scaling_factor_compute_algo=_scale_algo(w),
-                                reduce_amax=reduce_amax, backward_override=None)
+                                reduce_amax=reduce_amax, backward_override=None, fp8_dpa=choice.fp8_dpa)
     if choice.recipe == "MXFP8BlockScaling":
         return R.MXFP8BlockScaling(fp8_format=fmt, backward_override=override)
     if choice.recipe == "CustomRecipe":
         return R.CustomRecipe(qfactory=RoleQuantizers(choice, reduce_amax), fp8_format=fmt, backward_override=override)
     if choice.recipe == "Float8CurrentScaling":
-        out = R.Float8CurrentScaling(fp8_format=fmt, use_power_2_scales=a.pow2_scales, backward_override=override)
+        out = R.Float8CurrentScaling(fp8_format=fmt, use_power_2_scales=a.pow2_scales, backward_override=override,
+                                     fp8_dpa=choice.fp8_dpa)
     elif choice.recipe == "Float8BlockScaling":
         dim = lambda p: 1 if not p.is_fp8 or p.block[0] == 1 else 2  # noqa: E731
         out = R.Float8BlockScaling(fp8_format=fmt, x_block_scaling_dim=dim(a), w_block_scaling_dim=dim(w),
@@ -211,7 +212,9 @@ def _delayed_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _restore_delayed(name: str, module: torch.nn.Module, saved: Mapping[str, torch.Tensor], recipe: Any) -> None:
     meta = module.fp8_meta
-    meta.setdefault("num_gemms", 1)  # TE's Linear and LayerNormLinear run one GEMM
+    # TE's Linear and LayerNormLinear run one GEMM; its DotProductAttention keeps the state of three (its own
+    # init_fp8_metadata(num_gemms=3): Q K^T, S V and their quantized output)
+    meta.setdefault("num_gemms", 3 if _is_attention(module) else 1)
     meta["recipe"] = recipe
     with torch.no_grad():
         module.init_fp8_meta_tensors(recipe)  # allocates the state the next FP8 forward will find and keep
@@ -222,6 +225,12 @@ def _restore_delayed(name: str, module: torch.nn.Module, saved: Mapping[str, tor
                 raise ValueError(f"{name}: delayed-scaling {key} has shape {tuple(value.shape)} in the checkpoint "
                                  f"and {have} here; resume with the recipe it was saved with (amax_history_len)")
             current[key].copy_(value)
+
+
+def _is_attention(module: torch.nn.Module) -> bool:
+    from transformer_engine.pytorch.attention import DotProductAttention
+
+    return isinstance(module, DotProductAttention)
 
 
 def _empty_extra_state() -> torch.Tensor:
@@ -256,7 +265,7 @@ class TEPrecision:
 
     def __init__(self, plan: PrecisionPlan, *, layers: Mapping[int, torch.nn.Module],
                  linears: Mapping[str, torch.nn.Module], chunks: Sequence[torch.nn.Module], amax_group: Any = None,
-                 count: bool = True):
+                 count: bool = True, attention: Mapping[int, torch.nn.Module] | None = None):
         import transformer_engine.pytorch as te
         from transformer_engine.common.recipe import Float8CurrentScaling
 
@@ -265,6 +274,10 @@ class TEPrecision:
         self.plan = plan
         self.full_precision_eval_interval = plan.recipe.schedule.full_precision_eval_interval
         self.linears = dict(linears)
+        self.attention = {f"decoder.layers.{i}.self_attention.core_attention": m for i, m in (attention or {}).items()}
+        """This rank's TE DotProductAttention modules by name: their delayed-scaling state when attention runs FP8."""
+        self._attention_layer = {n: i for i, n in zip((attention or {}), self.attention)}
+        self._layer_choices: dict[int, TERecipe | None] = {}
         self._autocast = te.autocast
         self._group = amax_group
         self._reduce_amax = plan.recipe.amax_reduction is not AmaxReduction.NONE
@@ -344,6 +357,7 @@ class TEPrecision:
         for i in self._layer_ctx:
             names = by_layer.get(i, [])
             layer_choice = Counter(choices[n] for n in names).most_common(1)[0][0] if names else None
+            self._layer_choices[i] = layer_choice  # its attention runs under it (FP8 when its fp8_dpa is set)
             self._layer_ctx[i] = self._ctx(layer_choice)
             for n in names:
                 self._module_ctx[n] = None if choices[n] == layer_choice else self._ctx(choices[n])
@@ -358,6 +372,11 @@ class TEPrecision:
 
     def _restore_pending(self) -> None:
         for name in list(self._pending):
+            if name in self.attention:
+                choice = self._layer_choices.get(self._attention_layer[name])
+                if choice is not None and choice.delayed and choice.fp8_dpa:
+                    _restore_delayed(name, self.attention[name], self._pending.pop(name), self.te_recipe(choice))
+                continue
             choice = self._choices.get(name)
             if choice is not None and choice.delayed:
                 _restore_delayed(name, self.linears[name], self._pending.pop(name), self.te_recipe(choice))
@@ -410,14 +429,15 @@ class TEPrecision:
 
     def state_dict(self) -> dict:
         delayed = dict(self._pending)  # not put back yet (the module has not run FP8 since loading): keep them
-        for name, module in self.linears.items():
+        for name, module in {**self.linears, **self.attention}.items():
             tensors = _delayed_tensors(module)
             if tensors:
                 delayed[name] = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
         return {"recipe": self.plan.recipe.name, "delayed": delayed}
 
     def load_state_dict(self, state: dict) -> None:
-        self._pending = {n: dict(t) for n, t in state.get("delayed", {}).items() if n in self.linears}
+        self._pending = {n: dict(t) for n, t in state.get("delayed", {}).items()
+                         if n in self.linears or n in self.attention}
         if self._roles is not None:
             self._restore_pending()
 

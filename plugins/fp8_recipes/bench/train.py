@@ -10,6 +10,8 @@ Per model, configs run one after another on a freshly built model (same seed, sa
   NAME+LEVER   recipe NAME with a speed lever on (levers combine: NAME+head+...):
                head  layers.fp8_output_layer: true (the LM head's GEMMs in FP8; Megatron-Core has no FP8 head on
                      Hopper, so its ours / raw column compares with NAME:raw, the best Megatron-Core does there)
+               attn  attention: fp8 (TE's FP8 attention); NAME+attn:raw is Megatron-Core's
+                     fp8_dot_product_attention=True
 Recipes with BF16 warmup or staged enablement are timed in their final stage (all roles FP8), the steady state.
 A step is forward (per-token loss, mean) + backward + plain fused torch AdamW on the BF16 params (no master
 weights, no DDP: the GEMMs dominate); tokens/s over ``steps`` timed steps after ``warmup``, peak memory from
@@ -65,7 +67,7 @@ def raw_megatron_fp8(choice: Any, recipe: Any) -> dict | None:
     return out
 
 
-LEVERS = ("head",)
+LEVERS = ("head", "attn")
 
 
 def check_configs(configs: list[str]) -> None:
@@ -89,9 +91,13 @@ def with_levers(recipe: Any, levers: list[str]) -> Any:
     """``recipe`` with the named speed levers on (bench config ``NAME+LEVER``)."""
     import dataclasses
 
+    from fp8_recipes.schema import Recipe
+
     check_configs([f"{recipe.name}+{'+'.join(levers)}"] if levers else [])
     if "head" in levers:
         recipe = dataclasses.replace(recipe, layers=dataclasses.replace(recipe.layers, fp8_output_layer=True))
+    if "attn" in levers:  # through the schema: its checks apply (per-tensor activations and gradients)
+        recipe = Recipe.from_dict({**recipe.to_dict(), "attention": "fp8"})
     return recipe
 
 
@@ -110,8 +116,8 @@ def _run_config(model_cfg: dict, label: str, *, seq: int, mbs: int, warmup: int,
     overrides, precision, describe, steady = None, None, "BF16", 0
     if name != "bf16":
         recipe = with_levers(load_recipe(name), levers)
-        if mode == "raw" and levers:
-            return {"config": label, "skipped": f"Megatron-Core has no flag for {'+'.join(levers)} on this GPU; "
+        if mode == "raw" and "head" in levers:
+            return {"config": label, "skipped": f"Megatron-Core has no FP8 LM head on this GPU; "
                                                 f"{name}+{'+'.join(levers)} is compared with {name}:raw"}
         plan = PrecisionPlan(recipe, ModelLayout.gpt(int(model_cfg["num_layers"])), Hardware.detect())
         if plan.te is None:
@@ -124,6 +130,10 @@ def _run_config(model_cfg: dict, label: str, *, seq: int, mbs: int, warmup: int,
             overrides = raw_megatron_fp8(choice, recipe)
             if overrides is None:
                 return {"config": label, "skipped": f"Megatron-Core has no plain recipe for {describe}"}
+            if "attn" in levers:
+                if not choice.fp8_dpa:
+                    return {"config": label, "skipped": f"TE runs no FP8 attention under {describe} here"}
+                overrides["fp8_dot_product_attention"] = True
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.cuda.reset_peak_memory_stats()

@@ -99,6 +99,10 @@ def attach_te_backend(model: torch.nn.Module | list[torch.nn.Module], plan: Prec
             head = replace_output_layer_class(next(g for g in gpts if getattr(g, "output_layer", None) is head),
                                               TEOutputLayer)
         te_linears["output_layer"] = head.te_linear
+    layers = transformer_layers(chunks)
+    attention = {i: layer.self_attention.core_attention for i, layer in layers.items()
+                 if isinstance(getattr(getattr(layer, "self_attention", None), "core_attention", None),
+                               TransformerEngineBaseModule)}  # TE's DotProductAttention (fp8_dpa: recipe attention)
     # The outer autocast of delayed scaling spans the whole chunk (its layers and, on the last stage, the head).
-    return TEPrecision(plan, layers=transformer_layers(chunks), linears=te_linears, chunks=gpts,
+    return TEPrecision(plan, layers=layers, linears=te_linears, chunks=gpts, attention=attention,
                        amax_group=amax_reduction_group(plan.recipe.amax_reduction), count=count)
