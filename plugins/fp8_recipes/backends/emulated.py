@@ -11,6 +11,17 @@ so any per-role mix, any block shape and MXFP8 run on any device. Delayed scalin
 module and role; its scale is updated after each optimizer step, with the amax MAX-reduced over the recipe's
 ``amax_reduction`` group when distributed. Nothing here decides precision: :class:`EmulatedPrecision` hands each
 layer its :class:`~fp8_recipes.plan.ModulePlan` for the step.
+
+The core attention (recipe ``attention: fp8``, in the layers ``StepPlan.attention`` names) is quantized where
+Transformer Engine's own FP8 attention emulation quantizes it (docs/facts.md, "Transformer Engine 2.20.2"):
+
+    forward   QKV (Q, K and V together: one amax, one scale), S (the softmax output after dropout), O (the output)
+    backward  dO (the output's gradient), dP (the pre-softmax scores' gradient), dQKV (dQ, dK, dV together)
+
+each one fake-quantized (quantize, dequantize) with a per-tensor scale: the forward tensors with the activations'
+policy, the backward ones with the gradients'; the other direction passes straight through. Tensorwise scaling
+takes each tensor's own amax; delayed scaling keeps one DelayedScaler per layer and tensor, updated and reduced
+with the linears'.
 """
 
 from __future__ import annotations
@@ -23,9 +34,12 @@ import torch
 from fp8_recipes.backends.groups import amax_reduction_group
 from fp8_recipes.numerics import DelayedScaler, block_for, dequantize, quantize
 from fp8_recipes.plan import Gemm, ModulePlan, PrecisionPlan
-from fp8_recipes.schema import ROLES, AmaxReduction, Role, Scaling, TensorPolicy
+from fp8_recipes.schema import ROLES, AmaxReduction, Attention, Role, Scaling, TensorPolicy
 
-__all__ = ["EmulatedLinearState", "EmulatedPrecision", "emulated_linear"]
+__all__ = [
+    "ATTENTION_TENSORS", "EmulatedAttentionState", "EmulatedLinearState", "EmulatedPrecision",
+    "attention_fake_quant", "emulated_linear",
+]
 
 
 class EmulatedLinearState:
@@ -117,6 +131,65 @@ def emulated_linear(x: torch.Tensor, w: torch.Tensor, state: EmulatedLinearState
     return _EmulatedGemm.apply(x, w, state)
 
 
+ATTENTION_TENSORS = ("QKV", "S", "O", "dO", "dP", "dQKV")
+"""The tensors FP8 attention quantizes, by Transformer Engine's quantizer names; the first three forward."""
+_FORWARD_TENSORS = frozenset(ATTENTION_TENSORS[:3])
+
+
+class EmulatedAttentionState:
+    """One layer's core attention: whether the step runs it in FP8, the six tensors' policies and delayed scalers."""
+
+    def __init__(self, name: str, layer: int):
+        self.name = name
+        self.layer = layer  # global 0-based layer number, as the plan's StepPlan.attention holds them
+        self.fp8 = False  # set per step from the plan
+        self.enabled = True  # False inside EmulatedPrecision.high_precision()
+        self.record_amax = True  # training forwards only (see EmulatedLinearState)
+        self.policies: dict[str, TensorPolicy] = {}
+        self.scalers: dict[str, DelayedScaler] = {}
+        self.observer: Callable[..., None] | None = None  # statistics hook: (state, tensor, hp tuple, fq tuple)
+
+    @property
+    def active(self) -> bool:
+        return self.fp8 and self.enabled and bool(self.policies)
+
+    def quantized(self, tensor: str, hp: tuple[torch.Tensor, ...], record_amax: bool) -> tuple[torch.Tensor, ...]:
+        """`hp` fake-quantized together: one amax over all of them (TE concatenates Q, K and V and quantizes them
+        with one quantizer), one scale, each back in its own shape and dtype."""
+        flat = hp[0].reshape(-1) if len(hp) == 1 else torch.cat([t.reshape(-1) for t in hp])
+        fq_flat = dequantize(quantize(flat, self.policies[tensor], scaler=self.scalers.get(tensor),
+                                      record_amax=record_amax))
+        fq = tuple(part.view(t.shape) for part, t in zip(fq_flat.split([t.numel() for t in hp]), hp))
+        if self.observer is not None:
+            self.observer(self, tensor, hp, fq)
+        return fq
+
+
+class _AttentionFakeQuant(torch.autograd.Function):
+    """Fake-quantizes its tensors as `forward_tensor` (None: pass through) and their gradients as `backward_tensor`
+    (None: pass through). Pass-through outputs are copies: Megatron-Core's softmax masks its input in place."""
+
+    @staticmethod
+    def forward(ctx, state: EmulatedAttentionState, forward_tensor: str | None, backward_tensor: str | None,
+                *hp: torch.Tensor):
+        ctx.state, ctx.backward_tensor, ctx.record_amax = state, backward_tensor, state.record_amax
+        if forward_tensor is None:
+            return tuple(t.clone() for t in hp)
+        return state.quantized(forward_tensor, hp, state.record_amax)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        if ctx.backward_tensor is not None:
+            grads = ctx.state.quantized(ctx.backward_tensor, grads, ctx.record_amax)
+        return (None, None, None, *grads)
+
+
+def attention_fake_quant(state: EmulatedAttentionState, forward_tensor: str | None, backward_tensor: str | None,
+                         *hp: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """One of FP8 attention's quantization points, e.g. ``("QKV", "dQKV", q, k, v)`` or ``(None, "dP", scores)``."""
+    return _AttentionFakeQuant.apply(state, forward_tensor, backward_tensor, *hp)
+
+
 def _amax_reducer(kind: AmaxReduction) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """MAX all-reduce over the recipe's group, or None when there is nothing to reduce over."""
     import torch.distributed as dist
@@ -135,12 +208,21 @@ def _amax_reducer(kind: AmaxReduction) -> Callable[[torch.Tensor], torch.Tensor]
 class EmulatedPrecision:
     """Drives every emulated layer from the plan (the training loop's precision controller)."""
 
-    def __init__(self, plan: PrecisionPlan, states: dict[str, EmulatedLinearState]):
+    def __init__(self, plan: PrecisionPlan, states: dict[str, EmulatedLinearState],
+                 attention: dict[int, EmulatedAttentionState] | None = None):
         unknown = set(states) - set(plan.layout.module_names)  # a pipeline stage holds a subset of the plan's
         if unknown:
             raise ValueError(f"emulated backend: the plan does not name these modules: {sorted(unknown)[:3]}")
         self.plan = plan
         self.states = states
+        self.attention = attention or {}
+        """This rank's core attentions by global layer number (their scalers only with ``attention: fp8``)."""
+        if plan.recipe.attention is Attention.FP8:
+            forward, backward = plan.recipe.policy(Role.ACTIVATIONS), plan.recipe.policy(Role.GRADIENTS)
+            for state in self.attention.values():
+                state.policies = {t: forward if t in _FORWARD_TENSORS else backward for t in ATTENTION_TENSORS}
+                state.scalers = {t: DelayedScaler(p) for t, p in state.policies.items()
+                                 if p.scaling is Scaling.DELAYED}
         self.full_precision_eval_interval = plan.recipe.schedule.full_precision_eval_interval
         reduce = _amax_reducer(plan.recipe.amax_reduction)
         for state in states.values():
@@ -153,28 +235,35 @@ class EmulatedPrecision:
         step_plan = self.plan.at(step)
         for name, state in self.states.items():
             state.plan = step_plan.modules[name]
+        for layer, attention in self.attention.items():
+            attention.fp8 = layer in step_plan.attention
         return step_plan.stage
+
+    def _all_states(self) -> list[EmulatedLinearState | EmulatedAttentionState]:
+        return [*self.states.values(), *self.attention.values()]
 
     @contextlib.contextmanager
     def high_precision(self) -> Iterator[None]:
-        saved = {n: s.enabled for n, s in self.states.items()}
-        for s in self.states.values():
+        states = self._all_states()
+        saved = [s.enabled for s in states]
+        for s in states:
             s.enabled = False
         try:
             yield
         finally:
-            for n, s in self.states.items():
-                s.enabled = saved[n]
+            for s, enabled in zip(states, saved):
+                s.enabled = enabled
 
     def after_optimizer_step(self, step: int) -> None:
-        for state in self.states.values():
+        # (every rank of the reduction group holds the same modules: the same all-reduces in the same order)
+        for state in self._all_states():
             for scaler in state.scalers.values():
                 scaler.update(self._reduce)
 
     def skip_step(self, step: int) -> None:
         # The skipped step's amaxes (slot 0, maybe inf/NaN) never reach a scale: torch.maximum would keep a NaN
         # there into the next step, and an inf would pin the scale for a whole history window.
-        for state in self.states.values():
+        for state in self._all_states():
             for scaler in state.scalers.values():
                 scaler.history[0] = 0.0
 
@@ -183,9 +272,14 @@ class EmulatedPrecision:
         return {n: {str(r): float(sc.scale) for r, sc in s.scalers.items()} for n, s in self.states.items()}
 
     def state_dict(self) -> dict:
-        return {"recipe": self.plan.recipe.name,
-                "scalers": {n: {str(r): sc.state_dict() for r, sc in s.scalers.items()}
-                            for n, s in self.states.items() if s.scalers}}
+        out = {"recipe": self.plan.recipe.name,
+               "scalers": {n: {str(r): sc.state_dict() for r, sc in s.scalers.items()}
+                           for n, s in self.states.items() if s.scalers}}
+        attention = {s.name: {t: sc.state_dict() for t, sc in s.scalers.items()}
+                     for s in self.attention.values() if s.scalers}
+        if attention:  # (absent without delayed FP8 attention: such checkpoints look as they always did)
+            out["attention"] = attention
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         for name, per_role in state.get("scalers", {}).items():
@@ -193,5 +287,11 @@ class EmulatedPrecision:
                 continue
             for role, sd in per_role.items():
                 scaler = self.states[name].scalers.get(Role(role))
+                if scaler is not None:
+                    scaler.load_state_dict(sd)
+        by_name = {s.name: s for s in self.attention.values()}
+        for name, per_tensor in state.get("attention", {}).items():
+            for tensor, sd in per_tensor.items():
+                scaler = by_name[name].scalers.get(tensor) if name in by_name else None
                 if scaler is not None:
                     scaler.load_state_dict(sd)

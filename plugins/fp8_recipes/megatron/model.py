@@ -8,7 +8,8 @@
 
 Linear substitution. The local layer spec names its four linear classes (attention ``linear_qkv`` /
 ``linear_proj``, MLP ``linear_fc1`` / ``linear_fc2``), so subclasses of Megatron-Core's
-``ColumnParallelLinear`` / ``RowParallelLinear`` are put into the spec and built in their place. The LM
+``ColumnParallelLinear`` / ``RowParallelLinear`` are put into the spec and built in their place (and a subclass
+of its ``DotProductAttention`` as the attention's ``core_attention``). The LM
 head (``output_layer``) is not in the spec: ``GPTModel.__init__`` builds it as
 ``tensor_parallel.ColumnParallelLinear`` directly (gpt_model.py, "Output"). :func:`replace_output_layer_class`
 re-classes that one instance after construction (``module.__class__ = cls``): parameters, buffers,
@@ -240,13 +241,16 @@ def _check_linear_class(cls: type | None, base: type, what: str) -> None:
         raise ValueError(f"{what}={cls!r} must be a subclass of megatron.core.tensor_parallel.{base.__name__}")
 
 
-def _substitute_linears(spec, column_linear: type | None, row_linear: type | None):
-    """Return a copy of a local GPT layer spec with linear_qkv/fc1 -> column_linear, linear_proj/fc2 -> row_linear."""
+def _substitute_linears(spec, column_linear: type | None, row_linear: type | None,
+                        core_attention: type | None = None):
+    """Return a copy of a local GPT layer spec with linear_qkv/fc1 -> column_linear, linear_proj/fc2 -> row_linear
+    (and the attention's core_attention -> core_attention)."""
     layer = spec.submodules
     attn = layer.self_attention
     attn_sub = attn.submodules
     attn_sub = dataclasses.replace(attn_sub, linear_qkv=column_linear or attn_sub.linear_qkv,
-                                   linear_proj=row_linear or attn_sub.linear_proj)
+                                   linear_proj=row_linear or attn_sub.linear_proj,
+                                   core_attention=core_attention or attn_sub.core_attention)
     attn = dataclasses.replace(attn, submodules=attn_sub)
     mlp = layer.mlp
     # 0.19 builds the dense MLP as functools.partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(...));
@@ -266,7 +270,7 @@ def _substitute_linears(spec, column_linear: type | None, row_linear: type | Non
 
 
 def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_linear: type | None = None,
-                    output_linear: type | None = None, use_te_spec: bool = False,
+                    output_linear: type | None = None, core_attention: type | None = None, use_te_spec: bool = False,
                     params_dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                     config_overrides: Mapping[str, Any] | None = None, pre_process: bool = True,
                     post_process: bool = True, vp_stage: int | None = None,
@@ -277,6 +281,7 @@ def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_li
     ``column_linear`` / ``row_linear`` replace ColumnParallelLinear (linear_qkv, linear_fc1) and
     RowParallelLinear (linear_proj, linear_fc2) in the local spec; ``output_linear`` re-classes the LM head
     and defaults to ``column_linear`` (pass ``ColumnParallelLinear`` itself to keep the head plain).
+    ``core_attention`` replaces the local spec's DotProductAttention (the attention's ``core_attention``).
     ``model_cfg.vocab_size`` is padded up to a multiple of 128 × TP (logged when it changes).
 
     Returns the GPTModel for float32 params; for bfloat16 params a ``Float16Module`` wrapping it (``.module``
@@ -307,11 +312,18 @@ def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_li
     _check_linear_class(column_linear, tensor_parallel.ColumnParallelLinear, "column_linear")
     _check_linear_class(row_linear, tensor_parallel.RowParallelLinear, "row_linear")
     _check_linear_class(output_linear, tensor_parallel.ColumnParallelLinear, "output_linear")
+    if core_attention is not None:
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        if not (isinstance(core_attention, type) and issubclass(core_attention, DotProductAttention)):
+            raise ValueError(f"core_attention={core_attention!r} must be a subclass of "
+                             f"megatron.core.transformer.dot_product_attention.DotProductAttention")
     if params_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"params_dtype={params_dtype}: use torch.float32 or torch.bfloat16")
-    if use_te_spec and (column_linear or row_linear):
-        raise ValueError("column_linear/row_linear apply to the local spec only: the TE spec fuses the norm "
-                         "into linear_qkv/linear_fc1 (TELayerNormColumnParallelLinear); set use_te_spec=False")
+    if use_te_spec and (column_linear or row_linear or core_attention):
+        raise ValueError("column_linear/row_linear/core_attention apply to the local spec only: the TE spec fuses "
+                         "the norm into linear_qkv/linear_fc1 (TELayerNormColumnParallelLinear) and builds TE's "
+                         "attention; set use_te_spec=False")
     device = torch.device(device) if device is not None else (
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
 
@@ -365,8 +377,8 @@ def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_li
     else:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         spec = get_gpt_layer_local_spec(normalization=config.normalization)
-        if column_linear or row_linear:
-            spec = _substitute_linears(spec, column_linear, row_linear)
+        if column_linear or row_linear or core_attention:
+            spec = _substitute_linears(spec, column_linear, row_linear, core_attention)
 
     if init_seed is not None:
         spec = dataclasses.replace(spec, module=_layout_seeded(spec.module))

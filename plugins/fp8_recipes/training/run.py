@@ -132,17 +132,18 @@ def engine_config_overrides(trainer) -> dict:
 
 def attach_emulated(model_cfg: dict, recipe, hardware, params_dtype: torch.dtype, device: torch.device,
                     config_overrides: dict | None = None, init_seed: int | None = None):
-    """Megatron-Core's local spec with plan-driven fake-quantized linears (any device, any recipe): this rank's
-    model chunks, the whole model's plan, and the backend driving this rank's part of it."""
+    """Megatron-Core's local spec with plan-driven fake-quantized linears and core attention (any device, any
+    recipe): this rank's model chunks, the whole model's plan, and the backend driving this rank's part of it."""
     from fp8_recipes.megatron.emulated_layers import (
-        EmulatedColumnParallelLinear, EmulatedRowParallelLinear, attach_emulated_backend,
+        EmulatedColumnParallelLinear, EmulatedDotProductAttention, EmulatedRowParallelLinear, attach_emulated_backend,
     )
     from fp8_recipes.megatron.model import build_model_chunks, model_layout
     from fp8_recipes.plan import PrecisionPlan
 
     chunks = build_model_chunks(model_cfg, params_dtype=params_dtype, device=device,
                                 column_linear=EmulatedColumnParallelLinear, row_linear=EmulatedRowParallelLinear,
-                                config_overrides=config_overrides, init_seed=init_seed)
+                                core_attention=EmulatedDotProductAttention, config_overrides=config_overrides,
+                                init_seed=init_seed)
     plan = PrecisionPlan(recipe, model_layout(chunks), hardware)
     return chunks, plan, attach_emulated_backend(chunks, plan)
 
