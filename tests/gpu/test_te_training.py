@@ -311,13 +311,19 @@ def test_bf16_lm_head_is_left_as_built(megatron_gpu):
 # attention: fp8 (TE's FP8 dot-product attention: the layers' DelayedScaling recipe with fp8_dpa)
 
 
+# Head dim 128: TE's FP8 attention found no backend for TINY's head dim 32 on the H200 ("No dot product attention
+# backend is available"); Llama's is 128.
+WIDE_HEADS = dict(hidden_size=256, num_attention_heads=2, num_query_groups=2, ffn_hidden_size=512)
+
+
 def test_fp8_attention_runs_in_the_plans_layers_and_survives_a_checkpoint(megatron_gpu, tmp_path):
     from fp8_recipes.backends.te import _delayed_tensors
 
     recipe = {"weights": "delayed", "activations": "delayed", "gradients": "delayed", "attention": "fp8",
               "layers": {"bf16_first": 1}}
-    model, precision = build(recipe, megatron_gpu[2])
+    model, precision = build(recipe, megatron_gpu[2], **WIDE_HEADS)
     assert set(precision.attention) == {f"decoder.layers.{i}.self_attention.core_attention" for i in range(4)}
+    assert set(build({**recipe, "attention": "bf16"}, megatron_gpu[2])[1].attention) == set()  # kept only for fp8
     summary = run(model, precision, tmp_path, 3, save_checkpoints=True)
     assert summary["nonfinite_loss_steps"] == 0 and math.isfinite(summary["final_loss"])
     for i in range(4):
@@ -329,7 +335,7 @@ def test_fp8_attention_runs_in_the_plans_layers_and_survives_a_checkpoint(megatr
     assert attn == {f"decoder.layers.{i}.self_attention.core_attention" for i in (1, 2, 3)}
     for name in attn:  # one forward per step: three recorded amaxes, the newest last
         assert recorded(saved[name]["amax_history_fwd"]) == [1021, 1022, 1023], name
-    fresh_model, fresh = build(recipe, megatron_gpu[2], seed=1)
+    fresh_model, fresh = build(recipe, megatron_gpu[2], seed=1, **WIDE_HEADS)
     run(fresh_model, fresh, tmp_path, 4, save_checkpoints=True, resume_from=tmp_path)
     for name in attn:  # resumed with the saved history: step 3 rolled it once more
         now = _delayed_tensors(fresh.attention[name])["amax_history_fwd"].cpu()
@@ -340,10 +346,15 @@ def test_fp8_attention_changes_the_output_only_where_planned(megatron_gpu):
     """Same weights, same batch: FP8 attention moves the logits away from the BF16-attention run of the same
     recipe, by the size FP8 attention's error has (docs/facts.md: ~5% relative on the attention output)."""
     batch = {k: v.cuda() for k, v in next(fixed_batches()).items()}
-    out = {}
+    out, weights = {}, None
     for attention in ("bf16", "fp8"):
         model, precision = build({"weights": "delayed", "activations": "delayed", "gradients": "delayed",
-                                  "attention": attention}, megatron_gpu[2])
+                                  "attention": attention}, megatron_gpu[2], **WIDE_HEADS)
+        if weights is None:  # the same weights in both (each build draws from the advanced GPU RNG tracker)
+            weights = {k: v.clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+        else:
+            missing, unexpected = model.load_state_dict(weights, strict=False)
+            assert not unexpected and all(k.endswith("_extra_state") for k in missing)
         model.eval()
         precision.begin_step(0)
         with torch.no_grad():

@@ -30,6 +30,7 @@ from fp8_recipes.backends.te import TEPrecision
 from fp8_recipes.megatron.model import (named_linear_modules, replace_output_layer_class, transformer_layers,
                                         unwrap_model)
 from fp8_recipes.plan import PrecisionPlan
+from fp8_recipes.schema import Attention
 
 __all__ = ["TEOutputLayer", "attach_te_backend", "head_runs_fp8"]
 
@@ -100,9 +101,11 @@ def attach_te_backend(model: torch.nn.Module | list[torch.nn.Module], plan: Prec
                                               TEOutputLayer)
         te_linears["output_layer"] = head.te_linear
     layers = transformer_layers(chunks)
+    # TE's DotProductAttention modules, whose delayed state the controller keeps when the recipe runs attention in
+    # FP8 (under a delayed autocast TE gives them a state even with fp8_dpa off: never used, so not kept then)
     attention = {i: layer.self_attention.core_attention for i, layer in layers.items()
-                 if isinstance(getattr(getattr(layer, "self_attention", None), "core_attention", None),
-                               TransformerEngineBaseModule)}  # TE's DotProductAttention (fp8_dpa: recipe attention)
+                 if plan.recipe.attention is Attention.FP8
+                 and isinstance(getattr(layer.self_attention, "core_attention", None), TransformerEngineBaseModule)}
     # The outer autocast of delayed scaling spans the whole chunk (its layers and, on the last stage, the head).
     return TEPrecision(plan, layers=layers, linears=te_linears, chunks=gpts, attention=attention,
                        amax_group=amax_reduction_group(plan.recipe.amax_reduction), count=count)
