@@ -120,6 +120,11 @@ def run(model, precision, out: Path, steps: int, resume_from: Path | None = None
     return train(engine, fixed_batches(), None, cfg, precision, out, resume_from=resume_from)
 
 
+def recorded_any(history: torch.Tensor) -> list[int]:
+    """Rows of a TE amax history with a recorded amax in any column."""
+    return (history.abs().sum(1) > 0).nonzero().flatten().tolist()
+
+
 def recorded(history: torch.Tensor) -> list[int]:
     """Rows of a TE amax history (column 0: a module's input, or its grad_output) that hold a recorded amax."""
     return (history[:, 0] > 0).nonzero().flatten().tolist()
@@ -333,13 +338,14 @@ def test_fp8_attention_runs_in_the_plans_layers_and_survives_a_checkpoint(megatr
     saved = precision.state_dict()["delayed"]
     attn = {n for n in saved if n.endswith("core_attention")}
     assert attn == {f"decoder.layers.{i}.self_attention.core_attention" for i in (1, 2, 3)}
-    for name in attn:  # one forward per step: three recorded amaxes, the newest last
-        assert recorded(saved[name]["amax_history_fwd"]) == [1021, 1022, 1023], name
+    for name in attn:  # one forward per step: three recorded amaxes, the newest last (TE's attention records in
+        # other columns than a linear's: 2, 3 and 8 of its 9 forward ones, measured on the H200)
+        assert recorded_any(saved[name]["amax_history_fwd"]) == [1021, 1022, 1023], name
     fresh_model, fresh = build(recipe, megatron_gpu[2], seed=1, **WIDE_HEADS)
     run(fresh_model, fresh, tmp_path, 4, save_checkpoints=True, resume_from=tmp_path)
     for name in attn:  # resumed with the saved history: step 3 rolled it once more
         now = _delayed_tensors(fresh.attention[name])["amax_history_fwd"].cpu()
-        assert recorded(now) == [1020, 1021, 1022, 1023] and torch.equal(now[-4:-1], saved[name]["amax_history_fwd"][-3:])
+        assert recorded_any(now) == [1020, 1021, 1022, 1023] and torch.equal(now[-4:-1], saved[name]["amax_history_fwd"][-3:])
 
 
 def test_fp8_attention_changes_the_output_only_where_planned(megatron_gpu):
@@ -353,7 +359,10 @@ def test_fp8_attention_changes_the_output_only_where_planned(megatron_gpu):
         if weights is None:  # the same weights in both (each build draws from the advanced GPU RNG tracker)
             weights = {k: v.clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
         else:
-            missing, unexpected = model.load_state_dict(weights, strict=False)
+            from fp8_recipes.megatron.model import unwrap_model
+
+            missing, unexpected = unwrap_model(model).load_state_dict(weights, strict=False)  # (Float16Module's
+            # load_state_dict returns nothing)
             assert not unexpected and all(k.endswith("_extra_state") for k in missing)
         model.eval()
         precision.begin_step(0)
