@@ -266,6 +266,6 @@ def install_cpu_shim() -> bool:
         _widen_bf16_matmuls()
 
     _installed = True
-    logger.info("cpu_shim: Megatron-Core RNG tracker -> CPU generator; torch.cuda.current_device() -> 'cpu'; "
-                "default causal mask -> CPU")
+    logger.debug("cpu_shim: Megatron-Core RNG tracker -> CPU generator; torch.cuda.current_device() -> 'cpu'; "
+                 "default causal mask -> CPU")
     return True

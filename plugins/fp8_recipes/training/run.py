@@ -304,11 +304,22 @@ def run_training(cfg) -> dict:
                         meta["vocab_size"], time.perf_counter() - t0)
 
         model_cfg = run_model_cfg(cfg, meta, data_dir)
+        init_from = model_cfg.get("init_from") if resume_from is None else None  # a resumed run has its weights
+        if init_from:
+            from fp8_recipes.training.hf import check_hf_init, hf_init_path, load_hf_weights
+
+            with same_on_every_rank():
+                check_hf_init(hf_init_path(init_from), model_cfg)  # vocabulary and shape, before the model is built
         params_dtype = torch_dtype(str(trainer.params_dtype))
         attach = attach_te if first_plan.backend is Backend.TE else attach_emulated
         # the same initial weights at any pipeline layout (megatron/model.py: build_gpt_model's init_seed)
         chunks, plan, precision = attach(model_cfg, recipe, hardware, params_dtype, device,
                                          engine_config_overrides(tcfg), init_seed=tcfg.seed)
+        if init_from:  # before the optimizer copies the parameters into its main params
+            with same_on_every_rank():
+                count = load_hf_weights(chunks, hf_init_path(init_from), model_cfg)
+            if rank == 0:
+                logger.info("model.init_from: %s (%d tensors on rank 0)", init_from, count)
         engine = build_engine(chunks, tcfg, seq_length=int(model_cfg["seq_length"]), lr=tcfg.lr, device=device)
         if rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
