@@ -8,6 +8,8 @@
     fp8-recipes memory llama3-70b --layout tp=4,pp=4,cp=2,dp=4 --fp8   estimated memory per GPU
     fp8-recipes doctor RUN_DIR --baseline BF16_RUN --write fixed.yaml
                                                   diagnose a run: exit 0 healthy, 1 problem found, 2 bad input
+    fp8-recipes export RUN_DIR --to hf OUT --dtype fp8 --block 128x128
+                                                  a checkpoint as a Hugging Face Llama checkpoint (docs/handoff.md)
 
 User errors end in one line on stderr and a non-zero exit code, never a traceback.
 """
@@ -125,6 +127,15 @@ def _cmd_doctor(args) -> int:
     return 0 if diagnosis.healthy else 1
 
 
+def _cmd_export(args) -> int:
+    from fp8_recipes.training.hf import export_hf, parse_block
+    from fp8_recipes.training.run import quiet_third_party_logs
+
+    quiet_third_party_logs()
+    export_hf(args.source, args.out, dtype=args.dtype, block=parse_block(args.block))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fp8-recipes", description="FP8 training recipes for Megatron-Core and "
                                 "Transformer Engine: list, show, validate and explain recipes; diagnose runs.")
@@ -158,6 +169,17 @@ def build_parser() -> argparse.ArgumentParser:
                    "the data; spikes must exceed its own")
     d.add_argument("--write", metavar="PATH", help="write the recipe with the proposals applied (validated)")
     d.set_defaults(fn=_cmd_doctor)
+    x = sub.add_parser("export", help="write a checkpoint as a Hugging Face Llama checkpoint (BF16 or FP8 with "
+                       "scales; docs/handoff.md)")
+    x.add_argument("source", metavar="RUN_DIR|STEP_DIR", help="a scripts/train.py run dir (its latest checkpoint) "
+                   "or one of its checkpoints/step_N dirs, any parallel layout")
+    x.add_argument("--to", required=True, choices=["hf"], help="the format: hf (config.json, tokenizer, safetensors)")
+    x.add_argument("out", metavar="OUT", help="the directory to write (replaced atomically if it is an export)")
+    x.add_argument("--dtype", default="bf16", choices=["bf16", "fp8"], help="bf16 (default) | fp8: E4M3 "
+                   "projections with weight_scale_inv; embeddings, norms and the LM head stay BF16")
+    x.add_argument("--block", default="128x128", metavar="128x128|tensor", help="with --dtype fp8: one scale per "
+                   "128x128 block (Float8BlockScaling, the default) or per tensor (Float8CurrentScaling)")
+    x.set_defaults(fn=_cmd_export)
     return p
 
 

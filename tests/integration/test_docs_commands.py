@@ -77,6 +77,7 @@ def doc_commands(path: Path) -> list[str]:
 
 
 ALL = [(p.name, c) for p in DOCS for c in doc_commands(p)]
+EXPORTED = {c.split()[2] for _, c in ALL if c.startswith("fp8-recipes export ")}  # runs a later command exports
 
 
 def rule(command: str) -> str:
@@ -161,7 +162,7 @@ def run_command(command: str, box: Path, data: list[str], port: int) -> tuple[st
         argv = _python(words) + data + FAST
         if "run_dir=" not in command:
             argv.append(f"run_dir=runs/{abs(hash(command))}")
-        if "trainer.resume=" not in command:
+        if "trainer.resume=" not in command and not any(f"run_dir={d}" in words for d in EXPORTED):
             argv.append("trainer.save_checkpoints=false")
         if "batch_size" not in command:  # one process: the batch sizes only cost time here (torchrun keeps them)
             argv += ["trainer.micro_batch_size=4", "trainer.global_batch_size=4"]

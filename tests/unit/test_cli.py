@@ -31,6 +31,7 @@ SURFACE = {
     "explain": (["recipe"], ["--detect", "--layers", "--layout", "--steps"]),
     "memory": (["model"], ["--fp8", "--layout", "--mbs", "--replicated-optimizer", "--seq"]),
     "doctor": (["run_dir"], ["--baseline", "--write"]),
+    "export": (["out", "source"], ["--block", "--dtype", "--to"]),
 }
 
 

@@ -161,16 +161,17 @@ def _split_tensors(obj: Any, path: tuple[str, ...], tensors: dict[str, torch.Ten
     return obj
 
 
-def _join_tensors(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """Undo :func:`_split_tensors`: put each tensor back where its marker stands."""
+def _join_tensors(obj: Any, tensors: dict[str, torch.Tensor], missing_ok: bool = False) -> Any:
+    """Undo :func:`_split_tensors`: put each tensor back where its marker stands (None for a tensor not read,
+    with ``missing_ok``)."""
     if type(obj) is tuple and len(obj) == 2 and isinstance(obj[0], str) and obj[0] == _TENSOR:
-        return tensors[obj[1]]
+        return tensors.get(obj[1]) if missing_ok else tensors[obj[1]]
     if isinstance(obj, dict):
         for key, value in obj.items():
-            obj[key] = _join_tensors(value, tensors)
+            obj[key] = _join_tensors(value, tensors, missing_ok)
         return obj
     if type(obj) in (list, tuple):
-        return type(obj)(_join_tensors(v, tensors) for v in obj)
+        return type(obj)(_join_tensors(v, tensors, missing_ok) for v in obj)
     return obj
 
 
@@ -212,13 +213,16 @@ def _saved_payloads(step_dir: Path) -> dict[str, list[tuple[tuple, Any]]]:
 
 
 def read_checkpoint(step_dir: str | os.PathLike, tp_rank: int = 0,
-                    map_location: str | torch.device = "cpu", pp_rank: int = 0) -> dict[str, Any]:
+                    map_location: str | torch.device = "cpu", pp_rank: int = 0,
+                    model_only: bool = False) -> dict[str, Any]:
     """The payload :func:`save_checkpoint` wrote for the shard (``tp_rank``, ``pp_rank``) in ``step_dir`` (a
     finished ``step_N`` dir): ``{"format_version", "step", "model" (a state dict per model chunk), "optimizer",
     "scheduler", "precision", "rng", "extra"}``.
 
     Reads in this process only (no process group needed, none used: each rank reads its own shard's payload).
     The template DCP loads into is built from the checkpoint's own metadata, since a fresh optimizer has no state.
+    ``model_only``: read the model's tensors only (every other tensor is None): an exporter needs the weights, not
+    the optimizer state that is three times their size.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -236,13 +240,14 @@ def read_checkpoint(step_dir: str | os.PathLike, tp_rank: int = 0,
                                 "another layout?")
     template: dict[str, Any] = {"skeleton": None, "tensors": {}}  # None: replaced by the loaded bytes
     for path, storage in per_tp[key]:
-        if path[0] == "tensors" and isinstance(storage, TensorStorageMetadata):
+        if path[0] == "tensors" and isinstance(storage, TensorStorageMetadata) and (
+                not model_only or path[1].startswith("model/")):
             template["tensors"][path[1]] = torch.empty(storage.size, dtype=storage.properties.dtype,
                                                        device=map_location)
     with _single_process_quiet():
         dcp.load({key: template}, storage_reader=dcp.FileSystemReader(step_dir), no_dist=True)
     skeleton = torch.load(io.BytesIO(template["skeleton"]), map_location=map_location, weights_only=True)
-    return _join_tensors(skeleton, template["tensors"])
+    return _join_tensors(skeleton, template["tensors"], missing_ok=model_only)
 
 
 def save_checkpoint(run_dir: str | os.PathLike, step: int, *, engine=None, models=None, precision=None,

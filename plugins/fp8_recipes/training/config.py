@@ -305,7 +305,7 @@ class TrainerConfig:
 MODEL_REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
 MODEL_OPTIONAL = ("ffn_hidden_size", "num_query_groups", "normalization", "activation", "position_embedding_type",
                   "rotary_base", "share_embeddings_and_output_weights", "init_method_std", "add_bias_linear",
-                  "hidden_dropout", "attention_dropout", "layernorm_epsilon")
+                  "hidden_dropout", "attention_dropout", "layernorm_epsilon", "init_from")
 MODEL_CHOICES = {"normalization": ("LayerNorm", "RMSNorm"), "activation": ("gelu", "swiglu"),
                  "position_embedding_type": ("rope", "learned_absolute")}
 _MODEL_POSITIVE_INTS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
@@ -340,6 +340,14 @@ def check_model_cfg(cfg: Mapping[str, Any], *, vocab_may_be_unset: bool = False,
         v = cfg.get(key)
         if v is not None and not (_is_number(v) and v > 0):
             raise ValueError(f"model.{key}={v!r}: must be a number > 0")
+    init_from = cfg.get("init_from")
+    if init_from is not None:  # training/hf.py checks the vocabulary and the shape once the model config is final
+        if not (isinstance(init_from, str) and init_from.startswith("hf:") and len(init_from) > 3):
+            raise ValueError(f"model.init_from={init_from!r}: give hf:PATH (a Hugging Face Llama checkpoint "
+                             f"directory) or null")
+        if not (Path(init_from[3:]) / "config.json").is_file():
+            raise ValueError(f"model.init_from: {init_from[3:]} has no config.json; give hf:PATH of a Hugging Face "
+                             f"checkpoint directory (fp8-recipes export RUN --to hf PATH writes one)")
     heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
     if hidden % heads:
         raise ValueError(f"model.hidden_size={hidden} is not divisible by model.num_attention_heads={heads}; "
