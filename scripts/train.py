@@ -64,6 +64,12 @@ def main(cfg: DictConfig) -> None:
     except NonFiniteStop as e:  # trainer.on_nonfinite=stop: the run's outputs so far stay
         print(f"error: {e}", file=sys.stderr)
         _exit_written(NONFINITE_EXIT)
+    if summary.get("finished"):  # resumed a run that already reached max_steps: a no-op, exit 0
+        if summary.get("rank", 0) == 0:
+            f = summary["finished"]
+            print(f"nothing to do: {run_dir} already trained {f['steps']} steps (checkpoint {f['checkpoint']}) and "
+                  f"trainer.max_steps={f['max_steps']}; raise trainer.max_steps to train further")
+        return
     if summary.get("preempted"):  # every rank: the same decision, the same exit code
         if summary.get("rank", 0) == 0:
             print(f"preempted: {summary['preempted']['signal']} signal, stopped after step {summary['steps']} "

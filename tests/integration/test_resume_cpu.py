@@ -124,6 +124,31 @@ def test_resume_auto_without_checkpoint_starts_fresh(dataset, tmp_path, caplog):
     assert any("no checkpoint" in r.getMessage() and "starting fresh" in r.getMessage() for r in caplog.records)
 
 
+def test_resuming_a_finished_run_is_a_no_op(reference, dataset, tmp_path):
+    """A requeued or resubmitted job resumes a run that already reached max_steps (issue 19): nothing is trained and
+    nothing of the run is rewritten, in-process and through scripts/train.py (one line, exit 0); a larger max_steps
+    continues it."""
+    run = tmp_path / "run"
+    shutil.copytree(reference("bf16"), run)
+    outputs = ("summary.json", "plan.txt", "recipe.yaml", "metrics.jsonl")
+    before = {f: (run / f).read_bytes() for f in outputs}
+    for steps in (STEPS, STEPS - 4):
+        summary = train_run("bf16", run, dataset, "trainer.resume=auto", steps=steps)
+        assert summary["finished"] == {"steps": STEPS, "checkpoint": str(run / "checkpoints" / f"step_{STEPS}"),
+                                       "max_steps": steps}
+    overrides = [o for o in small_run(run, steps=STEPS) if not o.startswith("trainer.save_checkpoints=")]
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "+recipe=bf16", "trainer.resume=auto",
+                        f"trainer.save_interval={SAVED}", *overrides, *dataset], capture_output=True, text=True,
+                       env=env, cwd=ROOT, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip().splitlines()[-1].startswith(f"nothing to do: {run} already trained {STEPS} steps")
+    assert "Traceback" not in p.stderr
+    assert {f: (run / f).read_bytes() for f in outputs} == before
+    summary = train_run("bf16", run, dataset, "trainer.resume=auto", steps=STEPS + 1)  # grown: it continues
+    assert summary["steps"] == STEPS + 1 and max(rows(run)) == STEPS + 1
+
+
 def test_resume_refuses_unfinished_or_missing_checkpoints(tmp_path):
     from fp8_recipes.training.config import TrainerConfig
 

@@ -264,6 +264,10 @@ def run_training(cfg) -> dict:
         resume_from = find_resume(trainer.get("resume"), run_dir)
         skip = resume_skip(resume_from, global_batch_size=gbs, micro_batch_size=mbs, **layout,
                            use_distributed_optimizer=tcfg.use_distributed_optimizer) if resume_from is not None else 0
+    if resume_from is not None and (done := int(checkpoint_meta(resume_from)["step"])) >= tcfg.max_steps:
+        # A finished run resumed (a requeued or resubmitted job): nothing to train, nothing of the run rewritten.
+        return {"finished": {"steps": done, "checkpoint": str(resume_from), "max_steps": tcfg.max_steps},
+                "steps": done, "rank": launch_rank()}
     if launch_rank() == 0:
         for line in run_notices(tcfg, recipe, debug):
             logger.warning(line)
