@@ -77,7 +77,8 @@ def doc_commands(path: Path) -> list[str]:
 
 
 ALL = [(p.name, c) for p in DOCS for c in doc_commands(p)]
-EXPORTED = {c.split()[2] for _, c in ALL if c.startswith("fp8-recipes export ")}  # runs a later command exports
+# run dirs a later `fp8-recipes export` reads: their training commands keep their checkpoints
+EXPORTED = {c.split()[2] for _, c in ALL if c.startswith("fp8-recipes export ") and c.split()[2][0] != "-"}
 
 
 def rule(command: str) -> str:

@@ -32,8 +32,9 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-__all__ = ["LlamaShape", "HF_EXTRA", "hf_config", "megatron_to_hf", "hf_to_megatron", "quantize_hf_weights",
-           "dequantize_hf_weights", "write_hf_checkpoint", "read_hf_config", "HFTensors", "FP8_PROJECTIONS"]
+__all__ = ["LlamaShape", "HF_EXTRA", "require_safetensors", "hf_config", "megatron_to_hf", "hf_to_megatron",
+           "quantize_hf_weights", "dequantize_hf_weights", "write_hf_checkpoint", "read_hf_config", "HFTensors",
+           "FP8_PROJECTIONS"]
 
 HF_EXTRA = 'the hf extra: pip install -e ".[hf]" (transformers, safetensors, accelerate)'
 FP8_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -234,7 +235,8 @@ def _fp8_policy(block: tuple[int, int] | None):
 
     if block is None:  # Transformer Engine's Float8CurrentScaling weights
         return TensorPolicy(scaling=Scaling.TENSORWISE, format=Format.E4M3)
-    return TensorPolicy(scaling=Scaling.BLOCKWISE, format=Format.E4M3, block=block, pow2_scales=True)  # Float8BlockScaling
+    # Transformer Engine's Float8BlockScaling weights: power-of-two scales
+    return TensorPolicy(scaling=Scaling.BLOCKWISE, format=Format.E4M3, block=block, pow2_scales=True)
 
 
 def _is_projection(name: str) -> bool:
@@ -288,11 +290,11 @@ def dequantize_hf_weights(get: Callable[[str], torch.Tensor], name: str, config:
 # Files
 
 
-def _safetensors():
+def require_safetensors(where: str):
     try:
         import safetensors.torch
     except ImportError:
-        raise ValueError(f"reading and writing HF checkpoints needs {HF_EXTRA}") from None
+        raise ValueError(f"{where}: HF checkpoints need {HF_EXTRA}") from None
     return safetensors.torch
 
 
@@ -301,7 +303,7 @@ def write_hf_checkpoint(out: str | os.PathLike, config: dict, tensors: Mapping[s
                         progress: Callable[[str], None] = lambda line: None) -> Path:
     """Write config.json, ``extra_files`` (tokenizer) and the tensors as safetensors shards with an index into
     ``out`` atomically: everything goes into ``out.tmp`` first, which then replaces ``out``."""
-    st = _safetensors()
+    st = require_safetensors("--to hf")
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -345,8 +347,7 @@ class HFTensors:
 
     def __init__(self, path: str | os.PathLike, where: str):
         self.path, self.where = Path(path), where
-        st = _safetensors()
-        self._st = st
+        require_safetensors(where)
         index = self.path / INDEX_FILE
         if index.is_file():
             self.files = json.loads(index.read_text(encoding="utf-8"))["weight_map"]

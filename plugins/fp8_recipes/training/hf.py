@@ -30,7 +30,7 @@ import torch
 
 from fp8_recipes.integrations.hf_llama import (
     HFTensors, LlamaShape, dequantize_hf_weights, hf_config, hf_to_megatron, megatron_to_hf, quantize_hf_weights,
-    read_hf_config, write_hf_checkpoint,
+    read_hf_config, require_safetensors, write_hf_checkpoint,
 )
 
 __all__ = ["export_hf", "check_hf_init", "load_hf_weights", "hf_init_path", "parse_block"]
@@ -171,6 +171,7 @@ def export_hf(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str =
 
     if dtype not in ("bf16", "fp8"):
         raise ValueError(f"--dtype: {dtype!r} is not bf16 or fp8")
+    require_safetensors("--to hf")  # before minutes of reading shards
     try:
         step_dir = resolve_checkpoint(source)
     except FileNotFoundError as e:
