@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8_recipes.schema import Recipe, RecipeError
+from fp8_recipes.yaml_guard import UnsafeYAML, load_yaml
 
 __all__ = [
     "conf_dir", "conf_search_path", "load_recipe", "load_recipe_dict", "project_root", "recipe_file_overrides",
@@ -59,17 +60,15 @@ def recipe_names() -> list[str]:
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
-    import yaml
     from omegaconf import OmegaConf
 
-    try:
-        node = OmegaConf.load(path)
-        data = OmegaConf.to_container(node, resolve=True)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise RecipeError([f"YAML syntax error{where}: {problem}; fix the YAML"], str(path)) from None
+    try:  # the guarded reader (size, encoding, one document, aliases, duplicate keys, tags), then interpolations
+        raw = load_yaml(path.read_bytes(), str(path))
+        data = OmegaConf.to_container(OmegaConf.create(raw), resolve=True) if raw is not None else None
+    except UnsafeYAML as e:
+        raise RecipeError([str(e)], str(path)) from None
+    except OSError as e:
+        raise RecipeError([f"cannot read: {e.strerror or e}"], str(path)) from None
     except Exception as e:  # omegaconf interpolation and type errors
         raise RecipeError([f"cannot read: {str(e).splitlines()[0]}"], str(path)) from None
     if data is None:

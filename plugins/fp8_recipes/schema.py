@@ -88,6 +88,9 @@ DEFAULT_FORMAT = {Role.WEIGHTS: Format.E4M3, Role.ACTIVATIONS: Format.E4M3, Role
 DEFAULT_BLOCK = {Role.WEIGHTS: (128, 128), Role.ACTIVATIONS: (1, 128), Role.GRADIENTS: (1, 128)}
 MXFP8_BLOCK = 32
 MAX_MARGIN = 16  # 2^16 of headroom already wastes most of E4M3's range; more lets power-of-two scales reach 0
+MAX_HISTORY = 1 << 16     # amax_history_len: TE's default is 1024; a longer window is one nobody trains with
+MAX_BLOCK = 1 << 16       # a block side: no tensor dimension of a trained LLM is longer
+MAX_STEP = 10**9          # schedule steps: past any run's max_steps
 
 # Spellings people bring from other tools, mapped to ours for the error message.
 _HINTS = {
@@ -374,6 +377,10 @@ class _RecipeReader:
             self.bad(key, f"{_fmt(value)} is not a block shape (expected [rows, cols], two positive integers, "
                           f"e.g. [1, 128] or [128, 128])")
             return default
+        if max(value) > MAX_BLOCK:
+            self.bad(key, f"{_fmt(value)} has a side over {MAX_BLOCK}, longer than any tensor dimension; "
+                          f"use e.g. [1, 128] or [128, 128]")
+            return default
         return (int(value[0]), int(value[1]))
 
     # -- structured readers ------------------------------------------------------------------------------------
@@ -388,7 +395,8 @@ class _RecipeReader:
         kw["format"] = self.enum(f"{key}.format", raw.get("format", DEFAULT_FORMAT[role]), Format,
                                  DEFAULT_FORMAT[role])
         kw["margin"] = self.integer(f"{key}.margin", raw.get("margin", 0), 0, 0, maximum=MAX_MARGIN)
-        kw["amax_history_len"] = self.integer(f"{key}.amax_history_len", raw.get("amax_history_len", 1024), 1, 1024)
+        kw["amax_history_len"] = self.integer(f"{key}.amax_history_len", raw.get("amax_history_len", 1024), 1, 1024,
+                                              maximum=MAX_HISTORY)
         kw["amax_compute_algo"] = self.enum(f"{key}.amax_compute_algo", raw.get("amax_compute_algo", "max"),
                                             AmaxAlgo, AmaxAlgo.MAX)
         kw["percentile"] = self.number(f"{key}.percentile", raw.get("percentile", 99.9), 0.0, 100.0, 99.9,
@@ -429,9 +437,11 @@ class _RecipeReader:
         if isinstance(enable_raw, (int, float)) and not isinstance(enable_raw, bool):  # `enable: 100` = all roles
             enable_raw = {str(r): enable_raw for r in ROLES}
         en = self.mapping("schedule.enable", enable_raw, {str(r) for r in ROLES})
-        enable = RoleSteps(**{str(r): self.integer(f"schedule.enable.{r}", en.get(str(r), 0), 0, 0) for r in ROLES})
+        enable = RoleSteps(**{str(r): self.integer(f"schedule.enable.{r}", en.get(str(r), 0), 0, 0, maximum=MAX_STEP)
+                              for r in ROLES})
         return Schedule(
-            bf16_warmup_steps=self.integer("schedule.bf16_warmup_steps", raw.get("bf16_warmup_steps", 0), 0, 0),
+            bf16_warmup_steps=self.integer("schedule.bf16_warmup_steps", raw.get("bf16_warmup_steps", 0), 0, 0,
+                                           maximum=MAX_STEP),
             enable=enable,
             full_precision_eval_interval=self.integer("schedule.full_precision_eval_interval",
                                                       raw.get("full_precision_eval_interval", 0), 0, 0),

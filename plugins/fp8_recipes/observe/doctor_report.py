@@ -20,6 +20,7 @@ from typing import Any
 from fp8_recipes.observe.doctor import Diagnosis, DoctorInputError, Finding, RunData
 from fp8_recipes.observe.files import numerics_files
 from fp8_recipes.schema import Recipe
+from fp8_recipes.yaml_guard import UnsafeYAML, load_yaml
 
 __all__ = ["format_report", "load_run", "patched_recipe", "write_recipe"]
 
@@ -38,8 +39,6 @@ def _jsonl(path: Path, key: str) -> list[dict[str, Any]]:
 
 def load_run(run_dir: str | Path, key: str = "RUN_DIR") -> RunData:
     """Read a run directory; `key` names the argument in the one-line error (RUN_DIR, --baseline)."""
-    import yaml
-
     path = Path(run_dir)
     if not path.is_dir():
         raise DoctorInputError(f"{key}: '{run_dir}' is not a directory (give a training run directory, e.g. "
@@ -55,9 +54,9 @@ def load_run(run_dir: str | Path, key: str = "RUN_DIR") -> RunData:
     recipe: dict[str, Any] = {}
     if (path / "recipe.yaml").is_file():
         try:
-            recipe = yaml.safe_load((path / "recipe.yaml").read_text(encoding="utf-8")) or {}
-        except yaml.YAMLError:
-            raise DoctorInputError(f"{key}: '{run_dir}'/recipe.yaml is not YAML (restore it from the run)") from None
+            recipe = load_yaml((path / "recipe.yaml").read_bytes(), str(path / "recipe.yaml")) or {}
+        except UnsafeYAML as e:
+            raise DoctorInputError(f"{key}: '{run_dir}'/recipe.yaml: {e} (restore it from the run)") from None
     summary = {}
     if (path / "summary.json").is_file():
         try:

@@ -178,6 +178,11 @@ class TrainerConfig:
                     "fallback_bf16_steps"):
             if not _is_int(getattr(self, key)) or getattr(self, key) < 1:
                 raise ValueError(f"trainer.{key}={getattr(self, key)!r}: must be an integer >= 1")
+        samples = self.max_steps * self.global_batch_size
+        if samples > MAX_SAMPLES:
+            raise ValueError(f"trainer.max_steps={self.max_steps} x trainer.global_batch_size={self.global_batch_size}"
+                             f" = {samples:,} samples: Megatron-Core's dataset index for them would not fit in memory "
+                             f"(at most {MAX_SAMPLES:,}); lower trainer.max_steps")
         for key in ("warmup_steps", "eval_interval", "eval_iters", "save_interval", "seed"):
             if not _is_int(getattr(self, key)) or getattr(self, key) < 0:
                 raise ValueError(f"trainer.{key}={getattr(self, key)!r}: must be an integer >= 0")
@@ -302,6 +307,9 @@ class TrainerConfig:
 # ----------------------------------------------------------------------------------------------------------
 # model
 
+# Samples a run may ask for: Megatron-Core's GPTDataset builds its shuffle and sample indices (about 16 bytes per
+# sample, int64 past 2^32) in memory before the first step, so 2^31 samples already take ~32 GiB of host memory.
+MAX_SAMPLES = 2**31 - 1
 MODEL_REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
 MODEL_OPTIONAL = ("ffn_hidden_size", "num_query_groups", "normalization", "activation", "position_embedding_type",
                   "rotary_base", "share_embeddings_and_output_weights", "init_method_std", "add_bias_linear",

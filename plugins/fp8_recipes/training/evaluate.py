@@ -88,9 +88,8 @@ def _model_cfg(cfg: Any) -> dict:
 
 def _run_recipe(run_dir: Path, recipe: str | None) -> Any:
     """``recipe`` (a pack name or YAML path), else what the run trained with (its resolved recipe.yaml)."""
-    import yaml
-
     from fp8_recipes.recipes import load_recipe
+    from fp8_recipes.yaml_guard import UnsafeYAML, load_yaml
 
     if recipe is not None:
         return load_recipe(recipe)
@@ -98,7 +97,10 @@ def _run_recipe(run_dir: Path, recipe: str | None) -> Any:
     if not path.is_file():
         raise ValueError(f"run_dir: {str(run_dir)!r} has no recipe.yaml; give a directory written by "
                          "scripts/train.py, or --recipe NAME")
-    return load_recipe(yaml.safe_load(path.read_text()))
+    try:
+        return load_recipe(load_yaml(path.read_bytes(), str(path)))
+    except UnsafeYAML as e:
+        raise ValueError(f"run_dir: {path}: {e}; restore the run's recipe.yaml, or give --recipe NAME") from None
 
 
 def evaluate_checkpoint(run_dir: str | Path, *, checkpoint: str | Path | None = None, recipe: str | None = None,
