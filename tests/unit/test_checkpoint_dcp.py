@@ -114,7 +114,8 @@ def test_payload_round_trips_exactly_through_a_dcp_dir(tmp_path):
                                precision=precision, extra={"trainer": {}, "n": 3})
 
     names = sorted(p.name for p in step_dir.iterdir())
-    assert names[0] == ".metadata" and names[-1] == "meta.json" and all(n.endswith(".distcp") for n in names[1:-1])
+    assert names[0] == ".metadata" and names[-2:] == ["checksums.json", "meta.json"]
+    assert all(n.endswith(".distcp") for n in names[1:-2])
     assert resolve_checkpoint(tmp_path) == step_dir and checkpoint_meta(step_dir)["tensor_model_parallel_size"] == 1
     payload = read_checkpoint(step_dir)
     assert payload["format_version"] == FORMAT_VERSION == 3 and payload["step"] == 2
@@ -244,3 +245,59 @@ def test_eval_checkpoint_refuses_a_format_1_checkpoint(tmp_path):
     (tmp_path / ".hydra" / "config.yaml").write_text("trainer: {}\n")  # a run dir as far as the refusal looks
     with pytest.raises(ValueError, match=rf"^checkpoint: {step_dir} is a format-1 checkpoint"):
         evaluate_checkpoint(tmp_path, recipe="bf16")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Integrity (issue 19): checksums written with every checkpoint, verified on resume; auto falls back to the
+# newest intact checkpoint with one warning; a named damaged one is refused in one line
+
+
+def two_checkpoints(run_dir: Path) -> tuple[Path, Path]:
+    model, optimizer, _ = trained_model_and_optimizer()
+    from test_checkpoint_dcp import StateEngine
+
+    engine = StateEngine(model, optimizer)
+    return save_checkpoint(run_dir, 2, engine=engine), save_checkpoint(run_dir, 4, engine=engine)
+
+
+def flip_a_bit(path: Path, at: float = 0.5) -> None:
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * at)] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "flipped bit": (lambda d: flip_a_bit(next(d.glob("__0_*.distcp"))), "does not match its checksum"),
+    "truncated shard": (lambda d: (lambda p: p.write_bytes(p.read_bytes()[:100]))(next(d.glob("__0_*.distcp"))),
+                        "bytes, "),
+    "missing .metadata": (lambda d: (d / ".metadata").unlink(), "its .metadata (the index of its shards) is missing"),
+    "garbage meta.json": (lambda d: (d / "meta.json").write_text("{not json"), "its meta.json is not valid JSON"),
+    "latest names nothing": (lambda d: (d.parent / "latest").write_text("step_99\n"), "does not exist"),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_a_damaged_latest_falls_back_to_the_newest_intact(case, tmp_path, caplog):
+    import logging
+
+    from fp8_recipes.training.checkpoint import checkpoint_damage
+
+    step_2, step_4 = two_checkpoints(tmp_path)
+    assert checkpoint_damage(step_4) is None and (step_4 / "checksums.json").is_file()
+    damage, says = DAMAGE[case]
+    damage(step_4)
+    fallback = step_4 if case == "latest names nothing" else step_2  # the newest intact one
+    with caplog.at_level(logging.WARNING, logger="fp8_recipes"):
+        assert find_resume("auto", tmp_path) == fallback
+    warning = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "fp8_recipes"]
+    assert len(warning) == 1 and says in warning[0] and warning[0].endswith(
+        f"resuming from {fallback.name}, the newest intact checkpoint"), warning
+    if fallback == step_2:  # named explicitly, a damaged checkpoint is refused in one line
+        with pytest.raises(ValueError) as e:
+            find_resume(str(step_4), tmp_path)
+        assert str(e.value).startswith("trainer.resume: ") and "\n" not in str(e.value)
+        assert f"{step_4} is damaged: " in str(e.value) or case == "missing .metadata"  # (no DCP dir at all then)
+    for step_dir in (step_2, step_4):
+        flip_a_bit(next(step_dir.glob("__0_*.distcp")), at=0.25)
+    with pytest.raises(ValueError, match=r"^trainer.resume=auto: no intact checkpoint in .*; start fresh"):
+        find_resume("auto", tmp_path)

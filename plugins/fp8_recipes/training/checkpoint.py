@@ -19,6 +19,12 @@ Atomicity: every rank writes into ``checkpoints/.step_N.tmp``; after a barrier r
 ``step_N`` and then replaces ``latest``. A crash leaves either the old checkpoint or the new one, never half:
 a run dir is resumed from what ``latest`` names only, and a ``.tmp`` directory is never loaded.
 
+Integrity: ``checksums.json`` (inside the step dir) records each file's size and CRC-32, each rank digesting the
+files it wrote. Resuming verifies them (and that ``meta.json`` reads) before anything is built: ``trainer.resume=auto``
+falls back from a damaged latest checkpoint (a truncated or flipped shard, a missing ``.metadata``, a ``latest`` that
+names nothing) to the newest intact ``step_N`` with one warning naming both; a named checkpoint that is damaged is
+refused in one line. Checkpoints written before the record existed are checked for their files only.
+
 ``meta.json`` (rank 0, inside the step dir, so atomic with it) says how the checkpoint was made: step, samples
 consumed, global and micro batch size, the parallel layout (data, tensor, pipeline, virtual pipeline, context) and
 whether the optimizer was distributed. It is read before any process group or
@@ -48,6 +54,7 @@ import random
 import re
 import shutil
 import warnings
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -55,9 +62,10 @@ from typing import Any
 import torch
 
 from fp8_recipes.megatron.model import unwrap_model as _unwrap
+from fp8_recipes.training.config import launch_rank
 
 __all__ = ["barrier", "save_checkpoint", "load_checkpoint", "read_checkpoint", "resolve_checkpoint", "find_resume",
-           "checkpoint_step", "checkpoint_meta", "resume_skip"]
+           "checkpoint_step", "checkpoint_meta", "resume_skip", "checkpoint_damage"]
 
 logger = logging.getLogger("fp8_recipes")
 
@@ -66,6 +74,7 @@ FORMAT_VERSION = 3
 before Megatron-Core's (torch AdamW, ``tpRR`` keys); 3: that dir with Megatron-Core's optimizer state, one payload per
 (pipeline, tensor) rank. Only 3 is read."""
 _METADATA = ".metadata"  # DCP's index of a checkpoint dir (FileSystemWriter writes it last, via a rename)
+_CHECKSUMS = "checksums.json"  # {file name: {"bytes": size, "crc32": hex}} of the step dir's DCP files
 _TENSOR = "__fp8_recipes_tensor__"  # in a payload's skeleton: (_TENSOR, name) stands where tensor ``name`` was
 
 
@@ -280,7 +289,10 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, engine=None, model
     }
     _write_payload(tmp, _shard_key(tp_rank, pp_rank), payload)
     barrier()
+    digests = _gather({name: _digest(tmp / name) for name in _own_files(tmp, rank)})  # each rank its own files
     if rank == 0:
+        digests[_METADATA] = _digest(tmp / _METADATA)
+        (tmp / _CHECKSUMS).write_text(json.dumps(dict(sorted(digests.items())), indent=1))
         distributed = {"use_distributed_optimizer": engine.cfg.use_distributed_optimizer} if engine else {}
         (tmp / "meta.json").write_text(json.dumps({"step": step, **_parallel_sizes(), **distributed, **(meta or {})},
                                                   indent=1))
@@ -292,6 +304,63 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, engine=None, model
         os.replace(pointer, root / "latest")
     barrier()
     return final
+
+
+def _digest(path: Path) -> dict[str, Any]:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return {"bytes": path.stat().st_size, "crc32": f"{crc:08x}"}
+
+
+def _own_files(step_dir: Path, rank: int) -> list[str]:
+    """The data files DCP's FileSystemWriter wrote for ``rank`` (``__<rank>_<n>.distcp``)."""
+    return sorted(p.name for p in step_dir.glob(f"__{rank}_*.distcp"))
+
+
+def _gather(part: dict[str, Any]) -> dict[str, Any]:
+    """Every rank's ``part`` merged (rank 0 uses the result); ``part`` itself without a process group."""
+    dist = _dist()
+    if dist is None:
+        return dict(part)
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, part)
+    return {k: v for p in parts for k, v in p.items()}
+
+
+def checkpoint_damage(step_dir: str | os.PathLike) -> str | None:
+    """What is wrong with a finished ``step_N`` dir, or None when it is intact: its ``meta.json`` and DCP index
+    read, and every file ``checksums.json`` records has its size and CRC-32 (reads the whole checkpoint once)."""
+    step_dir = Path(step_dir)
+    if not step_dir.is_dir():
+        return "does not exist"
+    if not (step_dir / _METADATA).is_file():
+        return f"its {_METADATA} (the index of its shards) is missing"
+    for name in ("meta.json", _CHECKSUMS):
+        if (step_dir / name).is_file():
+            try:
+                json.loads((step_dir / name).read_text(encoding="utf-8"))
+            except (ValueError, UnicodeDecodeError):
+                return f"its {name} is not valid JSON"
+    record = step_dir / _CHECKSUMS
+    if not record.is_file():  # written before the record existed: the files DCP indexed are there
+        return None
+    for name, want in json.loads(record.read_text(encoding="utf-8")).items():
+        path = step_dir / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != want["bytes"]:
+            return f"{name} has {path.stat().st_size:,} bytes, {want['bytes']:,} when written"
+        if _digest(path)["crc32"] != want["crc32"]:
+            return f"{name} does not match its checksum, so it changed on disk after it was written"
+    return None
+
+
+def _intact_steps(root: Path) -> list[Path]:
+    """The ``step_N`` dirs under a ``checkpoints`` dir, newest first."""
+    steps = [p for p in root.glob("step_*") if p.is_dir() and re.fullmatch(r"step_\d+", p.name)]
+    return sorted(steps, key=lambda p: int(p.name[5:]), reverse=True)
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
@@ -327,14 +396,45 @@ def _current_format(step_dir: Path) -> Path:
 def find_resume(resume: str | None, run_dir: str | os.PathLike) -> Path | None:
     """The step dir that ``trainer.resume`` names: None (or "auto" without a checkpoint in ``run_dir``) = start
     fresh; "auto" = ``run_dir``'s latest; else a run dir, checkpoints dir or step dir (ValueError if none)."""
-    if resume is None or (resume == "auto" and not (Path(run_dir) / "checkpoints" / "latest").is_file()):
+    root = Path(run_dir) / "checkpoints"
+    if resume is None or (resume == "auto" and not (root / "latest").is_file() and not _intact_steps(root)):
         return None
+    if resume == "auto":
+        return _newest_intact(root)
     try:
-        return resolve_checkpoint(run_dir if resume == "auto" else resume)
+        step_dir = resolve_checkpoint(resume)
     except FileNotFoundError as e:
         raise ValueError(f"trainer.resume: {e}; or set trainer.resume=auto") from None
     except ValueError as e:  # a format-1 checkpoint
         raise ValueError(f"trainer.resume: {e}") from None
+    damage = checkpoint_damage(step_dir)
+    if damage:
+        raise ValueError(f"trainer.resume: {step_dir} is damaged: {damage}; name an intact step_N dir, or set "
+                         f"trainer.resume=auto (the newest intact one)")
+    return step_dir
+
+
+def _newest_intact(root: Path) -> Path:
+    """``trainer.resume=auto``: what ``latest`` names when intact, else the newest intact ``step_N`` (one warning
+    naming both), else a one-line ValueError."""
+    named = (root / "latest").read_text(encoding="utf-8").strip() if (root / "latest").is_file() else None
+    first = root / named if named else None
+    if first is not None and first.is_dir():
+        try:
+            _current_format(first)  # an earlier format: refused as such, not taken for damage
+        except ValueError as e:
+            raise ValueError(f"trainer.resume: {e}") from None
+    problem = (checkpoint_damage(first) if first is not None else "checkpoints/latest is missing")
+    if problem is None:
+        return first
+    for step_dir in _intact_steps(root):
+        if step_dir != first and checkpoint_damage(step_dir) is None:
+            if launch_rank() == 0:
+                logger.warning("resume: %s is damaged (%s); resuming from %s, the newest intact checkpoint",
+                               first.name if first is not None else "latest", problem, step_dir.name)
+            return _current_format(step_dir)
+    raise ValueError(f"trainer.resume=auto: no intact checkpoint in {root} ({first.name if first else 'latest'}: "
+                     f"{problem}); start fresh in a new run_dir, or set trainer.resume=null")
 
 
 def checkpoint_step(step_dir: str | os.PathLike) -> int:
