@@ -149,6 +149,18 @@ def test_resuming_a_finished_run_is_a_no_op(reference, dataset, tmp_path):
     assert summary["steps"] == STEPS + 1 and max(rows(run)) == STEPS + 1
 
 
+def test_resume_under_another_model_is_refused_before_anything_is_written(reference, dataset, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(reference("bf16"), run)
+    before = {f: (run / f).read_bytes() for f in ("summary.json", "plan.txt", "recipe.yaml", "metrics.jsonl")}
+    with pytest.raises(ValueError) as e:
+        train_run("bf16", run, dataset, "trainer.resume=auto", "model.ffn_hidden_size=96", steps=STEPS + 2)
+    message = str(e.value)
+    assert message.startswith("model: decoder.layers.0.mlp.linear_fc1.weight is (") and "\n" not in message
+    assert "was saved with another model config); resume with the model it was saved with" in message
+    assert {f: (run / f).read_bytes() for f in before} == before
+
+
 def test_resume_refuses_unfinished_or_missing_checkpoints(tmp_path):
     from fp8_recipes.training.config import TrainerConfig
 

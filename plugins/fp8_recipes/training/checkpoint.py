@@ -65,7 +65,7 @@ from fp8_recipes.megatron.model import unwrap_model as _unwrap
 from fp8_recipes.training.config import launch_rank
 
 __all__ = ["barrier", "save_checkpoint", "load_checkpoint", "read_checkpoint", "resolve_checkpoint", "find_resume",
-           "checkpoint_step", "checkpoint_meta", "resume_skip", "checkpoint_damage"]
+           "checkpoint_step", "checkpoint_meta", "resume_skip", "checkpoint_damage", "check_model_matches"]
 
 logger = logging.getLogger("fp8_recipes")
 
@@ -494,6 +494,27 @@ def resume_skip(step_dir: str | os.PathLike, *, global_batch_size: int, micro_ba
                        "of this epoch; after it the order differs (each epoch drops its last partial micro-batch)",
                        mbs, micro_batch_size)
     return consumed // micro_batch_size
+
+
+def check_model_matches(step_dir: str | os.PathLike, models: list[torch.nn.Module]) -> None:
+    """A one-line ValueError (naming the first parameter that differs) when this rank's model chunks are not the
+    shapes its shard in ``step_dir`` holds: another model config. Reads DCP's index only; called before a resumed
+    run writes anything, so a refused resume leaves the run as it was."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    _, tp_rank, pp_rank = _ranks()
+    saved = {path[1]: tuple(storage.size) for path, storage in _saved_payloads(Path(step_dir)).get(
+        _shard_key(tp_rank, pp_rank), []) if path[0] == "tensors" and isinstance(storage, TensorStorageMetadata)}
+    for i, chunk in enumerate(models):
+        here = {f"model/{i}/{k}": tuple(v.shape) for k, v in _unwrap(chunk).state_dict().items()
+                if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+        for name, shape in here.items():
+            got = saved.get(name)
+            if got != shape:
+                what = f"is {shape} here and {got} in the checkpoint" if got else "is not in the checkpoint"
+                raise ValueError(f"model: {name.split('/', 2)[2]} {what} ({step_dir} was saved with another model "
+                                 f"config); resume with the model it was saved with (its run dir's "
+                                 f".hydra/config.yaml), or start a fresh run")
 
 
 def load_checkpoint(path: str | os.PathLike, *, engine=None, models=None, precision=None, scheduler=None,

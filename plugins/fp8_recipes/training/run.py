@@ -248,7 +248,7 @@ def run_training(cfg) -> dict:
 
     from fp8_recipes.megatron.data import data_parallel_batches, prepare_dataset
     from fp8_recipes.megatron.model import destroy_distributed, init_distributed
-    from fp8_recipes.training.checkpoint import checkpoint_meta, find_resume, resume_skip
+    from fp8_recipes.training.checkpoint import check_model_matches, checkpoint_meta, find_resume, resume_skip
     from fp8_recipes.training.engine import build_engine
     from fp8_recipes.training.loop import train
 
@@ -324,6 +324,9 @@ def run_training(cfg) -> dict:
                 count = load_hf_weights(chunks, hf_init_path(init_from), model_cfg)
             if rank == 0:
                 logger.info("model.init_from: %s (%d tensors on rank 0)", init_from, count)
+        if resume_from is not None:  # another model config: refused before the run's files are rewritten
+            with same_on_every_rank():
+                check_model_matches(resume_from, chunks)
         engine = build_engine(chunks, tcfg, seq_length=int(model_cfg["seq_length"]), lr=tcfg.lr, device=device)
         if rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
