@@ -32,6 +32,7 @@ EXPECTED = {
     "bf16": ((None, None), (None, None)),
     "tensorwise": (("hybrid", "tensorwise"), ("hybrid", "tensorwise")),
     "delayed": (("hybrid", "delayed"), ("hybrid", "delayed")),
+    "fast": (None, None),                                  # the FP8 LM head
     "blockwise": (("e4m3", "blockwise"), ("e4m3", "blockwise")),
     "mxfp8": (("e4m3", "blockwise"), ("e4m3", "mxfp8")),   # no MXFP8 on Hopper: the plan's 128x128/1x128 blocks
     "hybrid": (("hybrid", "blockwise"), ("hybrid", "mxfp8")),
@@ -64,7 +65,7 @@ def test_pack_recipe_maps_or_is_refused_in_one_line(name, cc):
     if expected is None:
         with pytest.raises(NeedsPluginOwned) as e:
             megatron_fp8_fields(name, compute_capability=cc, num_layers=4)
-        assert "\n" not in str(e.value) and str(e.value).startswith("schedule.")
+        assert "\n" not in str(e.value) and str(e.value).startswith(("schedule.", "layers.fp8_output_layer"))
         assert "FP8RecipeCallback" in str(e.value) and "FP8ScheduleCallback" in str(e.value)
         plugin_owned_plan(name, compute_capability=cc, num_layers=4)  # ...and that way it runs
         return

@@ -38,7 +38,7 @@ from typing import Any, Mapping
 from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan, Substitution, TERecipe
 from fp8_recipes.plan_te import te_recipe_for
 from fp8_recipes.recipes import load_recipe
-from fp8_recipes.schema import ROLES, AmaxAlgo, AmaxReduction, Backend, Recipe, RecipeError, Role, Scaling
+from fp8_recipes.schema import ROLES, AmaxAlgo, AmaxReduction, Attention, Backend, Recipe, RecipeError, Role, Scaling
 
 __all__ = [
     "EXTRA_FIELDS", "FACTORY_PATH", "QUANTIZER_ENV", "MegatronPrecision", "NeedsPluginOwned", "ScheduleDriver",
@@ -96,6 +96,10 @@ def runtime_only_keys(plan: PrecisionPlan) -> list[str]:
     if any(plan.bf16_reason(n) and plan.bf16_reason(n).startswith("bf16_modules") for n in layout.module_names
            if layout.layer_of(n) is not None):  # the LM head is BF16 in Megatron-Core anyway
         keys.append("layers.bf16_modules")
+    if "output_layer" in layout.module_names and plan.bf16_reason("output_layer") is None:
+        keys.append("layers.fp8_output_layer")  # Megatron-Core's head is FP8 only under MXFP8 (fp8_output_proj)
+    if recipe.attention is Attention.FP8:
+        keys.append("attention")  # per layer and stage, as the plan says (Megatron's flag is one for every layer)
     return keys
 
 
@@ -192,8 +196,8 @@ def megatron_precision(recipe: Recipe | str | Path | Mapping[str, Any], *,
     plan = _plan(recipe, hw, _layout(recipe, num_layers))
     keys = runtime_only_keys(plan)
     if keys:
-        raise _refuse(f"{', '.join(keys)}: Megatron-Core's config has no BF16 warmup, stages, per-module BF16 or "
-                      f"full-precision evaluation; {NATIVE_FIX}")
+        raise _refuse(f"{', '.join(keys)}: Megatron-Core's config has no BF16 warmup, stages, per-module BF16, "
+                      f"full-precision evaluation, FP8 LM head on this GPU or per-layer FP8 attention; {NATIVE_FIX}")
     te = te_recipe_for(plan.te, frozenset(r for r in ROLES if recipe.policy(r).is_fp8))
     if te.forward_only:
         raise _refuse("gradients.scaling: 'none' makes a forward-only FP8 recipe (backward_override), which "
