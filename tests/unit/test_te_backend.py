@@ -114,7 +114,7 @@ def attach(fake: FakeTE, recipe: dict, layers: int = 3):
                for i in range(layers) for m in PER_LAYER}
     blocks = [Layer([linears[f"decoder.layers.{i}.{m}"] for m in PER_LAYER]) for i in range(layers)]
     decoder = Decoder(blocks)
-    precision = TEPrecision(plan, layers=dict(enumerate(blocks)), linears=linears, decoders=[decoder])
+    precision = TEPrecision(plan, layers=dict(enumerate(blocks)), linears=linears, chunks=[decoder])
     return precision, decoder, log
 
 

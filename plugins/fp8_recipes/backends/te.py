@@ -210,11 +210,12 @@ def _delayed_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _restore_delayed(name: str, module: torch.nn.Module, saved: Mapping[str, torch.Tensor], recipe: Any) -> None:
+def _restore_delayed(name: str, module: torch.nn.Module, saved: Mapping[str, torch.Tensor], recipe: Any,
+                     num_gemms: int = 1) -> None:
     meta = module.fp8_meta
     # TE's Linear and LayerNormLinear run one GEMM; its DotProductAttention keeps the state of three (its own
-    # init_fp8_metadata(num_gemms=3): Q K^T, S V and their quantized output)
-    meta.setdefault("num_gemms", 3 if _is_attention(module) else 1)
+    # init_fp8_metadata(num_gemms=3))
+    meta.setdefault("num_gemms", num_gemms)
     meta["recipe"] = recipe
     with torch.no_grad():
         module.init_fp8_meta_tensors(recipe)  # allocates the state the next FP8 forward will find and keep
@@ -225,12 +226,6 @@ def _restore_delayed(name: str, module: torch.nn.Module, saved: Mapping[str, tor
                 raise ValueError(f"{name}: delayed-scaling {key} has shape {tuple(value.shape)} in the checkpoint "
                                  f"and {have} here; resume with the recipe it was saved with (amax_history_len)")
             current[key].copy_(value)
-
-
-def _is_attention(module: torch.nn.Module) -> bool:
-    from transformer_engine.pytorch.attention import DotProductAttention
-
-    return isinstance(module, DotProductAttention)
 
 
 def _empty_extra_state() -> torch.Tensor:
@@ -375,7 +370,8 @@ class TEPrecision:
             if name in self.attention:
                 choice = self._layer_choices.get(self._attention_layer[name])
                 if choice is not None and choice.delayed and choice.fp8_dpa:
-                    _restore_delayed(name, self.attention[name], self._pending.pop(name), self.te_recipe(choice))
+                    _restore_delayed(name, self.attention[name], self._pending.pop(name), self.te_recipe(choice),
+                                     num_gemms=3)
                 continue
             choice = self._choices.get(name)
             if choice is not None and choice.delayed:
