@@ -357,7 +357,7 @@ def checkpoint_damage(step_dir: str | os.PathLike) -> str | None:
     return None
 
 
-def _intact_steps(root: Path) -> list[Path]:
+def _step_dirs(root: Path) -> list[Path]:
     """The ``step_N`` dirs under a ``checkpoints`` dir, newest first."""
     steps = [p for p in root.glob("step_*") if p.is_dir() and re.fullmatch(r"step_\d+", p.name)]
     return sorted(steps, key=lambda p: int(p.name[5:]), reverse=True)
@@ -397,7 +397,7 @@ def find_resume(resume: str | None, run_dir: str | os.PathLike) -> Path | None:
     """The step dir that ``trainer.resume`` names: None (or "auto" without a checkpoint in ``run_dir``) = start
     fresh; "auto" = ``run_dir``'s latest; else a run dir, checkpoints dir or step dir (ValueError if none)."""
     root = Path(run_dir) / "checkpoints"
-    if resume is None or (resume == "auto" and not (root / "latest").is_file() and not _intact_steps(root)):
+    if resume is None or (resume == "auto" and not (root / "latest").is_file() and not _step_dirs(root)):
         return None
     if resume == "auto":
         return _newest_intact(root)
@@ -427,7 +427,7 @@ def _newest_intact(root: Path) -> Path:
     problem = (checkpoint_damage(first) if first is not None else "checkpoints/latest is missing")
     if problem is None:
         return first
-    for step_dir in _intact_steps(root):
+    for step_dir in _step_dirs(root):
         if step_dir != first and checkpoint_damage(step_dir) is None:
             if launch_rank() == 0:
                 logger.warning("resume: %s is damaged (%s); resuming from %s, the newest intact checkpoint",
