@@ -34,12 +34,25 @@ from fp8_recipes.schema import (
     TensorPolicy,
 )
 
-__all__ = ["Substitution", "TERecipe", "TEResolution", "resolve_te", "te_attention", "te_recipe_for", "te_stage_note"]
+__all__ = ["Substitution", "TERecipe", "TERecipeKind", "TEResolution", "resolve_te", "te_attention", "te_recipe_for",
+           "te_stage_note"]
 
 W, A, G = Role.WEIGHTS, Role.ACTIVATIONS, Role.GRADIENTS
 # The GEMMs of a linear module and their operand roles (the plan's GEMM_OPERANDS, kept here to stay import-free).
 _GEMMS = (("fprop", A, W), ("dgrad", G, W), ("wgrad", G, A))
 TE_BLOCKS = ((1, 128), (128, 128))  # Float8BlockQuantizer: block_scaling_dim 1 and 2, block_len 128
+
+
+class TERecipeKind(StrEnum):
+    """The Transformer Engine recipe class a layer runs under; each value is the class's name in
+    ``transformer_engine.common.recipe`` (what ``describe()`` prints and ``backends/te.py`` builds)."""
+
+    DELAYED = "DelayedScaling"           # per-tensor scales from an amax history (margin, history, algorithm)
+    CURRENT = "Float8CurrentScaling"     # per-tensor scales from each tensor's own amax
+    BLOCK = "Float8BlockScaling"         # 1x128 / 128x128 blocks, power-of-two scales by default
+    MXFP8 = "MXFP8BlockScaling"          # 32-element blocks, E8M0 scales (sm_100)
+    CUSTOM = "CustomRecipe"              # one quantizer per role from our factory: per-role mixes, options the
+    #                                      named classes lack, delayed scaling with a forward-only stage
 
 
 class Family(StrEnum):
@@ -83,8 +96,9 @@ class Substitution:
 class TERecipe:
     """What one layer runs under for one stage: a TE recipe class and the per-role policies it quantizes with."""
 
-    recipe: str
-    """DelayedScaling | Float8CurrentScaling | Float8BlockScaling | MXFP8BlockScaling | CustomRecipe."""
+    recipe: TERecipeKind
+    """DelayedScaling | Float8CurrentScaling | Float8BlockScaling | MXFP8BlockScaling | CustomRecipe (a plain
+    string of one of these is taken too)."""
     weights: TensorPolicy
     activations: TensorPolicy
     gradients: TensorPolicy
@@ -93,6 +107,9 @@ class TERecipe:
     """backward_override="high_precision": FP8 fprop, dgrad and wgrad in BF16 from the unquantized operands."""
     fp8_dpa: bool = False
     """The layer's core attention runs TE's FP8 attention too (the recipe's ``fp8_dpa``; recipe ``attention: fp8``)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "recipe", TERecipeKind(self.recipe))  # a bad class name fails here, not in TE
 
     def policy(self, role: Role) -> TensorPolicy:
         return getattr(self, str(role))
@@ -109,15 +126,15 @@ class TERecipe:
 
     def describe(self) -> str:
         args = [f"fp8_format={self.fp8_format}"]
-        if self.recipe == "DelayedScaling":
+        if self.recipe is TERecipeKind.DELAYED:
             args += _delayed_args(self.weights)
-        elif self.recipe == "Float8BlockScaling":
+        elif self.recipe is TERecipeKind.BLOCK:
             args += [f"{x} {'x'.join(map(str, self.policy(r).block))}" for x, r in (("x", A), ("w", W), ("grad", G))
                      if self.policy(r).is_fp8]
-        elif self.recipe == "CustomRecipe":
+        elif self.recipe is TERecipeKind.CUSTOM:
             args = [f"{r}: {self.policy(r).describe()}" for r in ROLES if self.policy(r).is_fp8]
-        if self.recipe in ("Float8CurrentScaling", "Float8BlockScaling"):
-            default_pow2 = self.recipe == "Float8BlockScaling"
+        if self.recipe in (TERecipeKind.CURRENT, TERecipeKind.BLOCK):
+            default_pow2 = self.recipe is TERecipeKind.BLOCK
             args += [f"{r} {'no ' if not p.pow2_scales else ''}pow2" for r in ROLES
                      if (p := self.policy(r)).is_fp8 and p.pow2_scales != default_pow2]
             args += [f"{r} amax_epsilon={p.amax_epsilon:g}" for r in ROLES if (p := self.policy(r)).amax_epsilon]
@@ -316,16 +333,17 @@ def resolve_te(recipe: Recipe, compute_capability: tuple[int, int] | None, devic
 # Per stage: the TE recipe of an FP8 layer
 
 
-def _builtin(pw: TensorPolicy, pa: TensorPolicy, pg: TensorPolicy, forward_only: bool, custom_delayed: bool) -> str:
+def _builtin(pw: TensorPolicy, pa: TensorPolicy, pg: TensorPolicy, forward_only: bool, custom_delayed: bool
+             ) -> TERecipeKind:
     kinds = {pw.scaling, pa.scaling} | ({pg.scaling} if pg.is_fp8 else set())
     if len(kinds) > 1 or pw.format is not Format.E4M3 or pa.format is not Format.E4M3:
-        return "CustomRecipe"  # a per-role mix within one family, or E5M2 forward tensors: one quantizer per role
+        return TERecipeKind.CUSTOM  # a per-role mix within one family, or E5M2 forward tensors: a quantizer per role
     kind = kinds.pop()
     if kind is Scaling.DELAYED:
         same = pg.scaling is not Scaling.DELAYED or _delayed_key(pg) == _delayed_key(pw)
-        return "DelayedScaling" if same and not (forward_only or custom_delayed) else "CustomRecipe"
-    return {Scaling.TENSORWISE: "Float8CurrentScaling", Scaling.BLOCKWISE: "Float8BlockScaling",
-            Scaling.MXFP8: "MXFP8BlockScaling"}[kind]
+        return TERecipeKind.DELAYED if same and not (forward_only or custom_delayed) else TERecipeKind.CUSTOM
+    return {Scaling.TENSORWISE: TERecipeKind.CURRENT, Scaling.BLOCKWISE: TERecipeKind.BLOCK,
+            Scaling.MXFP8: TERecipeKind.MXFP8}[kind]
 
 
 def te_recipe_for(resolution: TEResolution, roles: frozenset[Role]) -> TERecipe | None:
@@ -354,9 +372,9 @@ def te_attention(choice: TERecipe | None, compute_capability: tuple[int, int] | 
     attention on Hopper": measured on an H200 and read in TE's backend selection)."""
     if choice is None or choice.forward_only:
         return "the stage's backward is not FP8"
-    if choice.recipe == "DelayedScaling":
+    if choice.recipe is TERecipeKind.DELAYED:
         return None
-    if choice.recipe == "Float8CurrentScaling":
+    if choice.recipe is TERecipeKind.CURRENT:
         if (compute_capability or (0, 0)) >= (10, 0):
             return None
         return f"TE has no current-scaled FP8 attention before sm_100; this GPU is {_sm(compute_capability)}"

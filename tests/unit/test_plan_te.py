@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from fp8_recipes.plan import Execution, Gemm, Hardware, ModelLayout, PrecisionPlan
-from fp8_recipes.plan_te import TERecipe, resolve_te, te_recipe_for
+from fp8_recipes.plan_te import TERecipe, TERecipeKind, resolve_te, te_recipe_for
 from fp8_recipes.recipes import load_recipe, recipe_names
 from fp8_recipes.schema import Backend, Format, Recipe, Role, Scaling, TensorPolicy
 
@@ -340,6 +340,15 @@ def test_te_recipe_fp8_format_and_describe():
     both = TERecipe("Float8CurrentScaling", dataclasses.replace(pol, pow2_scales=True), pol, e5, forward_only=True)
     assert both.describe() == ("Float8CurrentScaling(fp8_format=HYBRID, weights pow2, "
                                "backward_override=high_precision)")
+
+
+def test_te_recipe_kind_is_the_te_class_name():
+    pol = TensorPolicy(scaling=Scaling.TENSORWISE)
+    assert TERecipe("Float8CurrentScaling", pol, pol, pol).recipe is TERecipeKind.CURRENT  # a name is taken too
+    assert [str(k) for k in TERecipeKind] == ["DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",
+                                              "MXFP8BlockScaling", "CustomRecipe"]
+    with pytest.raises(ValueError, match="Float8CurentScaling"):
+        TERecipe("Float8CurentScaling", pol, pol, pol)
 
 
 # ---------------------------------------------------------------------------------------------------------------

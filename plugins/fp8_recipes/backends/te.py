@@ -37,6 +37,7 @@ import torch
 
 from fp8_recipes.numerics.scaling import delayed_scale_update, history_percentile
 from fp8_recipes.plan import PrecisionPlan, StepPlan, TERecipe
+from fp8_recipes.plan_te import TERecipeKind
 from fp8_recipes.schema import AmaxAlgo, AmaxReduction, Format, Role, Scaling, TensorPolicy
 
 __all__ = ["DelayedScaleUpdate", "PercentileAmax", "RoleQuantizers", "TEPrecision", "te_available", "te_recipe",
@@ -168,24 +169,22 @@ def te_recipe(choice: TERecipe, *, reduce_amax: bool = True) -> Any:
     fmt = R.Format[choice.fp8_format]
     override = "high_precision" if choice.forward_only else None
     w, a, g = choice.weights, choice.activations, choice.gradients
-    if choice.recipe == "DelayedScaling":
+    if choice.recipe is TERecipeKind.DELAYED:
         return R.DelayedScaling(fp8_format=fmt, margin=w.margin, amax_history_len=w.amax_history_len,
                                 amax_compute_algo=_amax_algo(w),
                                 scaling_factor_compute_algo=_scale_algo(w),
                                 reduce_amax=reduce_amax, backward_override=None, fp8_dpa=choice.fp8_dpa)
-    if choice.recipe == "MXFP8BlockScaling":
+    if choice.recipe is TERecipeKind.MXFP8:
         return R.MXFP8BlockScaling(fp8_format=fmt, backward_override=override)
-    if choice.recipe == "CustomRecipe":
+    if choice.recipe is TERecipeKind.CUSTOM:
         return R.CustomRecipe(qfactory=RoleQuantizers(choice, reduce_amax), fp8_format=fmt, backward_override=override)
-    if choice.recipe == "Float8CurrentScaling":
+    if choice.recipe is TERecipeKind.CURRENT:
         out = R.Float8CurrentScaling(fp8_format=fmt, use_power_2_scales=a.pow2_scales, backward_override=override,
                                      fp8_dpa=choice.fp8_dpa)
-    elif choice.recipe == "Float8BlockScaling":
+    else:  # TERecipeKind.BLOCK, the last kind (TERecipe refuses any other name when it is built)
         dim = lambda p: 1 if not p.is_fp8 or p.block[0] == 1 else 2  # noqa: E731
         out = R.Float8BlockScaling(fp8_format=fmt, x_block_scaling_dim=dim(a), w_block_scaling_dim=dim(w),
                                    grad_block_scaling_dim=dim(g), backward_override=override)
-    else:
-        raise ValueError(f"unknown TE recipe class {choice.recipe!r}")
     # Per-role scale options: class-level QParams in TE (not constructor fields); TE's linears read them per role.
     out.fp8_quant_fwd_inp = R.QParams(power_2_scale=a.pow2_scales, amax_epsilon=a.amax_epsilon)
     out.fp8_quant_fwd_weight = R.QParams(power_2_scale=w.pow2_scales, amax_epsilon=w.amax_epsilon)

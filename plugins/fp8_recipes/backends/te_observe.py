@@ -31,6 +31,7 @@ import torch
 
 from fp8_recipes.backends.te import _delayed_tensors
 from fp8_recipes.plan import Gemm, ModulePlan
+from fp8_recipes.plan_te import TERecipeKind
 from fp8_recipes.schema import Role
 
 __all__ = ["TEObservedLinear", "te_observer_states"]
@@ -90,7 +91,7 @@ class TEObservedLinear:
         if self.observer is None or not module.training or not getattr(module, "fp8", False):
             return
         te = self.plan.te
-        fused = te is not None and te.recipe == "DelayedScaling"  # TE's fused norm + FP8 cast (see _gemm_input)
+        fused = te is not None and te.recipe is TERecipeKind.DELAYED  # TE's fused norm + FP8 cast (see _gemm_input)
         self._emit(_FORWARD_OPERANDS, {Role.ACTIVATIONS: _gemm_input(module, args[0], fused),
                                        Role.WEIGHTS: module.weight.detach()})
         out = output[0] if isinstance(output, tuple) else output

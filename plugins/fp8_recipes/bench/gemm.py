@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from fp8_recipes.plan_te import TERecipeKind
+
 __all__ = ["DEFAULT_CONFIGS", "DEFAULT_SHAPES", "bench_gemm", "resolve_configs", "save", "summarize"]
 
 DEFAULT_SHAPES = [(m, k, n) for m, (k, n) in itertools.product(
@@ -39,8 +41,8 @@ def resolve_configs(names: list[str]) -> list[tuple[str, Any]]:
             raise ValueError(f"--configs {label}: no Transformer Engine plan here ({plan.backend_reason})")
         choice = plan.at(10**9).modules["decoder.layers.0.mlp.linear_fc1"].te
         if variant == "fwd":  # DelayedScaling has no backward_override: the CustomRecipe carrier has
-            choice = dataclasses.replace(choice, forward_only=True,
-                                         recipe="CustomRecipe" if choice.recipe == "DelayedScaling" else choice.recipe)
+            kind = TERecipeKind.CUSTOM if choice.recipe is TERecipeKind.DELAYED else choice.recipe
+            choice = dataclasses.replace(choice, forward_only=True, recipe=kind)
         elif variant:
             raise ValueError(f"--configs {label}: unknown variant {variant!r}; use NAME or NAME:fwd")
         same = next((lbl for lbl, c in out if c == choice), None)

@@ -27,10 +27,12 @@ from typing import Any
 
 import torch
 
+from fp8_recipes.plan_te import TERecipeKind
+
 __all__ = ["bench_train", "check_configs", "load_model_cfg", "summarize", "with_levers"]
 
-_MEGATRON_RECIPE = {"DelayedScaling": "delayed", "Float8CurrentScaling": "tensorwise",
-                    "Float8BlockScaling": "blockwise", "MXFP8BlockScaling": "mxfp8"}
+_MEGATRON_RECIPE = {TERecipeKind.DELAYED: "delayed", TERecipeKind.CURRENT: "tensorwise",
+                    TERecipeKind.BLOCK: "blockwise", TERecipeKind.MXFP8: "mxfp8"}
 
 
 def load_model_cfg(name: str) -> dict:
@@ -53,14 +55,14 @@ def raw_megatron_fp8(choice: Any, recipe: Any) -> dict | None:
     if recipe.layers.bf16_first or recipe.layers.bf16_last or recipe.layers.bf16_modules:
         return None  # Megatron's first_last_layers_bf16 differs (and refuses delayed): compare plain recipes only
     out = {"fp8": "hybrid" if choice.fp8_format == "HYBRID" else "e4m3", "fp8_recipe": _MEGATRON_RECIPE[choice.recipe]}
-    if choice.recipe == "DelayedScaling":
+    if choice.recipe is TERecipeKind.DELAYED:
         w = choice.weights
         if str(w.amax_compute_algo) not in ("max", "most_recent") or w.pow2_scales:
             return None
         out.update(fp8_margin=w.margin, fp8_amax_history_len=w.amax_history_len,
                    fp8_amax_compute_algo=str(w.amax_compute_algo))
-    if choice.recipe in ("Float8CurrentScaling", "Float8BlockScaling"):
-        te_default_pow2 = choice.recipe == "Float8BlockScaling"
+    if choice.recipe in (TERecipeKind.CURRENT, TERecipeKind.BLOCK):
+        te_default_pow2 = choice.recipe is TERecipeKind.BLOCK
         fp8 = [choice.policy(r) for r in ("weights", "activations", "gradients") if choice.policy(r).is_fp8]
         if any(p.amax_epsilon or p.pow2_scales != te_default_pow2 for p in fp8):
             return None  # non-default per-role scale options: Megatron's recipe would not be the same one

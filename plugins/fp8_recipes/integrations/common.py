@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan, Substitution, TERecipe
-from fp8_recipes.plan_te import te_recipe_for
+from fp8_recipes.plan_te import TERecipeKind, te_recipe_for
 from fp8_recipes.recipes import load_recipe
 from fp8_recipes.schema import ROLES, AmaxAlgo, AmaxReduction, Attention, Backend, Recipe, RecipeError, Role, Scaling
 
@@ -58,8 +58,8 @@ NATIVE_FIX = ("run it plugin-owned: build the model without fp8 and add the fp8-
 # TE's defaults for the recipes Megatron-Core builds by name (it passes only the format and, for delayed
 # scaling, margin / history / algorithm): a recipe that needs anything else goes through "custom".
 _BLOCK_DEFAULT = {Role.WEIGHTS: (128, 128), Role.ACTIVATIONS: (1, 128), Role.GRADIENTS: (1, 128)}
-_NAMED = {"DelayedScaling": "delayed", "Float8CurrentScaling": "tensorwise", "Float8BlockScaling": "blockwise",
-          "MXFP8BlockScaling": "mxfp8"}
+_NAMED = {TERecipeKind.DELAYED: "delayed", TERecipeKind.CURRENT: "tensorwise", TERecipeKind.BLOCK: "blockwise",
+          TERecipeKind.MXFP8: "mxfp8"}
 
 
 def as_recipe(recipe: Recipe | str | Path | Mapping[str, Any]) -> Recipe:
@@ -146,17 +146,17 @@ def _custom_reasons(te: TERecipe, recipe: Recipe) -> list[str]:
     w, a, g = te.weights, te.activations, te.gradients
     fp8 = [p for p in (w, a, g) if p.is_fp8]
     out = []
-    if te.recipe == "CustomRecipe":
+    if te.recipe is TERecipeKind.CUSTOM:
         out.append("per-role quantizers")
-    elif te.recipe == "DelayedScaling":
+    elif te.recipe is TERecipeKind.DELAYED:
         if w.amax_compute_algo is AmaxAlgo.PERCENTILE or w.pow2_scales:
             out.append("percentile amax or power-of-two delayed scales (callables)")
         if recipe.amax_reduction is AmaxReduction.NONE:
             out.append("amax_reduction: none")
-    elif te.recipe == "Float8CurrentScaling":
+    elif te.recipe is TERecipeKind.CURRENT:
         if any(p.pow2_scales or p.amax_epsilon for p in fp8):
             out.append("pow2_scales / amax_epsilon")
-    elif te.recipe == "Float8BlockScaling":
+    elif te.recipe is TERecipeKind.BLOCK:
         if any(not p.pow2_scales or p.amax_epsilon for p in fp8):
             out.append("non-power-of-two block scales / amax_epsilon")
         if any(p.block != _BLOCK_DEFAULT[r] for r, p in zip(ROLES, (w, a, g)) if p.is_fp8):
@@ -169,7 +169,7 @@ def _fields(te: TERecipe, recipe: Recipe, custom: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"fp8": te.fp8_format.lower(), "fp8_recipe": "custom" if custom else _NAMED[te.recipe]}
     if custom:
         out["fp8_quantizer_factory"] = FACTORY_PATH
-    if te.recipe == "DelayedScaling" and not custom:
+    if te.recipe is TERecipeKind.DELAYED and not custom:
         out.update(fp8_margin=w.margin, fp8_amax_history_len=w.amax_history_len,
                    fp8_amax_compute_algo=str(w.amax_compute_algo))
     rules = recipe.layers
