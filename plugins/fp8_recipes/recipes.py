@@ -9,12 +9,12 @@ for ``scripts/train.py +recipe=NAME``; :func:`load_recipe_dict` applies the same
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from fp8_recipes.checks import did_you_mean
 from fp8_recipes.schema import Recipe, RecipeError
 from fp8_recipes.yaml_guard import UnsafeYAML, load_yaml
 
@@ -94,10 +94,8 @@ def _resolve_ref(ref: str | Path, near: Path | None = None, key: str = "recipe",
         if cand.is_file():
             return cand
     names = recipe_names()
-    close = difflib.get_close_matches(s, names, n=1)
-    hint = f" (did you mean '{close[0]}'?)" if close else ""
-    raise RecipeError([f"{key}: '{s}' is not a recipe{hint}; choices: {', '.join(names)} (or a path to a YAML file)"],
-                      source)
+    raise RecipeError([f"{key}: '{s}' is not a recipe{did_you_mean(s, names)}; choices: {', '.join(names)} "
+                       f"(or a path to a YAML file)"], source)
 
 
 def _merge(base: dict, over: Mapping) -> dict:

@@ -13,8 +13,7 @@ import dataclasses
 import re
 from typing import Any, Mapping
 
-from fp8_recipes.training.config import unknown_key
-from fp8_recipes.training.errors import did_you_mean
+from fp8_recipes.checks import check_keys, did_you_mean
 
 __all__ = ["LauncherSettings", "SIGNALS", "MANAGED_SBATCH_OPTIONS"]
 
@@ -83,9 +82,7 @@ class LauncherSettings:
 
             cfg = OmegaConf.to_container(cfg, resolve=True)
         fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(cfg) - fields)
-        if unknown:
-            raise unknown_key("launcher", unknown[0], fields)
+        check_keys("launcher", cfg, fields)
         values = dict(cfg)
         if values.get("sbatch_args") is None:  # (null in the YAML, so that launcher.sbatch_args={...} can set it)
             values["sbatch_args"] = {}

@@ -15,24 +15,12 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from fp8_recipes.training.errors import did_you_mean
+from fp8_recipes.checks import check_keys, choice_error, did_you_mean, is_int, is_number
 
 __all__ = ["LRScaling", "TrainerConfig", "NONFINITE_ACTIONS", "check_model_cfg", "check_data_cfg",
-           "check_writable_dir", "check_run_config", "launch_rank", "launch_world_size", "unknown_key"]
+           "check_writable_dir", "check_run_config", "launch_rank", "launch_world_size"]
 
 NONFINITE_ACTIONS = ("skip_then_bf16", "stop")
-
-
-def unknown_key(group: str, key: str, known) -> ValueError:
-    return ValueError(f"{group}.{key}: unknown key{did_you_mean(key, known)}; known keys: {', '.join(sorted(known))}")
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
 
 
 def _check_type(key: str, value: Any, kind: str) -> None:
@@ -40,7 +28,7 @@ def _check_type(key: str, value: Any, kind: str) -> None:
     if value is None and "None" in kind:
         return
     base = kind.split("|")[0].strip()
-    ok = {"int": _is_int, "float": _is_number, "bool": lambda v: isinstance(v, bool),
+    ok = {"int": is_int, "float": is_number, "bool": lambda v: isinstance(v, bool),
           "str": lambda v: isinstance(v, str)}[base](value)
     if not ok:
         want = {"int": "an integer", "float": "a finite number", "bool": "true or false", "str": "a string"}[base]
@@ -153,17 +141,13 @@ class TrainerConfig:
             from omegaconf import OmegaConf
             cfg = OmegaConf.to_container(cfg, resolve=True)
         fields = {f.name: f.type for f in dataclasses.fields(cls)}
-        unknown = sorted(set(cfg) - set(fields))
-        if unknown:
-            raise unknown_key("trainer", unknown[0], fields)
+        check_keys("trainer", cfg, fields)
         values = dict(cfg)
         scaling = values.pop("lr_scaling", None) or {}
         if not isinstance(scaling, Mapping):
             raise ValueError(f"trainer.lr_scaling: {scaling!r} is not a mapping (keys enabled, base_global_batch_size)")
         scaling_fields = {f.name: f.type for f in dataclasses.fields(LRScaling)}
-        bad = sorted(set(scaling) - set(scaling_fields))
-        if bad:
-            raise unknown_key("trainer.lr_scaling", bad[0], scaling_fields)
+        check_keys("trainer.lr_scaling", scaling, scaling_fields)
         for key, value in values.items():
             _check_type(f"trainer.{key}", value, fields[key])
         for key, value in scaling.items():
@@ -176,7 +160,7 @@ class TrainerConfig:
         for key in ("max_steps", "micro_batch_size", "global_batch_size", "log_interval", "tensor_model_parallel_size",
                     "pipeline_model_parallel_size", "context_parallel_size", "max_consecutive_skips",
                     "fallback_bf16_steps"):
-            if not _is_int(getattr(self, key)) or getattr(self, key) < 1:
+            if not is_int(getattr(self, key)) or getattr(self, key) < 1:
                 raise ValueError(f"trainer.{key}={getattr(self, key)!r}: must be an integer >= 1")
         samples = self.max_steps * self.global_batch_size
         if samples > MAX_SAMPLES:
@@ -184,28 +168,26 @@ class TrainerConfig:
                              f" = {samples:,} samples: Megatron-Core's dataset index for them would not fit in memory "
                              f"(at most {MAX_SAMPLES:,}); lower trainer.max_steps")
         for key in ("warmup_steps", "eval_interval", "eval_iters", "save_interval", "seed"):
-            if not _is_int(getattr(self, key)) or getattr(self, key) < 0:
+            if not is_int(getattr(self, key)) or getattr(self, key) < 0:
                 raise ValueError(f"trainer.{key}={getattr(self, key)!r}: must be an integer >= 0")
-        if not (_is_number(self.lr) and self.lr > 0):
+        if not (is_number(self.lr) and self.lr > 0):
             raise ValueError(f"trainer.lr={self.lr!r}: must be a number > 0 (e.g. 2.0e-3)")
-        if not (_is_number(self.min_lr) and 0 <= self.min_lr <= self.lr):
+        if not (is_number(self.min_lr) and 0 <= self.min_lr <= self.lr):
             raise ValueError(f"trainer.min_lr={self.min_lr}: must lie in [0, trainer.lr={self.lr}]")
         for key in ("adam_beta1", "adam_beta2"):
-            if not (_is_number(getattr(self, key)) and 0 <= getattr(self, key) < 1):
+            if not (is_number(getattr(self, key)) and 0 <= getattr(self, key) < 1):
                 raise ValueError(f"trainer.{key}={getattr(self, key)!r}: must lie in [0, 1) (e.g. 0.9)")
-        if not (_is_number(self.adam_eps) and self.adam_eps > 0):
+        if not (is_number(self.adam_eps) and self.adam_eps > 0):
             raise ValueError(f"trainer.adam_eps={self.adam_eps!r}: must be a number > 0 (e.g. 1.0e-8)")
         for key in ("weight_decay", "clip_grad"):
-            if not (_is_number(getattr(self, key)) and getattr(self, key) >= 0):
+            if not (is_number(getattr(self, key)) and getattr(self, key) >= 0):
                 raise ValueError(f"trainer.{key}={getattr(self, key)!r}: must be a number >= 0 (0 = off)")
         if self.params_dtype not in ("bf16", "fp32", "bfloat16", "float32"):
-            raise ValueError(f"trainer.params_dtype={self.params_dtype!r}: choose bf16 or fp32"
-                             f"{did_you_mean(self.params_dtype, ('bf16', 'fp32'))}")
+            raise choice_error("trainer.params_dtype", self.params_dtype, ("bf16", "fp32"))
         if self.device not in ("auto", "gpu"):
-            raise ValueError(f"trainer.device={self.device!r}: choose auto | gpu{did_you_mean(self.device, ('auto', 'gpu'))}")
+            raise choice_error("trainer.device", self.device, ("auto", "gpu"))
         if self.on_nonfinite not in NONFINITE_ACTIONS:
-            raise ValueError(f"trainer.on_nonfinite={self.on_nonfinite!r}: choose one of "
-                             f"{' | '.join(NONFINITE_ACTIONS)}{did_you_mean(self.on_nonfinite, NONFINITE_ACTIONS)}")
+            raise choice_error("trainer.on_nonfinite", self.on_nonfinite, NONFINITE_ACTIONS)
         if self.resume is not None and self.resume != "auto" and not Path(self.resume).is_dir():
             raise ValueError(f"trainer.resume={self.resume!r}: no such directory; give auto, a run dir, its "
                              f"checkpoints dir or a step_N dir (null = start fresh)")
@@ -230,8 +212,7 @@ class TrainerConfig:
         for key, allowed in dtypes.items():
             value = getattr(self, key)
             if value not in allowed:
-                raise ValueError(f"trainer.{key}={value!r}: choose {' | '.join(allowed)}"
-                                 f"{did_you_mean(str(value), allowed)}")
+                raise choice_error(f"trainer.{key}", value, allowed)
             if value != "fp32" and not self.use_precision_aware_optimizer:
                 raise ValueError(f"trainer.{key}={value}: needs trainer.use_precision_aware_optimizer=true")
         if self.use_precision_aware_optimizer and not self.use_distributed_optimizer:
@@ -239,13 +220,12 @@ class TrainerConfig:
                              "(Megatron-Core keeps the low-precision state in the distributed optimizer's shards)")
         choices = (None, "selective", "full")
         if self.recompute_granularity not in choices:
-            raise ValueError(f"trainer.recompute_granularity={self.recompute_granularity!r}: choose null | selective "
-                             f"| full{did_you_mean(str(self.recompute_granularity), ('selective', 'full'))}")
+            raise choice_error("trainer.recompute_granularity", self.recompute_granularity, choices)
         if self.recompute_granularity == "full":
             if self.recompute_method not in ("uniform", "block"):
                 raise ValueError(f"trainer.recompute_method={self.recompute_method!r}: full recompute needs uniform "
                                  f"| block")
-            if not (_is_int(self.recompute_num_layers) and self.recompute_num_layers >= 1):
+            if not (is_int(self.recompute_num_layers) and self.recompute_num_layers >= 1):
                 raise ValueError(f"trainer.recompute_num_layers={self.recompute_num_layers!r}: full recompute needs "
                                  f"an integer >= 1")
         elif self.recompute_method is not None or self.recompute_num_layers is not None:
@@ -323,30 +303,27 @@ _MODEL_POSITIVE_INTS = ("num_layers", "hidden_size", "num_attention_heads", "seq
 def check_model_cfg(cfg: Mapping[str, Any], *, vocab_may_be_unset: bool = False, tensor_parallel: int = 1) -> None:
     """The `model` group: known keys, types, ranges, and the shapes Megatron-Core would assert on."""
     known = MODEL_REQUIRED + MODEL_OPTIONAL
-    unknown = sorted(set(cfg) - set(known))
-    if unknown:
-        raise unknown_key("model", unknown[0], known)
+    check_keys("model", cfg, known)
     for key in MODEL_REQUIRED:
         if cfg.get(key) is None and not (key == "vocab_size" and vocab_may_be_unset):
             raise ValueError(f"model.{key} is required (got no value); set model.{key}=<integer>")
     for key in _MODEL_POSITIVE_INTS:
         v = cfg.get(key)
-        if v is not None and (not _is_int(v) or v < 1):
+        if v is not None and (not is_int(v) or v < 1):
             raise ValueError(f"model.{key}={v!r}: must be an integer >= 1")
     for key, choices in MODEL_CHOICES.items():
         if key in cfg and cfg[key] not in choices:
-            raise ValueError(f"model.{key}={cfg[key]!r}: choose one of {' | '.join(choices)}"
-                             f"{did_you_mean(cfg[key], choices)}")
+            raise choice_error(f"model.{key}", cfg[key], choices)
     for key in ("share_embeddings_and_output_weights", "add_bias_linear"):
         if key in cfg and not isinstance(cfg[key], bool):
             raise ValueError(f"model.{key}={cfg[key]!r}: must be true or false")
     for key in ("hidden_dropout", "attention_dropout"):
         v = cfg.get(key)
-        if v is not None and not (_is_number(v) and 0 <= v < 1):
+        if v is not None and not (is_number(v) and 0 <= v < 1):
             raise ValueError(f"model.{key}={v!r}: must lie in [0, 1)")
     for key in ("init_method_std", "rotary_base", "layernorm_epsilon"):
         v = cfg.get(key)
-        if v is not None and not (_is_number(v) and v > 0):
+        if v is not None and not (is_number(v) and v > 0):
             raise ValueError(f"model.{key}={v!r}: must be a number > 0")
     init_from = cfg.get("init_from")
     if init_from is not None:  # training/hf.py checks the vocabulary and the shape once the model config is final
@@ -396,14 +373,12 @@ def check_writable_dir(key: str, path: Any) -> None:
 
 def check_data_cfg(cfg: Mapping[str, Any]) -> None:
     """The `data` group: keys, tokenizer settings, split weights, inputs that exist, a usable dataset path."""
-    unknown = sorted(set(cfg) - set(DATA_KEYS))
-    if unknown:
-        raise unknown_key("data", unknown[0], DATA_KEYS)
+    check_keys("data", cfg, DATA_KEYS)
     tok = cfg.get("tokenizer", "bpe")
     if tok not in ("bpe", "bytes"):
-        raise ValueError(f"data.tokenizer={tok!r}: choose bpe or bytes{did_you_mean(tok, ('bpe', 'bytes'))}")
+        raise choice_error("data.tokenizer", tok, ("bpe", "bytes"))
     vocab = cfg.get("vocab_size", 4096)
-    if tok == "bpe" and not (_is_int(vocab) and 258 <= vocab <= 65500):  # 256 bytes + EOD + >=1 merge; uint16 ids
+    if tok == "bpe" and not (is_int(vocab) and 258 <= vocab <= 65500):  # 256 bytes + EOD + >=1 merge; uint16 ids
         raise ValueError(f"data.vocab_size={vocab!r}: must be an integer in 258..65500 (e.g. 4096)")
     if not isinstance(cfg.get("json_key", "text"), str):
         raise ValueError(f"data.json_key={cfg.get('json_key')!r}: must be a string (the .jsonl text field)")

@@ -12,7 +12,6 @@ module level.
 from __future__ import annotations
 
 import contextlib
-import difflib
 import logging
 import os
 import re
@@ -22,7 +21,9 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["ConsoleFormatter", "NonFiniteStop", "USER_ERROR_EXIT", "NONFINITE_EXIT", "PREEMPTED_EXIT", "did_you_mean",
+from fp8_recipes.checks import did_you_mean
+
+__all__ = ["ConsoleFormatter", "NonFiniteStop", "USER_ERROR_EXIT", "NONFINITE_EXIT", "PREEMPTED_EXIT",
            "hydra_errors_as_one_line", "one_line", "print_error_once", "remove_partial_run_dir"]
 
 USER_ERROR_EXIT = 2  # a bad config, recipe or command line: nothing was run
@@ -46,12 +47,6 @@ class ConsoleFormatter(logging.Formatter):
 
 class NonFiniteStop(RuntimeError):
     """The run stopped on non-finite losses or gradients (``trainer.on_nonfinite``); ``str()`` is one line."""
-
-
-def did_you_mean(word: str, choices) -> str:
-    """`` (did you mean 'x'?)`` for the closest of `choices`, or nothing: the tail of a one-line error."""
-    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
-    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 def _first_line(text: str) -> str:
