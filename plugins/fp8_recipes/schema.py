@@ -7,18 +7,19 @@ users write, a role as a bare string (``weights: mxfp8``), and the form of NVIDI
 Every problem is reported as ``dotted.key: 'bad value' ... allowed ...`` in a :class:`RecipeError` (a ValueError),
 all problems of one recipe at once.
 
-This module imports nothing of ours (it is the bottom floor of the package).
+This module imports only checks.py (the shared key checks), nothing else of ours: it is the bottom floor.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
+
+from fp8_recipes.checks import KeyReader, fmt
 
 __all__ = [
     "AmaxAlgo", "AmaxReduction", "Attention", "Backend", "Format", "LayerRules", "MxRounding", "Recipe", "RecipeError",
@@ -287,98 +288,24 @@ _TOP_KEYS = {f.name for f in dataclasses.fields(Recipe)} | {"fp8_recipe", "defau
 _NEMO_BLOG_KEYS = {"name", "description", "weights", "activations", "gradients", "block_size", "backend"}
 
 
-def _fmt(v: Any) -> str:
-    return repr(v) if isinstance(v, str) else str(v)
+class _RecipeReader(KeyReader):
+    """Turns a mapping into a Recipe, collecting one message per bad key (the scalar readers are KeyReader's)."""
 
-
-def _suggest(value: str, choices: Sequence[str], hints: bool = True) -> str:
-    hint = _HINTS.get(str(value).lower()) if hints else None  # the hints are for values, not key names
-    if hint:
-        return f" (did you mean '{hint}'?)"
-    close = difflib.get_close_matches(str(value), list(choices), n=1, cutoff=0.6)
-    return f" (did you mean '{close[0]}'?)" if close else ""
-
-
-class _RecipeReader:
-    """Turns a mapping into a Recipe, collecting one message per bad key."""
+    value_hints = _HINTS
 
     def __init__(self, source: str | None):
+        super().__init__()
         self.source = source
-        self.problems: list[str] = []
-
-    def bad(self, key: str, msg: str) -> None:
-        self.problems.append(f"{key}: {msg}")
-
-    # -- scalar readers: each returns a default after recording a problem, so reading goes on ----------------
-    def enum(self, key: str, value: Any, kind: type[StrEnum], default):
-        choices = [e.value for e in kind]
-        if isinstance(value, kind):
-            return value
-        if isinstance(value, str) and value.lower() in choices:
-            return kind(value.lower())
-        self.bad(key, f"{_fmt(value)} is not one of {' | '.join(choices)}{_suggest(value, choices)}")
-        return default
-
-    def integer(self, key: str, value: Any, minimum: int, default: int, maximum: int | None = None) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
-                value = int(value)
-            else:
-                self.bad(key, f"{_fmt(value)} is not an integer (expected an integer >= {minimum})")
-                return default
-        if value < minimum or (maximum is not None and value > maximum):
-            rng = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-            self.bad(key, f"{value} is out of range (expected an integer {rng})")
-            return default
-        return value
-
-    def number(self, key: str, value: Any, lo: float, hi: float, default: float, lo_open: bool = False) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            self.bad(key, f"{_fmt(value)} is not a finite number")
-            return default
-        if value < lo or (lo_open and value == lo) or value > hi:
-            rng = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
-            self.bad(key, f"{value} is out of range (expected a number in {rng})")
-            return default
-        return float(value)
-
-    def boolean(self, key: str, value: Any, default: bool) -> bool:
-        if isinstance(value, bool):
-            return value
-        self.bad(key, f"{_fmt(value)} is not a boolean (expected true or false)")
-        return default
-
-    def text(self, key: str, value: Any, default: str) -> str:
-        if isinstance(value, str):
-            return value
-        self.bad(key, f"{_fmt(value)} is not a string")
-        return default
-
-    def mapping(self, key: str, value: Any, allowed: set[str]) -> dict[str, Any]:
-        if value is None:
-            return {}
-        if not isinstance(value, Mapping):
-            self.bad(key, f"{_fmt(value)} is not a mapping (expected keys {', '.join(sorted(allowed))})")
-            return {}
-        out = {}
-        for k, v in value.items():
-            if k not in allowed:
-                where = f"{key}.{k}" if key else str(k)
-                hint = _suggest(str(k), sorted(allowed), hints=False)
-                self.bad(where, f"unknown key{hint}; allowed: {', '.join(sorted(allowed))}")
-            else:
-                out[k] = v
-        return out
 
     def block(self, key: str, value: Any, default: tuple[int, int]) -> tuple[int, int]:
         ok = (isinstance(value, Sequence) and not isinstance(value, str) and len(value) == 2
               and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value))
         if not ok:
-            self.bad(key, f"{_fmt(value)} is not a block shape (expected [rows, cols], two positive integers, "
+            self.bad(key, f"{fmt(value)} is not a block shape (expected [rows, cols], two positive integers, "
                           f"e.g. [1, 128] or [128, 128])")
             return default
         if max(value) > MAX_BLOCK:
-            self.bad(key, f"{_fmt(value)} has a side over {MAX_BLOCK}, longer than any tensor dimension; "
+            self.bad(key, f"{fmt(value)} has a side over {MAX_BLOCK}, longer than any tensor dimension; "
                           f"use e.g. [1, 128] or [128, 128]")
             return default
         return (int(value[0]), int(value[1]))
@@ -415,19 +342,19 @@ class _RecipeReader:
         kw["mx_rounding"] = self.enum(f"{key}.mx_rounding", raw.get("mx_rounding", "rceil"), MxRounding,
                                       MxRounding.RCEIL)
         if scaling is Scaling.MXFP8 and "block" in raw and tuple(kw["block"]) not in ((1, MXFP8_BLOCK),):
-            self.bad(f"{key}.block", f"{_fmt(raw['block'])} cannot be set for mxfp8 (blocks are always 32 "
+            self.bad(f"{key}.block", f"{fmt(raw['block'])} cannot be set for mxfp8 (blocks are always 32 "
                                      f"elements along the reduction dim); use scaling: blockwise for other shapes")
         if scaling is Scaling.MXFP8:
             kw["block"] = (1, MXFP8_BLOCK)
         if "percentile" in raw and kw["amax_compute_algo"] is not AmaxAlgo.PERCENTILE:
-            self.bad(f"{key}.percentile", f"{_fmt(raw['percentile'])} is set but amax_compute_algo is not "
+            self.bad(f"{key}.percentile", f"{fmt(raw['percentile'])} is set but amax_compute_algo is not "
                                           f"'percentile'; set amax_compute_algo: percentile or remove percentile")
         policy = TensorPolicy(**kw)
         if scaling is not Scaling.NONE:  # a BF16 role may keep its settings (switching scaling off is common)
             reported = {"percentile"} | ({"block"} if scaling is Scaling.MXFP8 else set())  # checked above
             for k in sorted(set(raw) - set(policy.relevant_fields()) - reported):
                 users = ", ".join(s.value for s in Scaling if k in TensorPolicy(scaling=s).relevant_fields())
-                self.bad(f"{key}.{k}", f"{_fmt(raw[k])} does not apply to scaling: {scaling} (only to {users}); "
+                self.bad(f"{key}.{k}", f"{fmt(raw[k])} does not apply to scaling: {scaling} (only to {users}); "
                                        f"remove it")
         return policy
 
@@ -456,11 +383,11 @@ class _RecipeReader:
             mods = [mods]
         patterns = []
         if not isinstance(mods, Sequence):
-            self.bad("layers.bf16_modules", f"{_fmt(mods)} is not a list of glob patterns (e.g. ['*output_layer*'])")
+            self.bad("layers.bf16_modules", f"{fmt(mods)} is not a list of glob patterns (e.g. ['*output_layer*'])")
         else:
             for i, m in enumerate(mods):
                 if not isinstance(m, str) or not m.strip():
-                    self.bad(f"layers.bf16_modules[{i}]", f"{_fmt(m)} is not a glob pattern string")
+                    self.bad(f"layers.bf16_modules[{i}]", f"{fmt(m)} is not a glob pattern string")
                 else:
                     patterns.append(m)
         return LayerRules(
@@ -474,7 +401,7 @@ class _RecipeReader:
         if data is None:
             data = {}
         if not isinstance(data, Mapping):
-            raise RecipeError([f"(top level): {_fmt(data)} is not a mapping of recipe keys"], self.source)
+            raise RecipeError([f"(top level): {fmt(data)} is not a mapping of recipe keys"], self.source)
         raw = self.mapping("", data, _TOP_KEYS)
         raw.pop("defaults", None)  # Hydra's defaults list, already applied by composition
         raw.pop("debug", None)     # observer settings, read by the observers
@@ -486,7 +413,7 @@ class _RecipeReader:
                 if k == "block_size":
                     block_size = v
                 elif k in raw and raw[k] != v:
-                    self.bad(f"fp8_recipe.{k}", f"{_fmt(v)} conflicts with top-level {k}: {_fmt(raw[k])}; "
+                    self.bad(f"fp8_recipe.{k}", f"{fmt(v)} conflicts with top-level {k}: {fmt(raw[k])}; "
                                                 f"set it in one place")
                 else:
                     raw[k] = v

@@ -14,7 +14,8 @@ Steps count optimizer steps completed, as ``metrics.jsonl`` rows do: step 1 is t
       dump: {steps: [1, 100], layers: "linear_fc2", tensors: [activations], dir: dumps}
 
 Problems are reported as ``debug.<key>: ...`` in a :class:`~fp8_recipes.schema.RecipeError` (a ValueError),
-all at once. Imports only the schema.
+all at once, with the recipe reader's messages (both read through :class:`~fp8_recipes.checks.KeyReader`).
+Imports only the schema and checks.py.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fp8_recipes.schema import ROLES, RecipeError, Role, _fmt, _RecipeReader
+from fp8_recipes.checks import KeyReader, fmt
+from fp8_recipes.schema import ROLES, RecipeError, Role
 
 __all__ = ["DebugConfig", "DumpConfig", "debug_config"]
 
@@ -109,22 +111,19 @@ def _matches(pattern: str, name: str) -> bool:
     return pattern == _ALL_LAYERS or re.search(pattern, name) is not None
 
 
-class _DebugReader(_RecipeReader):
-    """The recipe reader's scalar checks (same messages), plus regexes, role lists and step lists."""
-
-    def __init__(self):
-        super().__init__(None)
+class _DebugReader(KeyReader):
+    """The shared scalar checks (the recipe reader's messages), plus regexes, role lists and step lists."""
 
     def regex(self, key: str, value: Any) -> str:
         if value is None:
             return _ALL_LAYERS
         if not isinstance(value, str):
-            self.bad(key, f"{_fmt(value)} is not a regular expression string (e.g. 'layers\\.[01]\\.')")
+            self.bad(key, f"{fmt(value)} is not a regular expression string (e.g. 'layers\\.[01]\\.')")
             return _ALL_LAYERS
         try:
             re.compile(value)
         except re.error as e:
-            self.bad(key, f"{_fmt(value)} is not a regular expression ({e}); e.g. 'layers\\.[01]\\.'")
+            self.bad(key, f"{fmt(value)} is not a regular expression ({e}); e.g. 'layers\\.[01]\\.'")
             return _ALL_LAYERS
         return value
 
@@ -135,7 +134,7 @@ class _DebugReader(_RecipeReader):
             value = [value]
         choices = [str(r) for r in ROLES]
         if not isinstance(value, Sequence) or not value:
-            self.bad(key, f"{_fmt(value)} is not a non-empty list of {' | '.join(choices)}")
+            self.bad(key, f"{fmt(value)} is not a non-empty list of {' | '.join(choices)}")
             return ROLES
         out = []
         for i, v in enumerate(value):
@@ -150,7 +149,7 @@ class _DebugReader(_RecipeReader):
         if isinstance(value, int) and not isinstance(value, bool):
             value = [value]
         if not isinstance(value, Sequence) or isinstance(value, str):
-            self.bad(key, f"{_fmt(value)} is not a list of steps (e.g. [1, 100])")
+            self.bad(key, f"{fmt(value)} is not a list of steps (e.g. [1, 100])")
             return ()
         return tuple(sorted({self.integer(f"{key}[{i}]", v, 1, 1) for i, v in enumerate(value)}))
 
