@@ -29,7 +29,7 @@ from functools import cached_property
 from fp8_recipes.plan_te import (
     Substitution, TERecipe, TEResolution, resolve_te, te_attention, te_recipe_for, te_stage_note,
 )
-from fp8_recipes.schema import ROLES, Attention, Backend, Recipe, RecipeError, Role, TensorPolicy
+from fp8_recipes.schema import ROLES, Attention, Backend, Recipe, RecipeError, Role, Scaling, TensorPolicy
 
 __all__ = [
     "Execution", "Gemm", "GemmPlan", "Hardware", "ModelLayout", "ModulePlan", "ParallelLayout", "PrecisionPlan",
@@ -305,6 +305,54 @@ class PrecisionPlan:
         rules, n = self.recipe.layers, self.layout.num_layers
         return frozenset(range(rules.bf16_first, max(rules.bf16_first, n - rules.bf16_last)))
 
+    def final_step(self) -> int:
+        """The first step with every FP8 role on (the plan's last stage)."""
+        return max(self.recipe.schedule.role_start(r) for r in ROLES)
+
+    def fp8_param_layers(self) -> dict[int, TERecipe]:
+        """Recipe ``fp8_param: true``: the layers whose weights are stored in FP8, each with the TE recipe its
+        weights are quantized under (the one the layer runs under: the plan has one stage then). A layer qualifies
+        when every linear of it runs FP8 at the final stage; BF16 layers, the LM head and the embeddings keep BF16
+        weights. Empty when the recipe does not ask, or :meth:`fp8_param_problem` refuses it."""
+        if not self.recipe.fp8_param or self.fp8_param_problem() is not None:
+            return {}
+        return self._fp8_param_layers()
+
+    def _fp8_param_layers(self) -> dict[int, TERecipe]:
+        out = {}
+        for mp in self.at(self.final_step()).modules.values():
+            if mp.layer is not None and mp.te is not None:
+                out.setdefault(mp.layer, mp.te)
+        return dict(sorted(out.items()))
+
+    def fp8_param_problem(self) -> str | None:
+        """Why ``fp8_param: true`` cannot run with this plan (one line naming the key and the fix), or None. The
+        schema already refused a BF16 weights role and a schedule with stages."""
+        if not self.recipe.fp8_param:
+            return None
+        if self.te is None:
+            return (f"fp8_param: true needs the te backend (Transformer Engine keeps the weights as FP8 tensors); this "
+                    f"plan runs the {self.backend} backend ({self.backend_reason}); set fp8_param: false")
+        final = self.at(self.final_step())
+        layers = self._fp8_param_layers()
+        for mp in final.modules.values():
+            if mp.layer in layers and mp.te is None:
+                return (f"fp8_param: true stores each layer's weights in one precision, and {mp.bf16_reason} keeps "
+                        f"{mp.name} BF16 inside FP8 layer {mp.layer}; match whole layers (e.g. "
+                        f"'decoder.layers.{mp.layer}.*') or set fp8_param: false")
+        te = next(iter(layers.values()), None)
+        if te is None:
+            return None  # every layer BF16: nothing to store in FP8
+        if te.recipe not in _FP8_PARAM_RECIPES:
+            return (f"fp8_param: true: the FP8 layers run {te.recipe} here, and Transformer Engine runs an FP8-stored "
+                    f"weight only under the recipe class it was quantized with ({', '.join(_FP8_PARAM_RECIPES)}); give "
+                    f"weights, activations and gradients one scaling with e4m3 forward, or set fp8_param: false")
+        if te.weights.scaling is Scaling.BLOCKWISE and te.weights.block[0] == 1:
+            return ("fp8_param: true with weights.block [1, 128]: Transformer Engine's cast of the fp32 main params to "
+                    "FP8 weights (quantize_master_weights) handles 128x128 weight blocks only; set weights.block: "
+                    "[128, 128] or fp8_param: false")
+        return None
+
     @property
     def substitutions(self) -> tuple[Substitution, ...]:
         """Settings the TE backend runs differently from the recipe (empty for the emulated backend)."""
@@ -407,6 +455,11 @@ class PrecisionPlan:
         from fp8_recipes.plan_format import format_plan  # printing lives apart from deciding
 
         return format_plan(self, max_steps, parallel)
+
+
+_FP8_PARAM_RECIPES = ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling")
+"""TE recipe classes whose weights TE 2.20 can hold as FP8 parameters: each quantizer's ``_get_compatible_recipe``
+names one of them, and a module's forward refuses any other autocast recipe (``Recipe mismatch``)."""
 
 
 def _te_backend_available() -> bool:

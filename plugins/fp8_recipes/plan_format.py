@@ -62,6 +62,22 @@ def _pipeline_lines(plan: PrecisionPlan, parallel: ParallelLayout, final: StepPl
     return lines
 
 
+def _fp8_param_line(plan: PrecisionPlan) -> str:
+    """Where the weights are stored in FP8 (recipe ``fp8_param: true``), or why training refuses it here."""
+    problem = plan.fp8_param_problem()
+    if problem is not None:
+        return f"  weights stored (fp8_param): refused: {problem}"
+    layers = plan.fp8_param_layers()
+    if not layers:
+        return "  weights stored (fp8_param): bf16 everywhere (no layer runs FP8)"
+    fp8 = sorted(layers)
+    bf16 = [i for i in range(plan.layout.num_layers) if i not in layers]
+    kinds = sorted({te.recipe for te in layers.values()})
+    rest = (f"layers {', '.join(map(str, bf16))}, " if bf16 else "") + "LM head, embeddings"
+    return (f"  weights stored (fp8_param): fp8 in layers {_ranges(fp8)} (TE {', '.join(kinds)} tensors, re-quantized "
+            f"from the fp32 main params each step); bf16: {rest}")
+
+
 def format_plan(plan: PrecisionPlan, max_steps: int | None = None, parallel: ParallelLayout | None = None) -> str:
     r = plan.recipe
     sched = r.schedule
@@ -122,6 +138,8 @@ def format_plan(plan: PrecisionPlan, max_steps: int | None = None, parallel: Par
         lines.append("  core attention (softmax(Q K^T) V): " + (
             f"fp8 in layers {_ranges(where)}: Q, K, V, softmax, output as activations; their gradients as gradients"
             if where else "bf16 (attention: fp8 cannot run here, see above)"))
+    if r.fp8_param:
+        lines.append(_fp8_param_line(plan))
     if parallel is not None and parallel.pp > 1:
         lines += _pipeline_lines(plan, parallel, final)
     for pat in plan.unmatched_patterns:

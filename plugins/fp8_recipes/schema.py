@@ -243,6 +243,11 @@ class Recipe:
     the softmax output and the attention output quantized with the activations' policy, their gradients (dO, the
     scores' gradient, dQ/dK/dV) with the gradients' policy, as Transformer Engine's FP8 attention does. Needs
     per-tensor (delayed or tensorwise) activations and gradients."""
+    fp8_param: bool = False
+    """Store the FP8 layers' weights in FP8 (Megatron-Core's ``fp8_param``, Megatron-LM's --fp8-param-gather): each
+    linear weight is a Transformer Engine FP8 tensor quantized once per optimizer step from the fp32 main params, not
+    a BF16 copy quantized at every forward (less memory). BF16 layers (bf16_first/bf16_last/bf16_modules), the LM
+    head and the embeddings keep BF16 weights. TE backend only; the weights are FP8 from step 0 (no BF16 stage)."""
 
     def policy(self, role: Role | str) -> TensorPolicy:
         return getattr(self, str(role))
@@ -271,6 +276,7 @@ class Recipe:
             },
             "amax_reduction": str(self.amax_reduction),
             "attention": str(self.attention),
+            "fp8_param": self.fp8_param,
         }
 
     @classmethod
@@ -429,6 +435,7 @@ class _RecipeReader(KeyReader):
             amax_reduction=self.enum("amax_reduction", raw.get("amax_reduction", "data_tensor"), AmaxReduction,
                                      AmaxReduction.DATA_TENSOR),
             attention=self.enum("attention", raw.get("attention", "bf16"), Attention, Attention.BF16),
+            fp8_param=self.boolean("fp8_param", raw.get("fp8_param", False), False),
             **policies,
         )
         self.cross_checks(recipe)
@@ -446,6 +453,8 @@ class _RecipeReader(KeyReader):
                 self.bad("attention", f"'fp8' quantizes Q, K, V and the softmax with the activations' policy and their "
                                       f"gradients with the gradients', which must be per-tensor (delayed or "
                                       f"tensorwise); {off}.scaling is {r.policy(off).scaling}; set attention: bf16")
+        if r.fp8_param:
+            self.fp8_param_checks(r)
         if not r.is_fp8 and s.bf16_warmup_steps:  # (enable steps of non-FP8 roles are reported per role below)
             self.bad("schedule.bf16_warmup_steps", f"{s.bf16_warmup_steps} is set but no role is FP8; give a role a "
                                                    f"scaling (weights/activations/gradients.scaling) or remove it")
@@ -453,3 +462,21 @@ class _RecipeReader(KeyReader):
             if s.enable[role] and not r.policy(role).is_fp8:
                 self.bad(f"schedule.enable.{role}", f"{s.enable[role]} is set but {role}.scaling is none; "
                                                     f"remove it or give {role} a scaling")
+
+    def fp8_param_checks(self, r: Recipe) -> None:
+        """``fp8_param: true`` stores the weights in FP8 from the model's construction on: the weights role must be
+        FP8, and FP8 from step 0 (a BF16 stage would compute with the stored FP8 weights dequantized, not BF16)."""
+        if not r.weights.is_fp8:
+            self.bad("fp8_param", "true stores the weights in FP8, but weights.scaling is none; give weights a "
+                                  "scaling or set fp8_param: false")
+            return
+        s = r.schedule
+        if s.bf16_warmup_steps:
+            self.bad("schedule.bf16_warmup_steps", f"{s.bf16_warmup_steps} with fp8_param: true: the weights are "
+                                                   f"stored in FP8 from step 0, so a BF16 warmup would run on FP8 "
+                                                   f"weights; remove it or set fp8_param: false")
+        for role in ROLES:
+            if s.enable[role] and r.policy(role).is_fp8:
+                self.bad(f"schedule.enable.{role}", f"{s.enable[role]} with fp8_param: true: FP8-stored weights run "
+                                                    f"under one Transformer Engine recipe from step 0, and a later "
+                                                    f"stage changes it; remove it or set fp8_param: false")

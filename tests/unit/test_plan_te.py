@@ -395,3 +395,56 @@ def test_fp8_attention_waits_for_activations_and_gradients():
     assert final(plan).attention == frozenset() and "not CustomRecipe" in plan.substitutions[-1].reason
     assert "core attention (softmax(Q K^T) V): bf16 (attention: fp8 cannot run here" in plan.explain()
     assert "core attention" not in plan_for("delayed").explain()  # nothing printed unless asked for
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# fp8_param: true (FP8 primary weights)
+
+
+def fp8_param_recipe(scaling: str, **extra) -> dict:
+    return {"weights": scaling, "activations": scaling, "gradients": scaling, "fp8_param": True, **extra}
+
+
+@pytest.mark.parametrize("scaling, te_class", [("delayed", "DelayedScaling"), ("tensorwise", "Float8CurrentScaling"),
+                                               ("blockwise", "Float8BlockScaling")])
+def test_fp8_param_layers_are_the_fp8_layers(scaling, te_class):
+    plan = plan_for(fp8_param_recipe(scaling, layers={"bf16_first": 1, "bf16_last": 1}))
+    layers = plan.fp8_param_layers()
+    assert plan.fp8_param_problem() is None and sorted(layers) == [1, 2]
+    # each layer's weights are quantized under the TE recipe its linears run under (one object per TERecipe)
+    sp = final(plan)
+    assert all(te == sp.modules[f"decoder.layers.{i}.mlp.linear_fc1"].te and te.recipe == te_class
+               for i, te in layers.items())
+    line = next(x for x in plan.explain().splitlines() if "fp8_param" in x)
+    assert f"fp8 in layers 1-2 (TE {te_class} tensors" in line and "bf16: layers 0, 3, LM head, embeddings" in line
+    assert "fp8_param" not in plan_for(scaling).explain() and plan_for(scaling).fp8_param_layers() == {}
+
+
+def test_fp8_param_with_fp8_attention_uses_the_layers_recipe():
+    plan = plan_for(fp8_param_recipe("delayed", attention="fp8"))
+    assert all(te.fp8_dpa for te in plan.fp8_param_layers().values())
+
+
+@pytest.mark.parametrize("recipe, hardware, says", [
+    (fp8_param_recipe("tensorwise"), Hardware(), "needs the te backend"),
+    (fp8_param_recipe("tensorwise", backend="emulated"), H200, "runs the emulated backend (requested)"),
+    ({**fp8_param_recipe("tensorwise"), "weights": "delayed"}, H200, "run CustomRecipe here"),
+    ({**fp8_param_recipe("blockwise"), "weights": {"scaling": "blockwise", "block": [1, 128]}}, H200,
+     "weights.block [1, 128]"),
+    (fp8_param_recipe("tensorwise", layers={"bf16_modules": ["*.linear_fc2"]}), H200,
+     "keeps decoder.layers.0.mlp.linear_fc2 BF16 inside FP8 layer 0"),
+])
+def test_fp8_param_refusals_are_one_line_naming_the_key(recipe, hardware, says):
+    plan = plan_for(recipe, hardware)
+    problem = plan.fp8_param_problem()
+    assert problem.startswith("fp8_param: true") and says in problem and "\n" not in problem
+    assert problem.endswith("fp8_param: false") and plan.fp8_param_layers() == {}
+    assert f"weights stored (fp8_param): refused: {problem}" in plan.explain()
+
+
+def test_fp8_param_whole_layer_patterns_and_all_bf16_layers_are_fine():
+    plan = plan_for(fp8_param_recipe("tensorwise", layers={"bf16_modules": ["decoder.layers.2.*"]}))
+    assert plan.fp8_param_problem() is None and sorted(plan.fp8_param_layers()) == [0, 1, 3]
+    none = plan_for(fp8_param_recipe("tensorwise", layers={"bf16_first": N}))
+    assert none.fp8_param_problem() is None and none.fp8_param_layers() == {}
+    assert "weights stored (fp8_param): bf16 everywhere" in none.explain()

@@ -295,3 +295,20 @@ def test_attention_key():
             Recipe.from_dict({**bad, "attention": "fp8"})
         assert str(e.value).startswith("attention: 'fp8' quantizes") and says in str(e.value)
         assert str(e.value).endswith("set attention: bf16") and "\n" not in str(e.value)
+
+
+def test_fp8_param_key():
+    assert Recipe().fp8_param is False and Recipe.from_dict({}).to_dict()["fp8_param"] is False
+    r = Recipe.from_dict({"weights": "tensorwise", "activations": "tensorwise", "gradients": "tensorwise",
+                          "fp8_param": True})
+    assert r.fp8_param is True and Recipe.from_dict(r.to_dict()) == r
+    fp8 = {"weights": "delayed", "activations": "delayed", "gradients": "delayed", "fp8_param": True}
+    for bad, key, says in (
+            ({"fp8_param": "yes"}, "fp8_param", "'yes' is not a boolean"),
+            ({"activations": "tensorwise", "fp8_param": True}, "fp8_param", "weights.scaling is none"),
+            ({**fp8, "schedule": {"bf16_warmup_steps": 10}}, "schedule.bf16_warmup_steps", "a BF16 warmup"),
+            ({**fp8, "schedule": {"enable": {"gradients": 5}}}, "schedule.enable.gradients", "a later stage")):
+        with pytest.raises(RecipeError) as e:
+            Recipe.from_dict(bad)
+        assert str(e.value).startswith(f"{key}: ") and says in str(e.value) and "\n" not in str(e.value)
+        assert str(e.value).endswith("fp8_param: false") or "boolean" in says
