@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from fp8_recipes.bench.train import check_configs, summarize, with_levers
+from fp8_recipes.bench.train import check_configs, raw_megatron_fp8, summarize, with_levers
+from fp8_recipes.integrations.common import megatron_fp8_fields
+from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan
 from fp8_recipes.recipes import load_recipe
 
 
@@ -39,3 +41,16 @@ def test_attn_lever_goes_through_the_schema():
     assert with_levers(load_recipe("delayed"), ["attn", "head"]).attention == "fp8"
     with pytest.raises(ValueError, match="set attention: bf16"):
         with_levers(load_recipe("blockwise"), ["attn"])  # block-scaled activations: refused by the schema
+
+
+@pytest.mark.parametrize("name", ["delayed", "tensorwise", "blockwise", "safe"])
+def test_raw_config_is_the_adapters_mapping(name):
+    """NAME:raw gives Megatron-Core the fields the Bridge / NeMo adapters would (one mapping, integrations/common)."""
+    recipe = load_recipe(name)
+    plan = PrecisionPlan(recipe, ModelLayout.gpt(4), Hardware("cuda", (9, 0), "2.20.2", "NVIDIA H200"))
+    raw = raw_megatron_fp8(plan.at(10**6).modules["decoder.layers.1.mlp.linear_fc1"].te, recipe)
+    if recipe.layers.bf16_first or recipe.layers.bf16_last:
+        assert raw is None  # plain recipes only
+        return
+    native = megatron_fp8_fields(recipe, compute_capability=(9, 0), num_layers=4)
+    assert raw and raw == {k: v for k, v in native.items() if k in raw} and raw["fp8_recipe"] == native["fp8_recipe"]

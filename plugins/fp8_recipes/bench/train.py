@@ -27,12 +27,9 @@ from typing import Any
 
 import torch
 
-from fp8_recipes.plan_te import TERecipeKind
+from fp8_recipes.integrations.common import named_recipe_gaps, te_recipe_fields
 
 __all__ = ["bench_train", "check_configs", "load_model_cfg", "summarize", "with_levers"]
-
-_MEGATRON_RECIPE = {TERecipeKind.DELAYED: "delayed", TERecipeKind.CURRENT: "tensorwise",
-                    TERecipeKind.BLOCK: "blockwise", TERecipeKind.MXFP8: "mxfp8"}
 
 
 def load_model_cfg(name: str) -> dict:
@@ -49,24 +46,13 @@ def load_model_cfg(name: str) -> dict:
 
 
 def raw_megatron_fp8(choice: Any, recipe: Any) -> dict | None:
-    """TransformerConfig fields giving Megatron-Core's own path the plan's TE recipe, or None if it has none."""
-    if choice is None or choice.forward_only or choice.recipe not in _MEGATRON_RECIPE:
+    """TransformerConfig fields giving Megatron-Core's own path the plan's TE recipe (the adapters' mapping,
+    integrations/common.py), or None if no named Megatron-Core recipe is that one."""
+    if choice is None or choice.forward_only or named_recipe_gaps(choice, recipe):
         return None
     if recipe.layers.bf16_first or recipe.layers.bf16_last or recipe.layers.bf16_modules:
         return None  # Megatron's first_last_layers_bf16 differs (and refuses delayed): compare plain recipes only
-    out = {"fp8": "hybrid" if choice.fp8_format == "HYBRID" else "e4m3", "fp8_recipe": _MEGATRON_RECIPE[choice.recipe]}
-    if choice.recipe is TERecipeKind.DELAYED:
-        w = choice.weights
-        if str(w.amax_compute_algo) not in ("max", "most_recent") or w.pow2_scales:
-            return None
-        out.update(fp8_margin=w.margin, fp8_amax_history_len=w.amax_history_len,
-                   fp8_amax_compute_algo=str(w.amax_compute_algo))
-    if choice.recipe in (TERecipeKind.CURRENT, TERecipeKind.BLOCK):
-        te_default_pow2 = choice.recipe is TERecipeKind.BLOCK
-        fp8 = [choice.policy(r) for r in ("weights", "activations", "gradients") if choice.policy(r).is_fp8]
-        if any(p.amax_epsilon or p.pow2_scales != te_default_pow2 for p in fp8):
-            return None  # non-default per-role scale options: Megatron's recipe would not be the same one
-    return out
+    return te_recipe_fields(choice)
 
 
 LEVERS = ("head", "attn")
@@ -132,10 +118,8 @@ def _run_config(model_cfg: dict, label: str, *, seq: int, mbs: int, warmup: int,
             overrides = raw_megatron_fp8(choice, recipe)
             if overrides is None:
                 return {"config": label, "skipped": f"Megatron-Core has no plain recipe for {describe}"}
-            if "attn" in levers:
-                if not choice.fp8_dpa:
-                    return {"config": label, "skipped": f"TE runs no FP8 attention under {describe} here"}
-                overrides["fp8_dot_product_attention"] = True
+            if "attn" in levers and not choice.fp8_dpa:
+                return {"config": label, "skipped": f"TE runs no FP8 attention under {describe} here"}
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.cuda.reset_peak_memory_stats()

@@ -43,7 +43,8 @@ from fp8_recipes.schema import ROLES, AmaxAlgo, AmaxReduction, Attention, Backen
 __all__ = [
     "EXTRA_FIELDS", "FACTORY_PATH", "QUANTIZER_ENV", "MegatronPrecision", "NeedsPluginOwned", "ScheduleDriver",
     "activate_quantizer_factory", "as_recipe", "fp8_quantizer_factory", "log_applied", "megatron_fp8_fields",
-    "megatron_precision", "plugin_owned_plan", "runtime_only_keys", "target_hardware", "with_fields",
+    "megatron_precision", "named_recipe_gaps", "plugin_owned_plan", "runtime_only_keys", "target_hardware",
+    "te_recipe_fields", "with_fields",
 ]
 
 log = logging.getLogger("fp8_recipes.integrations")
@@ -141,8 +142,13 @@ def _plan(recipe: Recipe, hw: Hardware, layout: ModelLayout) -> PrecisionPlan:
     return plan
 
 
-def _custom_reasons(te: TERecipe, recipe: Recipe) -> list[str]:
-    """Why Megatron-Core's named recipe of this TE class is not exactly `te` (empty: the named one is)."""
+# ---------------------------------------------------------------------------------------------------------------
+# One TE recipe as Megatron-Core's fp8 fields (the adapters and bench/train.py's NAME:raw configs)
+
+
+def named_recipe_gaps(te: TERecipe, recipe: Recipe) -> list[str]:
+    """Why Megatron-Core's named recipe of this TE class is not exactly `te` (empty: the named one is; else
+    ``fp8_recipe="custom"`` says it, or nothing does)."""
     w, a, g = te.weights, te.activations, te.gradients
     fp8 = [p for p in (w, a, g) if p.is_fp8]
     out = []
@@ -164,7 +170,10 @@ def _custom_reasons(te: TERecipe, recipe: Recipe) -> list[str]:
     return out
 
 
-def _fields(te: TERecipe, recipe: Recipe, custom: bool) -> dict[str, Any]:
+def te_recipe_fields(te: TERecipe, custom: bool = False) -> dict[str, Any]:
+    """The TransformerConfig fields under which Megatron-Core builds `te` for its FP8 layers: ``fp8`` (e4m3 |
+    hybrid), ``fp8_recipe`` (its named recipe of te's class, or ``custom`` with our quantizer factory: see
+    :func:`named_recipe_gaps`), delayed scaling's margin / history / algorithm, and FP8 attention."""
     w = te.weights
     out: dict[str, Any] = {"fp8": te.fp8_format.lower(), "fp8_recipe": "custom" if custom else _NAMED[te.recipe]}
     if custom:
@@ -172,6 +181,14 @@ def _fields(te: TERecipe, recipe: Recipe, custom: bool) -> dict[str, Any]:
     if te.recipe is TERecipeKind.DELAYED and not custom:
         out.update(fp8_margin=w.margin, fp8_amax_history_len=w.amax_history_len,
                    fp8_amax_compute_algo=str(w.amax_compute_algo))
+    if te.fp8_dpa:
+        out["fp8_dot_product_attention"] = True
+    return out
+
+
+def _fields(te: TERecipe, recipe: Recipe, custom: bool) -> dict[str, Any]:
+    """te's fields and what the recipe adds for every layer: first/last-layer BF16, the amax reduction group."""
+    out = te_recipe_fields(te, custom)
     rules = recipe.layers
     out["first_last_layers_bf16"] = bool(rules.bf16_first or rules.bf16_last)
     out["num_layers_at_start_in_bf16"] = rules.bf16_first
@@ -210,7 +227,7 @@ def megatron_precision(recipe: Recipe | str | Path | Mapping[str, Any], *,
         raise _refuse("layers.bf16_first/bf16_last with delayed scaling: Megatron-Core refuses first_last_layers_bf16 "
                       "with delayed scaling (one autocast per layer rolls every amax history once per layer); "
                       f"remove them, use tensorwise, or {NATIVE_FIX} (it nests the layers in one outer autocast)")
-    reasons = _custom_reasons(te, recipe)
+    reasons = named_recipe_gaps(te, recipe)
     if reasons and te.delayed:
         key = next(f"{r}.scaling" for r in ROLES if te.policy(r).scaling is Scaling.DELAYED)
         raise _refuse(f"{key}: 'delayed' in a recipe Megatron-Core must build as fp8_recipe='custom' "
