@@ -50,6 +50,8 @@ from typing import Any, Mapping
 
 import torch
 
+from fp8_recipes.megatron.model_config import check_model_cfg
+
 __all__ = [
     "init_distributed",
     "destroy_distributed",
@@ -230,12 +232,6 @@ def _as_dict(model_cfg: Any) -> dict:
         raise ValueError(f"model config must be a mapping or DictConfig, got {type(model_cfg).__name__}") from e
 
 
-def _check_model_cfg(cfg: dict) -> None:
-    from fp8_recipes.training.config import check_model_cfg
-
-    check_model_cfg(cfg)
-
-
 def _check_linear_class(cls: type | None, base: type, what: str) -> None:
     if cls is not None and not (isinstance(cls, type) and issubclass(cls, base)):
         raise ValueError(f"{what}={cls!r} must be a subclass of megatron.core.tensor_parallel.{base.__name__}")
@@ -308,7 +304,7 @@ def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_li
     from megatron.core.transformer.module import Float16Module
 
     cfg = _as_dict(model_cfg)
-    _check_model_cfg(cfg)
+    check_model_cfg(cfg)
     _check_linear_class(column_linear, tensor_parallel.ColumnParallelLinear, "column_linear")
     _check_linear_class(row_linear, tensor_parallel.RowParallelLinear, "row_linear")
     _check_linear_class(output_linear, tensor_parallel.ColumnParallelLinear, "output_linear")

@@ -1,0 +1,75 @@
+"""The ``model`` config group checked before anything is built: keys, types, ranges, and the shapes Megatron-Core
+would assert on, each a one-line ValueError naming ``model.<key>`` (checks.py's style).
+
+    check_model_cfg(cfg.model, tensor_parallel=2)
+
+It sits beside the model builder (megatron/model.py calls it first) and imports neither torch nor megatron, so the
+run-config checks (training/config.py) use it before any process group exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from fp8_recipes.checks import check_keys, choice_error, is_int, is_number
+
+__all__ = ["MODEL_CHOICES", "MODEL_OPTIONAL", "MODEL_REQUIRED", "check_model_cfg"]
+
+MODEL_REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
+MODEL_OPTIONAL = ("ffn_hidden_size", "num_query_groups", "normalization", "activation", "position_embedding_type",
+                  "rotary_base", "share_embeddings_and_output_weights", "init_method_std", "add_bias_linear",
+                  "hidden_dropout", "attention_dropout", "layernorm_epsilon", "init_from")
+MODEL_CHOICES = {"normalization": ("LayerNorm", "RMSNorm"), "activation": ("gelu", "swiglu"),
+                 "position_embedding_type": ("rope", "learned_absolute")}
+_MODEL_POSITIVE_INTS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
+                        "ffn_hidden_size", "num_query_groups")
+
+
+def check_model_cfg(cfg: Mapping[str, Any], *, vocab_may_be_unset: bool = False, tensor_parallel: int = 1) -> None:
+    """The `model` group: known keys, types, ranges, and the shapes Megatron-Core would assert on."""
+    known = MODEL_REQUIRED + MODEL_OPTIONAL
+    check_keys("model", cfg, known)
+    for key in MODEL_REQUIRED:
+        if cfg.get(key) is None and not (key == "vocab_size" and vocab_may_be_unset):
+            raise ValueError(f"model.{key} is required (got no value); set model.{key}=<integer>")
+    for key in _MODEL_POSITIVE_INTS:
+        v = cfg.get(key)
+        if v is not None and (not is_int(v) or v < 1):
+            raise ValueError(f"model.{key}={v!r}: must be an integer >= 1")
+    for key, choices in MODEL_CHOICES.items():
+        if key in cfg and cfg[key] not in choices:
+            raise choice_error(f"model.{key}", cfg[key], choices)
+    for key in ("share_embeddings_and_output_weights", "add_bias_linear"):
+        if key in cfg and not isinstance(cfg[key], bool):
+            raise ValueError(f"model.{key}={cfg[key]!r}: must be true or false")
+    for key in ("hidden_dropout", "attention_dropout"):
+        v = cfg.get(key)
+        if v is not None and not (is_number(v) and 0 <= v < 1):
+            raise ValueError(f"model.{key}={v!r}: must lie in [0, 1)")
+    for key in ("init_method_std", "rotary_base", "layernorm_epsilon"):
+        v = cfg.get(key)
+        if v is not None and not (is_number(v) and v > 0):
+            raise ValueError(f"model.{key}={v!r}: must be a number > 0")
+    init_from = cfg.get("init_from")
+    if init_from is not None:  # training/hf.py checks the vocabulary and the shape once the model config is final
+        if not (isinstance(init_from, str) and init_from.startswith("hf:") and len(init_from) > 3):
+            raise ValueError(f"model.init_from={init_from!r}: give hf:PATH (a Hugging Face Llama checkpoint "
+                             f"directory) or null")
+        if not (Path(init_from[3:]) / "config.json").is_file():
+            raise ValueError(f"model.init_from: {init_from[3:]} has no config.json; give hf:PATH of a Hugging Face "
+                             f"checkpoint directory (fp8-recipes export RUN --to hf PATH writes one)")
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    if hidden % heads:
+        raise ValueError(f"model.hidden_size={hidden} is not divisible by model.num_attention_heads={heads}; "
+                         f"pick heads that divide it")
+    groups = cfg.get("num_query_groups")
+    if groups is not None and heads % groups:
+        raise ValueError(f"model.num_query_groups={groups} does not divide model.num_attention_heads={heads}")
+    if tensor_parallel > 1:
+        for key in ("num_attention_heads", "num_query_groups"):
+            v = cfg.get(key)
+            if v is not None and v % tensor_parallel:
+                raise ValueError(f"model.{key}={v} is not divisible by trainer.tensor_model_parallel_size="
+                                 f"{tensor_parallel}")
