@@ -135,7 +135,7 @@ class TensorPolicy:
     """Lower bound on the amax before the scale is computed (tensorwise, blockwise)."""
     pow2_scales: bool = False
     """Round scales down to a power of two (exact rescaling; TE's default for blockwise)."""
-    block: tuple[int, int] = (1, 128)
+    block: tuple[int, int] = DEFAULT_BLOCK[Role.ACTIVATIONS]
     """Blockwise: block shape [rows, cols] of the tensor as the GEMM reads it (last dim = reduction dim)."""
     mx_rounding: MxRounding = MxRounding.RCEIL
     """MXFP8: how the E8M0 block exponent is chosen: rceil (NVIDIA hardware) | floor (OCP MX v1.0)."""

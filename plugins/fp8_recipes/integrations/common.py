@@ -38,7 +38,9 @@ from typing import Any, Mapping
 from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan, Substitution, TERecipe
 from fp8_recipes.plan_te import TERecipeKind, te_recipe_for
 from fp8_recipes.recipes import load_recipe
-from fp8_recipes.schema import ROLES, AmaxAlgo, AmaxReduction, Attention, Backend, Recipe, RecipeError, Role, Scaling
+from fp8_recipes.schema import (
+    DEFAULT_BLOCK, ROLES, AmaxAlgo, AmaxReduction, Attention, Backend, Recipe, RecipeError, Scaling,
+)
 
 __all__ = [
     "EXTRA_FIELDS", "FACTORY_PATH", "QUANTIZER_ENV", "MegatronPrecision", "NeedsPluginOwned", "ScheduleDriver",
@@ -56,9 +58,8 @@ QUANTIZER_ENV = "FP8_RECIPES_QUANTIZERS"
 NATIVE_FIX = ("run it plugin-owned: build the model without fp8 and add the fp8-recipes schedule callback "
               "(Bridge: FP8RecipeCallback, NeMo 2: FP8ScheduleCallback), see docs/nemo.md")
 
-# TE's defaults for the recipes Megatron-Core builds by name (it passes only the format and, for delayed
-# scaling, margin / history / algorithm): a recipe that needs anything else goes through "custom".
-_BLOCK_DEFAULT = {Role.WEIGHTS: (128, 128), Role.ACTIVATIONS: (1, 128), Role.GRADIENTS: (1, 128)}
+# The recipes Megatron-Core builds by name (it passes only the format and, for delayed scaling, margin / history /
+# algorithm; the rest are TE's defaults, e.g. DEFAULT_BLOCK): a recipe that needs anything else goes through "custom".
 _NAMED = {TERecipeKind.DELAYED: "delayed", TERecipeKind.CURRENT: "tensorwise", TERecipeKind.BLOCK: "blockwise",
           TERecipeKind.MXFP8: "mxfp8"}
 
@@ -165,7 +166,7 @@ def named_recipe_gaps(te: TERecipe, recipe: Recipe) -> list[str]:
     elif te.recipe is TERecipeKind.BLOCK:
         if any(not p.pow2_scales or p.amax_epsilon for p in fp8):
             out.append("non-power-of-two block scales / amax_epsilon")
-        if any(p.block != _BLOCK_DEFAULT[r] for r, p in zip(ROLES, (w, a, g)) if p.is_fp8):
+        if any(p.block != DEFAULT_BLOCK[r] for r, p in zip(ROLES, (w, a, g)) if p.is_fp8):
             out.append("block shapes other than 128x128 weights, 1x128 activations and gradients")
     return out
 

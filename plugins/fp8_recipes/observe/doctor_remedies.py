@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fp8_recipes.observe.doctor_findings import SCALE_RATIO_HIGH, SUPPORTING, Finding, module_scores
-from fp8_recipes.schema import ROLES
+from fp8_recipes.schema import DEFAULT_BLOCK, ROLES, Role
 
 __all__ = ["ROLE_WIDE", "Proposal", "propose", "role_extent", "warmup_proposal"]
 
@@ -88,13 +88,13 @@ def _role_wide(role: str, policy: dict[str, Any], mine: list[Finding], flagged: 
     scaling, fmt = str(policy.get("scaling", "none")), str(policy.get("format") or "")
     fmt = fmt or ("e5m2" if role == "gradients" else "e4m3")
     margin = int(policy.get("margin") or 0)
-    block = list(policy.get("block") or ([128, 128] if role == "weights" else [1, 128]))
+    small_block = list(DEFAULT_BLOCK[Role(role)])  # what a role moves to: the default blocks (TE's)
+    block = list(policy.get("block") or small_block)
     effects = defaultdict(float)
     for f in mine:
         effects[f.effect] += f.severity
     effect = max(effects, key=effects.get) if effects else ""
     why = _evidence(role, mine, effect, flagged, quantized)
-    small_block = [128, 128] if role == "weights" else [1, 128]
     to_blocks = {f"{role}.scaling": "blockwise", f"{role}.block": small_block, f"{role}.amax_history_len": None,
                  f"{role}.amax_compute_algo": None, f"{role}.percentile": None}
     out: list[tuple[int, Proposal]] = []  # (rank, proposal): lower ranks first
