@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from fp8_recipes.rundir import METRICS, last_metrics_step, read_metrics, read_summary
+
 __all__ = ["REFERENCE", "add_gaps", "check_runs", "child_main", "collect", "compare_recipes", "final_loss",
            "plot_curves", "run_overrides", "save", "steady_tokens_per_s", "summarize", "summarize_run"]
 
@@ -96,11 +98,9 @@ def _read_json(path: Path) -> dict:
 
 def summarize_run(run_dir: Path, name: str) -> dict[str, Any]:
     """One run's row: losses, speed, memory and parity read from its run dir (missing parts are None)."""
-    from fp8_recipes.training.metrics import read_metrics
-
-    summary = _read_json(run_dir / "summary.json")
+    summary = read_summary(run_dir)
     parity = _read_json(run_dir / PARITY_FILE)
-    train = read_metrics(run_dir, "train") if (run_dir / "metrics.jsonl").is_file() else []
+    train = read_metrics(run_dir, "train") if (run_dir / METRICS).is_file() else []
     evals = [r for r in (read_metrics(run_dir, "eval") if train else []) if "val_loss" in r]
     loss, k = final_loss(train)
     status = "ok" if summary and not summary.get("stopped") and not summary.get("preempted") else (
@@ -137,7 +137,7 @@ def collect(out_dir: Path, names: Sequence[str] | None = None) -> dict[str, Any]
     previous = _read_json(out_dir / "compare.json")
     if names is None:
         names = [r["name"] for r in previous.get("runs", [])] or sorted(
-            (p.name for p in out_dir.iterdir() if (p / "metrics.jsonl").is_file()),
+            (p.name for p in out_dir.iterdir() if (p / METRICS).is_file()),
             key=lambda n: (n != REFERENCE, n))
     if not names:
         raise ValueError(f"--plot-only: {str(out_dir)!r} holds no run (no */metrics.jsonl); give a directory "
@@ -193,8 +193,6 @@ def _smooth(values: list[float], window: int) -> list[float]:
 
 
 def _curve(run_dir: Path, window: int) -> tuple[list[int], list[float]]:
-    from fp8_recipes.training.metrics import read_metrics
-
     rows = [r for r in read_metrics(run_dir, "train") if not r.get("skipped")]
     pairs = [(r["step"], float(r["loss"])) for r in rows if math.isfinite(float(r["loss"]))]
     return [s for s, _ in pairs], _smooth([v for _, v in pairs], window)
@@ -250,8 +248,6 @@ def plot_curves(result: dict[str, Any], path: Path) -> Path | None:
 
 
 def _eval_points(run_dir: Path) -> tuple[list[int], list[float]]:
-    from fp8_recipes.training.metrics import read_metrics
-
     rows = [r for r in read_metrics(run_dir, "eval") if "val_loss" in r]
     return [r["step"] for r in rows], [float(r["val_loss"]) for r in rows]
 
@@ -354,17 +350,6 @@ def _child_env(slot: int, parallel: int) -> dict[str, str]:
     return env
 
 
-def _last_step(run_dir: Path) -> int | None:
-    """The step of the last metrics row (for the progress bar), reading only the file's tail."""
-    try:
-        with open(run_dir / "metrics.jsonl", "rb") as f:
-            f.seek(max(0, f.seek(0, 2) - 4096))
-            last = f.read().splitlines()[-1]
-        return int(json.loads(last)["step"])
-    except (OSError, ValueError, IndexError, KeyError):
-        return None
-
-
 def _last_error(log: Path) -> str:
     lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()] if log.is_file() else []
     return next((ln for ln in reversed(lines) if ln.startswith("error:")), lines[-1] if lines else "no output")
@@ -413,7 +398,7 @@ def _run_all(jobs: dict[str, list[str]], parallel: int, out_dir: Path) -> dict[s
                     f"FAILED (exit {proc.returncode}): {_last_error(logs / f'{name}.log')}"
                 bar.write(f"{name}: {what} ({time.perf_counter() - t0:.0f}s; log {logs / f'{name}.log'})")
                 bar.update(1)
-            bar.set_postfix_str(" | ".join(f"{n} step {_last_step(out_dir / n) or 0}" for n in running),
+            bar.set_postfix_str(" | ".join(f"{n} step {last_metrics_step(out_dir / n) or 0}" for n in running),
                                 refresh=False)
     except KeyboardInterrupt:
         for proc, _, _ in running.values():

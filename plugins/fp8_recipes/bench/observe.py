@@ -14,12 +14,12 @@ statistics kernels, which Triton then caches on disk), as a long run amortises i
 
 from __future__ import annotations
 
-import json
 import statistics
 import tempfile
 from pathlib import Path
 
 from fp8_recipes.bench.emulated import _compose
+from fp8_recipes.rundir import METRICS, read_jsonl
 
 __all__ = ["bench_stats", "format_table", "plot_overhead"]
 
@@ -50,7 +50,7 @@ def bench_stats(recipes: list[str], *, interval: int = 10, steps: int = 40, repe
                     if mode == "on":
                         spent = summary["numerics_s"]
                         recorder.append(100 * spent / (summary["wall_time_s"] - spent))
-                        in_run.append(step_time_overhead(run_dir / "metrics.jsonl", interval,
+                        in_run.append(step_time_overhead(run_dir / METRICS, interval,
                                                          summary["numerics_write_s"]))
             off, on = statistics.median(times["off"]), statistics.median(times["on"])
             rows.append({"recipe": name, "step_s_off": off, "step_s_on": on, "overhead_pct": 100 * (on / off - 1),
@@ -67,7 +67,7 @@ def step_time_overhead(metrics: Path, interval: int, write_s: float, skip: int =
     from fp8_recipes.observe.config import DebugConfig
 
     due = DebugConfig.from_dict({"interval": interval}).stats_due
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    rows = read_jsonl(metrics)
     every = {r["step"]: r["step_time"] for r in rows if r.get("kind") == "train"}
     times = {step: t for step, t in every.items() if step > skip}
     plain = [t for step, t in times.items() if not due(step)]

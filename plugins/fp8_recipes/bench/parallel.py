@@ -10,7 +10,6 @@ GPU (the engine before a change: the side-by-side before/after a change of engin
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8_recipes.bench.output import bar_chart, markdown_table, save_json
+from fp8_recipes.rundir import read_summary
 
 __all__ = ["LAYOUTS", "bench_parallel", "save"]
 
@@ -82,9 +82,8 @@ def bench_parallel(layouts: list[str], recipes: list[str], overrides: list[str],
                                   stderr=subprocess.STDOUT, env=env)
         row: dict[str, Any] = {"layout": name, "recipe": recipe, "gpus": nproc, "rc": proc.returncode,
                                "wall_s": round(time.perf_counter() - t0, 1)}
-        summary_path = run_dir / "summary.json"
-        if proc.returncode == 0 and summary_path.is_file():
-            summary = json.loads(summary_path.read_text())
+        summary = read_summary(run_dir) if proc.returncode == 0 else {}
+        if summary:
             row.update(tokens_per_s=summary["tokens_per_s_median"],
                        peak_gib=summary["peak_memory_bytes"] / 2**30, final_loss=summary["final_loss"])
         else:

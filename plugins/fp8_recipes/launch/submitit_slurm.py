@@ -32,7 +32,6 @@ derived from the job id.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import subprocess
@@ -46,6 +45,7 @@ from fp8_recipes.launch.job import (
     check_train_config, default_job_name, fixed_run_dir, override_key, resumable_overrides,
 )
 from fp8_recipes.launch.settings import LauncherSettings
+from fp8_recipes.rundir import read_summary
 from fp8_recipes.training.errors import PREEMPTED_EXIT, USER_ERROR_EXIT
 
 __all__ = ["TrainingSlurmLauncher", "TrainTask", "submitit_parameters"]
@@ -140,10 +140,7 @@ def _task_log() -> str:
 
 def _preemption_signal(run_dir: Path) -> str | None:
     """The signal that stopped the run, from rank 0's summary.json (``{"preempted": {"signal": ..., "step": ...}}``)."""
-    try:
-        return (json.loads((run_dir / "summary.json").read_text()).get("preempted") or {}).get("signal")
-    except (OSError, ValueError):
-        return None
+    return (read_summary(run_dir).get("preempted") or {}).get("signal")
 
 
 class TrainingSlurmLauncher(SubmititSlurmLauncher):

@@ -5,9 +5,8 @@
     patched_recipe(d)                         # the recipe dict with the applied proposals, validated; or None
     write_recipe(Path("fixed.yaml"), patched)  # atomically
 
-The rules live in :mod:`fp8_recipes.observe.doctor`. Lines of metrics.jsonl / numerics.jsonl are read here rather
-than with ``training.metrics.read_metrics`` (observe sits below training) and a bad line is a user error, not a
-traceback. Imports PyYAML and our schema only.
+The rules live in :mod:`fp8_recipes.observe.doctor`. The run's files are read with :mod:`fp8_recipes.rundir`; a bad
+line is a user error, not a traceback. Imports PyYAML and our schema only.
 """
 
 from __future__ import annotations
@@ -18,23 +17,19 @@ from pathlib import Path
 from typing import Any
 
 from fp8_recipes.observe.doctor import Diagnosis, DoctorInputError, Finding, RunData
-from fp8_recipes.observe.files import numerics_files
+from fp8_recipes.rundir import (
+    METRICS,
+    RECIPE,
+    RunFileError,
+    read_metrics,
+    read_numerics,
+    read_recipe,
+    read_summary,
+)
 from fp8_recipes.schema import Recipe
-from fp8_recipes.yaml_guard import UnsafeYAML, load_yaml
+from fp8_recipes.yaml_guard import UnsafeYAML
 
 __all__ = ["format_report", "load_run", "patched_recipe", "write_recipe"]
-
-
-def _jsonl(path: Path, key: str) -> list[dict[str, Any]]:
-    rows = []
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise DoctorInputError(f"{key}: {path} line {i} is not JSON ({e.msg}); give a run directory written "
-                                       f"by scripts/train.py") from None
-    return rows
 
 
 def load_run(run_dir: str | Path, key: str = "RUN_DIR") -> RunData:
@@ -43,27 +38,23 @@ def load_run(run_dir: str | Path, key: str = "RUN_DIR") -> RunData:
     if not path.is_dir():
         raise DoctorInputError(f"{key}: '{run_dir}' is not a directory (give a training run directory, e.g. "
                                f"runs/delayed-<time>)")
-    if not (path / "metrics.jsonl").is_file():
-        raise DoctorInputError(f"{key}: '{run_dir}' has no metrics.jsonl (give the run_dir of a scripts/train.py run)")
-    rows = _jsonl(path / "metrics.jsonl", key)
+    if not (path / METRICS).is_file():
+        raise DoctorInputError(f"{key}: '{run_dir}' has no {METRICS} (give the run_dir of a scripts/train.py run)")
+    try:
+        rows = read_metrics(path)
+        numerics = read_numerics(path)
+    except RunFileError as e:
+        raise DoctorInputError(f"{key}: {e}; give a run directory written by scripts/train.py") from None
     train = sorted((r for r in rows if r.get("kind") == "train"), key=lambda r: r.get("step", 0))
     evals = sorted((r for r in rows if r.get("kind") == "eval" and "val_loss" in r), key=lambda r: r.get("step", 0))
     if not train:
-        raise DoctorInputError(f"{key}: '{run_dir}'/metrics.jsonl has no training step yet (let the run take steps)")
-    numerics = [row for f in numerics_files(path) for row in _jsonl(f, key)]
-    recipe: dict[str, Any] = {}
-    if (path / "recipe.yaml").is_file():
-        try:
-            recipe = load_yaml((path / "recipe.yaml").read_bytes(), str(path / "recipe.yaml")) or {}
-        except UnsafeYAML as e:
-            raise DoctorInputError(f"{key}: '{run_dir}'/recipe.yaml: {e} (restore it from the run)") from None
-    summary = {}
-    if (path / "summary.json").is_file():
-        try:
-            summary = json.loads((path / "summary.json").read_text(encoding="utf-8"))
-        except json.JSONDecodeError:
-            summary = {}  # a run killed while writing: the metrics rows say enough
-    return RunData(path, train, numerics, recipe if isinstance(recipe, dict) else {}, summary, evals)
+        raise DoctorInputError(f"{key}: '{run_dir}'/{METRICS} has no training step yet (let the run take steps)")
+    try:
+        recipe = read_recipe(path) or {}
+    except UnsafeYAML as e:
+        raise DoctorInputError(f"{key}: '{run_dir}'/{RECIPE}: {e} (restore it from the run)") from None
+    summary = read_summary(path)  # {} for a run killed while writing it: the metrics rows say enough
+    return RunData(path, train, numerics, recipe, summary, evals)
 
 
 def patched_recipe(d: Diagnosis) -> dict[str, Any] | None:

@@ -44,13 +44,13 @@ from typing import Any
 import torch
 
 from fp8_recipes.observe.config import DebugConfig
-from fp8_recipes.observe.files import numerics_files, numerics_name
 from fp8_recipes.numerics import block_for
 from fp8_recipes.observe.stats import COLUMNWISE, OperandStats, measure, rows as stats_rows
 from fp8_recipes.plan import Gemm
+from fp8_recipes.rundir import TENSORBOARD, jsonable, numerics_name, read_numerics
 from fp8_recipes.schema import Role, Scaling
 
-__all__ = ["NumericsRecorder", "ObservedPrecision", "load_dump", "read_numerics"]
+__all__ = ["NumericsRecorder", "ObservedPrecision", "load_dump", "read_numerics"]  # read_numerics: from rundir
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class NumericsRecorder:
         self.stage = stage
         """The pipeline stage whose modules this rank observes (None: one stage). Each stage's first rank writes
         its own rows: stage 0 (or the only one) to numerics.jsonl, stage N to numerics.stageN.jsonl (one writer per
-        file; module names are global, so the files read as one: :func:`numerics_files`)."""
+        file; module names are global, so the files read as one: :func:`fp8_recipes.rundir.numerics_files`)."""
         self.tensorboard = tensorboard
         self.states: dict[str, Any] = {}
         self.step: int | None = None
@@ -213,7 +213,7 @@ class NumericsRecorder:
         if not self.write:
             return
         self._open()
-        self._file.write("".join(json.dumps({k: _jsonable(v) for k, v in row.items()}) + "\n" for row in rows))
+        self._file.write("".join(json.dumps({k: jsonable(v) for k, v in row.items()}) + "\n" for row in rows))
         self._file.flush()
         if self._tb is not None:
             scalars = {f"numerics/{row['module']}/{row['gemm']}/{row['role']}/{stat}": row[stat]
@@ -229,7 +229,7 @@ class NumericsRecorder:
         if self.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-                self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"))
+                self._tb = SummaryWriter(log_dir=str(self.run_dir / TENSORBOARD))
             except Exception as e:  # noqa: BLE001 - statistics go to numerics.jsonl either way
                 logger.warning("numerics: TensorBoard disabled (%s: %s)", type(e).__name__, e)
 
@@ -326,12 +326,6 @@ def load_dump(path: str | os.PathLike) -> dict[str, Any]:
     return d
 
 
-def read_numerics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """Every row of the run's statistics (numerics.jsonl and, for a pipelined run, each stage's file)."""
-    return [json.loads(line) for path in numerics_files(run_dir)
-            for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-
-
 def plot_heatmap(heat: dict[str, dict[int, float]], path: Path, what: str = "underflow % of fprop activations"):
     """Modules (rows, model order) x recorded steps (columns), colour = `what`."""
     import matplotlib
@@ -367,9 +361,3 @@ def _add_scalars(writer, scalars: dict[str, float], step: int) -> None:
     if scalars:
         writer._get_file_writer().add_summary(
             Summary(value=[Summary.Value(tag=tag, simple_value=float(v)) for tag, v in scalars.items()]), step)
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # JSON has no NaN/inf; keep them visible (as metrics.jsonl does)
-    return value

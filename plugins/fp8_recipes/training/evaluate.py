@@ -25,6 +25,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from fp8_recipes.rundir import HYDRA, RECIPE, read_recipe
+
 __all__ = ["evaluate_checkpoint", "eval_step_all_on", "format_parity", "gap_pct", "load_run_config"]
 
 logger = logging.getLogger("fp8_recipes")
@@ -39,7 +41,7 @@ def load_run_config(run_dir: str | Path) -> Any:
     """The composed config scripts/train.py ran with (Hydra writes it to ``run_dir/.hydra/config.yaml``)."""
     from omegaconf import OmegaConf
 
-    path = Path(run_dir) / ".hydra" / "config.yaml"
+    path = Path(run_dir) / HYDRA / "config.yaml"
     if not path.is_file():
         raise ValueError(f"run_dir: {str(run_dir)!r} has no .hydra/config.yaml; give a directory written by "
                          "scripts/train.py")
@@ -89,18 +91,19 @@ def _model_cfg(cfg: Any) -> dict:
 def _run_recipe(run_dir: Path, recipe: str | None) -> Any:
     """``recipe`` (a pack name or YAML path), else what the run trained with (its resolved recipe.yaml)."""
     from fp8_recipes.recipes import load_recipe
-    from fp8_recipes.yaml_guard import UnsafeYAML, load_yaml
+    from fp8_recipes.yaml_guard import UnsafeYAML
 
     if recipe is not None:
         return load_recipe(recipe)
-    path = run_dir / "recipe.yaml"
-    if not path.is_file():
-        raise ValueError(f"run_dir: {str(run_dir)!r} has no recipe.yaml; give a directory written by "
-                         "scripts/train.py, or --recipe NAME")
     try:
-        return load_recipe(load_yaml(path.read_bytes(), str(path)))
+        data = read_recipe(run_dir)
     except UnsafeYAML as e:
-        raise ValueError(f"run_dir: {path}: {e}; restore the run's recipe.yaml, or give --recipe NAME") from None
+        raise ValueError(f"run_dir: {run_dir / RECIPE}: {e}; restore the run's {RECIPE}, or give --recipe NAME") \
+            from None
+    if data is None:
+        raise ValueError(f"run_dir: {str(run_dir)!r} has no {RECIPE}; give a directory written by "
+                         "scripts/train.py, or --recipe NAME")
+    return load_recipe(data)
 
 
 def evaluate_checkpoint(run_dir: str | Path, *, checkpoint: str | Path | None = None, recipe: str | None = None,

@@ -1,24 +1,27 @@
 """Where training numbers go: ``metrics.jsonl`` (one JSON object per row), TensorBoard, ``summary.json``, ``loss.png``.
 
 Rows carry ``kind`` ("train" or "eval") and ``step`` (optimizer steps completed), so a reader can filter
-without guessing from the keys. Only rank 0 writes; on other ranks the writer is a no-op.
+without guessing from the keys. Only rank 0 writes; on other ranks the writer is a no-op. The files' names and
+their readers live in :mod:`fp8_recipes.rundir` (``read_metrics`` and ``write_summary`` are re-exported here).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 from typing import Any, Iterable
 
+from fp8_recipes.rundir import (
+    LOSS_PLOT,
+    METRICS,
+    TENSORBOARD,
+    jsonable,
+    read_metrics,
+    write_summary,
+)
+
 __all__ = ["MetricsWriter", "read_metrics", "write_summary", "plot_loss"]
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # JSON has no NaN/inf; keep them visible as strings rather than invalid JSON
-    return value
 
 
 class MetricsWriter:
@@ -32,11 +35,11 @@ class MetricsWriter:
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")  # append: a resumed run continues
+        self._file = open(self.run_dir / METRICS, "a", encoding="utf-8")  # append: a resumed run continues
         if tensorboard:
             try:  # tensorboard is a declared dependency, but a missing one should not stop training
                 from torch.utils.tensorboard import SummaryWriter
-                self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"))
+                self._tb = SummaryWriter(log_dir=str(self.run_dir / TENSORBOARD))
             except Exception as e:  # noqa: BLE001
                 print(f"metrics: TensorBoard disabled ({type(e).__name__}: {e})")
 
@@ -45,7 +48,7 @@ class MetricsWriter:
         precision ``stage`` (a label: "bf16 warmup", "fp8 w+a", ...) as the text ``<kind>/stage`` where it changes."""
         if not self.enabled:
             return
-        self._file.write(json.dumps({k: _jsonable(v) for k, v in row.items()}) + "\n")
+        self._file.write(json.dumps({k: jsonable(v) for k, v in row.items()}) + "\n")
         self._file.flush()  # a crashed run keeps every row written so far
         if self._tb is not None:
             kind = row.get("kind", "train")
@@ -71,22 +74,6 @@ class MetricsWriter:
         self.close()
 
 
-def read_metrics(run_dir: str | os.PathLike, kind: str | None = None) -> list[dict[str, Any]]:
-    """All rows of ``run_dir/metrics.jsonl`` (optionally only one ``kind``)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    return [r for r in rows if kind is None or r.get("kind") == kind]
-
-
-def write_summary(run_dir: str | os.PathLike, summary: dict[str, Any]) -> Path:
-    """Write ``run_dir/summary.json`` (atomically: a reader never sees half a file)."""
-    path = Path(run_dir) / "summary.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({k: _jsonable(v) for k, v in summary.items()}, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-    return path
-
-
 def _series(rows: Iterable[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
     pairs = [(r["step"], float(r[key])) for r in rows if isinstance(r.get(key), (int, float))]
     return [p[0] for p in pairs], [p[1] for p in pairs]
@@ -110,7 +97,7 @@ def plot_loss(run_dir: str | os.PathLike) -> Path:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    path = Path(run_dir) / "loss.png"
+    path = Path(run_dir) / LOSS_PLOT
     fig.savefig(path)
     plt.close(fig)
     return path

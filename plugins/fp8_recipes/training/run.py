@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fp8_recipes.rundir import PLAN, RECIPE, write_text
+
 __all__ = ["resolve_debug", "resolve_recipe", "run_training"]
 
 logger = logging.getLogger("fp8_recipes")
@@ -96,12 +98,6 @@ def torch_dtype(name: str) -> "torch.dtype":
     if name not in table:
         raise ValueError(f"trainer.params_dtype: {name!r} is not one of float32 | bfloat16")
     return table[name]
-
-
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def quiet_third_party_logs() -> None:
@@ -334,10 +330,10 @@ def run_training(cfg) -> dict:
                 tcfg.tensor_model_parallel_size, tcfg.pipeline_model_parallel_size,
                 tcfg.virtual_pipeline_model_parallel_size, tcfg.context_parallel_size, dp))
             print(explained, flush=True)
-            _write_text(run_dir / "plan.txt", explained + "\n")
+            write_text(run_dir / PLAN, explained + "\n")
             import yaml
 
-            _write_text(run_dir / "recipe.yaml", yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+            write_text(run_dir / RECIPE, yaml.safe_dump(recipe.to_dict(), sort_keys=False))
         precision, recorder = _observe(precision, debug, run_dir, rank, plan.backend)
         try:
             summary = train(engine, train_iters, valid_iter, trainer, precision, run_dir, rank=rank,
