@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Iterator
 
 from fp8_recipes.checks import did_you_mean
+from fp8_recipes.rundir import RUN_OUTPUTS
 
 __all__ = ["ConsoleFormatter", "NonFiniteStop", "USER_ERROR_EXIT", "NONFINITE_EXIT", "PREEMPTED_EXIT",
            "hydra_errors_as_one_line", "one_line", "print_error_once", "remove_partial_run_dir"]
@@ -30,8 +31,6 @@ USER_ERROR_EXIT = 2  # a bad config, recipe or command line: nothing was run
 NONFINITE_EXIT = 3   # training stopped on non-finite losses or gradients (trainer.on_nonfinite)
 PREEMPTED_EXIT = 4   # SIGTERM/SIGUSR1: checkpointed after the current step, not finished: requeue, resume=auto
 
-# What Hydra and a run write into run_dir; a run that failed on its input loses exactly these, nothing else.
-_RUN_OUTPUTS = (".hydra", "train.log", "plan.txt", "recipe.yaml", "metrics.jsonl", "tb", "summary.json", "loss.png")
 _PACKAGE = str(Path(__file__).resolve().parents[1])
 _IMPORTED_AT = time.time()  # scripts/train.py imports this module before Hydra creates run_dir
 
@@ -154,7 +153,7 @@ def remove_partial_run_dir(run_dir: str | os.PathLike, since: float = _IMPORTED_
     run_dir = Path(run_dir)
     if not run_dir.is_dir() or (run_dir / "checkpoints").exists():
         return
-    for name in _RUN_OUTPUTS:
+    for name in RUN_OUTPUTS:
         p = run_dir / name
         if not p.exists() or p.stat().st_mtime < since - 1.0:  # (1 s: coarse file-system clocks)
             continue
