@@ -61,10 +61,9 @@ def _cmd_validate(args) -> int:
 
 
 def _cmd_explain(args) -> int:
-    from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan
+    from fp8_recipes.plan import Hardware, ModelLayout, ParallelLayout, PrecisionPlan
+    from fp8_recipes.plan_format import format_plan
     from fp8_recipes.recipes import load_recipe
-
-    from fp8_recipes.plan import ParallelLayout
 
     hardware = Hardware.detect() if args.detect else Hardware()
     parallel = None
@@ -72,7 +71,7 @@ def _cmd_explain(args) -> int:
         parallel = ParallelLayout.parse(args.layout)
         parallel.check(args.layers)
     plan = PrecisionPlan(load_recipe(args.recipe), ModelLayout.gpt(args.layers), hardware)
-    print(plan.explain(max_steps=args.steps, parallel=parallel))
+    print(format_plan(plan, max_steps=args.steps, parallel=parallel))
     return 0
 
 

@@ -7,7 +7,7 @@ Each linear module runs three GEMMs: fprop (activations x weights), dgrad (gradi
 (gradients x activations). An operand is FP8 when its role is enabled at that step (BF16 warmup and
 ``schedule.enable``) and the module is not kept BF16 by ``layers`` (first/last N transformer layers,
 ``bf16_modules`` glob patterns, the LM head unless ``fp8_output_layer``). Backends execute the plan; they do not
-re-decide it. ``explain()`` prints it.
+re-decide it. :func:`fp8_recipes.plan_format.format_plan` prints it (printing sits a floor above deciding).
 
 With the Transformer Engine backend (``plan.backend == "te"``) a GEMM is real FP8 only where TE can run it
 (:mod:`fp8_recipes.plan_te`): both operands FP8, in one scaling family, on hardware that has it. Each module's
@@ -448,13 +448,6 @@ class PrecisionPlan:
             end = starts[i + 1] - 1 if i + 1 < len(starts) else (max_steps - 1 if max_steps else None)
             out.append((s, end, self.stage_label(self.roles_fp8_at(s), s)))
         return out
-
-    # -- printing ----------------------------------------------------------------------------------------------
-    def explain(self, max_steps: int | None = None, parallel: ParallelLayout | None = None) -> str:
-        """The printed plan; with ``parallel``, also which pipeline stage runs which layers in which precision."""
-        from fp8_recipes.plan_format import format_plan  # printing lives apart from deciding
-
-        return format_plan(self, max_steps, parallel)
 
 
 _FP8_PARAM_RECIPES = ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling")

@@ -1,4 +1,9 @@
-"""Print a PrecisionPlan as the table users read before training (and `fp8-recipes explain`)."""
+"""Print a PrecisionPlan as the table users read before training (and `fp8-recipes explain`).
+
+    print(format_plan(plan, max_steps=1000, parallel=ParallelLayout(pp=2, dp=4)))
+
+One floor above plan.py: the plan decides, this module only prints the decision (plan.py never imports it).
+"""
 
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ import yaml
 
 from fp8_recipes import cli
 from fp8_recipes.plan import ModelLayout, PrecisionPlan
+from fp8_recipes.plan_format import format_plan
 from fp8_recipes.recipes import load_recipe, recipe_names, recipes_dir
 from fp8_recipes.schema import Recipe
 
@@ -152,7 +153,7 @@ def test_validate_unknown_recipe_name(capsys):
 def test_explain_layers_8(capsys):
     rc, out, err = run_cli(capsys, "explain", "safe", "--layers", "8")
     assert rc == 0 and err == ""
-    assert out == PrecisionPlan(load_recipe("safe"), ModelLayout.gpt(8)).explain() + "\n"
+    assert out == format_plan(PrecisionPlan(load_recipe("safe"), ModelLayout.gpt(8))) + "\n"
     # read independently of the formatter: the stage table and the per-layer rows of safe on 8 layers
     stages = re.findall(r"^  steps (\d+)-(\d*)\s+(.+)$", out, re.M)
     assert stages == [("0", "99", "bf16 warmup"), ("100", "199", "fp8 w"), ("200", "299", "fp8 w+a"),

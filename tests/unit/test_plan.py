@@ -10,6 +10,7 @@ import pytest
 from fp8_recipes.plan import (
     GEMM_OPERANDS, Execution, Gemm, Hardware, ModelLayout, PrecisionPlan,
 )
+from fp8_recipes.plan_format import format_plan
 from fp8_recipes.recipes import load_recipe, recipe_names
 from fp8_recipes.schema import Backend, LayerRules, Recipe, Role, Schedule
 
@@ -186,7 +187,7 @@ def test_unmatched_pattern_reported_and_warned():
     r = with_layers(load_recipe("tensorwise"), bf16_modules=("*.linear_qkvv", "*.linear_proj", "decoder.layers.99.*"))
     plan = plan_for(r)
     assert plan.unmatched_patterns == ("*.linear_qkvv", "decoder.layers.99.*")
-    text = plan.explain()
+    text = format_plan(plan)
     assert "warning: layers.bf16_modules pattern '*.linear_qkvv' matches no module of this model" in text
     assert "warning: layers.bf16_modules pattern 'decoder.layers.99.*' matches no module of this model" in text
     assert "'*.linear_proj' matches" not in text
@@ -218,7 +219,7 @@ def test_stage_labels_match_at(name):
 
 def test_explain_safe():
     plan = plan_for("safe", ModelLayout.gpt(4))
-    text = plan.explain()
+    text = format_plan(plan)
     lines = text.splitlines()
     assert lines[0].startswith("recipe    safe: ")
     assert "backend   emulated (auto: CPU has no Transformer Engine FP8 backend)" in lines
@@ -244,7 +245,7 @@ def test_explain_safe():
 
 def test_explain_splits_a_layer_with_mixed_modules():
     r = with_layers(load_recipe("tensorwise"), bf16_modules=("*.linear_qkv",))
-    lines = plan_for(r, ModelLayout.gpt(3)).explain().splitlines()
+    lines = format_plan(plan_for(r, ModelLayout.gpt(3))).splitlines()
     qkv = [line for line in lines if "linear_qkv" in line and "bf16_modules" in line]
     assert len(qkv) == 1 and qkv[0].split()[0] == "0-2"  # layers grouped, modules listed one by one
     assert any("mlp.linear_fc1" in line and "emulated" in line for line in lines)
@@ -252,13 +253,13 @@ def test_explain_splits_a_layer_with_mixed_modules():
 
 def test_explain_mentions_full_precision_eval():
     r = dataclasses.replace(load_recipe("tensorwise"), schedule=Schedule(full_precision_eval_interval=500))
-    assert "full-precision evaluation every 500 steps" in plan_for(r).explain()
-    assert "full-precision evaluation" not in plan_for("tensorwise").explain()
+    assert "full-precision evaluation every 500 steps" in format_plan(plan_for(r))
+    assert "full-precision evaluation" not in format_plan(plan_for("tensorwise"))
 
 
 @pytest.mark.parametrize("name", PACK)
 def test_explain_every_recipe(name):
-    text = plan_for(name).explain(max_steps=1000)
+    text = format_plan(plan_for(name), max_steps=1000)
     assert f"recipe    {name}" in text and "stages" in text
     r = load_recipe(name)
     for role in ROLES:
@@ -322,7 +323,7 @@ def test_plan_is_pure(name):
     a, b = plan_for(name), plan_for(name)
     for step in steps_to_check(a.recipe):
         assert a.at(step) == b.at(step) == a.at(step)
-    assert a.stages() == b.stages() and a.explain() == b.explain() == a.explain()
+    assert a.stages() == b.stages() and format_plan(a) == format_plan(b) == format_plan(a)
     assert a.at(3).step == 3 and a.at(4).step == 4  # the cached modules are shared, the step is not
 
 
@@ -365,8 +366,8 @@ def test_explain_shows_which_stage_runs_which_layers():
     from fp8_recipes.plan import ParallelLayout
 
     plan = PrecisionPlan(load_recipe("safe"), ModelLayout.gpt(4))
-    text = plan.explain(parallel=ParallelLayout(pp=2, dp=4))
+    text = format_plan(plan, parallel=ParallelLayout(pp=2, dp=4))
     assert "pipeline stages (tp=1, pp=2, cp=1, dp=4: 8 GPUs; layer numbers are global)" in text
     assert "  stage 0          layers 0-1      0 bf16, 1 emulated  + embedding" in text
     assert "  stage 1          layers 2-3      2 emulated, 3 bf16  + LM head bf16" in text
-    assert "pipeline stages" not in plan.explain()  # one stage: nothing to add
+    assert "pipeline stages" not in format_plan(plan)  # one stage: nothing to add

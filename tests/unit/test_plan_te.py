@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from fp8_recipes.plan import Execution, Gemm, Hardware, ModelLayout, PrecisionPlan
+from fp8_recipes.plan_format import format_plan
 from fp8_recipes.plan_te import TERecipe, TERecipeKind, resolve_te, te_recipe_for
 from fp8_recipes.recipes import load_recipe, recipe_names
 from fp8_recipes.schema import Backend, Format, Recipe, Role, Scaling, TensorPolicy
@@ -86,7 +87,7 @@ def test_every_recipe_every_module_every_gemm(gpu, name):
             for role, policy in gp.operands:  # the operands show what TE really quantizes with
                 assert policy == te.policy(role) == plan.te.policies[role]
                 assert policy.is_fp8
-    assert f"TE: {next(m.te for m in sp.modules.values() if m.te).describe()}" in plan.explain()
+    assert f"TE: {next(m.te for m in sp.modules.values() if m.te).describe()}" in format_plan(plan)
     assert plan_for(name, HARDWARE[gpu]).at(3) == plan.at(3)  # pure
 
 
@@ -123,7 +124,7 @@ def test_hybrid_on_h200_says_what_it_became():
     plan = plan_for("hybrid")
     assert plan.backend_reason == "auto: FP8 GPU with Transformer Engine; 2 settings substituted, see below"
     assert plan.te.policies == {W: BLOCK_2D, A: BLOCK_1D, G: dataclasses.replace(BLOCK_1D, format=Format.E5M2)}
-    text = plan.explain()
+    text = format_plan(plan)
     assert "Transformer Engine runs the nearest legal recipe on NVIDIA H200 (sm_90):" in text
     assert ("weights.scaling          mxfp8 e4m3 1x32 e8m0/rceil -> blockwise e4m3 128x128 pow2 "
             "(MXFP8 needs sm_100; NVIDIA H200 is sm_90)") in text
@@ -152,7 +153,7 @@ def test_safe_stages_on_te():
     assert not full.te.forward_only and all(g.execution is Execution.FP8 for g in full.gemms.values())
     assert dataclasses.replace(fwd.te, forward_only=False) == full.te  # same recipe object family: only the override
     assert plan.at(300).note == ""
-    text = plan.explain()
+    text = format_plan(plan)
     assert "TE: Float8CurrentScaling(fp8_format=HYBRID, backward_override=high_precision)" in text
     for layer in (0, N - 1):  # first/last layer BF16 at every stage
         assert all(m.te is None for n, m in plan.at(300).modules.items() if m.layer == layer)
@@ -389,12 +390,12 @@ def test_fp8_attention_waits_for_activations_and_gradients():
     for scaling, hardware in (("delayed", Hardware()), ("tensorwise", B200)):  # emulated, and TE where it runs
         plan = plan_for(attention_recipe(scaling, **staged), hardware)
         assert [bool(plan.at(s).attention) for s in range(8)] == [False] * 6 + [True] * 2
-        assert "core attention (softmax(Q K^T) V): fp8 in layers 0-" in plan.explain()
+        assert "core attention (softmax(Q K^T) V): fp8 in layers 0-" in format_plan(plan)
     # staged delayed scaling runs TE's CustomRecipe (one history across the forward-only stage): BF16 attention
     plan = plan_for(attention_recipe("delayed", **staged), H200)
     assert final(plan).attention == frozenset() and "not CustomRecipe" in plan.substitutions[-1].reason
-    assert "core attention (softmax(Q K^T) V): bf16 (attention: fp8 cannot run here" in plan.explain()
-    assert "core attention" not in plan_for("delayed").explain()  # nothing printed unless asked for
+    assert "core attention (softmax(Q K^T) V): bf16 (attention: fp8 cannot run here" in format_plan(plan)
+    assert "core attention" not in format_plan(plan_for("delayed"))  # nothing printed unless asked for
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -415,9 +416,9 @@ def test_fp8_param_layers_are_the_fp8_layers(scaling, te_class):
     sp = final(plan)
     assert all(te == sp.modules[f"decoder.layers.{i}.mlp.linear_fc1"].te and te.recipe == te_class
                for i, te in layers.items())
-    line = next(x for x in plan.explain().splitlines() if "fp8_param" in x)
+    line = next(x for x in format_plan(plan).splitlines() if "fp8_param" in x)
     assert f"fp8 in layers 1-2 (TE {te_class} tensors" in line and "bf16: layers 0, 3, LM head, embeddings" in line
-    assert "fp8_param" not in plan_for(scaling).explain() and plan_for(scaling).fp8_param_layers() == {}
+    assert "fp8_param" not in format_plan(plan_for(scaling)) and plan_for(scaling).fp8_param_layers() == {}
 
 
 def test_fp8_param_with_fp8_attention_uses_the_layers_recipe():
@@ -439,7 +440,7 @@ def test_fp8_param_refusals_are_one_line_naming_the_key(recipe, hardware, says):
     problem = plan.fp8_param_problem()
     assert problem.startswith("fp8_param: true") and says in problem and "\n" not in problem
     assert problem.endswith("fp8_param: false") and plan.fp8_param_layers() == {}
-    assert f"weights stored (fp8_param): refused: {problem}" in plan.explain()
+    assert f"weights stored (fp8_param): refused: {problem}" in format_plan(plan)
 
 
 def test_fp8_param_whole_layer_patterns_and_all_bf16_layers_are_fine():
@@ -447,4 +448,4 @@ def test_fp8_param_whole_layer_patterns_and_all_bf16_layers_are_fine():
     assert plan.fp8_param_problem() is None and sorted(plan.fp8_param_layers()) == [0, 1, 3]
     none = plan_for(fp8_param_recipe("tensorwise", layers={"bf16_first": N}))
     assert none.fp8_param_problem() is None and none.fp8_param_layers() == {}
-    assert "weights stored (fp8_param): bf16 everywhere" in none.explain()
+    assert "weights stored (fp8_param): bf16 everywhere" in format_plan(none)

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan, Substitution, TERecipe
+from fp8_recipes.plan_format import format_plan
 from fp8_recipes.plan_te import TERecipeKind, te_recipe_for
 from fp8_recipes.recipes import load_recipe
 from fp8_recipes.schema import (
@@ -341,7 +342,7 @@ class ScheduleDriver:
                                f"Engine here ({self.plan.backend_reason})")
         self.precision = attach_te_backend(chunks, self.plan)
         if _rank() == 0:
-            log.info("fp8-recipes precision plan:\n%s", self.plan.explain(self.max_steps))
+            log.info("fp8-recipes precision plan:\n%s", format_plan(self.plan, self.max_steps))
 
     def begin_step(self, step: int) -> str:
         if self.precision is None:

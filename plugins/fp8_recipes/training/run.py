@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fp8_recipes.plan_format import format_plan
 from fp8_recipes.rundir import PLAN, RECIPE, write_text
 
 __all__ = ["resolve_debug", "resolve_recipe", "run_training"]
@@ -326,7 +327,7 @@ def run_training(cfg) -> dict:
         engine = build_engine(chunks, tcfg, seq_length=int(model_cfg["seq_length"]), lr=tcfg.lr, device=device)
         if rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
-            explained = plan.explain(max_steps=int(trainer.max_steps), parallel=ParallelLayout(
+            explained = format_plan(plan, max_steps=int(trainer.max_steps), parallel=ParallelLayout(
                 tcfg.tensor_model_parallel_size, tcfg.pipeline_model_parallel_size,
                 tcfg.virtual_pipeline_model_parallel_size, tcfg.context_parallel_size, dp))
             print(explained, flush=True)
