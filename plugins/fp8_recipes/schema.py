@@ -23,7 +23,7 @@ from fp8_recipes.checks import KeyReader, fmt
 
 __all__ = [
     "AmaxAlgo", "AmaxReduction", "Attention", "Backend", "Format", "LayerRules", "MxRounding", "Recipe", "RecipeError",
-    "Role", "Scaling", "Schedule", "TensorPolicy",
+    "Role", "Scaling", "Schedule", "TensorPolicy", "default_policy",
 ]
 
 
@@ -186,6 +186,11 @@ class TensorPolicy:
         return " ".join(parts)
 
 
+def default_policy(role: Role) -> TensorPolicy:
+    """A role's policy when the recipe says nothing of it: the field defaults with the role's format and block."""
+    return TensorPolicy(format=DEFAULT_FORMAT[role], block=DEFAULT_BLOCK[role])
+
+
 @dataclass(frozen=True)
 class RoleSteps:
     """The step at which each role turns FP8 (staged enablement)."""
@@ -230,9 +235,9 @@ class Recipe:
     name: str = "bf16"
     description: str = ""
     backend: Backend = Backend.AUTO
-    weights: TensorPolicy = field(default_factory=lambda: TensorPolicy(block=DEFAULT_BLOCK[Role.WEIGHTS]))
-    activations: TensorPolicy = field(default_factory=TensorPolicy)
-    gradients: TensorPolicy = field(default_factory=lambda: TensorPolicy(format=Format.E5M2))
+    weights: TensorPolicy = field(default_factory=lambda: default_policy(Role.WEIGHTS))
+    activations: TensorPolicy = field(default_factory=lambda: default_policy(Role.ACTIVATIONS))
+    gradients: TensorPolicy = field(default_factory=lambda: default_policy(Role.GRADIENTS))
     schedule: Schedule = field(default_factory=Schedule)
     layers: LayerRules = field(default_factory=LayerRules)
     amax_reduction: AmaxReduction = AmaxReduction.DATA_TENSOR
@@ -294,6 +299,12 @@ _TOP_KEYS = {f.name for f in dataclasses.fields(Recipe)} | {"fp8_recipe", "defau
 _NEMO_BLOG_KEYS = {"name", "description", "weights", "activations", "gradients", "block_size", "backend"}
 
 
+def _given(raw: Mapping[str, Any], defaults: Any):
+    """``given(name)``: the value the mapping gives for a field, else the field's default (read off `defaults`, an
+    instance of the dataclass), so every default is written once, in the dataclass."""
+    return lambda name: raw.get(name, getattr(defaults, name))
+
+
 class _RecipeReader(KeyReader):
     """Turns a mapping into a Recipe, collecting one message per bad key (the scalar readers are KeyReader's)."""
 
@@ -323,18 +334,19 @@ class _RecipeReader(KeyReader):
         if value is None:
             value = {}
         raw = self.mapping(key, value, _POLICY_KEYS)
-        scaling = self.enum(f"{key}.scaling", raw.get("scaling", "none"), Scaling, Scaling.NONE)
+        d = default_policy(role)  # the defaults are the fields' (each written once, in the dataclasses above)
+        given = _given(raw, d)
+        scaling = self.enum(f"{key}.scaling", given("scaling"), Scaling, d.scaling)
         kw: dict[str, Any] = {"scaling": scaling}
-        kw["format"] = self.enum(f"{key}.format", raw.get("format", DEFAULT_FORMAT[role]), Format,
-                                 DEFAULT_FORMAT[role])
-        kw["margin"] = self.integer(f"{key}.margin", raw.get("margin", 0), 0, 0, maximum=MAX_MARGIN)
-        kw["amax_history_len"] = self.integer(f"{key}.amax_history_len", raw.get("amax_history_len", 1024), 1, 1024,
-                                              maximum=MAX_HISTORY)
-        kw["amax_compute_algo"] = self.enum(f"{key}.amax_compute_algo", raw.get("amax_compute_algo", "max"),
-                                            AmaxAlgo, AmaxAlgo.MAX)
-        kw["percentile"] = self.number(f"{key}.percentile", raw.get("percentile", 99.9), 0.0, 100.0, 99.9,
+        kw["format"] = self.enum(f"{key}.format", given("format"), Format, d.format)
+        kw["margin"] = self.integer(f"{key}.margin", given("margin"), 0, d.margin, maximum=MAX_MARGIN)
+        kw["amax_history_len"] = self.integer(f"{key}.amax_history_len", given("amax_history_len"), 1,
+                                              d.amax_history_len, maximum=MAX_HISTORY)
+        kw["amax_compute_algo"] = self.enum(f"{key}.amax_compute_algo", given("amax_compute_algo"), AmaxAlgo,
+                                            d.amax_compute_algo)
+        kw["percentile"] = self.number(f"{key}.percentile", given("percentile"), 0.0, 100.0, d.percentile,
                                        lo_open=True)
-        kw["amax_epsilon"] = self.number(f"{key}.amax_epsilon", raw.get("amax_epsilon", 0.0), 0.0, math.inf, 0.0)
+        kw["amax_epsilon"] = self.number(f"{key}.amax_epsilon", given("amax_epsilon"), 0.0, math.inf, d.amax_epsilon)
         # Derived default, once and visibly: blockwise scales are powers of two unless asked otherwise (TE's
         # Float8BlockScaling default); MXFP8 scales are powers of two by construction.
         pow2_default = scaling in (Scaling.BLOCKWISE, Scaling.MXFP8)
@@ -343,10 +355,9 @@ class _RecipeReader(KeyReader):
             kw["pow2_scales"] = True
         # the NeMo blog's one block_size is for the blockwise roles only
         use_block_size = block_size is not None and scaling is Scaling.BLOCKWISE
-        block = raw.get("block", block_size if use_block_size else list(DEFAULT_BLOCK[role]))
-        kw["block"] = self.block(f"{key}.block", block, DEFAULT_BLOCK[role])
-        kw["mx_rounding"] = self.enum(f"{key}.mx_rounding", raw.get("mx_rounding", "rceil"), MxRounding,
-                                      MxRounding.RCEIL)
+        block = raw.get("block", block_size if use_block_size else list(d.block))
+        kw["block"] = self.block(f"{key}.block", block, d.block)
+        kw["mx_rounding"] = self.enum(f"{key}.mx_rounding", given("mx_rounding"), MxRounding, d.mx_rounding)
         if scaling is Scaling.MXFP8 and "block" in raw and tuple(kw["block"]) not in ((1, MXFP8_BLOCK),):
             self.bad(f"{key}.block", f"{fmt(raw['block'])} cannot be set for mxfp8 (blocks are always 32 "
                                      f"elements along the reduction dim); use scaling: blockwise for other shapes")
@@ -370,14 +381,17 @@ class _RecipeReader(KeyReader):
         if isinstance(enable_raw, (int, float)) and not isinstance(enable_raw, bool):  # `enable: 100` = all roles
             enable_raw = {str(r): enable_raw for r in ROLES}
         en = self.mapping("schedule.enable", enable_raw, {str(r) for r in ROLES})
-        enable = RoleSteps(**{str(r): self.integer(f"schedule.enable.{r}", en.get(str(r), 0), 0, 0, maximum=MAX_STEP)
-                              for r in ROLES})
+        d = Schedule()
+        given = _given(raw, d)
+        enable = RoleSteps(**{str(r): self.integer(f"schedule.enable.{r}", en.get(str(r), d.enable[r]), 0,
+                                                   d.enable[r], maximum=MAX_STEP) for r in ROLES})
         return Schedule(
-            bf16_warmup_steps=self.integer("schedule.bf16_warmup_steps", raw.get("bf16_warmup_steps", 0), 0, 0,
-                                           maximum=MAX_STEP),
+            bf16_warmup_steps=self.integer("schedule.bf16_warmup_steps", given("bf16_warmup_steps"), 0,
+                                           d.bf16_warmup_steps, maximum=MAX_STEP),
             enable=enable,
             full_precision_eval_interval=self.integer("schedule.full_precision_eval_interval",
-                                                      raw.get("full_precision_eval_interval", 0), 0, 0),
+                                                      given("full_precision_eval_interval"), 0,
+                                                      d.full_precision_eval_interval),
         )
 
     def layers(self, value: Any) -> LayerRules:
@@ -396,11 +410,13 @@ class _RecipeReader(KeyReader):
                     self.bad(f"layers.bf16_modules[{i}]", f"{fmt(m)} is not a glob pattern string")
                 else:
                     patterns.append(m)
+        d = LayerRules()
+        given = _given(raw, d)
         return LayerRules(
-            bf16_first=self.integer("layers.bf16_first", raw.get("bf16_first", 0), 0, 0),
-            bf16_last=self.integer("layers.bf16_last", raw.get("bf16_last", 0), 0, 0),
+            bf16_first=self.integer("layers.bf16_first", given("bf16_first"), 0, d.bf16_first),
+            bf16_last=self.integer("layers.bf16_last", given("bf16_last"), 0, d.bf16_last),
             bf16_modules=tuple(patterns),
-            fp8_output_layer=self.boolean("layers.fp8_output_layer", raw.get("fp8_output_layer", False), False),
+            fp8_output_layer=self.boolean("layers.fp8_output_layer", given("fp8_output_layer"), d.fp8_output_layer),
         )
 
     def read(self, data: Mapping[str, Any] | None) -> Recipe:
@@ -426,16 +442,17 @@ class _RecipeReader(KeyReader):
             if block_size is not None:  # a bad one is reported once, here; the roles then keep their defaults
                 block_size = self.block("fp8_recipe.block_size", block_size, None)
         policies = {str(r): self.policy(str(r), r, raw.get(str(r)), block_size) for r in ROLES}
+        d = Recipe()
+        given = _given(raw, d)
         recipe = Recipe(
-            name=self.text("name", raw.get("name", "unnamed"), "unnamed"),
-            description=self.text("description", raw.get("description", "") or "", ""),
-            backend=self.enum("backend", raw.get("backend", "auto"), Backend, Backend.AUTO),
+            name=self.text("name", raw.get("name", "unnamed"), "unnamed"),  # a file without a name is not "bf16"
+            description=self.text("description", given("description") or d.description, d.description),
+            backend=self.enum("backend", given("backend"), Backend, d.backend),
             schedule=self.schedule(raw.get("schedule")),
             layers=self.layers(raw.get("layers")),
-            amax_reduction=self.enum("amax_reduction", raw.get("amax_reduction", "data_tensor"), AmaxReduction,
-                                     AmaxReduction.DATA_TENSOR),
-            attention=self.enum("attention", raw.get("attention", "bf16"), Attention, Attention.BF16),
-            fp8_param=self.boolean("fp8_param", raw.get("fp8_param", False), False),
+            amax_reduction=self.enum("amax_reduction", given("amax_reduction"), AmaxReduction, d.amax_reduction),
+            attention=self.enum("attention", given("attention"), Attention, d.attention),
+            fp8_param=self.boolean("fp8_param", given("fp8_param"), d.fp8_param),
             **policies,
         )
         self.cross_checks(recipe)

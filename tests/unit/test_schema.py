@@ -15,8 +15,8 @@ import yaml
 
 from fp8_recipes.recipes import load_recipe, recipe_names
 from fp8_recipes.schema import (
-    AmaxAlgo, AmaxReduction, Backend, Format, LayerRules, MxRounding, Recipe, RecipeError, Role, Scaling, Schedule,
-    TensorPolicy,
+    ROLES, AmaxAlgo, AmaxReduction, Backend, Format, LayerRules, MxRounding, Recipe, RecipeError, Role, Scaling,
+    Schedule, TensorPolicy, default_policy,
 )
 
 BROKEN = Path(__file__).parent / "broken_recipes"
@@ -312,3 +312,13 @@ def test_fp8_param_key():
             Recipe.from_dict(bad)
         assert str(e.value).startswith(f"{key}: ") and says in str(e.value) and "\n" not in str(e.value)
         assert str(e.value).endswith("fp8_param: false") or "boolean" in says
+
+
+def test_the_readers_defaults_are_the_dataclasses():
+    """Each default is written once, in the dataclasses: a recipe that says nothing reads as Recipe(), and a role
+    that names only its scaling gets the role's default policy with that scaling."""
+    assert Recipe.from_dict({"name": "bf16"}) == Recipe()
+    for role in ROLES:
+        for scaling in ("delayed", "tensorwise"):
+            read = Recipe.from_dict({str(role): scaling}).policy(role)
+            assert read == dataclasses.replace(default_policy(role), scaling=Scaling(scaling))
