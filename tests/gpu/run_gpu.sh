@@ -14,6 +14,8 @@
 #     BASELINE=.oldsrc LAYOUTS=1gpu bash tests/gpu/run_gpu.sh engine-bench   # one GPU: the engine before and now
 #     bash tests/gpu/run_gpu.sh levers       # speed levers (FP8 LM head): TE training tests + gpt_125m run (cap 360 s)
 #     PROFILE=1 bash tests/gpu/run_gpu.sh levers-bench   # ... and bench_train per lever on 16 layers (cap 330 s)
+#     bash tests/gpu/run_gpu.sh handoff      # issue 16 on the H200: blockwise-trained Llama exported, run by transformers
+#     SEED=4321 NAME=cmp4321 bash tests/gpu/run_gpu.sh shootout   # gpt_125m shoot-out, 1000 steps, 4 runs at once
 #     bash tests/gpu/run_gpu.sh two          # two GPUs: scales across the amax group, safe at PP=2, bench_parallel
 #         (10 runs of ~40 s; a second call with LAYOUTS="1gpu dp2 tp2sp pp2 cp2" RECIPES="tensorwise" covers the rest)
 # BASELINE: a checkout of the engine before (git archive 107c97b plugins conf scripts recipes setup.cfg | tar -x -C .oldsrc)
@@ -52,6 +54,24 @@ two)
   timeout -s INT 560 "$PY" scripts/bench_parallel.py --layouts ${LAYOUTS:-1gpu dp2 dp2-plainopt tp2sp pp2} \
       --recipes ${RECIPES:-bf16 delayed} --steps 12 --gbs 8 --out "$OUT" -- model=llama3_8b_8l trainer=gpu \
       trainer.micro_batch_size=2 trainer.warmup_steps=1 2>&1 | tee -a "$OUT/two.log"
+  ;;
+handoff)
+  # The hf extra from wheels carried in .gpu/hfwheels (the GPU machine has no index): transformers, safetensors, ...
+  [ -d .gpu/hfwheels ] && "$PY" -m pip install -q --no-index --find-links .gpu/hfwheels transformers safetensors \
+      accelerate 2>&1 | grep -v WARNING
+  stamp "hand-off to Hugging Face: tests/gpu/test_hf_gpu.py (+recipe=blockwise on TE, export, transformers)" \
+      | tee "$OUT/handoff.log"
+  OUT="$OUT" timeout -s INT 240 "$PY" -m pytest tests/gpu/test_hf_gpu.py -q -s -p no:cacheprovider -o addopts="" \
+      -rfEs 2>&1 | grep -v -E "it/s\]|step/s" | tee -a "$OUT/handoff.log"
+  echo; stamp "summary"; grep -E "^hf_gpu:| passed| failed|^FAILED|^ERROR" "$OUT/handoff.log" | tail -20
+  ;;
+shootout)
+  # One shoot-out of gpt_125m, 1000 steps (docs/benchmarks.md): RECIPES, SEED and EXTRA (more overrides) vary it.
+  stamp "compare_recipes: ${RECIPES:-fast delayed tensorwise} seed ${SEED:-1234} ${EXTRA:-}" | tee "$OUT/shootout.log"
+  timeout -s INT 580 "$PY" scripts/compare_recipes.py --recipes ${RECIPES:-fast delayed tensorwise} --parallel 4 \
+      --out "$OUT/${NAME:-cmp}" model=gpt_125m trainer=gpu trainer.max_steps=1000 trainer.micro_batch_size=8 \
+      trainer.global_batch_size=16 trainer.eval_interval=1000 trainer.eval_iters=16 trainer.seed=${SEED:-1234} \
+      ${EXTRA:-} 2>&1 | grep -v -E "it/s\]|step/s" | tail -40 | tee -a "$OUT/shootout.log"
   ;;
 levers)
   stamp "GPU tests: TE training (FP8 LM head included) and statistics" | tee "$OUT/tests.log"
