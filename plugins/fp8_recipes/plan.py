@@ -248,7 +248,7 @@ class PrecisionPlan:
     def _resolve_backend(self) -> tuple[Backend, str]:
         want = self.recipe.backend
         hw = self.hardware
-        te_ready = hw.has_fp8 and _te_backend_available()
+        te_ready = hw.has_fp8  # backends/te.py ships in every build; TE itself is the hardware's part (te_version)
         if not self.recipe.is_fp8:
             if want is Backend.EMULATED or not te_ready:
                 return Backend.EMULATED, "no FP8 role: every GEMM runs BF16"
@@ -259,9 +259,6 @@ class PrecisionPlan:
         if want is Backend.EMULATED:
             return Backend.EMULATED, "requested"
         if want is Backend.TE and not te_ready:
-            if hw.has_fp8:
-                raise RecipeError(["backend: 'te' is not available in this build of fp8-recipes "
-                                   "(fp8_recipes.backends.te is missing); set backend: emulated (or auto)"])
             raise RecipeError([f"backend: 'te' needs a CUDA GPU with FP8 (sm_89+) and Transformer Engine; this "
                                f"machine has {hw.describe()}; set backend: emulated (or auto)"])
         if not te_ready:
@@ -434,8 +431,8 @@ class PrecisionPlan:
     def _execution(self, operands) -> Execution:
         if all(p is None for _, p in operands):
             return Execution.BF16
-        # The Transformer Engine backend maps GEMMs to real FP8 in a later step; until then every FP8 GEMM is
-        # emulated, which runs any per-role mix on any device.
+        # The emulated backend's modules (TE's are planned by _te_module_plan): every FP8 GEMM is fake-quantized,
+        # which runs any per-role mix on any device.
         return Execution.EMULATED
 
     def stages(self, max_steps: int | None = None) -> list[tuple[int, int | None, str]]:
@@ -453,11 +450,3 @@ class PrecisionPlan:
 _FP8_PARAM_RECIPES = ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling")
 """TE recipe classes whose weights TE 2.20 can hold as FP8 parameters: each quantizer's ``_get_compatible_recipe``
 names one of them, and a module's forward refuses any other autocast recipe (``Recipe mismatch``)."""
-
-
-def _te_backend_available() -> bool:
-    """Whether this build ships the Transformer Engine backend. TE itself being importable is the hardware's
-    part (``Hardware.te_version``, set by ``detect()``), so tests can plan for an H200 on a CPU machine."""
-    import importlib.util
-
-    return importlib.util.find_spec("fp8_recipes.backends.te") is not None

@@ -326,9 +326,7 @@ def test_te_needs_fp8_hardware_and_te():
 
 def test_the_te_backend_ships_and_imports_without_te():
     from fp8_recipes.backends import te
-    from fp8_recipes.plan import _te_backend_available
 
-    assert _te_backend_available()
     assert te.te_available() is False  # no Transformer Engine on the CPU machines, by design
 
 
