@@ -16,9 +16,12 @@ from fp8_recipes.megatron.model import (
     build_gpt_model, linear_module_names, named_linear_modules, pad_vocab_size, unwrap_model,
 )
 from fp8_recipes.training.checkpoint import load_checkpoint, read_checkpoint, resolve_checkpoint
+from fp8_recipes.training.config import TrainerConfig
 from fp8_recipes.training.engine import build_engine
-from fp8_recipes.training.loop import NoPrecision, TrainerConfig, lr_at, train
+from fp8_recipes.training.loop import train
+from fp8_recipes.training.lr_schedule import lr_at
 from fp8_recipes.training.metrics import read_metrics
+from fp8_recipes.training.precision import NoPrecision
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -163,7 +166,8 @@ from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel
 from fp8_recipes.megatron.model import build_gpt_model, destroy_distributed, init_distributed
 from fp8_recipes.training.config import TrainerConfig
 from fp8_recipes.training.engine import build_engine
-from fp8_recipes.training.loop import NoPrecision, train
+from fp8_recipes.training.loop import train
+from fp8_recipes.training.precision import NoPrecision
 
 cfg = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
            seq_length=32, vocab_size=1000, normalization="RMSNorm", activation="swiglu",

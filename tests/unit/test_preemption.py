@@ -9,8 +9,10 @@ import pytest
 
 from fp8_recipes.training.checkpoint import read_checkpoint
 from fp8_recipes.training.engine import Engine
-from fp8_recipes.training.loop import NoPrecision, PreemptionSignals, train
+from fp8_recipes.training.loop import train
 from fp8_recipes.training.metrics import read_metrics
+from fp8_recipes.training.precision import NoPrecision
+from fp8_recipes.training.preemption import PreemptionSignals
 from tiny_engine import BATCH, batches, tiny_engine
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

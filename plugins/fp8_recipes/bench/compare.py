@@ -366,9 +366,9 @@ def _run_all(jobs: dict[str, list[str]], parallel: int, out_dir: Path) -> dict[s
     try:
         from tqdm.auto import tqdm
     except ImportError:  # a bare GPU image may lack it: a line per finished run only
-        from fp8_recipes.training.loop import _PlainBar
+        from fp8_recipes.training.progress import PlainBar
 
-        tqdm = functools.partial(_PlainBar, disable=True)
+        tqdm = functools.partial(PlainBar, disable=True)
 
     previous = None
     if threading.current_thread() is threading.main_thread():

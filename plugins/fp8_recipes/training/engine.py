@@ -14,7 +14,7 @@ What is Megatron-Core's, used as it is (megatron-core 0.19):
   ``finalize_model_grads`` (DP/CP gradient reduction, sequence-parallel norm grads over TP, tied embeddings over the
   first and last stage) and the ``no_sync`` / ``start_grad_sync`` / ``start_param_sync`` hooks of the config.
 
-What stays ours (the loop's duties): the LR schedule (training/loop.py's ``lr_at``, written into every param group
+What stays ours (the loop's duties): the LR schedule (training/lr_schedule.py, written into every param group
 each step, scaled by the group's ``lr_mult``), and the skip of a non-finite step: Megatron-Core's ``optimizer.step()``
 skips only on a loss scaler's found-inf (FP16), so :meth:`Engine.train_step` runs its parts
 (``prepare_grads``, ``get_grad_norm``, clipping by that norm, ``step_with_ready_grads``) and leaves out the update

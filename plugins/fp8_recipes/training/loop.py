@@ -20,12 +20,8 @@ last step run): the skipped steps left weights, optimizer and LR schedule as the
 position moves past the bad batches, so the run can continue from there under a lower ``trainer.lr`` (a resumed
 run takes the configured LR, not the checkpoint's) or another recipe. The one-line message names the directory.
 
-Preemption: while :func:`train` runs (in the main thread) SIGTERM and SIGUSR1 only set a flag; the previous
-handlers come back when it returns. The flag rides in the per-step all-reduce that already carries the non-finite
-flag (summed over every rank), so all ranks agree on the step after
-which to stop, even when only one rank got the signal: that step finishes (its metrics row says ``preempted``),
-the checkpoint ``checkpoints/step_N`` is written, and the summary's ``preempted`` names the signal and step
-(scripts/train.py then exits with ``PREEMPTED_EXIT``; ``trainer.resume=auto`` continues at step N + 1).
+Preemption (training/preemption.py): SIGTERM / SIGUSR1 set a flag that rides in the step's all-reduce; every rank
+stops after the same step, checkpoints it, and the summary's ``preempted`` names the signal and step.
 
 Every rank leaves :func:`train` together, after rank 0 has written summary.json and loss.png: a launcher that stops
 the other workers as soon as one exits non-zero (torchrun, on exit code 3 or 4) cannot cut those short.
@@ -38,127 +34,27 @@ import dataclasses
 import logging
 import math
 import os
-import signal
 import statistics
-import threading
 import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, ContextManager, Iterator, Mapping, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 
 from fp8_recipes.training.checkpoint import barrier, load_checkpoint, save_checkpoint
-from fp8_recipes.training.config import LRScaling, TrainerConfig  # noqa: F401  (re-exported: the loop's config)
+from fp8_recipes.training.config import TrainerConfig
 from fp8_recipes.training.engine import Engine
 from fp8_recipes.training.errors import NonFiniteStop
+from fp8_recipes.training.lr_schedule import LRSchedule
 from fp8_recipes.training.metrics import MetricsWriter, plot_loss, write_summary
+from fp8_recipes.training.precision import Precision
+from fp8_recipes.training.preemption import PreemptionSignals
+from fp8_recipes.training.progress import progress_bar
 
-__all__ = ["Precision", "NoPrecision", "NonFiniteStop", "PreemptionSignals", "TrainerConfig", "lr_at", "scaled_lr",
-           "train"]
+__all__ = ["train"]
 
 logger = logging.getLogger(__name__)
-
-
-@runtime_checkable
-class Precision(Protocol):
-    """What the loop needs from a precision backend (the PrecisionPlan's executor)."""
-
-    full_precision_eval_interval: int
-    """Run a validation in full precision every this many steps (0 = never)."""
-
-    def begin_step(self, step: int) -> str:
-        """Apply the plan for ``step`` (0-based); return a short stage label for the progress bar."""
-
-    def high_precision(self) -> ContextManager[None]:
-        """Context in which every GEMM runs in high precision (full-precision evaluation)."""
-
-    def after_optimizer_step(self, step: int) -> None:
-        """Called after the optimizer step of ``step`` (e.g. delayed-scaling amax/scale update)."""
-
-    def skip_step(self, step: int) -> None:
-        """The optimizer step of ``step`` was skipped (non-finite loss or gradient): forget what the step recorded
-        (delayed-scaling amaxes), so no scale is ever derived from it."""
-
-    def state_dict(self) -> dict: ...
-
-    def load_state_dict(self, state_dict: dict) -> None: ...
-
-
-class NoPrecision:
-    """The trivial backend: the model's own dtype throughout (BF16 or FP32 runs, tests)."""
-
-    full_precision_eval_interval = 0
-
-    def __init__(self, label: str = "bf16"):
-        self.label = label
-
-    def begin_step(self, step: int) -> str:
-        return self.label
-
-    def high_precision(self) -> ContextManager[None]:
-        return contextlib.nullcontext()
-
-    def after_optimizer_step(self, step: int) -> None:
-        pass
-
-    def skip_step(self, step: int) -> None:
-        pass
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        pass
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The LR schedule (the `trainer` group's schema, TrainerConfig, lives in training/config.py: torch-free)
-
-
-def scaled_lr(lr: float, global_batch_size: int, base_global_batch_size: int) -> float:
-    """Linear scaling rule: lr × global_batch_size / base_global_batch_size."""
-    return lr * global_batch_size / base_global_batch_size
-
-
-def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:
-    """LR for 0-based ``step``: with n = step + 1, lr·n/warmup while n ≤ warmup, then cosine to min_lr at n = max_steps."""
-    n = step + 1
-    if n <= warmup_steps:
-        return lr * n / warmup_steps
-    if max_steps <= warmup_steps:
-        return lr
-    progress = min(1.0, (n - warmup_steps) / (max_steps - warmup_steps))
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
-
-
-class PreemptionSignals:
-    """SIGTERM / SIGUSR1 (Slurm's preemption and ``--signal``) set :attr:`received` instead of ending the process.
-
-    A context manager: handlers are installed on entry and the previous ones restored on exit, in the main thread
-    only (elsewhere Python cannot install handlers; it is then a no-op that never reports a signal).
-    """
-
-    SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
-
-    def __init__(self) -> None:
-        self.received: str | None = None  # the first signal's name
-        self._previous: dict[int, Any] = {}
-
-    def _handle(self, signum: int, frame: Any) -> None:  # only a flag: the loop acts at the next step boundary
-        if self.received is None:
-            self.received = signal.Signals(signum).name
-
-    def __enter__(self) -> "PreemptionSignals":
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                self._previous[sig] = signal.getsignal(sig)
-                signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
-        self._previous.clear()
 
 
 def _stop_message(reason: str, first_bad: int, saved: Path | None) -> str:
@@ -169,26 +65,6 @@ def _stop_message(reason: str, first_bad: int, saved: Path | None) -> str:
                 f"checkpoint)")
     return (f"{reason}; the weights from before step {first_bad} are checkpointed in {saved} (continue with "
             f"trainer.resume={saved} and a lower trainer.lr or another recipe)")
-
-
-class _PlainBar:
-    """What train() uses of tqdm, as plain lines (when tqdm is not installed)."""
-
-    def __init__(self, *, total: int, initial: int = 0, disable: bool = False, **_: Any):
-        self.n, self.total, self.disable = initial, total, disable
-
-    def update(self, n: int = 1) -> None:
-        self.n += n
-
-    def set_postfix_str(self, text: str, refresh: bool = True) -> None:  # train() calls it once per step
-        if not self.disable:
-            print(f"train {self.n}/{self.total} | {text}", flush=True)
-
-    def write(self, text: str) -> None:
-        print(text, flush=True)
-
-    def close(self) -> None:
-        pass
 
 
 def _due(done: int, interval: int, last: int) -> bool:
@@ -204,30 +80,11 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
-class LRScheduleState:
-    """Where the LR schedule stands: the optimizer steps taken (skipped steps do not advance it, as in Megatron).
-    The schedule itself is the configured one (``lr_at``), so a resumed run follows the configured LR."""
-
-    def __init__(self) -> None:
-        self.last_epoch = 0
-
-    def state_dict(self) -> dict:
-        return {"last_epoch": self.last_epoch}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.last_epoch = int(state["last_epoch"])
-
-
-def _peak_lr(cfg: TrainerConfig, rank: int) -> tuple[float, float]:
-    """(lr, min_lr) of the run: as configured, or scaled by the global batch when trainer.lr_scaling asks."""
-    lr, min_lr = cfg.lr, cfg.min_lr
+def _log_lr_scaling(cfg: TrainerConfig, schedule: LRSchedule) -> None:
     if cfg.lr_scaling.enabled:
-        base = cfg.lr_scaling.base_global_batch_size
-        lr, min_lr = (scaled_lr(x, cfg.global_batch_size, base) for x in (cfg.lr, cfg.min_lr))
-        if rank == 0:
-            logger.info("lr scaling: global batch %d / base %d: lr %.3g -> %.3g, min_lr %.3g -> %.3g",
-                        cfg.global_batch_size, base, cfg.lr, lr, cfg.min_lr, min_lr)
-    return lr, min_lr
+        logger.info("lr scaling: global batch %d / base %d: lr %.3g -> %.3g, min_lr %.3g -> %.3g",
+                    cfg.global_batch_size, cfg.lr_scaling.base_global_batch_size, cfg.lr, schedule.peak, cfg.min_lr,
+                    schedule.min_lr)
 
 
 def train(engine: Engine, batches_train: Iterator[Mapping[str, Any]] | list[Iterator[Mapping[str, Any]]],
@@ -245,11 +102,6 @@ def train(engine: Engine, batches_train: Iterator[Mapping[str, Any]] | list[Iter
     at the checkpoint's data position (the samples it consumed, in its meta.json; training/run.py does, through
     checkpoint.resume_skip).
     """
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # a bare GPU image may lack it: print a line per step instead
-        tqdm = _PlainBar
-
     cfg = TrainerConfig.from_cfg(trainer_cfg)
     run_dir = Path(run_dir)
     device = engine.device
@@ -258,12 +110,9 @@ def train(engine: Engine, batches_train: Iterator[Mapping[str, Any]] | list[Iter
                     cfg.micro_batch_size, engine.dp_size, engine.num_microbatches)
     for chunk in engine.chunks:
         chunk.train()
-    lr, min_lr = _peak_lr(cfg, rank)
-
-    def lr_of(step: int) -> float:
-        return lr_at(step, lr=lr, min_lr=min_lr, warmup_steps=cfg.lr_warmup_steps, max_steps=cfg.max_steps)
-
-    schedule = LRScheduleState()
+    schedule = LRSchedule.of(cfg)
+    if rank == 0:
+        _log_lr_scaling(cfg, schedule)
     start = 0
     if resume_from is not None:
         start = load_checkpoint(resume_from, engine=engine, precision=precision, scheduler=schedule)
@@ -282,17 +131,16 @@ def train(engine: Engine, batches_train: Iterator[Mapping[str, Any]] | list[Iter
                                extra={"trainer": dataclasses.asdict(cfg)}, meta=position)
 
     writer = MetricsWriter(run_dir, enabled=rank == 0)
-    bar = tqdm(total=cfg.max_steps, initial=start, desc="train", unit="step", disable=rank != 0,
-               dynamic_ncols=True, mininterval=0.5)
+    bar = progress_bar(total=cfg.max_steps, initial=start, disable=rank != 0)
     losses, rates, val_loss, val_loss_fp, stage, done = [], [], None, None, "", start
     skipped_total, in_a_row, fallback_left, fallbacks, stopped, preempted = 0, 0, 0, 0, None, None
     first_bad = 0
     wall0 = time.perf_counter()
     with PreemptionSignals() as signals:  # SIGTERM/SIGUSR1 -> a flag, for the loop's lifetime only
-        engine.set_lr(lr_of(schedule.last_epoch))  # then again after each optimizer step: only they move the LR
+        engine.set_lr(schedule.lr())  # then again after each optimizer step: only they move the LR
         for step in range(start, cfg.max_steps):
             # A skipped step leaves the schedule where it was: the next step runs at this step's LR (Megatron's rule).
-            step_lr = lr_of(schedule.last_epoch)
+            step_lr = schedule.lr()
             stage = precision.begin_step(step)
             in_fallback = fallback_left > 0
             if in_fallback:
@@ -305,8 +153,8 @@ def train(engine: Engine, batches_train: Iterator[Mapping[str, Any]] | list[Iter
                 precision.skip_step(step)
                 skipped_total, in_a_row = skipped_total + 1, in_a_row + 1
             else:
-                schedule.last_epoch += 1
-                engine.set_lr(lr_of(schedule.last_epoch))  # the next step's, as a scheduler leaves it (checkpoints)
+                schedule.advance()
+                engine.set_lr(schedule.lr())  # the next step's, as a scheduler leaves it (checkpoints)
                 precision.after_optimizer_step(step)
                 in_a_row = 0
             fallback_left = max(fallback_left - 1, 0)
