@@ -11,7 +11,9 @@
     fp8-recipes export RUN_DIR --to hf OUT --dtype fp8 --block 128x128
                                                   a checkpoint as a Hugging Face Llama checkpoint (docs/handoff.md)
 
-User errors end in one line on stderr and a non-zero exit code, never a traceback.
+User errors end in one line on stderr and a non-zero exit code, never a traceback. What the recipe commands
+(list, show, validate, explain) share is imported at the top; memory, doctor and export import their own machinery
+inside their command, so a recipe command does not pay for it (export's is torch and Megatron-Core).
 """
 
 from __future__ import annotations
@@ -20,12 +22,17 @@ import argparse
 import sys
 from pathlib import Path
 
+import yaml
+
+from fp8_recipes.observe.config import DebugConfig
+from fp8_recipes.plan import Hardware, ModelLayout, ParallelLayout, PrecisionPlan
+from fp8_recipes.plan_format import format_plan
+from fp8_recipes.recipes import conf_dir, load_recipe, load_recipe_dict, recipe_names
+
 __all__ = ["main"]
 
 
 def _cmd_list(args) -> int:
-    from fp8_recipes.recipes import load_recipe, recipe_names
-
     names = recipe_names()
     width = max(map(len, names), default=0)
     for name in names:
@@ -34,18 +41,11 @@ def _cmd_list(args) -> int:
 
 
 def _cmd_show(args) -> int:
-    import yaml
-
-    from fp8_recipes.recipes import load_recipe
-
     print(yaml.safe_dump(load_recipe(args.recipe).to_dict(), sort_keys=False, default_flow_style=None, width=120).rstrip())
     return 0
 
 
 def _cmd_validate(args) -> int:
-    from fp8_recipes.observe.config import DebugConfig
-    from fp8_recipes.recipes import load_recipe, load_recipe_dict
-
     failed = 0
     for ref in args.recipes:
         try:
@@ -61,10 +61,6 @@ def _cmd_validate(args) -> int:
 
 
 def _cmd_explain(args) -> int:
-    from fp8_recipes.plan import Hardware, ModelLayout, ParallelLayout, PrecisionPlan
-    from fp8_recipes.plan_format import format_plan
-    from fp8_recipes.recipes import load_recipe
-
     hardware = Hardware.detect() if args.detect else Hardware()
     parallel = None
     if args.layout:
@@ -76,15 +72,12 @@ def _cmd_explain(args) -> int:
 
 
 def _cmd_memory(args) -> int:
-    from fp8_recipes.memory import LLAMA3, estimate_memory, format_estimate
-    from fp8_recipes.plan import ParallelLayout
+    from fp8_recipes.memory import LLAMA3, estimate_memory, format_estimate  # this command's own (module docstring)
 
     if args.model in LLAMA3:
         model = LLAMA3[args.model]
     else:
         from omegaconf import OmegaConf
-
-        from fp8_recipes.recipes import conf_dir
 
         path = conf_dir() / "model" / f"{args.model}.yaml"
         if not path.is_file():
@@ -103,6 +96,7 @@ def _cmd_memory(args) -> int:
 
 def _cmd_doctor(args) -> int:
     """0: healthy, 1: a problem was found (the report says which), 2: a run directory or --write path is unusable."""
+    # this command's own (module docstring): the run-directory readers, statistics
     from fp8_recipes.observe.doctor import DoctorInputError, diagnose
     from fp8_recipes.observe.doctor_report import format_report, load_run, patched_recipe, write_recipe
 
@@ -127,6 +121,7 @@ def _cmd_doctor(args) -> int:
 
 
 def _cmd_export(args) -> int:
+    # this command's own (module docstring): torch and Megatron-Core
     from fp8_recipes.training.hf import export_hf, parse_block
     from fp8_recipes.training.run import quiet_third_party_logs
 
