@@ -46,6 +46,7 @@ def main(cfg: DictConfig) -> None:
     from fp8_recipes.training.errors import (
         NONFINITE_EXIT, PREEMPTED_EXIT, USER_ERROR_EXIT, NonFiniteStop, print_error_once, remove_partial_run_dir,
     )
+    from fp8_recipes.rundir import RunDirError
     from fp8_recipes.training.run import run_training
 
     run_dir = Path(cfg.run_dir)
@@ -54,7 +55,8 @@ def main(cfg: DictConfig) -> None:
     except (ValueError, OmegaConfBaseException) as e:  # a user error: one line naming the key, nothing half-written
         lines = [f"{e.full_key}: {str(e).splitlines()[0]}"] if isinstance(e, OmegaConfBaseException) else \
             str(e).splitlines()
-        remove_partial_run_dir(run_dir)
+        if not isinstance(e, RunDirError):  # another run's directory: none of it is this run's to remove
+            remove_partial_run_dir(run_dir)
         if getattr(e, "same_on_every_rank", False):  # a config error: torchrun/srun ranks all raise it, said once
             print_error_once(lines)
         else:

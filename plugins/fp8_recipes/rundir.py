@@ -12,17 +12,29 @@
       loss.png                train and validation loss
       checkpoints/step_N/     checkpoints (training/checkpoint.py)
 
-Training writes these files; the doctor, the benchmarks, the Slurm launcher and evaluation read them. Imports
-nothing of ours but the guarded YAML reader (neither torch nor Hydra): any floor may use it.
+Training writes these files; the doctor, the benchmarks, the Slurm launcher and evaluation read them.
+
+A run directory has one owner (docs/distributed.md, "what is guaranteed"): the default name is unique per job
+(``default_run_name``: every rank of a launched job derives the same one, two jobs never share it) and holds no path
+from the recipe name; a running run holds ``.lock`` (``claim``); a fresh start into a directory that holds another
+run's results is refused in one line; a resumed run drops the metrics and numerics rows past its checkpoint
+(``drop_rows_after``), so every step keeps one row across kill -9 and resume. Imports nothing of ours but the guarded
+YAML reader (neither torch nor Hydra): any floor may use it.
 """
 
 from __future__ import annotations
 
+import atexit
+import hashlib
 import json
+import logging
 import math
 import os
+import re
+import socket
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from fp8_recipes.yaml_guard import load_yaml
 
@@ -62,10 +74,21 @@ TENSORBOARD = "tb"
 SUMMARY = "summary.json"
 LOSS_PLOT = "loss.png"
 CHECKPOINTS = "checkpoints"
+LOCK = ".lock"
+
+logger = logging.getLogger("fp8_recipes")
 
 RUN_OUTPUTS = (HYDRA, TRAIN_LOG, PLAN, RECIPE, METRICS, TENSORBOARD, SUMMARY, LOSS_PLOT)
 """What Hydra and a run write into run_dir besides checkpoints and statistics: a run that failed on its input loses
 exactly these (training/errors.py: remove_partial_run_dir), nothing else."""
+
+
+RESULTS = (PLAN, RECIPE, METRICS, NUMERICS, TENSORBOARD, SUMMARY, CHECKPOINTS)
+"""What marks a directory as holding a run (not Hydra's .hydra/ and train.log: Hydra writes them before any check)."""
+
+
+class RunDirError(ValueError):
+    """The run directory belongs to another run; ``str()`` is one line naming run_dir and the fix."""
 
 
 class RunFileError(ValueError):
@@ -168,3 +191,177 @@ def read_recipe(run_dir: str | os.PathLike) -> dict[str, Any] | None:
         return None
     data = load_yaml(path.read_bytes(), str(path))
     return data if isinstance(data, dict) else {}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One owner: unique default names, the lock, the refusal, rows past a resumed checkpoint
+
+
+def safe_name(name: str) -> str:
+    """``name`` as one path component: letters, digits, '_' and '-' (a recipe ``name: ../../x`` stays in runs/)."""
+    return re.sub(r"-{2,}", "-", re.sub(r"[^A-Za-z0-9_-]", "-", str(name))).strip("-")[:64] or "run"
+
+
+def _short_hash(*parts: object) -> str:
+    return hashlib.sha1("\0".join(map(str, parts)).encode()).hexdigest()[:6]
+
+
+def _agent_start(pid: int) -> float | None:
+    """When process ``pid`` started (Linux /proc), or None."""
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def job_identity(env: Mapping[str, str] | None = None) -> tuple[str, float | None]:
+    """(token, start time) shared by every rank of this job and by no other job: a Slurm job's id; torchrun's
+    rendezvous (run id, store address) and, on one node, its agent (the workers' parent) and when it started; else
+    this process (host, pid). The time is None where the ranks cannot agree on one (torchrun over several nodes)."""
+    env = os.environ if env is None else env
+    if env.get("SLURM_JOB_ID") and env.get("SLURM_STEP_ID") is not None:  # srun: every task of the job step
+        start = env.get("SLURM_JOB_START_TIME")
+        return f"job{safe_name(env['SLURM_JOB_ID'])}", float(start) if start and start.isdigit() else None
+    if "TORCHELASTIC_RUN_ID" in env:
+        rendezvous = (env["TORCHELASTIC_RUN_ID"], env.get("MASTER_ADDR"), env.get("MASTER_PORT"))
+        if env.get("GROUP_WORLD_SIZE", "1") != "1":  # several agents (nodes): only the rendezvous is shared
+            return _short_hash(*rendezvous), None
+        agent = os.getppid()
+        start = _agent_start(agent)
+        return _short_hash(*rendezvous, socket.gethostname(), agent, start), start
+    if _PROCESS.get("pid") != os.getpid():  # once per process: its lock and its name keep one identity
+        now = time.time()
+        _PROCESS.update(pid=os.getpid(), identity=(_short_hash(socket.gethostname(), os.getpid(), now), now))
+    return _PROCESS["identity"]
+
+
+_PROCESS: dict[str, Any] = {}
+
+
+def default_run_name(recipe_name: str, env: Mapping[str, str] | None = None) -> str:
+    """conf/train.yaml's default run_dir name: ``<recipe>-<YYYYmmdd-HHMMSS>-<job>``, the same on every rank of one
+    job and unique across jobs (two runs started in one second differ in ``<job>``)."""
+    token, start = job_identity(env)
+    stamp = time.strftime("%Y%m%d-%H%M%S-", time.localtime(start)) if start is not None else ""
+    return f"{safe_name(recipe_name)}-{stamp}{token}"
+
+
+def _holder(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        holder = json.loads((run_dir / LOCK).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}  # half-written or garbage: nobody we can name
+    return holder if isinstance(holder, dict) else {}
+
+
+def _alive(pid: Any) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError, TypeError, OverflowError):
+        return isinstance(pid, int)  # another user's live process
+    return True
+
+
+def _ours(holder: dict[str, Any]) -> bool:
+    return holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname()
+
+
+def _other_live_holder(run_dir: Path, token: str) -> dict[str, Any] | None:
+    """The lock's holder when it is another job that may be running (same host and alive, or another host)."""
+    holder = _holder(run_dir)
+    if holder is None or _ours(holder) or (holder and holder.get("job") == token):
+        return None
+    if holder.get("host") == socket.gethostname() and not _alive(holder.get("pid")):
+        return None
+    return holder
+
+
+def has_results(run_dir: str | os.PathLike) -> list[str]:
+    """The run results in ``run_dir`` (RESULTS and per-stage numerics files), by name."""
+    run_dir = Path(run_dir)
+    return [n for n in RESULTS if (run_dir / n).exists()] + [p.name for p in numerics_files(run_dir)[1:]]
+
+
+def check_run_dir(run_dir: str | os.PathLike, *, fresh: bool, env: Mapping[str, str] | None = None) -> None:
+    """RunDirError (one line) when this job may not use ``run_dir``: another running job holds its lock, or this is
+    a fresh start (not a resume) and it holds another run's results. Reads only: every rank may call it."""
+    run_dir = Path(run_dir)
+    token, _ = job_identity(env)
+    holder = _other_live_holder(run_dir, token)
+    if holder is not None:
+        who = f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}" if holder else "an unreadable lock"
+        raise RunDirError(f"run_dir: {str(run_dir)!r} is in use by another run ({who}, {LOCK}); wait for it to end "
+                          f"or choose another run_dir (if no run uses it, delete {run_dir / LOCK})")
+    found = has_results(run_dir) if fresh else []
+    if found:
+        raise RunDirError(f"run_dir: {str(run_dir)!r} already holds another run ({', '.join(found)}); choose another "
+                          f"run_dir, or continue that run with trainer.resume=auto")
+
+
+def claim(run_dir: str | os.PathLike, env: Mapping[str, str] | None = None) -> None:
+    """Take ``run_dir``'s lock for this job (rank 0 calls it, after check_run_dir): created atomically with this
+    process's pid, host and job; a stale lock (a dead process on this host, or a lock of this same job, e.g. a
+    requeued Slurm job) is taken over with a warning; RunDirError when another job holds it. Released at exit."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    token, _ = job_identity(env)
+    record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "job": token, "since": time.time()})
+    for _ in range(3):
+        try:
+            fd = os.open(run_dir / LOCK, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = _holder(run_dir)
+            if holder and _ours(holder):
+                return  # this process holds it already (a second run_training in one process)
+            check_run_dir(run_dir, fresh=False, env=env)  # refuses a live other job
+            logger.warning("run_dir: taking over the stale lock %s (%s)", run_dir / LOCK,
+                           f"pid {holder.get('pid')} on {holder.get('host')}" if holder else "unreadable")
+            (run_dir / LOCK).unlink(missing_ok=True)
+            continue
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(record)
+        atexit.register(release, run_dir)
+        return
+    raise RunDirError(f"run_dir: {str(run_dir)!r}: another run keeps taking its {LOCK}; choose another run_dir")
+
+
+def release(run_dir: str | os.PathLike) -> None:
+    """Remove ``run_dir``'s lock when this process holds it."""
+    holder = _holder(Path(run_dir))
+    if holder and _ours(holder):
+        (Path(run_dir) / LOCK).unlink(missing_ok=True)
+
+
+def held_by_another(run_dir: str | os.PathLike, env: Mapping[str, str] | None = None) -> bool:
+    """Whether another job that may be running holds ``run_dir``'s lock (a failed start then removes nothing)."""
+    return _other_live_holder(Path(run_dir), job_identity(env)[0]) is not None
+
+
+def drop_rows_after(run_dir: str | os.PathLike, step: int) -> int:
+    """Before a resumed run continues from ``step``: drop the metrics and numerics rows past it (written after the
+    checkpoint by a run killed later), each file rewritten atomically; the number of rows dropped."""
+    dropped = 0
+    for path in [Path(run_dir) / METRICS, *numerics_files(run_dir)]:
+        if not path.is_file():
+            continue
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+        kept = [line for line in lines if not _past(line, step)]
+        if len(kept) != len(lines):
+            dropped += len(lines) - len(kept)
+            write_text(path, "".join(line if line.endswith("\n") else line + "\n" for line in kept))
+    return dropped
+
+
+def _past(line: str, step: int) -> bool:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return bool(line.strip())  # a row cut off by the kill: past the checkpoint by definition
+    return isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] > step

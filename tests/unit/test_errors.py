@@ -37,3 +37,17 @@ def test_checks_name_the_key(tmp_path):
                          "vocab_size": None, "num_query_groups": 3}, vocab_may_be_unset=True)
     with pytest.raises(ValueError, match=r"^data\.split='1,2': must be three"):
         check_data_cfg({"path": str(tmp_path), "split": "1,2"})
+
+
+def test_only_rank_0_removes_a_failed_start(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    run.mkdir()
+    start = time.time()
+    (run / "plan.txt").write_text("plan\n")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    remove_partial_run_dir(run, since=start)  # the other ranks leave it to rank 0: no race over the same files
+    assert (run / "plan.txt").exists()
+    monkeypatch.setenv("RANK", "0")
+    remove_partial_run_dir(run, since=start)
+    assert not run.exists()

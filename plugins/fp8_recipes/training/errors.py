@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Iterator
 
 from fp8_recipes.checks import did_you_mean
-from fp8_recipes.rundir import RUN_OUTPUTS
+from fp8_recipes.rundir import RUN_OUTPUTS, RunDirError, check_run_dir, held_by_another, release
 
 __all__ = ["ConsoleFormatter", "NonFiniteStop", "USER_ERROR_EXIT", "NONFINITE_EXIT", "PREEMPTED_EXIT",
-           "hydra_errors_as_one_line", "one_line", "print_error_once", "remove_partial_run_dir"]
+           "RunDirCheck", "hydra_errors_as_one_line", "one_line", "print_error_once", "remove_partial_run_dir"]
 
 USER_ERROR_EXIT = 2  # a bad config, recipe or command line: nothing was run
 NONFINITE_EXIT = 3   # training stopped on non-finite losses or gradients (trainer.on_nonfinite)
@@ -147,12 +147,38 @@ def print_error_once(lines: list[str]) -> None:
         time.sleep(QUIET_RANK_DELAY_S)
 
 
+class RunDirCheck:
+    """Hydra callback (conf/train.yaml ``hydra.callbacks``): refuses a start that rundir.check_run_dir refuses (another
+    running job holds run_dir; a fresh start into a directory holding another run) before Hydra writes its .hydra/
+    and train.log there, so the other run's files stay as they were."""
+
+    def on_run_start(self, config, **kwargs) -> None:
+        try:
+            run_dir, resume = str(config.run_dir), config.trainer.get("resume")
+        except Exception:  # noqa: BLE001 - a config error: run_training reports it with its key
+            return
+        try:
+            check_run_dir(run_dir, fresh=resume is None)
+        except RunDirError as e:  # (Hydra turns a callback's exception into a warning: leave from here)
+            print_error_once([str(e)])
+            sys.exit(USER_ERROR_EXIT)
+
+    def __getattr__(self, name: str):
+        if name.startswith("on_"):  # Hydra calls every hook of a callback; only on_run_start matters here
+            return lambda **kwargs: None
+        raise AttributeError(name)
+
+
 def remove_partial_run_dir(run_dir: str | os.PathLike, since: float = _IMPORTED_AT) -> None:
     """After a failed start: remove what Hydra and this run wrote into ``run_dir`` (modified at or after ``since``;
-    never other files, an earlier run's outputs, or a run with checkpoints), then the directory when empty."""
+    never other files, an earlier run's outputs, a run with checkpoints, or a directory another running job holds),
+    then the directory when empty. Under torchrun/srun only rank 0 removes (no race over the same files)."""
+    from fp8_recipes.training.config import launch_rank
+
     run_dir = Path(run_dir)
-    if not run_dir.is_dir() or (run_dir / "checkpoints").exists():
+    if launch_rank() != 0 or not run_dir.is_dir() or (run_dir / "checkpoints").exists() or held_by_another(run_dir):
         return
+    release(run_dir)  # this process's lock, if it took one
     for name in RUN_OUTPUTS:
         p = run_dir / name
         if not p.exists() or p.stat().st_mtime < since - 1.0:  # (1 s: coarse file-system clocks)

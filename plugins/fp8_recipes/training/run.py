@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8_recipes.plan_format import format_plan
-from fp8_recipes.rundir import PLAN, RECIPE, write_text
+from fp8_recipes.rundir import PLAN, RECIPE, check_run_dir, claim, drop_rows_after, release, write_text
 
 __all__ = ["resolve_debug", "resolve_recipe", "run_training"]
 
@@ -261,11 +261,14 @@ def run_training(cfg) -> dict:
         resume_from = find_resume(trainer.get("resume"), run_dir)
         skip = resume_skip(resume_from, global_batch_size=gbs, micro_batch_size=mbs, **layout,
                            use_distributed_optimizer=tcfg.use_distributed_optimizer) if resume_from is not None else 0
+        # One owner (rundir.py): no other running job, and a fresh start only into a directory holding no other run.
+        check_run_dir(run_dir, fresh=resume_from is None and trainer.get("resume") != "auto")
     if resume_from is not None and (done := int(checkpoint_meta(resume_from)["step"])) >= tcfg.max_steps:
         # A finished run resumed (a requeued or resubmitted job): nothing to train, nothing of the run rewritten.
         return {"finished": {"steps": done, "checkpoint": str(resume_from), "max_steps": tcfg.max_steps},
                 "steps": done, "rank": launch_rank()}
     if launch_rank() == 0:
+        claim(run_dir)  # the lock, released when the run ends (at exit, if it ends in an exception before `try`)
         for line in run_notices(tcfg, recipe, debug):
             logger.warning(line)
     rank, world_size, device = init_distributed(**layout, context_parallel_size=tcfg.context_parallel_size,
@@ -327,6 +330,8 @@ def run_training(cfg) -> dict:
         engine = build_engine(chunks, tcfg, seq_length=int(model_cfg["seq_length"]), lr=tcfg.lr, device=device)
         if rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
+            if resume_from is not None or trainer.get("resume") == "auto":  # rows a killed run wrote past its checkpoint
+                drop_rows_after(run_dir, int(checkpoint_meta(resume_from)["step"]) if resume_from is not None else 0)
             explained = format_plan(plan, max_steps=int(trainer.max_steps), parallel=ParallelLayout(
                 tcfg.tensor_model_parallel_size, tcfg.pipeline_model_parallel_size,
                 tcfg.virtual_pipeline_model_parallel_size, tcfg.context_parallel_size, dp))
@@ -354,4 +359,5 @@ def run_training(cfg) -> dict:
             summary["te_execution"] = precision.execution_summary()
         return summary
     finally:
+        release(run_dir)
         destroy_distributed()

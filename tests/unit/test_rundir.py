@@ -1,0 +1,116 @@
+"""The run directory has one home and one owner (fp8_recipes/rundir.py, issue 19): unique default names that every
+rank of a job agrees on, sanitized recipe names, the lock, the refusal of another run's directory, and one metrics
+row per step across kill -9 and resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from fp8_recipes import rundir
+from fp8_recipes.rundir import (
+    LOCK, METRICS, RunDirError, check_run_dir, claim, default_run_name, drop_rows_after, read_metrics, release,
+    safe_name,
+)
+
+SINGLE: dict[str, str] = {}  # no launcher variables: one process
+TORCHRUN = {"TORCHELASTIC_RUN_ID": "abc", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+            "GROUP_WORLD_SIZE": "1"}
+
+
+@pytest.mark.parametrize("name, expected", [("hybrid", "hybrid"), ("../../x", "x"), ("/etc/passwd", "etc-passwd"),
+                                            ("a b:c", "a-b-c"), ("..", "run"), ("", "run")])
+def test_recipe_names_stay_one_path_component(name, expected):
+    assert safe_name(name) == expected
+    assert "/" not in default_run_name(name, SINGLE) and not default_run_name(name, SINGLE).startswith(".")
+
+
+def _name_in_child(env: dict[str, str]) -> str:
+    code = "from fp8_recipes.rundir import default_run_name; print(default_run_name('r'))"
+    keep = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "SLURM_", "MASTER_", "GROUP_"))}
+    return subprocess.run([sys.executable, "-c", code], env=keep | env, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_default_names_differ_between_processes_started_in_one_second():
+    names = {_name_in_child({}) for _ in range(3)}
+    assert len(names) == 3
+
+
+def test_ranks_of_one_job_agree_on_the_name_and_jobs_differ():
+    # torchrun's workers share its agent (their parent here) and the rendezvous; another rendezvous is another job
+    assert _name_in_child(TORCHRUN) == _name_in_child(TORCHRUN)
+    assert _name_in_child(TORCHRUN) != _name_in_child(TORCHRUN | {"MASTER_PORT": "29501"})
+    slurm = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0"}
+    assert _name_in_child(slurm) == _name_in_child(slurm) != _name_in_child(slurm | {"SLURM_JOB_ID": "78"})
+
+
+def test_a_fresh_start_is_refused_in_another_runs_directory(tmp_path):
+    check_run_dir(tmp_path, fresh=True)  # Hydra's own files do not count
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / "train.log").write_text("x\n")
+    check_run_dir(tmp_path, fresh=True)
+    (tmp_path / METRICS).write_text('{"kind": "train", "step": 1}\n')
+    with pytest.raises(RunDirError) as e:
+        check_run_dir(tmp_path, fresh=True)
+    assert len(str(e.value).splitlines()) == 1
+    assert str(e.value).startswith(f"run_dir: '{tmp_path}'") and "trainer.resume=auto" in str(e.value)
+    check_run_dir(tmp_path, fresh=False)  # a resume continues it
+
+
+def _lock(tmp_path, pid: int, host: str | None = None, job: str = "other") -> None:
+    (tmp_path / LOCK).write_text(json.dumps({"pid": pid, "host": host or socket.gethostname(), "job": job}))
+
+
+def test_a_live_runs_lock_refuses_and_a_dead_ones_is_taken_over(tmp_path, caplog):
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _lock(tmp_path, live.pid)
+        with pytest.raises(RunDirError, match="in use by another run"):
+            check_run_dir(tmp_path, fresh=False)
+        with pytest.raises(RunDirError, match="in use by another run"):
+            claim(tmp_path)
+    finally:
+        live.kill()
+        live.wait()
+    with caplog.at_level("WARNING", logger="fp8_recipes"):
+        claim(tmp_path)  # the same pid, now dead: stale
+    assert "stale lock" in caplog.text
+    holder = json.loads((tmp_path / LOCK).read_text())
+    assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
+    claim(tmp_path)  # this process again: fine
+    check_run_dir(tmp_path, fresh=False)
+    release(tmp_path)
+    assert not (tmp_path / LOCK).exists()
+
+
+def test_another_hosts_lock_refuses(tmp_path):
+    _lock(tmp_path, 1, host="elsewhere.invalid")
+    with pytest.raises(RunDirError, match="elsewhere.invalid"):
+        claim(tmp_path)
+
+
+def test_the_same_jobs_lock_is_taken_over(tmp_path):
+    _lock(tmp_path, 1, host="elsewhere.invalid", job=rundir.job_identity({"SLURM_JOB_ID": "5", "SLURM_STEP_ID": "0"})[0])
+    claim(tmp_path, env={"SLURM_JOB_ID": "5", "SLURM_STEP_ID": "0"})  # a requeued Slurm job on another node
+    assert json.loads((tmp_path / LOCK).read_text())["pid"] == os.getpid()
+    release(tmp_path)
+
+
+def test_rows_past_the_checkpoint_are_dropped_atomically(tmp_path):
+    rows = [{"kind": "train", "step": s} for s in range(1, 9)] + [{"kind": "eval", "step": 5}]
+    (tmp_path / METRICS).write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"kind": "tr')  # cut by kill -9
+    (tmp_path / "numerics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (2, 4, 6, 8)))
+    (tmp_path / "numerics.stage1.jsonl").write_text(json.dumps({"step": 8}) + "\n")
+    assert drop_rows_after(tmp_path, 6) == 5
+    assert [(r["kind"], r["step"]) for r in read_metrics(tmp_path)] == \
+        [("train", s) for s in range(1, 7)] + [("eval", 5)]
+    assert (tmp_path / "numerics.jsonl").read_text().count("\n") == 3
+    assert (tmp_path / "numerics.stage1.jsonl").read_text() == ""
+    assert drop_rows_after(tmp_path, 6) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [METRICS, "numerics.jsonl", "numerics.stage1.jsonl"]
