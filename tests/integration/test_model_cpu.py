@@ -261,3 +261,26 @@ def test_two_ranks_tensor_and_data_parallel(megatron_cpu, tiny_model_cfg, tmp_pa
     assert result["custom_loss"] == result["tp2_loss"] and result["grad_diff"] == 0.0
     assert result["dp_replicas_equal"]
 
+
+
+def test_layer_init_context_wraps_each_layer_by_global_number(megatron_cpu, tiny_model_cfg):
+    # (the TE backend's quantized_model_init for FP8-stored weights: recipe fp8_param, megatron/te_layers.py)
+    import contextlib
+
+    built = []
+
+    @contextlib.contextmanager
+    def layer_init(layer):
+        before = len(built)
+        yield
+        built.append((layer, before))
+
+    seeded = build_gpt_model(tiny_model_cfg, device=megatron_cpu[2], init_seed=7)
+    model = build_gpt_model(tiny_model_cfg, device=megatron_cpu[2], init_seed=7, layer_init=layer_init)
+    assert built == [(i, i) for i in range(int(tiny_model_cfg["num_layers"]))]
+    # the weights are those of the same build without it: the context adds, it draws nothing
+    assert all(torch.equal(a, b) for a, b in zip(seeded.state_dict().values(), model.state_dict().values())
+               if isinstance(a, torch.Tensor))
+    build_gpt_model(tiny_model_cfg, device=megatron_cpu[2], layer_init=lambda layer: built.append(layer) or
+                    contextlib.nullcontext())
+    assert built[-int(tiny_model_cfg["num_layers"]):] == list(range(int(tiny_model_cfg["num_layers"])))

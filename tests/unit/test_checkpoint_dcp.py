@@ -301,3 +301,19 @@ def test_a_damaged_latest_falls_back_to_the_newest_intact(case, tmp_path, caplog
         flip_a_bit(next(step_dir.glob("__0_*.distcp")), at=0.25)
     with pytest.raises(ValueError, match=r"^trainer.resume=auto: no intact checkpoint in .*; start fresh"):
         find_resume("auto", tmp_path)
+
+
+def test_fp8_stored_weights_are_saved_as_their_bf16_values():
+    # recipe fp8_param: true: TE QuantizedTensors go into DCP as BF16 (their exact bytes travel in the precision state)
+    from fp8_recipes.training.checkpoint import _plain_weights
+
+    class FP8Weight:
+        def _get_quantizer(self):
+            return None
+
+        def dequantize(self):
+            return torch.full((2,), 0.5, dtype=torch.bfloat16)
+
+    plain = torch.ones(2)
+    state = _plain_weights({"w": FP8Weight(), "b": plain, "_extra_state": None})
+    assert torch.equal(state["w"], torch.full((2,), 0.5, dtype=torch.bfloat16)) and state["b"] is plain

@@ -447,3 +447,23 @@ def test_fp8_param_whole_layer_patterns_and_all_bf16_layers_are_fine():
     none = plan_for(fp8_param_recipe("tensorwise", layers={"bf16_first": N}))
     assert none.fp8_param_problem() is None and none.fp8_param_layers() == {}
     assert "weights stored (fp8_param): bf16 everywhere" in format_plan(none)
+
+
+def test_training_refuses_fp8_param_in_one_line_before_anything_is_built():
+    import types
+
+    from fp8_recipes.training.run import check_fp8_param
+
+    trainer = types.SimpleNamespace(use_distributed_optimizer=True, params_dtype="bf16")
+    check_fp8_param(trainer, plan_for(fp8_param_recipe("tensorwise")))  # runs
+    check_fp8_param(types.SimpleNamespace(), plan_for("tensorwise"))  # not asked: nothing checked
+    for plan, tcfg, starts in (
+            (plan_for(fp8_param_recipe("tensorwise"), Hardware()), trainer, "recipe.fp8_param: true needs the te"),
+            (plan_for(fp8_param_recipe("tensorwise")), types.SimpleNamespace(**{**vars(trainer),
+                                                                              "use_distributed_optimizer": False}),
+             "trainer.use_distributed_optimizer=false: recipe fp8_param: true needs"),
+            (plan_for(fp8_param_recipe("tensorwise")), types.SimpleNamespace(**{**vars(trainer), "params_dtype": "fp32"}),
+             "trainer.params_dtype=fp32: recipe fp8_param: true")):
+        with pytest.raises(ValueError) as e:
+            check_fp8_param(tcfg, plan)
+        assert str(e.value).startswith(starts) and "\n" not in str(e.value)

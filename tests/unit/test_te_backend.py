@@ -207,3 +207,86 @@ def test_delayed_state_is_put_back_before_the_next_fp8_forward(fake_te):
     assert torch.equal(meta["scaling_fwd"].amax_history, saved["amax_history_fwd"])
     assert torch.equal(meta["scaling_bwd"].scale, saved["scale_bwd"]) and meta["recipe"].choice.delayed
     assert set(precision.state_dict()["delayed"]) == {name} and not precision._pending
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# fp8_param: true (FP8-stored weights)
+
+FP8_PARAM = {"weights": "tensorwise", "activations": "tensorwise", "gradients": "tensorwise", "fp8_param": True}
+
+
+class FakeFP8Weight:
+    """What the backend reads of a TE QuantizedTensor: ``get_metadata()`` (its tensors and the rest)."""
+
+    def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor, transpose: torch.Tensor | None = None):
+        self.data, self.scale_inv, self.transpose = data, scale_inv, transpose
+
+    def get_metadata(self):
+        return {"data": self.data, "fp8_scale_inv": self.scale_inv, "data_transpose": self.transpose,
+                "fp8_dtype": "E4M3", "quantizer": object()}
+
+
+def test_fp8_weights_bytes_are_state_restored_in_place(fake_te, monkeypatch):
+    processed = []
+    utils = types.ModuleType("transformer_engine.pytorch.tensor.utils")
+    utils.post_all_gather_processing = processed.extend
+    monkeypatch.setitem(sys.modules, utils.__name__, utils)
+    plan = PrecisionPlan(Recipe.from_dict(FP8_PARAM), ModelLayout.gpt(1), H200)
+    buffer = torch.zeros(8, dtype=torch.uint8)  # the DDP buffer the weight's data is a view of
+    weight = FakeFP8Weight(buffer[:6].view(2, 3), torch.ones(1), torch.zeros(3, 2, dtype=torch.uint8))
+    name = "decoder.layers.0.mlp.linear_fc1.weight"
+    precision = TEPrecision(plan, layers={}, linears={}, chunks=[], fp8_params={name: weight})
+    saved = {name: {"data": torch.arange(6, dtype=torch.uint8).view(2, 3), "fp8_scale_inv": torch.full((1,), 0.5)}}
+    precision.load_state_dict({"delayed": {}, "fp8_params": saved})
+    assert buffer[:6].tolist() == list(range(6)) and weight.scale_inv.item() == 0.5 and processed == [weight]
+    state = precision.state_dict()["fp8_params"][name]
+    assert set(state) == {"data", "fp8_scale_inv", "data_transpose"} and torch.equal(state["data"], saved[name]["data"])
+    state["data"][0, 0] = 99  # a copy, not the live buffer
+    assert buffer[0] == 0
+    with pytest.raises(ValueError, match=r"^decoder.layers.0.mlp.linear_fc1.weight: FP8 weight data has shape \(6,\)"):
+        precision.load_state_dict({"fp8_params": {name: {"data": torch.zeros(6, dtype=torch.uint8)}}})
+    # a checkpoint without FP8 bytes (saved with BF16 weights): the model's state dict has set the weights already
+    precision.load_state_dict({"delayed": {}})
+    assert "fp8_params" not in TEPrecision(plan, layers={}, linears={}, chunks=[]).state_dict()
+
+
+def test_fp8_param_init_builds_fp8_layers_under_their_recipe(request):
+    from fp8_recipes.megatron.te_layers import FP8ParamInit, fp8_param_recipe  # (imports Megatron-Core: before TE's fake)
+    from fp8_recipes.schema import RecipeError
+
+    from fp8_recipes.megatron import te_layers
+
+    request.getfixturevalue("fake_te")
+    request.getfixturevalue("monkeypatch").setattr(te_layers, "te_recipe", te_backend.te_recipe)  # the fake's
+
+    entered = []
+    fake_te_pt = sys.modules["transformer_engine.pytorch"]
+
+    class quantized_model_init:  # noqa: N801 (TE's name)
+        def __init__(self, enabled, recipe, preserve_high_precision_init_val):
+            entered.append((enabled, recipe, preserve_high_precision_init_val))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    fake_te_pt.quantized_model_init = quantized_model_init
+    plan = PrecisionPlan(Recipe.from_dict({**FP8_PARAM, "layers": {"bf16_first": 1}}), ModelLayout.gpt(3), H200)
+    init = FP8ParamInit(plan)
+    for layer in range(3):
+        with init(layer):
+            pass
+    assert [e[0] for e in entered] == [True, True] and entered[0][1] is entered[1][1] and entered[0][2]
+    (choice, obj), = init.recipes.items()
+    assert choice == plan.fp8_param_layers()[1] and obj is entered[0][1] and fp8_param_recipe(plan) == "tensorwise"
+    # the layers then run under the very object their weights were quantized with
+    precision = TEPrecision(plan, layers={}, linears={}, chunks=[], recipes=init.recipes)
+    assert precision.te_recipe(choice) is obj
+    delayed = PrecisionPlan(Recipe.from_dict({**FP8_PARAM, "weights": "delayed", "activations": "delayed",
+                                              "gradients": "delayed"}), ModelLayout.gpt(3), H200)
+    assert fp8_param_recipe(delayed) == "delayed" and fp8_param_recipe(
+        PrecisionPlan(Recipe.from_dict({**FP8_PARAM, "fp8_param": False}), ModelLayout.gpt(3), H200)) is None
+    with pytest.raises(RecipeError, match=r"^fp8_param: true: the FP8 layers run CustomRecipe here"):
+        FP8ParamInit(PrecisionPlan(Recipe.from_dict({**FP8_PARAM, "weights": "delayed"}), ModelLayout.gpt(3), H200))

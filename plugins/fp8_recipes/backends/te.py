@@ -22,6 +22,9 @@ Checkpoints: TE would pickle each module's recipe and delayed state into ``_extr
 load that without NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1, and our callables would be pickled with it. So the TE
 modules' extra state stays empty and the delayed-scaling tensors travel in :meth:`TEPrecision.state_dict` as
 plain tensors, put back before the module's next FP8 forward (TE's own way: ``init_fp8_meta_tensors``, then copy).
+FP8-stored weights (recipe ``fp8_param: true``) travel there too, as their exact bytes (FP8 data and scale inverses:
+the model's state dict holds their BF16 values, training/checkpoint.py), copied back into the very tensors the DDP
+buffer holds, so a resumed run computes with the weights the uninterrupted one would.
 
 TE is imported inside functions only: a broken TE must not break importing this package.
 """
@@ -227,6 +230,14 @@ def _restore_delayed(name: str, module: torch.nn.Module, saved: Mapping[str, tor
             current[key].copy_(value)
 
 
+_FP8_ROWWISE = ("data", "fp8_scale_inv", "rowwise_data", "rowwise_scale_inv")  # TE's get_metadata() keys
+
+
+def _fp8_data(param: Any) -> dict[str, torch.Tensor]:
+    """The tensors a TE QuantizedTensor is made of (FP8 data, scale inverses, transposes: whichever it holds)."""
+    return {k: v for k, v in param.get_metadata().items() if isinstance(v, torch.Tensor)}
+
+
 def _empty_extra_state() -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8)
 
@@ -259,7 +270,9 @@ class TEPrecision:
 
     def __init__(self, plan: PrecisionPlan, *, layers: Mapping[int, torch.nn.Module],
                  linears: Mapping[str, torch.nn.Module], chunks: Sequence[torch.nn.Module], amax_group: Any = None,
-                 count: bool = True, attention: Mapping[int, torch.nn.Module] | None = None):
+                 count: bool = True, attention: Mapping[int, torch.nn.Module] | None = None,
+                 recipes: Mapping[TERecipe, Any] | None = None,
+                 fp8_params: Mapping[str, torch.nn.Parameter] | None = None):
         import transformer_engine.pytorch as te
         from transformer_engine.common.recipe import Float8CurrentScaling
 
@@ -277,7 +290,9 @@ class TEPrecision:
         self._reduce_amax = plan.recipe.amax_reduction is not AmaxReduction.NONE
         # Disabled autocasts get a stateless recipe and no group: never the key of any delayed-scaling buffer.
         self._off = (False, Float8CurrentScaling(), None)
-        self._recipes: dict[TERecipe, Any] = {}
+        self._recipes: dict[TERecipe, Any] = dict(recipes or {})  # those the FP8 weights were quantized with
+        self.fp8_params = dict(fp8_params or {})
+        """This rank's FP8-stored weights (TE QuantizedTensors) by ``<linear name>.<param>``: their bytes are state."""
         self._layer_of = {n: plan.layout.layer_of(n) for n in self.linears}
         self._layer_ctx: dict[int, tuple | None] = dict.fromkeys(layers, self._off)
         self._module_ctx: dict[str, tuple | None] = {}
@@ -428,13 +443,42 @@ class TEPrecision:
             tensors = _delayed_tensors(module)
             if tensors:
                 delayed[name] = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
-        return {"recipe": self.plan.recipe.name, "delayed": delayed}
+        out = {"recipe": self.plan.recipe.name, "delayed": delayed}
+        if self.fp8_params:
+            out["fp8_params"] = {name: {k: v.detach().to("cpu", copy=True) for k, v in _fp8_data(p).items()}
+                                 for name, p in self.fp8_params.items()}
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         self._pending = {n: dict(t) for n, t in state.get("delayed", {}).items()
                          if n in self.linears or n in self.attention}
         if self._roles is not None:
             self._restore_pending()
+        # (a checkpoint without them was saved with BF16 weights: the model's state dict quantized them already)
+        self._restore_fp8_params(state.get("fp8_params") or {})
+
+    def _restore_fp8_params(self, saved: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        """The FP8 weights' exact bytes, in place (their storage is the DDP buffer's), then what TE derives from them
+        after Megatron-Core's param all-gather (the transpose or column-wise copy) made again."""
+        restored = []
+        for name, param in self.fp8_params.items():
+            if name not in saved:
+                continue
+            current = _fp8_data(param)
+            with torch.no_grad():
+                for key, value in saved[name].items():
+                    have = tuple(current[key].shape) if key in current else None
+                    if have == tuple(value.shape):
+                        current[key].copy_(value)
+                    elif key in _FP8_ROWWISE:  # (a column-wise copy TE holds at one time and not at another is
+                        #                        made again below, or by the next quantization)
+                        raise ValueError(f"{name}: FP8 weight {key} has shape {tuple(value.shape)} in the checkpoint "
+                                         f"and {have} here; resume with the recipe it was saved with")
+            restored.append(param)
+        if restored:
+            from transformer_engine.pytorch.tensor.utils import post_all_gather_processing
+
+            post_all_gather_processing(restored)
 
     # -- what ran ----------------------------------------------------------------------------------------------------
     def execution_summary(self) -> dict[str, Any]:

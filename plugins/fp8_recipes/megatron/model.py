@@ -46,7 +46,7 @@ import os
 import socket
 import subprocess
 from datetime import timedelta
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -270,7 +270,8 @@ def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_li
                     params_dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                     config_overrides: Mapping[str, Any] | None = None, pre_process: bool = True,
                     post_process: bool = True, vp_stage: int | None = None,
-                    init_seed: int | None = None) -> torch.nn.Module:
+                    init_seed: int | None = None,
+                    layer_init: Callable[[int], contextlib.AbstractContextManager] | None = None) -> torch.nn.Module:
     """Build a Megatron-Core ``GPTModel`` from a ``model`` config group (dict or DictConfig).
 
     ``init_distributed`` must have run (the model reads TP size and groups from parallel_state).
@@ -296,6 +297,8 @@ def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_li
     ``init_seed``: initialise independently of the pipeline layout (:func:`_layout_seeded`): the embedding from
     ``init_seed`` itself, each transformer layer from its own stream (by its global number), the LM head after the
     last layer, so a model has the same initial weights at any pipeline and virtual-pipeline size.
+    ``layer_init``: a context per global (0-based) layer number, each TransformerLayer built inside its own (the TE
+    backend's ``quantized_model_init`` for layers whose weights are stored in FP8: megatron/te_layers.py).
     """
     import torch.nn.functional as F
     from megatron.core import parallel_state, tensor_parallel
@@ -376,10 +379,11 @@ def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_li
         if column_linear or row_linear or core_attention:
             spec = _substitute_linears(spec, column_linear, row_linear, core_attention)
 
-    if init_seed is not None:
+    if init_seed is not None or layer_init is not None:
         spec = dataclasses.replace(spec, module=_layout_seeded(spec.module))
+    if init_seed is not None:
         _reseed(init_seed)
-    with _init_seed_for_layers(init_seed):
+    with _init_seed_for_layers(init_seed, layer_init):
         model = GPTModel(
             config=config,
             transformer_layer_spec=spec,
@@ -405,15 +409,16 @@ def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_li
 
 
 _LAYER_INIT_SEED: list[int | None] = [None]  # set while build_gpt_model(init_seed=...) builds a GPTModel
+_LAYER_INIT_CONTEXT: list[Callable | None] = [None]  # set while build_gpt_model(layer_init=...) builds a GPTModel
 
 
 @contextlib.contextmanager
-def _init_seed_for_layers(seed: int | None):
-    _LAYER_INIT_SEED[0] = seed
+def _init_seed_for_layers(seed: int | None, layer_init: Callable | None = None):
+    _LAYER_INIT_SEED[0], _LAYER_INIT_CONTEXT[0] = seed, layer_init
     try:
         yield
     finally:
-        _LAYER_INIT_SEED[0] = None
+        _LAYER_INIT_SEED[0] = _LAYER_INIT_CONTEXT[0] = None
 
 
 def _reseed(seed: int) -> None:
@@ -430,19 +435,21 @@ def _layout_seeded(layer_class: type) -> type:
     seed and the layer's global number (local number + Megatron's layer offset for this stage and chunk), so its
     weights do not depend on which stage builds it or what was built before it. Megatron-Core draws a pipeline
     stage's weights in construction order (with CPU initialisation from the default generator, on GPUs from the
-    model-parallel tracker), so without this PP=2 starts from other weights than PP=1."""
+    model-parallel tracker), so without this PP=2 starts from other weights than PP=1. The layer is built inside
+    ``build_gpt_model``'s ``layer_init`` context for its global number, when one is given."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     class LayoutSeededLayer(layer_class):
         def __init__(self, config, *args, **kwargs):
-            seed = _LAYER_INIT_SEED[0]
+            seed, layer_init = _LAYER_INIT_SEED[0], _LAYER_INIT_CONTEXT[0]
+            local = kwargs.get("layer_number", args[1] if len(args) > 1 else 1)
+            offset = get_transformer_layer_offset(config, kwargs.get("vp_stage"),
+                                                  ps.get_pipeline_model_parallel_rank())
             if seed is not None:
-                local = kwargs.get("layer_number", args[1] if len(args) > 1 else 1)
-                offset = get_transformer_layer_offset(config, kwargs.get("vp_stage"),
-                                                      ps.get_pipeline_model_parallel_rank())
                 _reseed(seed + 7919 * (local + offset))  # (a prime apart: no two layers share a stream)
-            super().__init__(config, *args, **kwargs)
+            with layer_init(local + offset - 1) if layer_init is not None else contextlib.nullcontext():
+                super().__init__(config, *args, **kwargs)
 
     LayoutSeededLayer.__name__ = LayoutSeededLayer.__qualname__ = layer_class.__name__
     return LayoutSeededLayer

@@ -15,10 +15,17 @@ with ``fp8_output_proj``, and then without tied embeddings). When the plan runs 
 ``te.Linear`` that holds no weight of its own but is handed, at each call, the weight Megatron-Core passes (the
 head's own, or the word embedding's when embeddings are tied), so parameters, state dict, DDP buffers and the
 tied-embedding wiring stay Megatron-Core's. A head the plan keeps BF16 is left exactly as built.
+
+FP8 weights (recipe ``fp8_param: true``). :class:`FP8ParamInit` is ``build_gpt_model``'s ``layer_init``: each layer the
+plan stores in FP8 is built inside TE's ``quantized_model_init(recipe=)`` with the TE recipe object that layer's
+autocast then runs under (handed to :func:`attach_te_backend`), so its TE linears hold their weights as FP8 tensors
+(Megatron-Core's ``get_fp8_context(is_init=True)``, per layer from the plan, on a model built without ``fp8`` in its
+config). Megatron-Core's DDP and distributed optimizer keep them (``fp8_param_gather``, training/engine.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -26,13 +33,14 @@ from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
 from fp8_recipes.backends.groups import amax_reduction_group
-from fp8_recipes.backends.te import TEPrecision
+from fp8_recipes.backends.te import TEPrecision, te_recipe
 from fp8_recipes.megatron.model import (named_linear_modules, replace_output_layer_class, transformer_layers,
                                         unwrap_model)
-from fp8_recipes.plan import PrecisionPlan
-from fp8_recipes.schema import Attention
+from fp8_recipes.plan import PrecisionPlan, TERecipe
+from fp8_recipes.plan_te import TERecipeKind
+from fp8_recipes.schema import AmaxReduction, Attention, RecipeError
 
-__all__ = ["TEOutputLayer", "attach_te_backend", "head_runs_fp8"]
+__all__ = ["FP8ParamInit", "TEOutputLayer", "attach_te_backend", "fp8_param_recipe", "head_runs_fp8"]
 
 
 class TEOutputLayer(ColumnParallelLinear):
@@ -68,6 +76,54 @@ class TEOutputLayer(ColumnParallelLinear):
         return out, None
 
 
+# Megatron-Core's name of each TE recipe class whose weights can be FP8 parameters (its OptimizerConfig.fp8_recipe:
+# the distributed optimizer shards a delayed-scaling weight by view, the others through their quantizer)
+_MEGATRON_RECIPE = {TERecipeKind.DELAYED: "delayed", TERecipeKind.CURRENT: "tensorwise",
+                    TERecipeKind.BLOCK: "blockwise", TERecipeKind.MXFP8: "mxfp8"}
+
+
+def fp8_param_recipe(plan: PrecisionPlan) -> str | None:
+    """Megatron-Core's ``fp8_recipe`` name of the plan's FP8-stored weights (recipe ``fp8_param: true``), or None when
+    no weight is stored in FP8: what its optimizer and DDP are told (training/engine.py)."""
+    kinds = {te.recipe for te in plan.fp8_param_layers().values()}
+    return _MEGATRON_RECIPE[kinds.pop()] if kinds else None
+
+
+class FP8ParamInit:
+    """``build_gpt_model(layer_init=...)`` for recipe ``fp8_param: true``: the layers the plan stores in FP8 are built
+    inside TE's ``quantized_model_init`` with their TE recipe; the others as usual. ``recipes`` (TERecipe -> TE recipe
+    object) goes to :func:`attach_te_backend`, so a layer runs under the very object its weights were quantized with.
+    The BF16 initial values stay (on the CPU) until the distributed optimizer makes its fp32 main params from them, so
+    those start where a BF16-stored run's do (as Megatron-Core's ``get_fp8_context(is_init=True)`` asks TE to)."""
+
+    def __init__(self, plan: PrecisionPlan):
+        problem = plan.fp8_param_problem()
+        if problem is not None:
+            raise RecipeError([problem])
+        self.layers: dict[int, TERecipe] = plan.fp8_param_layers()
+        self.recipes: dict[TERecipe, Any] = {}
+        self._reduce_amax = plan.recipe.amax_reduction is not AmaxReduction.NONE
+
+    def __call__(self, layer: int) -> contextlib.AbstractContextManager:
+        choice = self.layers.get(layer)
+        if choice is None:
+            return contextlib.nullcontext()
+        import transformer_engine.pytorch as te
+
+        if choice not in self.recipes:
+            self.recipes[choice] = te_recipe(choice, reduce_amax=self._reduce_amax)
+        return te.quantized_model_init(enabled=True, recipe=self.recipes[choice],
+                                       preserve_high_precision_init_val=torch.is_grad_enabled())
+
+
+def _fp8_params(linears: dict[str, torch.nn.Module]) -> dict[str, torch.nn.Parameter]:
+    """The FP8-stored weights (TE QuantizedTensors) of ``linears`` by ``<linear name>.<param name>``."""
+    from transformer_engine.pytorch.tensor import QuantizedTensor
+
+    return {f"{name}.{p}": param for name, m in linears.items() for p, param in m.named_parameters(recurse=False)
+            if isinstance(param, QuantizedTensor)}
+
+
 def head_runs_fp8(plan: PrecisionPlan) -> bool:
     """Whether the plan runs the LM head in FP8 at any stage of the run."""
     return "output_layer" in plan.layout.module_names and any(
@@ -75,9 +131,10 @@ def head_runs_fp8(plan: PrecisionPlan) -> bool:
 
 
 def attach_te_backend(model: torch.nn.Module | list[torch.nn.Module], plan: PrecisionPlan, *,
-                      count: bool = True) -> TEPrecision:
+                      count: bool = True, recipes: dict[TERecipe, Any] | None = None) -> TEPrecision:
     """Wrap the layers and TE linears of `model` (a GPTModel or this rank's pipeline chunks) in plan-driven
-    autocasts; return the controller. The plan is the whole model's: each stage runs its own layers' part."""
+    autocasts; return the controller. The plan is the whole model's: each stage runs its own layers' part.
+    ``recipes``: the TE recipe objects the model's FP8 weights were quantized with (:class:`FP8ParamInit`)."""
     from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
 
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
@@ -107,5 +164,14 @@ def attach_te_backend(model: torch.nn.Module | list[torch.nn.Module], plan: Prec
                  if plan.recipe.attention is Attention.FP8
                  and isinstance(getattr(layer.self_attention, "core_attention", None), TransformerEngineBaseModule)}
     # The outer autocast of delayed scaling spans the whole chunk (its layers and, on the last stage, the head).
+    fp8_params = _fp8_params({n: m for n, m in te_linears.items() if n != "output_layer"})
+    stored = {n.rsplit(".", 1)[0] for n in fp8_params}
+    expected = {n for n in te_linears if plan.layout.layer_of(n) in plan.fp8_param_layers()}
+    if stored != expected:  # the model was not built with FP8ParamInit(plan), or with another plan's
+        odd = min(stored ^ expected)
+        raise ValueError(f"te backend: {odd} {'holds' if odd in stored else 'lacks'} FP8 weights against the plan "
+                         f"(recipe fp8_param: {str(plan.recipe.fp8_param).lower()}); build the model with "
+                         f"layer_init=FP8ParamInit(plan)")
     return TEPrecision(plan, layers=layers, linears=te_linears, chunks=gpts, attention=attention,
-                       amax_group=amax_reduction_group(plan.recipe.amax_reduction), count=count)
+                       amax_group=amax_reduction_group(plan.recipe.amax_reduction), count=count, recipes=recipes,
+                       fp8_params=fp8_params)

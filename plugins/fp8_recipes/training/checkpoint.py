@@ -280,7 +280,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, engine=None, model
     payload = {
         "format_version": FORMAT_VERSION,
         "step": step,
-        "model": [_unwrap(c).state_dict() for c in chunks],
+        "model": [_plain_weights(_unwrap(c).state_dict()) for c in chunks],
         "optimizer": engine.optimizer_state_dict() if engine is not None else None,  # collective (DP)
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "precision": precision.state_dict() if precision is not None else None,
@@ -304,6 +304,16 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, engine=None, model
         os.replace(pointer, root / "latest")
     barrier()
     return final
+
+
+def _plain_weights(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with FP8-stored weights (recipe ``fp8_param: true``: Transformer Engine QuantizedTensors) as their BF16
+    values: what DCP writes and an export reads. Loading copies them back into the FP8 parameters (TE quantizes), and
+    the precision state then puts back their exact FP8 bytes (backends/te.py)."""
+    for key, value in state.items():
+        if callable(getattr(value, "_get_quantizer", None)):  # TE's QuantizedTensor (torch's own have no quantizer)
+            state[key] = value.dequantize()
+    return state
 
 
 def _digest(path: Path) -> dict[str, Any]:

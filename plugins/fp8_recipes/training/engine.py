@@ -288,9 +288,19 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def build_engine(chunks: list[torch.nn.Module], cfg: TrainerConfig, *, seq_length: int, lr: float,
-                 device: torch.device) -> Engine:
+                 device: torch.device, fp8_param: str | None = None) -> Engine:
     """Wrap ``chunks`` (this rank's GPTModel chunks, Float16Module-wrapped for BF16) in Megatron-Core's DDP, build
-    its optimizer and hook both into the model config the schedules read, as Megatron-LM's ``pretrain`` does."""
+    its optimizer and hook both into the model config the schedules read, as Megatron-LM's ``pretrain`` does.
+
+    ``fp8_param``: Megatron-Core's recipe name (delayed | tensorwise | blockwise | mxfp8) when some weights are stored
+    in FP8 (recipe ``fp8_param: true``, megatron/te_layers.py), else None. Then, as Megatron-LM's --fp8-param-gather
+    sets up: DDP's ``fp8_param_gather`` (the FP8 weights' buffer is gathered in FP8) and the optimizer's
+    ``fp8_recipe``; the distributed optimizer keeps fp32 main params and re-quantizes the FP8 weights from them after
+    each update (``quantize_param_shard``), which the plain optimizer cannot."""
+    if fp8_param is not None and not cfg.use_distributed_optimizer:
+        raise ValueError("trainer.use_distributed_optimizer=false: FP8-stored weights (recipe fp8_param: true) are "
+                         "re-quantized from the fp32 main params by Megatron-Core's distributed optimizer; set "
+                         "trainer.use_distributed_optimizer=true")
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -299,7 +309,8 @@ def build_engine(chunks: list[torch.nn.Module], cfg: TrainerConfig, *, seq_lengt
     config = unwrap_model(chunks[0]).config
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=cfg.grad_reduce_in_fp32, overlap_grad_reduce=cfg.overlap_grad_reduce,
-        overlap_param_gather=cfg.overlap_param_gather, use_distributed_optimizer=cfg.use_distributed_optimizer)
+        overlap_param_gather=cfg.overlap_param_gather, use_distributed_optimizer=cfg.use_distributed_optimizer,
+        fp8_param_gather=fp8_param is not None)
     bf16 = config.params_dtype == torch.bfloat16
     with cuda_as_cpu():
         wrapped = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
@@ -308,7 +319,7 @@ def build_engine(chunks: list[torch.nn.Module], cfg: TrainerConfig, *, seq_lengt
             optimizer="adam", lr=lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
             adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad, bf16=bf16,
             params_dtype=config.params_dtype, use_distributed_optimizer=cfg.use_distributed_optimizer,
-            overlap_param_gather=cfg.overlap_param_gather,
+            overlap_param_gather=cfg.overlap_param_gather, fp8_recipe=fp8_param,
             use_precision_aware_optimizer=cfg.use_precision_aware_optimizer,
             **{key: _DTYPES[getattr(cfg, key)] for key in ("exp_avg_dtype", "exp_avg_sq_dtype", "main_params_dtype",
                                                             "main_grads_dtype")}), wrapped)

@@ -147,15 +147,17 @@ def attach_emulated(model_cfg: dict, recipe, hardware, params_dtype: torch.dtype
 
 def attach_te(model_cfg: dict, recipe, hardware, params_dtype: torch.dtype, device: torch.device,
               config_overrides: dict | None = None, init_seed: int | None = None):
-    """Megatron-Core's TE layer spec (no fp8 in its config) under per-layer te.autocast from the plan."""
-    from fp8_recipes.megatron.model import build_model_chunks, model_layout
-    from fp8_recipes.megatron.te_layers import attach_te_backend
-    from fp8_recipes.plan import PrecisionPlan
+    """Megatron-Core's TE layer spec (no fp8 in its config) under per-layer te.autocast from the plan; with recipe
+    ``fp8_param: true`` the plan's FP8 layers built with FP8-stored weights."""
+    from fp8_recipes.megatron.model import build_model_chunks
+    from fp8_recipes.megatron.te_layers import FP8ParamInit, attach_te_backend
+    from fp8_recipes.plan import ModelLayout, PrecisionPlan
 
+    plan = PrecisionPlan(recipe, ModelLayout.gpt(int(model_cfg["num_layers"])), hardware)
+    fp8_param = FP8ParamInit(plan) if recipe.fp8_param else None
     chunks = build_model_chunks(model_cfg, use_te_spec=True, params_dtype=params_dtype, device=device,
-                                config_overrides=config_overrides, init_seed=init_seed)
-    plan = PrecisionPlan(recipe, model_layout(chunks), hardware)
-    return chunks, plan, attach_te_backend(chunks, plan)
+                                config_overrides=config_overrides, init_seed=init_seed, layer_init=fp8_param)
+    return chunks, plan, attach_te_backend(chunks, plan, recipes=fp8_param.recipes if fp8_param else None)
 
 
 VALID_SEED_OFFSET = 1000
@@ -212,6 +214,28 @@ def check_engine_backend(trainer, backend) -> None:
                              f"{backend} backend builds Megatron-Core's local layers and torch's AdamW: unset it here")
 
 
+def check_fp8_param(trainer, plan) -> None:
+    """Recipe ``fp8_param: true``: refused in one line, before anything is built, where the plan cannot store the
+    weights in FP8 (the emulated backend, ...: ``PrecisionPlan.fp8_param_problem``) or the trainer lacks what
+    Megatron-Core's FP8 weights need (its distributed optimizer, BF16 params)."""
+    from fp8_recipes.schema import RecipeError
+
+    if not plan.recipe.fp8_param:
+        return
+    problem = plan.fp8_param_problem()
+    if problem is not None:
+        raise RecipeError([f"recipe.{problem}"])
+    if not plan.fp8_param_layers():
+        return
+    if not trainer.use_distributed_optimizer:
+        raise ValueError("trainer.use_distributed_optimizer=false: recipe fp8_param: true needs Megatron-Core's "
+                         "distributed optimizer (it re-quantizes the FP8 weights from its fp32 main params); set "
+                         "trainer.use_distributed_optimizer=true")
+    if str(trainer.params_dtype) not in ("bf16", "bfloat16"):
+        raise ValueError(f"trainer.params_dtype={trainer.params_dtype}: recipe fp8_param: true stores the FP8 layers' "
+                         f"weights as FP8 tensors standing for BF16 ones; set trainer.params_dtype=bf16")
+
+
 @contextlib.contextmanager
 def same_on_every_rank():
     """Errors raised inside come from the config and the files every rank reads alike: every rank of a launched
@@ -242,6 +266,7 @@ def run_training(cfg) -> dict:
         with _recipe_keys():
             first_plan = PrecisionPlan(recipe, ModelLayout.gpt(int(cfg.model.num_layers)), hardware)
         check_engine_backend(tcfg, first_plan.backend)
+        check_fp8_param(tcfg, first_plan)
 
     from fp8_recipes.megatron.data import data_parallel_batches, prepare_dataset
     from fp8_recipes.megatron.model import destroy_distributed, init_distributed
@@ -327,7 +352,13 @@ def run_training(cfg) -> dict:
         if resume_from is not None:  # another model config: refused before the run's files are rewritten
             with same_on_every_rank():
                 check_model_matches(resume_from, chunks)
-        engine = build_engine(chunks, tcfg, seq_length=int(model_cfg["seq_length"]), lr=tcfg.lr, device=device)
+        fp8_param = None
+        if plan.backend is Backend.TE:
+            from fp8_recipes.megatron.te_layers import fp8_param_recipe
+
+            fp8_param = fp8_param_recipe(plan)
+        engine = build_engine(chunks, tcfg, seq_length=int(model_cfg["seq_length"]), lr=tcfg.lr, device=device,
+                              fp8_param=fp8_param)
         if rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
             if resume_from is not None or trainer.get("resume") == "auto":  # rows a killed run wrote past its checkpoint
