@@ -32,6 +32,9 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from fp8_recipes.numerics import Quantized, dequantize, quantize
+from fp8_recipes.schema import Format, Scaling, TensorPolicy
+
 __all__ = ["LlamaShape", "HF_EXTRA", "require_safetensors", "hf_config", "megatron_to_hf", "hf_to_megatron",
            "quantize_hf_weights", "dequantize_hf_weights", "write_hf_checkpoint", "read_hf_config", "HFTensors",
            "FP8_PROJECTIONS"]
@@ -231,8 +234,6 @@ def hf_to_megatron(name: str, get: Callable[[str], torch.Tensor], shape: LlamaSh
 
 
 def _fp8_policy(block: tuple[int, int] | None):
-    from fp8_recipes.schema import Format, Scaling, TensorPolicy
-
     if block is None:  # Transformer Engine's Float8CurrentScaling weights
         return TensorPolicy(scaling=Scaling.TENSORWISE, format=Format.E4M3)
     # Transformer Engine's Float8BlockScaling weights: power-of-two scales
@@ -248,8 +249,6 @@ def quantize_hf_weights(tensors: Mapping[str, torch.Tensor], block: tuple[int, i
     """The projections as FP8 E4M3 codes plus ``<name>_scale_inv`` (per tensor, or per ``block``), everything
     else as it is; and the ``quantization_config`` that describes them. transformers' dequantizer reads the block
     from the scale grid, so a dimension larger than the block must be a multiple of it (ValueError otherwise)."""
-    from fp8_recipes.numerics import quantize
-
     policy = _fp8_policy(block)
     out: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
@@ -274,9 +273,6 @@ def dequantize_hf_weights(get: Callable[[str], torch.Tensor], name: str, config:
     tensor = get(name)
     if tensor.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         return tensor
-    from fp8_recipes.numerics import Quantized, dequantize
-    from fp8_recipes.schema import Format
-
     scale_inv = get(name + "_scale_inv").float()
     block = (config.get("quantization_config") or {}).get("weight_block_size")
     grid = scale_inv.reshape(1, 1) if scale_inv.numel() == 1 and not block else scale_inv

@@ -44,11 +44,11 @@ from typing import Any
 import torch
 
 from fp8_recipes.observe.config import DebugConfig
-from fp8_recipes.numerics import block_for
+from fp8_recipes.numerics import Quantized, block_for, dequantize, quantize
 from fp8_recipes.observe.stats import COLUMNWISE, OperandStats, measure, rows as stats_rows
 from fp8_recipes.plan import Gemm
 from fp8_recipes.rundir import TENSORBOARD, jsonable, numerics_name, read_numerics
-from fp8_recipes.schema import Role, Scaling
+from fp8_recipes.schema import Format, Role, Scaling
 
 __all__ = ["NumericsRecorder", "ObservedPrecision", "load_dump", "read_numerics"]  # read_numerics: from rundir
 
@@ -252,8 +252,6 @@ class NumericsRecorder:
                 logger.warning("numerics heat map failed: %s: %s", type(e).__name__, e)
 
     def _dump(self, key, hp_x, policy, columnwise, scaler, reduce) -> None:
-        from fp8_recipes.numerics import quantize
-
         # the quantization the GEMM used, again: delayed reads the same scale and records nothing
         q = quantize(hp_x, policy, columnwise=columnwise, scaler=scaler, amax_reduce=reduce, record_amax=False)
         index = self._count[key] - 1  # this quantization's number in the step (counted in _observe)
@@ -312,9 +310,6 @@ def load_dump(path: str | os.PathLike) -> dict[str, Any]:
     """A dump as a dict: ``hp`` (the operand in its dtype), ``fp8_codes`` (uint8), ``fp8`` (the same bits as the
     FP8 dtype), ``scale``/``scale_inv`` per block, ``block``, ``policy`` (dict), ``step``/``module``/``gemm``/
     ``role``/``micro_batch``/``columnwise``, and ``dequantized``: codes x scale_inv, what the GEMM read."""
-    from fp8_recipes.numerics import Quantized, dequantize
-    from fp8_recipes.schema import Format
-
     d = torch.load(path, map_location="cpu", weights_only=True)
     fp8_dtype = getattr(torch, d["fp8_dtype"])
     d["fp8"] = d["fp8_codes"].view(fp8_dtype)

@@ -422,7 +422,7 @@ def measure_fused(hp_x: torch.Tensor, policy: TensorPolicy, *, columnwise: bool 
     the FP8 copy is never written (`fq_out`, a float32 tensor of hp_x's size: write it there, for tests).
     Delayed scaling reads `scaler.scale` and records nothing. Same numbers as the numerics core's quantize +
     :func:`measure` (counts, amax, min_nonzero and scales equal; float sums up to summation order)."""
-    from fp8_recipes.observe import stats_kernels as k
+    from fp8_recipes.observe import stats_kernels as k  # Triton: imported only where a fused kernel runs (GPUs)
 
     spec = fp8_spec(policy.format)
     rows, cols = _rows_cols(hp_x.shape)
