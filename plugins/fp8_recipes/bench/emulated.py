@@ -16,13 +16,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from fp8_recipes.recipes import conf_dir
+from fp8_recipes.training.run import run_training
+
 __all__ = ["bench_emulated", "format_table", "plot"]
 
 
 def _compose(overrides: list[str]):
     from hydra import compose, initialize_config_dir
-
-    from fp8_recipes.recipes import conf_dir
 
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         return compose("train", overrides=overrides)
@@ -30,8 +31,6 @@ def _compose(overrides: list[str]):
 
 def bench_emulated(recipes: list[str], *, steps: int = 40, repeats: int = 2, overrides: list[str] = ()) -> dict:
     from omegaconf import OmegaConf
-
-    from fp8_recipes.training.run import run_training
 
     names = ["bf16"] + [r for r in recipes if r != "bf16"]
     times: dict[str, list[float]] = {n: [] for n in names}

@@ -17,7 +17,11 @@ from typing import Any
 
 import torch
 
+from fp8_recipes.backends.te import te_recipe
+from fp8_recipes.bench.output import bar_chart, markdown_table, save_json
+from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan
 from fp8_recipes.plan_te import TERecipeKind
+from fp8_recipes.recipes import load_recipe
 
 __all__ = ["DEFAULT_CONFIGS", "DEFAULT_SHAPES", "bench_gemm", "resolve_configs", "save", "summarize"]
 
@@ -29,9 +33,6 @@ DEFAULT_CONFIGS = ["delayed", "tensorwise", "blockwise", "hybrid", "mxfp8", "ten
 def resolve_configs(names: list[str]) -> list[tuple[str, Any]]:
     """[(label, TERecipe)] as the plan runs each recipe on this GPU; duplicates (e.g. mxfp8 = blockwise on
     Hopper) are dropped with a note."""
-    from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan
-    from fp8_recipes.recipes import load_recipe
-
     hardware = Hardware.detect()
     out: list[tuple[str, Any]] = []
     for label in names:
@@ -89,8 +90,6 @@ def _rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
 def bench_gemm(shapes: list[tuple[int, int, int]], configs: list[str], *, warmup: int = 5, iters: int = 20,
                out_dir: Path | None = None) -> dict[str, Any]:
     """Every config on every shape; with ``out_dir`` the results so far are saved after each shape."""
-    from fp8_recipes.backends.te import te_recipe
-
     resolved = resolve_configs(configs)
     recipes = {label: te_recipe(choice) for label, choice in resolved}
     rows: list[dict] = []
@@ -122,8 +121,6 @@ def _te_version() -> str:
 
 def summarize(result: dict[str, Any]) -> tuple[str, list[str], dict[str, list[float]]]:
     """(Markdown table of speedups vs BF16 and errors, x labels, series) for printing and plotting."""
-    from fp8_recipes.bench.output import markdown_table
-
     labels = list(result["configs"])
     header = ["M x K x N", "BF16 ms", "BF16 TFLOP/s"] + [f"{lbl} (x)" for lbl in labels]
     rows, groups = [], []
@@ -142,8 +139,6 @@ def summarize(result: dict[str, Any]) -> tuple[str, list[str], dict[str, list[fl
 
 
 def save(result: dict[str, Any], out_dir: Path) -> None:
-    from fp8_recipes.bench.output import bar_chart, save_json
-
     save_json(out_dir / "bench_gemm.json", result)
     _, groups, series = summarize(result)
     bar_chart(out_dir / "bench_gemm.png", groups, series, ylabel="speed-up vs BF16 (fwd + bwd)",

@@ -19,15 +19,16 @@ import tempfile
 from pathlib import Path
 
 from fp8_recipes.bench.emulated import _compose
+from fp8_recipes.bench.output import bar_chart
+from fp8_recipes.observe.config import DebugConfig
 from fp8_recipes.rundir import METRICS, read_jsonl
+from fp8_recipes.training.run import run_training
 
 __all__ = ["bench_stats", "format_table", "plot_overhead"]
 
 
 def bench_stats(recipes: list[str], *, interval: int = 10, steps: int = 40, repeats: int = 3,
                 overrides: list[str] = (), warmup: bool = True) -> dict:
-    from fp8_recipes.training.run import run_training
-
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in recipes:
@@ -64,8 +65,6 @@ def step_time_overhead(metrics: Path, interval: int, write_s: float, skip: int =
     """The statistics' cost within one run, in % of the step time without them: each recorded step's time
     beyond the mean of the steps that record nothing, plus the time spent writing rows (between steps, outside
     any step's time), over the steps after the first `skip` (compilation, caches), each at the plain mean."""
-    from fp8_recipes.observe.config import DebugConfig
-
     due = DebugConfig.from_dict({"interval": interval}).stats_due
     rows = read_jsonl(metrics)
     every = {r["step"]: r["step_time"] for r in rows if r.get("kind") == "train"}
@@ -91,8 +90,6 @@ def format_table(result: dict) -> str:
 
 def plot_overhead(result: dict, path):
     """The overheads per recipe as bars, with the 5% target as the dashed line."""
-    from fp8_recipes.bench.output import bar_chart
-
     rows = result["rows"]
     bars = {"A/B: step time on vs off": [r["overhead_pct"] for r in rows],
             "in-run: recorded steps' extra time": [r["in_run_overhead_pct"] for r in rows]}

@@ -27,7 +27,12 @@ from typing import Any
 
 import torch
 
+from fp8_recipes.bench.output import bar_chart, markdown_table, save_json
+from fp8_recipes.bench.profile import format_profile, profile_steps
 from fp8_recipes.integrations.common import named_recipe_gaps, te_recipe_fields
+from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan
+from fp8_recipes.recipes import conf_dir, load_recipe, recipe_names
+from fp8_recipes.schema import ROLES, Recipe
 
 __all__ = ["bench_train", "check_configs", "load_model_cfg", "summarize", "with_levers"]
 
@@ -35,8 +40,6 @@ __all__ = ["bench_train", "check_configs", "load_model_cfg", "summarize", "with_
 def load_model_cfg(name: str) -> dict:
     """conf/model/NAME.yaml as a plain dict."""
     from omegaconf import OmegaConf
-
-    from fp8_recipes.recipes import conf_dir
 
     path = conf_dir() / "model" / f"{name}.yaml"
     if not path.is_file():
@@ -60,8 +63,6 @@ LEVERS = ("head", "attn")
 
 def check_configs(configs: list[str]) -> None:
     """ValueError (one line, naming the config) for a config label bench_train cannot run, before anything runs."""
-    from fp8_recipes.recipes import recipe_names
-
     for label in configs:
         name, _, mode = label.partition(":")
         name, *levers = name.split("+")
@@ -79,8 +80,6 @@ def with_levers(recipe: Any, levers: list[str]) -> Any:
     """``recipe`` with the named speed levers on (bench config ``NAME+LEVER``)."""
     import dataclasses
 
-    from fp8_recipes.schema import Recipe
-
     check_configs([f"{recipe.name}+{'+'.join(levers)}"] if levers else [])
     if "head" in levers:
         recipe = dataclasses.replace(recipe, layers=dataclasses.replace(recipe.layers, fp8_output_layer=True))
@@ -91,13 +90,11 @@ def with_levers(recipe: Any, levers: list[str]) -> Any:
 
 def _run_config(model_cfg: dict, label: str, *, seq: int, mbs: int, warmup: int, steps: int, seed: int,
                 profile: bool = False) -> dict[str, Any]:
+    # Megatron-Core here and in bench_train, not at import: --help, --plot-only and the config checks run without it
     from megatron.core import tensor_parallel
 
     from fp8_recipes.megatron.model import build_gpt_model, model_layout
     from fp8_recipes.megatron.te_layers import attach_te_backend
-    from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan
-    from fp8_recipes.recipes import load_recipe
-    from fp8_recipes.schema import ROLES
 
     name, _, mode = label.partition(":")
     name, *levers = name.split("+")
@@ -163,8 +160,6 @@ def _run_config(model_cfg: dict, label: str, *, seq: int, mbs: int, warmup: int,
            "tokens_per_s": steps * mbs * seq / seconds, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
            "loss": loss.item()}
     if profile:  # after the timing, so the profiler costs the timed steps nothing
-        from fp8_recipes.bench.profile import format_profile, profile_steps
-
         out["profile"] = profile_steps(one_step, warmup + steps)
         print(format_profile(f"{model_cfg.get('num_layers')}-layer {label}", out["profile"]), flush=True)
     model = optimizer = precision = None  # drop the closure's references too, then the memory
@@ -188,7 +183,7 @@ def bench_train(models: list[str], configs: list[str], *, seq: int = 4096, mbs: 
                 ) -> dict[str, Any]:
     """Every config of every model; with ``out_dir`` the results so far are saved after each config (a run cut
     short by a time limit keeps what it measured)."""
-    from fp8_recipes.megatron.model import destroy_distributed, init_distributed
+    from fp8_recipes.megatron.model import destroy_distributed, init_distributed  # (see _run_config)
 
     init_distributed(seed=seed)
     t0 = time.perf_counter()
@@ -217,8 +212,6 @@ def bench_train(models: list[str], configs: list[str], *, seq: int = 4096, mbs: 
 
 def summarize(result: dict[str, Any]) -> tuple[str, list[str], dict[str, list[float]]]:
     """(Markdown table: tokens/s, x BF16, x raw Megatron-Core, memory; x labels; series x BF16) per model."""
-    from fp8_recipes.bench.output import markdown_table
-
     rows, groups, series = [], [], {}
     by_model: dict[str, dict[str, dict]] = {}
     for r in result["rows"]:
@@ -247,8 +240,6 @@ def summarize(result: dict[str, Any]) -> tuple[str, list[str], dict[str, list[fl
 
 
 def save(result: dict[str, Any], out_dir: Path) -> None:
-    from fp8_recipes.bench.output import bar_chart, save_json
-
     save_json(out_dir / "bench_train.json", result)
     _, groups, series = summarize(result)
     bar_chart(out_dir / "bench_train.png", groups, series, ylabel="tokens/s relative to BF16",

@@ -292,7 +292,8 @@ def activate_quantizer_factory(mp: MegatronPrecision) -> None:
 
 @lru_cache(maxsize=8)
 def _role_quantizers(payload: str) -> Any:
-    from fp8_recipes.backends.te import RoleQuantizers  # TE's quantizers: only inside Megatron-Core's factory call
+    # torch: only when Megatron-Core calls the factory; the config-time helpers here import neither torch nor megatron
+    from fp8_recipes.backends.te import RoleQuantizers
 
     data = json.loads(payload)
     recipe = Recipe.from_dict(data["recipe"])
@@ -332,8 +333,8 @@ class ScheduleDriver:
         self.stage = ""
 
     def attach(self, chunks: Sequence[Any]) -> None:
-        # megatron.core imports Transformer Engine where it is installed, which this module must not at import
-        # (the module docstring): the model building happens at the framework's train start only
+        # at the framework's train start only: megatron.core imports Transformer Engine where it is installed, which
+        # this module must not do at import (the module docstring)
         from fp8_recipes.megatron.model import model_layout
         from fp8_recipes.megatron.te_layers import attach_te_backend
 
