@@ -167,3 +167,21 @@ def test_resume_trains_at_the_configured_lr(tmp_path, monkeypatch):
     assert [r["step"] for r in lower] == [3, 4]
     assert lower[0]["lr"] == pytest.approx(2.5e-3) and same[0]["lr"] == pytest.approx(5.5e-3)
     assert lower[1]["lr"] == pytest.approx(1e-3) and same[1]["lr"] == pytest.approx(1e-3)  # the end: min_lr
+
+
+def test_policy_decides_skip_fallback_and_stop_without_a_model():
+    from fp8_recipes.training.engine import StepResult
+    from fp8_recipes.training.faults import NonFinitePolicy
+
+    policy = NonFinitePolicy(TrainerConfig.from_cfg({"max_consecutive_skips": 2, "fallback_bf16_steps": 3}))
+    bad, good = StepResult(float("nan"), 1.0, True, False), StepResult(1.0, 1.0, False, False)
+    assert policy.decide(good, 1).notes == () and policy.decide(bad, 2).notes[0].startswith("step 2: non-finite")
+    assert policy.decide(good, 3).stop is None and policy.in_a_row == 0  # a good step ends the run of skips
+    assert policy.decide(bad, 4).stop is None and not policy.in_fallback
+    fallback = policy.decide(bad, 5)
+    assert fallback.stop is None and fallback.notes[1].startswith("step 5: 2 skipped steps in a row: the next 3")
+    assert policy.in_fallback and policy.fallbacks == 1 and policy.skipped_steps == 3
+    assert policy.decide(bad, 6).stop is None
+    stop = policy.decide(bad, 7).stop  # the limit again inside the fallback
+    assert stop is not None and stop.first_bad == 6 and stop.reason.endswith("(in the BF16 fallback too)")
+    assert "not checkpointed" in stop.message(None)

@@ -1,6 +1,6 @@
 """The training loop on Megatron-Core's engine (training/engine.py: its DDP, optimizer and pipeline schedules): the
-warmup + cosine LR schedule, evaluation (in the training precision and in full precision), the non-finite policy,
-preemption, metrics, checkpoints, a summary.
+step sequence, and between steps the periodic duties (evaluation in the training precision and in full precision,
+checkpoints, metrics and the progress bar); at the end a summary.
 
     engine = build_engine(chunks, cfg.trainer, seq_length=..., lr=..., device=...)
     summary = train(engine, batches_train, batches_valid, cfg.trainer, precision, run_dir, rank=rank,
@@ -10,18 +10,9 @@ Step convention: ``step`` is the 0-based index of the iteration in progress (= i
 skipped ones included, as Megatron counts them). ``precision.begin_step(step)`` / ``after_optimizer_step(step)``
 use it; metrics rows, evaluation and ``checkpoints/step_N`` use ``N = step + 1`` (Megatron's "iteration").
 
-Faults: a non-finite loss or gradient norm on any rank skips the optimizer step on every rank (one flag, summed
-over every rank): weights, optimizer state and the LR schedule stay as they were (Megatron
-also does not advance its scheduler on a skipped iteration), and the precision backend forgets what the step
-recorded (``skip_step``). After ``trainer.max_consecutive_skips`` in a row: ``on_nonfinite=skip_then_bf16`` runs
-the next ``fallback_bf16_steps`` steps under ``precision.high_precision()``; ``stop`` (or the limit reached again
-inside a fallback) ends the run with :class:`NonFiniteStop`, after checkpointing ``checkpoints/step_N`` (N = the
-last step run): the skipped steps left weights, optimizer and LR schedule as the last good step did, and the data
-position moves past the bad batches, so the run can continue from there under a lower ``trainer.lr`` (a resumed
-run takes the configured LR, not the checkpoint's) or another recipe. The one-line message names the directory.
-
-Preemption (training/preemption.py): SIGTERM / SIGUSR1 set a flag that rides in the step's all-reduce; every rank
-stops after the same step, checkpoints it, and the summary's ``preempted`` names the signal and step.
+The loop's other concepts live beside it: what it needs of a precision backend (training/precision.py), the LR
+schedule (training/lr_schedule.py), the non-finite fault policy, skip / BF16 fallback / stop (training/faults.py),
+preemption by SIGTERM / SIGUSR1 (training/preemption.py) and the progress bar (training/progress.py).
 
 Every rank leaves :func:`train` together, after rank 0 has written summary.json and loss.png: a launcher that stops
 the other workers as soon as one exits non-zero (torchrun, on exit code 3 or 4) cannot cut those short.
@@ -44,8 +35,9 @@ import torch
 
 from fp8_recipes.training.checkpoint import barrier, load_checkpoint, save_checkpoint
 from fp8_recipes.training.config import TrainerConfig
-from fp8_recipes.training.engine import Engine
+from fp8_recipes.training.engine import Engine, StepResult
 from fp8_recipes.training.errors import NonFiniteStop
+from fp8_recipes.training.faults import NonFinitePolicy, Stop
 from fp8_recipes.training.lr_schedule import LRSchedule
 from fp8_recipes.training.metrics import MetricsWriter, plot_loss, write_summary
 from fp8_recipes.training.precision import Precision
@@ -57,18 +49,137 @@ __all__ = ["train"]
 logger = logging.getLogger(__name__)
 
 
-def _stop_message(reason: str, first_bad: int, saved: Path | None) -> str:
-    """The one line of a non-finite stop: what happened, and where the last good state is."""
-    if saved is None:
-        return (f"{reason}; the weights are those before step {first_bad}, not checkpointed "
-                f"(trainer.save_checkpoints=false; lower trainer.lr, check the data, or resume from an earlier "
-                f"checkpoint)")
-    return (f"{reason}; the weights from before step {first_bad} are checkpointed in {saved} (continue with "
-            f"trainer.resume={saved} and a lower trainer.lr or another recipe)")
+@dataclasses.dataclass
+class LoopState:
+    """Where the run stands: what the duties read and the summary reports."""
+
+    done: int
+    """Iterations completed, skipped ones included (the next step's 0-based index)."""
+    stage: str = ""
+    """The last step's precision stage label ("bf16 fallback" inside a fallback)."""
+    losses: list[float] = dataclasses.field(default_factory=list)
+    rates: list[float] = dataclasses.field(default_factory=list)
+    """Tokens per second of each step, all ranks."""
+    val_loss: float | None = None
+    val_loss_fp: float | None = None
+    stop: Stop | None = None
+    """Set when the fault policy stopped the run."""
+    preempted: dict[str, Any] | None = None
+    """{"signal", "step"} when some rank was signalled."""
+
+    def record(self, done: int, result: StepResult, tokens_per_s: float, signal_received: str | None) -> None:
+        """The step that completed iteration ``done``; its preemption flag is every rank's (the same all-reduce), so
+        rank 0 may stop without having been signalled itself."""
+        self.done = done
+        self.losses.append(result.loss)
+        self.rates.append(tokens_per_s)
+        if result.preempted:
+            self.preempted = {"signal": signal_received or "another rank", "step": done}
 
 
 def _due(done: int, interval: int, last: int) -> bool:
     return interval > 0 and (done % interval == 0 or done == last)
+
+
+class StepLog:
+    """Metrics rows (metrics.jsonl and TensorBoard, rank 0) and the console: the progress bar, its notes (rank 0)."""
+
+    def __init__(self, run_dir: Path, cfg: TrainerConfig, *, rank: int, start: int) -> None:
+        self.cfg, self.rank = cfg, rank
+        self.writer = MetricsWriter(run_dir, enabled=rank == 0)
+        self.bar = progress_bar(total=cfg.max_steps, initial=start, disable=rank != 0)
+
+    def note(self, text: str) -> None:
+        if self.rank == 0:
+            self.bar.write(text)
+
+    def step(self, state: LoopState, result: StepResult, *, lr: float, step_time: float, skipped_steps: int) -> None:
+        """The bar's line for every step; a metrics row every ``log_interval`` steps, at the end, and for a skipped or
+        preempted step."""
+        tokens_per_s, done = state.rates[-1], state.done
+        self.bar.update(1)
+        skips = f" | skipped {skipped_steps}" if skipped_steps else ""
+        self.bar.set_postfix_str(f"loss {result.loss:.3f} | {tokens_per_s:,.0f} tok/s | {state.stage}{skips}",
+                                 refresh=False)
+        if result.skipped or state.preempted or done % self.cfg.log_interval == 0 or done == self.cfg.max_steps:
+            row = {"kind": "train", "step": done, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
+                   "tokens_per_s": tokens_per_s, "stage": state.stage, "step_time": step_time,
+                   "skipped": result.skipped, "skipped_steps": skipped_steps}
+            self.writer.log({**row, "preempted": state.preempted["signal"]} if state.preempted else row)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class Evaluation:
+    """Validation on the same batches every time (curves, and full vs training precision, differ by the model only):
+    in the training precision every ``trainer.eval_interval`` steps, in full precision every
+    ``precision.full_precision_eval_interval`` steps, and both at the last step."""
+
+    def __init__(self, engine: Engine, precision: Precision, batches: Iterator[Mapping[str, Any]] | None,
+                 cfg: TrainerConfig) -> None:
+        self.engine, self.precision, self.cfg = engine, precision, cfg
+        self.batches = [next(batches) for _ in range(cfg.eval_iters)] if batches is not None else []
+        self.fp_interval = int(getattr(precision, "full_precision_eval_interval", 0) or 0)
+
+    def __call__(self, state: LoopState, log: StepLog) -> None:
+        done, last = state.done, self.cfg.max_steps
+        if self.batches and _due(done, self.cfg.eval_interval, last):
+            state.val_loss = self.engine.evaluate(self.batches)
+            log.writer.log({"kind": "eval", "step": done, "val_loss": state.val_loss, "stage": state.stage})
+            log.note(f"step {done}: val_loss {state.val_loss:.4f} ({state.stage})")
+        if self.batches and _due(done, self.fp_interval, last):
+            with self.precision.high_precision():
+                state.val_loss_fp = self.engine.evaluate(self.batches)
+            log.writer.log({"kind": "eval", "step": done, "val_loss_full_precision": state.val_loss_fp})
+            log.note(f"step {done}: val_loss_full_precision {state.val_loss_fp:.4f}")
+
+
+class Checkpoints:
+    """``checkpoints/step_N`` when ``trainer.save_checkpoints``: every ``trainer.save_interval`` steps and when the
+    loop ends (finished, preempted or stopped)."""
+
+    def __init__(self, run_dir: Path, cfg: TrainerConfig, engine: Engine, precision: Precision,
+                 schedule: LRSchedule) -> None:
+        self.run_dir, self.cfg, self.engine, self.precision, self.schedule = run_dir, cfg, engine, precision, schedule
+
+    def save(self, done: int) -> Path | None:
+        cfg = self.cfg
+        if not cfg.save_checkpoints:
+            return None
+        # the data position in samples: a run at another data-parallel size continues from it exactly
+        position = {"consumed_samples": done * cfg.global_batch_size, "global_batch_size": cfg.global_batch_size,
+                    "micro_batch_size": cfg.micro_batch_size}
+        return save_checkpoint(self.run_dir, done, engine=self.engine, precision=self.precision,
+                               scheduler=self.schedule, extra={"trainer": dataclasses.asdict(cfg)}, meta=position)
+
+    def periodic(self, done: int) -> None:
+        if self.cfg.save_interval > 0 and done % self.cfg.save_interval == 0 and done != self.cfg.max_steps:
+            self.save(done)
+
+
+def _run_step(engine: Engine, batches: Any, precision: Precision, schedule: LRSchedule, faults: NonFinitePolicy,
+              signals: PreemptionSignals, step: int) -> tuple[StepResult, str, float]:
+    """One iteration: the plan's stage (or the BF16 fallback), the engine's step, then the LR schedule and the
+    precision backend told whether the optimizer stepped. Returns the result, the stage label and the step's time."""
+    stage = precision.begin_step(step)
+    in_fallback = faults.in_fallback
+    t0 = time.perf_counter()
+    with precision.high_precision() if in_fallback else contextlib.nullcontext():
+        result = engine.train_step(batches, preempt_requested=signals.received is not None)
+    if result.skipped:
+        precision.skip_step(step)
+    else:
+        schedule.advance()
+        engine.set_lr(schedule.lr())  # the next step's, as a scheduler leaves it (checkpoints)
+        precision.after_optimizer_step(step)
+    return result, "bf16 fallback" if in_fallback else stage, time.perf_counter() - t0
+
+
+def _warn_preempted(state: LoopState, cfg: TrainerConfig, run_dir: Path) -> None:
+    logger.warning("preempted by %s after step %d: %s", state.preempted["signal"], state.done,
+                   f"checkpoint {run_dir / 'checkpoints' / f'step_{state.done}'}; continue with trainer.resume=auto"
+                   if cfg.save_checkpoints else "no checkpoint (trainer.save_checkpoints=false)")
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -80,11 +191,50 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
-def _log_lr_scaling(cfg: TrainerConfig, schedule: LRSchedule) -> None:
-    if cfg.lr_scaling.enabled:
+def _start(engine: Engine, cfg: TrainerConfig, rank: int) -> LRSchedule:
+    """The model chunks in training mode, and the run's LR schedule; rank 0 logs the global batch and LR scaling."""
+    schedule = LRSchedule.of(cfg)
+    if rank == 0:
+        logger.info("global batch %d = micro %d x data parallel %d x accumulation %d", cfg.global_batch_size,
+                    cfg.micro_batch_size, engine.dp_size, engine.num_microbatches)
+    for chunk in engine.chunks:
+        chunk.train()
+    if rank == 0 and cfg.lr_scaling.enabled:
         logger.info("lr scaling: global batch %d / base %d: lr %.3g -> %.3g, min_lr %.3g -> %.3g",
                     cfg.global_batch_size, cfg.lr_scaling.base_global_batch_size, cfg.lr, schedule.peak, cfg.min_lr,
                     schedule.min_lr)
+    return schedule
+
+
+def _summary(state: LoopState, faults: NonFinitePolicy, stopped: str | None, wall_time_s: float,
+             device: torch.device, extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    losses, rates = state.losses, state.rates
+    return {
+        "steps": state.done,
+        "final_loss": losses[-1] if losses else None,
+        "final_loss_mean_last_10": statistics.fmean(losses[-10:]) if losses else None,
+        "val_loss": state.val_loss,
+        "val_loss_full_precision": state.val_loss_fp,
+        "tokens_per_s_median": statistics.median(rates) if rates else None,
+        "wall_time_s": wall_time_s,
+        "final_stage": state.stage,
+        "nonfinite_loss_steps": sum(not math.isfinite(x) for x in losses),
+        "skipped_steps": faults.skipped_steps,
+        "bf16_fallbacks": faults.fallbacks,
+        "stopped": stopped,
+        "preempted": state.preempted,
+        "peak_memory_bytes": peak_memory_bytes(device),
+        **(extra or {}),
+    }
+
+
+def _write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
+    """summary.json and loss.png (rank 0)."""
+    write_summary(run_dir, summary)
+    try:
+        plot_loss(run_dir)
+    except Exception as e:  # noqa: BLE001 - a plot must never fail a finished run
+        logger.warning("plot_loss failed: %s: %s", type(e).__name__, e)
 
 
 def train(engine: Engine, batches_train: Iterator[Mapping[str, Any]] | list[Iterator[Mapping[str, Any]]],
@@ -102,141 +252,46 @@ def train(engine: Engine, batches_train: Iterator[Mapping[str, Any]] | list[Iter
     at the checkpoint's data position (the samples it consumed, in its meta.json; training/run.py does, through
     checkpoint.resume_skip).
     """
-    cfg = TrainerConfig.from_cfg(trainer_cfg)
-    run_dir = Path(run_dir)
-    device = engine.device
-    if rank == 0:
-        logger.info("global batch %d = micro %d x data parallel %d x accumulation %d", cfg.global_batch_size,
-                    cfg.micro_batch_size, engine.dp_size, engine.num_microbatches)
-    for chunk in engine.chunks:
-        chunk.train()
-    schedule = LRSchedule.of(cfg)
-    if rank == 0:
-        _log_lr_scaling(cfg, schedule)
-    start = 0
-    if resume_from is not None:
-        start = load_checkpoint(resume_from, engine=engine, precision=precision, scheduler=schedule)
-    # The same validation batches every time: val curves (and full vs training precision) differ by the model only.
-    valid = [next(batches_valid) for _ in range(cfg.eval_iters)] if batches_valid is not None else []
-    fp_interval = int(getattr(precision, "full_precision_eval_interval", 0) or 0)
+    cfg, run_dir = TrainerConfig.from_cfg(trainer_cfg), Path(run_dir)
+    schedule = _start(engine, cfg, rank)
+    start = 0 if resume_from is None else load_checkpoint(resume_from, engine=engine, precision=precision,
+                                                          scheduler=schedule)
+    evaluate = Evaluation(engine, precision, batches_valid, cfg)
+    log = StepLog(run_dir, cfg, rank=rank, start=start)
+    checkpoints = Checkpoints(run_dir, cfg, engine, precision, schedule)
+    state, faults = LoopState(done=start), NonFinitePolicy(cfg)
     tokens = cfg.global_batch_size * engine.seq_length  # per optimizer step, all ranks
-
-    def checkpoint(done: int) -> Path | None:
-        if not cfg.save_checkpoints:
-            return None
-        # the data position in samples: a run at another data-parallel size continues from it exactly
-        position = {"consumed_samples": done * cfg.global_batch_size, "global_batch_size": cfg.global_batch_size,
-                    "micro_batch_size": cfg.micro_batch_size}
-        return save_checkpoint(run_dir, done, engine=engine, precision=precision, scheduler=schedule,
-                               extra={"trainer": dataclasses.asdict(cfg)}, meta=position)
-
-    writer = MetricsWriter(run_dir, enabled=rank == 0)
-    bar = progress_bar(total=cfg.max_steps, initial=start, disable=rank != 0)
-    losses, rates, val_loss, val_loss_fp, stage, done = [], [], None, None, "", start
-    skipped_total, in_a_row, fallback_left, fallbacks, stopped, preempted = 0, 0, 0, 0, None, None
-    first_bad = 0
     wall0 = time.perf_counter()
     with PreemptionSignals() as signals:  # SIGTERM/SIGUSR1 -> a flag, for the loop's lifetime only
         engine.set_lr(schedule.lr())  # then again after each optimizer step: only they move the LR
         for step in range(start, cfg.max_steps):
-            # A skipped step leaves the schedule where it was: the next step runs at this step's LR (Megatron's rule).
-            step_lr = schedule.lr()
-            stage = precision.begin_step(step)
-            in_fallback = fallback_left > 0
-            if in_fallback:
-                stage = "bf16 fallback"
-            t0 = time.perf_counter()
-            with precision.high_precision() if in_fallback else contextlib.nullcontext():
-                result = engine.train_step(batches_train, preempt_requested=signals.received is not None)
-            step_loss, grad_norm, skipped, stop_now = result.loss, result.grad_norm, result.skipped, result.preempted
-            if skipped:
-                precision.skip_step(step)
-                skipped_total, in_a_row = skipped_total + 1, in_a_row + 1
-            else:
-                schedule.advance()
-                engine.set_lr(schedule.lr())  # the next step's, as a scheduler leaves it (checkpoints)
-                precision.after_optimizer_step(step)
-                in_a_row = 0
-            fallback_left = max(fallback_left - 1, 0)
-            step_time = time.perf_counter() - t0
-            tokens_per_s = tokens / step_time
-            done = step + 1
-            losses.append(step_loss)
-            rates.append(tokens_per_s)
-            bar.update(1)
-            skips = f" | skipped {skipped_total}" if skipped_total else ""
-            bar.set_postfix_str(f"loss {step_loss:.3f} | {tokens_per_s:,.0f} tok/s | {stage}{skips}", refresh=False)
-            if stop_now:  # every rank decided this in the same all-reduce; rank 0 may not have been signalled itself
-                preempted = {"signal": signals.received or "another rank", "step": done}
-            if skipped or preempted or done % cfg.log_interval == 0 or done == cfg.max_steps:
-                row = {"kind": "train", "step": done, "loss": step_loss, "lr": step_lr, "grad_norm": grad_norm,
-                       "tokens_per_s": tokens_per_s, "stage": stage, "step_time": step_time, "skipped": skipped,
-                       "skipped_steps": skipped_total}
-                writer.log({**row, "preempted": preempted["signal"]} if preempted else row)
-            if skipped and rank == 0:
-                bar.write(f"step {done}: non-finite loss {step_loss:.4g} or grad norm {grad_norm:.4g}: optimizer "
-                          f"step skipped ({in_a_row} in a row, {skipped_total} in all)")
-            if in_a_row >= cfg.max_consecutive_skips:
-                if cfg.on_nonfinite == "stop" or in_fallback:
-                    why = "in the BF16 fallback too" if in_fallback else "trainer.on_nonfinite=stop"
-                    first_bad = done - in_a_row + 1
-                    stopped = (f"trainer.max_consecutive_skips: {in_a_row} steps in a row (to step {done}) had "
-                               f"a non-finite loss or gradient ({why})")
-                    break
-                fallback_left, in_a_row, fallbacks = cfg.fallback_bf16_steps, 0, fallbacks + 1
-                if rank == 0:
-                    bar.write(f"step {done}: {cfg.max_consecutive_skips} skipped steps in a row: the next "
-                              f"{cfg.fallback_bf16_steps} steps run in BF16 (trainer.fallback_bf16_steps)")
-            if preempted:  # no evaluation: the grace period is for the checkpoint
-                if rank == 0:
-                    bar.write(f"step {done}: {preempted['signal']} signal: checkpointing and stopping (preempted)")
+            lr = schedule.lr()  # a skipped step leaves the schedule where it was: the next step runs at this LR
+            result, state.stage, step_time = _run_step(engine, batches_train, precision, schedule, faults, signals,
+                                                       step)
+            verdict = faults.decide(result, step + 1)
+            state.record(step + 1, result, tokens / step_time, signals.received)
+            log.step(state, result, lr=lr, step_time=step_time, skipped_steps=faults.skipped_steps)
+            for note in verdict.notes:
+                log.note(note)
+            if verdict.stop is not None:
+                state.stop = verdict.stop
                 break
-            if valid and _due(done, cfg.eval_interval, cfg.max_steps):
-                val_loss = engine.evaluate(valid)
-                writer.log({"kind": "eval", "step": done, "val_loss": val_loss, "stage": stage})
-                if rank == 0:
-                    bar.write(f"step {done}: val_loss {val_loss:.4f} ({stage})")
-            if valid and _due(done, fp_interval, cfg.max_steps):
-                with precision.high_precision():
-                    val_loss_fp = engine.evaluate(valid)
-                writer.log({"kind": "eval", "step": done, "val_loss_full_precision": val_loss_fp})
-                if rank == 0:
-                    bar.write(f"step {done}: val_loss_full_precision {val_loss_fp:.4f}")
-            if cfg.save_interval > 0 and done % cfg.save_interval == 0 and done != cfg.max_steps:
-                checkpoint(done)
-        bar.close()
-        saved = checkpoint(done) if done > start or resume_from is None else None  # (still under the
-        # handlers: a second signal must not cut this save short); after a non-finite stop: the last good state
-        if stopped is not None:
-            stopped = _stop_message(stopped, first_bad, saved)
-        if preempted and rank == 0:
-            logger.warning("preempted by %s after step %d: %s", preempted["signal"], done,
-                           f"checkpoint {run_dir / 'checkpoints' / f'step_{done}'}; continue with trainer.resume=auto"
-                           if cfg.save_checkpoints else "no checkpoint (trainer.save_checkpoints=false)")
-    summary = {
-        "steps": done,
-        "final_loss": losses[-1] if losses else None,
-        "final_loss_mean_last_10": statistics.fmean(losses[-10:]) if losses else None,
-        "val_loss": val_loss,
-        "val_loss_full_precision": val_loss_fp,
-        "tokens_per_s_median": statistics.median(rates) if rates else None,
-        "wall_time_s": time.perf_counter() - wall0,
-        "final_stage": stage,
-        "nonfinite_loss_steps": sum(not math.isfinite(x) for x in losses),
-        "skipped_steps": skipped_total,
-        "bf16_fallbacks": fallbacks,
-        "stopped": stopped,
-        "preempted": preempted,
-        "peak_memory_bytes": peak_memory_bytes(device),
-        **(summary_extra or {}),
-    }
-    writer.close()
+            if state.preempted:  # no evaluation: the grace period is for the checkpoint
+                log.note(f"step {state.done}: {state.preempted['signal']} signal: checkpointing and stopping "
+                         f"(preempted)")
+                break
+            evaluate(state, log)
+            checkpoints.periodic(state.done)
+        log.bar.close()
+        # still under the handlers (a second signal must not cut this save short); after a stop: the last good state
+        saved = checkpoints.save(state.done) if state.done > start or resume_from is None else None
+        if state.preempted and rank == 0:
+            _warn_preempted(state, cfg, run_dir)
+    stopped = state.stop.message(saved) if state.stop is not None else None
+    summary = _summary(state, faults, stopped, time.perf_counter() - wall0, engine.device, summary_extra)
+    log.close()
     if rank == 0:
-        write_summary(run_dir, summary)
-        try:
-            plot_loss(run_dir)
-        except Exception as e:  # noqa: BLE001 - a plot must never fail a finished run
-            logger.warning("plot_loss failed: %s: %s", type(e).__name__, e)
+        _write_summary(run_dir, summary)
     barrier()  # see the module docstring: no rank exits before the summary is written
     if stopped is not None:
         raise NonFiniteStop(stopped)
