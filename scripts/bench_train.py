@@ -3,14 +3,17 @@
     python scripts/bench_train.py                                    # llama3_8b_8l + _16l, delayed/tensorwise/blockwise
     python scripts/bench_train.py --models llama3_8b_8l --configs tensorwise tensorwise:raw --steps 20
     python scripts/bench_train.py --models llama3_8b_16l --configs delayed delayed+head delayed:raw
+    python scripts/bench_train.py --models llama3_8b_16l --configs tensorwise+masters tensorwise+fp8param \
+        tensorwise+fp8param:raw
     python scripts/bench_train.py --models llama3_8b_16l --mbs 2 --seq 4096 --warmup 3 --steps 8 --out runs/train16
     python scripts/bench_train.py --plot-only runs/bench_train/bench_train.json
 
 Configs: bf16 (always first, the baseline), NAME (a recipe through this project's TE backend), NAME:raw (the
 same TE recipe through Megatron-Core's own fp8 config and get_fp8_context) and NAME+LEVER (a speed lever on:
-`head` runs the LM head in FP8). Same model, seed and random tokens;
-one GPU, plain fused torch AdamW. Prints tokens/s, the ratio to BF16, ours / raw and peak memory; writes
-bench_train.json and bench_train.png into --out. Needs a GPU with Transformer Engine.
+`head` runs the LM head in FP8, `attn` the core attention, `fp8param` stores the FP8 layers' weights in FP8 with
+fp32 master weights in TE's FusedAdam, `masters` is that optimizer on BF16-stored weights: fp8param's baseline).
+Same model, seed and random tokens; one GPU, plain fused torch AdamW (fp8param, masters: TE's FusedAdam).
+Prints tokens/s, the ratio to BF16, ours / raw and peak memory; writes bench_train.json and bench_train.png into --out. Needs a GPU with Transformer Engine.
 """
 
 import argparse

@@ -14,6 +14,7 @@
 #     BASELINE=.oldsrc LAYOUTS=1gpu bash tests/gpu/run_gpu.sh engine-bench   # one GPU: the engine before and now
 #     bash tests/gpu/run_gpu.sh levers       # speed levers (FP8 LM head): TE training tests + gpt_125m run (cap 360 s)
 #     PROFILE=1 bash tests/gpu/run_gpu.sh levers-bench   # ... and bench_train per lever on 16 layers (cap 330 s)
+#     bash tests/gpu/run_gpu.sh fp8param     # FP8 primary weights: their GPU tests (cap 240 s) + bench_train (cap 270 s)
 #     bash tests/gpu/run_gpu.sh handoff      # issue 16 on the H200: blockwise-trained Llama exported, run by transformers
 #     SEED=4321 NAME=cmp4321 bash tests/gpu/run_gpu.sh shootout   # gpt_125m shoot-out, 1000 steps, 4 runs at once
 #     bash tests/gpu/run_gpu.sh two          # two GPUs: scales across the amax group, safe at PP=2, bench_parallel
@@ -92,6 +93,21 @@ levers-bench)
       --configs ${CONFIGS:-delayed delayed+head delayed:raw tensorwise tensorwise+head tensorwise:raw blockwise \
       blockwise+head blockwise:raw} ${PROFILE:+--profile} --out "$OUT" 2>&1 | tee -a "$OUT/bench_train.log"
   echo; [ -f "$OUT/bench_train.json" ] && "$PY" scripts/bench_train.py --plot-only "$OUT/bench_train.json"
+  ;;
+fp8param)
+  stamp "GPU tests: fp8_param (FP8 primary weights)" | tee "$OUT/tests.log"
+  timeout -s INT 240 "$PY" -m pytest tests/gpu/test_te_training.py -k fp8_param -q -p no:cacheprovider -o addopts="" \
+      -rfEs 2>&1 | tee -a "$OUT/tests.log"
+  stamp "bench_train: fp8_param on 16 Llama-3-8B layers (NAME+masters: the same optimizer on BF16 weights)" \
+      | tee "$OUT/bench_train.log"
+  timeout -s INT 270 "$PY" scripts/bench_train.py --models llama3_8b_16l --seq 4096 --mbs 2 --warmup 3 --steps 8 \
+      --configs ${CONFIGS:-delayed delayed+masters delayed+fp8param delayed+fp8param:raw tensorwise tensorwise+masters \
+      tensorwise+fp8param tensorwise+fp8param:raw blockwise blockwise+masters blockwise+fp8param blockwise+fp8param:raw} \
+      --out "$OUT" 2>&1 | tee -a "$OUT/bench_train.log"
+  echo; stamp "summary"
+  echo "GPU tests: $(grep -E ' in [0-9.]+s' "$OUT/tests.log" | tail -1)"
+  grep -E '^(FAILED|ERROR) ' "$OUT/tests.log" | head -20
+  [ -f "$OUT/bench_train.json" ] && "$PY" scripts/bench_train.py --plot-only "$OUT/bench_train.json"
   ;;
 engine-bench)
   stamp "bench_parallel on one GPU: baseline ${BASELINE:-none} and this engine" | tee "$OUT/bench.log"

@@ -108,6 +108,7 @@ def build(recipe: dict, device, seed: int = 0, **model_cfg):
 
 def run(model, precision, out: Path, steps: int, resume_from: Path | None = None, **trainer):
     """``steps`` steps of the loop on Megatron-Core's engine (its DDP and optimizer around ``model``)."""
+    from fp8_recipes.megatron.te_layers import fp8_param_recipe
     from fp8_recipes.training.config import TrainerConfig
     from fp8_recipes.training.engine import build_engine
     from fp8_recipes.training.loop import train
@@ -116,7 +117,7 @@ def run(model, precision, out: Path, steps: int, resume_from: Path | None = None
                   eval_interval=0, eval_iters=0, save_checkpoints=False), **trainer}
     tcfg = TrainerConfig.from_cfg(cfg)
     engine = build_engine([model], tcfg, seq_length=int(TINY["seq_length"]), lr=tcfg.lr,
-                          device=next(model.parameters()).device)
+                          device=next(model.parameters()).device, fp8_param=fp8_param_recipe(precision.plan))
     return train(engine, fixed_batches(), None, cfg, precision, out, resume_from=resume_from)
 
 
@@ -371,3 +372,115 @@ def test_fp8_attention_changes_the_output_only_where_planned(megatron_gpu):
                 out[attention] = model(batch["tokens"], batch["position_ids"], None).float()
     diff = ((out["fp8"] - out["bf16"]).norm() / out["bf16"].norm()).item()
     assert 1e-4 < diff < 0.2, diff
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FP8 primary weights (recipe fp8_param: true): the FP8 layers' weights stored as TE FP8 tensors
+
+
+def stored_recipe(scaling: str, fp8_param: bool = True) -> dict:
+    return {"weights": scaling, "activations": scaling, "gradients": scaling, "fp8_param": fp8_param,
+            "layers": {"bf16_first": 1}}
+
+
+def build_stored(recipe: dict, device, **model_cfg):
+    """The model as training/run.py's attach_te builds it: the plan first, its FP8 layers built with FP8 weights
+    (the same initial values with and without fp8_param: init_seed)."""
+    from fp8_recipes.megatron.model import build_gpt_model
+    from fp8_recipes.megatron.te_layers import FP8ParamInit, attach_te_backend
+    from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan
+    from fp8_recipes.schema import Recipe
+
+    plan = PrecisionPlan(Recipe.from_dict(recipe), ModelLayout.gpt(TINY["num_layers"]), Hardware.detect())
+    assert str(plan.backend) == "te" and plan.fp8_param_problem() is None, plan.fp8_param_problem()
+    init = FP8ParamInit(plan) if plan.recipe.fp8_param else None
+    model = build_gpt_model({**TINY, **model_cfg}, use_te_spec=True, params_dtype=torch.bfloat16, device=device,
+                            init_seed=1234, layer_init=init)
+    return model, attach_te_backend(model, plan, recipes=init.recipes if init else None)
+
+
+def fp8_bytes(precision) -> dict[str, torch.Tensor]:
+    """The FP8 weights' row-wise codes and scale inverses, as saved (backends/te.py)."""
+    return {f"{name}/{k}": v.clone() for name, t in precision.state_dict().get("fp8_params", {}).items()
+            for k, v in t.items() if k in ("data", "fp8_scale_inv", "rowwise_data", "rowwise_scale_inv")}
+
+
+def train_losses(out: Path) -> list[float]:
+    from fp8_recipes.training.metrics import read_metrics
+
+    return [r["loss"] for r in read_metrics(out, "train")]
+
+
+STORED = dict(use_distributed_optimizer=True)  # what fp8_param needs (the optimizer re-quantizes the FP8 weights)
+
+
+@pytest.mark.parametrize("scaling", ["delayed", "tensorwise", "blockwise"])
+def test_fp8_param_stores_fp8_weights_where_planned_and_trains_like_bf16_storage(scaling, megatron_gpu, tmp_path):
+    from transformer_engine.pytorch.tensor import QuantizedTensor
+
+    from fp8_recipes.megatron.model import unwrap_model
+
+    model, precision = build_stored(stored_recipe(scaling), megatron_gpu[2])
+    gpt = unwrap_model(model)
+    kind = "Float8BlockwiseQTensor" if scaling == "blockwise" else "Float8Tensor"
+    for i, layer in enumerate(gpt.decoder.layers):
+        for m in PER_LAYER:
+            linear = layer.get_submodule(m)
+            assert isinstance(linear.weight, QuantizedTensor) == (i > 0), (i, m)  # layer 0: bf16_first
+            assert i == 0 or type(linear.weight).__name__ == kind, type(linear.weight)
+            assert linear.weight.dtype == torch.bfloat16  # (the FP8 tensor stands for a BF16 one)
+        norm = getattr(layer.self_attention.linear_qkv, "layer_norm_weight", None)
+        assert norm is None or not isinstance(norm, QuantizedTensor)
+    for p in (gpt.output_layer.weight, gpt.embedding.word_embeddings.weight):
+        assert not isinstance(p, QuantizedTensor) and p.dtype == torch.bfloat16
+    assert set(precision.fp8_params) == {f"decoder.layers.{i}.{m}.weight" for i in (1, 2, 3) for m in PER_LAYER}
+    before = fp8_bytes(precision)
+    summary = run(model, precision, tmp_path / "fp8", 4, **STORED)
+    assert summary["nonfinite_loss_steps"] == 0 and sum(precision.mismatches.values()) == 0
+    after = fp8_bytes(precision)
+    assert all(isinstance(p, QuantizedTensor) for p in precision.fp8_params.values())  # still FP8 after updates
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # and the optimizer updated them
+    # the same recipe storing BF16 weights, from the same initial values: the same losses up to FP8 rounding
+    bf16_model, bf16_precision = build_stored(stored_recipe(scaling, fp8_param=False), megatron_gpu[2])
+    run(bf16_model, bf16_precision, tmp_path / "bf16", 4, **STORED)
+    fp8, bf16 = train_losses(tmp_path / "fp8"), train_losses(tmp_path / "bf16")
+    assert all(math.isfinite(x) for x in fp8) and fp8[-1] < fp8[0], fp8
+    assert fp8[0] == pytest.approx(bf16[0], rel=2e-3), (fp8, bf16)  # step 1: the same quantized weights
+    assert fp8 == pytest.approx(bf16, rel=3e-2), (fp8, bf16)
+
+
+@pytest.mark.parametrize("scaling", ["delayed", "tensorwise", "blockwise"])
+def test_fp8_param_checkpoint_resumes_bit_exactly(scaling, megatron_gpu, tmp_path):
+    from fp8_recipes.megatron.te_layers import fp8_param_recipe
+    from fp8_recipes.training.checkpoint import load_checkpoint
+    from fp8_recipes.training.config import TrainerConfig
+    from fp8_recipes.training.engine import build_engine
+
+    recipe = stored_recipe(scaling)
+    runs = []
+    for name in ("a", "b"):  # two uninterrupted runs: is training on this GPU deterministic?
+        model, precision = build_stored(recipe, megatron_gpu[2])
+        run(model, precision, tmp_path / name, 4, **STORED)
+        runs.append((train_losses(tmp_path / name), fp8_bytes(precision)))
+    model, precision = build_stored(recipe, megatron_gpu[2])
+    run(model, precision, tmp_path / "cut", 2, save_checkpoints=True, **STORED)
+    saved = fp8_bytes(precision)
+    # restored exactly: a fresh model and engine loading the checkpoint hold the saved FP8 bytes
+    fresh_model, fresh = build_stored(recipe, megatron_gpu[2])
+    tcfg = TrainerConfig.from_cfg(dict(max_steps=4, micro_batch_size=8, global_batch_size=8, lr=3e-3, min_lr=3e-3,
+                                       warmup_steps=0, **STORED))
+    engine = build_engine([fresh_model], tcfg, seq_length=TINY["seq_length"], lr=tcfg.lr, device=megatron_gpu[2],
+                          fp8_param=fp8_param_recipe(fresh.plan))
+    assert load_checkpoint(tmp_path / "cut", engine=engine, precision=fresh) == 2
+    restored = fp8_bytes(fresh)
+    assert restored.keys() == saved.keys() and all(torch.equal(restored[k], saved[k]) for k in saved)
+    # and the resumed run continues as the uninterrupted one (bit for bit where training is deterministic here)
+    model, precision = build_stored(recipe, megatron_gpu[2])
+    run(model, precision, tmp_path / "cut", 4, resume_from=tmp_path / "cut", **STORED)
+    resumed, final = train_losses(tmp_path / "cut")[-2:], fp8_bytes(precision)
+    (losses_a, bytes_a), (losses_b, bytes_b) = runs
+    if losses_a == losses_b and all(torch.equal(bytes_a[k], bytes_b[k]) for k in bytes_a):
+        assert resumed == losses_a[-2:], (resumed, losses_a)
+        assert all(torch.equal(final[k], bytes_a[k]) for k in bytes_a)
+    else:
+        assert resumed == pytest.approx(losses_a[-2:], rel=1e-2), (resumed, losses_a)

@@ -54,3 +54,11 @@ def test_raw_config_is_the_adapters_mapping(name):
         return
     native = megatron_fp8_fields(recipe, compute_capability=(9, 0), num_layers=4)
     assert raw and raw == {k: v for k, v in native.items() if k in raw} and raw["fp8_recipe"] == native["fp8_recipe"]
+
+
+def test_fp8param_lever_goes_through_the_schema():
+    assert with_levers(load_recipe("tensorwise"), ["fp8param"]).fp8_param
+    assert not with_levers(load_recipe("tensorwise"), ["masters"]).fp8_param  # its baseline: BF16-stored weights
+    check_configs(["delayed+fp8param", "delayed+masters", "blockwise+fp8param:raw"])
+    with pytest.raises(ValueError, match=r"^schedule.bf16_warmup_steps: 100 with fp8_param: true"):
+        with_levers(load_recipe("safe"), ["fp8param"])  # a BF16 warmup: refused by the schema

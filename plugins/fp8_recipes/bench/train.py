@@ -12,10 +12,15 @@ Per model, configs run one after another on a freshly built model (same seed, sa
                      Hopper, so its ours / raw column compares with NAME:raw, the best Megatron-Core does there)
                attn  attention: fp8 (TE's FP8 attention); NAME+attn:raw is Megatron-Core's
                      fp8_dot_product_attention=True
+               fp8param  fp8_param: true (the FP8 layers' weights stored in FP8, megatron/te_layers.py); FP8
+                     weights need fp32 master weights, so its step runs TE's FusedAdam(master_weights=True);
+                     NAME+fp8param:raw is Megatron-Core's fp8_param=True with that optimizer
+               masters  the optimizer of fp8param (fp32 master weights) on BF16-stored weights: NAME+masters is
+                     the baseline NAME+fp8param differs from by the FP8 storage alone
 Recipes with BF16 warmup or staged enablement are timed in their final stage (all roles FP8), the steady state.
 A step is forward (per-token loss, mean) + backward + plain fused torch AdamW on the BF16 params (no master
-weights, no DDP: the GEMMs dominate); tokens/s over ``steps`` timed steps after ``warmup``, peak memory from
-torch.cuda.max_memory_allocated.
+weights, no DDP: the GEMMs dominate; levers fp8param and masters: TE's FusedAdam with fp32 master weights);
+tokens/s over ``steps`` timed steps after ``warmup``, peak memory from torch.cuda.max_memory_allocated.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ def raw_megatron_fp8(choice: Any, recipe: Any) -> dict | None:
     return te_recipe_fields(choice)
 
 
-LEVERS = ("head", "attn")
+LEVERS = ("head", "attn", "fp8param", "masters")
 
 
 def check_configs(configs: list[str]) -> None:
@@ -85,7 +90,19 @@ def with_levers(recipe: Any, levers: list[str]) -> Any:
         recipe = dataclasses.replace(recipe, layers=dataclasses.replace(recipe.layers, fp8_output_layer=True))
     if "attn" in levers:  # through the schema: its checks apply (per-tensor activations and gradients)
         recipe = Recipe.from_dict({**recipe.to_dict(), "attention": "fp8"})
+    if "fp8param" in levers:  # through the schema: its checks apply (FP8 weights, no BF16 stage)
+        recipe = Recipe.from_dict({**recipe.to_dict(), "fp8_param": True})
     return recipe
+
+
+def _optimizer(model: torch.nn.Module, levers: list[str]) -> torch.optim.Optimizer:
+    """Plain fused AdamW on the BF16 params; with FP8-stored weights (and their baseline, lever masters) TE's
+    FusedAdam keeping fp32 master weights (an FP8 weight cannot take the update itself)."""
+    if "fp8param" in levers or "masters" in levers:
+        from transformer_engine.pytorch.optimizers import FusedAdam
+
+        return FusedAdam(model.parameters(), lr=1e-5, master_weights=True)
+    return torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
 
 def _run_config(model_cfg: dict, label: str, *, seq: int, mbs: int, warmup: int, steps: int, seed: int,
@@ -94,7 +111,7 @@ def _run_config(model_cfg: dict, label: str, *, seq: int, mbs: int, warmup: int,
     from megatron.core import tensor_parallel
 
     from fp8_recipes.megatron.model import build_gpt_model, model_layout
-    from fp8_recipes.megatron.te_layers import attach_te_backend
+    from fp8_recipes.megatron.te_layers import FP8ParamInit, attach_te_backend
 
     name, _, mode = label.partition(":")
     name, *levers = name.split("+")
@@ -117,16 +134,21 @@ def _run_config(model_cfg: dict, label: str, *, seq: int, mbs: int, warmup: int,
                 return {"config": label, "skipped": f"Megatron-Core has no plain recipe for {describe}"}
             if "attn" in levers and not choice.fp8_dpa:
                 return {"config": label, "skipped": f"TE runs no FP8 attention under {describe} here"}
+            if "fp8param" in levers:
+                overrides = {**overrides, "fp8_param": True}  # Megatron-Core's own FP8 weights
+        elif recipe.fp8_param and plan.fp8_param_problem():
+            return {"config": label, "skipped": plan.fp8_param_problem()}
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.cuda.reset_peak_memory_stats()
+    fp8_param = FP8ParamInit(plan) if name != "bf16" and mode != "raw" and recipe.fp8_param else None
     model = build_gpt_model(model_cfg, use_te_spec=True, params_dtype=torch.bfloat16, device="cuda",
-                            config_overrides=overrides)
+                            config_overrides=overrides, layer_init=fp8_param)
     if name != "bf16" and mode != "raw":
         precision = attach_te_backend(model, PrecisionPlan(recipe, model_layout(model), Hardware.detect()),
-                                      count=False)
+                                      count=False, recipes=fp8_param.recipes if fp8_param else None)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    optimizer = _optimizer(model, levers)
     vocab = int(model_cfg["vocab_size"])
     g = torch.Generator(device="cuda").manual_seed(seed)
     tokens = torch.randint(0, vocab, (mbs, seq), device="cuda", generator=g)

@@ -297,6 +297,9 @@ def build_engine(chunks: list[torch.nn.Module], cfg: TrainerConfig, *, seq_lengt
     sets up: DDP's ``fp8_param_gather`` (the FP8 weights' buffer is gathered in FP8) and the optimizer's
     ``fp8_recipe``; the distributed optimizer keeps fp32 main params and re-quantizes the FP8 weights from them after
     each update (``quantize_param_shard``), which the plain optimizer cannot."""
+    if fp8_param is None and any(callable(getattr(p, "_get_quantizer", None)) for c in chunks for p in c.parameters()):
+        raise ValueError("build_engine: the model holds FP8-stored weights (TE QuantizedTensors); pass "
+                         "fp8_param=fp8_param_recipe(plan) (megatron/te_layers.py), or its weights are never updated")
     if fp8_param is not None and not cfg.use_distributed_optimizer:
         raise ValueError("trainer.use_distributed_optimizer=false: FP8-stored weights (recipe fp8_param: true) are "
                          "re-quantized from the fp32 main params by Megatron-Core's distributed optimizer; set "
