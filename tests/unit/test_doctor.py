@@ -172,6 +172,25 @@ def test_spike_names_the_poisoned_layer_and_writes_a_valid_recipe(tmp_path, caps
     assert recipe.name == "delayed-doctor"
 
 
+def test_a_recipe_yaml_that_does_not_validate_is_read_as_unknown(tmp_path, capsys):
+    """The spike run with a recipe.yaml the schema refuses: the doctor still diagnoses it from the metrics and the
+    statistics, names the problem, rules no FP8 role out, changes no role and has nothing to --write."""
+    broken = load_recipe("delayed").to_dict()
+    broken["activations"]["scaling"] = "delayd"
+    run = spike_run(tmp_path)
+    (run / "recipe.yaml").write_text(yaml.safe_dump(broken, sort_keys=False))
+    d = diagnose(load_run(run))
+    assert d.verdict == "spikes" and d.findings[0].module == TARGET
+    assert any("recipe.yaml does not validate (activations.scaling: 'delayd'" in n for n in d.notes)
+    assert all(not k.startswith(("weights.", "activations.", "gradients.")) for p in d.proposals for k in p.changes)
+    assert patched_recipe(d) is None
+    rc, out, err = doctor(capsys, run)
+    assert rc == 1 and "(recipe ?," in out and "does not validate" in out
+    (run / "recipe.yaml").write_text("a: &x [1]\nb: *y\n")  # not safe YAML at all: a one-line user error
+    rc, _, err = doctor(capsys, run)
+    assert rc == 2 and err.startswith("error: RUN_DIR: ") and "recipe.yaml" in err and "\n" not in err.strip()
+
+
 def test_healthy_run_exits_0_and_writes_nothing(tmp_path, capsys):
     run = write_run(tmp_path / "run", smooth_losses(), rows=numerics(range(1, STEPS + 1, 4)))
     d = diagnose(load_run(run))

@@ -47,7 +47,7 @@ from typing import Any
 from fp8_recipes.observe.doctor_findings import Finding, find_problems
 from fp8_recipes.observe.doctor_gap import LossGap, loss_gap
 from fp8_recipes.observe.doctor_remedies import Proposal, propose, warmup_proposal
-from fp8_recipes.schema import ROLES
+from fp8_recipes.schema import Recipe
 
 __all__ = ["Diagnosis", "DoctorInputError", "LossGap", "Proposal", "RunData", "Spike", "detect_spikes", "diagnose"]
 
@@ -77,11 +77,14 @@ class RunData:
     """metrics.jsonl rows of kind "train", in step order."""
     numerics: list[dict[str, Any]]
     """numerics.jsonl rows (empty when the run recorded no statistics)."""
-    recipe: dict[str, Any]
-    """recipe.yaml: the resolved recipe the run trained with."""
+    recipe: Recipe | None
+    """recipe.yaml read through the schema: the resolved recipe the run trained with; None when the run has none or
+    it does not validate (then nothing is ruled out: any role may have been FP8)."""
     summary: dict[str, Any]
     evals: list[dict[str, Any]] = field(default_factory=list)
     """metrics.jsonl rows of kind "eval" (val_loss), in step order."""
+    recipe_problem: str = ""
+    """Why recipe.yaml did not validate (its first problem), empty when it did or is absent."""
 
 
 @dataclass(frozen=True)
@@ -208,10 +211,9 @@ def _peak_lr(run: RunData) -> float | None:
 # The diagnosis
 
 
-def _has_fp8(recipe: dict[str, Any]) -> bool:
+def _has_fp8(recipe: Recipe | None) -> bool:
     """Whether the recipe quantizes any role (an unknown recipe counts as FP8: nothing is ruled out)."""
-    roles = [recipe.get(str(r)) for r in ROLES]
-    return not recipe or any(isinstance(p, dict) and p.get("scaling", "none") != "none" for p in roles)
+    return recipe is None or recipe.is_fp8
 
 
 def _not_fp8_reason(run: RunData, baseline: RunData | None, onset: int, base_verdict: str | None) -> str | None:
@@ -294,6 +296,9 @@ def diagnose(run: RunData, baseline: RunData | None = None) -> Diagnosis:
     d = Diagnosis(run, verdict, "", spikes=spikes, baseline=baseline, gap=gap, shared=shared)
     d.findings = find_problems(run.numerics)
     d.notes += notes
+    if run.recipe_problem:
+        d.notes.append(f"recipe.yaml does not validate ({run.recipe_problem}): the doctor reads it as unknown (no FP8 "
+                       f"role ruled out, no role setting to change, nothing for --write to patch)")
     if shared:
         d.notes.append(f"{len(shared)} spike(s) at the same steps as the baseline's (steps "
                        f"{', '.join(str(s.start) for s in shared)}): both runs see them, not counted")
@@ -325,7 +330,7 @@ def diagnose(run: RunData, baseline: RunData | None = None) -> Diagnosis:
     if not blind:  # after a divergence, the numbers are its consequences: the causes are in the steps up to it
         causes = find_problems(run.numerics, _first_recorded(run.numerics, onset)) if div else d.findings
         d.proposals = propose(causes, run.recipe, run.numerics)
-    if (blind or early) and run.recipe:
+    if (blind or early) and run.recipe is not None:
         d.proposals.append(warmup_proposal(run.recipe, onset, total))
     if not d.proposals:
         why = "the FP8 numerics show nothing beyond the limits" if run.numerics else "no numerics.jsonl"

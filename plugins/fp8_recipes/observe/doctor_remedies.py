@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fp8_recipes.observe.doctor_findings import SCALE_RATIO_HIGH, SUPPORTING, Finding, module_scores
-from fp8_recipes.schema import DEFAULT_BLOCK, ROLES, Role
+from fp8_recipes.schema import DEFAULT_BLOCK, ROLES, Format, MxRounding, Recipe, Role, Scaling, TensorPolicy
 
 __all__ = ["ROLE_WIDE", "Proposal", "propose", "role_extent", "warmup_proposal"]
 
@@ -82,14 +82,11 @@ def _evidence(role: str, mine: list[Finding], effect: str, flagged: set[str], qu
             f"{worst.text})" if effect else f"{len(flagged)} of {len(quantized)} {role} linears flagged")
 
 
-def _role_wide(role: str, policy: dict[str, Any], mine: list[Finding], flagged: set[str],
+def _role_wide(role: str, policy: TensorPolicy, mine: list[Finding], flagged: set[str],
                quantized: set[str]) -> list[Proposal]:
     """Ranked role-wide changes for one role: the first fits the evidence best (applied), the rest alternatives."""
-    scaling, fmt = str(policy.get("scaling", "none")), str(policy.get("format") or "")
-    fmt = fmt or ("e5m2" if role == "gradients" else "e4m3")
-    margin = int(policy.get("margin") or 0)
+    scaling, fmt, margin, block = policy.scaling, policy.format, policy.margin, list(policy.block)
     small_block = list(DEFAULT_BLOCK[Role(role)])  # what a role moves to: the default blocks (TE's)
-    block = list(policy.get("block") or small_block)
     effects = defaultdict(float)
     for f in mine:
         effects[f.effect] += f.severity
@@ -99,43 +96,44 @@ def _role_wide(role: str, policy: dict[str, Any], mine: list[Finding], flagged: 
                  f"{role}.amax_compute_algo": None, f"{role}.percentile": None}
     out: list[tuple[int, Proposal]] = []  # (rank, proposal): lower ranks first
     if effect == "underflow":
-        if margin > 0 and scaling != "mxfp8":
+        if margin > 0 and scaling is not Scaling.MXFP8:
             out.append((0, Proposal({f"{role}.margin": 0}, f"margin {margin} -> 0: the margin shrinks every value "
                                     f"{2 ** margin}x before the cast, so the small ones fall below FP8's smallest "
                                     f"step")))
-        if scaling == "delayed" and any(f.kind == "scale_gap" for f in mine):
+        if scaling is Scaling.DELAYED and any(f.kind == "scale_gap" for f in mine):
             out.append((1, Proposal({f"{role}.scaling": "tensorwise", f"{role}.amax_history_len": None,
                                      f"{role}.amax_compute_algo": None, f"{role}.percentile": None},
                                     f"delayed -> tensorwise: the scale comes from a stale, larger amax; each step's "
                                     f"own amax fits its values")))
-        if fmt == "e4m3" and role == "gradients" and scaling != "mxfp8":
+        if fmt is Format.E4M3 and role == "gradients" and scaling is not Scaling.MXFP8:
             out.append((2, Proposal({f"{role}.format": "e5m2"}, f"{role} e4m3 -> e5m2: 2^32 of range instead of "
                                     f"2^18, what gradients spanning many magnitudes need")))
-        if scaling in ("tensorwise", "delayed"):
+        if scaling in (Scaling.TENSORWISE, Scaling.DELAYED):
             out.append((3, Proposal(to_blocks, f"{scaling} -> blockwise {small_block[0]}x{small_block[1]}: one scale "
                                     f"per block, so small values far from the tensor's largest keep their own "
                                     f"range")))
-        elif scaling == "blockwise" and block[0] * block[1] > small_block[0] * small_block[1]:
+        elif scaling is Scaling.BLOCKWISE and block[0] * block[1] > small_block[0] * small_block[1]:
             out.append((3, Proposal({f"{role}.block": small_block}, f"block {block[0]}x{block[1]} -> "
                                     f"{small_block[0]}x{small_block[1]}: smaller blocks, each with its own scale")))
     elif effect == "clipping":
-        if scaling == "delayed":
+        if scaling is Scaling.DELAYED:
             out.append((1, Proposal({f"{role}.scaling": "tensorwise", f"{role}.amax_history_len": None,
                                      f"{role}.amax_compute_algo": None, f"{role}.percentile": None},
                                     f"delayed -> tensorwise: the amax grows between steps and a scale from past "
                                     f"steps clips")))
-        if scaling in ("delayed", "tensorwise", "blockwise"):
+        if scaling in (Scaling.DELAYED, Scaling.TENSORWISE, Scaling.BLOCKWISE):
             out.append((2, Proposal({f"{role}.margin": margin + 1}, f"margin {margin} -> {margin + 1}: one more "
                                     f"power of two of headroom above the amax the scale came from")))
-        if scaling == "mxfp8" and policy.get("mx_rounding") == "floor":
+        if scaling is Scaling.MXFP8 and policy.mx_rounding is MxRounding.FLOOR:
             out.append((0, Proposal({f"{role}.mx_rounding": "rceil"}, f"mx_rounding floor -> rceil: a floor E8M0 "
                                     f"exponent lets a block's largest values clip")))
     elif effect == "precision":
-        if scaling in ("tensorwise", "delayed") or (scaling == "blockwise" and block[0] * block[1] > 128):
+        large_blocks = scaling is Scaling.BLOCKWISE and block[0] * block[1] > 128
+        if scaling in (Scaling.TENSORWISE, Scaling.DELAYED) or large_blocks:
             out.append((3, Proposal({**to_blocks, f"{role}.format": "e4m3"},
                                     f"{scaling} {fmt} -> blockwise {small_block[0]}x{small_block[1]} e4m3: blocks "
                                     f"give E4M3's extra mantissa bit enough range")))
-    if scaling != "none":  # always possible, and the last resort: the role loses its FP8 speed
+    if policy.is_fp8:  # always possible, and the last resort: the role loses its FP8 speed
         out.append((9, Proposal({f"{role}.scaling": "none"}, f"{role} in BF16: the last resort, at the cost of "
                                                                 f"the role's FP8 speed")))
     out.sort(key=lambda t: t[0])  # the evidence once, with the best-ranked change; the others are alternatives
@@ -147,7 +145,7 @@ def _role_wide(role: str, policy: dict[str, Any], mine: list[Finding], flagged: 
 # Layer-local changes
 
 
-def _local_role(role: str, policy: dict[str, Any], mine: list[Finding]) -> list[Proposal]:
+def _local_role(role: str, policy: TensorPolicy, mine: list[Finding]) -> list[Proposal]:
     """A few modules of a role with a lasting finding: under delayed scaling, current scaling (an outlier then
     cannot outlive its step); under current scaling, a margin when values clipped. One bad step changes no role:
     it is an event (a spike elsewhere), and the module's fallback, if it scores, covers it."""
@@ -157,27 +155,27 @@ def _local_role(role: str, policy: dict[str, Any], mine: list[Finding]) -> list[
     worst = max(lasting, key=lambda f: f.severity)
     where = f"{worst.module} {worst.gemm}: {worst.text}"
     out = []
-    if policy.get("scaling") == "delayed":
+    if policy.scaling is Scaling.DELAYED:
         out.append(Proposal({f"{role}.scaling": "tensorwise", f"{role}.amax_history_len": None,
                              f"{role}.amax_compute_algo": None, f"{role}.percentile": None},
                             f"delayed -> tensorwise: the scale then comes from each step's own amax, so one "
                             f"outlier cannot skew later steps ({where})"))
-        hist = int(policy.get("amax_history_len") or 1024)
+        hist = policy.amax_history_len
         if hist > 1:
             out.append(Proposal({f"{role}.amax_history_len": max(1, hist // 2)},
                                 f"or keep delayed with a 50% shorter amax history: an outlier leaves it "
                                 f"{hist - hist // 2} steps sooner", alternative=True))
         if any(f.effect == "clipping" and (f.kind != "scale_gap" or f.value >= SCALE_RATIO_HIGH) for f in mine):
-            out.append(Proposal({f"{role}.margin": int(policy.get("margin") or 0) + 1},
+            out.append(Proposal({f"{role}.margin": policy.margin + 1},
                                 "or a margin of one more power of two against the amax growing between steps",
                                 alternative=True))
-    elif any(f.kind == "saturation_pct" for f in mine) and policy.get("scaling") in ("tensorwise", "blockwise"):
-        out.append(Proposal({f"{role}.margin": int(policy.get("margin") or 0) + 1},
+    elif any(f.kind == "saturation_pct" for f in mine) and policy.scaling in (Scaling.TENSORWISE, Scaling.BLOCKWISE):
+        out.append(Proposal({f"{role}.margin": policy.margin + 1},
                             f"margin +1: headroom against values beyond the amax the scale came from ({where})"))
     return out
 
 
-def _layer_proposals(findings: list[Finding], recipe: dict[str, Any], numerics: list[dict[str, Any]]) -> list[Proposal]:
+def _layer_proposals(findings: list[Finding], recipe: Recipe, numerics: list[dict[str, Any]]) -> list[Proposal]:
     """BF16 for the modules behind most of the trouble: bf16_first/bf16_last when half of the first/last layer's
     linears are flagged, else the modules by name (bf16_modules globs match the names exactly)."""
     primary = {f.module for f in findings if f.kind not in SUPPORTING}
@@ -190,32 +188,34 @@ def _layer_proposals(findings: list[Finding], recipe: dict[str, Any], numerics: 
     for r in numerics:
         per_layer[_module_layer(str(r.get("module", "")))].add(r.get("module"))
     layers = set(per_layer) - {None}
-    rules = recipe.get("layers") or {}
+    rules = recipe.layers
     out, left = [], list(named)
     for key, layer in (("bf16_first", min(layers, default=None)), ("bf16_last", max(layers, default=None))):
         hit = [m for m in named if _module_layer(m) == layer]
         if layer is not None and len(layers) > 2 and len(hit) * 2 >= len(per_layer[layer]) and hit:
-            out.append(Proposal({f"layers.{key}": max(int(rules.get(key) or 0), 1)},
+            out.append(Proposal({f"layers.{key}": max(getattr(rules, key), 1)},
                                 f"{len(hit)} of layer {layer}'s {len(per_layer[layer])} linears show the problem"))
             left = [m for m in left if m not in hit]
     if left:
-        mods = list(rules.get("bf16_modules") or [])
+        mods = list(rules.bf16_modules)
         out.append(Proposal({"layers.bf16_modules": mods + [m for m in left if m not in mods]},
                             "BF16 for the module(s) behind it: " + "; ".join(
                                 f"{m} (score {score[m]:.1f})" for m in left)))
     return out
 
 
-def propose(findings: list[Finding], recipe: dict[str, Any], numerics: list[dict[str, Any]]) -> list[Proposal]:
+def propose(findings: list[Finding], recipe: Recipe | None, numerics: list[dict[str, Any]]) -> list[Proposal]:
     """Role-wide changes for role-wide problems, then per-role and layer changes for local ones (see the module
-    docstring). The findings of a role-wide role never name modules for BF16: its change covers them."""
+    docstring). The findings of a role-wide role never name modules for BF16: its change covers them. An unknown
+    recipe (None) has no role setting to change: the layer fallbacks only."""
+    recipe = recipe if recipe is not None else Recipe()  # every role BF16 and no layer rules: nothing to change
     extent = role_extent(findings, numerics)
     wide, local = [], []
     weight = {r: sum(f.severity for f in findings if f.role == r and f.kind not in SUPPORTING) for r in map(str, ROLES)}
     for role in sorted(map(str, ROLES), key=lambda r: -weight[r]):  # the role with the worst evidence first
-        policy = recipe.get(role) or {}
+        policy = recipe.policy(role)
         mine = [f for f in findings if f.role == role and f.kind not in SUPPORTING]
-        if not mine or not isinstance(policy, dict):
+        if not mine:
             continue
         flagged, quantized = extent[role]
         if _is_role_wide(flagged, quantized):
@@ -227,9 +227,8 @@ def propose(findings: list[Finding], recipe: dict[str, Any], numerics: list[dict
     return wide + local + _layer_proposals(kept, recipe, numerics)
 
 
-def warmup_proposal(recipe: dict[str, Any], onset: int, total: int) -> Proposal:
-    sched = recipe.get("schedule") or {}
-    steps = max(int(sched.get("bf16_warmup_steps") or 0), 10 * math.ceil(2 * onset / 10), min(100, total // 10))
+def warmup_proposal(recipe: Recipe, onset: int, total: int) -> Proposal:
+    steps = max(recipe.schedule.bf16_warmup_steps, 10 * math.ceil(2 * onset / 10), min(100, total // 10))
     return Proposal({"schedule.bf16_warmup_steps": steps},
                     f"BF16 warmup for the first {steps} steps: the trouble starts at step {onset}, before the "
                     f"weights and activations have settled")

@@ -26,7 +26,7 @@ from fp8_recipes.rundir import (
     read_recipe,
     read_summary,
 )
-from fp8_recipes.schema import Recipe
+from fp8_recipes.schema import Recipe, RecipeError
 from fp8_recipes.yaml_guard import UnsafeYAML
 
 __all__ = ["format_report", "load_run", "patched_recipe", "write_recipe"]
@@ -50,20 +50,26 @@ def load_run(run_dir: str | Path, key: str = "RUN_DIR") -> RunData:
     if not train:
         raise DoctorInputError(f"{key}: '{run_dir}'/{METRICS} has no training step yet (let the run take steps)")
     try:
-        recipe = read_recipe(path) or {}
+        data = read_recipe(path)
     except UnsafeYAML as e:
         raise DoctorInputError(f"{key}: '{run_dir}'/{RECIPE}: {e} (restore it from the run)") from None
+    recipe, problem = None, ""
+    if data:  # through the schema; a recipe.yaml that does not validate is read as unknown, and the report says why
+        try:
+            recipe = Recipe.from_dict(data)
+        except RecipeError as e:
+            problem = e.problems[0] + (f"; +{len(e.problems) - 1} more" if len(e.problems) > 1 else "")
     summary = read_summary(path)  # {} for a run killed while writing it: the metrics rows say enough
-    return RunData(path, train, numerics, recipe, summary, evals)
+    return RunData(path, train, numerics, recipe, summary, evals, recipe_problem=problem)
 
 
 def patched_recipe(d: Diagnosis) -> dict[str, Any] | None:
     """The run's recipe with every non-alternative proposal applied, validated (a RecipeError if not); None when
     nothing is proposed."""
     applied = [p for p in d.proposals if not p.alternative]
-    if not applied or not d.run.recipe:
+    if not applied or d.run.recipe is None:
         return None
-    out = json.loads(json.dumps(d.run.recipe))  # a deep copy of plain YAML data
+    out = d.run.recipe.to_dict()  # what the run wrote to recipe.yaml, as plain YAML data
     for p in applied:
         for dotted, value in p.changes.items():
             *parents, leaf = dotted.split(".")
@@ -109,10 +115,10 @@ def _table(rows: list[list[str]], indent: str = "  ") -> list[str]:
 def format_report(d: Diagnosis, max_findings: int = 8) -> str:
     """The short readable report `fp8-recipes doctor` prints."""
     run = d.run
-    lines = [f"run       {run.path}  (recipe {run.recipe.get('name', '?')}, {len(run.train)} steps, "
+    lines = [f"run       {run.path}  (recipe {_name(run)}, {len(run.train)} steps, "
              f"{len({r.get('step') for r in run.numerics})} steps with numerics)"]
     if d.baseline is not None:
-        lines.append(f"baseline  {d.baseline.path}  (recipe {d.baseline.recipe.get('name', '?')})")
+        lines.append(f"baseline  {d.baseline.path}  (recipe {_name(d.baseline)})")
     lines.append(f"verdict   {d.verdict}: {d.summary}")
     if d.gap is not None and (d.verdict == "worse_than_baseline" or any(m.over for m in d.gap.measures)):
         lines += ["", f"loss gap to the baseline (over the {d.gap.steps} steps both have)"] + _table(
@@ -141,6 +147,10 @@ def format_report(d: Diagnosis, max_findings: int = 8) -> str:
             lines.append(f"      {p.reason}")
     lines += [f"note      {n}" for n in d.notes]
     return "\n".join(lines)
+
+
+def _name(run: RunData) -> str:
+    return run.recipe.name if run.recipe is not None else "?"
 
 
 def _show(v: Any) -> str:
