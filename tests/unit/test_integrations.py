@@ -319,3 +319,19 @@ def test_bridge_mixed_precision_in_real_bridge():
     assert out["hybrid"] == dict(fp8="hybrid", fp8_recipe="blockwise", factory=None, bf16=True, is_mpc=True)
     assert out["mix"]["fp8_recipe"] == "custom" and out["mix"]["factory"] == FACTORY_PATH
     assert out["callback"] is True
+
+
+def test_fp8_param_maps_to_megatrons_own_fp8_weights():
+    for scaling, name in (("delayed", "delayed"), ("tensorwise", "tensorwise"), ("blockwise", "blockwise")):
+        r = recipe(weights=scaling, activations=scaling, gradients=scaling, fp8_param=True)
+        f = megatron_fp8_fields(r, compute_capability=H200, num_layers=4)
+        assert f["fp8_param"] is True and f["fp8_recipe"] == name
+        transformer_config(f)  # Megatron-Core takes it (fp8_param needs fp8 set: it is)
+    assert "fp8_param" not in megatron_fp8_fields("tensorwise", compute_capability=H200, num_layers=4)
+    with pytest.raises(RecipeError, match=r"^fp8_param: true with weights.block \[1, 128\]") as e:
+        megatron_fp8_fields(recipe(weights={"scaling": "blockwise", "block": [1, 128]}, activations="blockwise",
+                                   gradients="blockwise", fp8_param=True), compute_capability=H200, num_layers=4)
+    assert "\n" not in str(e.value)
+    with pytest.raises(RecipeError, match=r"^fp8_param: true with plugin-owned precision") as e:
+        plugin_owned_plan(recipe(weights="tensorwise", activations="tensorwise", gradients="tensorwise",
+                                 fp8_param=True), compute_capability=H200, num_layers=4)

@@ -236,9 +236,14 @@ def megatron_precision(recipe: Recipe | str | Path | Mapping[str, Any], *,
                       f"({', '.join(reasons)}): its per-layer CustomRecipe leaves delayed-scaling state unallocated "
                       f"(TypeError in TE 2.20.2, measured on an H200); {NATIVE_FIX}")
     custom = bool(reasons)
+    if recipe.fp8_param and plan.fp8_param_problem():
+        raise _refuse(plan.fp8_param_problem())
     payload = json.dumps({"recipe": recipe.to_dict(), "compute_capability": list(hw.compute_capability)},
                          sort_keys=True) if custom else None
-    return MegatronPrecision(_fields(te, recipe, custom), te, plan.substitutions, payload)
+    fields = _fields(te, recipe, custom)
+    if recipe.fp8_param:  # Megatron-Core's own FP8 weights (its DDP config needs fp8_param_gather=True as well)
+        fields["fp8_param"] = True
+    return MegatronPrecision(fields, te, plan.substitutions, payload)
 
 
 def megatron_fp8_fields(recipe: Recipe | str | Path | Mapping[str, Any], *,
@@ -253,6 +258,10 @@ def plugin_owned_plan(recipe: Recipe | str | Path | Mapping[str, Any], *,
                       num_layers: int | None = None) -> PrecisionPlan:
     """The plan plugin-owned precision will run, checked now (one-line RecipeError) rather than at train start."""
     recipe = as_recipe(recipe)
+    if recipe.fp8_param:
+        raise _refuse("fp8_param: true with plugin-owned precision: the framework builds the model before the plugin "
+                      "attaches, so its layers cannot be built with FP8 weights; use Megatron-Core's native fields "
+                      "(megatron_precision sets fp8_param) or set fp8_param: false")
     return _plan(recipe, target_hardware(compute_capability), _layout(recipe, num_layers))
 
 
