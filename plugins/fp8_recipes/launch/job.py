@@ -18,6 +18,9 @@ import re
 from pathlib import Path
 from typing import Any, Iterable
 
+from fp8_recipes.training.config import check_run_config
+from fp8_recipes.training.run import resolve_recipe  # training/run.py imports torch only inside its functions
+
 __all__ = ["check_train_config", "fixed_run_dir", "resumable_overrides", "override_key", "quote_override",
            "default_job_name", "without_launcher"]
 
@@ -52,9 +55,6 @@ def check_train_config(cfg: Any, world_size: int | None = None) -> None:
     """The checks scripts/train.py makes before it builds anything (groups, values, run_dir, the recipe, the parallel
     layout at the job's ``world_size`` processes), here on the submitting host, so that a typo costs a second
     instead of a queue wait; ValueError names the key."""
-    from fp8_recipes.training.config import check_run_config
-    from fp8_recipes.training.run import resolve_recipe
-
     plain = without_launcher(cfg)
     check_run_config(plain, world_size)
     resolve_recipe(plain)

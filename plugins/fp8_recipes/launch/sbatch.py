@@ -17,7 +17,10 @@ import shlex
 from pathlib import Path
 from typing import Any, Iterable
 
+from fp8_recipes.launch.job import (check_train_config, default_job_name, fixed_run_dir, override_key,
+                                    resumable_overrides)
 from fp8_recipes.launch.settings import LauncherSettings
+from fp8_recipes.recipes import conf_dir, recipe_file_overrides
 from fp8_recipes.training.errors import PREEMPTED_EXIT
 
 __all__ = ["sbatch_script", "sbatch_lines", "SLURM_OUTPUT"]
@@ -104,8 +107,6 @@ def sbatch_script(settings: LauncherSettings, train_overrides: Iterable[str], *,
 def split_overrides(overrides: Iterable[str]) -> tuple[list[str], list[str]]:
     """(overrides composing the `launcher` group, overrides for scripts/train.py). ``launcher=NAME`` picks
     conf/launcher/NAME.yaml (default slurm); ``launcher.KEY=VALUE`` edits it; neither reaches train.py."""
-    from fp8_recipes.launch.job import override_key
-
     launcher, train = [], []
     for o in overrides:
         key = override_key(o)
@@ -127,8 +128,6 @@ def compose_job(overrides: Iterable[str]):
     """(train config with the `launcher` group, overrides for train.py), composed as scripts/train.py would."""
     from hydra import compose, initialize_config_dir
 
-    from fp8_recipes.recipes import conf_dir, recipe_file_overrides
-
     launcher, train = split_overrides(overrides)
     composable = recipe_file_overrides(train)  # +recipe=FILE.yaml: composed here, passed to train.py as an absolute path
     for i, (original, changed) in enumerate(zip(list(train), composable)):
@@ -145,8 +144,6 @@ def write_sbatch(overrides: Iterable[str], output: Path | None = None, *, python
     """Check the job and write its script (atomically, executable): (script path, run_dir). ValueError on a user
     error (nothing written); Hydra's own errors pass through for errors.hydra_errors_as_one_line."""
     import os
-
-    from fp8_recipes.launch.job import check_train_config, default_job_name, fixed_run_dir, resumable_overrides
 
     cfg, train = compose_job(overrides)
     settings = LauncherSettings.from_cfg(cfg.launcher).for_trainer(cfg.trainer)

@@ -50,7 +50,9 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from fp8_recipes.megatron.cpu_shim import install_cpu_shim
 from fp8_recipes.megatron.model_config import check_model_cfg
+from fp8_recipes.plan import ModelLayout
 
 __all__ = [
     "init_distributed",
@@ -147,8 +149,6 @@ def init_distributed(backend: str | None = None, *, tensor_model_parallel_size: 
     """
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
-
-    from fp8_recipes.megatron.cpu_shim import install_cpu_shim
 
     rank, world_size, local_rank, addr, port, launcher = _launch_env()
     use_cuda = torch.cuda.is_available()
@@ -563,8 +563,6 @@ def linear_module_names(model: torch.nn.Module | list[torch.nn.Module]) -> list[
 def model_layout(model: torch.nn.Module | list[torch.nn.Module]):
     """The plan's view of a built GPTModel (local or TE spec): the whole model's transformer layer count and linear
     names, whichever pipeline stage ``model`` is (the plan spans the stages: its names are global)."""
-    from fp8_recipes.plan import ModelLayout
-
     first = model[0] if isinstance(model, (list, tuple)) else model
     config = unwrap_model(first).config
     return ModelLayout.gpt(config.num_layers)

@@ -23,6 +23,7 @@ from typing import Iterator
 
 from fp8_recipes.checks import did_you_mean
 from fp8_recipes.rundir import RUN_OUTPUTS, RunDirError, check_run_dir, held_by_another, release
+from fp8_recipes.training.config import launch_rank
 
 __all__ = ["ConsoleFormatter", "NonFiniteStop", "USER_ERROR_EXIT", "NONFINITE_EXIT", "PREEMPTED_EXIT",
            "RunDirCheck", "hydra_errors_as_one_line", "one_line", "print_error_once", "remove_partial_run_dir"]
@@ -138,8 +139,6 @@ as soon as one exits, and a silent rank that left first would cut rank 0 off bef
 
 def print_error_once(lines: list[str]) -> None:
     """``error: <line>`` on stderr, by the launcher's rank 0 only (for errors every rank raises alike)."""
-    from fp8_recipes.training.config import launch_rank
-
     if launch_rank() == 0:
         for line in lines:
             print(f"error: {line}", file=sys.stderr, flush=True)
@@ -173,8 +172,6 @@ def remove_partial_run_dir(run_dir: str | os.PathLike, since: float = _IMPORTED_
     """After a failed start: remove what Hydra and this run wrote into ``run_dir`` (modified at or after ``since``;
     never other files, an earlier run's outputs, a run with checkpoints, or a directory another running job holds),
     then the directory when empty. Under torchrun/srun only rank 0 removes (no race over the same files)."""
-    from fp8_recipes.training.config import launch_rank
-
     run_dir = Path(run_dir)
     if launch_rank() != 0 or not run_dir.is_dir() or (run_dir / "checkpoints").exists() or held_by_another(run_dir):
         return

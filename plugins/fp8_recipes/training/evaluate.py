@@ -25,7 +25,18 @@ import math
 from pathlib import Path
 from typing import Any
 
+from fp8_recipes.megatron.data import batches
+from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan
+from fp8_recipes.recipes import load_recipe
 from fp8_recipes.rundir import HYDRA, RECIPE, read_recipe
+from fp8_recipes.schema import ROLES, Backend
+from fp8_recipes.training.config import TrainerConfig
+from fp8_recipes.training.run import (attach_emulated, attach_te, quiet_third_party_logs, run_datasets,
+                                      run_model_cfg, torch_dtype, valid_seed)
+from fp8_recipes.yaml_guard import UnsafeYAML
+
+# torch and Megatron-Core (checkpoints, the model, the engine) are imported inside the functions that evaluate a
+# checkpoint: gap_pct, format_parity and load_run_config serve the comparison tables without them.
 
 __all__ = ["evaluate_checkpoint", "eval_step_all_on", "format_parity", "gap_pct", "load_run_config"]
 
@@ -51,8 +62,6 @@ def load_run_config(run_dir: str | Path) -> Any:
 def eval_step_all_on(recipe: Any, trained_steps: int) -> int:
     """The 0-based step whose plan evaluates: the checkpoint's last training step, or later when the schedule's
     last stage had not begun by then (every FP8 role on: the recipe's steady state, what inference would run)."""
-    from fp8_recipes.schema import ROLES
-
     starts = [recipe.schedule.role_start(r) for r in ROLES if recipe.policy(r).is_fp8]
     return max([trained_steps - 1, 0, *starts])
 
@@ -71,9 +80,6 @@ def _valid_batches(cfg: Any, eval_iters: int, train_dp: int) -> list[dict]:
     one global stream (in a single process, all of them)."""
     from megatron.core import parallel_state as ps
 
-    from fp8_recipes.megatron.data import batches
-    from fp8_recipes.training.run import run_datasets, valid_seed
-
     _, valid_ds = run_datasets(cfg, Path(cfg.data.path), train_dp)
     stream = batches(valid_ds, int(cfg.trainer.micro_batch_size), valid_seed(cfg.trainer))
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -82,17 +88,12 @@ def _valid_batches(cfg: Any, eval_iters: int, train_dp: int) -> list[dict]:
 
 def _model_cfg(cfg: Any) -> dict:
     """The model group with the vocabulary training/run.py gave it (the tokenizer's when the config says null)."""
-    from fp8_recipes.training.run import run_model_cfg
-
     data_dir = Path(cfg.data.path)
     return run_model_cfg(cfg, json.loads((data_dir / "meta.json").read_text()), data_dir)
 
 
 def _run_recipe(run_dir: Path, recipe: str | None) -> Any:
     """``recipe`` (a pack name or YAML path), else what the run trained with (its resolved recipe.yaml)."""
-    from fp8_recipes.recipes import load_recipe
-    from fp8_recipes.yaml_guard import UnsafeYAML
-
     if recipe is not None:
         return load_recipe(recipe)
     try:
@@ -136,12 +137,8 @@ def evaluate_checkpoint(run_dir: str | Path, *, checkpoint: str | Path | None = 
 def _evaluate(cfg: Any, recipe: Any, step_dir: Path, eval_iters: int, train_dp: int) -> dict[str, Any]:
     """Build the run's model under ``recipe``'s backend, load ``step_dir``, evaluate in FP8 and in BF16."""
     from fp8_recipes.megatron.model import destroy_distributed, init_distributed
-    from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan
-    from fp8_recipes.schema import Backend
     from fp8_recipes.training.checkpoint import checkpoint_meta, checkpoint_step, load_checkpoint
-    from fp8_recipes.training.config import TrainerConfig
     from fp8_recipes.training.engine import Engine
-    from fp8_recipes.training.run import attach_emulated, attach_te, quiet_third_party_logs, torch_dtype
 
     quiet_third_party_logs()
     hardware = Hardware.detect()

@@ -32,6 +32,11 @@ from fp8_recipes.integrations.hf_llama import (
     HFTensors, LlamaShape, dequantize_hf_weights, hf_config, hf_to_megatron, megatron_to_hf, quantize_hf_weights,
     read_hf_config, require_safetensors, write_hf_checkpoint,
 )
+from fp8_recipes.megatron.data import EOD_TEXT
+from fp8_recipes.megatron.model import unwrap_model
+from fp8_recipes.training.checkpoint import checkpoint_meta, read_checkpoint, resolve_checkpoint
+from fp8_recipes.training.evaluate import load_run_config
+from fp8_recipes.training.run import run_model_cfg
 
 __all__ = ["export_hf", "check_hf_init", "load_hf_weights", "hf_init_path", "parse_block"]
 
@@ -78,8 +83,6 @@ def _layer_offset(pp_rank: int, vp_stage: int, num_layers: int, pp: int, vpp: in
 
 def _whole_model_state(step_dir: Path, num_layers: int, progress: Callable[[str], None]) -> dict[str, torch.Tensor]:
     """Every model tensor of a checkpoint, joined over its tensor-parallel shards, under canonical names."""
-    from fp8_recipes.training.checkpoint import checkpoint_meta, read_checkpoint
-
     meta = checkpoint_meta(step_dir)
     tp, pp = int(meta.get("tensor_model_parallel_size", 1)), int(meta.get("pipeline_model_parallel_size") or 1)
     vpp = meta.get("virtual_pipeline_model_parallel_size")
@@ -112,8 +115,6 @@ def _whole_model_state(step_dir: Path, num_layers: int, progress: Callable[[str]
 
 def _run_config(step_dir: Path):
     """(the run's composed config, its run dir) for a step dir under ``<run>/checkpoints/``."""
-    from fp8_recipes.training.evaluate import load_run_config
-
     run_dir = step_dir.parent.parent
     try:
         return load_run_config(run_dir), run_dir
@@ -145,8 +146,6 @@ def _bytes_tokenizer_json() -> str:
 
 def _tokenizer_files(data_dir: Path, seq_length: int) -> tuple[dict[str, bytes], int]:
     """(the HF tokenizer files of a run's dataset, its EOD id)."""
-    from fp8_recipes.megatron.data import EOD_TEXT
-
     meta = json.loads((data_dir / "meta.json").read_text(encoding="utf-8"))
     text = (data_dir / "tokenizer.json").read_text(encoding="utf-8")
     if json.loads(text).get("fp8_recipes_tokenizer") == "bytes":
@@ -166,9 +165,6 @@ def export_hf(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str =
     """Write the checkpoint ``source`` (a run dir: its latest; or a step_N dir) as a HF Llama checkpoint in ``out``:
     config.json, the run's tokenizer, safetensors shards and their index. ``dtype``: bf16 | fp8 (E4M3 projections
     with their scales, per tensor when ``block`` is None). User errors are one-line ValueErrors."""
-    from fp8_recipes.training.checkpoint import resolve_checkpoint
-    from fp8_recipes.training.run import run_model_cfg
-
     if dtype not in ("bf16", "fp8"):
         raise ValueError(f"--dtype: {dtype!r} is not bf16 or fp8")
     require_safetensors("--to hf")  # before minutes of reading shards
@@ -258,8 +254,6 @@ def load_hf_weights(chunks: list, path: str | os.PathLike, model_cfg: dict) -> i
     """Copy the HF checkpoint at ``path`` into this rank's model chunks (call before the optimizer copies the
     parameters); returns the number of tensors set."""
     from megatron.core import parallel_state as ps
-
-    from fp8_recipes.megatron.model import unwrap_model
 
     shape = check_hf_init(path, model_cfg)
     config = read_hf_config(path, "model.init_from")
