@@ -4,6 +4,11 @@
 
 Every user error (bad recipe, impossible backend, missing data) surfaces as a ValueError with one line that
 names the key; scripts/train.py prints it and exits 2.
+
+This module imports torch and Megatron-Core only inside the functions that build (the model, the backends, the
+engine, the loop): run_training checks the whole config before they load, so a typo costs a second, and the Slurm
+launcher (launch/job.py) and the CLI import resolve_recipe / quiet_third_party_logs from here on hosts that never
+train.
 """
 
 from __future__ import annotations
@@ -15,8 +20,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fp8_recipes.megatron.data import build_gpt_datasets, data_parallel_batches, prepare_dataset
+from fp8_recipes.observe.config import debug_config
+from fp8_recipes.plan import Hardware, ModelLayout, ParallelLayout, PrecisionPlan
 from fp8_recipes.plan_format import format_plan
+from fp8_recipes.recipes import EMPTY_RECIPE, load_recipe
 from fp8_recipes.rundir import PLAN, RECIPE, check_run_dir, claim, drop_rows_after, release, write_text
+from fp8_recipes.schema import Backend, RecipeError
+from fp8_recipes.training.config import check_run_config, launch_rank
+from fp8_recipes.training.notices import run_notices
 
 __all__ = ["resolve_debug", "resolve_recipe", "run_training"]
 
@@ -27,15 +39,11 @@ def resolve_recipe(cfg) -> Any:
     """The run's Recipe: `cfg.recipe` as composed by Hydra (+recipe=NAME and overrides), BF16 when absent."""
     from omegaconf import OmegaConf
 
-    from fp8_recipes.recipes import load_recipe
-
     node = cfg.get("recipe") if hasattr(cfg, "get") else None
     if node is None:
         return load_recipe("bf16")
     data = OmegaConf.to_container(node, resolve=True) if not isinstance(node, dict) else node
     if not data:
-        from fp8_recipes.recipes import EMPTY_RECIPE
-
         raise ValueError(f"recipe: {EMPTY_RECIPE}")
     with _recipe_keys():
         return load_recipe(data)
@@ -44,8 +52,6 @@ def resolve_recipe(cfg) -> Any:
 def resolve_debug(cfg):
     """The run's DebugConfig (numerics statistics, dumps): the recipe's `debug` section under the run config's."""
     from omegaconf import OmegaConf
-
-    from fp8_recipes.observe.config import debug_config
 
     def plain(node):
         return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
@@ -61,7 +67,7 @@ def _observe(precision, debug, run_dir: Path, rank: int, backend):
     (backends/te_observe.py)."""
     if not debug.enabled:
         return precision, None
-    from fp8_recipes.observe.recorder import NumericsRecorder, ObservedPrecision
+    from fp8_recipes.observe.recorder import NumericsRecorder, ObservedPrecision  # torch (module docstring)
 
     if str(backend) == "te":
         from fp8_recipes.backends.te_observe import te_observer_states
@@ -84,8 +90,6 @@ def _observe(precision, debug, run_dir: Path, rank: int, backend):
 @contextlib.contextmanager
 def _recipe_keys():
     """Recipe problems name their keys as Hydra's command line does: `recipe.<key>`."""
-    from fp8_recipes.schema import RecipeError
-
     try:
         yield
     except RecipeError as e:
@@ -131,11 +135,11 @@ def attach_emulated(model_cfg: dict, recipe, hardware, params_dtype: torch.dtype
                     config_overrides: dict | None = None, init_seed: int | None = None):
     """Megatron-Core's local spec with plan-driven fake-quantized linears and core attention (any device, any
     recipe): this rank's model chunks, the whole model's plan, and the backend driving this rank's part of it."""
+    # torch and Megatron-Core (module docstring)
     from fp8_recipes.megatron.emulated_layers import (
         EmulatedColumnParallelLinear, EmulatedDotProductAttention, EmulatedRowParallelLinear, attach_emulated_backend,
     )
     from fp8_recipes.megatron.model import build_model_chunks, model_layout
-    from fp8_recipes.plan import PrecisionPlan
 
     chunks = build_model_chunks(model_cfg, params_dtype=params_dtype, device=device,
                                 column_linear=EmulatedColumnParallelLinear, row_linear=EmulatedRowParallelLinear,
@@ -149,9 +153,9 @@ def attach_te(model_cfg: dict, recipe, hardware, params_dtype: torch.dtype, devi
               config_overrides: dict | None = None, init_seed: int | None = None):
     """Megatron-Core's TE layer spec (no fp8 in its config) under per-layer te.autocast from the plan; with recipe
     ``fp8_param: true`` the plan's FP8 layers built with FP8-stored weights."""
+    # torch and Megatron-Core (module docstring)
     from fp8_recipes.megatron.model import build_model_chunks
     from fp8_recipes.megatron.te_layers import FP8ParamInit, attach_te_backend
-    from fp8_recipes.plan import ModelLayout, PrecisionPlan
 
     plan = PrecisionPlan(recipe, ModelLayout.gpt(int(model_cfg["num_layers"])), hardware)
     fp8_param = FP8ParamInit(plan) if recipe.fp8_param else None
@@ -171,8 +175,6 @@ def valid_seed(trainer) -> int:
 def run_datasets(cfg, data_dir: Path, data_parallel_size: int):
     """(train, valid) datasets of a run as training builds them: the sample counts its steps, evaluations and
     data-parallel size ask for (training/evaluate.py rebuilds a run's validation batches with it)."""
-    from fp8_recipes.megatron.data import build_gpt_datasets
-
     trainer = cfg.trainer
     n_train = int(trainer.max_steps) * int(trainer.global_batch_size)
     n_valid = (int(trainer.max_steps) // max(int(trainer.eval_interval), 1) + 1) * int(trainer.eval_iters) * \
@@ -201,8 +203,6 @@ def check_engine_backend(trainer, backend) -> None:
     """Sequence and context parallelism need Transformer Engine's layers: Megatron-Core's local spec builds torch
     norms, which refuse sequence parallelism, and its attention has no context parallelism; the precision-aware
     optimizer needs Transformer Engine's FusedAdam."""
-    from fp8_recipes.schema import Backend
-
     if backend is Backend.TE:
         return
     for key, on in (("sequence_parallel", trainer.sequence_parallel),
@@ -218,8 +218,6 @@ def check_fp8_param(trainer, plan) -> None:
     """Recipe ``fp8_param: true``: refused in one line, before anything is built, where the plan cannot store the
     weights in FP8 (the emulated backend, ...: ``PrecisionPlan.fp8_param_problem``) or the trainer lacks what
     Megatron-Core's FP8 weights need (its distributed optimizer, BF16 params)."""
-    from fp8_recipes.schema import RecipeError
-
     if not plan.recipe.fp8_param:
         return
     problem = plan.fp8_param_problem()
@@ -248,11 +246,6 @@ def same_on_every_rank():
 
 
 def run_training(cfg) -> dict:
-    from fp8_recipes.plan import Hardware, ModelLayout, ParallelLayout, PrecisionPlan
-    from fp8_recipes.schema import Backend
-    from fp8_recipes.training.config import check_run_config, launch_rank
-    from fp8_recipes.training.notices import run_notices
-
     quiet_third_party_logs()
     with same_on_every_rank():
         tcfg = check_run_config(cfg)  # trainer, model, data, run_dir: before anything is built (and torch loads)
@@ -268,7 +261,7 @@ def run_training(cfg) -> dict:
         check_engine_backend(tcfg, first_plan.backend)
         check_fp8_param(tcfg, first_plan)
 
-    from fp8_recipes.megatron.data import data_parallel_batches, prepare_dataset
+    # torch and Megatron-Core from here on, once the config is known to be good (module docstring)
     from fp8_recipes.megatron.model import destroy_distributed, init_distributed
     from fp8_recipes.training.checkpoint import check_model_matches, checkpoint_meta, find_resume, resume_skip
     from fp8_recipes.training.engine import build_engine
@@ -335,6 +328,7 @@ def run_training(cfg) -> dict:
         model_cfg = run_model_cfg(cfg, meta, data_dir)
         init_from = model_cfg.get("init_from") if resume_from is None else None  # a resumed run has its weights
         if init_from:
+            # (also a cycle: training/hf.py imports this module for run_model_cfg)
             from fp8_recipes.training.hf import check_hf_init, hf_init_path, load_hf_weights
 
             with same_on_every_rank():
