@@ -35,7 +35,15 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from fp8_recipes.bench.output import markdown_table, save_json
+from fp8_recipes.megatron.data import prepare_dataset
+from fp8_recipes.recipes import conf_dir, load_recipe, project_root, recipe_names
 from fp8_recipes.rundir import METRICS, last_metrics_step, read_metrics, read_summary
+from fp8_recipes.training.config import check_run_config
+from fp8_recipes.training.errors import one_line
+from fp8_recipes.training.evaluate import evaluate_checkpoint, format_parity, gap_pct
+from fp8_recipes.training.progress import PlainBar
+from fp8_recipes.training.run import resolve_recipe
 
 __all__ = ["REFERENCE", "add_gaps", "check_runs", "child_main", "collect", "compare_recipes", "final_loss",
            "plot_curves", "run_overrides", "save", "steady_tokens_per_s", "summarize", "summarize_run"]
@@ -78,8 +86,6 @@ def steady_tokens_per_s(rows: Sequence[dict], warmup_fraction: float = WARMUP_FR
 
 
 def _gap(value: float | None, reference: float | None) -> float | None:
-    from fp8_recipes.training.evaluate import gap_pct
-
     if value is None or reference is None or not math.isfinite(value) or not math.isfinite(reference):
         return None
     return gap_pct(value, reference)
@@ -159,8 +165,6 @@ def _fmt(value: float | None, spec: str) -> str | None:
 
 def summarize(result: dict[str, Any]) -> str:
     """The Markdown table: one row per run."""
-    from fp8_recipes.bench.output import markdown_table
-
     header = ["run", "backend", "steps", "final loss", "vs BF16", "eval loss", "vs BF16", "tokens/s", "x BF16",
               "peak GiB", "parity: FP8 eval", "BF16 eval", "FP8 vs BF16", "status"]
     rows = []
@@ -254,8 +258,6 @@ def _eval_points(run_dir: Path) -> tuple[list[int], list[float]]:
 
 def save(result: dict[str, Any], out_dir: Path) -> str:
     """compare.json, compare.md and compare.png in ``out_dir``; returns the table."""
-    from fp8_recipes.bench.output import save_json
-
     save_json(out_dir / "compare.json", result)
     table = summarize(result)
     (out_dir / "compare.md").write_text(table + "\n")
@@ -289,11 +291,6 @@ def check_runs(names: Sequence[str], overrides: Sequence[str], out_dir: Path, pa
     second, not N trainings); returns the BF16 run's config (for the data to prepare). ValueError: one line."""
     from hydra import compose, initialize_config_dir
 
-    from fp8_recipes.recipes import conf_dir, load_recipe, recipe_names
-    from fp8_recipes.training.config import check_run_config
-    from fp8_recipes.training.errors import one_line
-    from fp8_recipes.training.run import resolve_recipe
-
     for name in names:
         if name not in recipe_names():
             load_recipe(name)  # raises the pack's own message: did you mean, choices
@@ -326,8 +323,6 @@ def check_runs(names: Sequence[str], overrides: Sequence[str], out_dir: Path, pa
 
 def _prepare_data(cfg: Any) -> None:
     """Build (or reuse) the dataset once here: N runs starting at once must not all build it in one place."""
-    from fp8_recipes.megatron.data import prepare_dataset
-
     data = cfg.data
     prepare_dataset(data.inputs, data.path, tokenizer_kind=data.tokenizer, vocab_size=int(data.vocab_size),
                     json_key=data.json_key)
@@ -366,8 +361,6 @@ def _run_all(jobs: dict[str, list[str]], parallel: int, out_dir: Path) -> dict[s
     try:
         from tqdm.auto import tqdm
     except ImportError:  # a bare GPU image may lack it: a line per finished run only
-        from fp8_recipes.training.progress import PlainBar
-
         tqdm = functools.partial(PlainBar, disable=True)
 
     previous = None
@@ -429,9 +422,6 @@ def compare_recipes(recipes: Sequence[str], overrides: Sequence[str], out_dir: P
     """Train BF16 and each recipe with the same overrides (so the same model, data and seed), then collect.
     User errors (a bad recipe name or override, an existing run dir) are ValueErrors of one line, raised before
     any run starts. A failed run becomes a row with status ``failed`` (its log says why)."""
-    from fp8_recipes.bench.output import save_json
-    from fp8_recipes.recipes import project_root
-
     if parallel < 1:
         raise ValueError(f"--parallel: {parallel} must be >= 1")
     names = [REFERENCE] + list(dict.fromkeys(r for r in recipes if r != REFERENCE))
@@ -471,9 +461,6 @@ def child_main(argv: Sequence[str] | None = None) -> None:
     sys.argv = [str(args.script), *args.overrides]
     runpy.run_path(str(args.script), run_name="__main__")  # SystemExit (errors, preemption) passes through
     if args.parity:
-        from fp8_recipes.bench.output import save_json
-        from fp8_recipes.training.evaluate import evaluate_checkpoint, format_parity
-
         result = evaluate_checkpoint(args.run_dir, eval_iters=args.parity_iters)
         save_json(args.run_dir / PARITY_FILE, result)
         print(f"parity: {format_parity(result)}", flush=True)
