@@ -70,7 +70,7 @@ def _observe(precision, debug, run_dir: Path, rank: int, backend):
     from fp8_recipes.observe.recorder import NumericsRecorder, ObservedPrecision  # torch (module docstring)
 
     if str(backend) == "te":
-        from fp8_recipes.backends.te_observe import te_observer_states
+        from fp8_recipes.backends.te_observe import te_observer_states  # torch (module docstring)
 
         states = te_observer_states(precision)
     else:
@@ -348,7 +348,7 @@ def run_training(cfg) -> dict:
                 check_model_matches(resume_from, chunks)
         fp8_param = None
         if plan.backend is Backend.TE:
-            from fp8_recipes.megatron.te_layers import fp8_param_recipe
+            from fp8_recipes.megatron.te_layers import fp8_param_recipe  # Megatron-Core (module docstring)
 
             fp8_param = fp8_param_recipe(plan)
         engine = build_engine(chunks, tcfg, seq_length=int(model_cfg["seq_length"]), lr=tcfg.lr, device=device,
