@@ -86,3 +86,30 @@ def test_samples_are_bounded():
 
     with pytest.raises(ValueError, match=r"^trainer.max_steps=2000000000 x trainer.global_batch_size=16 = "):
         TrainerConfig.from_cfg({"max_steps": 2_000_000_000, "global_batch_size": 16, "micro_batch_size": 4})
+
+
+_MODEL = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32, "vocab_size": 128}
+
+
+@pytest.mark.parametrize("key, value, start", [
+    ("seq_length", 1_000_000, "model.seq_length=1000000: larger than"),
+    ("hidden_size", 2**20, "model.hidden_size=1048576: larger than"),
+    ("num_layers", 10**6, "model.num_layers=1000000: larger than"),
+    ("vocab_size", 10**9, "model.vocab_size=1000000000: larger than"),
+    ("num_attention_heads", 64, "model.num_attention_heads=64: the head dimension"),  # 64 / 64 = 1
+])
+def test_model_sizes_are_bounded(key, value, start):
+    from fp8_recipes.megatron.model_config import check_model_cfg
+
+    with pytest.raises(ValueError) as e:
+        check_model_cfg({**_MODEL, key: value})
+    assert str(e.value).startswith(start) and "\n" not in str(e.value)
+    check_model_cfg(_MODEL)
+
+
+def test_seed_is_bounded():
+    from fp8_recipes.training.config import TrainerConfig
+
+    with pytest.raises(ValueError, match=r"^trainer.seed=18446744073709551616: must be below 2\*\*32"):
+        TrainerConfig.from_cfg({"seed": 2**64})
+    TrainerConfig.from_cfg({"seed": 2**32 - 1})

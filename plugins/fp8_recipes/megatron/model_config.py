@@ -15,7 +15,7 @@ from typing import Any
 
 from fp8_recipes.checks import check_keys, choice_error, is_int, is_number
 
-__all__ = ["MODEL_CHOICES", "MODEL_OPTIONAL", "MODEL_REQUIRED", "check_model_cfg"]
+__all__ = ["MODEL_CHOICES", "MODEL_MAX", "MODEL_OPTIONAL", "MODEL_REQUIRED", "check_model_cfg"]
 
 MODEL_REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
 MODEL_OPTIONAL = ("ffn_hidden_size", "num_query_groups", "normalization", "activation", "position_embedding_type",
@@ -25,6 +25,10 @@ MODEL_CHOICES = {"normalization": ("LayerNorm", "RMSNorm"), "activation": ("gelu
                  "position_embedding_type": ("rope", "learned_absolute")}
 _MODEL_POSITIVE_INTS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
                         "ffn_hidden_size", "num_query_groups")
+# Upper bounds far above any model this plugin trains (Llama-3 405B: 126 layers, 16384 hidden, 53248 ffn, 128 heads,
+# 128256 vocab); past them a typo (an extra zero, a million tokens) would die in an allocation traceback instead.
+MODEL_MAX = {"num_layers": 1024, "hidden_size": 65536, "ffn_hidden_size": 262144, "num_attention_heads": 1024,
+             "num_query_groups": 1024, "seq_length": 131072, "vocab_size": 1048576}
 
 
 def check_model_cfg(cfg: Mapping[str, Any], *, vocab_may_be_unset: bool = False, tensor_parallel: int = 1) -> None:
@@ -38,6 +42,9 @@ def check_model_cfg(cfg: Mapping[str, Any], *, vocab_may_be_unset: bool = False,
         v = cfg.get(key)
         if v is not None and (not is_int(v) or v < 1):
             raise ValueError(f"model.{key}={v!r}: must be an integer >= 1")
+        if v is not None and v > MODEL_MAX[key]:
+            raise ValueError(f"model.{key}={v}: larger than this plugin supports (at most {MODEL_MAX[key]:,}); "
+                             f"lower model.{key}")
     for key, choices in MODEL_CHOICES.items():
         if key in cfg and cfg[key] not in choices:
             raise choice_error(f"model.{key}", cfg[key], choices)
@@ -64,6 +71,12 @@ def check_model_cfg(cfg: Mapping[str, Any], *, vocab_may_be_unset: bool = False,
     if hidden % heads:
         raise ValueError(f"model.hidden_size={hidden} is not divisible by model.num_attention_heads={heads}; "
                          f"pick heads that divide it")
+    head_dim = hidden // heads
+    rope = cfg.get("position_embedding_type", "rope") == "rope"
+    if head_dim < 2 or (rope and head_dim % 2):
+        need = "an even number (rotary embeddings rotate pairs)" if rope else "at least 2"
+        raise ValueError(f"model.num_attention_heads={heads}: the head dimension model.hidden_size / "
+                         f"model.num_attention_heads = {head_dim} must be {need}; use fewer heads")
     groups = cfg.get("num_query_groups")
     if groups is not None and heads % groups:
         raise ValueError(f"model.num_query_groups={groups} does not divide model.num_attention_heads={heads}")

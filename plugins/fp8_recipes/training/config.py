@@ -176,6 +176,8 @@ class TrainerConfig:
         for key in ("warmup_steps", "eval_interval", "eval_iters", "save_interval", "seed"):
             if not is_int(getattr(self, key)) or getattr(self, key) < 0:
                 raise ValueError(f"trainer.{key}={getattr(self, key)!r}: must be an integer >= 0")
+        if self.seed >= 2**32:  # NumPy's generators (Megatron-Core's dataset shuffling) take 32-bit seeds
+            raise ValueError(f"trainer.seed={self.seed}: must be below 2**32 = {2**32:,}; pick a smaller seed")
         if not (is_number(self.lr) and self.lr > 0):
             raise ValueError(f"trainer.lr={self.lr!r}: must be a number > 0 (e.g. 2.0e-3)")
         if not (is_number(self.min_lr) and 0 <= self.min_lr <= self.lr):
