@@ -143,6 +143,9 @@ def format_plan(plan: PrecisionPlan, max_steps: int | None = None, parallel: Par
         lines.append("  core attention (softmax(Q K^T) V): " + (
             f"fp8 in layers {_ranges(where)}: Q, K, V, softmax, output as activations; their gradients as gradients"
             if where else "bf16 (attention: fp8 cannot run here, see above)"))
+        if where:
+            lines.append("warning: attention: fp8 is experimental: in the gpt_125m shoot-out on an H200 it ended far "
+                         "above BF16 (docs/benchmarks.md, FP8 attention); compare it with BF16 before relying on it")
     if r.fp8_param:
         lines.append(_fp8_param_line(plan))
     if parallel is not None and parallel.pp > 1:

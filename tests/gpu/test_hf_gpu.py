@@ -7,7 +7,8 @@ Transformer Engine, exported with ``fp8-recipes export ... --to hf`` and loaded 
   exactly our numerics core's quantize/dequantize of the trained BF16 weights, and our model holding them gives
   transformers' logits and the same 32 greedy tokens.
 - FP8 export run by transformers' own FP8 kernels (H200: block-scaled FP8 GEMMs, activations quantized per 1x128)
-  against our model running the same blocks in FP8 through TE: the greedy tokens agree; the logit gap is reported.
+  against our model running the same blocks in FP8 through TE: the greedy tokens agree; the logit gap is reported
+  (where transformers can fetch its kernels: they come from the Hugging Face Hub).
 - What the FP8 export saves on disk, measured (and checked against the count of projection parameters).
 
 Every measured number goes to $OUT/hf_gpu.json (the test prints it too).
@@ -123,9 +124,13 @@ def prompt() -> torch.Tensor:
 
 
 def our_logits(chunks, ids: torch.Tensor, vocab: int) -> torch.Tensor:
-    pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    """Our logits for ``ids``. TE's FP8 GEMMs need a token count divisible by 16: the sequence is padded on the
+    right, which changes no logit of the tokens before (causal attention; activations quantized per token)."""
+    n = ids.shape[1]
+    padded = torch.nn.functional.pad(ids, (0, -n % 16))
+    pos = torch.arange(padded.shape[1], device=ids.device).expand_as(padded)
     with torch.no_grad():
-        return chunks[0](ids, pos, None)[..., :vocab].float()
+        return chunks[0](padded, pos, None)[:, :n, :vocab].float()
 
 
 def their_logits(model, ids: torch.Tensor) -> torch.Tensor:
@@ -203,15 +208,16 @@ def test_fp8_export_dequantized_matches_our_model_with_the_quantized_weights(exp
 def test_fp8_export_on_transformers_fp8_kernels_agrees_with_our_fp8_model(exports, ours):
     """transformers' own FP8 path (block-scaled FP8 GEMMs, activations quantized per 1x128 with amax/448 scales)
     against our model running the same 128x128 weight blocks in FP8 through TE (activations per 1x128 with
-    power-of-two scales): two FP8 computations of one model, so only the greedy tokens must agree."""
+    power-of-two scales): two FP8 computations of one model, so only the greedy tokens must agree.
+
+    transformers 5.24 runs these GEMMs through the ``kernels`` package, which downloads the kernel from the Hugging
+    Face Hub at load time: on a machine without network (our H200) this test cannot run and says so."""
     from fp8_recipes.training.hf import load_hf_weights
 
+    pytest.importorskip("kernels", reason="transformers' FP8 GEMMs need the kernels package (0.16.x) and the Hugging "
+                                          "Face Hub to fetch the kernel; the GPU machine has neither")
     chunks, precision, model_cfg = ours
-    try:
-        hf_model = load_hf(exports["fp8"])
-    except Exception as e:  # recorded: whether transformers' FP8 kernels run here is a finding
-        _record("fp8_export_fp8_kernels", {"error": f"{type(e).__name__}: {e}"[:300]})
-        raise
+    hf_model = load_hf(exports["fp8"])
     fp8_linears = sum(1 for m in hf_model.modules() if getattr(m, "weight", None) is not None
                       and m.weight.dtype == torch.float8_e4m3fn)
     _record("transformers_fp8_linears", fp8_linears)
