@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything the GPU machine checks, in one call, from the project root (after ../shared/gpu's install.sh):
+# Everything the GPU machine checks, in one call, from the project root (after the install in tests/gpu/README.md):
 #     bash tests/gpu/run_gpu.sh            # logs, JSON and PNGs into $OUT (default runs/gpu)
 #     QUICK=1 bash tests/gpu/run_gpu.sh    # 8-layer model only in the training benchmark
 # Parts (one H200; each capped by `timeout` so the whole stays under ~9 minutes):
@@ -134,7 +134,7 @@ missing = [m for m in ("pytest", "yaml", "omegaconf", "hydra", "tqdm", "matplotl
            if importlib.util.find_spec(m) is None]
 print("missing (optional unless named in the notes):", ", ".join(missing) or "nothing")
 if "pytest" in missing:
-    print("note: no pytest: the GPU tests cannot run; carry it (../shared/gpu/prepare.sh pytest pluggy iniconfig)")
+    print("note: no pytest: the GPU tests cannot run; install its wheels (pytest, pluggy, iniconfig)")
 if {"yaml", "omegaconf", "hydra"} & set(missing):
     print("note: without PyYAML/omegaconf/hydra the run_training tests skip; carry pyyaml")
 PY
