@@ -71,7 +71,7 @@ def test_observed_operands_are_what_te_multiplied(scaling, megatron_gpu, tmp_pat
 
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
 def test_training_with_debug_writes_statistics_on_te(recipe, tmp_path, monkeypatch):
-    from fp8_recipes.observe.recorder import read_numerics
+    from fp8_recipes.rundir import read_numerics
     from fp8_recipes.training.run import run_training
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS"):

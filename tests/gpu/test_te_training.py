@@ -47,7 +47,7 @@ def compose(overrides: list[str]):
 
 @pytest.mark.parametrize("name", recipe_names())
 def test_every_recipe_trains_on_te(name, data_dir, tmp_path, monkeypatch):
-    from fp8_recipes.training.metrics import read_metrics
+    from fp8_recipes.rundir import read_metrics
     from fp8_recipes.training.run import run_training
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS"):
@@ -406,7 +406,7 @@ def fp8_bytes(precision) -> dict[str, torch.Tensor]:
 
 
 def train_losses(out: Path) -> list[float]:
-    from fp8_recipes.training.metrics import read_metrics
+    from fp8_recipes.rundir import read_metrics
 
     return [r["loss"] for r in read_metrics(out, "train")]
 

@@ -13,7 +13,7 @@ import pytest
 
 from test_train_cpu import ROOT, dataset, small_run  # noqa: F401  (dataset: the shared session fixture)
 
-from fp8_recipes.training.metrics import read_metrics
+from fp8_recipes.rundir import read_metrics
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]

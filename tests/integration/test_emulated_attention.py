@@ -31,7 +31,7 @@ from fp8_recipes.megatron.model import build_gpt_model, model_layout
 from fp8_recipes.numerics import fp8_spec
 from fp8_recipes.plan import ModelLayout, PrecisionPlan
 from fp8_recipes.recipes import load_recipe_dict
-from fp8_recipes.schema import Recipe, Scaling
+from fp8_recipes.schema import Recipe
 from test_train_cpu import ROOT, compose_train, dataset, small_run  # noqa: F401  (dataset: the shared fixture)
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -357,7 +357,7 @@ STEPS, SAVED = 4, 2
 
 
 def train_run(run_dir, dataset, *extra: str, steps: int = STEPS) -> dict:
-    from fp8_recipes.training.metrics import read_metrics
+    from fp8_recipes.rundir import read_metrics
     from fp8_recipes.training.run import run_training
 
     overrides = [o for o in small_run(run_dir, steps=steps) if not o.startswith("trainer.save_checkpoints=")]
@@ -393,7 +393,7 @@ def test_train_script_with_fp8_attention(dataset, tmp_path):
     proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert "core attention (softmax(Q K^T) V): fp8 in layers 0-1" in proc.stdout
-    from fp8_recipes.training.metrics import read_metrics
+    from fp8_recipes.rundir import read_metrics
 
     losses = [r["loss"] for r in read_metrics(tmp_path, "train")]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses), losses

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fp8_recipes.training.metrics import read_metrics
+from fp8_recipes.rundir import read_metrics
 from test_train_cpu import DUMP_HOOK, dataset, small_run  # noqa: F401  (the shared tiny dataset fixture)
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),

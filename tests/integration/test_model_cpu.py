@@ -15,12 +15,12 @@ from fp8_recipes.megatron.data import repeated_batch
 from fp8_recipes.megatron.model import (
     build_gpt_model, linear_module_names, named_linear_modules, pad_vocab_size, unwrap_model,
 )
+from fp8_recipes.rundir import read_metrics
 from fp8_recipes.training.checkpoint import load_checkpoint, read_checkpoint, resolve_checkpoint
 from fp8_recipes.training.config import TrainerConfig
 from fp8_recipes.training.engine import build_engine
 from fp8_recipes.training.loop import train
 from fp8_recipes.training.lr_schedule import lr_at
-from fp8_recipes.training.metrics import read_metrics
 from fp8_recipes.training.precision import NoPrecision
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]

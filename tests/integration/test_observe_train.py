@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from fp8_recipes.numerics import DelayedScaler, fake_quant
-from fp8_recipes.observe.recorder import load_dump, read_numerics
+from fp8_recipes.observe.recorder import load_dump
+from fp8_recipes.rundir import read_numerics
 from fp8_recipes.observe.stats import STAT_KEYS
 from fp8_recipes.schema import Recipe
 

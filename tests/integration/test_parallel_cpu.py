@@ -376,7 +376,7 @@ def test_activation_recompute_reaches_megatron_core(runs):
 def test_statistics_per_pipeline_stage(runs):
     """Each stage's first rank writes its own modules' statistics: stage 0 to numerics.jsonl, stage 1 to
     numerics.stage1.jsonl; read_numerics (and the doctor) read them as one."""
-    from fp8_recipes.observe.recorder import read_numerics
+    from fp8_recipes.rundir import read_numerics
 
     run_dir = runs["delayed-pp2-stats"]["run_dir"]
     def modules(path):

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from fp8_recipes.rundir import read_metrics
 from fp8_recipes.training.errors import PREEMPTED_EXIT
-from fp8_recipes.training.metrics import read_metrics
 from test_train_cpu import ROOT, dataset, small_run  # noqa: F401  (dataset: the shared fixture)
 
 STEPS = 40          # far more than the run reaches before the signal (a step takes ~0.05 s here)

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from fp8_recipes.rundir import read_metrics
 from fp8_recipes.training.checkpoint import find_resume, read_checkpoint
-from fp8_recipes.training.metrics import read_metrics
 from test_train_cpu import ROOT, compose_train, dataset, small_run  # noqa: F401  (dataset: the shared fixture)
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),

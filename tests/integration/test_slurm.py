@@ -28,8 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from fp8_recipes.rundir import read_metrics
 from fp8_recipes.training.errors import PREEMPTED_EXIT, USER_ERROR_EXIT
-from fp8_recipes.training.metrics import read_metrics
 from slurm_cluster import SlurmCluster, SlurmUnavailable
 from test_train_cpu import ROOT, assert_learns, dataset, small_run  # noqa: F401  (dataset: the shared fixture)
 

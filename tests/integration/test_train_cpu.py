@@ -27,9 +27,9 @@ from hydra import compose, initialize_config_dir
 from fp8_recipes.plan import ModelLayout, PrecisionPlan
 from fp8_recipes.plan_format import format_plan
 from fp8_recipes.recipes import conf_dir, load_recipe, recipe_names
+from fp8_recipes.rundir import read_metrics
 from fp8_recipes.schema import Recipe
 from fp8_recipes.training.checkpoint import read_checkpoint
-from fp8_recipes.training.metrics import read_metrics
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from fp8_recipes.numerics import DelayedScaler
+from fp8_recipes.rundir import read_metrics
 from fp8_recipes.schema import Role, Scaling, TensorPolicy
 from fp8_recipes.training.checkpoint import read_checkpoint
 from fp8_recipes.training.config import TrainerConfig
 from fp8_recipes.training.errors import NonFiniteStop
 from fp8_recipes.training.loop import train
-from fp8_recipes.training.metrics import read_metrics
 from fp8_recipes.training.precision import NoPrecision, Precision
 from tiny_engine import BATCH, batches, tensors, tiny_engine
 

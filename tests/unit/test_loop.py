@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from fp8_recipes.rundir import read_metrics, write_summary
 from fp8_recipes.training.config import TrainerConfig
 from fp8_recipes.training.lr_schedule import lr_at, scaled_lr
-from fp8_recipes.training.metrics import MetricsWriter, plot_loss, read_metrics, write_summary
+from fp8_recipes.training.metrics import MetricsWriter, plot_loss
 from fp8_recipes.training.precision import NoPrecision, Precision
 
 ROOT = Path(__file__).resolve().parents[2]

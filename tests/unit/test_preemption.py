@@ -7,10 +7,10 @@ import threading
 
 import pytest
 
+from fp8_recipes.rundir import read_metrics
 from fp8_recipes.training.checkpoint import read_checkpoint
 from fp8_recipes.training.engine import Engine
 from fp8_recipes.training.loop import train
-from fp8_recipes.training.metrics import read_metrics
 from fp8_recipes.training.precision import NoPrecision
 from fp8_recipes.training.preemption import PreemptionSignals
 from tiny_engine import BATCH, batches, tiny_engine

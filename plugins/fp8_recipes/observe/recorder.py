@@ -47,10 +47,10 @@ from fp8_recipes.observe.config import DebugConfig
 from fp8_recipes.numerics import Quantized, block_for, dequantize, quantize
 from fp8_recipes.observe.stats import COLUMNWISE, OperandStats, measure, rows as stats_rows
 from fp8_recipes.plan import Gemm
-from fp8_recipes.rundir import TENSORBOARD, jsonable, numerics_name, read_numerics
+from fp8_recipes.rundir import TENSORBOARD, jsonable, numerics_name
 from fp8_recipes.schema import Format, Role, Scaling
 
-__all__ = ["NumericsRecorder", "ObservedPrecision", "load_dump", "read_numerics"]  # read_numerics: from rundir
+__all__ = ["NumericsRecorder", "ObservedPrecision", "load_dump"]
 
 logger = logging.getLogger(__name__)
 

@@ -33,13 +33,14 @@ from typing import Any
 
 import torch
 
+from fp8_recipes.rundir import write_summary
 from fp8_recipes.training.checkpoint import barrier, load_checkpoint, save_checkpoint
 from fp8_recipes.training.config import TrainerConfig
 from fp8_recipes.training.engine import Engine, StepResult
 from fp8_recipes.training.errors import NonFiniteStop
 from fp8_recipes.training.faults import NonFinitePolicy, Stop
 from fp8_recipes.training.lr_schedule import LRSchedule
-from fp8_recipes.training.metrics import MetricsWriter, plot_loss, write_summary
+from fp8_recipes.training.metrics import MetricsWriter, plot_loss
 from fp8_recipes.training.precision import Precision
 from fp8_recipes.training.preemption import PreemptionSignals
 from fp8_recipes.training.progress import progress_bar

@@ -2,7 +2,7 @@
 
 Rows carry ``kind`` ("train" or "eval") and ``step`` (optimizer steps completed), so a reader can filter
 without guessing from the keys. Only rank 0 writes; on other ranks the writer is a no-op. The files' names and
-their readers live in :mod:`fp8_recipes.rundir` (``read_metrics`` and ``write_summary`` are re-exported here).
+their readers live in :mod:`fp8_recipes.rundir`.
 """
 
 from __future__ import annotations
@@ -18,10 +18,9 @@ from fp8_recipes.rundir import (
     TENSORBOARD,
     jsonable,
     read_metrics,
-    write_summary,
 )
 
-__all__ = ["MetricsWriter", "read_metrics", "write_summary", "plot_loss"]
+__all__ = ["MetricsWriter", "plot_loss"]
 
 
 class MetricsWriter:
