@@ -72,7 +72,8 @@ def _cmd_explain(args) -> int:
 
 
 def _cmd_memory(args) -> int:
-    from fp8_recipes.memory import LLAMA3, estimate_memory, format_estimate  # this command's own (module docstring)
+    # this command's own (module docstring)
+    from fp8_recipes.memory import LLAMA3, OptimizerPrecision, estimate_memory, format_estimate
 
     if args.model in LLAMA3:
         model = LLAMA3[args.model]
@@ -87,10 +88,14 @@ def _cmd_memory(args) -> int:
         if not isinstance(model.get("vocab_size"), int):
             model["vocab_size"] = 4096  # the stdlib tokenizer's, which the small configs take from data
     layout = ParallelLayout.parse(args.layout)
-    estimate = estimate_memory(model, layout, micro_batch_size=args.mbs, seq_length=args.seq, fp8=args.fp8,
-                               distributed_optimizer=not args.replicated_optimizer)
-    print(format_estimate(args.model, layout, estimate, micro_batch_size=args.mbs, seq_length=args.seq,
-                          fp8=args.fp8, distributed_optimizer=not args.replicated_optimizer))
+    dtypes = {"exp_avg_dtype": args.exp_avg_dtype, "exp_avg_sq_dtype": args.exp_avg_sq_dtype,
+              "main_params_dtype": args.main_params_dtype}
+    optimizer = OptimizerPrecision(  # a low-precision dtype implies the precision-aware optimizer, as in Megatron-LM
+        use_precision_aware_optimizer=args.precision_aware_optimizer or any(v != "fp32" for v in dtypes.values()),
+        grad_reduce_in_fp32=not args.grad_reduce_in_bf16, **dtypes)
+    common = {"micro_batch_size": args.mbs, "seq_length": args.seq, "fp8": args.fp8, "fp8_param": args.fp8_param,
+              "distributed_optimizer": not args.replicated_optimizer, "optimizer": optimizer}
+    print(format_estimate(args.model, layout, estimate_memory(model, layout, **common), **common))
     return 0
 
 
@@ -156,6 +161,14 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seq", type=int, default=8192, help="sequence length (default 8192)")
     m.add_argument("--fp8", action="store_true", help="an FP8 recipe with per-tensor scaling (FP8 weight copies)")
     m.add_argument("--replicated-optimizer", action="store_true", help="without the distributed optimizer")
+    m.add_argument("--fp8-param", action="store_true", help="FP8 layers' weights stored in FP8 (recipe fp8_param)")
+    m.add_argument("--precision-aware-optimizer", action="store_true",
+                   help="trainer.use_precision_aware_optimizer (implied by a dtype below other than fp32)")
+    for key, choices in (("exp-avg-dtype", ("fp32", "bf16", "fp16")), ("exp-avg-sq-dtype", ("fp32", "bf16", "fp16")),
+                         ("main-params-dtype", ("fp32", "fp16"))):
+        m.add_argument(f"--{key}", choices=choices, default="fp32", help=f"trainer.{key.replace('-', '_')}")
+    m.add_argument("--grad-reduce-in-bf16", action="store_true", help="trainer.grad_reduce_in_fp32=false: BF16 "
+                   "gradient buffer (the main grads)")
     m.set_defaults(fn=_cmd_memory)
     d = sub.add_parser("doctor", help="diagnose a run and propose a recipe change (exit 0 healthy, 1 problem)")
     d.add_argument("run_dir", metavar="RUN_DIR", help="a scripts/train.py run directory (metrics.jsonl, ...)")

@@ -6,13 +6,17 @@ activations and the LM head's logits, for the GPU whose pipeline stage needs the
     estimate.total_gib, estimate.rows()
 
 Pure arithmetic (no torch), in bytes, what this project's engine allocates (training/engine.py, Megatron-Core 0.19
-with Transformer Engine's layers):
+with Transformer Engine's layers; the optimizer keys are the trainer's, `OptimizerPrecision`):
 - weights: BF16, 2 bytes per parameter of the stage's shard (TP splits the linears, the embedding and the LM head);
-- gradients: DDP's fp32 buffer (``grad_reduce_in_fp32``), 4 bytes per parameter;
-- optimizer: fp32 main params + Adam's two moments, 12 bytes per parameter, divided over the data x context
-  parallel ranks with the distributed optimizer;
+  with ``fp8_param`` (recipe key) the FP8 layers' linear weights are stored as FP8 and have no BF16 copy;
+- gradients: DDP's buffer, 4 bytes per parameter with ``grad_reduce_in_fp32`` (the default), else 2 (BF16); the
+  distributed optimizer's main grads are views of it;
+- optimizer: main params + Adam's two moments per parameter, divided over the data x context parallel ranks by the
+  distributed optimizer: 4 + 4 + 4 bytes by default; with the precision-aware optimizer the moments take their
+  dtypes' bytes and fp32 main params of BF16 weights keep only their 16 low bits (Megatron-Core's
+  ``store_param_remainders``: 2 bytes), fp16 main params 2 bytes; with ``fp8_param`` fp32 main params take 4 bytes;
 - FP8 weight copies (per-tensor FP8 recipes): Transformer Engine keeps each FP8 linear's weight quantized, rowwise
-  and columnwise: 2 bytes per linear parameter;
+  and columnwise: 2 bytes per linear parameter (with ``fp8_param`` these are the weights themselves);
 - activations: what the backward pass keeps per token and layer (Transformer Engine's fused attention keeps no
   s x s scores): the residual and norm inputs and outputs (h each), q/k/v (h + 2 x groups x head dim), the
   attention output (h), the MLP's fc1 output (2 x ffn for SwiGLU, ffn otherwise) and fc2's input (ffn), in BF16;
@@ -23,20 +27,22 @@ with Transformer Engine's layers):
 - logits: the last stage's [s, b, vocab / tp] logits in BF16, their fp32 copy in the fused cross-entropy and their
   BF16 gradient: 8 bytes per element.
 
-Checked against peaks measured on one H200 (docs/scale.md, tests/unit/test_memory.py): llama3_8b_8l, micro-batch 2,
-seq 4096, BF16 65.4 GiB measured / 63.2 estimated, delayed 67.5 / 65.3.
+Checked against peaks measured on one H200 (docs/scale.md, tests/unit/test_memory.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from fp8_recipes.plan import ParallelLayout
 
-__all__ = ["MemoryEstimate", "estimate_memory", "parameter_counts", "GIB", "LLAMA3", "format_estimate"]
+__all__ = ["GIB", "LLAMA3", "MemoryEstimate", "OptimizerPrecision", "estimate_memory", "format_estimate",
+           "parameter_counts"]
 
 GIB = 2**30
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 _LLAMA = {"normalization": "RMSNorm", "activation": "swiglu", "num_query_groups": 8, "vocab_size": 128256,
           "share_embeddings_and_output_weights": False}
@@ -48,6 +54,68 @@ LLAMA3: dict[str, dict[str, Any]] = {
                     "num_attention_heads": 128},
 }
 """The published Llama 3 shapes (for `fp8-recipes memory` and docs/scale.md)."""
+
+
+@dataclass(frozen=True)
+class OptimizerPrecision:
+    """The trainer's optimizer keys the estimate follows (training/config.py: same names, same values).
+
+    ``main_grads_dtype`` is not among them: in Megatron-Core 0.19 the distributed optimizer's main grads are views
+    of DDP's gradient buffer, whose dtype ``grad_reduce_in_fp32`` sets (docs/scale.md)."""
+
+    use_precision_aware_optimizer: bool = False
+    """Optimizer state in the dtypes below (Transformer Engine's FusedAdam; needs the distributed optimizer)."""
+    exp_avg_dtype: str = "fp32"
+    """Adam's first moment: fp32 | bf16 | fp16."""
+    exp_avg_sq_dtype: str = "fp32"
+    """Adam's second moment: fp32 | bf16 | fp16."""
+    main_params_dtype: str = "fp32"
+    """Main params: fp32 | fp16."""
+    grad_reduce_in_fp32: bool = True
+    """DDP's gradient buffer (the main grads) in fp32; false: BF16."""
+
+    def __post_init__(self) -> None:
+        allowed = {"exp_avg_dtype": ("fp32", "bf16", "fp16"), "exp_avg_sq_dtype": ("fp32", "bf16", "fp16"),
+                   "main_params_dtype": ("fp32", "fp16")}
+        for key, choices in allowed.items():
+            value = getattr(self, key)
+            if value not in choices:
+                raise ValueError(f"trainer.{key}={value!r}: not one of {' | '.join(choices)}")
+            if value != "fp32" and not self.use_precision_aware_optimizer:
+                raise ValueError(f"trainer.{key}={value}: needs trainer.use_precision_aware_optimizer=true")
+
+    @classmethod
+    def from_trainer(cls, trainer: Mapping[str, Any]) -> OptimizerPrecision:
+        """From a `trainer` group (conf/trainer/*.yaml); absent keys take the trainer's defaults."""
+        return cls(**{key: trainer[key] for key in cls.__dataclass_fields__ if key in trainer})
+
+    @property
+    def moment_bytes(self) -> int:
+        """Adam's two moments, bytes per parameter."""
+        return DTYPE_BYTES[self.exp_avg_dtype] + DTYPE_BYTES[self.exp_avg_sq_dtype]
+
+    def main_param_bytes(self, *, fp8_param: bool) -> int:
+        """Bytes per parameter of the main params. With the precision-aware optimizer, fp32 main params of BF16
+        weights are stored as the 16 bits the BF16 weight lacks (``store_param_remainders``, Megatron-Core's default,
+        Transformer Engine's FusedAdam); with FP8-stored weights (per-tensor and blockwise recipes) Megatron-Core
+        keeps the fp32 main params itself, whole."""
+        if not self.use_precision_aware_optimizer:
+            return 4
+        if self.main_params_dtype == "fp16":
+            return 2
+        return 4 if fp8_param else 2
+
+    @property
+    def grad_bytes(self) -> int:
+        return 4 if self.grad_reduce_in_fp32 else 2
+
+    def describe(self) -> str:
+        if not self.use_precision_aware_optimizer:
+            text = "fp32 state"
+        else:
+            text = (f"precision-aware: moments {self.exp_avg_dtype}/{self.exp_avg_sq_dtype}, main params "
+                    f"{self.main_params_dtype}")
+        return text + ("" if self.grad_reduce_in_fp32 else ", BF16 grads")
 
 
 def parameter_counts(model: Mapping[str, Any]) -> dict[str, int]:
@@ -68,6 +136,9 @@ def parameter_counts(model: Mapping[str, Any]) -> dict[str, int]:
             "layer_linears": linears, "final_norm": norms // 2, "layers": layers}
 
 
+PARTS = ("weights", "grads", "optimizer", "fp8_weights", "activations", "logits")
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     weights: float
@@ -81,7 +152,7 @@ class MemoryEstimate:
 
     @property
     def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.fp8_weights + self.activations + self.logits
+        return sum(getattr(self, name) for name in PARTS)
 
     @property
     def total_gib(self) -> float:
@@ -89,8 +160,7 @@ class MemoryEstimate:
 
     def rows(self) -> list[tuple[str, float]]:
         """(part, GiB) for a table."""
-        return [(name, getattr(self, name) / GIB) for name in
-                ("weights", "grads", "optimizer", "fp8_weights", "activations", "logits")] + [("total", self.total_gib)]
+        return [(name, getattr(self, name) / GIB) for name in PARTS] + [("total", self.total_gib)]
 
 
 def _activation_bytes_per_token_layer(model: Mapping[str, Any], layout: ParallelLayout, *, fp8: bool,
@@ -113,8 +183,15 @@ def _activation_bytes_per_token_layer(model: Mapping[str, Any], layout: Parallel
 
 def estimate_memory(model: Mapping[str, Any], layout: ParallelLayout, *, micro_batch_size: int, seq_length: int,
                     fp8: bool, distributed_optimizer: bool = True, sequence_parallel: bool | None = None,
-                    recompute: str | None = None, num_microbatches: int | None = None) -> MemoryEstimate:
+                    recompute: str | None = None, num_microbatches: int | None = None,
+                    optimizer: OptimizerPrecision | None = None, fp8_param: bool = False) -> MemoryEstimate:
     """Bytes per GPU on the pipeline stage that needs the most (see the module docstring)."""
+    opt = optimizer or OptimizerPrecision()
+    if fp8_param and not fp8:
+        raise ValueError("fp8_param: FP8-stored weights need an FP8 recipe (--fp8)")
+    if (fp8_param or opt.use_precision_aware_optimizer) and not distributed_optimizer:
+        what = "fp8_param" if fp8_param else "trainer.use_precision_aware_optimizer"
+        raise ValueError(f"{what}: needs the distributed optimizer (trainer.use_distributed_optimizer=true)")
     counts = parameter_counts(model)
     layout.check(counts["layers"])
     sp = layout.tp > 1 if sequence_parallel is None else sequence_parallel
@@ -125,13 +202,16 @@ def estimate_memory(model: Mapping[str, Any], layout: ParallelLayout, *, micro_b
         in_flight = min(in_flight, num_microbatches)
     per_layer = _activation_bytes_per_token_layer(model, layout, fp8=fp8, sequence_parallel=sp) * tokens
     h = int(model["hidden_size"])
+    shards = layout.dp * layout.cp if distributed_optimizer else 1
     best: MemoryEstimate | None = None
     for stage in range(layout.pp):
         first, last = stage == 0, stage == layout.pp - 1
         params = (per_stage_layers * counts["layer"] + (counts["embedding"] if first else 0)
                   + ((counts["output_layer"] + counts["final_norm"]) if last else 0)) / layout.tp
         linears = per_stage_layers * counts["layer_linears"] / layout.tp
-        shards = layout.dp * layout.cp if distributed_optimizer else 1
+        fp8_stored = linears if fp8_param else 0.0  # the FP8 layers' linear weights; norms, embedding, head stay BF16
+        state = ((params - fp8_stored) * (opt.moment_bytes + opt.main_param_bytes(fp8_param=fp8_param))
+                 + fp8_stored * (opt.moment_bytes + opt.main_param_bytes(fp8_param=True)))
         # micro-batches in flight on this stage: pp - stage under 1F1B (the first stage holds the most)
         flight = max(1.0, in_flight - stage)
         if recompute == "full":
@@ -139,9 +219,9 @@ def estimate_memory(model: Mapping[str, Any], layout: ParallelLayout, *, micro_b
         else:
             acts = flight * per_stage_layers * per_layer
         logits = 8 * tokens * int(model["vocab_size"]) / layout.tp if last else 0.0
-        estimate = MemoryEstimate(weights=2 * params, grads=4 * params, optimizer=12 * params / shards,
-                                  fp8_weights=2 * linears if fp8 else 0.0, activations=acts, logits=logits,
-                                  stage=stage)
+        estimate = MemoryEstimate(weights=2 * (params - fp8_stored), grads=opt.grad_bytes * params,
+                                  optimizer=state / shards, fp8_weights=2 * linears if fp8 else 0.0,
+                                  activations=acts, logits=logits, stage=stage)
         if best is None or estimate.total > best.total:
             best = estimate
     assert best is not None
@@ -149,10 +229,13 @@ def estimate_memory(model: Mapping[str, Any], layout: ParallelLayout, *, micro_b
 
 
 def format_estimate(name: str, layout: ParallelLayout, estimate: MemoryEstimate, *, micro_batch_size: int,
-                    seq_length: int, fp8: bool, distributed_optimizer: bool) -> str:
+                    seq_length: int, fp8: bool, distributed_optimizer: bool, fp8_param: bool = False,
+                    optimizer: OptimizerPrecision | None = None) -> str:
     """The estimate as the lines `fp8-recipes memory` prints."""
-    lines = [f"{name}: {layout.describe()}, micro-batch {micro_batch_size}, seq {seq_length}, "
-             f"{'FP8 (per-tensor scaling)' if fp8 else 'BF16'}, "
-             f"{'distributed' if distributed_optimizer else 'replicated'} optimizer; pipeline stage {estimate.stage}"]
+    opt = optimizer or OptimizerPrecision()
+    precision = "BF16" if not fp8 else "FP8 (per-tensor scaling" + (", FP8-stored weights)" if fp8_param else ")")
+    lines = [(f"{name}: {layout.describe()}, micro-batch {micro_batch_size}, seq {seq_length}, {precision}, "
+              f"{'distributed' if distributed_optimizer else 'replicated'} optimizer ({opt.describe()}); "
+              f"pipeline stage {estimate.stage}")]
     lines += [f"  {part:<12} {gib:8.1f} GiB" for part, gib in estimate.rows()]
     return "\n".join(lines)

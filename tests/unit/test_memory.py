@@ -1,6 +1,7 @@
 """The memory estimator (fp8_recipes/memory.py) against what was measured: peaks of scripts/train.py on one H200
-(docs/bench/bench_engine_h200.json, written by scripts/bench_parallel.py) within 10%, and the published Llama 3
-parameter counts."""
+(docs/bench/bench_engine_h200.json and bench_bf16moments_h200.json, written by scripts/bench_parallel.py) within 10%,
+the fp8_param saving (bench_fp8param_h200.json), the published Llama 3 parameter counts; each term's exact bytes on
+a small config; docs/scale.md's Llama 3 table equal to the estimator's."""
 
 import json
 from pathlib import Path
@@ -9,7 +10,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from fp8_recipes import cli
-from fp8_recipes.memory import GIB, LLAMA3, estimate_memory, parameter_counts
+from fp8_recipes.memory import GIB, LLAMA3, OptimizerPrecision, estimate_memory, parameter_counts
 from fp8_recipes.plan import ParallelLayout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,3 +60,152 @@ def test_memory_command(capsys):
     assert cli.main(["memory", "llama3-1b"]) == 1
     assert "is not a model" in capsys.readouterr().err
     assert GIB == 2**30
+
+
+# A small Llama-style config: per layer 36,864 linear parameters (qkv 64 x 128, proj 64 x 64, fc1 64 x 256,
+# fc2 128 x 64) + 128 norm; embedding and head 256 x 64 each, final norm 64: 180,800 parameters in all.
+SMALL = {"num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 128, "num_attention_heads": 4, "num_query_groups": 2,
+         "vocab_size": 256, "normalization": "RMSNorm", "activation": "swiglu"}
+SMALL_PARAMS, SMALL_LINEARS = 180_800, 4 * 36_864
+
+
+def small(layout: ParallelLayout | None = None, **kwargs):
+    kwargs = {"micro_batch_size": 1, "seq_length": 32, "fp8": False, **kwargs}
+    return estimate_memory(SMALL, layout or ParallelLayout(), **kwargs)
+
+
+def test_small_config_counts():
+    assert total_params(SMALL) == SMALL_PARAMS and parameter_counts(SMALL)["layers"] * 36_864 == SMALL_LINEARS
+
+
+def test_optimizer_bytes_follow_the_dtypes_sharded_over_dp():
+    dp2 = ParallelLayout(dp=2)
+    assert small(dp2).optimizer == 12 * SMALL_PARAMS / 2  # fp32 main params + two fp32 moments
+    assert small(dp2, distributed_optimizer=False).optimizer == 12 * SMALL_PARAMS
+    bf16 = OptimizerPrecision(use_precision_aware_optimizer=True, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
+    assert small(dp2, optimizer=bf16).optimizer == (2 + 2 + 2) * SMALL_PARAMS / 2  # main params: 16-bit remainders
+    mixed = OptimizerPrecision(use_precision_aware_optimizer=True, exp_avg_dtype="bf16", main_params_dtype="fp16")
+    assert small(dp2, optimizer=mixed).optimizer == (2 + 4 + 2) * SMALL_PARAMS / 2
+    aware = OptimizerPrecision(use_precision_aware_optimizer=True)  # fp32 moments, remainders only
+    assert small(dp2, optimizer=aware).optimizer == (4 + 4 + 2) * SMALL_PARAMS / 2
+
+
+def test_grads_follow_grad_reduce_in_fp32():
+    assert small().grads == 4 * SMALL_PARAMS
+    assert small(optimizer=OptimizerPrecision(grad_reduce_in_fp32=False)).grads == 2 * SMALL_PARAMS
+
+
+def test_fp8_param_drops_the_bf16_copy_of_fp8_linears():
+    plain, stored = small(fp8=True), small(fp8=True, fp8_param=True)
+    assert plain.weights == 2 * SMALL_PARAMS and stored.weights == 2 * (SMALL_PARAMS - SMALL_LINEARS)
+    assert plain.fp8_weights == stored.fp8_weights == 2 * SMALL_LINEARS  # the FP8 parameter takes the copy's place
+    assert stored.optimizer == plain.optimizer == 12 * SMALL_PARAMS
+    bf16 = OptimizerPrecision(use_precision_aware_optimizer=True, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
+    # fp32 main params kept whole with FP8-stored weights (no remainders)
+    assert small(fp8=True, fp8_param=True, optimizer=bf16).optimizer == (2 + 2 + 4) * SMALL_PARAMS
+
+
+def test_what_the_trainer_refuses_the_estimator_refuses():
+    with pytest.raises(ValueError, match="--fp8"):
+        small(fp8_param=True)
+    with pytest.raises(ValueError, match="distributed optimizer"):
+        small(fp8=True, fp8_param=True, distributed_optimizer=False)
+    with pytest.raises(ValueError, match="distributed optimizer"):
+        small(optimizer=OptimizerPrecision(use_precision_aware_optimizer=True), distributed_optimizer=False)
+    with pytest.raises(ValueError, match="trainer.exp_avg_dtype=bf16: needs trainer.use_precision_aware_optimizer"):
+        OptimizerPrecision(exp_avg_dtype="bf16")
+    with pytest.raises(ValueError, match="trainer.main_params_dtype='bf16'"):
+        OptimizerPrecision(use_precision_aware_optimizer=True, main_params_dtype="bf16")
+
+
+def test_optimizer_keys_are_the_trainers():
+    from fp8_recipes.training.config import TrainerConfig
+
+    trainer = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "trainer" / "gpu.yaml"))
+    assert set(OptimizerPrecision.__dataclass_fields__) <= set(TrainerConfig.__dataclass_fields__)
+    assert OptimizerPrecision.from_trainer({**trainer, "use_precision_aware_optimizer": True,
+                                            "exp_avg_dtype": "bf16"}).moment_bytes == 6
+
+
+def test_memory_command_takes_the_optimizer_keys(capsys):
+    assert cli.main(["memory", "llama3-70b", "--layout", "tp=8,pp=4,dp=2", "--fp8", "--fp8-param",
+                     "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "FP8-stored weights" in out and "precision-aware: moments bf16/bf16, main params fp32" in out
+    assert cli.main(["memory", "llama3-8b", "--fp8-param"]) == 1
+    assert "--fp8" in capsys.readouterr().err
+
+
+def _peak(run: dict) -> float:
+    return run.get("peak_gib", run.get("peak_mem_gib"))
+
+
+def test_bf16_moments_within_ten_percent_and_the_saving_as_measured():
+    measured = json.loads((ROOT / "docs" / "bench" / "bench_bf16moments_h200.json").read_text())
+    model = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / "llama3_8b_8l.yaml"))
+    bf16 = OptimizerPrecision(use_precision_aware_optimizer=True, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
+    peaks = {}
+    for run in measured["runs"]:
+        estimate = estimate_memory(model, ParallelLayout(), micro_batch_size=measured["micro_batch_size"],
+                                   seq_length=model["seq_length"], fp8=run["recipe"] != "bf16",
+                                   optimizer=bf16 if run["layout"] == "1gpu-bf16moments" else None)
+        assert estimate.total_gib == pytest.approx(_peak(run), rel=0.10), (run, estimate.rows())
+        peaks[run["layout"], run["recipe"]] = (_peak(run), estimate.total_gib)
+    for recipe in ("bf16", "delayed"):
+        (fp32_measured, fp32_estimate), (bf16_measured, bf16_estimate) = (peaks["1gpu", recipe],
+                                                                          peaks["1gpu-bf16moments", recipe])
+        assert fp32_estimate - bf16_estimate == pytest.approx(fp32_measured - bf16_measured, rel=0.02)
+
+
+def test_fp8_param_saving_as_measured():
+    measured = json.loads((ROOT / "docs" / "bench" / "bench_fp8param_h200.json").read_text())
+    rows = {r["config"]: r for r in measured["rows"]}
+    model = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / "llama3_8b_16l.yaml"))
+    kwargs = {"micro_batch_size": 2, "seq_length": 4096, "fp8": True}
+    saving = (estimate_memory(model, ParallelLayout(), **kwargs).total
+              - estimate_memory(model, ParallelLayout(), fp8_param=True, **kwargs).total) / GIB
+    for recipe in ("delayed", "tensorwise", "blockwise"):
+        measured = _peak(rows[f"{recipe}+masters"]) - _peak(rows[f"{recipe}+fp8param"])
+        assert saving == pytest.approx(measured, rel=0.02), recipe
+
+
+# docs/scale.md's table: (model, layout) as in the doc; every number the estimator's.
+SCALE_LAYOUTS = [("llama3-8b", "dp=8"), ("llama3-8b", "tp=2,dp=4"), ("llama3-8b", "pp=2,dp=4"),
+                 ("llama3-70b", "tp=8"), ("llama3-70b", "tp=8,pp=4,dp=2"), ("llama3-70b", "tp=4,pp=4,dp=4"),
+                 ("llama3-70b", "tp=4,pp=4,vpp=5,cp=2,dp=4"), ("llama3-405b", "tp=8,pp=9,dp=2"),
+                 ("llama3-405b", "tp=8,pp=9,cp=2,dp=4"), ("llama3-405b", "tp=8,pp=14,vpp=3,cp=2,dp=4")]
+SCALE_HEADER = ("| model | layout (GPUs) | peak stage (FP8) | weights | grads | optimizer (distributed / replicated) | "
+                "FP8 weights | activations BF16 / FP8 | logits | total BF16 | total FP8 | total FP8, replicated "
+                "optimizer | total FP8, fp8_param + BF16 moments |\n|" + "---|" * 13)
+
+
+def scale_rows() -> list[str]:
+    bf16_moments = OptimizerPrecision(use_precision_aware_optimizer=True, exp_avg_dtype="bf16",
+                                      exp_avg_sq_dtype="bf16")
+
+    def total(gib: float) -> str:
+        return f"{gib:.0f}" if gib <= 140 else f"**{gib:.0f}** (over)"
+
+    rows = []
+    for name, text in SCALE_LAYOUTS:
+        layout = ParallelLayout.parse(text)
+
+        common = {"micro_batch_size": 1, "seq_length": 8192}
+        fp8 = estimate_memory(LLAMA3[name], layout, fp8=True, **common)
+        bf16 = estimate_memory(LLAMA3[name], layout, fp8=False, **common)
+        replicated = estimate_memory(LLAMA3[name], layout, fp8=True, distributed_optimizer=False, **common)
+        lean = estimate_memory(LLAMA3[name], layout, fp8=True, fp8_param=True, optimizer=bf16_moments, **common)
+        stage = f"{fp8.stage} of {layout.pp}" if layout.pp > 1 else "-"
+        rows.append(f"| {name} | {text} ({layout.gpus}) | {stage} | {fp8.weights / GIB:.1f} | {fp8.grads / GIB:.1f} | "
+                    f"{fp8.optimizer / GIB:.1f} / {replicated.optimizer / GIB:.1f} | {fp8.fp8_weights / GIB:.1f} | "
+                    f"{bf16.activations / GIB:.1f} / {fp8.activations / GIB:.1f} | {fp8.logits / GIB:.1f} | "
+                    f"{total(bf16.total_gib)} | {total(fp8.total_gib)} | {total(replicated.total_gib)} | "
+                    f"{total(lean.total_gib)} |")
+    return rows
+
+
+def test_scale_table_is_the_estimators():
+    text = (ROOT / "docs" / "scale.md").read_text()
+    assert SCALE_HEADER in text
+    for row in scale_rows():
+        assert row in text, row
