@@ -10,7 +10,8 @@
 Config: conf/train.yaml (+ groups model/, data/, trainer/), recipes from recipes/ (group `recipe`). Outputs go to
 `run_dir` (plan.txt, recipe.yaml, metrics.jsonl, tb/, checkpoints/, summary.json, loss.png).
 
-Exit codes: 0 done; 2 a bad config, recipe or override (one `error: <key>: ...` line, no run_dir left behind);
+Exit codes: 0 done; 1 an internal error (a bug: one `internal error: ...; traceback in RUN/train.log` line, the
+outputs kept for inspection); 2 a bad config, recipe or override (one `error: <key>: ...` line, no run_dir left behind);
 3 stopped on non-finite losses/gradients (trainer.on_nonfinite=stop; the outputs so far are kept and
 checkpoints/step_N holds the last good state);
 4 preempted: SIGTERM or SIGUSR1 (Slurm's preemption, `--signal=USR1@<s>`) reached a rank during training, every
@@ -43,16 +44,18 @@ def _exit_written(code: int) -> None:
 def main(cfg: DictConfig) -> None:
     from omegaconf.errors import OmegaConfBaseException
 
-    from fp8_recipes.training.errors import (
-        NONFINITE_EXIT, PREEMPTED_EXIT, USER_ERROR_EXIT, NonFiniteStop, print_error_once, remove_partial_run_dir,
-    )
+    from fp8_recipes.checks import ConfigError
     from fp8_recipes.rundir import RunDirError
+    from fp8_recipes.training.errors import (
+        INTERNAL_ERROR_EXIT, NONFINITE_EXIT, PREEMPTED_EXIT, USER_ERROR_EXIT, NonFiniteStop, print_error_once,
+        remove_partial_run_dir, report_internal_error,
+    )
     from fp8_recipes.training.run import run_training
 
     run_dir = Path(cfg.run_dir)
     try:
         summary = run_training(cfg)
-    except (ValueError, OmegaConfBaseException) as e:  # a user error: one line naming the key, nothing half-written
+    except (ConfigError, OmegaConfBaseException) as e:  # a user error: one line naming the key, nothing half-written
         lines = [f"{e.full_key}: {str(e).splitlines()[0]}"] if isinstance(e, OmegaConfBaseException) else \
             str(e).splitlines()
         if not isinstance(e, RunDirError):  # another run's directory: none of it is this run's to remove
@@ -66,6 +69,9 @@ def main(cfg: DictConfig) -> None:
     except NonFiniteStop as e:  # trainer.on_nonfinite=stop: the run's outputs so far stay
         print(f"error: {e}", file=sys.stderr)
         _exit_written(NONFINITE_EXIT)
+    except Exception as e:  # noqa: BLE001 - a bug, not a config error: its traceback in train.log, the outputs kept
+        print(report_internal_error(e, run_dir), file=sys.stderr, flush=True)
+        _exit_written(INTERNAL_ERROR_EXIT)
     if summary.get("finished"):  # resumed a run that already reached max_steps: a no-op, exit 0
         if summary.get("rank", 0) == 0:
             f = summary["finished"]

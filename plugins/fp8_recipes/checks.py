@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from enum import StrEnum
 from typing import Any
 
-__all__ = ["KeyReader", "check_keys", "choice_error", "did_you_mean", "fmt", "is_int", "is_number", "unknown_key"]
+__all__ = ["ConfigError", "KeyReader", "check_keys", "choice_error", "did_you_mean", "fmt", "is_int", "is_number", "unknown_key"]
 
 
 def did_you_mean(word: Any, choices: Iterable[Any], hints: Mapping[str, str] | None = None) -> str:
@@ -48,9 +48,14 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def unknown_key(group: str, key: str, known: Iterable[str]) -> ValueError:
+class ConfigError(ValueError):
+    """A user error: a bad config, recipe, command line or input, with the dotted key and the fix in one line.
+    scripts/train.py prints these as ``error: ...`` lines; any other exception is a bug and keeps its traceback."""
+
+
+def unknown_key(group: str, key: str, known: Iterable[str]) -> ConfigError:
     """The error for ``group.key`` that is not one of `known` (returned, for the caller to raise)."""
-    return ValueError(f"{group}.{key}: unknown key{did_you_mean(key, known)}; known keys: {', '.join(sorted(known))}")
+    return ConfigError(f"{group}.{key}: unknown key{did_you_mean(key, known)}; known keys: {', '.join(sorted(known))}")
 
 
 def check_keys(group: str, given: Iterable[str], known: Iterable[str]) -> None:
@@ -60,13 +65,13 @@ def check_keys(group: str, given: Iterable[str], known: Iterable[str]) -> None:
         raise unknown_key(group, unknown[0], known)
 
 
-def choice_error(key: str, value: Any, choices: Iterable[Any]) -> ValueError:
+def choice_error(key: str, value: Any, choices: Iterable[Any]) -> ConfigError:
     """The error for ``key=value`` that is not one of `choices` (None is written ``null``), returned for the caller
     to raise: ``trainer.device='gpx': choose one of auto | gpu (did you mean 'gpu'?)``."""
     choices = list(choices)
     listed = " | ".join("null" if c is None else str(c) for c in choices)
     hint = did_you_mean(value, [c for c in choices if c is not None])
-    return ValueError(f"{key}={value!r}: choose one of {listed}{hint}")
+    return ConfigError(f"{key}={value!r}: choose one of {listed}{hint}")
 
 
 class KeyReader:

@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
+from fp8_recipes.checks import ConfigError
 from fp8_recipes.yaml_guard import load_yaml
 
 __all__ = [
@@ -87,11 +88,11 @@ RESULTS = (PLAN, RECIPE, METRICS, NUMERICS, TENSORBOARD, SUMMARY, CHECKPOINTS)
 """What marks a directory as holding a run (not Hydra's .hydra/ and train.log: Hydra writes them before any check)."""
 
 
-class RunDirError(ValueError):
+class RunDirError(ConfigError):
     """The run directory belongs to another run; ``str()`` is one line naming run_dir and the fix."""
 
 
-class RunFileError(ValueError):
+class RunFileError(ConfigError):
     """A line of a run's JSONL file that is not JSON; ``str()`` names the file and the line."""
 
     def __init__(self, path: Path, line: int, msg: str):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from fp8_recipes.checks import KeyReader, fmt
+from fp8_recipes.checks import ConfigError, KeyReader, fmt
 
 __all__ = [
     "AmaxAlgo", "AmaxReduction", "Attention", "Backend", "Format", "LayerRules", "MxRounding", "Recipe", "RecipeError",
@@ -101,7 +101,7 @@ _HINTS = {
 }
 
 
-class RecipeError(ValueError):
+class RecipeError(ConfigError):
     """One or more problems in a recipe; ``str()`` is one line per problem, each naming the dotted key."""
 
     def __init__(self, problems: Sequence[str], source: str | None = None):

@@ -15,6 +15,8 @@ from typing import Any
 
 import yaml
 
+from fp8_recipes.checks import ConfigError
+
 __all__ = ["MAX_BYTES", "MAX_DEPTH", "MAX_NODES", "UnsafeYAML", "load_yaml"]
 
 MAX_BYTES = 1 << 20      # a recipe or run file is a few kB; 1 MiB leaves room for anything real
@@ -24,7 +26,7 @@ _TAGS = {f"tag:yaml.org,2002:{t}" for t in ("str", "int", "float", "bool", "null
                                             "binary", "omap", "pairs", "set", "merge")}
 
 
-class UnsafeYAML(ValueError):
+class UnsafeYAML(ConfigError):
     """A YAML input refused by :func:`load_yaml`: ``str(e)`` is one line, ``e.line`` the 1-based line (or None)."""
 
     def __init__(self, problem: str, line: int | None = None):

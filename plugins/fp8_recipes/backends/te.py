@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from fp8_recipes.checks import ConfigError
 from fp8_recipes.numerics.scaling import delayed_scale_update, history_percentile
 from fp8_recipes.plan import PrecisionPlan, StepPlan, TERecipe
 from fp8_recipes.plan_te import TERecipeKind
@@ -225,7 +226,7 @@ def _restore_delayed(name: str, module: torch.nn.Module, saved: Mapping[str, tor
         for key, value in saved.items():
             if key not in current or current[key].shape != value.shape:
                 have = tuple(current[key].shape) if key in current else None
-                raise ValueError(f"{name}: delayed-scaling {key} has shape {tuple(value.shape)} in the checkpoint "
+                raise ConfigError(f"{name}: delayed-scaling {key} has shape {tuple(value.shape)} in the checkpoint "
                                  f"and {have} here; resume with the recipe it was saved with (amax_history_len)")
             current[key].copy_(value)
 
@@ -472,7 +473,7 @@ class TEPrecision:
                         current[key].copy_(value)
                     elif key in _FP8_ROWWISE:  # (a column-wise copy TE holds at one time and not at another is
                         #                        made again below, or by the next quantization)
-                        raise ValueError(f"{name}: FP8 weight {key} has shape {tuple(value.shape)} in the checkpoint "
+                        raise ConfigError(f"{name}: FP8 weight {key} has shape {tuple(value.shape)} in the checkpoint "
                                          f"and {have} here; resume with the recipe it was saved with")
             restored.append(param)
         if restored:

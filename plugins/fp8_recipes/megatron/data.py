@@ -26,6 +26,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from fp8_recipes.checks import ConfigError
+
 __all__ = ["Tokenizer", "default_corpus_files", "prepare_dataset", "build_gpt_datasets", "batches",
            "data_parallel_batches", "repeated_batch"]
 
@@ -56,7 +58,7 @@ def _expand_inputs(inputs: Sequence[str | os.PathLike]) -> list[Path]:
     for raw in inputs:
         path = Path(raw).expanduser()
         if not path.exists():
-            raise ValueError(
+            raise ConfigError(
                 f"data.inputs: path {str(raw)!r} does not exist; point it at .jsonl/.txt files or a directory"
             )
         if not path.is_dir():
@@ -68,7 +70,7 @@ def _expand_inputs(inputs: Sequence[str | os.PathLike]) -> list[Path]:
             key=lambda f: f.relative_to(path).as_posix(),
         )
         if not found:
-            raise ValueError(f"data.inputs: directory {str(raw)!r} holds no {'/'.join(TEXT_SUFFIXES)} files; "
+            raise ConfigError(f"data.inputs: directory {str(raw)!r} holds no {'/'.join(TEXT_SUFFIXES)} files; "
                              "point it at a directory of text files")
         files += found
     return files
@@ -81,7 +83,7 @@ def _read_documents(files: Sequence[Path], json_key: str) -> list[str]:
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError:
-            raise ValueError(f"data.inputs: {str(path)!r} is not UTF-8 text; convert it or leave it out") from None
+            raise ConfigError(f"data.inputs: {str(path)!r} is not UTF-8 text; convert it or leave it out") from None
         if path.suffix != ".jsonl":
             docs.append(text)
             continue
@@ -93,9 +95,9 @@ def _read_documents(files: Sequence[Path], json_key: str) -> list[str]:
             except json.JSONDecodeError:
                 record = None
             if not isinstance(record, dict):
-                raise ValueError(f"data.inputs: {path}:{n} is not a JSON object; each .jsonl line must be one")
+                raise ConfigError(f"data.inputs: {path}:{n} is not a JSON object; each .jsonl line must be one")
             if not isinstance(record.get(json_key), str):
-                raise ValueError(f"data.json_key: no text under {json_key!r} in {path}:{n}; "
+                raise ConfigError(f"data.json_key: no text under {json_key!r} in {path}:{n}; "
                                  "set data.json_key (--json-key) to the field that holds the text")
             docs.append(record[json_key])
     return [d for d in docs if d]
@@ -217,9 +219,9 @@ def prepare_dataset(
     crash never leaves a half-written dataset. In a multi-rank job call it on one rank, then barrier.
     """
     if tokenizer_kind not in ("bpe", "bytes"):
-        raise ValueError(f"data.tokenizer: {tokenizer_kind!r} is not one of bpe, bytes")
+        raise ConfigError(f"data.tokenizer: {tokenizer_kind!r} is not one of bpe, bytes")
     if tokenizer_kind == "bpe" and not (258 <= vocab_size <= 65500):  # 256 bytes + EOD + >=1 merge; uint16 ids
-        raise ValueError(f"data.vocab_size: {vocab_size} is out of range; use 258..65500 (e.g. 4096)")
+        raise ConfigError(f"data.vocab_size: {vocab_size} is out of range; use 258..65500 (e.g. 4096)")
     out_dir = Path(out_dir)
     default = inputs is None
     if default:
@@ -228,11 +230,11 @@ def prepare_dataset(
     else:
         sources = [str(inputs)] if isinstance(inputs, (str, os.PathLike)) else [str(i) for i in inputs]
         if not sources:
-            raise ValueError("data.inputs: the list is empty; give .jsonl/.txt files or a directory, or null")
+            raise ConfigError("data.inputs: the list is empty; give .jsonl/.txt files or a directory, or null")
         files = _expand_inputs(sources)
     docs = _read_documents(files, json_key)
     if not docs:
-        raise ValueError(f"data.inputs: no text found in {sources}; point it at non-empty .jsonl/.txt files")
+        raise ConfigError(f"data.inputs: no text found in {sources}; point it at non-empty .jsonl/.txt files")
     data_hash = _hash_documents(docs)
     settings = {"kind": tokenizer_kind, "vocab_size": vocab_size if tokenizer_kind == "bpe" else 257}
 
@@ -240,7 +242,7 @@ def prepare_dataset(
     if old and old["data_hash"] == data_hash and old["tokenizer"] == settings:
         return out_dir  # the fast path every training start takes
     if out_dir.exists() and not old and any(out_dir.iterdir()):
-        raise ValueError(f"data.path: {str(out_dir)!r} exists and is not a dataset written by prepare_data.py; "
+        raise ConfigError(f"data.path: {str(out_dir)!r} exists and is not a dataset written by prepare_data.py; "
                          "point it at a new or empty directory")
 
     start = time.perf_counter()
@@ -313,7 +315,7 @@ def build_gpt_datasets(
     data_dir = Path(data_dir)
     meta = _read_meta(data_dir)
     if meta is None:
-        raise ValueError(f"data.path: {str(data_dir)!r} holds no complete prepared dataset; "
+        raise ConfigError(f"data.path: {str(data_dir)!r} holds no complete prepared dataset; "
                          f"run `python scripts/prepare_data.py --out {data_dir}` first")
     if len(num_samples) != 3:
         raise ValueError(f"num_samples: {tuple(num_samples)} must be (train, valid, test)")
@@ -381,14 +383,14 @@ def _check_split(split: str, num_documents: int, num_samples: Sequence[int | Non
     try:
         shares = parse_and_normalize_split(split)
     except Exception:  # noqa: BLE001 - Megatron asserts on malformed strings
-        raise ValueError(f"data.split: {split!r} is not three comma-separated weights, e.g. '98,1,1'") from None
+        raise ConfigError(f"data.split: {split!r} is not three comma-separated weights, e.g. '98,1,1'") from None
     bounds = [0]
     for share in shares:
         bounds.append(bounds[-1] + int(round(share * float(num_documents))))
     bounds[1:] = [b - (bounds[-1] - num_documents) for b in bounds[1:]]
     for name, lo, hi, share, wanted in zip(("train", "valid", "test"), bounds, bounds[1:], shares, num_samples):
         if share > 0 and wanted != 0 and hi <= lo:  # (None = one epoch of the split: needs documents too)
-            raise ValueError(f"data.split: {split!r} gives the {name} split no document of the {num_documents} in "
+            raise ConfigError(f"data.split: {split!r} gives the {name} split no document of the {num_documents} in "
                              f"this dataset; give it a larger share (e.g. '80,10,10') or add documents")
 
 

@@ -32,6 +32,7 @@ import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
+from fp8_recipes.checks import ConfigError
 from fp8_recipes.backends.groups import amax_reduction_group
 from fp8_recipes.backends.te import TEPrecision, te_recipe
 from fp8_recipes.megatron.model import (named_linear_modules, replace_output_layer_class, transformer_layers,
@@ -54,7 +55,7 @@ class TEOutputLayer(ColumnParallelLinear):
         import transformer_engine.pytorch as te
 
         if self.embedding_activation_buffer is not None or self.grad_output_buffer is not None:
-            raise ValueError("te backend: an FP8 LM head does not support defer_embedding_wgrad_compute; set "
+            raise ConfigError("te backend: an FP8 LM head does not support defer_embedding_wgrad_compute; set "
                              "layers.fp8_output_layer: false")
         lin = te.Linear(self.input_size, self.output_size, bias=False, params_dtype=self.config.params_dtype,
                         parallel_mode="column", tp_group=self.tp_group, sequence_parallel=self.sequence_parallel,

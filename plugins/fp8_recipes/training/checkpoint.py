@@ -61,6 +61,7 @@ from typing import Any
 
 import torch
 
+from fp8_recipes.checks import ConfigError
 from fp8_recipes.megatron.model import unwrap_model as _unwrap
 from fp8_recipes.training.config import launch_rank
 
@@ -241,7 +242,7 @@ def read_checkpoint(step_dir: str | os.PathLike, tp_rank: int = 0,
     key = _shard_key(tp_rank, pp_rank)
     if key not in per_tp:
         if any(k.startswith("tp") for k in per_tp):
-            raise ValueError(f"{step_dir} is a format-2 checkpoint (the engine before Megatron-Core's), which this "
+            raise ConfigError(f"{step_dir} is a format-2 checkpoint (the engine before Megatron-Core's), which this "
                              f"version cannot read; continue it with the fp8-recipes version that wrote it, or start "
                              f"a fresh run")
         raise FileNotFoundError(f"{step_dir} holds no state of pipeline rank {pp_rank}, tensor-parallel rank "
@@ -398,7 +399,7 @@ def _current_format(step_dir: Path) -> Path:
         version = 2
     else:
         return step_dir
-    raise ValueError(f"{step_dir} is a format-{version} checkpoint, which this version cannot read (format "
+    raise ConfigError(f"{step_dir} is a format-{version} checkpoint, which this version cannot read (format "
                      f"{FORMAT_VERSION}: Megatron-Core's optimizer state in a torch.distributed.checkpoint dir); "
                      "continue it with the fp8-recipes version that wrote it, or start a fresh run")
 
@@ -414,12 +415,12 @@ def find_resume(resume: str | None, run_dir: str | os.PathLike) -> Path | None:
     try:
         step_dir = resolve_checkpoint(resume)
     except FileNotFoundError as e:
-        raise ValueError(f"trainer.resume: {e}; or set trainer.resume=auto") from None
+        raise ConfigError(f"trainer.resume: {e}; or set trainer.resume=auto") from None
     except ValueError as e:  # a format-1 checkpoint
-        raise ValueError(f"trainer.resume: {e}") from None
+        raise ConfigError(f"trainer.resume: {e}") from None
     damage = checkpoint_damage(step_dir)
     if damage:
-        raise ValueError(f"trainer.resume: {step_dir} is damaged: {damage}; name an intact step_N dir, or set "
+        raise ConfigError(f"trainer.resume: {step_dir} is damaged: {damage}; name an intact step_N dir, or set "
                          f"trainer.resume=auto (the newest intact one)")
     return step_dir
 
@@ -433,7 +434,7 @@ def _newest_intact(root: Path) -> Path:
         try:
             _current_format(first)  # an earlier format: refused as such, not taken for damage
         except ValueError as e:
-            raise ValueError(f"trainer.resume: {e}") from None
+            raise ConfigError(f"trainer.resume: {e}") from None
     problem = (checkpoint_damage(first) if first is not None else "checkpoints/latest is missing")
     if problem is None:
         return first
@@ -443,7 +444,7 @@ def _newest_intact(root: Path) -> Path:
                 logger.warning("resume: %s is damaged (%s); resuming from %s, the newest intact checkpoint",
                                first.name if first is not None else "latest", problem, step_dir.name)
             return _current_format(step_dir)
-    raise ValueError(f"trainer.resume=auto: no intact checkpoint in {root} ({first.name if first else 'latest'}: "
+    raise ConfigError(f"trainer.resume=auto: no intact checkpoint in {root} ({first.name if first else 'latest'}: "
                      f"{problem}); start fresh in a new run_dir, or set trainer.resume=null")
 
 
@@ -451,7 +452,7 @@ def checkpoint_step(step_dir: str | os.PathLike) -> int:
     """The step a ``step_N`` dir holds (save_checkpoint's naming), without loading it."""
     match = re.fullmatch(r"step_(\d+)", Path(step_dir).name)
     if match is None:
-        raise ValueError(f"trainer.resume: {step_dir} is not a step_N checkpoint dir")
+        raise ConfigError(f"trainer.resume: {step_dir} is not a step_N checkpoint dir")
     return int(match.group(1))
 
 
@@ -485,17 +486,17 @@ def resume_skip(step_dir: str | os.PathLike, *, global_batch_size: int, micro_ba
         saved = meta.get(key, defaults.get(key))
         if saved != value:
             shown = "null" if saved is None else saved
-            raise ValueError(f"trainer.{key}: {'null' if value is None else value} differs from the checkpoint's "
+            raise ConfigError(f"trainer.{key}: {'null' if value is None else value} differs from the checkpoint's "
                              f"{shown} ({step_dir} holds the model shards of that layout; resume with "
                              f"trainer.{key}={shown})")
     saved_dist = meta.get("use_distributed_optimizer")
     if use_distributed_optimizer is not None and saved_dist is not None and saved_dist != use_distributed_optimizer:
-        raise ValueError(f"trainer.use_distributed_optimizer: {str(use_distributed_optimizer).lower()} differs from "
+        raise ConfigError(f"trainer.use_distributed_optimizer: {str(use_distributed_optimizer).lower()} differs from "
                          f"the checkpoint's {str(saved_dist).lower()} ({step_dir}; resume with "
                          f"trainer.use_distributed_optimizer={str(saved_dist).lower()})")
     gbs = meta.get("global_batch_size", global_batch_size)
     if gbs != global_batch_size:
-        raise ValueError(f"trainer.global_batch_size: {global_batch_size} differs from the checkpoint's {gbs} "
+        raise ConfigError(f"trainer.global_batch_size: {global_batch_size} differs from the checkpoint's {gbs} "
                          f"({step_dir}; resume with trainer.global_batch_size={gbs}, or start a fresh run)")
     consumed = meta.get("consumed_samples", meta["step"] * global_batch_size)
     mbs = meta.get("micro_batch_size", micro_batch_size)
@@ -522,7 +523,7 @@ def check_model_matches(step_dir: str | os.PathLike, models: list[torch.nn.Modul
             got = saved.get(name)
             if got != shape:
                 what = f"is {shape} here and {got} in the checkpoint" if got else "is not in the checkpoint"
-                raise ValueError(f"model: {name.split('/', 2)[2]} {what} ({step_dir} was saved with another model "
+                raise ConfigError(f"model: {name.split('/', 2)[2]} {what} ({step_dir} was saved with another model "
                                  f"config); resume with the model it was saved with (its run dir's "
                                  f".hydra/config.yaml), or start a fresh run")
 
@@ -539,10 +540,10 @@ def load_checkpoint(path: str | os.PathLike, *, engine=None, models=None, precis
     step_dir = resolve_checkpoint(path)
     payload = read_checkpoint(step_dir, tp_rank, map_location, pp_rank=pp_rank)
     if payload.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{step_dir}: format_version {payload.get('format_version')}, expected {FORMAT_VERSION}")
+        raise ConfigError(f"{step_dir}: format_version {payload.get('format_version')}, expected {FORMAT_VERSION}")
     chunks = engine.models if engine is not None else (models if isinstance(models, (list, tuple)) else [models])
     if len(chunks) != len(payload["model"]):
-        raise ValueError(f"{step_dir} holds {len(payload['model'])} model chunks per rank, this run builds "
+        raise ConfigError(f"{step_dir} holds {len(payload['model'])} model chunks per rank, this run builds "
                          f"{len(chunks)}; resume with the checkpoint's trainer.virtual_pipeline_model_parallel_size")
     for chunk, state in zip(chunks, payload["model"]):
         _unwrap(chunk).load_state_dict(state)
@@ -556,11 +557,11 @@ def load_checkpoint(path: str | os.PathLike, *, engine=None, models=None, precis
     for name, obj in (("scheduler", scheduler), ("precision", precision)):
         if obj is not None:
             if payload[name] is None:
-                raise ValueError(f"{step_dir} has no {name} state to restore")
+                raise ConfigError(f"{step_dir} has no {name} state to restore")
             obj.load_state_dict(payload[name])
     if engine is not None:
         if payload["optimizer"] is None:
-            raise ValueError(f"{step_dir} has no optimizer state to restore")
+            raise ConfigError(f"{step_dir} has no optimizer state to restore")
         engine.load_optimizer_state_dict(payload["optimizer"])
     if restore_rng:
         _set_rng_state(payload["rng"])

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from fp8_recipes.checks import check_keys, choice_error, did_you_mean, is_int, is_number
+from fp8_recipes.checks import ConfigError, check_keys, choice_error, did_you_mean, is_int, is_number
 from fp8_recipes.megatron.model_config import check_model_cfg
 
 __all__ = ["LRScaling", "TrainerConfig", "NONFINITE_ACTIONS", "check_model_cfg", "check_data_cfg",
@@ -33,7 +33,7 @@ def _check_type(key: str, value: Any, kind: str) -> None:
           "str": lambda v: isinstance(v, str)}[base](value)
     if not ok:
         want = {"int": "an integer", "float": "a finite number", "bool": "true or false", "str": "a string"}[base]
-        raise ValueError(f"{key}: {value!r} is not {want}; set {key}=<{base}>")
+        raise ConfigError(f"{key}: {value!r} is not {want}; set {key}=<{base}>")
 
 
 # Samples a run may ask for: Megatron-Core's GPTDataset builds its shuffle and sample indices (about 16 bytes per
@@ -140,7 +140,7 @@ class TrainerConfig:
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> "TrainerConfig":
-        """From a dict, DictConfig or TrainerConfig; unknown keys and bad values raise ValueError(trainer.<key>)."""
+        """From a dict, DictConfig or TrainerConfig; unknown keys and bad values raise ConfigError(trainer.<key>)."""
         if isinstance(cfg, cls):
             return cfg
         if not isinstance(cfg, dict):  # a DictConfig (a Mapping too): resolved into plain data
@@ -151,7 +151,7 @@ class TrainerConfig:
         values = dict(cfg)
         scaling = values.pop("lr_scaling", None) or {}
         if not isinstance(scaling, Mapping):
-            raise ValueError(f"trainer.lr_scaling: {scaling!r} is not a mapping (keys enabled, base_global_batch_size)")
+            raise ConfigError(f"trainer.lr_scaling: {scaling!r} is not a mapping (keys enabled, base_global_batch_size)")
         scaling_fields = {f.name: f.type for f in dataclasses.fields(LRScaling)}
         check_keys("trainer.lr_scaling", scaling, scaling_fields)
         for key, value in values.items():
@@ -167,29 +167,29 @@ class TrainerConfig:
                     "pipeline_model_parallel_size", "context_parallel_size", "max_consecutive_skips",
                     "fallback_bf16_steps"):
             if not is_int(getattr(self, key)) or getattr(self, key) < 1:
-                raise ValueError(f"trainer.{key}={getattr(self, key)!r}: must be an integer >= 1")
+                raise ConfigError(f"trainer.{key}={getattr(self, key)!r}: must be an integer >= 1")
         samples = self.max_steps * self.global_batch_size
         if samples > MAX_SAMPLES:
-            raise ValueError(f"trainer.max_steps={self.max_steps} x trainer.global_batch_size={self.global_batch_size}"
+            raise ConfigError(f"trainer.max_steps={self.max_steps} x trainer.global_batch_size={self.global_batch_size}"
                              f" = {samples:,} samples: Megatron-Core's dataset index for them would not fit in memory "
                              f"(at most {MAX_SAMPLES:,}); lower trainer.max_steps")
         for key in ("warmup_steps", "eval_interval", "eval_iters", "save_interval", "seed"):
             if not is_int(getattr(self, key)) or getattr(self, key) < 0:
-                raise ValueError(f"trainer.{key}={getattr(self, key)!r}: must be an integer >= 0")
+                raise ConfigError(f"trainer.{key}={getattr(self, key)!r}: must be an integer >= 0")
         if self.seed >= 2**32:  # NumPy's generators (Megatron-Core's dataset shuffling) take 32-bit seeds
-            raise ValueError(f"trainer.seed={self.seed}: must be below 2**32 = {2**32:,}; pick a smaller seed")
+            raise ConfigError(f"trainer.seed={self.seed}: must be below 2**32 = {2**32:,}; pick a smaller seed")
         if not (is_number(self.lr) and self.lr > 0):
-            raise ValueError(f"trainer.lr={self.lr!r}: must be a number > 0 (e.g. 2.0e-3)")
+            raise ConfigError(f"trainer.lr={self.lr!r}: must be a number > 0 (e.g. 2.0e-3)")
         if not (is_number(self.min_lr) and 0 <= self.min_lr <= self.lr):
-            raise ValueError(f"trainer.min_lr={self.min_lr}: must lie in [0, trainer.lr={self.lr}]")
+            raise ConfigError(f"trainer.min_lr={self.min_lr}: must lie in [0, trainer.lr={self.lr}]")
         for key in ("adam_beta1", "adam_beta2"):
             if not (is_number(getattr(self, key)) and 0 <= getattr(self, key) < 1):
-                raise ValueError(f"trainer.{key}={getattr(self, key)!r}: must lie in [0, 1) (e.g. 0.9)")
+                raise ConfigError(f"trainer.{key}={getattr(self, key)!r}: must lie in [0, 1) (e.g. 0.9)")
         if not (is_number(self.adam_eps) and self.adam_eps > 0):
-            raise ValueError(f"trainer.adam_eps={self.adam_eps!r}: must be a number > 0 (e.g. 1.0e-8)")
+            raise ConfigError(f"trainer.adam_eps={self.adam_eps!r}: must be a number > 0 (e.g. 1.0e-8)")
         for key in ("weight_decay", "clip_grad"):
             if not (is_number(getattr(self, key)) and getattr(self, key) >= 0):
-                raise ValueError(f"trainer.{key}={getattr(self, key)!r}: must be a number >= 0 (0 = off)")
+                raise ConfigError(f"trainer.{key}={getattr(self, key)!r}: must be a number >= 0 (0 = off)")
         if self.params_dtype not in ("bf16", "fp32", "bfloat16", "float32"):
             raise choice_error("trainer.params_dtype", self.params_dtype, ("bf16", "fp32"))
         if self.device not in ("auto", "gpu"):
@@ -197,23 +197,23 @@ class TrainerConfig:
         if self.on_nonfinite not in NONFINITE_ACTIONS:
             raise choice_error("trainer.on_nonfinite", self.on_nonfinite, NONFINITE_ACTIONS)
         if self.resume is not None and self.resume != "auto" and not Path(self.resume).is_dir():
-            raise ValueError(f"trainer.resume={self.resume!r}: no such directory; give auto, a run dir, its "
+            raise ConfigError(f"trainer.resume={self.resume!r}: no such directory; give auto, a run dir, its "
                              f"checkpoints dir or a step_N dir (null = start fresh)")
         self._validate_engine()
         if self.lr_scaling.enabled and not (self.lr_scaling.base_global_batch_size or 0) >= 1:
-            raise ValueError("trainer.lr_scaling.base_global_batch_size must be set (>= 1) when lr_scaling.enabled")
+            raise ConfigError("trainer.lr_scaling.base_global_batch_size must be set (>= 1) when lr_scaling.enabled")
 
     def _validate_engine(self) -> None:
         """The parallel layout and Megatron-Core engine keys: the combinations Megatron-Core asserts on."""
         vpp = self.virtual_pipeline_model_parallel_size
         if vpp is not None and (vpp < 2 or self.pipeline_model_parallel_size < 2):
-            raise ValueError(f"trainer.virtual_pipeline_model_parallel_size={vpp}: needs an integer >= 2 and "
+            raise ConfigError(f"trainer.virtual_pipeline_model_parallel_size={vpp}: needs an integer >= 2 and "
                              f"trainer.pipeline_model_parallel_size >= 2 (null = no interleaving)")
         if self.sequence_parallel and self.tensor_model_parallel_size < 2:
-            raise ValueError("trainer.sequence_parallel=true needs trainer.tensor_model_parallel_size >= 2 (it splits "
+            raise ConfigError("trainer.sequence_parallel=true needs trainer.tensor_model_parallel_size >= 2 (it splits "
                              "the sequence over the tensor-parallel ranks); set it to false")
         if self.overlap_param_gather and not (self.use_distributed_optimizer and self.overlap_grad_reduce):
-            raise ValueError("trainer.overlap_param_gather=true needs trainer.use_distributed_optimizer=true and "
+            raise ConfigError("trainer.overlap_param_gather=true needs trainer.use_distributed_optimizer=true and "
                              "trainer.overlap_grad_reduce=true")
         dtypes = {"exp_avg_dtype": ("fp32", "bf16", "fp16"), "exp_avg_sq_dtype": ("fp32", "bf16", "fp16"),
                   "main_params_dtype": ("fp32", "fp16"), "main_grads_dtype": ("fp32", "bf16")}
@@ -222,22 +222,22 @@ class TrainerConfig:
             if value not in allowed:
                 raise choice_error(f"trainer.{key}", value, allowed)
             if value != "fp32" and not self.use_precision_aware_optimizer:
-                raise ValueError(f"trainer.{key}={value}: needs trainer.use_precision_aware_optimizer=true")
+                raise ConfigError(f"trainer.{key}={value}: needs trainer.use_precision_aware_optimizer=true")
         if self.use_precision_aware_optimizer and not self.use_distributed_optimizer:
-            raise ValueError("trainer.use_precision_aware_optimizer=true needs trainer.use_distributed_optimizer=true "
+            raise ConfigError("trainer.use_precision_aware_optimizer=true needs trainer.use_distributed_optimizer=true "
                              "(Megatron-Core keeps the low-precision state in the distributed optimizer's shards)")
         choices = (None, "selective", "full")
         if self.recompute_granularity not in choices:
             raise choice_error("trainer.recompute_granularity", self.recompute_granularity, choices)
         if self.recompute_granularity == "full":
             if self.recompute_method not in ("uniform", "block"):
-                raise ValueError(f"trainer.recompute_method={self.recompute_method!r}: full recompute needs uniform "
+                raise ConfigError(f"trainer.recompute_method={self.recompute_method!r}: full recompute needs uniform "
                                  f"| block")
             if not (is_int(self.recompute_num_layers) and self.recompute_num_layers >= 1):
-                raise ValueError(f"trainer.recompute_num_layers={self.recompute_num_layers!r}: full recompute needs "
+                raise ConfigError(f"trainer.recompute_num_layers={self.recompute_num_layers!r}: full recompute needs "
                                  f"an integer >= 1")
         elif self.recompute_method is not None or self.recompute_num_layers is not None:
-            raise ValueError("trainer.recompute_method / recompute_num_layers apply to "
+            raise ConfigError("trainer.recompute_method / recompute_num_layers apply to "
                              "trainer.recompute_granularity=full only; set them to null")
 
     @property
@@ -256,13 +256,13 @@ class TrainerConfig:
         build or schedule: ranks, layers per (virtual) stage, micro-batches per interleaved step."""
         mp = self.model_parallel_size
         if world_size % mp:
-            raise ValueError(f"trainer.tensor_model_parallel_size x pipeline_model_parallel_size x context_parallel_size "
+            raise ConfigError(f"trainer.tensor_model_parallel_size x pipeline_model_parallel_size x context_parallel_size "
                              f"= {self.tensor_model_parallel_size} x {self.pipeline_model_parallel_size} x "
                              f"{self.context_parallel_size} = {mp} does not divide the {world_size} launched "
                              f"processes; launch a multiple of {mp} or lower them")
         chunks = self.pipeline_model_parallel_size * (self.virtual_pipeline_model_parallel_size or 1)
         if num_layers % chunks:
-            raise ValueError(f"model.num_layers={num_layers} is not divisible by pipeline x virtual pipeline = "
+            raise ConfigError(f"model.num_layers={num_layers} is not divisible by pipeline x virtual pipeline = "
                              f"{chunks}; pick trainer.pipeline_model_parallel_size / "
                              f"virtual_pipeline_model_parallel_size that divide it")
         dp = world_size // mp
@@ -275,7 +275,7 @@ class TrainerConfig:
                 if n < pp or n % pp:
                     what = (f"{accumulation} micro-batches per step (global / (micro x data parallel))"
                             if key == "global_batch_size" else f"trainer.eval_iters={n}")
-                    raise ValueError(f"trainer.{key}: the interleaved schedule needs a multiple of "
+                    raise ConfigError(f"trainer.{key}: the interleaved schedule needs a multiple of "
                                      f"pipeline_model_parallel_size={pp} micro-batches; {what} is not")
         return dp
 
@@ -286,7 +286,7 @@ class TrainerConfig:
             mbs = math.gcd(self.micro_batch_size, self.global_batch_size // data_parallel_size)
             if self.global_batch_size % data_parallel_size == 0:
                 fix += f" or trainer.micro_batch_size={mbs}"
-            raise ValueError(f"trainer.global_batch_size={self.global_batch_size} is not a multiple of "
+            raise ConfigError(f"trainer.global_batch_size={self.global_batch_size} is not a multiple of "
                              f"micro_batch_size x data parallel = {self.micro_batch_size} x {data_parallel_size} = "
                              f"{per_step}; {fix}")
         return self.global_batch_size // per_step
@@ -301,18 +301,18 @@ DATA_KEYS = ("path", "inputs", "tokenizer", "vocab_size", "json_key", "split")
 def check_writable_dir(key: str, path: Any) -> None:
     """``path`` is (or can be created as) a directory this process can write into."""
     if not isinstance(path, str) or not path.strip():
-        raise ValueError(f"{key}: {path!r} is not a directory path; set {key}=<directory>")
+        raise ConfigError(f"{key}: {path!r} is not a directory path; set {key}=<directory>")
     p = Path(path).absolute()
     if p.exists() and not p.is_dir():
-        raise ValueError(f"{key}: {path!r} is a file, not a directory; point {key} at a directory")
+        raise ConfigError(f"{key}: {path!r} is a file, not a directory; point {key} at a directory")
     ancestor = p
     while not ancestor.exists():
         ancestor = ancestor.parent
     if not ancestor.is_dir():
-        raise ValueError(f"{key}: {path!r} cannot be created ({str(ancestor)!r} is a file); point {key} at a "
+        raise ConfigError(f"{key}: {path!r} cannot be created ({str(ancestor)!r} is a file); point {key} at a "
                          f"writable directory")
     if not os.access(ancestor, os.W_OK | os.X_OK) or str(ancestor).startswith(("/proc", "/sys")):
-        raise ValueError(f"{key}: {path!r} is not writable ({str(ancestor)!r}); point {key} at a writable directory")
+        raise ConfigError(f"{key}: {path!r} is not writable ({str(ancestor)!r}); point {key} at a writable directory")
 
 
 def check_data_cfg(cfg: Mapping[str, Any]) -> None:
@@ -323,9 +323,9 @@ def check_data_cfg(cfg: Mapping[str, Any]) -> None:
         raise choice_error("data.tokenizer", tok, ("bpe", "bytes"))
     vocab = cfg.get("vocab_size", 4096)
     if tok == "bpe" and not (is_int(vocab) and 258 <= vocab <= 65500):  # 256 bytes + EOD + >=1 merge; uint16 ids
-        raise ValueError(f"data.vocab_size={vocab!r}: must be an integer in 258..65500 (e.g. 4096)")
+        raise ConfigError(f"data.vocab_size={vocab!r}: must be an integer in 258..65500 (e.g. 4096)")
     if not isinstance(cfg.get("json_key", "text"), str):
-        raise ValueError(f"data.json_key={cfg.get('json_key')!r}: must be a string (the .jsonl text field)")
+        raise ConfigError(f"data.json_key={cfg.get('json_key')!r}: must be a string (the .jsonl text field)")
     split = cfg.get("split", "98,1,1")
     parts = str(split).split(",") if isinstance(split, str) else []
     try:
@@ -333,16 +333,16 @@ def check_data_cfg(cfg: Mapping[str, Any]) -> None:
     except ValueError:
         weights = []
     if len(weights) != 3 or any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"data.split={split!r}: must be three non-negative comma-separated weights, e.g. '98,1,1' "
+        raise ConfigError(f"data.split={split!r}: must be three non-negative comma-separated weights, e.g. '98,1,1' "
                          f"(quote it on the command line: data.split='98,1,1')")
     inputs = cfg.get("inputs")
     if inputs is not None:
         items = [inputs] if isinstance(inputs, str) else inputs
         if not isinstance(items, (list, tuple)) or not items:
-            raise ValueError(f"data.inputs={inputs!r}: give a file, a directory or a list of them (null = stdlib)")
+            raise ConfigError(f"data.inputs={inputs!r}: give a file, a directory or a list of them (null = stdlib)")
         for item in items:
             if not isinstance(item, str) or not Path(item).exists():
-                raise ValueError(f"data.inputs: {item!r} does not exist; point data.inputs at .jsonl/.txt/.py files "
+                raise ConfigError(f"data.inputs: {item!r} does not exist; point data.inputs at .jsonl/.txt/.py files "
                                  f"or a directory (null = the Python standard library)")
     check_writable_dir("data.path", cfg.get("path"))
 
@@ -393,7 +393,7 @@ def _resolved(cfg: Any) -> dict:
                     yield key.rstrip("."), v
 
         bad = next((k for k, v in leaves(raw) if isinstance(v, str) and "${" in v and _fails(cfg, k)), "(config)")
-        raise ValueError(f"{bad}: {str(e).splitlines()[0]}; fix the ${{...}} reference") from None
+        raise ConfigError(f"{bad}: {str(e).splitlines()[0]}; fix the ${{...}} reference") from None
 
 
 def _fails(cfg: Any, key: str) -> bool:
@@ -413,11 +413,11 @@ def check_run_config(cfg: Any, world_size: int | None = None) -> TrainerConfig:
     container = dict(cfg) if isinstance(cfg, dict) else _resolved(cfg)
     unknown = sorted(set(container) - RUN_KEYS)
     if unknown:
-        raise ValueError(f"{unknown[0]}: unknown top-level key{did_you_mean(unknown[0], RUN_KEYS)}; known: "
+        raise ConfigError(f"{unknown[0]}: unknown top-level key{did_you_mean(unknown[0], RUN_KEYS)}; known: "
                          f"{', '.join(sorted(RUN_KEYS))}")
     for group in ("trainer", "model", "data"):
         if not isinstance(container.get(group), Mapping):
-            raise ValueError(f"{group}: {container.get(group)!r} is not a config group; pick one with {group}=NAME")
+            raise ConfigError(f"{group}: {container.get(group)!r} is not a config group; pick one with {group}=NAME")
     trainer = TrainerConfig.from_cfg(container["trainer"])
     model, data = container["model"], container["data"]
     check_model_cfg(model, vocab_may_be_unset=True, tensor_parallel=trainer.tensor_model_parallel_size)
@@ -425,7 +425,7 @@ def check_run_config(cfg: Any, world_size: int | None = None) -> TrainerConfig:
     check_data_cfg(data)
     tokenizer_vocab = 257 if data.get("tokenizer") == "bytes" else data.get("vocab_size")
     if model.get("vocab_size") is not None and model["vocab_size"] < tokenizer_vocab:
-        raise ValueError(f"model.vocab_size: {model['vocab_size']} is smaller than the tokenizer's {tokenizer_vocab}; "
+        raise ConfigError(f"model.vocab_size: {model['vocab_size']} is smaller than the tokenizer's {tokenizer_vocab}; "
                          f"set model.vocab_size=${{data.vocab_size}} (or null) or larger")
     check_writable_dir("run_dir", container.get("run_dir"))
     return trainer

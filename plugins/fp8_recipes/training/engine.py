@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from fp8_recipes.checks import ConfigError
 from fp8_recipes.megatron.cpu_shim import cuda_as_cpu
 from fp8_recipes.megatron.model import unwrap_model
 from fp8_recipes.training.config import TrainerConfig
@@ -236,7 +237,7 @@ class Engine:
         """Restore :meth:`optimizer_state_dict` (collective over the data-parallel group with the distributed
         optimizer: data-parallel rank 0 scatters the parameter state)."""
         if bool(state.get("distributed")) != self.cfg.use_distributed_optimizer:
-            raise ValueError(f"trainer.use_distributed_optimizer: {self.cfg.use_distributed_optimizer} differs from "
+            raise ConfigError(f"trainer.use_distributed_optimizer: {self.cfg.use_distributed_optimizer} differs from "
                              f"the checkpoint's {bool(state.get('distributed'))}; resume with "
                              f"trainer.use_distributed_optimizer={str(bool(state.get('distributed'))).lower()}")
         current = self.optimizer.param_groups[0] if self.optimizer.param_groups else {}
@@ -301,7 +302,7 @@ def build_engine(chunks: list[torch.nn.Module], cfg: TrainerConfig, *, seq_lengt
         raise ValueError("build_engine: the model holds FP8-stored weights (TE QuantizedTensors); pass "
                          "fp8_param=fp8_param_recipe(plan) (megatron/te_layers.py), or its weights are never updated")
     if fp8_param is not None and not cfg.use_distributed_optimizer:
-        raise ValueError("trainer.use_distributed_optimizer=false: FP8-stored weights (recipe fp8_param: true) are "
+        raise ConfigError("trainer.use_distributed_optimizer=false: FP8-stored weights (recipe fp8_param: true) are "
                          "re-quantized from the fp32 main params by Megatron-Core's distributed optimizer; set "
                          "trainer.use_distributed_optimizer=true")
     from megatron.core import parallel_state as ps

@@ -5,8 +5,9 @@
 
 Hydra reports its own errors (an unknown key, a missing group option, a bad override) in several lines, and an
 unwritable run directory as a traceback; here each becomes one line naming the key, exit code 2. Errors from
-inside the training job pass through untouched (a bug deserves its traceback). Imports neither torch nor Hydra at
-module level.
+inside the training job are split: a user error (``checks.ConfigError``, raised where the config, recipe, data or
+checkpoint is checked) is one ``error:`` line; anything else is a bug and keeps its traceback in the run's train.log
+(``report_internal_error``), with one console line saying where. Imports neither torch nor Hydra at module level.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import re
 import shutil
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Iterator
 
@@ -25,9 +27,11 @@ from fp8_recipes.checks import did_you_mean
 from fp8_recipes.rundir import RUN_OUTPUTS, RunDirError, check_run_dir, held_by_another, release
 from fp8_recipes.training.config import launch_rank
 
-__all__ = ["ConsoleFormatter", "NonFiniteStop", "USER_ERROR_EXIT", "NONFINITE_EXIT", "PREEMPTED_EXIT",
-           "RunDirCheck", "hydra_errors_as_one_line", "one_line", "print_error_once", "remove_partial_run_dir"]
+__all__ = ["ConsoleFormatter", "INTERNAL_ERROR_EXIT", "NonFiniteStop", "USER_ERROR_EXIT", "NONFINITE_EXIT", "PREEMPTED_EXIT",
+           "RunDirCheck", "hydra_errors_as_one_line", "one_line", "print_error_once", "remove_partial_run_dir",
+           "report_internal_error"]
 
+INTERNAL_ERROR_EXIT = 1  # a bug (not a config error): the traceback is in run_dir/train.log, the outputs are kept
 USER_ERROR_EXIT = 2  # a bad config, recipe or command line: nothing was run
 NONFINITE_EXIT = 3   # training stopped on non-finite losses or gradients (trainer.on_nonfinite)
 PREEMPTED_EXIT = 4   # SIGTERM/SIGUSR1: checkpointed after the current step, not finished: requeue, resume=auto
@@ -131,6 +135,23 @@ def hydra_errors_as_one_line() -> Iterator[None]:
         print_error_once([line])  # under torchrun/srun every rank composes the same config
         sys.exit(USER_ERROR_EXIT)
 
+
+
+def report_internal_error(e: BaseException, run_dir: str | os.PathLike) -> str:
+    """Append ``e``'s traceback to ``run_dir/train.log`` (Hydra's log of the run) and return the one console line
+    saying where: ``internal error: <Type>: <message>; traceback in <run_dir>/train.log``. Nothing is removed."""
+    log = Path(run_dir) / "train.log"
+    text = "".join(traceback.format_exception(e))
+    rank = launch_rank()
+    try:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "a", encoding="utf-8") as f:
+            f.write(f"internal error on rank {rank}:\n{text}")
+    except OSError:  # the run directory itself is gone or unwritable: the traceback goes to the console then
+        print(text, file=sys.stderr, end="")
+        return f"internal error: {type(e).__name__}: {_first_line(str(e))} (rank {rank}; traceback above)"
+    return f"internal error: {type(e).__name__}: {_first_line(str(e))}; traceback in {log}" + \
+        (f" (rank {rank})" if rank else "")
 
 QUIET_RANK_DELAY_S = 5.0
 """How long a rank other than 0 waits before leaving with an error rank 0 prints: torchrun stops the other workers

@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import torch
 
+from fp8_recipes.checks import ConfigError
 from fp8_recipes.integrations.hf_llama import (
     HFTensors, LlamaShape, dequantize_hf_weights, hf_config, hf_to_megatron, megatron_to_hf, quantize_hf_weights,
     read_hf_config, require_safetensors, write_hf_checkpoint,
@@ -58,7 +59,7 @@ def parse_block(text: str) -> tuple[int, int] | None:
     except ValueError:
         rows = cols = 0
     if rows < 1 or cols < 1:
-        raise ValueError(f"--block: {text!r} is not 'tensor' or ROWSxCOLS (e.g. 128x128)")
+        raise ConfigError(f"--block: {text!r} is not 'tensor' or ROWSxCOLS (e.g. 128x128)")
     return rows, cols
 
 
@@ -119,7 +120,7 @@ def _run_config(step_dir: Path):
     try:
         return load_run_config(run_dir), run_dir
     except ValueError:
-        raise ValueError(f"SOURCE: {step_dir} is not inside a run directory written by scripts/train.py (no "
+        raise ConfigError(f"SOURCE: {step_dir} is not inside a run directory written by scripts/train.py (no "
                          f"{run_dir / '.hydra' / 'config.yaml'}); export from the run dir or its step_N dir") from None
 
 
@@ -166,21 +167,21 @@ def export_hf(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str =
     config.json, the run's tokenizer, safetensors shards and their index. ``dtype``: bf16 | fp8 (E4M3 projections
     with their scales, per tensor when ``block`` is None). User errors are one-line ValueErrors."""
     if dtype not in ("bf16", "fp8"):
-        raise ValueError(f"--dtype: {dtype!r} is not bf16 or fp8")
+        raise ConfigError(f"--dtype: {dtype!r} is not bf16 or fp8")
     require_safetensors("--to hf")  # before minutes of reading shards
     try:
         step_dir = resolve_checkpoint(source)
     except FileNotFoundError as e:
-        raise ValueError(f"SOURCE: {e}") from None
+        raise ConfigError(f"SOURCE: {e}") from None
     out = Path(out)
     if out.resolve() == Path(source).resolve() or Path(source).resolve() in out.resolve().parents:
-        raise ValueError(f"OUT: {out} is inside the run {source}; write the export somewhere else")
+        raise ConfigError(f"OUT: {out} is inside the run {source}; write the export somewhere else")
     if out.exists() and not (out / "config.json").is_file():
-        raise ValueError(f"OUT: {out} exists and is not a HF checkpoint (no config.json); give a new directory")
+        raise ConfigError(f"OUT: {out} exists and is not a HF checkpoint (no config.json); give a new directory")
     cfg, _ = _run_config(step_dir)
     data_dir = Path(cfg.data.path)
     if not (data_dir / "meta.json").is_file():
-        raise ValueError(f"data.path: the run's dataset {data_dir} is gone (its tokenizer goes into the export); "
+        raise ConfigError(f"data.path: the run's dataset {data_dir} is gone (its tokenizer goes into the export); "
                          f"rebuild it with python scripts/prepare_data.py --out {data_dir} and the run's data settings")
     model_cfg = run_model_cfg(cfg, json.loads((data_dir / "meta.json").read_text()), data_dir)
     shape = LlamaShape.from_model_cfg(model_cfg)
@@ -190,7 +191,7 @@ def export_hf(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str =
 
     def get(name: str) -> torch.Tensor:
         if name not in state:
-            raise ValueError(f"SOURCE: {step_dir} holds no {name}; was it written by another model config?")
+            raise ConfigError(f"SOURCE: {step_dir} holds no {name}; was it written by another model config?")
         return state[name].to(torch.bfloat16)
 
     tensors = megatron_to_hf(get, shape)
@@ -222,12 +223,12 @@ def check_hf_init(path: str | os.PathLike, model_cfg: dict) -> LlamaShape:
     theirs = LlamaShape.from_hf_config(config, where)
     ours = LlamaShape.from_model_cfg(model_cfg)
     if theirs.vocab_size != ours.vocab_size:
-        raise ValueError(f"{where}: {path} has vocab_size {theirs.vocab_size}, the model {ours.vocab_size} (the data's "
+        raise ConfigError(f"{where}: {path} has vocab_size {theirs.vocab_size}, the model {ours.vocab_size} (the data's "
                          f"tokenizer when model.vocab_size is null); set model.vocab_size={theirs.vocab_size} and "
                          f"train on data tokenized with that checkpoint's tokenizer")
     diff = ours.differences(theirs)
     if diff:
-        raise ValueError(f"{where}: {path} has another shape than the model config: "
+        raise ConfigError(f"{where}: {path} has another shape than the model config: "
                          f"{', '.join(f'model.{k}={a} vs {b}' for k, a, b in diff)}; set "
                          f"{' '.join(f'model.{k}={str(b).lower() if isinstance(b, bool) else b}' for k, _, b in diff)}")
     return theirs
@@ -278,7 +279,7 @@ def load_hf_weights(chunks: list, path: str | os.PathLike, model_cfg: dict) -> i
                 whole = hf_to_megatron(name, get, shape)
                 part = _rank_slice(name, whole, param, tp, tp_rank)
                 if part.shape != param.shape:
-                    raise ValueError(f"model.init_from: {path}: {name} is {tuple(part.shape)} on this rank, the model "
+                    raise ConfigError(f"model.init_from: {path}: {name} is {tuple(part.shape)} on this rank, the model "
                                      f"holds {tuple(param.shape)}")
                 param.copy_(part)
                 done += 1

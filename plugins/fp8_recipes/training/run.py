@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fp8_recipes.checks import ConfigError
 from fp8_recipes.megatron.data import build_gpt_datasets, data_parallel_batches, prepare_dataset
 from fp8_recipes.observe.config import debug_config
 from fp8_recipes.plan import Hardware, ModelLayout, ParallelLayout, PrecisionPlan
@@ -44,7 +45,7 @@ def resolve_recipe(cfg) -> Any:
         return load_recipe("bf16")
     data = OmegaConf.to_container(node, resolve=True) if not isinstance(node, dict) else node
     if not data:
-        raise ValueError(f"recipe: {EMPTY_RECIPE}")
+        raise ConfigError(f"recipe: {EMPTY_RECIPE}")
     with _recipe_keys():
         return load_recipe(data)
 
@@ -101,7 +102,7 @@ def torch_dtype(name: str) -> "torch.dtype":
 
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
     if name not in table:
-        raise ValueError(f"trainer.params_dtype: {name!r} is not one of float32 | bfloat16")
+        raise ConfigError(f"trainer.params_dtype: {name!r} is not one of float32 | bfloat16")
     return table[name]
 
 
@@ -194,7 +195,7 @@ def run_model_cfg(cfg, meta: dict, data_dir: Path) -> dict:
     if model_cfg.get("vocab_size") is None:
         model_cfg["vocab_size"] = int(meta["vocab_size"])
     elif int(model_cfg["vocab_size"]) < int(meta["vocab_size"]):
-        raise ValueError(f"model.vocab_size: {model_cfg['vocab_size']} is smaller than the tokenizer's "
+        raise ConfigError(f"model.vocab_size: {model_cfg['vocab_size']} is smaller than the tokenizer's "
                          f"{meta['vocab_size']} ({data_dir}); set model.vocab_size=${{data.vocab_size}} or larger")
     return model_cfg
 
@@ -210,7 +211,7 @@ def check_engine_backend(trainer, backend) -> None:
                     ("use_precision_aware_optimizer", trainer.use_precision_aware_optimizer)):
         if on:
             value = "true" if isinstance(getattr(trainer, key), bool) else getattr(trainer, key)
-            raise ValueError(f"trainer.{key}={value} needs Transformer Engine (the te backend, on an FP8 GPU); the "
+            raise ConfigError(f"trainer.{key}={value} needs Transformer Engine (the te backend, on an FP8 GPU); the "
                              f"{backend} backend builds Megatron-Core's local layers and torch's AdamW: unset it here")
 
 
@@ -226,11 +227,11 @@ def check_fp8_param(trainer, plan) -> None:
     if not plan.fp8_param_layers():
         return
     if not trainer.use_distributed_optimizer:
-        raise ValueError("trainer.use_distributed_optimizer=false: recipe fp8_param: true needs Megatron-Core's "
+        raise ConfigError("trainer.use_distributed_optimizer=false: recipe fp8_param: true needs Megatron-Core's "
                          "distributed optimizer (it re-quantizes the FP8 weights from its fp32 main params); set "
                          "trainer.use_distributed_optimizer=true")
     if str(trainer.params_dtype) not in ("bf16", "bfloat16"):
-        raise ValueError(f"trainer.params_dtype={trainer.params_dtype}: recipe fp8_param: true stores the FP8 layers' "
+        raise ConfigError(f"trainer.params_dtype={trainer.params_dtype}: recipe fp8_param: true stores the FP8 layers' "
                          f"weights as FP8 tensors standing for BF16 ones; set trainer.params_dtype=bf16")
 
 
@@ -269,7 +270,7 @@ def run_training(cfg) -> dict:
 
     with same_on_every_rank():
         if tcfg.device == "gpu" and hardware.device != "cuda":
-            raise ValueError("trainer.device=gpu: this machine has no CUDA GPU; train on the CPU with trainer=cpu (or "
+            raise ConfigError("trainer.device=gpu: this machine has no CUDA GPU; train on the CPU with trainer=cpu (or "
                              "trainer.device=auto)")
         gbs, mbs = tcfg.global_batch_size, tcfg.micro_batch_size
         layout = {"tensor_model_parallel_size": tcfg.tensor_model_parallel_size,
