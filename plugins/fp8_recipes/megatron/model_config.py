@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fp8_recipes.checks import check_keys, choice_error, is_int, is_number
+from fp8_recipes.checks import ConfigError, check_keys, choice_error, is_int, is_number
 
 __all__ = ["MODEL_CHOICES", "MODEL_MAX", "MODEL_OPTIONAL", "MODEL_REQUIRED", "check_model_cfg"]
 
@@ -37,52 +37,52 @@ def check_model_cfg(cfg: Mapping[str, Any], *, vocab_may_be_unset: bool = False,
     check_keys("model", cfg, known)
     for key in MODEL_REQUIRED:
         if cfg.get(key) is None and not (key == "vocab_size" and vocab_may_be_unset):
-            raise ValueError(f"model.{key} is required (got no value); set model.{key}=<integer>")
+            raise ConfigError(f"model.{key} is required (got no value); set model.{key}=<integer>")
     for key in _MODEL_POSITIVE_INTS:
         v = cfg.get(key)
         if v is not None and (not is_int(v) or v < 1):
-            raise ValueError(f"model.{key}={v!r}: must be an integer >= 1")
+            raise ConfigError(f"model.{key}={v!r}: must be an integer >= 1")
         if v is not None and v > MODEL_MAX[key]:
-            raise ValueError(f"model.{key}={v}: larger than this plugin supports (at most {MODEL_MAX[key]:,}); "
+            raise ConfigError(f"model.{key}={v}: larger than this plugin supports (at most {MODEL_MAX[key]:,}); "
                              f"lower model.{key}")
     for key, choices in MODEL_CHOICES.items():
         if key in cfg and cfg[key] not in choices:
             raise choice_error(f"model.{key}", cfg[key], choices)
     for key in ("share_embeddings_and_output_weights", "add_bias_linear"):
         if key in cfg and not isinstance(cfg[key], bool):
-            raise ValueError(f"model.{key}={cfg[key]!r}: must be true or false")
+            raise ConfigError(f"model.{key}={cfg[key]!r}: must be true or false")
     for key in ("hidden_dropout", "attention_dropout"):
         v = cfg.get(key)
         if v is not None and not (is_number(v) and 0 <= v < 1):
-            raise ValueError(f"model.{key}={v!r}: must lie in [0, 1)")
+            raise ConfigError(f"model.{key}={v!r}: must lie in [0, 1)")
     for key in ("init_method_std", "rotary_base", "layernorm_epsilon"):
         v = cfg.get(key)
         if v is not None and not (is_number(v) and v > 0):
-            raise ValueError(f"model.{key}={v!r}: must be a number > 0")
+            raise ConfigError(f"model.{key}={v!r}: must be a number > 0")
     init_from = cfg.get("init_from")
     if init_from is not None:  # training/hf.py checks the vocabulary and the shape once the model config is final
         if not (isinstance(init_from, str) and init_from.startswith("hf:") and len(init_from) > 3):
-            raise ValueError(f"model.init_from={init_from!r}: give hf:PATH (a Hugging Face Llama checkpoint "
+            raise ConfigError(f"model.init_from={init_from!r}: give hf:PATH (a Hugging Face Llama checkpoint "
                              f"directory) or null")
         if not (Path(init_from[3:]) / "config.json").is_file():
-            raise ValueError(f"model.init_from: {init_from[3:]} has no config.json; give hf:PATH of a Hugging Face "
+            raise ConfigError(f"model.init_from: {init_from[3:]} has no config.json; give hf:PATH of a Hugging Face "
                              f"checkpoint directory (fp8-recipes export RUN --to hf PATH writes one)")
     heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
     if hidden % heads:
-        raise ValueError(f"model.hidden_size={hidden} is not divisible by model.num_attention_heads={heads}; "
+        raise ConfigError(f"model.hidden_size={hidden} is not divisible by model.num_attention_heads={heads}; "
                          f"pick heads that divide it")
     head_dim = hidden // heads
     rope = cfg.get("position_embedding_type", "rope") == "rope"
     if head_dim < 2 or (rope and head_dim % 2):
         need = "an even number (rotary embeddings rotate pairs)" if rope else "at least 2"
-        raise ValueError(f"model.num_attention_heads={heads}: the head dimension model.hidden_size / "
+        raise ConfigError(f"model.num_attention_heads={heads}: the head dimension model.hidden_size / "
                          f"model.num_attention_heads = {head_dim} must be {need}; use fewer heads")
     groups = cfg.get("num_query_groups")
     if groups is not None and heads % groups:
-        raise ValueError(f"model.num_query_groups={groups} does not divide model.num_attention_heads={heads}")
+        raise ConfigError(f"model.num_query_groups={groups} does not divide model.num_attention_heads={heads}")
     if tensor_parallel > 1:
         for key in ("num_attention_heads", "num_query_groups"):
             v = cfg.get(key)
             if v is not None and v % tensor_parallel:
-                raise ValueError(f"model.{key}={v} is not divisible by trainer.tensor_model_parallel_size="
+                raise ConfigError(f"model.{key}={v} is not divisible by trainer.tensor_model_parallel_size="
                                  f"{tensor_parallel}")
