@@ -222,3 +222,38 @@ def test_a_file_system_without_locks_builds_with_a_warning(tmp_path, monkeypatch
     with pytest.warns(UserWarning, match="no lock on .*Function not implemented"):
         train, _, _ = build_gpt_datasets(out, seq_length=16, seed=7, num_samples=(40, 4, 4), split="6,3,3")
     assert len(train) >= 40
+
+
+def test_truncated_corpus_is_named_and_prepared_again(tmp_path, caplog):
+    """Issue 19: a truncated corpus.bin/.idx is one line naming data.path; prepare_dataset (every training start)
+    sees the damage against meta.json's sizes and prepares the dataset again."""
+    src = write_corpus(tmp_path / "src")
+    out = prepare_dataset(src, tmp_path / "ds", "bytes")
+    assert set(json.loads((out / "meta.json").read_text())["sizes"]) == {"corpus.bin", "corpus.idx"}
+    for name in ("corpus.bin", "corpus.idx"):
+        good = (out / name).read_bytes()
+        (out / name).write_bytes(good[: len(good) // 2])
+        with pytest.raises(ValueError) as e:
+            build_gpt_datasets(out, 8, 1, (None, None, None), split="2,1,1")
+        assert str(e.value).startswith(f"data.path: '{out}' is damaged ({name} has ") and "\n" not in str(e.value)
+        assert "scripts/prepare_data.py" in str(e.value)
+        with caplog.at_level("WARNING"):
+            prepare_dataset(src, out, "bytes")
+        assert f"data.path: {out} is damaged ({name} has" in caplog.text
+        assert (out / name).read_bytes() == good
+        build_gpt_datasets(out, 8, 1, (None, None, None), split="2,1,1")
+
+
+def test_damaged_megatron_index_cache_is_rebuilt(tmp_path, caplog):
+    """Issue 19: a truncated index .npy in Megatron-Core's cache is removed with one warning and built again."""
+    out = prepare_dataset(write_corpus(tmp_path / "src", DOCS * 3), tmp_path / "ds", "bytes")
+    first = build_gpt_datasets(out, seq_length=8, seed=1, num_samples=(None, None, None), split="2,1,1")[0]
+    cached = {p.name: p.read_bytes() for p in (out / "cache").glob("*.npy")}
+    damaged = min((out / "cache").glob("*-sample_index.npy"))
+    damaged.write_bytes(cached[damaged.name][:-7])
+    with caplog.at_level("WARNING"):
+        again = build_gpt_datasets(out, seq_length=8, seed=1, num_samples=(None, None, None), split="2,1,1")[0]
+    warned = [r for r in caplog.records if "index cache" in r.getMessage()]
+    assert len(warned) == 1 and "rebuilding it" in warned[0].getMessage()
+    assert {p.name: p.read_bytes() for p in (out / "cache").glob("*.npy")} == cached
+    assert len(again) == len(first) and torch.equal(again[0]["tokens"], first[0]["tokens"])

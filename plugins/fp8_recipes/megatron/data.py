@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
 import sys
@@ -27,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from fp8_recipes.checks import ConfigError
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Tokenizer", "default_corpus_files", "prepare_dataset", "build_gpt_datasets", "batches",
            "data_parallel_batches", "repeated_batch"]
@@ -205,6 +208,24 @@ def _read_meta(data_dir: Path) -> dict | None:
     return meta if complete and isinstance(meta, dict) and meta.get("format") == FORMAT else None
 
 
+def corpus_damage(data_dir: Path, meta: dict) -> str | None:
+    """What is wrong with a prepared dataset's corpus.bin / corpus.idx (a truncated copy, a disk that filled up),
+    or None: their sizes against those meta.json recorded (datasets prepared before sizes were recorded: the
+    .bin against num_tokens)."""
+    sizes = meta.get("sizes")
+    if not isinstance(sizes, dict):
+        itemsize = 2 if int(meta.get("vocab_size", 0)) < 65500 else 4  # Megatron's DType.optimal_dtype
+        sizes = {f"{PREFIX}.bin": int(meta.get("num_tokens", -1)) * itemsize}
+    for name, size in sizes.items():
+        try:
+            have = (data_dir / name).stat().st_size
+        except OSError as e:
+            return f"{name}: {e.strerror}"
+        if have != size:
+            return f"{name} has {have:,} bytes, meta.json says {size:,}"
+    return None
+
+
 def prepare_dataset(
     inputs: str | os.PathLike | Sequence[str | os.PathLike] | None,
     out_dir: str | os.PathLike,
@@ -240,7 +261,10 @@ def prepare_dataset(
 
     old = _read_meta(out_dir)
     if old and old["data_hash"] == data_hash and old["tokenizer"] == settings:
-        return out_dir  # the fast path every training start takes
+        damage = corpus_damage(out_dir, old)
+        if damage is None:
+            return out_dir  # the fast path every training start takes
+        logger.warning("data.path: %s is damaged (%s); preparing it again from its inputs", out_dir, damage)
     if out_dir.exists() and not old and any(out_dir.iterdir()):
         raise ConfigError(f"data.path: {str(out_dir)!r} exists and is not a dataset written by prepare_data.py; "
                          "point it at a new or empty directory")
@@ -260,6 +284,7 @@ def prepare_dataset(
             "data_hash": data_hash, "json_key": json_key, "sources": sources,
             "licence": STDLIB_LICENCE if default else "as given by the sources' owners",
             "python": sys.version.split()[0], "build_seconds": round(time.perf_counter() - start, 2),
+            "sizes": {name: (tmp / name).stat().st_size for name in (f"{PREFIX}.bin", f"{PREFIX}.idx")},
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
         _move_into_place(tmp, out_dir, data_hash, settings)
@@ -317,6 +342,10 @@ def build_gpt_datasets(
     if meta is None:
         raise ConfigError(f"data.path: {str(data_dir)!r} holds no complete prepared dataset; "
                          f"run `python scripts/prepare_data.py --out {data_dir}` first")
+    damage = corpus_damage(data_dir, meta)
+    if damage is not None:
+        raise ConfigError(f"data.path: {str(data_dir)!r} is damaged ({damage}); prepare it again with `python "
+                          f"scripts/prepare_data.py --out {data_dir}` (training re-prepares it itself from data.inputs)")
     if len(num_samples) != 3:
         raise ValueError(f"num_samples: {tuple(num_samples)} must be (train, valid, test)")
     _check_split(split, int(meta["num_documents"]), num_samples)
@@ -340,7 +369,9 @@ def build_gpt_datasets(
         )
         # lambda: True = "this rank builds the indices": fine without torch.distributed. Never compile_helpers():
         # the helpers ship compiled in the wheel, and that call exits the process.
-        with _cache_lock(data_dir / "cache"):
+        with _cache_lock(data_dir / "cache") as builder:
+            if builder:
+                _drop_damaged_index_cache(data_dir / "cache")
             train, valid, test = BlendedMegatronDatasetBuilder(
                 GPTDataset, list(num_samples), lambda: True, config
             ).build()
@@ -348,22 +379,23 @@ def build_gpt_datasets(
 
 
 @contextlib.contextmanager
-def _cache_lock(cache_dir: Path) -> Iterator[None]:
+def _cache_lock(cache_dir: Path) -> Iterator[bool]:
     """Runs that share a prepared dataset share its index cache, and Megatron-Core writes the cache files in place
     (no temporary name): a second run's builder that finds a file still being written reads a truncated one
     (``EOFError: No data left in file``). Within a run Megatron builds on rank 0 first and the other ranks read
     after a barrier, so rank 0 of each run (or a run without torch.distributed) holds an exclusive lock on the
     cache for its whole build; other ranks take none (they wait at that barrier, not here). Where ``fcntl`` does
-    not exist (Windows) or the file system refuses locks, nothing is locked (with a warning for the latter)."""
+    not exist (Windows) or the file system refuses locks, nothing is locked (with a warning for the latter).
+    Yields whether this rank builds the cache (and may repair it)."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - not on Linux
-        yield
+        yield True
         return
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
-        yield
+        yield False
         return
     cache_dir.mkdir(parents=True, exist_ok=True)
     with open(cache_dir / ".lock", "w") as lock:
@@ -372,7 +404,34 @@ def _cache_lock(cache_dir: Path) -> Iterator[None]:
         except OSError as e:  # a file system without locks (Lustre mounted without -o flock): build as before
             warnings.warn(f"data: no lock on {cache_dir} ({e.strerror}); runs that share this dataset should not "
                           "start at the same moment", stacklevel=2)
-        yield
+        yield True
+
+
+def _drop_damaged_index_cache(cache_dir: Path) -> None:
+    """Megatron-Core reuses its index files (``<hash>-GPTDataset-<split>-{document,sample,shuffle}_index.npy``)
+    whenever they exist, and a truncated one ends in a reshape or EOF traceback. Each .npy's size is checked against
+    its header; the files of a damaged set are removed (one warning line) so that the builder writes them again."""
+    import numpy as np
+
+    for path in sorted(cache_dir.glob("*.npy")) if cache_dir.is_dir() else []:
+        if not path.exists():  # removed with a damaged file of its set
+            continue
+        try:
+            with open(path, "rb") as f:
+                version = np.lib.format.read_magic(f)
+                read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                    np.lib.format.read_array_header_2_0
+                shape, _, dtype = read_header(f)
+                expected = f.tell() + int(np.prod(shape)) * dtype.itemsize
+            if path.stat().st_size == expected:
+                continue
+            damage = f"{path.stat().st_size:,} bytes of {expected:,}"
+        except (OSError, ValueError, EOFError) as e:
+            damage = str(e).splitlines()[0] if str(e) else type(e).__name__
+        stem = path.name.split("-", 1)[0]  # the dataset description's hash: the set Megatron builds together
+        for other in cache_dir.glob(f"{stem}-*"):
+            other.unlink(missing_ok=True)
+        logger.warning("data: Megatron's index cache %s is damaged (%s); rebuilding it", path, damage)
 
 
 def _check_split(split: str, num_documents: int, num_samples: Sequence[int | None]) -> None:
