@@ -154,7 +154,8 @@ def recipe_file_overrides(overrides: list[str]) -> list[str]:
     names a recipe Hydra can compose: the file, its defaults list applied, goes into Hydra's ConfigStore as the
     option ``file:<stem>`` of the group ``recipe``, and the override names that option. Overrides of its keys
     (``recipe.weights.scaling=...``) then work as for a pack recipe, and its problems are named ``recipe.<key>``
-    when the run checks it. A missing or empty file is a RecipeError here."""
+    when the run checks it. A missing or empty file is a RecipeError here. ``+recipe=NAME`` of the pack stays as
+    it is, after its file (and its defaults) passed the guarded YAML reader: unsafe YAML is a RecipeError here too."""
     out = []
     for override in overrides:
         key, eq, value = override.partition("=")
@@ -168,5 +169,9 @@ def recipe_file_overrides(overrides: list[str]) -> list[str]:
             option = f"file:{path.stem}"
             ConfigStore.instance().store(group="recipe", name=option, node=data)
             override = f"{key}={option}"
+        elif eq and key.lstrip("+") == "recipe" and value.strip("'\"") in recipe_names():
+            # Hydra reads the pack's files with its own YAML loader (duplicate keys, tags, alias bombs pass or end
+            # in tracebacks there): the guarded reader first, the recipe and its defaults chain, one line if bad
+            load_recipe_dict(value.strip("'\""))
         out.append(override)
     return out

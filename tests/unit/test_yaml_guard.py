@@ -113,3 +113,22 @@ def test_seed_is_bounded():
     with pytest.raises(ValueError, match=r"^trainer.seed=18446744073709551616: must be below 2\*\*32"):
         TrainerConfig.from_cfg({"seed": 2**64})
     TrainerConfig.from_cfg({"seed": 2**32 - 1})
+
+
+@pytest.mark.parametrize("case", ["alias bomb", "duplicate key", "not UTF-8"])
+def test_pack_recipes_go_through_it_before_hydra(tmp_path, monkeypatch, case):
+    """+recipe=NAME of the pack: Hydra would read the file with its own loader; scripts/train.py's pre-compose
+    step (recipe_file_overrides) reads it, and the recipes of its defaults list, through the guard first."""
+    from fp8_recipes import recipes
+
+    data, message = CASES[case]
+    (tmp_path / "base.yaml").write_bytes(data)
+    (tmp_path / "mine.yaml").write_text("defaults: [base, _self_]\nname: mine\n")
+    (tmp_path / "good.yaml").write_text("name: good\nweights: tensorwise\n")
+    monkeypatch.setattr(recipes, "recipes_dir", lambda: tmp_path)
+    for name, bad in (("base", "base"), ("mine", "base")):
+        with pytest.raises(RecipeError) as e:
+            recipes.recipe_file_overrides([f"+recipe={name}", "trainer.max_steps=2"])
+        assert str(e.value).startswith(f"{tmp_path / bad}.yaml: ") and message in str(e.value)
+        assert "\n" not in str(e.value)
+    assert recipes.recipe_file_overrides(["+recipe=good", "recipe=nosuch"]) == ["+recipe=good", "recipe=nosuch"]
