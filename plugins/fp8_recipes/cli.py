@@ -73,7 +73,7 @@ def _cmd_explain(args) -> int:
 
 def _cmd_memory(args) -> int:
     # this command's own (module docstring)
-    from fp8_recipes.memory import LLAMA3, OptimizerPrecision, estimate_memory, format_estimate
+    from fp8_recipes.memory import LLAMA3, OptimizerPrecision, estimate_stages, format_estimate
 
     if args.model in LLAMA3:
         model = LLAMA3[args.model]
@@ -95,7 +95,9 @@ def _cmd_memory(args) -> int:
         grad_reduce_in_fp32=not args.grad_reduce_in_bf16, **dtypes)
     common = {"micro_batch_size": args.mbs, "seq_length": args.seq, "fp8": args.fp8, "fp8_param": args.fp8_param,
               "distributed_optimizer": not args.replicated_optimizer, "optimizer": optimizer}
-    print(format_estimate(args.model, layout, estimate_memory(model, layout, **common), **common))
+    stages = estimate_stages(model, layout, num_microbatches=args.microbatches, **common)
+    peak = max(stages, key=lambda s: s.total)
+    print(format_estimate(args.model, layout, peak, stages=stages, **common))
     return 0
 
 
@@ -169,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
         m.add_argument(f"--{key}", choices=choices, default="fp32", help=f"trainer.{key.replace('-', '_')}")
     m.add_argument("--grad-reduce-in-bf16", action="store_true", help="trainer.grad_reduce_in_fp32=false: BF16 "
                    "gradient buffer (the main grads)")
+    m.add_argument("--microbatches", type=int, default=None, metavar="N",
+                   help="micro-batches per step (caps those in flight; default: enough to fill the pipeline)")
     m.set_defaults(fn=_cmd_memory)
     d = sub.add_parser("doctor", help="diagnose a run and propose a recipe change (exit 0 healthy, 1 problem)")
     d.add_argument("run_dir", metavar="RUN_DIR", help="a scripts/train.py run directory (metrics.jsonl, ...)")

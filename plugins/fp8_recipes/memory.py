@@ -1,9 +1,10 @@
 """Memory per GPU of a Megatron-Core GPT at a parallel layout: weights, gradients, optimizer state, FP8 weight copies,
-activations and the LM head's logits, for the GPU whose pipeline stage needs the most.
+activations and the LM head's logits, per pipeline stage, and the stage that needs the most.
 
     estimate = estimate_memory(model_cfg, ParallelLayout(tp=8, pp=8, dp=16), micro_batch_size=1, seq_length=8192,
                                fp8=True, distributed_optimizer=True)
     estimate.total_gib, estimate.rows()
+    [s.total_gib for s in estimate_stages(model_cfg, ParallelLayout(tp=8, pp=8, dp=16), ...)]
 
 Pure arithmetic (no torch), in bytes, what this project's engine allocates (training/engine.py, Megatron-Core 0.19
 with Transformer Engine's layers; the optimizer keys are the trainer's, `OptimizerPrecision`):
@@ -21,13 +22,16 @@ with Transformer Engine's layers; the optimizer keys are the trainer's, `Optimiz
   s x s scores): the residual and norm inputs and outputs (h each), q/k/v (h + 2 x groups x head dim), the
   attention output (h), the MLP's fc1 output (2 x ffn for SwiGLU, ffn otherwise) and fc2's input (ffn), in BF16;
   under FP8 the norm outputs and fc2's input are kept as FP8 (1 byte) and the attention output gets an FP8 copy.
-  Tensor parallelism divides the sharded ones, sequence parallelism the rest, context parallelism all. 1F1B keeps
-  ``pp`` micro-batches in flight on the first stage (``pp + (pp - 1) / vpp`` interleaved); full recompute keeps
-  only each layer's input, plus one layer's activations while it is recomputed;
+  Tensor parallelism divides the sharded ones, sequence parallelism the rest, context parallelism all. Each stage
+  holds the activations of the micro-batches in flight at its peak (`microbatches_in_flight`, from Megatron-Core's
+  schedules); full recompute keeps only each layer's input, plus one layer's activations while it is recomputed;
 - logits: the last stage's [s, b, vocab / tp] logits in BF16, their fp32 copy in the fused cross-entropy and their
-  BF16 gradient: 8 bytes per element.
+  BF16 gradient: 8 bytes per element (one micro-batch: the last stage runs each backward right after its forward).
 
-Checked against peaks measured on one H200 (docs/scale.md, tests/unit/test_memory.py).
+The first stage holds the embedding, the last the LM head (with tied embeddings and pp > 1, its own copy of the
+embedding) and the final norm, every stage num_layers / pp layers
+(the trainer splits layers evenly: it has no uneven-split keys). Checked against peaks measured on one H200
+(docs/scale.md, tests/unit/test_memory.py).
 """
 
 from __future__ import annotations
@@ -38,8 +42,8 @@ from typing import Any
 
 from fp8_recipes.plan import ParallelLayout
 
-__all__ = ["GIB", "LLAMA3", "MemoryEstimate", "OptimizerPrecision", "estimate_memory", "format_estimate",
-           "parameter_counts"]
+__all__ = ["GIB", "LLAMA3", "MemoryEstimate", "OptimizerPrecision", "estimate_memory", "estimate_stages",
+           "format_estimate", "microbatches_in_flight", "parameter_counts"]
 
 GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -148,7 +152,11 @@ class MemoryEstimate:
     activations: float
     logits: float
     stage: int
-    """The pipeline stage this estimate is for (the one that needs the most)."""
+    """The pipeline stage this estimate is for (`estimate_memory`: the one that needs the most)."""
+    layers: int = 0
+    """Transformer layers on this stage (all its virtual chunks)."""
+    in_flight: float = 1.0
+    """Micro-batches whose activations the stage holds at its peak, in whole-stage micro-batches."""
 
     @property
     def total(self) -> float:
@@ -161,6 +169,22 @@ class MemoryEstimate:
     def rows(self) -> list[tuple[str, float]]:
         """(part, GiB) for a table."""
         return [(name, getattr(self, name) / GIB) for name in PARTS] + [("total", self.total_gib)]
+
+
+def microbatches_in_flight(layout: ParallelLayout, stage: int, num_microbatches: int | None = None) -> float:
+    """Micro-batches whose activations `stage` holds at its peak, in whole-stage micro-batches: the warm-up forwards
+    plus the one of the first 1F1B step, as Megatron-Core's ``get_pp_rank_microbatches`` counts them (capped by the
+    micro-batches of a step, None = enough to fill the pipeline). 1F1B: pp - stage. Interleaved (vpp chunks, groups of
+    pp micro-batches per chunk): (2 x (pp - stage - 1) + (vpp - 1) x pp + 1) chunk-micro-batches, each holding 1/vpp
+    of the stage's layers; the first stage's pp + (pp - 1) / vpp."""
+    if layout.pp == 1:
+        return 1.0
+    vpp = layout.vpp or 1
+    warmup = layout.pp - stage - 1 if layout.vpp is None else 2 * (layout.pp - stage - 1) + (vpp - 1) * layout.pp
+    chunk_microbatches = warmup + 1
+    if num_microbatches is not None:
+        chunk_microbatches = min(chunk_microbatches, num_microbatches * vpp)
+    return chunk_microbatches / vpp
 
 
 def _activation_bytes_per_token_layer(model: Mapping[str, Any], layout: ParallelLayout, *, fp8: bool,
@@ -181,11 +205,11 @@ def _activation_bytes_per_token_layer(model: Mapping[str, Any], layout: Parallel
     return bf16 - norm_out - ffn / t + h / t
 
 
-def estimate_memory(model: Mapping[str, Any], layout: ParallelLayout, *, micro_batch_size: int, seq_length: int,
+def estimate_stages(model: Mapping[str, Any], layout: ParallelLayout, *, micro_batch_size: int, seq_length: int,
                     fp8: bool, distributed_optimizer: bool = True, sequence_parallel: bool | None = None,
                     recompute: str | None = None, num_microbatches: int | None = None,
-                    optimizer: OptimizerPrecision | None = None, fp8_param: bool = False) -> MemoryEstimate:
-    """Bytes per GPU on the pipeline stage that needs the most (see the module docstring)."""
+                    optimizer: OptimizerPrecision | None = None, fp8_param: bool = False) -> list[MemoryEstimate]:
+    """Bytes per GPU on each pipeline stage, first to last (see the module docstring)."""
     opt = optimizer or OptimizerPrecision()
     if fp8_param and not fp8:
         raise ValueError("fp8_param: FP8-stored weights need an FP8 recipe (--fp8)")
@@ -197,45 +221,56 @@ def estimate_memory(model: Mapping[str, Any], layout: ParallelLayout, *, micro_b
     sp = layout.tp > 1 if sequence_parallel is None else sequence_parallel
     per_stage_layers = counts["layers"] // layout.pp
     tokens = micro_batch_size * seq_length / layout.cp  # per micro-batch, on this rank
-    in_flight = layout.pp if layout.vpp is None else layout.pp + (layout.pp - 1) / layout.vpp
-    if num_microbatches is not None:
-        in_flight = min(in_flight, num_microbatches)
     per_layer = _activation_bytes_per_token_layer(model, layout, fp8=fp8, sequence_parallel=sp) * tokens
     h = int(model["hidden_size"])
     shards = layout.dp * layout.cp if distributed_optimizer else 1
-    best: MemoryEstimate | None = None
+    stages = []
     for stage in range(layout.pp):
         first, last = stage == 0, stage == layout.pp - 1
+        # tied embeddings: a last stage that is not the first keeps its own copy of the embedding for the LM head
+        # (Megatron-Core's GPTModel allocates output_layer's weight there, synchronised with the first stage's)
+        head = counts["output_layer"] if counts["output_layer"] or first else counts["embedding"]
         params = (per_stage_layers * counts["layer"] + (counts["embedding"] if first else 0)
-                  + ((counts["output_layer"] + counts["final_norm"]) if last else 0)) / layout.tp
+                  + ((head + counts["final_norm"]) if last else 0)) / layout.tp
         linears = per_stage_layers * counts["layer_linears"] / layout.tp
         fp8_stored = linears if fp8_param else 0.0  # the FP8 layers' linear weights; norms, embedding, head stay BF16
         state = ((params - fp8_stored) * (opt.moment_bytes + opt.main_param_bytes(fp8_param=fp8_param))
                  + fp8_stored * (opt.moment_bytes + opt.main_param_bytes(fp8_param=True)))
-        # micro-batches in flight on this stage: pp - stage under 1F1B (the first stage holds the most)
-        flight = max(1.0, in_flight - stage)
+        flight = microbatches_in_flight(layout, stage, num_microbatches)
         if recompute == "full":
             acts = flight * per_stage_layers * tokens * 2 * h / (layout.tp if sp else 1) + per_layer
         else:
             acts = flight * per_stage_layers * per_layer
         logits = 8 * tokens * int(model["vocab_size"]) / layout.tp if last else 0.0
-        estimate = MemoryEstimate(weights=2 * (params - fp8_stored), grads=opt.grad_bytes * params,
-                                  optimizer=state / shards, fp8_weights=2 * linears if fp8 else 0.0,
-                                  activations=acts, logits=logits, stage=stage)
-        if best is None or estimate.total > best.total:
-            best = estimate
-    assert best is not None
-    return best
+        stages.append(MemoryEstimate(weights=2 * (params - fp8_stored), grads=opt.grad_bytes * params,
+                                     optimizer=state / shards, fp8_weights=2 * linears if fp8 else 0.0,
+                                     activations=acts, logits=logits, stage=stage, layers=per_stage_layers,
+                                     in_flight=flight))
+    return stages
+
+
+def estimate_memory(model: Mapping[str, Any], layout: ParallelLayout, **kwargs: Any) -> MemoryEstimate:
+    """Bytes per GPU on the pipeline stage that needs the most (the first of equals); the keywords of
+    `estimate_stages`."""
+    return max(estimate_stages(model, layout, **kwargs), key=lambda s: s.total)
 
 
 def format_estimate(name: str, layout: ParallelLayout, estimate: MemoryEstimate, *, micro_batch_size: int,
                     seq_length: int, fp8: bool, distributed_optimizer: bool, fp8_param: bool = False,
-                    optimizer: OptimizerPrecision | None = None) -> str:
-    """The estimate as the lines `fp8-recipes memory` prints."""
+                    optimizer: OptimizerPrecision | None = None,
+                    stages: list[MemoryEstimate] | None = None) -> str:
+    """The estimate as the lines `fp8-recipes memory` prints: the peak stage's parts, then one row per stage."""
     opt = optimizer or OptimizerPrecision()
     precision = "BF16" if not fp8 else "FP8 (per-tensor scaling" + (", FP8-stored weights)" if fp8_param else ")")
     lines = [(f"{name}: {layout.describe()}, micro-batch {micro_batch_size}, seq {seq_length}, {precision}, "
               f"{'distributed' if distributed_optimizer else 'replicated'} optimizer ({opt.describe()}); "
               f"pipeline stage {estimate.stage}")]
     lines += [f"  {part:<12} {gib:8.1f} GiB" for part, gib in estimate.rows()]
+    if stages and len(stages) > 1:
+        lines.append(f"  per stage, GiB ({len(stages)} stages; peak: stage {estimate.stage}):")
+        lines.append(f"  {'stage':>5} {'layers':>6} {'in flight':>9} " + " ".join(f"{p:>11}" for p in PARTS)
+                     + f" {'total':>7}")
+        for s in stages:
+            lines.append(f"  {s.stage:>5} {s.layers:>6} {s.in_flight:>9.2f} "
+                         + " ".join(f"{getattr(s, p) / GIB:>11.1f}" for p in PARTS) + f" {s.total_gib:>7.1f}")
     return "\n".join(lines)

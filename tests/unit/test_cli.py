@@ -31,7 +31,7 @@ SURFACE = {
     "validate": (["recipes"], []),
     "explain": (["recipe"], ["--detect", "--layers", "--layout", "--steps"]),
     "memory": (["model"], ["--exp-avg-dtype", "--exp-avg-sq-dtype", "--fp8", "--fp8-param", "--grad-reduce-in-bf16",
-                           "--layout", "--main-params-dtype", "--mbs", "--precision-aware-optimizer",
+                           "--layout", "--main-params-dtype", "--mbs", "--microbatches", "--precision-aware-optimizer",
                            "--replicated-optimizer", "--seq"]),
     "doctor": (["run_dir"], ["--baseline", "--write"]),
     "export": (["out", "source"], ["--block", "--dtype", "--to"]),

@@ -10,7 +10,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from fp8_recipes import cli
-from fp8_recipes.memory import GIB, LLAMA3, OptimizerPrecision, estimate_memory, parameter_counts
+from fp8_recipes.memory import (GIB, LLAMA3, OptimizerPrecision, estimate_memory, estimate_stages,
+                                microbatches_in_flight, parameter_counts)
 from fp8_recipes.plan import ParallelLayout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -127,11 +128,43 @@ def test_optimizer_keys_are_the_trainers():
                                             "exp_avg_dtype": "bf16"}).moment_bytes == 6
 
 
-def test_memory_command_takes_the_optimizer_keys(capsys):
+def test_microbatches_in_flight_as_megatron_core_schedules_them():
+    pp4 = ParallelLayout(pp=4)
+    assert [microbatches_in_flight(pp4, k) for k in range(4)] == [4, 3, 2, 1]  # 1F1B: pp - stage
+    assert [microbatches_in_flight(pp4, k, num_microbatches=2) for k in range(4)] == [2, 2, 2, 1]
+    # interleaved, 2 chunks: warm-up 2 x (pp - stage - 1) + (vpp - 1) x pp chunk-micro-batches, + 1, halves
+    vpp = ParallelLayout(pp=4, vpp=2)
+    assert [microbatches_in_flight(vpp, k) for k in range(4)] == [11 / 2, 9 / 2, 7 / 2, 5 / 2]
+    assert microbatches_in_flight(ParallelLayout(pp=8, vpp=4), 0) == 8 + 7 / 4
+    assert microbatches_in_flight(ParallelLayout(), 0) == 1
+
+
+def test_stages_embedding_first_head_and_logits_last():
+    first, last = estimate_stages(SMALL, ParallelLayout(pp=2), micro_batch_size=1, seq_length=32, fp8=False)
+    layer = 36_992
+    assert first.weights == 2 * (2 * layer + 256 * 64)  # two layers + the embedding
+    assert last.weights == 2 * (2 * layer + 256 * 64 + 64)  # two layers + the LM head + the final norm
+    per_token_layer = 2 * (2 * 64 + 2 * 64 + (128 + 64 + 2 * 128 + 128))  # BF16, no TP: 1,664 bytes
+    assert first.activations == 2 * 2 * 32 * per_token_layer and first.in_flight == 2  # 2 micro-batches in flight
+    assert last.activations == 1 * 2 * 32 * per_token_layer and last.in_flight == 1
+    assert first.logits == 0 and last.logits == 8 * 32 * 256  # BF16 logits + fp32 copy + BF16 gradient
+    assert small(ParallelLayout(pp=2)) == first  # the peak: the first stage's second micro-batch outweighs the head
+    tied = {**SMALL, "share_embeddings_and_output_weights": True}
+    one, = estimate_stages(tied, ParallelLayout(), micro_batch_size=1, seq_length=32, fp8=False)
+    assert one.weights == 2 * (SMALL_PARAMS - 256 * 64)  # one embedding matrix, shared by the head
+    _, tied_last = estimate_stages(tied, ParallelLayout(pp=2), micro_batch_size=1, seq_length=32, fp8=False)
+    assert tied_last.weights == last.weights  # the last stage keeps its own copy of the embedding for the head
+
+
+def test_memory_command_prints_the_stages(capsys):
     assert cli.main(["memory", "llama3-70b", "--layout", "tp=8,pp=4,dp=2", "--fp8", "--fp8-param",
                      "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]) == 0
     out = capsys.readouterr().out
     assert "FP8-stored weights" in out and "precision-aware: moments bf16/bf16, main params fp32" in out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["0"], ["1"], ["2"], ["3"])]
+    assert [r[:3] for r in rows] == [["0", "20", "4.00"], ["1", "20", "3.00"], ["2", "20", "2.00"], ["3", "20", "1.00"]]
+    assert cli.main(["memory", "llama3-8b", "--layout", "dp=8"]) == 0
+    assert "per stage" not in capsys.readouterr().out
     assert cli.main(["memory", "llama3-8b", "--fp8-param"]) == 1
     assert "--fp8" in capsys.readouterr().err
 
@@ -204,8 +237,23 @@ def scale_rows() -> list[str]:
     return rows
 
 
-def test_scale_table_is_the_estimators():
+STAGE_LAYOUTS = [("llama3-8b", "pp=2,dp=4"), ("llama3-70b", "tp=4,pp=4,vpp=5,cp=2,dp=4"),
+                 ("llama3-405b", "tp=8,pp=9,cp=2,dp=4")]
+
+
+def stage_rows() -> list[str]:
+    """docs/scale.md's per-stage table: FP8, distributed optimizer; (micro-batches in flight) and GiB per stage."""
+    rows = []
+    for name, text in STAGE_LAYOUTS:
+        stages = estimate_stages(LLAMA3[name], ParallelLayout.parse(text), micro_batch_size=1, seq_length=8192,
+                                 fp8=True)
+        cells = ", ".join(f"{s.total_gib:.1f} ({s.in_flight:g})" for s in stages)
+        rows.append(f"| {name} | {text} | {cells} |")
+    return rows
+
+
+def test_scale_tables_are_the_estimators():
     text = (ROOT / "docs" / "scale.md").read_text()
     assert SCALE_HEADER in text
-    for row in scale_rows():
+    for row in scale_rows() + stage_rows():
         assert row in text, row
