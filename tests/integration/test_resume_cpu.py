@@ -117,6 +117,25 @@ def test_resume_under_another_recipe_resets_scaling_state(recipe, reference, dat
     assert all(torch.isfinite(torch.tensor(v)).all() for v in rows(tmp_path).values())
 
 
+def test_reset_scaling_state_resumes_under_a_changed_recipe(reference, dataset, tmp_path, caplog):
+    """Issue 19: the same recipe with another amax history is refused in one line naming the way out;
+    trainer.reset_scaling_state=true then resumes weights, optimizer and step with a fresh scaling state."""
+    from fp8_recipes.checks import ConfigError
+
+    step_dir = reference("delayed") / "checkpoints" / f"step_{SAVED}"
+    shorter = ["+recipe.weights.amax_history_len=16", f"trainer.resume={step_dir}"]
+    with pytest.raises(ConfigError, match=r"amax_history_len.*set trainer.reset_scaling_state=true") as e:
+        train_run("delayed", tmp_path / "refused", dataset, *shorter)
+    assert "\n" not in str(e.value)
+    with caplog.at_level(logging.INFO, logger="fp8_recipes"):
+        summary = train_run("delayed", tmp_path / "reset", dataset, *shorter, "trainer.reset_scaling_state=true")
+    said = [r.getMessage() for r in caplog.records if "reset_scaling_state" in r.getMessage()]
+    assert len(said) == 1 and "starts fresh" in said[0], said
+    assert summary["steps"] == STEPS and sorted(rows(tmp_path / "reset")) == list(range(SAVED + 1, STEPS + 1))
+    saved = payload(tmp_path / "reset" / "checkpoints" / f"step_{STEPS}")["precision"]["scalers"]
+    assert {r["weights"]["history"].numel() for r in saved.values() if "weights" in r} == {16}
+
+
 def test_resume_auto_without_checkpoint_starts_fresh(dataset, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="fp8_recipes"):
         summary = train_run("bf16", tmp_path, dataset, "trainer.resume=auto", steps=2)

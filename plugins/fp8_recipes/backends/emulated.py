@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from fp8_recipes.backends.groups import amax_reduction_group
+from fp8_recipes.checks import ConfigError
 from fp8_recipes.numerics import DelayedScaler, block_for, dequantize, quantize
 from fp8_recipes.plan import Gemm, ModulePlan, PrecisionPlan
 from fp8_recipes.schema import ROLES, AmaxReduction, Attention, Role, Scaling, TensorPolicy
@@ -288,10 +289,21 @@ class EmulatedPrecision:
             for role, sd in per_role.items():
                 scaler = self.states[name].scalers.get(Role(role))
                 if scaler is not None:
-                    scaler.load_state_dict(sd)
+                    _load_scaler(f"{name} {role}", scaler, sd)
         by_name = {s.name: s for s in self.attention.values()}
         for name, per_tensor in state.get("attention", {}).items():
             for tensor, sd in per_tensor.items():
                 scaler = by_name[name].scalers.get(tensor) if name in by_name else None
                 if scaler is not None:
-                    scaler.load_state_dict(sd)
+                    _load_scaler(f"{name} {tensor}", scaler, sd)
+
+
+def _load_scaler(where: str, scaler, state: dict) -> None:
+    """A checkpoint's scaler state into ``scaler``; one that does not fit (the recipe changed its amax history) is
+    a user error naming the way out."""
+    try:
+        scaler.load_state_dict(state)
+    except ValueError as e:
+        raise ConfigError(f"resume: {where}: {str(e).split(';')[0]}; resume with the recipe the checkpoint was "
+                          f"written with, or set trainer.reset_scaling_state=true to start the scaling state "
+                          f"fresh") from None

@@ -227,7 +227,8 @@ def _restore_delayed(name: str, module: torch.nn.Module, saved: Mapping[str, tor
             if key not in current or current[key].shape != value.shape:
                 have = tuple(current[key].shape) if key in current else None
                 raise ConfigError(f"{name}: delayed-scaling {key} has shape {tuple(value.shape)} in the checkpoint "
-                                 f"and {have} here; resume with the recipe it was saved with (amax_history_len)")
+                                 f"and {have} here; resume with the recipe it was saved with (amax_history_len), or set "
+                                 f"trainer.reset_scaling_state=true")
             current[key].copy_(value)
 
 

@@ -86,6 +86,9 @@ class TrainerConfig:
     resume: str | None = None
     """Continue from a checkpoint: auto = run_dir's latest one if it has one (else start fresh) | a run dir, its
     checkpoints dir or a step_N dir | null = start fresh. Exact with the same data and batch sizes."""
+    reset_scaling_state: bool = False
+    """With trainer.resume: restore weights, optimizer, LR schedule and step but start the scaling state (delayed
+    amax histories and scales) fresh, to continue under a changed recipe (another amax_history_len, formats)."""
     log_interval: int = 1
     """Write a metrics row every this many steps."""
     seed: int = 1234

@@ -255,8 +255,12 @@ def train(engine: Engine, batches_train: Iterator[Mapping[str, Any]] | list[Iter
     """
     cfg, run_dir = TrainerConfig.from_cfg(trainer_cfg), Path(run_dir)
     schedule = _start(engine, cfg, rank)
-    start = 0 if resume_from is None else load_checkpoint(resume_from, engine=engine, precision=precision,
-                                                          scheduler=schedule)
+    reset = resume_from is not None and precision is not None and cfg.reset_scaling_state
+    if reset and rank == 0:
+        logger.warning("resume: trainer.reset_scaling_state=true: weights, optimizer, LR schedule and step from %s; "
+                       "the scaling state (amax histories, scales) starts fresh", resume_from)
+    start = 0 if resume_from is None else load_checkpoint(resume_from, engine=engine, scheduler=schedule,
+                                                          precision=None if reset else precision)
     evaluate = Evaluation(engine, precision, batches_valid, cfg)
     log = StepLog(run_dir, cfg, rank=rank, start=start)
     checkpoints = Checkpoints(run_dir, cfg, engine, precision, schedule)
