@@ -253,8 +253,8 @@ def default_run_name(recipe_name: str, env: Mapping[str, str] | None = None) -> 
 def _holder(run_dir: Path) -> dict[str, Any] | None:
     try:
         holder = json.loads((run_dir / LOCK).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return None
+    except (FileNotFoundError, NotADirectoryError):
+        return None  # no lock (a run_dir under a file is no one's: the writability check names it)
     except (OSError, ValueError):
         return {}  # half-written or garbage: nobody we can name
     return holder if isinstance(holder, dict) else {}
