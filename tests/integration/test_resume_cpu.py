@@ -127,6 +127,7 @@ def test_reset_scaling_state_resumes_under_a_changed_recipe(reference, dataset, 
     with pytest.raises(ConfigError, match=r"amax_history_len.*set trainer.reset_scaling_state=true") as e:
         train_run("delayed", tmp_path / "refused", dataset, *shorter)
     assert "\n" not in str(e.value)
+    assert not any((tmp_path / "refused" / name).exists() for name in ("plan.txt", "recipe.yaml", "metrics.jsonl"))
     with caplog.at_level(logging.INFO, logger="fp8_recipes"):
         summary = train_run("delayed", tmp_path / "reset", dataset, *shorter, "trainer.reset_scaling_state=true")
     said = [r.getMessage() for r in caplog.records if "reset_scaling_state" in r.getMessage()]

@@ -27,7 +27,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -242,7 +242,8 @@ def train(engine: Engine, batches_train: Iterator[Mapping[str, Any]] | list[Iter
           batches_valid: Iterator[Mapping[str, Any]] | None, trainer_cfg: Any, precision: Precision,
           run_dir: str | os.PathLike, *, rank: int = 0, world_size: int = 1,
           resume_from: str | os.PathLike | None = None,
-          summary_extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+          summary_extra: Mapping[str, Any] | None = None,
+          on_ready: Callable[[], None] | None = None) -> dict[str, Any]:
     """Train ``engine``'s model for ``trainer_cfg.max_steps`` optimizer steps; return the summary (also in
     summary.json, with ``summary_extra``'s keys, e.g. the recipe's name and the backend).
 
@@ -251,7 +252,8 @@ def train(engine: Engine, batches_train: Iterator[Mapping[str, Any]] | list[Iter
     stages each read the stream). ``resume_from`` (a run dir or step dir) restores model, optimizer, precision state
     and RNG (the LR schedule is the configured one, from the checkpoint's step); the caller starts ``batches_train``
     at the checkpoint's data position (the samples it consumed, in its meta.json; training/run.py does, through
-    checkpoint.resume_skip).
+    checkpoint.resume_skip). ``on_ready`` runs once the checkpoint is loaded, before the first step (training/run.py
+    writes the run's plan and recipe there, so a resume refused while loading rewrites nothing).
     """
     cfg, run_dir = TrainerConfig.from_cfg(trainer_cfg), Path(run_dir)
     schedule = _start(engine, cfg, rank)
@@ -261,6 +263,8 @@ def train(engine: Engine, batches_train: Iterator[Mapping[str, Any]] | list[Iter
                        "the scaling state (amax histories, scales) starts fresh", resume_from)
     start = 0 if resume_from is None else load_checkpoint(resume_from, engine=engine, scheduler=schedule,
                                                           precision=None if reset else precision)
+    if on_ready is not None:
+        on_ready()
     evaluate = Evaluation(engine, precision, batches_valid, cfg)
     log = StepLog(run_dir, cfg, rank=rank, start=start)
     checkpoints = Checkpoints(run_dir, cfg, engine, precision, schedule)

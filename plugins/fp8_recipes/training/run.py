@@ -354,14 +354,20 @@ def run_training(cfg) -> dict:
             fp8_param = fp8_param_recipe(plan)
         engine = build_engine(chunks, tcfg, seq_length=int(model_cfg["seq_length"]), lr=tcfg.lr, device=device,
                               fp8_param=fp8_param)
+        explained = format_plan(plan, max_steps=int(trainer.max_steps), parallel=ParallelLayout(
+            tcfg.tensor_model_parallel_size, tcfg.pipeline_model_parallel_size,
+            tcfg.virtual_pipeline_model_parallel_size, tcfg.context_parallel_size, dp))
         if rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
+            print(explained, flush=True)
+
+        def write_run_files() -> None:
+            """Called by the loop once the checkpoint is loaded: a resume refused while loading (e.g. the scaling
+            state of another recipe) leaves the run's plan, recipe and metrics as they were."""
+            if rank != 0:
+                return
             if resume_from is not None or trainer.get("resume") == "auto":  # rows a killed run wrote past its checkpoint
                 drop_rows_after(run_dir, int(checkpoint_meta(resume_from)["step"]) if resume_from is not None else 0)
-            explained = format_plan(plan, max_steps=int(trainer.max_steps), parallel=ParallelLayout(
-                tcfg.tensor_model_parallel_size, tcfg.pipeline_model_parallel_size,
-                tcfg.virtual_pipeline_model_parallel_size, tcfg.context_parallel_size, dp))
-            print(explained, flush=True)
             write_text(run_dir / PLAN, explained + "\n")
             import yaml
 
@@ -369,7 +375,7 @@ def run_training(cfg) -> dict:
         precision, recorder = _observe(precision, debug, run_dir, rank, plan.backend)
         try:
             summary = train(engine, train_iters, valid_iter, trainer, precision, run_dir, rank=rank,
-                            world_size=world_size, resume_from=resume_from,
+                            world_size=world_size, resume_from=resume_from, on_ready=write_run_files,
                             summary_extra={"recipe": recipe.name, "backend": str(plan.backend),
                                            "fp8": any(str(recipe.policy(r).scaling) != "none"
                                                       for r in ("weights", "activations", "gradients")),
