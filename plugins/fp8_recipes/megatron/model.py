@@ -43,13 +43,12 @@ import dataclasses
 import functools
 import logging
 import os
-import socket
-import subprocess
 from datetime import timedelta
 from typing import Any, Callable, Mapping
 
 import torch
 
+from fp8_recipes.launcher import launch_env, local_world_size
 from fp8_recipes.megatron.cpu_shim import install_cpu_shim
 from fp8_recipes.megatron.model_config import check_model_cfg
 from fp8_recipes.plan import ModelLayout
@@ -77,60 +76,13 @@ VOCAB_MULTIPLE = 128  # Megatron's make_vocab_size_divisible_by default; times T
 # Process groups
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _first_slurm_host() -> str:
-    nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST", "")
-    if int(os.environ.get("SLURM_STEP_NUM_NODES", os.environ.get("SLURM_NNODES", "1"))) == 1:
-        return "127.0.0.1"
-    try:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
-                             check=True, timeout=30).stdout.split()
-        return out[0]
-    except (OSError, subprocess.SubprocessError, IndexError) as e:
-        raise RuntimeError(f"cannot resolve the first host of SLURM nodelist {nodelist!r} ({e}); "
-                           "export MASTER_ADDR in the job script") from e
-
-
-def _launch_env() -> tuple[int, int, int, str, int, str]:
-    """(rank, world_size, local_rank, master_addr, master_port, launcher) from torchrun, srun or nothing."""
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun (or anything that speaks its protocol)
-        return (int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
-                env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)), "torchrun")
-    # srun sets SLURM_STEP_NUM_TASKS for a job step; a batch script's own shell has SLURM_PROCID=0 and
-    # SLURM_NTASKS=N too, but is one process: treating it as rank 0 of N would hang in init.
-    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
-        world = int(env["SLURM_STEP_NUM_TASKS"])
-        addr = env.get("MASTER_ADDR") or _first_slurm_host()
-        # Every task must agree on the port without talking: derive it from the job and step ids.
-        # below the kernel's ephemeral range (32768+): a port the kernel hands to some socket can't be taken here
-        default_port = 15000 + (int(env.get("SLURM_JOB_ID", 0)) * 16 + int(env.get("SLURM_STEP_ID", 0) or 0)) % 17000
-        return (int(env["SLURM_PROCID"]), world, int(env.get("SLURM_LOCALID", 0)), addr,
-                int(env.get("MASTER_PORT", default_port)), "srun")
-    return 0, 1, 0, "127.0.0.1", _free_port(), "single process"
-
-
-def _local_world_size(world_size: int) -> int:
-    if "LOCAL_WORLD_SIZE" in os.environ:  # torchrun
-        return int(os.environ["LOCAL_WORLD_SIZE"])
-    per_node = os.environ.get("SLURM_STEP_TASKS_PER_NODE")  # srun: "2" or "2(x3)" or "2,1"
-    if per_node and "SLURM_PROCID" in os.environ:
-        return int(per_node.split("(")[0].split(",")[0])
-    return world_size
-
-
 def _share_cpu_threads(world_size: int) -> None:
     """Give each rank on this node its share of the cores, unless OMP_NUM_THREADS says otherwise.
 
     Several ranks each running torch's default (all cores) oversubscribe the CPU, and OpenMP's spinning
     threads then slow every step by an order of magnitude (seen here: 0.15 s -> 4.5 s per step).
     """
-    local = _local_world_size(world_size)
+    local = local_world_size(world_size)
     if local > 1 and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local))
 
@@ -150,7 +102,7 @@ def init_distributed(backend: str | None = None, *, tensor_model_parallel_size: 
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
-    rank, world_size, local_rank, addr, port, launcher = _launch_env()
+    rank, world_size, local_rank, addr, port, launcher = dataclasses.astuple(launch_env())
     use_cuda = torch.cuda.is_available()
     backend = backend or ("nccl" if use_cuda else "gloo")
     if backend == "nccl" and not use_cuda:

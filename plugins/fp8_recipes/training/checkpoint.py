@@ -62,8 +62,8 @@ from typing import Any
 import torch
 
 from fp8_recipes.checks import ConfigError
+from fp8_recipes.launcher import launch_rank
 from fp8_recipes.megatron.model import unwrap_model as _unwrap
-from fp8_recipes.training.config import launch_rank
 
 __all__ = ["barrier", "save_checkpoint", "load_checkpoint", "read_checkpoint", "resolve_checkpoint", "find_resume",
            "checkpoint_step", "checkpoint_meta", "resume_skip", "checkpoint_damage", "check_model_matches"]

@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from fp8_recipes.checks import ConfigError, check_keys, choice_error, did_you_mean, is_int, is_number
+from fp8_recipes.launcher import launch_world_size
 from fp8_recipes.megatron.model_config import check_model_cfg
 
 __all__ = ["LRScaling", "TrainerConfig", "NONFINITE_ACTIONS", "check_model_cfg", "check_data_cfg",
-           "check_writable_dir", "check_run_config", "launch_rank", "launch_world_size"]
+           "check_writable_dir", "check_run_config"]
 
 NONFINITE_ACTIONS = ("skip_then_bf16", "stop")
 
@@ -355,26 +356,6 @@ def check_data_cfg(cfg: Mapping[str, Any]) -> None:
 
 RUN_KEYS = {"model", "data", "trainer", "run_dir", "recipe", "debug"}
 """Top-level keys of conf/train.yaml; a module adding a group extends this set."""
-
-
-def launch_rank() -> int:
-    """This process's global rank as the launcher (torchrun or srun) set it; 0 without a launcher."""
-    env = os.environ
-    if "WORLD_SIZE" in env and "RANK" in env:
-        return int(env["RANK"])
-    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
-        return int(env["SLURM_PROCID"])
-    return 0
-
-
-def launch_world_size() -> int:
-    """The number of processes a launcher started (torchrun or srun), before any process group exists."""
-    env = os.environ
-    if "WORLD_SIZE" in env and "RANK" in env:
-        return int(env["WORLD_SIZE"])
-    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
-        return int(env["SLURM_STEP_NUM_TASKS"])
-    return 1
 
 
 def _resolved(cfg: Any) -> dict:

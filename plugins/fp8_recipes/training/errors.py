@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Iterator
 
 from fp8_recipes.checks import did_you_mean
+from fp8_recipes.launcher import launch_rank
 from fp8_recipes.rundir import RUN_OUTPUTS, RunDirError, check_run_dir, held_by_another, release
-from fp8_recipes.training.config import launch_rank
 
 __all__ = ["ConsoleFormatter", "INTERNAL_ERROR_EXIT", "NonFiniteStop", "USER_ERROR_EXIT", "NONFINITE_EXIT", "PREEMPTED_EXIT",
            "RunDirCheck", "hydra_errors_as_one_line", "one_line", "print_error_once", "remove_partial_run_dir",

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8_recipes.checks import ConfigError
+from fp8_recipes.launcher import launch_rank
 from fp8_recipes.megatron.data import build_gpt_datasets, data_parallel_batches, prepare_dataset
 from fp8_recipes.observe.config import debug_config
 from fp8_recipes.plan import Hardware, ModelLayout, ParallelLayout, PrecisionPlan
@@ -28,7 +29,7 @@ from fp8_recipes.plan_format import format_plan
 from fp8_recipes.recipes import EMPTY_RECIPE, load_recipe
 from fp8_recipes.rundir import PLAN, RECIPE, check_run_dir, claim, drop_rows_after, release, write_text
 from fp8_recipes.schema import Backend, RecipeError
-from fp8_recipes.training.config import check_run_config, launch_rank
+from fp8_recipes.training.config import check_run_config
 from fp8_recipes.training.notices import run_notices
 
 __all__ = ["resolve_debug", "resolve_recipe", "run_training"]
