@@ -119,7 +119,7 @@ RUNS = {  # name: (recipe, processes, TP, extra overrides)
     "bf16-tp2": ("bf16", 2, 2, []),
     "delayed-tp2-tensor": ("delayed", 2, 2, ["++recipe.amax_reduction=tensor"]),
     "delayed-tp2-data": ("delayed", 2, 2, ["++recipe.amax_reduction=data"]),
-    # the default amax_reduction, Megatron-Core's amax reduction group; its checkpoint: a TP=2 one to refuse at TP=1
+    # the default amax_reduction, Megatron-Core's amax reduction group; its TP=2 checkpoint, made old to refuse at TP=1
     "delayed-tp2-data_tensor": ("delayed", 2, 2, ["trainer.save_checkpoints=true"]),
     "tensorwise-tp2-data": ("tensorwise", 2, 2, ["++recipe.amax_reduction=data"]),
     # Megatron-Core's engine past one model replica (4 layers, so each of 2 stages / 4 chunks holds some)
@@ -267,19 +267,27 @@ def test_loss_matches_one_rank(name, reference, runs):
 
 
 @pytest.mark.slow
-def test_resume_refuses_another_tensor_parallel_size(runs, dataset, tmp_path):
-    """A checkpoint holds one payload per TP rank (its shards): resuming it at TP=1 ends in one line, exit 2, before
-    any process group or model is built (training/checkpoint.py:resume_skip)."""
+def test_resume_refuses_another_tensor_parallel_size_of_an_old_checkpoint(runs, dataset, tmp_path):
+    """A checkpoint holds one payload per TP rank (its shards). One written before checkpoints recorded their
+    optimizer index (no ``reshardable`` in meta.json) cannot be resharded: resuming it at TP=1 ends in one line,
+    exit 2, before any process group or model is built (training/checkpoint.py:resume_skip). Resharding itself:
+    test_reshard_cpu.py."""
+    import shutil
+
     import torch
 
     from fp8_recipes.training.checkpoint import read_checkpoint
 
-    step_dir = runs["delayed-tp2-data_tensor"]["run_dir"] / "checkpoints" / f"step_{STEPS}"
-    shards = [read_checkpoint(step_dir, tp_rank)["model"][0] for tp_rank in (0, 1)]
+    saved = runs["delayed-tp2-data_tensor"]["run_dir"] / "checkpoints" / f"step_{STEPS}"
+    shards = [read_checkpoint(saved, tp_rank)["model"][0] for tp_rank in (0, 1)]
     qkv = [name for name in shards[0] if name.endswith("linear_qkv.weight")]
     assert qkv and not any(torch.equal(shards[0][name], shards[1][name]) for name in qkv)  # each rank its own shard
-    meta = json.loads((step_dir / "meta.json").read_text())
-    assert (meta["tensor_model_parallel_size"], meta["data_parallel_size"]) == (2, 1)
+    meta = json.loads((saved / "meta.json").read_text())
+    assert (meta["tensor_model_parallel_size"], meta["data_parallel_size"], meta["reshardable"]) == (2, 1, True)
+    step_dir = tmp_path / "old" / "checkpoints" / f"step_{STEPS}"
+    shutil.copytree(saved, step_dir)
+    del meta["reshardable"]
+    (step_dir / "meta.json").write_text(json.dumps(meta))
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID")}
     proc = subprocess.run([sys.executable, "scripts/train.py",
@@ -287,8 +295,8 @@ def test_resume_refuses_another_tensor_parallel_size(runs, dataset, tmp_path):
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
     assert [line for line in proc.stderr.splitlines() if line.strip()] == [
-        f"error: trainer.tensor_model_parallel_size: 1 differs from the checkpoint's 2 ({step_dir} holds the model "
-        f"shards of that layout; resume with trainer.tensor_model_parallel_size=2)"]
+        f"error: trainer.tensor_model_parallel_size: 1 differs from the checkpoint's 2 ({step_dir} was written before "
+        f"checkpoints could be resharded; resume with trainer.tensor_model_parallel_size=2)"]
     assert not run_dir.exists()
 
 

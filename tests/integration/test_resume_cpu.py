@@ -306,7 +306,7 @@ def test_two_ranks_train_on_the_one_rank_batches(dp_runs):
     meta = json.loads((dp_runs["dp2"] / "checkpoints" / f"step_{DP_SAVED}" / "meta.json").read_text())
     assert meta == {"step": DP_SAVED, "data_parallel_size": 2, "tensor_model_parallel_size": 1,
                     "pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": None,
-                    "context_parallel_size": 1, "use_distributed_optimizer": False,
+                    "context_parallel_size": 1, "use_distributed_optimizer": False, "reshardable": True,
                     "consumed_samples": DP_SAVED * 4, "global_batch_size": 4, "micro_batch_size": 2}
 
 

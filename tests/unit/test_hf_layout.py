@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from fp8_recipes.integrations.hf_llama import LlamaShape, hf_to_megatron, megatron_layer_to_hf, quantize_hf_weights
-from fp8_recipes.training.hf import _layer_offset, _rank_slice
+from fp8_recipes.training.hf import _rank_slice
+from fp8_recipes.training.reshard import layer_offset
 
 SHAPE = LlamaShape(num_layers=1, hidden_size=64, ffn_hidden_size=96, num_attention_heads=8, num_query_groups=2,
                    vocab_size=100, seq_length=32, rotary_base=10000.0, layernorm_epsilon=1e-5, tied=False)
@@ -60,7 +61,7 @@ def test_layer_offsets_are_megatron_cores(pp, vpp):
     for p in range(pp):
         for v in range(vpp or 1):
             stage = v if vpp else None
-            assert _layer_offset(p, v, 16, pp, vpp) == get_transformer_layer_offset(config, stage, p), (p, v)
+            assert layer_offset(p, v, 16, pp, vpp) == get_transformer_layer_offset(config, stage, p), (p, v)
 
 
 def test_fp8_scales_per_block_and_per_tensor():

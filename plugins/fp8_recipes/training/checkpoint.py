@@ -34,8 +34,10 @@ Resuming (``trainer.resume``, see :func:`find_resume`): the data position is the
 batch; training/run.py starts the global micro-batch stream there, megatron/data.py:data_parallel_batches), so a
 run resumes exactly at another data-parallel size with the same global batch size: every rank reads its shard's
 payload, and the distributed optimizer scatters the parameter state from data-parallel rank 0 to the new
-data-parallel ranks. Another tensor-parallel, pipeline or virtual-pipeline layout, another global batch size or a
-switch between the plain and the distributed optimizer is refused in one line. The recipe's schedule stage follows
+data-parallel ranks. At another tensor-parallel, pipeline or virtual-pipeline layout every rank reads every payload,
+joins the tensors whole and loads its part (training/reshard.py; the optimizer state through the ``param_index``
+each payload records). Another global batch size or a switch between the plain and the distributed optimizer is
+refused in one line, as is another layout from a checkpoint without that index. The recipe's schedule stage follows
 from the step. A checkpoint of another recipe (its precision state's
 ``recipe`` differs) restores model, optimizer, schedule and step but not the scaling state, and says so in one log
 line. Checkpoints of earlier formats (1: ``step_N/tp_RR.pt`` files; 2: the engine before Megatron-Core's, with a
@@ -63,7 +65,16 @@ import torch
 
 from fp8_recipes.checks import ConfigError
 from fp8_recipes.launcher import launch_rank
+from fp8_recipes.megatron.model import VOCAB_MULTIPLE
 from fp8_recipes.megatron.model import unwrap_model as _unwrap
+from fp8_recipes.training.reshard import (
+    join_shards,
+    live_global_name,
+    load_optimizer_resharded,
+    optimizer_param_index,
+    rank_slice,
+    saved_optimizer_step,
+)
 
 __all__ = ["barrier", "save_checkpoint", "load_checkpoint", "read_checkpoint", "resolve_checkpoint", "find_resume",
            "checkpoint_step", "checkpoint_meta", "resume_skip", "checkpoint_damage", "check_model_matches"]
@@ -282,7 +293,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, engine=None, model
         "format_version": FORMAT_VERSION,
         "step": step,
         "model": [_plain_weights(_unwrap(c).state_dict()) for c in chunks],
-        "optimizer": engine.optimizer_state_dict() if engine is not None else None,  # collective (DP)
+        "optimizer": _optimizer_state(engine) if engine is not None else None,  # collective (DP)
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "precision": precision.state_dict() if precision is not None else None,
         "rng": _rng_state(),
@@ -294,7 +305,8 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, engine=None, model
     if rank == 0:
         digests[_METADATA] = _digest(tmp / _METADATA)
         (tmp / _CHECKSUMS).write_text(json.dumps(dict(sorted(digests.items())), indent=1))
-        distributed = {"use_distributed_optimizer": engine.cfg.use_distributed_optimizer} if engine else {}
+        distributed = {"use_distributed_optimizer": engine.cfg.use_distributed_optimizer,
+                       "reshardable": True} if engine else {}
         (tmp / "meta.json").write_text(json.dumps({"step": step, **_parallel_sizes(), **distributed, **(meta or {})},
                                                   indent=1))
         if final.exists():
@@ -305,6 +317,14 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, engine=None, model
         os.replace(pointer, root / "latest")
     barrier()
     return final
+
+
+def _optimizer_state(engine) -> dict[str, Any]:
+    """Megatron-Core's optimizer state and the index that maps it to parameters (training/reshard.py), so that
+    another tensor / pipeline layout can read it."""
+    state = engine.optimizer_state_dict()
+    state["param_index"] = optimizer_param_index(engine.models, engine.optimizer)
+    return state
 
 
 def _plain_weights(state: dict[str, Any]) -> dict[str, Any]:
@@ -473,10 +493,12 @@ def resume_skip(step_dir: str | os.PathLike, *, global_batch_size: int, micro_ba
                 use_distributed_optimizer: bool | None = None) -> int:
     """The global micro-batches a run resumed from ``step_dir`` skips (samples consumed / micro_batch_size), after
     refusing, as a one-line ValueError naming the key, what cannot continue that run: another tensor-parallel,
-    pipeline or virtual-pipeline size (a payload per model shard, each holding its layers' weights and optimizer
-    state), another global batch size (a different sample count per step breaks the data position and the LR
-    schedule's meaning), or a switch between the plain and the distributed optimizer (their states differ). The
-    data-parallel and context-parallel sizes may change."""
+    pipeline or virtual-pipeline size of a checkpoint that cannot be resharded, another global batch size (a
+    different sample count per step breaks the data position and the LR schedule's meaning), or a switch between
+    the plain and the distributed optimizer (their states differ). The
+    data-parallel and context-parallel sizes may change, and so may the tensor, pipeline and virtual-pipeline sizes
+    of a checkpoint that records its optimizer index (``reshardable`` in meta.json: :func:`load_checkpoint` reshards
+    it; check_model_matches refuses what cannot be)."""
     meta = checkpoint_meta(step_dir)
     wanted = {"tensor_model_parallel_size": tensor_model_parallel_size,
               "pipeline_model_parallel_size": pipeline_model_parallel_size,
@@ -484,10 +506,10 @@ def resume_skip(step_dir: str | os.PathLike, *, global_batch_size: int, micro_ba
     defaults = {"pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": None}
     for key, value in wanted.items():
         saved = meta.get(key, defaults.get(key))
-        if saved != value:
+        if saved != value and not meta.get("reshardable"):
             shown = "null" if saved is None else saved
             raise ConfigError(f"trainer.{key}: {'null' if value is None else value} differs from the checkpoint's "
-                             f"{shown} ({step_dir} holds the model shards of that layout; resume with "
+                             f"{shown} ({step_dir} was written before checkpoints could be resharded; resume with "
                              f"trainer.{key}={shown})")
     saved_dist = meta.get("use_distributed_optimizer")
     if use_distributed_optimizer is not None and saved_dist is not None and saved_dist != use_distributed_optimizer:
@@ -513,6 +535,9 @@ def check_model_matches(step_dir: str | os.PathLike, models: list[torch.nn.Modul
     run writes anything, so a refused resume leaves the run as it was."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    if _resharding(step_dir):
+        _check_whole_shapes(step_dir, models)
+        return
     _, tp_rank, pp_rank = _ranks()
     saved = {path[1]: tuple(storage.size) for path, storage in _saved_payloads(Path(step_dir)).get(
         _shard_key(tp_rank, pp_rank), []) if path[0] == "tensors" and isinstance(storage, TensorStorageMetadata)}
@@ -528,6 +553,155 @@ def check_model_matches(step_dir: str | os.PathLike, models: list[torch.nn.Modul
                                  f".hydra/config.yaml), or start a fresh run")
 
 
+def _layout(meta: dict[str, Any]) -> tuple[int, int, int | None]:
+    """(tensor, pipeline, virtual pipeline) sizes of a layout as meta.json / _parallel_sizes name them."""
+    return (int(meta.get("tensor_model_parallel_size") or 1), int(meta.get("pipeline_model_parallel_size") or 1),
+            meta.get("virtual_pipeline_model_parallel_size"))
+
+
+def _resharding(step_dir: str | os.PathLike) -> bool:
+    """Whether this run's tensor / pipeline layout differs from the checkpoint's."""
+    return _layout(checkpoint_meta(step_dir)) != _layout(_parallel_sizes())
+
+
+def _check_whole_shapes(step_dir: str | os.PathLike, models: list[torch.nn.Module]) -> None:
+    """check_model_matches across layouts: each of this rank's tensors is the part of the checkpoint's whole tensor
+    that resharding would cut for it (shapes from DCP's index only). A vocabulary padded otherwise at this tensor-
+    parallel size (Megatron-Core pads it to a multiple of VOCAB_MULTIPLE x TP) is refused."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    step_dir = Path(step_dir)
+    per_shard = _saved_payloads(step_dir)
+    saved, here = _layout(checkpoint_meta(step_dir)), _layout(_parallel_sizes())
+
+    def shapes(tp_rank: int, pp_rank: int) -> dict[str, Any]:
+        chunks: dict[int, dict[str, torch.Tensor]] = {}
+        for path, storage in per_shard.get(_shard_key(tp_rank, pp_rank), []):
+            if path[0] == "tensors" and isinstance(storage, TensorStorageMetadata) and path[1].startswith("model/"):
+                _, chunk, name = path[1].split("/", 2)
+                chunks.setdefault(int(chunk), {})[name] = torch.empty(storage.size, device="meta")
+        return {"model": [chunks[i] for i in sorted(chunks)]}
+
+    gpts = [_unwrap(m) for m in models]
+    gated = bool(gpts[0].config.gated_linear_unit)
+    whole, _ = join_shards(shapes, saved, gpts[0].config.num_layers, gated=gated)
+    _, tp_rank, _ = _ranks()
+    for gpt in gpts:
+        for name, value in gpt.state_dict().items():
+            if not isinstance(value, torch.Tensor) or name.endswith("_extra_state"):
+                continue
+            key = live_global_name(gpt, name)
+            full = _whole_of(whole, key)
+            got = tuple(rank_slice(key, full, here[0], tp_rank, gated).shape) if full is not None else None
+            if got == tuple(value.shape):
+                continue
+            if got is not None and key.endswith(("word_embeddings.weight", "output_layer.weight")):
+                raise ConfigError(f"trainer.tensor_model_parallel_size: {here[0]} pads the vocabulary to "
+                                  f"{value.shape[0] * here[0]} rows, the checkpoint's {saved[0]} to {full.shape[0]} "
+                                  f"({step_dir}); resume with trainer.tensor_model_parallel_size={saved[0]}, or a size "
+                                  f"that pads it alike (to a multiple of {VOCAB_MULTIPLE} x TP)")
+            what = f"is {tuple(value.shape)} here and {got} cut from the checkpoint" if got else \
+                "is not in the checkpoint"
+            raise ConfigError(f"model: {key} {what} ({step_dir} was saved with another model config); resume with "
+                              f"the model it was saved with (its run dir's .hydra/config.yaml), or start a fresh run")
+
+
+def _whole_of(whole: dict[str, Any], name: str) -> Any:
+    """``whole[name]``; a tied LM head (none saved on a one-stage layout) is the embedding."""
+    if name not in whole and name == "output_layer.weight":
+        return whole.get("embedding.word_embeddings.weight")
+    return whole.get(name)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _scaling_state(shards: dict[tuple[int, int], Any], tp: int, tp_rank: int) -> dict[str, Any] | None:
+    """The precision state for tensor-parallel rank ``tp_rank`` of this layout from every saved shard's (tp_rank,
+    pp_rank): its entries are named by global module (backends/), so the stages' states are joined. At the saved
+    tensor-parallel size the rank takes its own; at another one the saved ranks' states must agree (an amax
+    reduction over TP makes them), else None (start fresh). FP8 weight bytes (fp8_params) are per shard: dropped."""
+    saved_tp = 1 + max(t for t, _ in shards)
+
+    def joined(t: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for (tt, _), state in sorted(shards.items()):
+            for key, value in (state or {}).items() if tt == t else ():
+                if key == "fp8_params":
+                    continue
+                if isinstance(value, dict):
+                    out.setdefault(key, {}).update(value)
+                else:
+                    out[key] = value
+        return out
+
+    if tp == saved_tp:
+        return joined(tp_rank)
+    states = [joined(t) for t in range(saved_tp)]
+    return states[0] if all(_same(states[0], s) for s in states[1:]) else None
+
+
+def _load_resharded(step_dir: Path, chunks: list, engine, precision, scheduler,
+                    map_location: str | torch.device) -> int:
+    """load_checkpoint at another tensor / pipeline / virtual-pipeline layout than the checkpoint's: every shard is
+    read and joined into whole tensors (training/reshard.py), then this rank's part of them is loaded: the weights,
+    the optimizer's fp32 main params, moments and step, the LR schedule; the scaling state by global module where it
+    carries over. The RNG streams restart from trainer.seed."""
+    rank, tp_rank, _ = _ranks()
+    saved, here = _layout(checkpoint_meta(step_dir)), _layout(_parallel_sizes())
+    gpts = [_unwrap(c) for c in chunks]
+    gated = bool(gpts[0].config.gated_linear_unit)
+    kept: dict[tuple[int, int], dict[str, Any]] = {}
+
+    def read_shard(tp_rank_: int, pp_rank_: int) -> dict[str, Any]:
+        payload = read_checkpoint(step_dir, tp_rank_, map_location, pp_rank=pp_rank_, model_only=engine is None)
+        if payload.get("format_version") != FORMAT_VERSION:
+            raise ConfigError(f"{step_dir}: format_version {payload.get('format_version')}, expected {FORMAT_VERSION}")
+        kept[(tp_rank_, pp_rank_)] = {k: payload[k] for k in ("step", "scheduler", "precision")}
+        if engine is not None:
+            kept[(tp_rank_, pp_rank_)]["optimizer_step"] = saved_optimizer_step(payload["optimizer"])
+        return payload
+
+    whole, states = join_shards(read_shard, saved, gpts[0].config.num_layers, gated=gated,
+                                optimizer=engine is not None)
+    with torch.no_grad():
+        for gpt in gpts:
+            state = gpt.state_dict()
+            for name, value in state.items():
+                if isinstance(value, torch.Tensor) and not name.endswith("_extra_state"):
+                    key = live_global_name(gpt, name)
+                    state[name] = rank_slice(key, _whole_of(whole, key), here[0], tp_rank, gated)
+            gpt.load_state_dict(state)
+    del whole
+    first = kept[(0, 0)]
+    if engine is not None:
+        load_optimizer_resharded(engine.models, engine.optimizer, states, first["optimizer_step"], here[0], tp_rank,
+                                 gated)
+    if scheduler is not None:
+        scheduler.load_state_dict(first["scheduler"])
+    if precision is not None:
+        scaling = _scaling_state({k: v["precision"] for k, v in kept.items()}, here[0], tp_rank)
+        current = precision.state_dict().get("recipe")
+        if scaling is not None and scaling.get("recipe") == current:
+            precision.load_state_dict(scaling)
+        elif rank == 0:
+            why = (f"was written by recipe {scaling.get('recipe')!r}, this run uses {current!r}" if scaling is not None
+                   else f"holds a different scaling state on each of its {saved[0]} tensor-parallel ranks")
+            logger.warning("resume: %s %s: scaling state reset (model, optimizer, LR schedule and step resharded)",
+                           step_dir, why)
+    if rank == 0:
+        logger.info("resume: resharded %s from tp=%d pp=%d vpp=%s to tp=%d pp=%d vpp=%s (weights, fp32 main params, "
+                    "Adam moments, step; the RNG streams restart from trainer.seed)", step_dir, *saved, *here)
+    return int(first["step"])
+
+
 def load_checkpoint(path: str | os.PathLike, *, engine=None, models=None, precision=None, scheduler=None,
                     restore_rng: bool = True, map_location: str | torch.device = "cpu") -> int:
     """Restore what :func:`save_checkpoint` wrote into the given objects; returns the step saved.
@@ -538,10 +712,12 @@ def load_checkpoint(path: str | os.PathLike, *, engine=None, models=None, precis
     """
     rank, tp_rank, pp_rank = _ranks()
     step_dir = resolve_checkpoint(path)
+    chunks = engine.models if engine is not None else (models if isinstance(models, (list, tuple)) else [models])
+    if _resharding(step_dir):
+        return _load_resharded(step_dir, chunks, engine, precision, scheduler, map_location)
     payload = read_checkpoint(step_dir, tp_rank, map_location, pp_rank=pp_rank)
     if payload.get("format_version") != FORMAT_VERSION:
         raise ConfigError(f"{step_dir}: format_version {payload.get('format_version')}, expected {FORMAT_VERSION}")
-    chunks = engine.models if engine is not None else (models if isinstance(models, (list, tuple)) else [models])
     if len(chunks) != len(payload["model"]):
         raise ConfigError(f"{step_dir} holds {len(payload['model'])} model chunks per rank, this run builds "
                          f"{len(chunks)}; resume with the checkpoint's trainer.virtual_pipeline_model_parallel_size")

@@ -5,11 +5,8 @@
     load_hf_weights(chunks, "hf/llama", model_cfg)  # into this rank's model chunks, before the optimizer exists
 
 Export reads the checkpoint through the one checkpoint reader (training/checkpoint.py: read_checkpoint, model
-entries only), payload by payload over the layout meta.json records (pipeline x tensor-parallel shards, virtual
-pipeline chunks; data-parallel replicas are stored once), and joins the shards into whole tensors: column-parallel
-weights (qkv, the LM head, the embedding) along rows, ``linear_fc1`` per rank as ``[gate_r; up_r]``, row-parallel
-weights (proj, fc2) along columns, norms replicated. A chunk's layers are numbered from Megatron's layer offset
-(even split: ``vp_stage x layers / vpp + pp_rank x layers / (pp x vpp)``). The model config, data directory and
+entries only), payload by payload over the layout meta.json records, and joins the shards into whole tensors under
+canonical global names (training/reshard.py, which a resume at another layout uses too). The model config, data directory and
 tokenizer come from what the run recorded (``.hydra/config.yaml``, as training/evaluate.py reads it).
 
 Import copies each whole HF tensor's slice into the parameter that holds it, for any tensor/pipeline layout and
@@ -24,7 +21,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -37,18 +34,12 @@ from fp8_recipes.megatron.data import EOD_TEXT
 from fp8_recipes.megatron.model import unwrap_model
 from fp8_recipes.training.checkpoint import checkpoint_meta, read_checkpoint, resolve_checkpoint
 from fp8_recipes.training.evaluate import load_run_config
+from fp8_recipes.training.reshard import COLUMN, join_shards, live_global_name, rank_slice
 from fp8_recipes.training.run import run_model_cfg
 
 __all__ = ["export_hf", "check_hf_init", "load_hf_weights", "hf_init_path", "parse_block"]
 
 logger = logging.getLogger("fp8_recipes")
-
-_TE_NORMS = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-             "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
-_COLUMN = ("embedding.word_embeddings.weight", "output_layer.weight", "self_attention.linear_qkv.weight")
-_ROW = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
-_GATED = "mlp.linear_fc1.weight"
-
 
 def parse_block(text: str) -> tuple[int, int] | None:
     """``--block``: ``tensor`` (one scale per tensor) or ``RxC`` (e.g. 128x128)."""
@@ -63,54 +54,17 @@ def parse_block(text: str) -> tuple[int, int] | None:
     return rows, cols
 
 
-def _canonical(local_name: str) -> str:
-    """A state-dict name of either layer spec as the local spec's."""
-    for te, local in _TE_NORMS.items():
-        if local_name.endswith(te):
-            return local_name[: -len(te)] + local
-    return local_name
-
-
-def _layer_offset(pp_rank: int, vp_stage: int, num_layers: int, pp: int, vpp: int | None) -> int:
-    """Megatron-Core's get_transformer_layer_offset for an even split (the only one trainer configs make)."""
-    if vpp:
-        return vp_stage * (num_layers // vpp) + pp_rank * (num_layers // (pp * vpp))
-    return pp_rank * (num_layers // pp)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Export
 
 
 def _whole_model_state(step_dir: Path, num_layers: int, progress: Callable[[str], None]) -> dict[str, torch.Tensor]:
-    """Every model tensor of a checkpoint, joined over its tensor-parallel shards, under canonical names."""
+    """Every model tensor of a checkpoint, joined over its shards, under canonical global names."""
     meta = checkpoint_meta(step_dir)
-    tp, pp = int(meta.get("tensor_model_parallel_size", 1)), int(meta.get("pipeline_model_parallel_size") or 1)
-    vpp = meta.get("virtual_pipeline_model_parallel_size")
-    shards: dict[str, list[torch.Tensor]] = {}
-    for p in range(pp):
-        for t in range(tp):
-            progress(f"export: reading {step_dir.name} shard pp{p:02d}tp{t:02d} ({p * tp + t + 1}/{pp * tp})")
-            chunks = read_checkpoint(step_dir, t, pp_rank=p, model_only=True)["model"]
-            for v, chunk in enumerate(chunks):
-                offset = _layer_offset(p, v, num_layers, pp, vpp)
-                for name, tensor in chunk.items():
-                    if name.endswith("_extra_state") or not isinstance(tensor, torch.Tensor):
-                        continue
-                    name = _canonical(name)
-                    if name.startswith("decoder.layers."):
-                        local, _, rest = name[len("decoder.layers."):].partition(".")
-                        name = f"decoder.layers.{int(local) + offset}.{rest}"
-                    shards.setdefault(name, []).append(tensor)
-    state = {}
-    for name, parts in shards.items():
-        if len(parts) == 1 or not name.endswith((*_COLUMN, *_ROW, _GATED)):
-            state[name] = parts[0]  # replicated (norms), or a tied LM head's copy on the last stage
-        elif name.endswith(_GATED):
-            halves = [part.chunk(2, dim=0) for part in parts]
-            state[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-        else:
-            state[name] = torch.cat(parts, dim=0 if name.endswith(_COLUMN) else 1)
+    layout = (int(meta.get("tensor_model_parallel_size", 1)), int(meta.get("pipeline_model_parallel_size") or 1),
+              meta.get("virtual_pipeline_model_parallel_size"))
+    state, _ = join_shards(lambda t, p: read_checkpoint(step_dir, t, pp_rank=p, model_only=True), layout, num_layers,
+                           progress=lambda line: progress(f"export: {step_dir.name}: {line}"))
     return state
 
 
@@ -235,20 +189,18 @@ def check_hf_init(path: str | os.PathLike, model_cfg: dict) -> LlamaShape:
 
 
 def _rank_slice(name: str, whole: torch.Tensor, param: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
-    """This tensor-parallel rank's part of the whole Megatron tensor ``whole`` (canonical ``name``)."""
-    if name.endswith(("embedding.word_embeddings.weight", "output_layer.weight")):
-        rows = param.shape[0]  # the padded vocabulary's shard: rows past the HF vocabulary keep their init
+    """This tensor-parallel rank's part of the whole Megatron tensor ``whole`` (canonical ``name``); rows of the
+    padded vocabulary past the HF one keep their initial values."""
+    if name.endswith(COLUMN[:2]):  # the embedding and the LM head
+        rows = param.shape[0]
         part = param.detach().clone()
         lo = tp_rank * rows
         n = max(0, min(rows, whole.shape[0] - lo))
         part[:n] = whole[lo:lo + n]
         return part
-    if tp == 1 or whole.shape == param.shape:
+    if whole.shape == param.shape:
         return whole
-    if name.endswith(_GATED):
-        gate, up = whole.chunk(2, dim=0)
-        return torch.cat([gate.chunk(tp, dim=0)[tp_rank], up.chunk(tp, dim=0)[tp_rank]], dim=0)
-    return whole.chunk(tp, dim=0 if name.endswith(_COLUMN) else 1)[tp_rank]
+    return rank_slice(name, whole, tp, tp_rank)
 
 
 def load_hf_weights(chunks: list, path: str | os.PathLike, model_cfg: dict) -> int:
@@ -268,14 +220,8 @@ def load_hf_weights(chunks: list, path: str | os.PathLike, model_cfg: dict) -> i
     with torch.no_grad():
         for chunk in chunks:
             gpt = unwrap_model(chunk)
-            numbers = {f"decoder.layers.{j}.": f"decoder.layers.{layer.layer_number - 1}."
-                       for j, layer in enumerate(gpt.decoder.layers)}
             for local, param in gpt.named_parameters():
-                name = _canonical(local)
-                for prefix, global_ in numbers.items():
-                    if name.startswith(prefix):
-                        name = global_ + name[len(prefix):]
-                        break
+                name = live_global_name(gpt, local)
                 whole = hf_to_megatron(name, get, shape)
                 part = _rank_slice(name, whole, param, tp, tp_rank)
                 if part.shape != param.shape:

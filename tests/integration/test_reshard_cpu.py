@@ -1,0 +1,157 @@
+"""Resuming at another tensor / pipeline layout (training/reshard.py), 2-rank gloo runs on the CPU.
+
+A TP=2 run with the distributed optimizer and a PP=2 run with the plain one each train 3 steps and checkpoint. Each
+checkpoint is resumed on one rank (TP=1 / PP=1); a hook re-saves what the resumed run loaded before it trains, and
+the two checkpoints, joined into whole tensors, hold the same weights, fp32 main params and Adam moments bit for bit.
+The TP=1 continuation's losses equal the TP=2 continuation's from the same checkpoint up to summation order.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_train_cpu import ROOT, dataset  # noqa: F401  (dataset: the shared session fixture)
+
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+SAVED, MORE = 3, 2
+# After loading, before training: save what was loaded to argv[1] (a run dir), then train as scripts/train.py does.
+RESAVE = r'''
+import runpy, sys
+from fp8_recipes.training import checkpoint, loop
+
+_load, out = loop.load_checkpoint, sys.argv[1]
+
+
+def load(path, **kwargs):
+    step = _load(path, **kwargs)
+    checkpoint.save_checkpoint(out, step, engine=kwargs["engine"], precision=kwargs.get("precision"),
+                               scheduler=kwargs.get("scheduler"))
+    return step
+
+
+loop.load_checkpoint = load
+sys.argv = ["scripts/train.py", *sys.argv[2:]]
+runpy.run_path("scripts/train.py", run_name="__main__")
+'''
+
+
+def _args(dataset: list[str], run_dir: Path, steps: int, *extra: str) -> list[str]:
+    # vocab 512: padded alike at TP=1 and TP=2 (a multiple of 128 x TP)
+    return ["+recipe=bf16", *dataset, f"trainer.max_steps={steps}", "trainer.warmup_steps=2", "trainer.eval_interval=0",
+            "trainer.eval_iters=1", "trainer.micro_batch_size=2", "trainer.global_batch_size=4", "model.num_layers=4",
+            "model.vocab_size=512", f"run_dir={run_dir}", *extra]
+
+
+def _launch(argv: list[str], ranks: int, port: int) -> list:
+    """``python ARGV`` in one process, or under torchrun with ``ranks`` processes; output to a file (processes
+    waiting on each other must not block on a full pipe)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID",
+                                                            "SLURM_STEP_NUM_TASKS", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    launcher = ["-m", "torch.distributed.run", f"--nproc-per-node={ranks}", f"--master-port={port}"] if ranks > 1 \
+        else []
+    log = tempfile.NamedTemporaryFile("w+", prefix="reshard-", suffix=".log", delete=False)  # noqa: SIM115
+    return [(subprocess.Popen([sys.executable, *launcher, *argv], cwd=ROOT, env=env, text=True, stdout=log,
+                              stderr=subprocess.STDOUT), log)]
+
+
+def _wait(procs: list) -> str:
+    out = ""
+    try:
+        for p, log in procs:
+            p.wait(timeout=600)
+            log.seek(0)
+            text = log.read()
+            assert p.returncode == 0, text[-4000:]
+            out += text
+    finally:
+        for p, _ in procs:
+            if p.poll() is None:
+                p.kill()
+    return out
+
+
+def _wait_code(procs: list, code: int = 2) -> str:
+    (p, log), = procs
+    p.wait(timeout=600)
+    log.seek(0)
+    text = log.read()
+    assert p.returncode == code, text[-4000:]
+    return text
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if r.get("kind") == "train"]
+
+
+def _whole(step_dir: Path) -> tuple[dict, dict]:
+    from fp8_recipes.training.checkpoint import checkpoint_meta, read_checkpoint
+    from fp8_recipes.training.reshard import join_shards
+
+    meta = checkpoint_meta(step_dir)
+    layout = (meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"],
+              meta["virtual_pipeline_model_parallel_size"])
+    return join_shards(lambda t, p: read_checkpoint(step_dir, t, pp_rank=p), layout, 4, optimizer=True)
+
+
+@pytest.mark.slow
+def test_resume_at_another_tensor_and_pipeline_layout(dataset, tmp_path, free_port):  # noqa: F811
+    (tmp_path / "resave.py").write_text(RESAVE)
+    tp2, pp2 = tmp_path / "tp2", tmp_path / "pp2"
+    # one run at a time: runs started together would each have rank 0 re-check the shared dataset
+    _wait(_launch(["scripts/train.py", *_args(dataset, tp2, SAVED, "trainer.tensor_model_parallel_size=2",
+                                              "trainer.use_distributed_optimizer=true")], 2, free_port()))
+    _wait(_launch(["scripts/train.py", *_args(dataset, pp2, SAVED, "trainer.pipeline_model_parallel_size=2")], 2,
+                  free_port()))
+    cases = {"tp2": (tp2, ["trainer.use_distributed_optimizer=true"]), "pp2": (pp2, [])}
+    resumed = {}
+    for name, (run, extra) in cases.items():
+        step_dir = run / "checkpoints" / f"step_{SAVED}"
+        resumed[name] = (step_dir, tmp_path / f"{name}-at-1", tmp_path / f"{name}-loaded")
+        out = _wait(_launch([str(tmp_path / "resave.py"), str(resumed[name][2]), *_args(
+            dataset, resumed[name][1], SAVED + MORE, f"trainer.resume={step_dir}", *extra)], 1, 0))
+        assert "resume: resharded" in out and "Traceback" not in out, out[-3000:]
+    # the reference: the TP=2 run continued at its own layout from the same checkpoint
+    _wait(_launch(["scripts/train.py", *_args(dataset, tmp_path / "tp2-at-2", SAVED + MORE,
+                                              f"trainer.resume={resumed['tp2'][0]}",
+                                              "trainer.tensor_model_parallel_size=2",
+                                              "trainer.use_distributed_optimizer=true")], 2, free_port()))
+
+    for name, (step_dir, _, loaded) in resumed.items():
+        model, states = _whole(step_dir)
+        model2, states2 = _whole(loaded / "checkpoints" / f"step_{SAVED}")
+        assert model.keys() == model2.keys() and states.keys() == states2.keys(), name
+        assert all(torch.equal(model[k], model2[k]) for k in model), name
+        keys = {k for s in states.values() for k in s}
+        assert {"exp_avg", "exp_avg_sq", "param"} <= keys, (name, keys)
+        for k, per_key in states.items():
+            assert per_key.keys() == states2[k].keys() and all(
+                torch.equal(v, states2[k][key]) for key, v in per_key.items()), (name, k)
+        assert all(torch.any(s["exp_avg"] != 0) for s in states.values()), name  # trained moments, not fresh ones
+
+    # a vocabulary padded otherwise at TP=1 (257 tokens: 512 rows at TP=2, 384 at TP=1): one line, nothing written
+    refused = _wait_code(_launch(["scripts/train.py", *_args(dataset, tmp_path / "refused", SAVED + MORE,
+                                                             f"trainer.resume={resumed['tp2'][0]}",
+                                                             "trainer.use_distributed_optimizer=true",
+                                                             "model.vocab_size=null")], 1, 0))
+    assert [line for line in refused.splitlines() if line.startswith("error:")] == [
+        f"error: trainer.tensor_model_parallel_size: 1 pads the vocabulary to 384 rows, the checkpoint's 2 to 512 "
+        f"({resumed['tp2'][0]}); resume with trainer.tensor_model_parallel_size=2, or a size that pads it alike "
+        f"(to a multiple of 128 x TP)"], refused[-3000:]
+    assert "Traceback" not in refused and not (tmp_path / "refused" / "metrics.jsonl").exists()
+
+    at1, at2 = _losses(resumed["tp2"][1]), _losses(tmp_path / "tp2-at-2")
+    assert len(at1) == len(at2) == MORE and all(math.isfinite(x) for x in at1)
+    assert max(abs(a - b) / abs(b) for a, b in zip(at1, at2)) < 1e-3, (at1, at2)  # summation order (TP's all-reduce)

@@ -1,0 +1,44 @@
+"""training/reshard.py without processes: cutting a whole tensor for each TP rank and joining the parts back is the
+identity for every kind of split, and a saved optimizer state maps back to its parameters through its index."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8_recipes.training.reshard import join_tp, rank_slice, saved_param_states
+
+NAMES = ["decoder.layers.3.mlp.linear_fc1.weight", "decoder.layers.0.self_attention.linear_qkv.weight",
+         "decoder.layers.1.self_attention.linear_proj.weight", "decoder.layers.1.mlp.linear_fc2.weight",
+         "embedding.word_embeddings.weight", "output_layer.weight", "decoder.layers.2.input_layernorm.weight"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_cut_and_join_is_the_identity(name, tp):
+    whole = torch.arange(8 * 8, dtype=torch.float32).view(8, 8) if "norm" not in name else torch.arange(8.0)
+    parts = [rank_slice(name, whole, tp, r) for r in range(tp)]
+    assert torch.equal(join_tp(name, parts), whole)
+    if tp == 2 and name.endswith("linear_fc1.weight"):  # [gate_r; up_r]: rank 1 holds gate rows 2-3 and up rows 6-7
+        assert parts[1][:, 0].tolist() == [16, 24, 48, 56]
+    if tp == 2 and name.endswith("linear_proj.weight"):  # row-parallel: columns
+        assert parts[1].shape == (8, 4)
+
+
+def test_saved_state_maps_to_parameters():
+    """A distributed optimizer's gathered buffer (two params back to back) and a plain optimizer's param-group slots
+    (an fp32 main copy) give each parameter its main param and moments, shaped as the parameter."""
+    world = {key: torch.arange(10.0) + i for i, key in enumerate(("param", "exp_avg", "exp_avg_sq"))}
+    distributed = {"state_dict": {}, "param_state": [{"buckets_coalesced": True, 0: {torch.float32: {
+        **world, "numel_unpadded": 10}}}],
+        "param_index": [{"buffers": {0: [(0, "a.weight", 0, 6, (2, 3)), (0, "b.weight", 6, 4, (4,))]}}]}
+    states = saved_param_states(distributed)
+    assert states[(0, "b.weight")]["exp_avg"].tolist() == [7.0, 8.0, 9.0, 10.0]
+    assert states[(0, "a.weight")]["param"].shape == (2, 3)
+    plain = {"state_dict": {"optimizer": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(2, 2),
+                                                        "exp_avg_sq": torch.zeros(2, 2)}},
+                                          "param_groups": [{"params": [0]}]},
+                            "fp32_from_fp16_params": [[torch.full((2, 2), 5.0)]]},
+             "param_index": [{"groups": [[(1, "c.weight", 0, (2, 2))]]}]}
+    state = saved_param_states(plain)[(1, "c.weight")]
+    assert sorted(state) == ["exp_avg", "exp_avg_sq", "param"] and state["param"][0, 0] == 5.0
