@@ -54,6 +54,7 @@ __all__ = [
     "RunFileError",
     "jsonable",
     "last_metrics_step",
+    "load_run_config",
     "numerics_files",
     "numerics_name",
     "read_jsonl",
@@ -220,8 +221,8 @@ def _agent_start(pid: int) -> float | None:
 
 def job_identity(env: Mapping[str, str] | None = None) -> tuple[str, float | None]:
     """(token, start time) shared by every rank of this job and by no other job: a Slurm job's id; torchrun's
-    rendezvous (run id, store address) and, on one node, its agent (the workers' parent) and when it started; else
-    this process (host, pid). The time is None where the ranks cannot agree on one (torchrun over several nodes)."""
+    rendezvous (run id, store address) and, on one node, its agent (the workers' parent) and when it started; ranks
+    given torchrun's variables by another launcher: their rendezvous address; else this process (host, pid). The time is None where the ranks cannot agree on one (torchrun over several nodes)."""
     env = os.environ if env is None else env
     if env.get("SLURM_JOB_ID") and env.get("SLURM_STEP_ID") is not None:  # srun: every task of the job step
         start = env.get("SLURM_JOB_START_TIME")
@@ -233,6 +234,10 @@ def job_identity(env: Mapping[str, str] | None = None) -> tuple[str, float | Non
         agent = os.getppid()
         start = _agent_start(agent)
         return _short_hash(*rendezvous, socket.gethostname(), agent, start), start
+    if all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        # ranks started with torchrun's variables by something else (a script, an MPI wrapper): the rendezvous
+        # address is what they share, and no other running job can hold it
+        return _short_hash(env["MASTER_ADDR"], env["MASTER_PORT"], env["WORLD_SIZE"]), None
     if _PROCESS.get("pid") != os.getpid():  # once per process: its lock and its name keep one identity
         now = time.time()
         _PROCESS.update(pid=os.getpid(), identity=(_short_hash(socket.gethostname(), os.getpid(), now), now))
@@ -366,3 +371,14 @@ def _past(line: str, step: int) -> bool:
     except json.JSONDecodeError:
         return bool(line.strip())  # a row cut off by the kill: past the checkpoint by definition
     return isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] > step
+
+
+def load_run_config(run_dir: str | os.PathLike) -> Any:
+    """The composed config scripts/train.py ran with (Hydra writes it to ``run_dir/.hydra/config.yaml``)."""
+    from omegaconf import OmegaConf  # Hydra's config library: a dependency, kept out of this module's import
+
+    path = Path(run_dir) / HYDRA / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"run_dir: {str(run_dir)!r} has no .hydra/config.yaml; give a directory written by "
+                          "scripts/train.py")
+    return OmegaConf.load(path)

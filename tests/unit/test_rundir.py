@@ -50,6 +50,19 @@ def test_ranks_of_one_job_agree_on_the_name_and_jobs_differ():
     assert _name_in_child(slurm) == _name_in_child(slurm) != _name_in_child(slurm | {"SLURM_JOB_ID": "78"})
 
 
+def test_ranks_started_with_torchruns_variables_by_another_launcher_agree(tmp_path):
+    """Ranks given RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT without torchrun's agent (a script, an MPI wrapper,
+    tests/integration/test_parallel_cpu.py) share one job: rank 1 does not take rank 0's lock for another run's."""
+    plain = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29600"}
+    assert _name_in_child(plain) == _name_in_child(plain | {"RANK": "1"})
+    assert _name_in_child(plain) != _name_in_child(plain | {"MASTER_PORT": "29601"})
+    token = rundir.job_identity(plain)[0]
+    _lock(tmp_path, os.getppid(), job=token)  # rank 0 (a live process) holds the lock
+    check_run_dir(tmp_path, fresh=False, env=plain | {"RANK": "1"})
+    with pytest.raises(RunDirError, match="in use by another run"):
+        check_run_dir(tmp_path, fresh=False, env=plain | {"MASTER_PORT": "29601"})
+
+
 def test_a_fresh_start_is_refused_in_another_runs_directory(tmp_path):
     check_run_dir(tmp_path, fresh=True)  # Hydra's own files do not count
     (tmp_path / ".hydra").mkdir()
