@@ -101,11 +101,12 @@ def exports(run, tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture
 def ours(run, megatron_gpu):
     """(our TE model holding the run's last checkpoint, its precision, its model config)."""
+    from fp8_recipes.megatron.model_config import run_model_cfg
     from fp8_recipes.plan import Hardware
     from fp8_recipes.recipes import load_recipe
+    from fp8_recipes.rundir import load_run_config
     from fp8_recipes.training.checkpoint import load_checkpoint
-    from fp8_recipes.training.evaluate import load_run_config
-    from fp8_recipes.training.run import attach_te, run_model_cfg
+    from fp8_recipes.training.run import attach_te
 
     cfg = load_run_config(run)
     data = Path(cfg.data.path)

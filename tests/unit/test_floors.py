@@ -85,11 +85,7 @@ def test_no_import_runs_upward():
 
 
 # Cycles that only a function-level import closes, each with its reason; a new one fails the test below.
-KNOWN_LAZY_CYCLES = {
-    # run_training loads Hugging Face weights (training/hf.py, which imports torch, so run.py imports it inside the
-    # function); the export and checkpoint evaluation reuse run.py's model building and evaluate.py's run config.
-    frozenset({"training.run", "training.hf", "training.evaluate"}),
-}
+KNOWN_LAZY_CYCLES: set[frozenset[str]] = set()  # none left; a new one needs its reason here
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:

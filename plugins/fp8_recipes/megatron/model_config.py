@@ -15,7 +15,7 @@ from typing import Any
 
 from fp8_recipes.checks import ConfigError, check_keys, choice_error, is_int, is_number
 
-__all__ = ["MODEL_CHOICES", "MODEL_MAX", "MODEL_OPTIONAL", "MODEL_REQUIRED", "check_model_cfg"]
+__all__ = ["MODEL_CHOICES", "MODEL_MAX", "MODEL_OPTIONAL", "MODEL_REQUIRED", "check_model_cfg", "run_model_cfg"]
 
 MODEL_REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
 MODEL_OPTIONAL = ("ffn_hidden_size", "num_query_groups", "normalization", "activation", "position_embedding_type",
@@ -86,3 +86,18 @@ def check_model_cfg(cfg: Mapping[str, Any], *, vocab_may_be_unset: bool = False,
             if v is not None and v % tensor_parallel:
                 raise ConfigError(f"model.{key}={v} is not divisible by trainer.tensor_model_parallel_size="
                                  f"{tensor_parallel}")
+
+
+def run_model_cfg(cfg, meta: dict, data_dir: Path) -> dict:
+    """The model group as a dict, its vocabulary filled in from the tokenizer's (``meta``: the dataset's
+    meta.json) when the config says null. A larger one (llama3's 128256) is kept as configured, so speed and
+    memory match the model's name; a smaller one cannot hold every token id and is refused."""
+    from omegaconf import OmegaConf
+
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    if model_cfg.get("vocab_size") is None:
+        model_cfg["vocab_size"] = int(meta["vocab_size"])
+    elif int(model_cfg["vocab_size"]) < int(meta["vocab_size"]):
+        raise ConfigError(f"model.vocab_size: {model_cfg['vocab_size']} is smaller than the tokenizer's "
+                         f"{meta['vocab_size']} ({data_dir}); set model.vocab_size=${{data.vocab_size}} or larger")
+    return model_cfg

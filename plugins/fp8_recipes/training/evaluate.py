@@ -26,19 +26,20 @@ from pathlib import Path
 from typing import Any
 
 from fp8_recipes.megatron.data import batches
+from fp8_recipes.megatron.model_config import run_model_cfg
 from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan
 from fp8_recipes.recipes import load_recipe
-from fp8_recipes.rundir import HYDRA, RECIPE, read_recipe
+from fp8_recipes.rundir import RECIPE, load_run_config, read_recipe
 from fp8_recipes.schema import ROLES, Backend
 from fp8_recipes.training.config import TrainerConfig
 from fp8_recipes.training.run import (attach_emulated, attach_te, quiet_third_party_logs, run_datasets,
-                                      run_model_cfg, torch_dtype, valid_seed)
+                                      torch_dtype, valid_seed)
 from fp8_recipes.yaml_guard import UnsafeYAML
 
 # torch and Megatron-Core (checkpoints, the model, the engine) are imported inside the functions that evaluate a
-# checkpoint: gap_pct, format_parity and load_run_config serve the comparison tables without them.
+# checkpoint: gap_pct and format_parity serve the comparison tables without them.
 
-__all__ = ["evaluate_checkpoint", "eval_step_all_on", "format_parity", "gap_pct", "load_run_config"]
+__all__ = ["evaluate_checkpoint", "eval_step_all_on", "format_parity", "gap_pct"]
 
 logger = logging.getLogger("fp8_recipes")
 
@@ -46,17 +47,6 @@ logger = logging.getLogger("fp8_recipes")
 def gap_pct(value: float, reference: float) -> float:
     """100 x (value - reference) / reference: how much worse (positive) or better than the reference, in %."""
     return 100.0 * (value - reference) / reference if reference else math.nan
-
-
-def load_run_config(run_dir: str | Path) -> Any:
-    """The composed config scripts/train.py ran with (Hydra writes it to ``run_dir/.hydra/config.yaml``)."""
-    from omegaconf import OmegaConf
-
-    path = Path(run_dir) / HYDRA / "config.yaml"
-    if not path.is_file():
-        raise ValueError(f"run_dir: {str(run_dir)!r} has no .hydra/config.yaml; give a directory written by "
-                         "scripts/train.py")
-    return OmegaConf.load(path)
 
 
 def eval_step_all_on(recipe: Any, trained_steps: int) -> int:

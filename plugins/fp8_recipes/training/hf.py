@@ -32,10 +32,10 @@ from fp8_recipes.integrations.hf_llama import (
 )
 from fp8_recipes.megatron.data import EOD_TEXT
 from fp8_recipes.megatron.model import unwrap_model
+from fp8_recipes.megatron.model_config import run_model_cfg
+from fp8_recipes.rundir import load_run_config
 from fp8_recipes.training.checkpoint import checkpoint_meta, read_checkpoint, resolve_checkpoint
-from fp8_recipes.training.evaluate import load_run_config
 from fp8_recipes.training.reshard import COLUMN, join_shards, live_global_name, rank_slice
-from fp8_recipes.training.run import run_model_cfg
 
 __all__ = ["export_hf", "check_hf_init", "load_hf_weights", "hf_init_path", "parse_block"]
 

@@ -23,6 +23,7 @@ from typing import Any
 from fp8_recipes.checks import ConfigError
 from fp8_recipes.launcher import launch_rank
 from fp8_recipes.megatron.data import build_gpt_datasets, data_parallel_batches, prepare_dataset
+from fp8_recipes.megatron.model_config import run_model_cfg
 from fp8_recipes.observe.config import debug_config
 from fp8_recipes.plan import Hardware, ModelLayout, ParallelLayout, PrecisionPlan
 from fp8_recipes.plan_format import format_plan
@@ -186,21 +187,6 @@ def run_datasets(cfg, data_dir: Path, data_parallel_size: int):
     return train_ds, valid_ds
 
 
-def run_model_cfg(cfg, meta: dict, data_dir: Path) -> dict:
-    """The model group as a dict, its vocabulary filled in from the tokenizer's (``meta``: the dataset's
-    meta.json) when the config says null. A larger one (llama3's 128256) is kept as configured, so speed and
-    memory match the model's name; a smaller one cannot hold every token id and is refused."""
-    from omegaconf import OmegaConf
-
-    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
-    if model_cfg.get("vocab_size") is None:
-        model_cfg["vocab_size"] = int(meta["vocab_size"])
-    elif int(model_cfg["vocab_size"]) < int(meta["vocab_size"]):
-        raise ConfigError(f"model.vocab_size: {model_cfg['vocab_size']} is smaller than the tokenizer's "
-                         f"{meta['vocab_size']} ({data_dir}); set model.vocab_size=${{data.vocab_size}} or larger")
-    return model_cfg
-
-
 def check_engine_backend(trainer, backend) -> None:
     """Sequence and context parallelism need Transformer Engine's layers: Megatron-Core's local spec builds torch
     norms, which refuse sequence parallelism, and its attention has no context parallelism; the precision-aware
@@ -330,7 +316,7 @@ def run_training(cfg) -> dict:
         model_cfg = run_model_cfg(cfg, meta, data_dir)
         init_from = model_cfg.get("init_from") if resume_from is None else None  # a resumed run has its weights
         if init_from:
-            # (also a cycle: training/hf.py imports this module for run_model_cfg)
+            # (torch and safetensors: this module loads without them, for the config checks and the Slurm launcher)
             from fp8_recipes.training.hf import check_hf_init, hf_init_path, load_hf_weights
 
             with same_on_every_rank():
