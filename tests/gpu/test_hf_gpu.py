@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,9 +35,10 @@ from safetensors.torch import load_file  # noqa: E402  (the hf extra)
 from fp8_recipes.integrations.hf_llama import _fp8_policy  # noqa: E402
 from fp8_recipes.numerics import fake_quant  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+from test_hf_cpu import NEW_TOKENS, PANGRAM, greedy, their_logits  # noqa: E402  (the CPU test's parity helpers)
+
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS")
-PANGRAM = b"the quick brown fox jumps over the lazy dog. "
-NEW_TOKENS = 32
 # Llama-3's layer layout at a size whose every projection is a whole number of 128x128 blocks (head dim 128, as
 # Llama's, so no block straddles q/k/v): 4 layers, hidden 512, 4 query heads in 2 KV groups, SwiGLU 1536.
 LLAMA = ["model=llama3_8b_8l", "model.num_layers=4", "model.hidden_size=512", "model.ffn_hidden_size=1536",
@@ -132,17 +134,6 @@ def our_logits(chunks, ids: torch.Tensor, vocab: int) -> torch.Tensor:
     pos = torch.arange(padded.shape[1], device=ids.device).expand_as(padded)
     with torch.no_grad():
         return chunks[0](padded, pos, None)[:, :n, :vocab].float()
-
-
-def their_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(ids).logits.float()
-
-
-def greedy(logits_of, ids: torch.Tensor) -> list[int]:
-    for _ in range(NEW_TOKENS):
-        ids = torch.cat([ids, logits_of(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return ids[0, -NEW_TOKENS:].tolist()
 
 
 def load_hf(path: Path, **kwargs):
