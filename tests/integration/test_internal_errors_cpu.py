@@ -28,6 +28,7 @@ def _run(tmp_path, dataset, monkeypatch, raised: Exception) -> int:  # noqa: F81
     from fp8_recipes.training import loop
 
     def planted(*args, **kwargs):  # deep inside training, after the run's files were written
+        kwargs["on_ready"]()  # the loop writes them once the checkpoint (if any) is loaded
         raise raised
 
     monkeypatch.setattr(loop, "train", planted)
