@@ -39,15 +39,21 @@ def test_checks_name_the_key(tmp_path):
         check_data_cfg({"path": str(tmp_path), "split": "1,2"})
 
 
-def test_only_rank_0_removes_a_failed_start(tmp_path, monkeypatch):
+def test_every_rank_removes_a_failed_start_whatever_the_other_removed_first(tmp_path, monkeypatch):
+    """Under torchrun each rank removes what the failed start wrote: a rank whose Hydra files came after another
+    rank's cleanup leaves none behind, and files another rank removed first are no error."""
     run = tmp_path / "run"
     run.mkdir()
     start = time.time()
     (run / "plan.txt").write_text("plan\n")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("RANK", "1")
-    remove_partial_run_dir(run, since=start)  # the other ranks leave it to rank 0: no race over the same files
-    assert (run / "plan.txt").exists()
     monkeypatch.setenv("RANK", "0")
     remove_partial_run_dir(run, since=start)
     assert not run.exists()
+    run.mkdir()  # rank 1, slower, wrote Hydra's files after rank 0 cleaned
+    (run / ".hydra").mkdir()
+    (run / "train.log").write_text("rank 1\n")
+    monkeypatch.setenv("RANK", "1")
+    remove_partial_run_dir(run, since=start)
+    assert not run.exists()
+    remove_partial_run_dir(run, since=start)  # nothing left to remove: no error

@@ -192,19 +192,23 @@ class RunDirCheck:
 def remove_partial_run_dir(run_dir: str | os.PathLike, since: float = _IMPORTED_AT) -> None:
     """After a failed start: remove what Hydra and this run wrote into ``run_dir`` (modified at or after ``since``;
     never other files, an earlier run's outputs, a run with checkpoints, or a directory another running job holds),
-    then the directory when empty. Under torchrun/srun only rank 0 removes (no race over the same files)."""
+    then the directory when empty. Under torchrun/srun every rank removes (each may have written Hydra's files after
+    another one cleaned), tolerating the files another rank removed first."""
     run_dir = Path(run_dir)
-    if launch_rank() != 0 or not run_dir.is_dir() or (run_dir / "checkpoints").exists() or held_by_another(run_dir):
+    if not run_dir.is_dir() or (run_dir / "checkpoints").exists() or held_by_another(run_dir):
         return
     release(run_dir)  # this process's lock, if it took one
     for name in RUN_OUTPUTS:
         p = run_dir / name
-        if not p.exists() or p.stat().st_mtime < since - 1.0:  # (1 s: coarse file-system clocks)
+        try:
+            if p.stat().st_mtime < since - 1.0:  # (1 s: coarse file-system clocks)
+                continue
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+        except FileNotFoundError:  # not written, or another rank removed it first
             continue
-        if p.is_dir():
-            shutil.rmtree(p, ignore_errors=True)
-        elif p.exists():
-            p.unlink()
     with contextlib.suppress(OSError):
         run_dir.rmdir()  # only when empty
     # and the parents Hydra made for it (runs/ in a fresh checkout): empty, changed since, below the working directory
