@@ -269,7 +269,8 @@ def run_training(cfg) -> dict:
                            use_distributed_optimizer=tcfg.use_distributed_optimizer) if resume_from is not None else 0
         # One owner (rundir.py): no other running job, and a fresh start only into a directory holding no other run.
         check_run_dir(run_dir, fresh=resume_from is None and trainer.get("resume") != "auto")
-    if resume_from is not None and (done := int(checkpoint_meta(resume_from)["step"])) >= tcfg.max_steps:
+    saved = checkpoint_meta(resume_from) if resume_from is not None else None  # read once, used below
+    if saved is not None and (done := int(saved["step"])) >= tcfg.max_steps:
         # A finished run resumed (a requeued or resubmitted job): nothing to train, nothing of the run rewritten.
         return {"finished": {"steps": done, "checkpoint": str(resume_from), "max_steps": tcfg.max_steps},
                 "steps": done, "rank": launch_rank()}
@@ -302,8 +303,7 @@ def run_training(cfg) -> dict:
         train_iters = [data_parallel_batches(train_ds, mbs, int(trainer.seed), dp_rank, dp, skip=skip)
                        for _ in range(tcfg.virtual_pipeline_model_parallel_size or 1)]
         valid_iter = data_parallel_batches(valid_ds, mbs, valid_seed(trainer), dp_rank, dp)
-        if rank == 0 and resume_from is not None:
-            saved = checkpoint_meta(resume_from)
+        if rank == 0 and saved is not None:
             saved_dp = saved.get("data_parallel_size", dp)
             logger.info("resume: from %s (step %d, %d samples consumed%s)", resume_from, saved["step"], skip * mbs,
                         f"; data parallel {saved_dp} -> {dp}, the same global batches" if saved_dp != dp else "")
@@ -354,7 +354,7 @@ def run_training(cfg) -> dict:
             if rank != 0:
                 return
             if resume_from is not None or trainer.get("resume") == "auto":  # rows a killed run wrote past its checkpoint
-                drop_rows_after(run_dir, int(checkpoint_meta(resume_from)["step"]) if resume_from is not None else 0)
+                drop_rows_after(run_dir, int(saved["step"]) if saved is not None else 0)
             write_text(run_dir / PLAN, explained + "\n")
             import yaml
 
