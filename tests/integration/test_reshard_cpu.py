@@ -1,9 +1,17 @@
-"""Resuming at another tensor / pipeline layout (training/reshard.py), 2-rank gloo runs on the CPU.
+"""Resuming at another tensor / pipeline / virtual-pipeline layout (training/reshard.py), 2-rank gloo runs on the CPU.
 
-A TP=2 run with the distributed optimizer and a PP=2 run with the plain one each train 3 steps and checkpoint. Each
-checkpoint is resumed on one rank (TP=1 / PP=1); a hook re-saves what the resumed run loaded before it trains, and
-the two checkpoints, joined into whole tensors, hold the same weights, fp32 main params and Adam moments bit for bit.
-The TP=1 continuation's losses equal the TP=2 continuation's from the same checkpoint up to summation order.
+A TP=2 run with the distributed optimizer and a PP=2 run with the plain one each train 3 steps and checkpoint. Then
+a chain of resumes, each at another layout than the checkpoint it starts from and each writing checkpoints at its
+own layout for the next one:
+
+    TP=2 (distributed optimizer) step 3 -> TP=1 (to step 7, saving step 5) -> TP=2 from step 5
+    PP=2 (plain optimizer)       step 3 -> PP=1 (to step 7, saving step 5) -> PP=2 x VPP=2 from step 5 (saving
+                                 step 6) -> PP=1 from step 6
+
+In each resume a hook re-saves what the run loaded before it trains, and the two checkpoints, joined into whole
+tensors, hold the same weights, fp32 main params and Adam moments bit for bit. Every run goes to step 7 (one LR
+schedule), so the steps two runs share train the same losses up to summation order: the TP=1 run's equal a TP=2
+continuation of the same checkpoint's, and each later resume's equal those of the run it resumed.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from test_train_cpu import ROOT, dataset  # noqa: F401  (dataset: the shared ses
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
-SAVED, MORE = 3, 2
+SAVED, MID, END = 3, 5, 7  # the first checkpoints, the ones resumed next, the last step of every resume
 # After loading, before training: save what was loaded to argv[1] (a run dir), then train as scripts/train.py does.
 RESAVE = r'''
 import runpy, sys
@@ -46,9 +54,9 @@ runpy.run_path("scripts/train.py", run_name="__main__")
 '''
 
 
-def _args(dataset: list[str], run_dir: Path, steps: int, *extra: str) -> list[str]:
+def _args(data: list[str], run_dir: Path, steps: int, *extra: str) -> list[str]:
     # vocab 512: padded alike at TP=1 and TP=2 (a multiple of 128 x TP)
-    return ["+recipe=bf16", *dataset, f"trainer.max_steps={steps}", "trainer.warmup_steps=2", "trainer.eval_interval=0",
+    return ["+recipe=bf16", *data, f"trainer.max_steps={steps}", "trainer.warmup_steps=2", "trainer.eval_interval=0",
             "trainer.eval_iters=1", "trainer.micro_batch_size=2", "trainer.global_batch_size=4", "model.num_layers=4",
             "model.vocab_size=512", f"run_dir={run_dir}", *extra]
 
@@ -91,9 +99,9 @@ def _wait_code(procs: list, code: int = 2) -> str:
     return text
 
 
-def _losses(run_dir: Path) -> list[float]:
-    return [r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-            if r.get("kind") == "train"]
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if r.get("kind") == "train"}
 
 
 def _whole(step_dir: Path) -> tuple[dict, dict]:
@@ -110,28 +118,30 @@ def _whole(step_dir: Path) -> tuple[dict, dict]:
 def test_resume_at_another_tensor_and_pipeline_layout(dataset, tmp_path, free_port):  # noqa: F811
     (tmp_path / "resave.py").write_text(RESAVE)
     tp2, pp2 = tmp_path / "tp2", tmp_path / "pp2"
+    dist = "trainer.use_distributed_optimizer=true"
     # one run at a time: runs started together would each have rank 0 re-check the shared dataset
-    _wait(_launch(["scripts/train.py", *_args(dataset, tp2, SAVED, "trainer.tensor_model_parallel_size=2",
-                                              "trainer.use_distributed_optimizer=true")], 2, free_port()))
+    _wait(_launch(["scripts/train.py", *_args(dataset, tp2, SAVED, "trainer.tensor_model_parallel_size=2", dist)], 2,
+                  free_port()))
     _wait(_launch(["scripts/train.py", *_args(dataset, pp2, SAVED, "trainer.pipeline_model_parallel_size=2")], 2,
                   free_port()))
-    cases = {"tp2": (tp2, ["trainer.use_distributed_optimizer=true"]), "pp2": (pp2, [])}
-    resumed = {}
-    for name, (run, extra) in cases.items():
-        step_dir = run / "checkpoints" / f"step_{SAVED}"
-        resumed[name] = (step_dir, tmp_path / f"{name}-at-1", tmp_path / f"{name}-loaded")
-        out = _wait(_launch([str(tmp_path / "resave.py"), str(resumed[name][2]), *_args(
-            dataset, resumed[name][1], SAVED + MORE, f"trainer.resume={step_dir}", *extra)], 1, 0))
-        assert "resume: resharded" in out and "Traceback" not in out, out[-3000:]
-    # the reference: the TP=2 run continued at its own layout from the same checkpoint
-    _wait(_launch(["scripts/train.py", *_args(dataset, tmp_path / "tp2-at-2", SAVED + MORE,
-                                              f"trainer.resume={resumed['tp2'][0]}",
-                                              "trainer.tensor_model_parallel_size=2",
-                                              "trainer.use_distributed_optimizer=true")], 2, free_port()))
+    # (run, the checkpoint it resumes, ranks, its layout and optimizer, its save_interval); in order: each resumes
+    # a checkpoint that an earlier one wrote at its own layout
+    chain = [("tp2-at-1", tp2 / "checkpoints" / f"step_{SAVED}", 1, [dist], MID),
+             ("pp2-at-1", pp2 / "checkpoints" / f"step_{SAVED}", 1, [], MID),
+             ("tp1-at-2", tmp_path / "tp2-at-1" / "checkpoints" / f"step_{MID}", 2,
+              ["trainer.tensor_model_parallel_size=2", dist], 0),
+             ("pp1-at-vpp", tmp_path / "pp2-at-1" / "checkpoints" / f"step_{MID}", 2,
+              ["trainer.pipeline_model_parallel_size=2", "trainer.virtual_pipeline_model_parallel_size=2"], MID + 1),
+             ("vpp-at-1", tmp_path / "pp1-at-vpp" / "checkpoints" / f"step_{MID + 1}", 1, [], 0)]
+    for name, step_dir, ranks, extra, interval in chain:
+        loaded = tmp_path / f"{name}-loaded"
+        out = _wait(_launch([str(tmp_path / "resave.py"), str(loaded), *_args(
+            dataset, tmp_path / name, END, f"trainer.resume={step_dir}", f"trainer.save_interval={interval}",
+            *extra)], ranks, free_port() if ranks > 1 else 0))
+        assert "resume: resharded" in out and "Traceback" not in out, (name, out[-3000:])
 
-    for name, (step_dir, _, loaded) in resumed.items():
         model, states = _whole(step_dir)
-        model2, states2 = _whole(loaded / "checkpoints" / f"step_{SAVED}")
+        model2, states2 = _whole(loaded / "checkpoints" / step_dir.name)
         assert model.keys() == model2.keys() and states.keys() == states2.keys(), name
         assert all(torch.equal(model[k], model2[k]) for k in model), name
         keys = {k for s in states.values() for k in s}
@@ -140,18 +150,26 @@ def test_resume_at_another_tensor_and_pipeline_layout(dataset, tmp_path, free_po
             assert per_key.keys() == states2[k].keys() and all(
                 torch.equal(v, states2[k][key]) for key, v in per_key.items()), (name, k)
         assert all(torch.any(s["exp_avg"] != 0) for s in states.values()), name  # trained moments, not fresh ones
+    # the reference of the first resume: the TP=2 run continued at its own layout from the same checkpoint
+    _wait(_launch(["scripts/train.py", *_args(dataset, tmp_path / "tp2-at-2", END, f"trainer.resume={chain[0][1]}",
+                                              "trainer.tensor_model_parallel_size=2", dist,
+                                              "trainer.save_checkpoints=false")], 2, free_port()))
 
     # a vocabulary padded otherwise at TP=1 (257 tokens: 512 rows at TP=2, 384 at TP=1): one line, nothing written
-    refused = _wait_code(_launch(["scripts/train.py", *_args(dataset, tmp_path / "refused", SAVED + MORE,
-                                                             f"trainer.resume={resumed['tp2'][0]}",
-                                                             "trainer.use_distributed_optimizer=true",
+    refused = _wait_code(_launch(["scripts/train.py", *_args(dataset, tmp_path / "refused", END,
+                                                             f"trainer.resume={chain[0][1]}", dist,
                                                              "model.vocab_size=null")], 1, 0))
-    assert [line for line in refused.splitlines() if line.startswith("error:")] == [
+    assert [line for line in refused.splitlines() if line.startswith("error:")] == [(
         f"error: trainer.tensor_model_parallel_size: 1 pads the vocabulary to 384 rows, the checkpoint's 2 to 512 "
-        f"({resumed['tp2'][0]}); resume with trainer.tensor_model_parallel_size=2, or a size that pads it alike "
-        f"(to a multiple of 128 x TP)"], refused[-3000:]
+        f"({chain[0][1]}); resume with trainer.tensor_model_parallel_size=2, or a size that pads it alike "
+        f"(to a multiple of 128 x TP)")], refused[-3000:]
     assert "Traceback" not in refused and not (tmp_path / "refused" / "metrics.jsonl").exists()
 
-    at1, at2 = _losses(resumed["tp2"][1]), _losses(tmp_path / "tp2-at-2")
-    assert len(at1) == len(at2) == MORE and all(math.isfinite(x) for x in at1)
-    assert max(abs(a - b) / abs(b) for a, b in zip(at1, at2)) < 1e-3, (at1, at2)  # summation order (TP's all-reduce)
+    # (run, the run whose losses it must train at the steps both ran): the same checkpoint's other continuation,
+    # or the run it resumed; summation order differs (TP's all-reduce, the stages' order)
+    for run, reference in [("tp2-at-1", "tp2-at-2"), ("tp1-at-2", "tp2-at-1"), ("pp1-at-vpp", "pp2-at-1"),
+                           ("vpp-at-1", "pp1-at-vpp")]:
+        losses, ref = _losses(tmp_path / run), _losses(tmp_path / reference)
+        start = int(next(step_dir for name, step_dir, *_ in chain if name == run).name[5:])
+        assert sorted(losses) == list(range(start + 1, END + 1)) and all(map(math.isfinite, losses.values())), run
+        assert max(abs(losses[s] - ref[s]) / abs(ref[s]) for s in losses) < 1e-3, (run, losses, ref)
