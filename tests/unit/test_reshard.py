@@ -1,12 +1,13 @@
 """training/reshard.py without processes: cutting a whole tensor for each TP rank and joining the parts back is the
-identity for every kind of split, and a saved optimizer state maps back to its parameters through its index."""
+identity for every kind of split, a saved optimizer state maps back to its parameters through its index, and a rank
+reads only the saved pipeline stages that hold its tensors."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from fp8_recipes.training.reshard import join_tp, rank_slice, saved_param_states
+from fp8_recipes.training.reshard import join_shards, join_tp, rank_slice, saved_param_states, stages_holding
 
 NAMES = ["decoder.layers.3.mlp.linear_fc1.weight", "decoder.layers.0.self_attention.linear_qkv.weight",
          "decoder.layers.1.self_attention.linear_proj.weight", "decoder.layers.1.mlp.linear_fc2.weight",
@@ -42,3 +43,38 @@ def test_saved_state_maps_to_parameters():
              "param_index": [{"groups": [[(1, "c.weight", 0, (2, 2))]]}]}
     state = saved_param_states(plain)[(1, "c.weight")]
     assert sorted(state) == ["exp_avg", "exp_avg_sq", "param"] and state["param"][0, 0] == 5.0
+
+
+def _held(pp: int, vpp: int | None, layers_per_chunk: int, head: bool = True) -> dict[int, list[tuple[int, str]]]:
+    """Per saved pipeline rank, its (chunk, local name)s: each chunk's layers, the embedding on the first stage, the
+    final norm and (``head``: untied) the LM head on the last."""
+    held = {}
+    for p in range(pp):
+        names = [(v, f"decoder.layers.{i}.mlp.linear_fc2.weight") for v in range(vpp or 1)
+                 for i in range(layers_per_chunk)]
+        if p == 0:
+            names.append((0, "embedding.word_embeddings.weight"))
+        if p == pp - 1:
+            names += [((vpp or 1) - 1, "decoder.final_layernorm.weight")] + (
+                [((vpp or 1) - 1, "output_layer.weight")] if head else [])
+        held[p] = names
+    return held
+
+
+def _layers(*numbers: int) -> set[str]:
+    return {f"decoder.layers.{i}.mlp.linear_fc2.weight" for i in numbers}
+
+
+def test_a_rank_reads_only_the_stages_holding_its_tensors():
+    pp4 = _held(4, None, 2)  # 8 layers, 2 per stage
+    assert stages_holding(pp4, (1, 4, None), 8, {*_layers(0, 1, 2, 3), "embedding.word_embeddings.weight"}) == [0, 1]
+    assert stages_holding(pp4, (1, 4, None), 8, {*_layers(4, 5, 6, 7), "decoder.final_layernorm.weight",
+                                                 "output_layer.weight"}) == [2, 3]
+    vpp = _held(2, 2, 1)  # 4 layers, one per chunk: stage 0 holds layers 0 and 2, stage 1 layers 1 and 3
+    assert stages_holding(vpp, (1, 2, 2), 4, _layers(2)) == [0]
+    assert stages_holding(vpp, (1, 2, 2), 4, _layers(0, 1)) == [0, 1]
+    tied = _held(2, None, 2, head=False)  # a tied head saved nowhere: its state is the embedding's, on stage 0
+    assert stages_holding(tied, (1, 2, None), 4, {*_layers(2, 3), "output_layer.weight"}) == [0, 1]
+    read = []
+    join_shards(lambda t, p: read.append((t, p)) or {"model": [{}]}, (2, 4, None), 8, stages=[3, 1])
+    assert read == [(0, 1), (1, 1), (0, 3), (1, 3)]  # every tensor-parallel part of the stages asked for, in order

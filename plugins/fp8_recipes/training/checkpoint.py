@@ -34,11 +34,12 @@ Resuming (``trainer.resume``, see :func:`find_resume`): the data position is the
 batch; training/run.py starts the global micro-batch stream there, megatron/data.py:data_parallel_batches), so a
 run resumes exactly at another data-parallel size with the same global batch size: every rank reads its shard's
 payload, and the distributed optimizer scatters the parameter state from data-parallel rank 0 to the new
-data-parallel ranks. At another tensor-parallel, pipeline or virtual-pipeline layout every rank reads every payload,
-joins the tensors whole and loads its part (training/reshard.py; the optimizer state through the ``param_index``
-each payload records). Another global batch size or a switch between the plain and the distributed optimizer is
-refused in one line, as is another layout from a checkpoint without that index. The recipe's schedule stage follows
-from the step. A checkpoint of another recipe (its precision state's
+data-parallel ranks. At another tensor-parallel, pipeline or virtual-pipeline layout every rank reads the payloads
+of the saved pipeline stages that hold its layers (all of them at PP=1), joins their tensors whole and loads its
+part (training/reshard.py; the optimizer state through the ``param_index`` each payload records). Another global
+batch size or a switch between the plain and the distributed optimizer is refused in one line, as is another layout
+from a checkpoint without that index. The recipe's schedule stage follows from the step. A checkpoint of another
+recipe (its precision state's
 ``recipe`` differs) restores model, optimizer, schedule and step but not the scaling state, and says so in one log
 line. Checkpoints of earlier formats (1: ``step_N/tp_RR.pt`` files; 2: the engine before Megatron-Core's, with a
 torch AdamW state) are refused in one line.
@@ -74,6 +75,7 @@ from fp8_recipes.training.reshard import (
     optimizer_param_index,
     rank_slice,
     saved_optimizer_step,
+    stages_holding,
 )
 
 __all__ = ["barrier", "save_checkpoint", "load_checkpoint", "read_checkpoint", "resolve_checkpoint", "find_resume",
@@ -564,23 +566,31 @@ def _resharding(step_dir: str | os.PathLike) -> bool:
     return _layout(checkpoint_meta(step_dir)) != _layout(_parallel_sizes())
 
 
+def _saved_model_shapes(per_shard: dict[str, list[tuple[tuple, Any]]], tp_rank: int,
+                        pp_rank: int) -> list[dict[str, torch.Size]]:
+    """Per model chunk of the saved shard (``tp_rank``, ``pp_rank``), its tensors' shapes by state-dict name, from
+    DCP's index (``per_shard``: :func:`_saved_payloads`)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    chunks: dict[int, dict[str, torch.Size]] = {}
+    for path, storage in per_shard.get(_shard_key(tp_rank, pp_rank), []):
+        if path[0] == "tensors" and isinstance(storage, TensorStorageMetadata) and path[1].startswith("model/"):
+            _, chunk, name = path[1].split("/", 2)
+            chunks.setdefault(int(chunk), {})[name] = storage.size
+    return [chunks[i] for i in sorted(chunks)]
+
+
 def _check_whole_shapes(step_dir: str | os.PathLike, models: list[torch.nn.Module]) -> None:
     """check_model_matches across layouts: each of this rank's tensors is the part of the checkpoint's whole tensor
     that resharding would cut for it (shapes from DCP's index only). A vocabulary padded otherwise at this tensor-
     parallel size (Megatron-Core pads it to a multiple of VOCAB_MULTIPLE x TP) is refused."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     step_dir = Path(step_dir)
     per_shard = _saved_payloads(step_dir)
     saved, here = _layout(checkpoint_meta(step_dir)), _layout(_parallel_sizes())
 
     def shapes(tp_rank: int, pp_rank: int) -> dict[str, Any]:
-        chunks: dict[int, dict[str, torch.Tensor]] = {}
-        for path, storage in per_shard.get(_shard_key(tp_rank, pp_rank), []):
-            if path[0] == "tensors" and isinstance(storage, TensorStorageMetadata) and path[1].startswith("model/"):
-                _, chunk, name = path[1].split("/", 2)
-                chunks.setdefault(int(chunk), {})[name] = torch.empty(storage.size, device="meta")
-        return {"model": [chunks[i] for i in sorted(chunks)]}
+        return {"model": [{name: torch.empty(size, device="meta") for name, size in chunk.items()}
+                          for chunk in _saved_model_shapes(per_shard, tp_rank, pp_rank)]}
 
     gpts = [_unwrap(m) for m in models]
     gated = bool(gpts[0].config.gated_linear_unit)
@@ -650,14 +660,21 @@ def _scaling_state(shards: dict[tuple[int, int], Any], tp: int, tp_rank: int) ->
 
 def _load_resharded(step_dir: Path, chunks: list, engine, precision, scheduler,
                     map_location: str | torch.device) -> int:
-    """load_checkpoint at another tensor / pipeline / virtual-pipeline layout than the checkpoint's: every shard is
-    read and joined into whole tensors (training/reshard.py), then this rank's part of them is loaded: the weights,
-    the optimizer's fp32 main params, moments and step, the LR schedule; the scaling state by global module where it
-    carries over. The RNG streams restart from trainer.seed."""
+    """load_checkpoint at another tensor / pipeline / virtual-pipeline layout than the checkpoint's: the shards of the
+    saved stages that hold this rank's layers are read and joined into whole tensors (training/reshard.py), then
+    this rank's part of them is loaded: the weights, the optimizer's fp32 main params, moments and step, the LR
+    schedule; the scaling state by global module where it carries over. The RNG streams restart from trainer.seed."""
     rank, tp_rank, _ = _ranks()
     saved, here = _layout(checkpoint_meta(step_dir)), _layout(_parallel_sizes())
     gpts = [_unwrap(c) for c in chunks]
     gated = bool(gpts[0].config.gated_linear_unit)
+    num_layers = gpts[0].config.num_layers
+    wanted = {live_global_name(gpt, name) for gpt in gpts for name, value in gpt.state_dict().items()
+              if isinstance(value, torch.Tensor) and not name.endswith("_extra_state")}
+    per_shard = _saved_payloads(step_dir)
+    held = {p: [(v, name) for v, chunk in enumerate(_saved_model_shapes(per_shard, 0, p)) for name in chunk]
+            for p in range(saved[1])}
+    stages = stages_holding(held, saved, num_layers, wanted)
     kept: dict[tuple[int, int], dict[str, Any]] = {}
 
     def read_shard(tp_rank_: int, pp_rank_: int) -> dict[str, Any]:
@@ -669,8 +686,8 @@ def _load_resharded(step_dir: Path, chunks: list, engine, precision, scheduler,
             kept[(tp_rank_, pp_rank_)]["optimizer_step"] = saved_optimizer_step(payload["optimizer"])
         return payload
 
-    whole, states = join_shards(read_shard, saved, gpts[0].config.num_layers, gated=gated,
-                                optimizer=engine is not None)
+    whole, states = join_shards(read_shard, saved, num_layers, gated=gated, optimizer=engine is not None,
+                                stages=stages)
     with torch.no_grad():
         for gpt in gpts:
             state = gpt.state_dict()
@@ -680,7 +697,7 @@ def _load_resharded(step_dir: Path, chunks: list, engine, precision, scheduler,
                     state[name] = rank_slice(key, _whole_of(whole, key), here[0], tp_rank, gated)
             gpt.load_state_dict(state)
     del whole
-    first = kept[(0, 0)]
+    first = kept[min(kept)]  # the step, LR schedule and optimizer step: alike in every shard
     if engine is not None:
         load_optimizer_resharded(engine.models, engine.optimizer, states, first["optimizer_step"], here[0], tp_rank,
                                  gated)
@@ -698,7 +715,8 @@ def _load_resharded(step_dir: Path, chunks: list, engine, precision, scheduler,
                            step_dir, why)
     if rank == 0:
         logger.info("resume: resharded %s from tp=%d pp=%d vpp=%s to tp=%d pp=%d vpp=%s (weights, fp32 main params, "
-                    "Adam moments, step; the RNG streams restart from trainer.seed)", step_dir, *saved, *here)
+                    "Adam moments, step; the RNG streams restart from trainer.seed); rank 0 read saved stages %s",
+                    step_dir, *saved, *here, ",".join(map(str, stages)))
     return int(first["step"])
 
 

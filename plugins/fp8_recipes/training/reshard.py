@@ -2,9 +2,11 @@
 
 A checkpoint holds one payload per (pipeline, tensor) shard (training/checkpoint.py). Here every shard's tensors are
 named as in a one-rank model (canonical names: the local layer spec's, with global layer numbers) and joined into
-whole tensors; a rank of any other layout then cuts its part out of them:
+whole tensors; a rank of any other layout then cuts its part out of them, reading only the saved stages that hold
+its tensors:
 
-    whole = join_shards(read_shard, layout, num_layers, gated=True)   # {canonical name: tensor} + optimizer state
+    stages = stages_holding(held, layout, num_layers, wanted)         # from the checkpoint's index alone
+    whole = join_shards(read_shard, layout, num_layers, gated=True, stages=stages)  # {canonical name: tensor}, states
     part = rank_slice(name, whole[name], tp, tp_rank, gated=True)
 
 How Megatron-Core splits a tensor over the tensor-parallel ranks: column-parallel weights (qkv, the LM head, the
@@ -22,7 +24,7 @@ main params and Adam's moments become whole tensors too (:func:`saved_param_stat
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -40,6 +42,7 @@ __all__ = [
     "rank_slice",
     "saved_optimizer_step",
     "saved_param_states",
+    "stages_holding",
 ]
 
 _TE_NORMS = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -107,17 +110,20 @@ def rank_slice(name: str, whole: torch.Tensor, tp: int, tp_rank: int, gated: boo
 
 def join_shards(read_shard: Callable[[int, int], Mapping[str, Any]], layout: tuple[int, int, int | None],
                 num_layers: int, *, gated: bool = True, optimizer: bool = False,
-                progress: Callable[[str], None] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+                progress: Callable[[str], None] | None = None,
+                stages: Iterable[int] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     """(model, optimizer) of a checkpoint as whole tensors under canonical global names: every model tensor, and with
     ``optimizer`` every parameter's optimizer state ({"param": fp32 main, "exp_avg": ..., "exp_avg_sq": ...}).
-    ``read_shard(tp_rank, pp_rank)`` gives a payload; ``layout`` = the checkpoint's (tp, pp, vpp)."""
+    ``read_shard(tp_rank, pp_rank)`` gives a payload; ``layout`` = the checkpoint's (tp, pp, vpp); ``stages``: the
+    saved pipeline ranks to read (:func:`stages_holding`), all by default."""
     tp, pp, vpp = layout
+    stages = range(pp) if stages is None else sorted(stages)
     model: dict[str, list[torch.Tensor]] = {}
     states: dict[str, dict[str, list[torch.Tensor]]] = {}
-    for p in range(pp):
+    for i, p in enumerate(stages):
         for t in range(tp):
             if progress is not None:
-                progress(f"reading shard pp{p:02d}tp{t:02d} ({p * tp + t + 1}/{pp * tp})")
+                progress(f"reading shard pp{p:02d}tp{t:02d} ({i * tp + t + 1}/{len(stages) * tp})")
             payload = read_shard(t, p)
             offsets = [layer_offset(p, v, num_layers, pp, vpp) for v in range(len(payload["model"]))]
             for v, chunk in enumerate(payload["model"]):
@@ -133,6 +139,20 @@ def join_shards(read_shard: Callable[[int, int], Mapping[str, Any]], layout: tup
     whole_states = {name: {key: join_tp(name, parts, gated) for key, parts in per_key.items()}
                     for name, per_key in states.items()}
     return whole_model, whole_states
+
+
+def stages_holding(held: Mapping[int, Iterable[tuple[int, str]]], layout: tuple[int, int, int | None],
+                   num_layers: int, wanted: Collection[str]) -> list[int]:
+    """The saved pipeline ranks whose shards hold any of ``wanted`` (canonical global names): the ones a rank of
+    another layout reads for its own tensors. ``held``: per saved pipeline rank, its (model chunk, state-dict name)s
+    (from the checkpoint's index; every tensor-parallel rank of a stage holds the same names)."""
+    _, pp, vpp = layout
+    names = {p: {_global(name, layer_offset(p, v, num_layers, pp, vpp)) for v, name in held.get(p, ())}
+             for p in range(pp)}
+    wanted = set(wanted)
+    if "output_layer.weight" in wanted and not any("output_layer.weight" in n for n in names.values()):
+        wanted.add("embedding.word_embeddings.weight")  # a tied head saved at one stage: the embedding is its state
+    return [p for p in range(pp) if names[p] & wanted]
 
 
 def live_global_name(model: torch.nn.Module, name: str) -> str:
