@@ -52,7 +52,8 @@ def _commands(text: str) -> list[str]:
             lines.append(line)
     for line in lines:
         code = re.split(r"\s+#\s", line, maxsplit=1)[0].strip()  # a trailing comment ("  # ...")
-        if code and not code.startswith("#") and code.startswith(PROGRAMS):
+        program = re.sub(r"^(?:[A-Z_]+=(?:\"[^\"]*\"|'[^']*'|\S*)\s+)+", "", code)  # past `SEED=1 NAME=x ...`
+        if code and not code.startswith("#") and (code.startswith(PROGRAMS) or program.startswith(("bash ", "python"))):
             out.append(code)
     return out
 
@@ -323,6 +324,17 @@ def test_gpu_and_setup_commands_name_what_exists(command):
             assert (ROOT / s).is_file(), s
             if s.endswith(".sh"):
                 assert subprocess.run(["bash", "-n", str(ROOT / s)]).returncode == 0, s
+        if "tests/gpu/run_gpu.sh" in words:  # its part exists; CONFIGS are bench_train's; a shoot-out's EXTRA composes
+            part = words[words.index("tests/gpu/run_gpu.sh") + 1:][:1] or ["all"]
+            assert re.search(rf"^{re.escape(part[0])}\)", (ROOT / "tests/gpu/run_gpu.sh").read_text(), re.M), part
+            env = dict(w.split("=", 1) for w in words if re.fullmatch(r"[A-Z_]+=.*", w, re.S))
+            if "CONFIGS" in env:  # bench_train's configs (levers-bench)
+                from fp8_recipes.bench.train import check_configs
+
+                check_configs(env["CONFIGS"].split())
+            if part[0] == "shootout":
+                _launcher_checked(["+launcher=slurm", "+recipe=fast", "model=gpt_125m", "trainer=gpu",
+                                   *env.get("EXTRA", "").split()])
         if not any(s.endswith(".py") for s in scripts):
             return
     script = next(w for w in words if w.endswith(".py"))
