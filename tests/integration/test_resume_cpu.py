@@ -181,6 +181,35 @@ def test_resume_under_another_model_is_refused_before_anything_is_written(refere
     assert {f: (run / f).read_bytes() for f in before} == before
 
 
+def test_a_flipped_bit_in_the_latest_checkpoint_is_found_once_the_ranks_share_the_reading(reference, dataset,  # noqa: F811
+                                                                                             tmp_path, caplog):
+    """The contents are verified after the process group exists (training/checkpoint.py: shared_damage): auto falls
+    back to the newest intact checkpoint with one warning and continues from it; named, the damaged one is refused
+    in one line and nothing of the run is rewritten."""
+    import logging
+
+    run = tmp_path / "run"
+    shutil.copytree(reference("bf16"), run)
+    damaged = run / "checkpoints" / f"step_{STEPS}"
+    shard = next(damaged.glob("__0_*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10  # one flipped bit: the size still matches, only the contents' CRC-32 tells
+    shard.write_bytes(bytes(data))
+    outputs = ("summary.json", "plan.txt", "recipe.yaml", "metrics.jsonl")
+    before = {f: (run / f).read_bytes() for f in outputs}
+    with pytest.raises(ValueError) as e:
+        train_run("bf16", run, dataset, f"trainer.resume={damaged}", steps=STEPS + 2)
+    assert str(e.value).startswith(f"trainer.resume: {damaged} is damaged: __0_") and "\n" not in str(e.value)
+    assert "does not match its checksum" in str(e.value)
+    assert {f: (run / f).read_bytes() for f in outputs} == before
+    with caplog.at_level(logging.WARNING, logger="fp8_recipes"):
+        summary = train_run("bf16", run, dataset, "trainer.resume=auto", steps=STEPS + 2)
+    warnings = [r.getMessage() for r in caplog.records if "newest intact" in r.getMessage()]
+    assert warnings == [(f"resume: step_{STEPS} is damaged (__0_0.distcp does not match its checksum, so it changed "
+                         f"on disk after it was written); resuming from step_{SAVED}, the newest intact checkpoint")]
+    assert summary["steps"] == STEPS + 2 and sorted(rows(run)) == list(range(1, STEPS + 3))
+
+
 def test_resume_refuses_unfinished_or_missing_checkpoints(tmp_path):
     from fp8_recipes.training.config import TrainerConfig
 

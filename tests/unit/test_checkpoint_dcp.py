@@ -303,6 +303,64 @@ def test_a_damaged_latest_falls_back_to_the_newest_intact(case, tmp_path, caplog
         find_resume("auto", tmp_path)
 
 
+def test_the_ranks_share_the_reading_of_a_checkpoint(tmp_path):
+    """Before the process group: sizes only (quick_damage); in it, each of n ranks digests every n-th file and all
+    agree (shared_damage): a flipped bit is found by exactly one share, a truncated file by the quick check."""
+    from fp8_recipes.training.checkpoint import checkpoint_damage, quick_damage
+
+    _, step_4 = two_checkpoints(tmp_path)
+    flip_a_bit(next(step_4.glob("__0_*.distcp")))
+    assert quick_damage(step_4) is None
+    found = [checkpoint_damage(step_4, share=(i, 3)) for i in range(3)]
+    assert sum(bool(f) for f in found) == 1 and "does not match its checksum" in next(f for f in found if f)
+    assert checkpoint_damage(step_4) == next(f for f in found if f)
+    data = next(step_4.glob("__0_*.distcp"))
+    data.write_bytes(data.read_bytes()[:100])
+    assert "bytes, " in quick_damage(step_4)
+
+
+SHARED = f'''
+import json, logging, os, sys
+import torch.distributed as dist
+from pathlib import Path
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+from fp8_recipes.training import checkpoint
+dist.init_process_group("gloo")
+read = []
+digest = checkpoint._digest
+checkpoint._digest = lambda path: read.append(path.parent.name + "/" + path.name) or digest(path)
+logging.basicConfig(level=logging.WARNING, format="WARNING %(message)s")
+got = checkpoint.find_resume("auto", sys.argv[1], damage=checkpoint.shared_damage)
+print(json.dumps({{"rank": dist.get_rank(), "got": got.name, "read": read}}))
+dist.destroy_process_group()
+'''
+
+
+def test_shared_damage_in_a_process_group(tmp_path):
+    """Two gloo ranks: each digests its own share of the files, both fall back to the same checkpoint, one warning."""
+    import json
+
+    _, step_4 = two_checkpoints(tmp_path)
+    flip_a_bit(next(step_4.glob("__0_*.distcp")))
+    script = tmp_path / "shared.py"
+    script.write_text(SHARED)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID")}
+    env["PYTHONPATH"] = f"{ROOT / 'plugins'}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(random.randint(20000, 40000)), str(script), str(tmp_path)], check=False, cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = sorted((json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")),
+                   key=lambda r: r["rank"])
+    assert [r["got"] for r in ranks] == ["step_2", "step_2"], ranks
+    for step in ("step_4", "step_2"):  # every recorded file digested once, by one rank
+        files = sorted(json.loads((tmp_path / "checkpoints" / step / "checksums.json").read_text()))
+        mine = [sorted(f.split("/")[1] for f in r["read"] if f.startswith(step + "/")) for r in ranks]
+        assert sorted(mine[0] + mine[1]) == files and not set(mine[0]) & set(mine[1]), (step, mine)
+    warnings = [line for line in (proc.stdout + proc.stderr).splitlines() if "newest intact" in line]
+    assert len(warnings) == 1 and "resuming from step_2" in warnings[0], proc.stderr[-2000:]
+
+
 def test_fp8_stored_weights_are_saved_as_their_bf16_values():
     # recipe fp8_param: true: TE QuantizedTensors go into DCP as BF16 (their exact bytes travel in the precision state)
     from fp8_recipes.training.checkpoint import _plain_weights

@@ -20,10 +20,13 @@ Atomicity: every rank writes into ``checkpoints/.step_N.tmp``; after a barrier r
 a run dir is resumed from what ``latest`` names only, and a ``.tmp`` directory is never loaded.
 
 Integrity: ``checksums.json`` (inside the step dir) records each file's size and CRC-32, each rank digesting the
-files it wrote. Resuming verifies them (and that ``meta.json`` reads) before anything is built: ``trainer.resume=auto``
-falls back from a damaged latest checkpoint (a truncated or flipped shard, a missing ``.metadata``, a ``latest`` that
-names nothing) to the newest intact ``step_N`` with one warning naming both; a named checkpoint that is damaged is
-refused in one line. Checkpoints written before the record existed are checked for their files only.
+files it wrote. Resuming verifies them (and that ``meta.json`` reads): ``trainer.resume=auto`` falls back from a
+damaged latest checkpoint (a truncated or flipped shard, a missing ``.metadata``, a ``latest`` that names nothing) to
+the newest intact ``step_N`` with one warning naming both; a named checkpoint that is damaged is refused in one line.
+Checkpoints written before the record existed are checked for their files only. Before any process group exists,
+every rank checks what is cheap (the index, the JSON files, each file's presence and size); once the group exists,
+each rank digests only its share of the files (every world-size-th one) and all ranks agree on what any found
+(:func:`shared_damage`), so a resume reads the checkpoint once in all, not once per process.
 
 ``meta.json`` (rank 0, inside the step dir, so atomic with it) says how the checkpoint was made: step, samples
 consumed, global and micro batch size, the parallel layout (data, tensor, pipeline, virtual pipeline, context) and
@@ -58,7 +61,7 @@ import re
 import shutil
 import warnings
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +82,8 @@ from fp8_recipes.training.reshard import (
 )
 
 __all__ = ["barrier", "save_checkpoint", "load_checkpoint", "read_checkpoint", "resolve_checkpoint", "find_resume",
-           "checkpoint_step", "checkpoint_meta", "resume_skip", "checkpoint_damage", "check_model_matches"]
+           "checkpoint_step", "checkpoint_meta", "resume_skip", "checkpoint_damage", "quick_damage", "shared_damage",
+           "check_model_matches"]
 
 logger = logging.getLogger("fp8_recipes")
 
@@ -362,9 +366,12 @@ def _gather(part: dict[str, Any]) -> dict[str, Any]:
     return {k: v for p in parts for k, v in p.items()}
 
 
-def checkpoint_damage(step_dir: str | os.PathLike) -> str | None:
+def checkpoint_damage(step_dir: str | os.PathLike, *, contents: bool = True,
+                      share: tuple[int, int] = (0, 1)) -> str | None:
     """What is wrong with a finished ``step_N`` dir, or None when it is intact: its ``meta.json`` and DCP index
-    read, and every file ``checksums.json`` records has its size and CRC-32 (reads the whole checkpoint once)."""
+    read, and every file ``checksums.json`` records is there with its size and, with ``contents``, its CRC-32: of
+    every file, or with ``share=(i, n)`` of every n-th from the i-th (by name), so n ranks read the checkpoint once
+    between them (:func:`shared_damage`)."""
     step_dir = Path(step_dir)
     if not step_dir.is_dir():
         return "does not exist"
@@ -379,15 +386,34 @@ def checkpoint_damage(step_dir: str | os.PathLike) -> str | None:
     record = step_dir / _CHECKSUMS
     if not record.is_file():  # written before the record existed: the files DCP indexed are there
         return None
-    for name, want in json.loads(record.read_text(encoding="utf-8")).items():
+    recorded = sorted(json.loads(record.read_text(encoding="utf-8")).items())
+    for name, want in recorded:
         path = step_dir / name
         if not path.is_file():
             return f"{name} is missing"
         if path.stat().st_size != want["bytes"]:
             return f"{name} has {path.stat().st_size:,} bytes, {want['bytes']:,} when written"
-        if _digest(path)["crc32"] != want["crc32"]:
+    for name, want in recorded[share[0]::share[1]] if contents else []:
+        if _digest(step_dir / name)["crc32"] != want["crc32"]:
             return f"{name} does not match its checksum, so it changed on disk after it was written"
     return None
+
+
+def quick_damage(step_dir: str | os.PathLike) -> str | None:
+    """:func:`checkpoint_damage` without reading the files' contents: what each rank checks before any process
+    group exists (the contents follow in :func:`shared_damage`)."""
+    return checkpoint_damage(step_dir, contents=False)
+
+
+def shared_damage(step_dir: str | os.PathLike) -> str | None:
+    """:func:`checkpoint_damage` over the process group: each rank digests its share of the files, and every rank
+    returns the same answer (the lowest rank's finding). Collective; without a group, the whole check here."""
+    dist = _dist()
+    if dist is None or dist.get_world_size() == 1:
+        return checkpoint_damage(step_dir)
+    found: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, checkpoint_damage(step_dir, share=(dist.get_rank(), dist.get_world_size())))
+    return next((problem for problem in found if problem), None)
 
 
 def _step_dirs(root: Path) -> list[Path]:
@@ -426,28 +452,31 @@ def _current_format(step_dir: Path) -> Path:
                      "continue it with the fp8-recipes version that wrote it, or start a fresh run")
 
 
-def find_resume(resume: str | None, run_dir: str | os.PathLike) -> Path | None:
+def find_resume(resume: str | None, run_dir: str | os.PathLike, *,
+                damage: Callable[[Path], str | None] = checkpoint_damage, warn: bool = True) -> Path | None:
     """The step dir that ``trainer.resume`` names: None (or "auto" without a checkpoint in ``run_dir``) = start
-    fresh; "auto" = ``run_dir``'s latest; else a run dir, checkpoints dir or step dir (ValueError if none)."""
+    fresh; "auto" = ``run_dir``'s latest, or the newest intact one (a warning with ``warn``); else a run dir,
+    checkpoints dir or step dir (ValueError if none, or if ``damage`` finds it damaged). ``damage``: the whole check
+    by default; training checks :func:`quick_damage` on every rank first, then :func:`shared_damage` in the group."""
     root = Path(run_dir) / "checkpoints"
     if resume is None or (resume == "auto" and not (root / "latest").is_file() and not _step_dirs(root)):
         return None
     if resume == "auto":
-        return _newest_intact(root)
+        return _newest_intact(root, damage, warn)
     try:
         step_dir = resolve_checkpoint(resume)
     except FileNotFoundError as e:
         raise ConfigError(f"trainer.resume: {e}; or set trainer.resume=auto") from None
     except ValueError as e:  # a format-1 checkpoint
         raise ConfigError(f"trainer.resume: {e}") from None
-    damage = checkpoint_damage(step_dir)
-    if damage:
-        raise ConfigError(f"trainer.resume: {step_dir} is damaged: {damage}; name an intact step_N dir, or set "
+    problem = damage(step_dir)
+    if problem:
+        raise ConfigError(f"trainer.resume: {step_dir} is damaged: {problem}; name an intact step_N dir, or set "
                          f"trainer.resume=auto (the newest intact one)")
     return step_dir
 
 
-def _newest_intact(root: Path) -> Path:
+def _newest_intact(root: Path, damage: Callable[[Path], str | None], warn: bool) -> Path:
     """``trainer.resume=auto``: what ``latest`` names when intact, else the newest intact ``step_N`` (one warning
     naming both), else a one-line ValueError."""
     named = (root / "latest").read_text(encoding="utf-8").strip() if (root / "latest").is_file() else None
@@ -457,12 +486,12 @@ def _newest_intact(root: Path) -> Path:
             _current_format(first)  # an earlier format: refused as such, not taken for damage
         except ValueError as e:
             raise ConfigError(f"trainer.resume: {e}") from None
-    problem = (checkpoint_damage(first) if first is not None else "checkpoints/latest is missing")
+    problem = (damage(first) if first is not None else "checkpoints/latest is missing")
     if problem is None:
         return first
     for step_dir in _step_dirs(root):
-        if step_dir != first and checkpoint_damage(step_dir) is None:
-            if launch_rank() == 0:
+        if step_dir != first and damage(step_dir) is None:
+            if warn and launch_rank() == 0:
                 logger.warning("resume: %s is damaged (%s); resuming from %s, the newest intact checkpoint",
                                first.name if first is not None else "latest", problem, step_dir.name)
             return _current_format(step_dir)

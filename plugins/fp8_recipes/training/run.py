@@ -251,7 +251,8 @@ def run_training(cfg) -> dict:
 
     # torch and Megatron-Core from here on, once the config is known to be good (module docstring)
     from fp8_recipes.megatron.model import destroy_distributed, init_distributed
-    from fp8_recipes.training.checkpoint import check_model_matches, checkpoint_meta, find_resume, resume_skip
+    from fp8_recipes.training.checkpoint import (check_model_matches, checkpoint_meta, find_resume, quick_damage,
+                                                 resume_skip, shared_damage)
     from fp8_recipes.training.engine import build_engine
     from fp8_recipes.training.loop import train
 
@@ -264,9 +265,14 @@ def run_training(cfg) -> dict:
                   "pipeline_model_parallel_size": tcfg.pipeline_model_parallel_size,
                   "virtual_pipeline_model_parallel_size": tcfg.virtual_pipeline_model_parallel_size}
         # A resume that cannot continue the run (another layout or global batch) is refused before anything is built.
-        resume_from = find_resume(trainer.get("resume"), run_dir)
-        skip = resume_skip(resume_from, global_batch_size=gbs, micro_batch_size=mbs, **layout,
-                           use_distributed_optimizer=tcfg.use_distributed_optimizer) if resume_from is not None else 0
+        # Its files' contents are verified once the process group exists (each rank a share: shared_damage, below).
+        resume_from = find_resume(trainer.get("resume"), run_dir, damage=quick_damage, warn=False)
+
+        def skipped(step_dir: Path | None) -> int:
+            return resume_skip(step_dir, global_batch_size=gbs, micro_batch_size=mbs, **layout,
+                               use_distributed_optimizer=tcfg.use_distributed_optimizer) if step_dir is not None else 0
+
+        skip = skipped(resume_from)
         # One owner (rundir.py): no other running job, and a fresh start only into a directory holding no other run.
         check_run_dir(run_dir, fresh=resume_from is None and trainer.get("resume") != "auto")
     saved = checkpoint_meta(resume_from) if resume_from is not None else None  # read once, used below
@@ -282,6 +288,12 @@ def run_training(cfg) -> dict:
                                                 seed=tcfg.seed)
     try:
         import torch.distributed as dist
+
+        if resume_from is not None:  # the checkpoint's contents, read once between the ranks; auto may fall back
+            with same_on_every_rank():
+                verified = find_resume(trainer.get("resume"), run_dir, damage=shared_damage)
+                if verified != resume_from:
+                    resume_from, skip, saved = verified, skipped(verified), checkpoint_meta(verified)
 
         data = cfg.data
         t0 = time.perf_counter()
