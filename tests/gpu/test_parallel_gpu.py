@@ -64,11 +64,13 @@ SMALL = ["model=gpt_125m", "trainer=gpu", "trainer.max_steps=6", "trainer.micro_
 
 @pytest.mark.parametrize("layout", [["trainer.global_batch_size=16"],
                                     ["trainer.global_batch_size=8", "trainer.tensor_model_parallel_size=2",
-                                     "trainer.sequence_parallel=true"]], ids=["dp2", "tp2sp"])
+                                     "trainer.sequence_parallel=true"],
+                                    ["trainer.global_batch_size=8", "trainer.context_parallel_size=2"]],
+                         ids=["dp2", "tp2sp", "cp2"])
 def test_delayed_scales_agree_across_the_amax_reduction_group(layout, tmp_path):
     r0, r1 = torchrun(tmp_path, "run", ["+recipe=delayed", *SMALL, *layout])
     assert r0["scales"] and r0["scales"].keys() == r1["scales"].keys()
-    assert r0["scales"] == r1["scales"]  # data x tensor parallel ranks of the stage: one set of scales
+    assert r0["scales"] == r1["scales"]  # data x tensor (x context) parallel ranks of the stage: one set of scales
     assert any(s != 1.0 for per in r0["scales"].values() for s in per["fwd"])  # scales were really updated
 
 
