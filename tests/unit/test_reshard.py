@@ -78,3 +78,47 @@ def test_a_rank_reads_only_the_stages_holding_its_tensors():
     read = []
     join_shards(lambda t, p: read.append((t, p)) or {"model": [{}]}, (2, 4, None), 8, stages=[3, 1])
     assert read == [(0, 1), (1, 1), (0, 3), (1, 3)]  # every tensor-parallel part of the stages asked for, in order
+
+
+def _main_params_and_steps(engine) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    inner = [opt.optimizer for opt in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer])]
+    return ([p.detach().clone() for opt in inner for g in opt.param_groups for p in g["params"]],
+            [s["step"] for opt in inner for s in opt.state.values()])
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_loaded_distributed_optimizer_continues_as_the_saved_one():
+    """Megatron-Core's distributed optimizer, loaded on the CPU (torch's AdamW), once shared one ``step`` tensor
+    between all parameters, so the first step after a resume counted it once per parameter (the bias correction of
+    step 3 + 27 at the TP=1 tiny model: a resumed run's losses left the uninterrupted run's from the second resumed
+    step on). Loaded at its own layout and resharded, the optimizer now takes the step the saved one takes."""
+    import itertools
+
+    from fp8_recipes.megatron.model import unwrap_model
+    from fp8_recipes.training.reshard import load_optimizer_resharded, optimizer_param_index
+    from tiny_engine import BATCH, batches, tiny_engine
+
+    cfg = {"micro_batch_size": BATCH, "global_batch_size": BATCH, "lr": 1e-2, "use_distributed_optimizer": True}
+    with tiny_engine(cfg) as engine:
+        data = batches()
+        for _ in range(2):
+            engine.train_step(data)
+        weights = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in unwrap_model(c).state_dict().items()}
+                   for c in engine.models]
+        saved = engine.optimizer_state_dict()
+        saved["param_index"] = optimizer_param_index(engine.models, engine.optimizer)
+        engine.train_step(data)
+        want, _ = _main_params_and_steps(engine)
+    _, whole = join_shards(lambda t, p: {"model": weights, "optimizer": saved}, (1, 1, None), 1, optimizer=True)
+    for load in ("own layout", "resharded"):
+        with tiny_engine(cfg) as engine:
+            for chunk, state in zip(engine.models, weights):
+                unwrap_model(chunk).load_state_dict(state)
+            if load == "own layout":
+                engine.load_optimizer_state_dict(saved)
+            else:
+                load_optimizer_resharded(engine.models, engine.optimizer, whole, 2, tp=1, tp_rank=0)
+            engine.train_step(itertools.islice(batches(), 2, None))
+            got, steps = _main_params_and_steps(engine)
+        assert len({id(s) for s in steps}) == len(steps) and {float(s) for s in steps} == {3.0}, load
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), load

@@ -45,7 +45,7 @@ from fp8_recipes.megatron.cpu_shim import cuda_as_cpu
 from fp8_recipes.megatron.model import unwrap_model
 from fp8_recipes.training.config import TrainerConfig
 
-__all__ = ["Engine", "StepResult", "build_engine"]
+__all__ = ["Engine", "StepResult", "build_engine", "untie_step_tensors"]
 
 
 @dataclasses.dataclass
@@ -246,8 +246,20 @@ class Engine:
             self.optimizer.load_state_dict(state["state_dict"])
             if self.cfg.use_distributed_optimizer:
                 for opt, param_state in zip(_chained(self.optimizer), state["param_state"]):
+                    untie_step_tensors(opt)
                     with _step_tensors_aside(opt):
                         opt.load_parameter_state_from_dp_zero(param_state)
+
+
+def untie_step_tensors(optimizer: Any) -> None:
+    """Give each parameter's optimizer state its own ``step`` tensor. Megatron-Core 0.19's distributed optimizer,
+    loading its state without Transformer Engine or Apex (torch's AdamW: the CPU), gives every parameter one shared
+    ``step`` tensor, and torch's AdamW adds 1 to each parameter's step in place: the shared one would advance once per
+    parameter per step (at step 4 the last parameter's bias correction would be that of step 3 + its count). Call
+    it after ``load_state_dict`` of one (not chained) Megatron-Core optimizer."""
+    for state in getattr(getattr(optimizer, "optimizer", None), "state", {}).values():
+        if isinstance(state, dict) and isinstance(state.get("step"), torch.Tensor):
+            state["step"] = state["step"].clone()
 
 
 @contextlib.contextmanager

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from fp8_recipes.megatron.cpu_shim import cuda_as_cpu
+from fp8_recipes.training.engine import untie_step_tensors
 
 __all__ = [
     "canonical_name",
@@ -278,6 +279,7 @@ def load_optimizer_resharded(models: list[torch.nn.Module], optimizer: Any, whol
                     if step is not None:
                         groups[-1]["step"] = step
                 opt.load_state_dict({"optimizer": {"param_groups": groups}})  # allocates the state, sets the step
+                untie_step_tensors(opt)
                 for param in opt.model_param_group_index_map:
                     span = opt._get_model_param_range_map(param)["param"]
                     current = opt._get_main_param_and_optimizer_states(param)
