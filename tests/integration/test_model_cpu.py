@@ -163,7 +163,7 @@ warnings.filterwarnings("ignore")
 import torch, torch.distributed as dist
 from megatron.core import parallel_state as ps, tensor_parallel
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
-from fp8_recipes.megatron.model import build_gpt_model, destroy_distributed, init_distributed
+from fp8_recipes.megatron.model import build_gpt_model, build_model_chunks, destroy_distributed, init_distributed
 from fp8_recipes.training.config import TrainerConfig
 from fp8_recipes.training.engine import build_engine
 from fp8_recipes.training.loop import train
@@ -229,6 +229,15 @@ flat = torch.cat([p.detach().float().flatten() for p in model.parameters()])
 other = [torch.zeros_like(flat) for _ in range(world)]
 dist.all_gather(other, flat)
 result["dp_replicas_equal"] = torch.equal(other[0], other[1])
+
+# PP=2 with tied embeddings: the last stage's LM head starts as a copy of the first stage's embedding (Megatron-Core
+# all-reduces a zeroed copy with `weight.data.cuda()` at the build: an internal error on the CPU before the shim)
+init_distributed(pipeline_model_parallel_size=2, seed=7)
+tied = build_model_chunks({**cfg, "share_embeddings_and_output_weights": True}, device=device)[0]
+head = tied.shared_embedding_or_output_weight().detach().clone()  # stage 0: the embedding; stage 1: the LM head
+heads = [torch.zeros_like(head) for _ in range(world)]
+dist.all_gather(heads, head)
+result["tied_head_is_the_embedding"] = torch.equal(heads[0], heads[1]) and bool(heads[0].abs().sum() > 0)
 if rank == 0:
     json.dump(result, open(sys.argv[1] + "/result.json", "w"))
 destroy_distributed()
@@ -237,7 +246,8 @@ destroy_distributed()
 
 def test_two_ranks_tensor_and_data_parallel(megatron_cpu, tiny_model_cfg, tmp_path, free_port):
     """torchrun, 2 gloo ranks: TP=2 matches TP=1; a communication-free GEMM behind `_forward_impl` gives
-    Megatron's gradients once the column layer's dgrad all-reduce is restored; DP=2 replicas stay identical."""
+    Megatron's gradients once the column layer's dgrad all-reduce is restored; DP=2 replicas stay identical; PP=2
+    with tied embeddings builds, the LM head a copy of the embedding."""
     import os
     import subprocess
     import sys
@@ -260,6 +270,7 @@ def test_two_ranks_tensor_and_data_parallel(megatron_cpu, tiny_model_cfg, tmp_pa
     assert result["tp2_loss"] == pytest.approx(reference, abs=1e-5)
     assert result["custom_loss"] == result["tp2_loss"] and result["grad_diff"] == 0.0
     assert result["dp_replicas_equal"]
+    assert result["tied_head_is_the_embedding"]
 
 
 

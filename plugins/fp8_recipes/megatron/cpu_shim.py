@@ -30,9 +30,10 @@ distrib_optimizer.py), ``torch.cuda.current_stream()`` (param_and_grad_buffer.py
 4. ``torch.cuda.synchronize`` becomes a no-op and ``torch.cuda.current_stream`` a stream that waits for
    nothing (CPU work is synchronous).
 5. :func:`cuda_as_cpu` is a context in which a factory call with ``device="cuda"`` (or a CUDA index) makes a
-   CPU tensor and ``tensor.type()`` names a CPU tensor as its CUDA twin. training/engine.py runs the engine's
-   calls inside it on the CPU (a ``TorchFunctionMode``: a few microseconds per torch call inside it, nothing
-   outside).
+   CPU tensor, ``tensor.cuda()`` keeps a tensor where it is and ``tensor.type()`` names a CPU tensor as its CUDA
+   twin (a ``TorchFunctionMode``: a few microseconds per torch call inside it, nothing outside). training/engine.py
+   runs the engine's calls inside it on the CPU, and megatron/model.py the model's build (a tied LM head on the last
+   of several stages: ``weight.data.cuda()`` before its all-reduce).
 6. Not a CUDA assumption but the CPU's: on a CPU without BF16 matrix instructions (no ``avx512_bf16`` /
    ``amx_bf16``), a BF16 matmul (``torch.matmul``/``mm``/``bmm``/``baddbmm``, their tensor methods,
    ``F.linear``) runs as an fp32 matmul of the same (exactly widened) operands, rounded once to BF16: what a BF16

@@ -49,7 +49,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from fp8_recipes.launcher import launch_env, local_world_size
-from fp8_recipes.megatron.cpu_shim import install_cpu_shim
+from fp8_recipes.megatron.cpu_shim import cuda_as_cpu, install_cpu_shim
 from fp8_recipes.megatron.model_config import check_model_cfg
 from fp8_recipes.plan import ModelLayout
 
@@ -335,7 +335,10 @@ def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_li
         spec = dataclasses.replace(spec, module=_layout_seeded(spec.module))
     if init_seed is not None:
         _reseed(init_seed)
-    with _init_seed_for_layers(init_seed, layer_init):
+    # cuda_as_cpu: a tied LM head on the last of several stages is copied from the first with
+    # `weight.data.cuda()` and an all-reduce (LanguageModule.setup_embeddings_and_output_layer); on the CPU the
+    # copy stays where it is (a no-op context with CUDA)
+    with _init_seed_for_layers(init_seed, layer_init), cuda_as_cpu():
         model = GPTModel(
             config=config,
             transformer_layer_spec=spec,
