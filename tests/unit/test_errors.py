@@ -57,3 +57,29 @@ def test_every_rank_removes_a_failed_start_whatever_the_other_removed_first(tmp_
     remove_partial_run_dir(run, since=start)
     assert not run.exists()
     remove_partial_run_dir(run, since=start)  # nothing left to remove: no error
+
+
+def test_a_refused_resume_puts_back_the_runs_hydra_files(tmp_path):
+    """Hydra rewrites run_dir/.hydra/ before the run starts; a resume refused afterwards (e.g. another model config)
+    puts back the earlier run's files, so its error's advice, the run dir's .hydra/config.yaml, names the config the
+    checkpoint was saved with. Files this job wrote first (another rank's) are not taken for the earlier run's."""
+    from fp8_recipes.training import errors
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / ".hydra").mkdir()
+    saved, written = run / ".hydra" / "config.yaml", run / ".hydra" / "overrides.yaml"
+    saved.write_text("model: {vocab_size: 512}\n")
+    then = time.time() - 3600
+    os.utime(saved, (then, then))
+    start = time.time()
+    written.write_text("- another rank's\n")  # rewritten by this job already: not the earlier run's
+    errors.keep_earlier_hydra_files(run, since=start)
+    saved.write_text("model: {vocab_size: null}\n")  # Hydra's files of the refused start
+    written.write_text("- model.vocab_size=null\n")
+    try:
+        remove_partial_run_dir(run, since=start)
+    finally:
+        errors._EARLIER_HYDRA.clear()
+    assert saved.read_text() == "model: {vocab_size: 512}\n" and saved.stat().st_mtime == then
+    assert written.read_text() == "- model.vocab_size=null\n" and (run / "checkpoints").is_dir()
