@@ -122,3 +122,13 @@ def test_a_loaded_distributed_optimizer_continues_as_the_saved_one():
             got, steps = _main_params_and_steps(engine)
         assert len({id(s) for s in steps}) == len(steps) and {float(s) for s in steps} == {3.0}, load
         assert all(torch.equal(a, b) for a, b in zip(got, want)), load
+
+
+def test_a_vocabulary_padded_otherwise_is_told_from_another_vocabulary():
+    """Rows that differ across TP sizes: the TP size's doing when one vocabulary pads to both (257 tokens: 384 rows at
+    TP=1, 512 at TP=2), else another vocabulary (640 rows at TP=1 are 513-640 tokens, none 512 rows at TP=2), whose
+    error must not advise the checkpoint's TP size."""
+    from fp8_recipes.training.checkpoint import _one_vocabulary
+
+    assert _one_vocabulary(384, 1, 512, 2) and _one_vocabulary(512, 2, 384, 1) and _one_vocabulary(512, 2, 512, 1)
+    assert not _one_vocabulary(640, 1, 512, 2) and not _one_vocabulary(768, 2, 512, 1)

@@ -634,7 +634,8 @@ def _check_whole_shapes(step_dir: str | os.PathLike, models: list[torch.nn.Modul
             got = tuple(rank_slice(key, full, here[0], tp_rank, gated).shape) if full is not None else None
             if got == tuple(value.shape):
                 continue
-            if got is not None and key.endswith(("word_embeddings.weight", "output_layer.weight")):
+            if got is not None and key.endswith(("word_embeddings.weight", "output_layer.weight")) and \
+                    _one_vocabulary(value.shape[0] * here[0], here[0], full.shape[0], saved[0]):
                 raise ConfigError(f"trainer.tensor_model_parallel_size: {here[0]} pads the vocabulary to "
                                   f"{value.shape[0] * here[0]} rows, the checkpoint's {saved[0]} to {full.shape[0]} "
                                   f"({step_dir}); resume with trainer.tensor_model_parallel_size={saved[0]}, or a size "
@@ -643,6 +644,13 @@ def _check_whole_shapes(step_dir: str | os.PathLike, models: list[torch.nn.Modul
                 "is not in the checkpoint"
             raise ConfigError(f"model: {key} {what} ({step_dir} was saved with another model config); resume with "
                               f"the model it was saved with (its run dir's .hydra/config.yaml), or start a fresh run")
+
+
+def _one_vocabulary(rows: int, tp: int, saved_rows: int, saved_tp: int) -> bool:
+    """Whether one vocabulary size pads to ``rows`` at tensor-parallel size ``tp`` and to ``saved_rows`` at
+    ``saved_tp`` (Megatron-Core pads to a multiple of VOCAB_MULTIPLE x TP): then only the TP size makes the rows
+    differ; otherwise the vocabulary itself (model.vocab_size, the tokenizer) does."""
+    return max(rows - VOCAB_MULTIPLE * tp, saved_rows - VOCAB_MULTIPLE * saved_tp) < min(rows, saved_rows)
 
 
 def _whole_of(whole: dict[str, Any], name: str) -> Any:
