@@ -238,6 +238,11 @@ head = tied.shared_embedding_or_output_weight().detach().clone()  # stage 0: the
 heads = [torch.zeros_like(head) for _ in range(world)]
 dist.all_gather(heads, head)
 result["tied_head_is_the_embedding"] = torch.equal(heads[0], heads[1]) and bool(heads[0].abs().sum() > 0)
+# PP=2 x VPP=2: the interleaved schedule's p2p as Megatron-LM wires it (unbatched, overlapped); batched, an activation
+# and a gradient to PP=2's one peer crossed once a step held more micro-batches than stages
+init_distributed(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, seed=7)
+configs = [chunk.config for chunk in build_model_chunks({**cfg, "num_layers": 4}, device=device)]
+result["interleaved_p2p_unbatched"] = all(c.overlap_p2p_comm and not c.batch_p2p_comm for c in configs)
 if rank == 0:
     json.dump(result, open(sys.argv[1] + "/result.json", "w"))
 destroy_distributed()
@@ -247,7 +252,7 @@ destroy_distributed()
 def test_two_ranks_tensor_and_data_parallel(megatron_cpu, tiny_model_cfg, tmp_path, free_port):
     """torchrun, 2 gloo ranks: TP=2 matches TP=1; a communication-free GEMM behind `_forward_impl` gives
     Megatron's gradients once the column layer's dgrad all-reduce is restored; DP=2 replicas stay identical; PP=2
-    with tied embeddings builds, the LM head a copy of the embedding."""
+    with tied embeddings builds, the LM head a copy of the embedding; PP=2 x VPP=2 sends unbatched."""
     import os
     import subprocess
     import sys
@@ -271,6 +276,7 @@ def test_two_ranks_tensor_and_data_parallel(megatron_cpu, tiny_model_cfg, tmp_pa
     assert result["custom_loss"] == result["tp2_loss"] and result["grad_diff"] == 0.0
     assert result["dp_replicas_equal"]
     assert result["tied_head_is_the_embedding"]
+    assert result["interleaved_p2p_unbatched"]
 
 
 

@@ -302,6 +302,12 @@ def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_li
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         virtual_pipeline_model_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+        # the interleaved schedule's p2p as Megatron-LM wires it (--overlap-p2p-communication, its default: overlap
+        # on, batching off). Megatron-Core's own defaults batch both directions to PP=2's one peer on one
+        # communicator, where an activation and a gradient sent together can cross once a step holds more
+        # micro-batches than stages (gloo: PP=2 x VPP=2 at 4 micro-batches left PP=1's losses from step 1 on)
+        overlap_p2p_comm=bool(parallel_state.get_virtual_pipeline_model_parallel_world_size()),
+        batch_p2p_comm=not parallel_state.get_virtual_pipeline_model_parallel_world_size(),
         context_parallel_size=parallel_state.get_context_parallel_world_size(),
         pipeline_dtype=params_dtype,
         params_dtype=params_dtype,
