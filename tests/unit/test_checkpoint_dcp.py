@@ -336,7 +336,7 @@ dist.destroy_process_group()
 '''
 
 
-def test_shared_damage_in_a_process_group(tmp_path):
+def test_shared_damage_in_a_process_group(tmp_path, free_port):
     """Two gloo ranks: each digests its own share of the files, both fall back to the same checkpoint, one warning."""
     import json
 
@@ -347,7 +347,7 @@ def test_shared_damage_in_a_process_group(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID")}
     env["PYTHONPATH"] = f"{ROOT / 'plugins'}{os.pathsep}{env.get('PYTHONPATH', '')}"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                           str(random.randint(20000, 40000)), str(script), str(tmp_path)], check=False, cwd=ROOT,
+                           str(free_port()), str(script), str(tmp_path)], check=False, cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = sorted((json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")),
