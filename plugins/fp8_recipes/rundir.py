@@ -222,7 +222,8 @@ def _agent_start(pid: int) -> float | None:
 def job_identity(env: Mapping[str, str] | None = None) -> tuple[str, float | None]:
     """(token, start time) shared by every rank of this job and by no other job: a Slurm job's id; torchrun's
     rendezvous (run id, store address) and, on one node, its agent (the workers' parent) and when it started; ranks
-    given torchrun's variables by another launcher: their rendezvous address; else this process (host, pid). The time is None where the ranks cannot agree on one (torchrun over several nodes)."""
+    given torchrun's variables by another launcher: their rendezvous address; else this process (host, pid). The
+    time is None where the ranks cannot agree on one (torchrun over several nodes)."""
     env = os.environ if env is None else env
     if env.get("SLURM_JOB_ID") and env.get("SLURM_STEP_ID") is not None:  # srun: every task of the job step
         start = env.get("SLURM_JOB_START_TIME")

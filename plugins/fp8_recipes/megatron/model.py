@@ -285,6 +285,7 @@ def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_li
                     VOCAB_MULTIPLE, tp)
     swiglu = cfg.get("activation", "gelu") == "swiglu"
     hidden = int(cfg["hidden_size"])
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     fields = dict(
         num_layers=int(cfg["num_layers"]),
         hidden_size=hidden,
@@ -301,13 +302,13 @@ def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_li
         layernorm_epsilon=float(cfg.get("layernorm_epsilon", 1e-5)),
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
-        virtual_pipeline_model_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=vpp,
         # the interleaved schedule's p2p as Megatron-LM wires it (--overlap-p2p-communication, its default: overlap
         # on, batching off). Megatron-Core's own defaults batch both directions to PP=2's one peer on one
         # communicator, where an activation and a gradient sent together can cross once a step holds more
         # micro-batches than stages (gloo: PP=2 x VPP=2 at 4 micro-batches left PP=1's losses from step 1 on)
-        overlap_p2p_comm=bool(parallel_state.get_virtual_pipeline_model_parallel_world_size()),
-        batch_p2p_comm=not parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+        overlap_p2p_comm=bool(vpp),
+        batch_p2p_comm=not vpp,
         context_parallel_size=parallel_state.get_context_parallel_world_size(),
         pipeline_dtype=params_dtype,
         params_dtype=params_dtype,

@@ -409,11 +409,9 @@ def shared_damage(step_dir: str | os.PathLike) -> str | None:
     """:func:`checkpoint_damage` over the process group: each rank digests its share of the files, and every rank
     returns the same answer (the lowest rank's finding). Collective; without a group, the whole check here."""
     dist = _dist()
-    if dist is None or dist.get_world_size() == 1:
-        return checkpoint_damage(step_dir)
-    found: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(found, checkpoint_damage(step_dir, share=(dist.get_rank(), dist.get_world_size())))
-    return next((problem for problem in found if problem), None)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
+    found = _gather({rank: checkpoint_damage(step_dir, share=(rank, world))})
+    return next((found[r] for r in sorted(found) if found[r]), None)
 
 
 def _step_dirs(root: Path) -> list[Path]:
