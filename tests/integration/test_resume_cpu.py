@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from fp8_recipes.rundir import read_metrics
-from fp8_recipes.training.checkpoint import find_resume, read_checkpoint
+from fp8_recipes.training.checkpoint import checkpoint_damage, find_resume, read_checkpoint
 from test_train_cpu import ROOT, compose_train, dataset, small_run  # noqa: F401  (dataset: the shared fixture)
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -185,7 +185,8 @@ def test_a_flipped_bit_in_the_latest_checkpoint_is_found_once_the_ranks_share_th
                                                                                              tmp_path, caplog):
     """The contents are verified after the process group exists (training/checkpoint.py: shared_damage): auto falls
     back to the newest intact checkpoint with one warning and continues from it; named, the damaged one is refused
-    in one line and nothing of the run is rewritten."""
+    in one line and nothing of the run is rewritten. The damaged one is the run's last (step == max_steps): the run
+    is not taken for finished on its word, and auto trains the last steps again into an intact checkpoint."""
     import logging
 
     run = tmp_path / "run"
@@ -198,16 +199,17 @@ def test_a_flipped_bit_in_the_latest_checkpoint_is_found_once_the_ranks_share_th
     outputs = ("summary.json", "plan.txt", "recipe.yaml", "metrics.jsonl")
     before = {f: (run / f).read_bytes() for f in outputs}
     with pytest.raises(ValueError) as e:
-        train_run("bf16", run, dataset, f"trainer.resume={damaged}", steps=STEPS + 2)
+        train_run("bf16", run, dataset, f"trainer.resume={damaged}", steps=STEPS)
     assert str(e.value).startswith(f"trainer.resume: {damaged} is damaged: __0_") and "\n" not in str(e.value)
     assert "does not match its checksum" in str(e.value)
     assert {f: (run / f).read_bytes() for f in outputs} == before
     with caplog.at_level(logging.WARNING, logger="fp8_recipes"):
-        summary = train_run("bf16", run, dataset, "trainer.resume=auto", steps=STEPS + 2)
+        summary = train_run("bf16", run, dataset, "trainer.resume=auto", steps=STEPS)
     warnings = [r.getMessage() for r in caplog.records if "newest intact" in r.getMessage()]
     assert warnings == [(f"resume: step_{STEPS} is damaged (__0_0.distcp does not match its checksum, so it changed "
                          f"on disk after it was written); resuming from step_{SAVED}, the newest intact checkpoint")]
-    assert summary["steps"] == STEPS + 2 and sorted(rows(run)) == list(range(1, STEPS + 3))
+    assert "finished" not in summary and summary["steps"] == STEPS and sorted(rows(run)) == list(range(1, STEPS + 1))
+    assert checkpoint_damage(damaged) is None  # written again, intact
 
 
 def test_resume_refuses_unfinished_or_missing_checkpoints(tmp_path):

@@ -276,14 +276,8 @@ def run_training(cfg) -> dict:
         # One owner (rundir.py): no other running job, and a fresh start only into a directory holding no other run.
         check_run_dir(run_dir, fresh=resume_from is None and trainer.get("resume") != "auto")
     saved = checkpoint_meta(resume_from) if resume_from is not None else None  # read once, used below
-    if saved is not None and (done := int(saved["step"])) >= tcfg.max_steps:
-        # A finished run resumed (a requeued or resubmitted job): nothing to train, nothing of the run rewritten.
-        return {"finished": {"steps": done, "checkpoint": str(resume_from), "max_steps": tcfg.max_steps},
-                "steps": done, "rank": launch_rank()}
     if launch_rank() == 0:
         claim(run_dir)  # the lock, released when the run ends (at exit, if it ends in an exception before `try`)
-        for line in run_notices(tcfg, recipe, debug):
-            logger.warning(line)
     rank, world_size, device = init_distributed(**layout, context_parallel_size=tcfg.context_parallel_size,
                                                 seed=tcfg.seed)
     try:
@@ -294,6 +288,14 @@ def run_training(cfg) -> dict:
                 verified = find_resume(trainer.get("resume"), run_dir, damage=shared_damage)
                 if verified != resume_from:
                     resume_from, skip, saved = verified, skipped(verified), checkpoint_meta(verified)
+        if saved is not None and (done := int(saved["step"])) >= tcfg.max_steps:
+            # A finished run resumed (a requeued or resubmitted job): nothing to train, nothing of the run rewritten.
+            # Decided on the verified checkpoint: a damaged final one is refused, or with auto trained again.
+            return {"finished": {"steps": done, "checkpoint": str(resume_from), "max_steps": tcfg.max_steps},
+                    "steps": done, "rank": rank}
+        if rank == 0:
+            for line in run_notices(tcfg, recipe, debug):
+                logger.warning(line)
 
         data = cfg.data
         t0 = time.perf_counter()
