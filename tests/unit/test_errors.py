@@ -59,27 +59,40 @@ def test_every_rank_removes_a_failed_start_whatever_the_other_removed_first(tmp_
     remove_partial_run_dir(run, since=start)  # nothing left to remove: no error
 
 
-def test_a_refused_resume_puts_back_the_runs_hydra_files(tmp_path):
-    """Hydra rewrites run_dir/.hydra/ before the run starts; a resume refused afterwards (e.g. another model config)
-    puts back the earlier run's files, so its error's advice, the run dir's .hydra/config.yaml, names the config the
-    checkpoint was saved with. Files this job wrote first (another rank's) are not taken for the earlier run's."""
+@pytest.mark.parametrize("checkpoints", [True, False])
+def test_a_refused_resume_puts_back_the_runs_hydra_files_and_log(tmp_path, checkpoints):
+    """Hydra rewrites run_dir/.hydra/ and appends to train.log before the run starts; a resume refused afterwards
+    (e.g. another model config) puts back the earlier run's files, so its error's advice, the run dir's
+    .hydra/config.yaml, names the config the checkpoint was saved with, and cuts the refused start's lines from the
+    log (with checkpoints, and without: resume=auto into a run that saved none). Files this job wrote first
+    (another rank's) are not taken for the earlier run's."""
     from fp8_recipes.training import errors
 
     run = tmp_path / "run"
-    (run / "checkpoints").mkdir(parents=True)
-    (run / ".hydra").mkdir()
-    saved, written = run / ".hydra" / "config.yaml", run / ".hydra" / "overrides.yaml"
+    (run / ".hydra").mkdir(parents=True)
+    if checkpoints:
+        (run / "checkpoints").mkdir()
+    saved, written, log = run / ".hydra" / "config.yaml", run / ".hydra" / "overrides.yaml", run / "train.log"
     saved.write_text("model: {vocab_size: 512}\n")
+    log.write_text("[step 8] the earlier run\n")
     then = time.time() - 3600
-    os.utime(saved, (then, then))
+    for path in (saved, log):
+        os.utime(path, (then, then))
     start = time.time()
     written.write_text("- another rank's\n")  # rewritten by this job already: not the earlier run's
-    errors.keep_earlier_hydra_files(run, since=start)
+    errors.keep_earlier_run_files(run, since=start)
     saved.write_text("model: {vocab_size: null}\n")  # Hydra's files of the refused start
     written.write_text("- model.vocab_size=null\n")
+    with log.open("a") as f:
+        f.write("[resume] refused\n")
     try:
         remove_partial_run_dir(run, since=start)
     finally:
         errors._EARLIER_HYDRA.clear()
+        errors._EARLIER_LOG.clear()
     assert saved.read_text() == "model: {vocab_size: 512}\n" and saved.stat().st_mtime == then
-    assert written.read_text() == "- model.vocab_size=null\n" and (run / "checkpoints").is_dir()
+    assert log.read_text() == "[step 8] the earlier run\n" and log.stat().st_mtime == then
+    if checkpoints:  # a refused resume's own files stay; without checkpoints this start's files are removed
+        assert written.read_text() == "- model.vocab_size=null\n" and (run / "checkpoints").is_dir()
+    else:
+        assert not written.exists()

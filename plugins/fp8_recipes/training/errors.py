@@ -25,10 +25,11 @@ from typing import Iterator
 
 from fp8_recipes.checks import did_you_mean
 from fp8_recipes.launcher import launch_rank
-from fp8_recipes.rundir import HYDRA, RUN_OUTPUTS, RunDirError, check_run_dir, held_by_another, release
+from fp8_recipes.rundir import (HYDRA, RUN_OUTPUTS, TRAIN_LOG, RunDirError, check_run_dir, held_by_another,
+                                release)
 
 __all__ = ["ConsoleFormatter", "INTERNAL_ERROR_EXIT", "NonFiniteStop", "USER_ERROR_EXIT", "NONFINITE_EXIT", "PREEMPTED_EXIT",
-           "RunDirCheck", "hydra_errors_as_one_line", "keep_earlier_hydra_files", "one_line", "print_error_once",
+           "RunDirCheck", "hydra_errors_as_one_line", "keep_earlier_run_files", "one_line", "print_error_once",
            "remove_partial_run_dir", "report_internal_error"]
 
 INTERNAL_ERROR_EXIT = 1  # a bug (not a config error): the traceback is in run_dir/train.log, the outputs are kept
@@ -182,7 +183,7 @@ class RunDirCheck:
         except RunDirError as e:  # (Hydra turns a callback's exception into a warning: leave from here)
             print_error_once([str(e)])
             sys.exit(USER_ERROR_EXIT)
-        keep_earlier_hydra_files(run_dir)
+        keep_earlier_run_files(run_dir)
 
     def __getattr__(self, name: str):
         if name.startswith("on_"):  # Hydra calls every hook of a callback; only on_run_start matters here
@@ -191,53 +192,65 @@ class RunDirCheck:
 
 
 _EARLIER_HYDRA: dict[Path, tuple[bytes, float]] = {}  # .hydra/ files of an earlier job: (contents, mtime)
+_EARLIER_LOG: dict[Path, tuple[int, float]] = {}  # train.log of an earlier job: (size, mtime) before this start
 
 
-def keep_earlier_hydra_files(run_dir: str | os.PathLike, since: float = _IMPORTED_AT) -> None:
+def keep_earlier_run_files(run_dir: str | os.PathLike, since: float = _IMPORTED_AT) -> None:
     """Before Hydra rewrites them (RunDirCheck): remember the ``.hydra/`` files an earlier job wrote into ``run_dir``
-    (modified before ``since``: a resumed run's config), so that a refused start puts them back
-    (:func:`remove_partial_run_dir`) and a refused resume's advice, "its run dir's .hydra/config.yaml", still names
-    the config the run was saved with. A file another rank of this job rewrote already is not one of them."""
+    (modified before ``since``: a resumed run's config) and the size of its ``train.log``, so that a refused start
+    puts the files back and cuts the log's new lines (:func:`remove_partial_run_dir`), and a refused resume's advice,
+    "its run dir's .hydra/config.yaml", still names the config the run was saved with. A file another rank of this
+    job wrote already is not one of them."""
     for path in Path(run_dir, HYDRA).glob("*"):
         with contextlib.suppress(OSError):
             mtime = path.stat().st_mtime
             if path.is_file() and mtime < since - 1.0:  # (1 s: coarse file-system clocks)
                 _EARLIER_HYDRA[path] = (path.read_bytes(), mtime)
+    log = Path(run_dir, TRAIN_LOG)
+    with contextlib.suppress(OSError):
+        if log.is_file() and (stat := log.stat()).st_mtime < since - 1.0:
+            _EARLIER_LOG[log] = (stat.st_size, stat.st_mtime)
 
 
-def _put_back_earlier_hydra_files() -> None:
+def _put_back_earlier_run_files() -> None:
     for path, (contents, mtime) in _EARLIER_HYDRA.items():
         with contextlib.suppress(OSError):
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(contents)
             os.utime(path, (mtime, mtime))
+    for path, (size, mtime) in _EARLIER_LOG.items():  # the refused start's lines, appended by Hydra's log handler
+        with contextlib.suppress(OSError):
+            if path.stat().st_size > size:
+                os.truncate(path, size)
+                os.utime(path, (mtime, mtime))
 
 
 def remove_partial_run_dir(run_dir: str | os.PathLike, since: float = _IMPORTED_AT) -> None:
     """After a failed start: remove what Hydra and this run wrote into ``run_dir`` (modified at or after ``since``;
     never other files, an earlier run's outputs, a run with checkpoints, or a directory another running job holds),
-    put back the ``.hydra/`` files of an earlier run that Hydra rewrote (:func:`keep_earlier_hydra_files`), then
+    put back the ``.hydra/`` files of an earlier run that Hydra rewrote and cut its train.log to what it held
+    (:func:`keep_earlier_run_files`), then
     remove the directory when empty. Under torchrun/srun every rank removes (each may have written Hydra's files
     after another one cleaned), tolerating the files another rank removed first."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir() or held_by_another(run_dir):
         return
     if (run_dir / "checkpoints").exists():  # a refused resume: its outputs stay, its config as it was
-        _put_back_earlier_hydra_files()
+        _put_back_earlier_run_files()
         return
     release(run_dir)  # this process's lock, if it took one
     for name in RUN_OUTPUTS:
         p = run_dir / name
         try:
-            if p.stat().st_mtime < since - 1.0:  # (1 s: coarse file-system clocks)
-                continue
+            if p.stat().st_mtime < since - 1.0 or p in _EARLIER_LOG:  # (1 s: coarse file-system clocks; an
+                continue  # earlier run's train.log is cut back to its own lines below)
             if p.is_dir():
                 shutil.rmtree(p, ignore_errors=True)
             else:
                 p.unlink(missing_ok=True)
         except FileNotFoundError:  # not written, or another rank removed it first
             continue
-    _put_back_earlier_hydra_files()
+    _put_back_earlier_run_files()
     with contextlib.suppress(OSError):
         run_dir.rmdir()  # only when empty
     # and the parents Hydra made for it (runs/ in a fresh checkout): empty, changed since, below the working directory
