@@ -106,6 +106,45 @@ def test_layout_checks():
         odd_eval.check_layout(2, 4)
 
 
+def test_sequence_checks_context_and_sequence_parallel():
+    """model.seq_length against the sequence splits, before anything is built (else the first micro-batch fails inside
+    Megatron-Core's get_batch_on_this_cp_rank or its sequence-parallel scatter), and CP's BF16-only attention."""
+    TrainerConfig.from_cfg({}).check_sequence(127)  # no split: any length
+    cp2 = TrainerConfig.from_cfg({"context_parallel_size": 2})
+    cp2.check_sequence(1024)
+    with pytest.raises(ValueError, match=r"^model\.seq_length=1022 does not split into 2 x trainer\.context_parallel_"
+                                         r"size = 4 equal chunks; set model\.seq_length to a multiple of 4$"):
+        cp2.check_sequence(1022)
+    sp = TrainerConfig.from_cfg({"tensor_model_parallel_size": 4, "sequence_parallel": True})
+    sp.check_sequence(128)
+    with pytest.raises(ValueError, match=r"^model\.seq_length=130 does not split into trainer\.tensor_model_parallel_"
+                                         r"size=4 sequence-parallel parts; set model\.seq_length to a multiple of 4$"):
+        sp.check_sequence(130)
+    both = TrainerConfig.from_cfg({"tensor_model_parallel_size": 4, "sequence_parallel": True,
+                                   "context_parallel_size": 2})
+    both.check_sequence(1024)
+    with pytest.raises(ValueError, match=r"4 equal chunks and each context-parallel rank's 1/2 into trainer\.tensor_"
+                                         r"model_parallel_size=4 sequence-parallel parts; .* a multiple of 8$"):
+        both.check_sequence(4)  # 4 splits into CP's chunks, but each CP rank's 2 tokens not over 4 TP ranks
+    with pytest.raises(ValueError, match=r"^trainer\.context_parallel_size=2 needs trainer\.params_dtype=bf16"):
+        TrainerConfig.from_cfg({"context_parallel_size": 2, "params_dtype": "fp32"})
+
+
+def test_run_config_checks_the_sequence_split(tmp_path):
+    from fp8_recipes.training.config import check_run_config
+
+    def conf(group: str, name: str) -> dict:
+        return OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / group / f"{name}.yaml"))
+
+    model = {**conf("model", "tiny"), "vocab_size": 4096, "seq_length": 126}
+    trainer = {**conf("trainer", "gpu"), "context_parallel_size": 2, "global_batch_size": 2}
+    cfg = {"trainer": trainer, "model": model, "data": {**conf("data", "stdlib"), "path": str(tmp_path / "data")},
+           "run_dir": str(tmp_path / "run")}
+    with pytest.raises(ValueError, match=r"^model\.seq_length=126 does not split into 2 x trainer\.context_parallel"):
+        check_run_config(cfg, world_size=2)
+    check_run_config({**cfg, "model": {**model, "seq_length": 128}}, world_size=2)
+
+
 def test_no_precision_satisfies_protocol():
     p = NoPrecision("bf16")
     assert isinstance(p, Precision)

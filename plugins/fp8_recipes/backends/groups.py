@@ -17,15 +17,19 @@ def _megatron_group(kind: AmaxReduction) -> Any:
         # What Megatron-Core's own FP8 context passes TE (fp8_utils.get_fp8_context): the data x tensor (x context)
         # parallel ranks of one pipeline stage. with_context_parallel=True as there: CP ranks see other tokens.
         return ps.get_amax_reduction_group(with_context_parallel=True, tp_only_amax_red=False)
+    # The context-parallel ranks of a replica hold the same weights and other tokens of the same sequences: they
+    # share scales under every choice, as Megatron-Core's FP8 context always passes with_context_parallel=True
+    # (--tp-only-amax-red is its tensor x context group). At CP = 1 these are the plain data / tensor groups.
     if kind is AmaxReduction.DATA:
-        return ps.get_data_parallel_group()
-    return ps.get_tensor_model_parallel_group()
+        return ps.get_data_parallel_group(with_context_parallel=True)
+    return ps.get_amax_reduction_group(with_context_parallel=True, tp_only_amax_red=True)
 
 
 def amax_reduction_group(kind: AmaxReduction) -> Any:
-    """data_tensor -> Megatron-Core's amax reduction group (data x tensor parallel), data -> its data-parallel
-    group, tensor -> its tensor-parallel group; None when there is nothing to reduce over (none, no
-    torch.distributed, or a group of one rank)."""
+    """data_tensor -> Megatron-Core's amax reduction group (data x tensor x context parallel), data -> its
+    data x context parallel group, tensor -> its tensor x context parallel group (Megatron-LM's
+    --tp-only-amax-red); None when there is nothing to reduce over (none, no torch.distributed, or a group of one
+    rank)."""
     import torch.distributed as dist
 
     if kind is AmaxReduction.NONE or not dist.is_available() or not dist.is_initialized():

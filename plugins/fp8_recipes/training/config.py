@@ -227,6 +227,12 @@ class TrainerConfig:
                 raise choice_error(f"trainer.{key}", value, allowed)
             if value != "fp32" and not self.use_precision_aware_optimizer:
                 raise ConfigError(f"trainer.{key}={value}: needs trainer.use_precision_aware_optimizer=true")
+        if self.context_parallel_size > 1 and self.params_dtype not in ("bf16", "bfloat16"):
+            # TE's attention with CP runs FlashAttention or cuDNN's fused attention, both BF16/FP16 only; its unfused
+            # fallback (the one FP32 attention) has no CP: "No dot product attention backend" at the first forward
+            raise ConfigError(f"trainer.context_parallel_size={self.context_parallel_size} needs "
+                             f"trainer.params_dtype=bf16: Transformer Engine's context-parallel attention takes BF16 "
+                             f"inputs only (not {self.params_dtype}); set trainer.params_dtype=bf16")
         if self.use_precision_aware_optimizer and not self.use_distributed_optimizer:
             raise ConfigError("trainer.use_precision_aware_optimizer=true needs trainer.use_distributed_optimizer=true "
                              "(Megatron-Core keeps the low-precision state in the distributed optimizer's shards)")
@@ -282,6 +288,24 @@ class TrainerConfig:
                     raise ConfigError(f"trainer.{key}: the interleaved schedule needs a multiple of "
                                      f"pipeline_model_parallel_size={pp} micro-batches; {what} is not")
         return dp
+
+    def check_sequence(self, seq_length: int) -> None:
+        """Refuse in one line a ``model.seq_length`` the sequence splits cannot cut: context parallelism gives each CP
+        rank two of 2 x CP equal chunks of every sequence (load-balanced causal attention: Megatron-Core's
+        get_batch_on_this_cp_rank and Transformer Engine's attention need it; Megatron-LM asserts it), and sequence
+        parallelism splits each CP rank's share over the TP ranks (Megatron-Core's scatter asserts it). Otherwise the
+        first micro-batch fails inside Megatron-Core, after the data and the model were built."""
+        cp, tp = self.context_parallel_size, self.tensor_model_parallel_size
+        need, why = 1, []
+        if cp > 1:
+            need, why = 2 * cp, [f"2 x trainer.context_parallel_size = {2 * cp} equal chunks"]
+        if self.sequence_parallel:
+            need = math.lcm(need, cp * tp)
+            per_rank = f"each context-parallel rank's 1/{cp} into " if cp > 1 else ""
+            why.append(f"{per_rank}trainer.tensor_model_parallel_size={tp} sequence-parallel parts")
+        if seq_length % need:
+            raise ConfigError(f"model.seq_length={seq_length} does not split into {' and '.join(why)}; set "
+                             f"model.seq_length to a multiple of {need}")
 
     def gradient_accumulation_steps(self, data_parallel_size: int) -> int:
         per_step = self.micro_batch_size * data_parallel_size
@@ -406,6 +430,7 @@ def check_run_config(cfg: Any, world_size: int | None = None) -> TrainerConfig:
     model, data = container["model"], container["data"]
     check_model_cfg(model, vocab_may_be_unset=True, tensor_parallel=trainer.tensor_model_parallel_size)
     trainer.check_layout(world_size or launch_world_size(), int(model["num_layers"]))
+    trainer.check_sequence(int(model["seq_length"]))
     check_data_cfg(data)
     tokenizer_vocab = 257 if data.get("tokenizer") == "bytes" else data.get("vocab_size")
     if model.get("vocab_size") is not None and model["vocab_size"] < tokenizer_vocab:

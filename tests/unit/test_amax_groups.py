@@ -1,0 +1,47 @@
+"""backends/groups.py: which of Megatron-Core's process groups each ``amax_reduction`` names. The context-parallel
+ranks of a replica (same weights, other tokens of the same sequences) are in every group, as in Megatron-Core's own
+FP8 context (``get_amax_reduction_group(with_context_parallel=True, tp_only_amax_red=...)``); at CP = 1 they are
+the plain data / tensor groups. Checked against a fake parallel_state: CP > 1 needs two GPUs."""
+
+from __future__ import annotations
+
+import pytest
+
+from fp8_recipes.backends.groups import amax_reduction_group
+from fp8_recipes.schema import AmaxReduction
+
+ps = pytest.importorskip("megatron.core.parallel_state")
+
+
+@pytest.fixture
+def asked(monkeypatch):
+    """Each group Megatron-Core is asked for, as (function, keyword arguments); every group has two ranks."""
+    import torch.distributed as dist
+
+    calls: list[tuple[str, dict]] = []
+
+    def recorder(name):
+        def get(**kwargs):
+            calls.append((name, kwargs))
+            return name
+        return get
+
+    for name in ("get_amax_reduction_group", "get_data_parallel_group", "get_tensor_model_parallel_group"):
+        monkeypatch.setattr(ps, name, recorder(name))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    return calls
+
+
+@pytest.mark.parametrize("kind, function, kwargs", [
+    (AmaxReduction.DATA_TENSOR, "get_amax_reduction_group", {"with_context_parallel": True, "tp_only_amax_red": False}),
+    (AmaxReduction.DATA, "get_data_parallel_group", {"with_context_parallel": True}),
+    (AmaxReduction.TENSOR, "get_amax_reduction_group", {"with_context_parallel": True, "tp_only_amax_red": True}),
+])
+def test_every_amax_reduction_spans_the_context_parallel_ranks(asked, kind, function, kwargs):
+    assert amax_reduction_group(kind) == function
+    assert asked == [(function, kwargs)]
+
+
+def test_no_reduction_asks_for_no_group(asked):
+    assert amax_reduction_group(AmaxReduction.NONE) is None and asked == []
