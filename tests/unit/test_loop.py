@@ -178,3 +178,20 @@ def test_tensorboard_holds_the_precision_stage_where_it_changes(tmp_path):
     acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0}).Reload()
     texts = [(e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors("train/stage/text_summary")]
     assert texts == [(1, "bf16 warmup"), (3, "fp8 w"), (4, "fp8 w+a+g")]
+
+
+def test_tensor_or_context_parallel_runs_on_one_cuda_connection():
+    """TP or CP > 1: CUDA_DEVICE_MAX_CONNECTIONS=1 (what Megatron-LM requires for sequence parallelism), unless the
+    environment already chose; DP and PP alone leave the environment as it is."""
+    from types import SimpleNamespace
+
+    from fp8_recipes.training.run import one_cuda_connection
+
+    def env_after(tp, cp, environ):
+        one_cuda_connection(SimpleNamespace(tensor_model_parallel_size=tp, context_parallel_size=cp), environ)
+        return environ
+
+    assert env_after(2, 1, {}) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert env_after(1, 2, {}) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert env_after(1, 1, {}) == {}
+    assert env_after(2, 2, {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}) == {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}

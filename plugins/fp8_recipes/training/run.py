@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -222,6 +223,15 @@ def check_fp8_param(trainer, plan) -> None:
                          f"weights as FP8 tensors standing for BF16 ones; set trainer.params_dtype=bf16")
 
 
+def one_cuda_connection(trainer, environ=os.environ) -> None:
+    """Tensor or context parallelism: ``CUDA_DEVICE_MAX_CONNECTIONS=1`` unless the environment sets it, before CUDA
+    starts (it is read when the context is created). One hardware queue keeps the order in which Megatron-Core and
+    TE launch a layer's all-gather / reduce-scatter and its GEMM, which their overlap of the two relies on
+    (Megatron-LM requires it for sequence parallelism before Blackwell; Megatron-Core warns without it)."""
+    if trainer.tensor_model_parallel_size > 1 or trainer.context_parallel_size > 1:
+        environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+
+
 @contextlib.contextmanager
 def same_on_every_rank():
     """Errors raised inside come from the config and the files every rank reads alike: every rank of a launched
@@ -239,7 +249,8 @@ def run_training(cfg) -> dict:
         tcfg = check_run_config(cfg)  # trainer, model, data, run_dir: before anything is built (and torch loads)
         recipe = resolve_recipe(cfg)
         debug = resolve_debug(cfg)
-    hardware = Hardware.detect()
+    one_cuda_connection(tcfg)
+    hardware = Hardware.detect()  # (CUDA starts here on a GPU machine)
     trainer = cfg.trainer
     run_dir = Path(cfg.run_dir)
     with same_on_every_rank():
