@@ -8,6 +8,8 @@ own layout for the next one:
     PP=2 (plain optimizer)       step 3 -> PP=1 (to step 7, saving step 5) -> PP=2 x VPP=2 from step 5 (saving
                                  step 6) -> PP=1 from step 6
 
+and the TP=2 and PP=2 checkpoints evaluated in one process (scripts/eval_checkpoint.py), resharded on load.
+
 In each resume a hook re-saves what the run loaded before it trains, and the two checkpoints, joined into whole
 tensors, hold the same weights, fp32 main params and Adam moments bit for bit. Every run goes to step 7 (one LR
 schedule), so the steps two runs share train the same losses up to summation order: the TP=1 run's equal a TP=2
@@ -150,6 +152,18 @@ def test_resume_at_another_tensor_and_pipeline_layout(dataset, tmp_path, free_po
             assert per_key.keys() == states2[k].keys() and all(
                 torch.equal(v, states2[k][key]) for key, v in per_key.items()), (name, k)
         assert all(torch.any(s["exp_avg"] != 0) for s in states.values()), name  # trained moments, not fresh ones
+    # scripts/eval_checkpoint.py evaluates in one process: a TP=2 or PP=2 checkpoint is resharded on load and
+    # evaluates exactly as the same weights saved at TP=1 PP=1 (what the resumes above loaded and re-saved)
+    from fp8_recipes.training.evaluate import evaluate_checkpoint
+
+    for saved_by, run in [(tp2, "tp2-at-1"), (pp2, "pp2-at-1")]:
+        split = evaluate_checkpoint(saved_by, recipe="tensorwise")
+        whole = evaluate_checkpoint(tmp_path / run, checkpoint=tmp_path / f"{run}-loaded" / "checkpoints" /
+                                    f"step_{SAVED}", recipe="tensorwise")
+        assert split["trained_steps"] == whole["trained_steps"] == SAVED, (split, whole)
+        assert (split["fp8_loss"], split["bf16_loss"]) == (whole["fp8_loss"], whole["bf16_loss"]), (split, whole)
+        assert split["fp8_loss"] != split["bf16_loss"] and math.isfinite(split["fp8_loss"]), split
+
     # the reference of the first resume: the TP=2 run continued at its own layout from the same checkpoint
     _wait(_launch(["scripts/train.py", *_args(dataset, tmp_path / "tp2-at-2", END, f"trainer.resume={chain[0][1]}",
                                               "trainer.tensor_model_parallel_size=2", dist,

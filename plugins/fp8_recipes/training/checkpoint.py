@@ -241,15 +241,15 @@ def _saved_payloads(step_dir: Path) -> dict[str, list[tuple[tuple, Any]]]:
 
 def read_checkpoint(step_dir: str | os.PathLike, tp_rank: int = 0,
                     map_location: str | torch.device = "cpu", pp_rank: int = 0,
-                    model_only: bool = False) -> dict[str, Any]:
+                    skip_optimizer: bool = False) -> dict[str, Any]:
     """The payload :func:`save_checkpoint` wrote for the shard (``tp_rank``, ``pp_rank``) in ``step_dir`` (a
     finished ``step_N`` dir): ``{"format_version", "step", "model" (a state dict per model chunk), "optimizer",
     "scheduler", "precision", "rng", "extra"}``.
 
     Reads in this process only (no process group needed, none used: each rank reads its own shard's payload).
     The template DCP loads into is built from the checkpoint's own metadata, since a fresh optimizer has no state.
-    ``model_only``: read the model's tensors only (every other tensor is None): an exporter needs the weights, not
-    the optimizer state that is three times their size.
+    ``skip_optimizer``: leave the optimizer's tensors unread (None): an exporter or an evaluation needs the weights
+    (and the scaling state), not the optimizer state that is three times their size.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -268,13 +268,13 @@ def read_checkpoint(step_dir: str | os.PathLike, tp_rank: int = 0,
     template: dict[str, Any] = {"skeleton": None, "tensors": {}}  # None: replaced by the loaded bytes
     for path, storage in per_tp[key]:
         if path[0] == "tensors" and isinstance(storage, TensorStorageMetadata) and (
-                not model_only or path[1].startswith("model/")):
+                not skip_optimizer or not path[1].startswith("optimizer/")):
             template["tensors"][path[1]] = torch.empty(storage.size, dtype=storage.properties.dtype,
                                                        device=map_location)
     with _single_process_quiet():
         dcp.load({key: template}, storage_reader=dcp.FileSystemReader(step_dir), no_dist=True)
     skeleton = torch.load(io.BytesIO(template["skeleton"]), map_location=map_location, weights_only=True)
-    return _join_tensors(skeleton, template["tensors"], missing_ok=model_only)
+    return _join_tensors(skeleton, template["tensors"], missing_ok=skip_optimizer)
 
 
 def save_checkpoint(run_dir: str | os.PathLike, step: int, *, engine=None, models=None, precision=None,
@@ -713,7 +713,7 @@ def _load_resharded(step_dir: Path, chunks: list, engine, precision, scheduler,
     kept: dict[tuple[int, int], dict[str, Any]] = {}
 
     def read_shard(tp_rank_: int, pp_rank_: int) -> dict[str, Any]:
-        payload = read_checkpoint(step_dir, tp_rank_, map_location, pp_rank=pp_rank_, model_only=engine is None)
+        payload = read_checkpoint(step_dir, tp_rank_, map_location, pp_rank=pp_rank_, skip_optimizer=engine is None)
         if payload.get("format_version") != FORMAT_VERSION:
             raise ConfigError(f"{step_dir}: format_version {payload.get('format_version')}, expected {FORMAT_VERSION}")
         kept[(tp_rank_, pp_rank_)] = {k: payload[k] for k in ("step", "scheduler", "precision")}

@@ -13,7 +13,8 @@ training loop's full-precision evaluation). The checkpoint's scaling state (dela
 restored, so delayed scaling evaluates with the scales training ended with; another ``recipe`` starts from fresh
 scaling state (load_checkpoint says so). The backend follows the recipe (``auto``: TE on an FP8 GPU, emulated
 elsewhere); a checkpoint loads only into the model kind it was written from (TE spec on the GPU, local spec on
-the CPU).
+the CPU). It evaluates in one process at TP=1 (under torchrun, at the run's TP), one pipeline stage and whole
+sequences: a checkpoint of another tensor or pipeline layout is resharded on load, as a resume at another layout.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from fp8_recipes.launcher import launch_world_size
 from fp8_recipes.megatron.data import batches
 from fp8_recipes.megatron.model_config import run_model_cfg
 from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan
@@ -127,19 +129,21 @@ def evaluate_checkpoint(run_dir: str | Path, *, checkpoint: str | Path | None = 
 def _evaluate(cfg: Any, recipe: Any, step_dir: Path, eval_iters: int, train_dp: int) -> dict[str, Any]:
     """Build the run's model under ``recipe``'s backend, load ``step_dir``, evaluate in FP8 and in BF16."""
     from fp8_recipes.megatron.model import destroy_distributed, init_distributed
-    from fp8_recipes.training.checkpoint import checkpoint_meta, checkpoint_step, load_checkpoint
+    from fp8_recipes.training.checkpoint import checkpoint_step, load_checkpoint
     from fp8_recipes.training.engine import Engine
 
     quiet_third_party_logs()
     hardware = Hardware.detect()
     first_plan = PrecisionPlan(recipe, ModelLayout.gpt(int(cfg.model.num_layers)), hardware)  # refuses early
-    meta = checkpoint_meta(step_dir)
-    for key in ("pipeline_model_parallel_size", "context_parallel_size"):
-        if (meta.get(key) or 1) > 1:
-            raise ValueError(f"checkpoint: {step_dir} was written with trainer.{key}={meta[key]}; evaluating it runs "
-                             f"in one process, which reads pipeline- and context-parallel size 1 checkpoints only")
-    trainer = dataclasses.replace(TrainerConfig.from_cfg(cfg.trainer), pipeline_model_parallel_size=1,
-                                  virtual_pipeline_model_parallel_size=None, context_parallel_size=1)
+    # One stage, whole sequences: the checkpoint is resharded on load when it was written at another tensor or
+    # pipeline layout (training/checkpoint.py), as a resume at another layout is. The run's TP when launched with
+    # processes for it (torchrun), else 1.
+    trainer = TrainerConfig.from_cfg(cfg.trainer)
+    world = launch_world_size()
+    tp = trainer.tensor_model_parallel_size if world > 1 and world % trainer.tensor_model_parallel_size == 0 else 1
+    trainer = dataclasses.replace(trainer, tensor_model_parallel_size=tp, sequence_parallel=trainer.sequence_parallel
+                                  and tp > 1, pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
+                                  context_parallel_size=1)
     _, _, device = init_distributed(tensor_model_parallel_size=trainer.tensor_model_parallel_size, seed=trainer.seed)
     try:
         valid = _valid_batches(cfg, eval_iters, train_dp)
