@@ -81,7 +81,9 @@ def _observe(precision, debug, run_dir: Path, rank: int, backend):
         states = precision.states
     from megatron.core import parallel_state as ps
 
-    # the first rank of each pipeline stage writes that stage's rows (its modules; the others hold the same numbers)
+    # the first rank of each pipeline stage writes that stage's rows (its modules), from what that rank sees: its
+    # data-parallel share of the batch, its tensor-parallel shard of each weight and, under context parallelism,
+    # its 2 of the 2 x CP chunks of each sequence (the first and last); the other ranks' numbers are not merged
     first_of_stage = (ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
                       and ps.get_context_parallel_rank() == 0)
     pp = ps.get_pipeline_model_parallel_world_size()
