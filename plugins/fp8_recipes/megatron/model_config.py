@@ -72,7 +72,7 @@ def check_model_cfg(cfg: Mapping[str, Any], *, vocab_may_be_unset: bool = False,
         raise ConfigError(f"model.hidden_size={hidden} is not divisible by model.num_attention_heads={heads}; "
                          f"pick heads that divide it")
     head_dim = hidden // heads
-    rope = cfg.get("position_embedding_type", "rope") == "rope"
+    rope = cfg.get("position_embedding_type", "learned_absolute") == "rope"  # (GPTModel's default, as model.py builds)
     if head_dim < 2 or (rope and head_dim % 2):
         need = "an even number (rotary embeddings rotate pairs)" if rope else "at least 2"
         raise ConfigError(f"model.num_attention_heads={heads}: the head dimension model.hidden_size / "
