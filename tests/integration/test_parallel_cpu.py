@@ -83,9 +83,11 @@ def train(*args, **kwargs):
 
 
 loop.train, engine_module.Engine.train_step = train, _step
-for name, dump_dir, args in json.loads(open(sys.argv[1]).read()):
+for name, dump_dir, args, port in json.loads(open(sys.argv[1]).read()):
     _losses.clear()
     _dump.clear()
+    if port:  # one rendezvous per run: the runs of a chain set up and tear down their own process group
+        os.environ["MASTER_PORT"] = str(port)
     sys.argv = ["scripts/train.py", *args]
     try:
         runpy.run_path("scripts/train.py", run_name="__main__")
@@ -146,9 +148,6 @@ def _args(recipe: str, tp: int, extra: list[str], dataset: list[str], run_dir: P
             "model.vocab_size=512", f"trainer.tensor_model_parallel_size={tp}", f"run_dir={run_dir}", *extra]
 
 
-MAX_PROCESSES = 8
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, dataset, free_port) -> dict[str, dict]:
     """Every run above, all at once: the 1-rank ones one after another in one interpreter; each 2-rank one as two
@@ -163,44 +162,45 @@ def runs(tmp_path_factory, dataset, free_port) -> dict[str, dict]:
     env["OMP_NUM_THREADS"] = "1"
 
     def spawn(spec_file: Path, specs: list, rank_env: dict | None = None) -> subprocess.Popen:
+        """The driver on ``specs``; its output to files beside the spec (a chain's ranks print for minutes: pipes
+        read one process at a time would fill and stall the other rank of a collective)."""
         spec_file.write_text(json.dumps(specs))
-        return subprocess.Popen([sys.executable, str(tmp / "driver.py"), str(spec_file)], cwd=ROOT,
-                                env={**env, **(rank_env or {})}, text=True, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE)
+        with open(spec_file.with_suffix(".out"), "w") as out, open(spec_file.with_suffix(".err"), "w") as err:
+            proc = subprocess.Popen([sys.executable, str(tmp / "driver.py"), str(spec_file)], cwd=ROOT,
+                                    env={**env, **(rank_env or {})}, text=True, stdout=out, stderr=err)
+        proc.err_file = spec_file.with_suffix(".err")
+        return proc
 
-    waves, single, wave_size = [[]], [], 0
+    # Interpreter start-up dwarfs a run: the 2-rank runs share two chains of 2 interpreters (each chain's ranks run
+    # its runs one after another), a 4-rank run has its own 4, the 1-rank runs one interpreter.
+    chains: list[tuple[str, int, list]] = [("2-rank chain a", 2, []), ("2-rank chain b", 2, [])]
+    single: list = []
     for name, (recipe, n, tp, extra) in RUNS.items():
         (tmp / name / "dump").mkdir(parents=True)
-        spec = [name, str(tmp / name / "dump"), _args(recipe, tp, extra, dataset, tmp / name / "run")]
+        spec = [name, str(tmp / name / "dump"), _args(recipe, tp, extra, dataset, tmp / name / "run"),
+                free_port() if n > 1 else 0]
         if n == 1:
             single.append(spec)
-            continue
-        if wave_size + n > MAX_PROCESSES:  # at most this many interpreters at once (2 cores, ~1 GB each)
-            waves.append([])
-            wave_size = 0
-        waves[-1].append((name, n, spec))
-        wave_size += n
-    waves[0].append(("1-rank runs", 1, single))
-    for wave in waves:
-        procs = []
-        for name, n, spec in wave:
-            if name == "1-rank runs":
-                procs.append((name, spawn(tmp / "single.json", spec)))
-                continue
-            port = str(free_port())
-            for r in range(n):
-                procs.append((f"{name} rank {r}", spawn(tmp / name / f"spec{r}.json", [spec], dict(
-                    RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
-                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port))))
-        try:
-            for what, p in procs:
-                stdout, stderr = p.communicate(timeout=600)
-                assert p.returncode == 0, f"{what}: {stderr[-4000:]}"
-                assert "Traceback" not in stderr and "error:" not in stderr, f"{what}: {stderr[-4000:]}"
-        finally:
-            for _, p in procs:
-                if p.poll() is None:
-                    p.kill()
+        elif n == 2:
+            min(chains[:2], key=lambda c: len(c[2]))[2].append(spec)
+        else:
+            chains.append((name, n, [spec]))
+    procs = [("1-rank runs", spawn(tmp / "single.json", single))]
+    for what, n, specs in chains:
+        for r in range(n):
+            procs.append((f"{what} rank {r}", spawn(tmp / f"{what.replace(' ', '-')}-spec{r}.json", specs, dict(
+                RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(specs[0][3])))))
+    try:
+        for what, p in procs:
+            p.wait(timeout=900)
+            stderr = p.err_file.read_text()
+            assert p.returncode == 0, f"{what}: {stderr[-4000:]}"
+            assert "Traceback" not in stderr and "error:" not in stderr, f"{what}: {stderr[-4000:]}"
+    finally:
+        for _, p in procs:
+            if p.poll() is None:
+                p.kill()
     return {name: {"ranks": [json.loads((tmp / name / "dump" / f"rank{r}.json").read_text()) for r in range(n)],
                    "run_dir": tmp / name / "run"} for name, (_, n, _, _) in RUNS.items()}
 

