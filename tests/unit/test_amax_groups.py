@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from fp8_recipes.backends.groups import amax_reduction_group
+from fp8_recipes.backends.groups import amax_reduction_group, te_amax_reduction_group
 from fp8_recipes.schema import AmaxReduction
 
 ps = pytest.importorskip("megatron.core.parallel_state")
@@ -45,3 +45,22 @@ def test_every_amax_reduction_spans_the_context_parallel_ranks(asked, kind, func
 
 def test_no_reduction_asks_for_no_group(asked):
     assert amax_reduction_group(AmaxReduction.NONE) is None and asked == []
+
+
+@pytest.mark.parametrize("kind", [AmaxReduction.DATA_TENSOR, AmaxReduction.DATA, AmaxReduction.TENSOR])
+def test_te_gets_a_one_rank_group_never_none(asked, monkeypatch, kind):
+    """PP=2 on two GPUs: each stage's amax group holds one rank. The emulated backend then reduces nothing (None);
+    TE must get the group itself, since TE reads None as the world and would all-reduce across the two stages."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2 if group is None else 1)
+    assert amax_reduction_group(kind) is None
+    assert te_amax_reduction_group(kind) is not None
+
+
+def test_te_gets_no_group_without_reduction_or_torch_distributed(asked, monkeypatch):
+    import torch.distributed as dist
+
+    assert te_amax_reduction_group(AmaxReduction.NONE) is None and asked == []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    assert te_amax_reduction_group(AmaxReduction.DATA_TENSOR) is None and asked == []

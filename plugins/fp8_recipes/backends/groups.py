@@ -1,5 +1,5 @@
 """The process group a recipe's ``amax_reduction`` names, shared by both backends (the emulated one all-reduces
-over it itself; te_layers.py hands it to ``te.autocast(amax_reduction_group=...)``)."""
+over it itself; te_layers.py hands TE the same group, even of one rank, to ``te.autocast(amax_reduction_group=...)``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 from fp8_recipes.schema import AmaxReduction
 
-__all__ = ["amax_reduction_group"]
+__all__ = ["amax_reduction_group", "te_amax_reduction_group"]
 
 
 def _megatron_group(kind: AmaxReduction) -> Any:
@@ -36,3 +36,19 @@ def amax_reduction_group(kind: AmaxReduction) -> Any:
         return None
     group = _megatron_group(kind)
     return group if dist.get_world_size(group) > 1 else None
+
+
+def te_amax_reduction_group(kind: AmaxReduction) -> Any:
+    """The group to hand ``te.autocast(amax_reduction_group=...)``: Megatron-Core's group for ``kind`` whatever its
+    size, as Megatron-Core's own FP8 context passes it; None only for ``none`` or without torch.distributed.
+
+    Never None for a group of one rank: TE reads None as the *world* (``reduce_and_update_fp8_tensors``:
+    ``dist.get_world_size(group=None) > 1`` -> ``all_reduce(..., group=None)``), so at PP=2 with one rank per stage
+    each stage's amax reduction would wait for the other stage (a hang at the first FP8 forward: 1F1B enters it at
+    different points on the two stages, with buffers of different sizes); with ``data`` at TP=2 DP=1, or ``tensor``
+    at TP=1 DP=2, it would reduce over ranks the recipe excludes. TE skips the reduction of a one-rank group itself."""
+    import torch.distributed as dist
+
+    if kind is AmaxReduction.NONE or not dist.is_available() or not dist.is_initialized():
+        return None
+    return _megatron_group(kind)

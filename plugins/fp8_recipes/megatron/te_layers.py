@@ -33,7 +33,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
 from fp8_recipes.checks import ConfigError
-from fp8_recipes.backends.groups import amax_reduction_group
+from fp8_recipes.backends.groups import te_amax_reduction_group
 from fp8_recipes.backends.te import TEPrecision, te_recipe
 from fp8_recipes.megatron.model import (named_linear_modules, replace_output_layer_class, transformer_layers,
                                         unwrap_model)
@@ -174,5 +174,5 @@ def attach_te_backend(model: torch.nn.Module | list[torch.nn.Module], plan: Prec
                          f"(recipe fp8_param: {str(plan.recipe.fp8_param).lower()}); build the model with "
                          f"layer_init=FP8ParamInit(plan)")
     return TEPrecision(plan, layers=layers, linears=te_linears, chunks=gpts, attention=attention,
-                       amax_group=amax_reduction_group(plan.recipe.amax_reduction), count=count, recipes=recipes,
+                       amax_group=te_amax_reduction_group(plan.recipe.amax_reduction), count=count, recipes=recipes,
                        fp8_params=fp8_params)
