@@ -467,3 +467,24 @@ def test_training_refuses_fp8_param_in_one_line_before_anything_is_built():
         with pytest.raises(ValueError) as e:
             check_fp8_param(tcfg, plan)
         assert str(e.value).startswith(starts) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("reduction", ["none", "data"])
+def test_sequence_parallel_delayed_scaling_needs_the_tensor_parallel_ranks_in_the_amax_group(reduction):
+    """TE gathers sequence-parallel FP8 tensors assuming one delayed scale on every TP rank: none (TE's assertion at
+    the first FP8 forward) and data (silently wrong) are refused before anything is built."""
+    import types
+
+    from fp8_recipes.training.run import check_sequence_parallel_amax
+
+    sp = types.SimpleNamespace(sequence_parallel=True)
+    plan = plan_for({**load_recipe("delayed").to_dict(), "amax_reduction": reduction})
+    with pytest.raises(ValueError) as e:
+        check_sequence_parallel_amax(sp, plan)
+    assert str(e.value).startswith(f"recipe.amax_reduction: {reduction} with delayed scaling") and "\n" not in str(e.value)
+    check_sequence_parallel_amax(types.SimpleNamespace(sequence_parallel=False), plan)  # no SP: each rank its own
+    for fine in ("data_tensor", "tensor"):
+        check_sequence_parallel_amax(sp, plan_for({**load_recipe("delayed").to_dict(), "amax_reduction": fine}))
+    check_sequence_parallel_amax(sp, plan_for({**load_recipe("tensorwise").to_dict(), "amax_reduction": reduction}))
+    check_sequence_parallel_amax(sp, plan_for({**load_recipe("delayed").to_dict(), "amax_reduction": reduction},
+                                              Hardware()))  # the emulated backend (refuses SP itself)

@@ -30,7 +30,7 @@ from fp8_recipes.plan import Hardware, ModelLayout, ParallelLayout, PrecisionPla
 from fp8_recipes.plan_format import format_plan
 from fp8_recipes.recipes import EMPTY_RECIPE, load_recipe
 from fp8_recipes.rundir import PLAN, RECIPE, check_run_dir, claim, drop_rows_after, release, write_text
-from fp8_recipes.schema import Backend, RecipeError
+from fp8_recipes.schema import AmaxReduction, Backend, RecipeError, Scaling
 from fp8_recipes.training.config import check_run_config
 from fp8_recipes.training.notices import run_notices
 
@@ -205,6 +205,26 @@ def check_engine_backend(trainer, backend) -> None:
                              f"{backend} backend builds Megatron-Core's local layers and torch's AdamW: unset it here")
 
 
+def check_sequence_parallel_amax(trainer, plan) -> None:
+    """Sequence parallelism with delayed scaling on TE: the recipe's ``amax_reduction`` must span the tensor-parallel
+    ranks. TE all-gathers a sequence-parallel input (and a row-parallel layer's output gradient) as FP8 bytes quantized
+    on each rank with its own delayed scale and dequantizes them all with the local one ("Assume scaling factors are
+    identical across ranks", TE's ``_all_gather_fp8``). ``none`` fails TE's assertion at the first FP8 forward
+    ("Amax reduction across tensor parallel group is necessary when using sequence parallelism with FP8"; not raised
+    for a CustomRecipe, which then runs wrong silently), ``data`` passes it and runs wrong silently."""
+    if not getattr(trainer, "sequence_parallel", False) or plan.backend is not Backend.TE or plan.te is None \
+            or plan.te.unsupported:
+        return
+    if not any(p.scaling is Scaling.DELAYED for p in plan.te.policies.values()):
+        return
+    if plan.recipe.amax_reduction in (AmaxReduction.DATA_TENSOR, AmaxReduction.TENSOR):
+        return
+    raise RecipeError([f"recipe.amax_reduction: {plan.recipe.amax_reduction!s} with delayed scaling and "
+                       f"trainer.sequence_parallel=true: Transformer Engine all-gathers sequence-parallel FP8 tensors "
+                       f"assuming one scale on every tensor-parallel rank; set recipe.amax_reduction: data_tensor (or "
+                       f"tensor), or trainer.sequence_parallel=false"])
+
+
 def check_fp8_param(trainer, plan) -> None:
     """Recipe ``fp8_param: true``: refused in one line, before anything is built, where the plan cannot store the
     weights in FP8 (the emulated backend, ...: ``PrecisionPlan.fp8_param_problem``) or the trainer lacks what
@@ -261,6 +281,7 @@ def run_training(cfg) -> dict:
             first_plan = PrecisionPlan(recipe, ModelLayout.gpt(int(cfg.model.num_layers)), hardware)
         check_engine_backend(tcfg, first_plan.backend)
         check_fp8_param(tcfg, first_plan)
+        check_sequence_parallel_amax(tcfg, first_plan)
 
     # torch and Megatron-Core from here on, once the config is known to be good (module docstring)
     from fp8_recipes.megatron.model import destroy_distributed, init_distributed
