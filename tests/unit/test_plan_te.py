@@ -488,3 +488,22 @@ def test_sequence_parallel_delayed_scaling_needs_the_tensor_parallel_ranks_in_th
     check_sequence_parallel_amax(sp, plan_for({**load_recipe("tensorwise").to_dict(), "amax_reduction": reduction}))
     check_sequence_parallel_amax(sp, plan_for({**load_recipe("delayed").to_dict(), "amax_reduction": reduction},
                                               Hardware()))  # the emulated backend (refuses SP itself)
+
+
+def test_recompute_that_would_not_replay_the_forwards_fp8_is_refused_on_te():
+    """Megatron-Core recomputes through tensor_parallel.checkpoint here (no fp8 in its config): full recompute under
+    delayed scaling and selective recompute of FP8 attention are refused; stateless recipes recompute exactly."""
+    import types
+
+    from fp8_recipes.training.run import check_recompute
+
+    full, selective = (types.SimpleNamespace(recompute_granularity=g) for g in ("full", "selective"))
+    with pytest.raises(ValueError, match=r"^trainer\.recompute_granularity=full with delayed scaling"):
+        check_recompute(full, plan_for("delayed"))
+    check_recompute(selective, plan_for("delayed"))  # BF16 attention: nothing FP8 is recomputed
+    check_recompute(full, plan_for("tensorwise"))
+    check_recompute(full, plan_for("delayed", Hardware()))  # the emulated backend
+    check_recompute(types.SimpleNamespace(recompute_granularity=None), plan_for("delayed"))
+    fp8_attention = plan_for({**load_recipe("delayed").to_dict(), "attention": "fp8"})
+    with pytest.raises(ValueError, match=r"^trainer\.recompute_granularity=selective with recipe attention: fp8"):
+        check_recompute(selective, fp8_attention)

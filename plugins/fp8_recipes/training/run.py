@@ -30,7 +30,7 @@ from fp8_recipes.plan import Hardware, ModelLayout, ParallelLayout, PrecisionPla
 from fp8_recipes.plan_format import format_plan
 from fp8_recipes.recipes import EMPTY_RECIPE, load_recipe
 from fp8_recipes.rundir import PLAN, RECIPE, check_run_dir, claim, drop_rows_after, release, write_text
-from fp8_recipes.schema import AmaxReduction, Backend, RecipeError, Scaling
+from fp8_recipes.schema import AmaxReduction, Attention, Backend, RecipeError, Scaling
 from fp8_recipes.training.config import check_run_config
 from fp8_recipes.training.notices import run_notices
 
@@ -225,6 +225,29 @@ def check_sequence_parallel_amax(trainer, plan) -> None:
                        f"tensor), or trainer.sequence_parallel=false"])
 
 
+def check_recompute(trainer, plan) -> None:
+    """Activation recompute on TE where its recompute would not replay the forward's FP8. The model is built without
+    ``fp8`` in its config, so Megatron-Core recomputes through ``tensor_parallel.checkpoint``, not TE's
+    ``te_checkpoint`` (recompute.py / transformer_layer.py pick it only under ``config.fp8``): no FP8 recompute phase.
+    Full recompute with delayed scaling: each recomputed layer's autocast is the outermost one in the backward, so its
+    exit reduces and rolls every forward amax history again, the replay records its amaxes a second time and quantizes
+    with the scales updated since the forward. Selective recompute (core attention) with FP8 attention: the recompute
+    runs outside every autocast, so the attention is recomputed in BF16 under an FP8 forward."""
+    granularity = getattr(trainer, "recompute_granularity", None)
+    if granularity is None or plan.backend is not Backend.TE or plan.te is None or plan.te.unsupported:
+        return
+    delayed = any(p.scaling is Scaling.DELAYED for p in plan.te.policies.values())
+    if granularity == "full" and delayed:
+        raise RecipeError(["trainer.recompute_granularity=full with delayed scaling on Transformer Engine: the "
+                           "recomputed layers would reduce and roll the amax histories again and quantize with other "
+                           "scales than their forward; use tensorwise or blockwise scaling, or "
+                           "trainer.recompute_granularity=null"])
+    if granularity == "selective" and plan.recipe.attention is Attention.FP8:
+        raise RecipeError(["trainer.recompute_granularity=selective with recipe attention: fp8 on Transformer Engine: "
+                           "the core attention would be recomputed in BF16 under an FP8 forward; set "
+                           "trainer.recompute_granularity=null (or full), or recipe attention: bf16"])
+
+
 def check_fp8_param(trainer, plan) -> None:
     """Recipe ``fp8_param: true``: refused in one line, before anything is built, where the plan cannot store the
     weights in FP8 (the emulated backend, ...: ``PrecisionPlan.fp8_param_problem``) or the trainer lacks what
@@ -282,6 +305,7 @@ def run_training(cfg) -> dict:
         check_engine_backend(tcfg, first_plan.backend)
         check_fp8_param(tcfg, first_plan)
         check_sequence_parallel_amax(tcfg, first_plan)
+        check_recompute(tcfg, first_plan)
 
     # torch and Megatron-Core from here on, once the config is known to be good (module docstring)
     from fp8_recipes.megatron.model import destroy_distributed, init_distributed
