@@ -22,11 +22,14 @@ PER_LAYER = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.lin
 
 class FakeTE:
     """TE's autocast as far as the backend relies on it: a stack of (enabled, recipe); amaxes are reduced when
-    the outermost enabled autocast exits."""
+    the outermost enabled autocast exits. And TE 2.20's "first FP8 module" flag (quantization.py): armed when the
+    outermost autocast enters, consumed by the first FP8 module's forward (that module reduces and updates the
+    backward amaxes after its backward), and restored from the snapshot taken at entry when any autocast exits."""
 
     def __init__(self):
         self.stack: list[tuple[bool, object]] = []
         self.reductions = 0
+        self.quantization_state = types.SimpleNamespace(is_first_fp8_module=False, autocast_depth=0)
         te = self
 
         class autocast:  # noqa: N801 (TE's name)
@@ -34,14 +37,28 @@ class FakeTE:
                 self.args = (enabled, recipe)
 
             def __enter__(self):
+                q = te.quantization_state
+                self.saved = q.is_first_fp8_module  # get_autocast_state()
                 te.stack.append(self.args)
+                if q.autocast_depth == 0:
+                    q.is_first_fp8_module = True
+                q.autocast_depth += 1
 
             def __exit__(self, *exc):
+                q = te.quantization_state
+                q.is_first_fp8_module = self.saved  # set_autocast_state()
+                q.autocast_depth -= 1
                 enabled, _ = te.stack.pop()
                 if enabled and not te.stack:
                     te.reductions += 1
 
         self.autocast = autocast
+
+    def first_fp8_module(self) -> bool:
+        """FP8GlobalStateManager.is_first_fp8_module(): True once per arming."""
+        q = self.quantization_state
+        first, q.is_first_fp8_module = q.is_first_fp8_module, False
+        return first
 
     def current(self) -> tuple[bool, object]:
         return self.stack[-1] if self.stack else (False, None)
@@ -57,8 +74,10 @@ class FakeLinear(torch.nn.Module):
 
     def forward(self, x):
         self.fp8, recipe = self.te.current()
+        self.reduces_backward = False
         if self.fp8:
             self.fp8_meta["recipe"] = recipe
+            self.reduces_backward = self.te.first_fp8_module()  # ctx.reduce_and_update_bwd_fp8_tensors
         self.log.append((self.name, self.fp8, recipe))
         self.is_first_microbatch = False
         return x
@@ -97,9 +116,12 @@ def fake_te(monkeypatch) -> FakeTE:
                                                                "transformer_engine.common",
                                                                "transformer_engine.common.recipe"))
     pt.autocast = fake.autocast
+    quantization = types.ModuleType("transformer_engine.pytorch.quantization")
+    quantization.FP8GlobalStateManager = fake  # its quantization_state: the flag and the autocast depth
     recipe.Float8CurrentScaling = lambda: types.SimpleNamespace(name="off", backward_override=None)
     pkg.pytorch, pkg.common, common.recipe = pt, common, recipe
-    for mod in (pkg, pt, common, recipe):
+    pt.quantization = quantization
+    for mod in (pkg, pt, common, recipe, quantization):
         monkeypatch.setitem(sys.modules, mod.__name__, mod)
     # the recipe objects: a tag per TERecipe, with the one attribute the counter reads
     monkeypatch.setattr(te_backend, "te_recipe", lambda choice, reduce_amax: types.SimpleNamespace(
@@ -147,6 +169,26 @@ def test_each_step_runs_the_plan(fake_te, scaling):
     assert len(precision._recipes) == 2  # forward-only and full: built once each, reused across steps
     summary = precision.execution_summary()
     assert summary["plan_mismatches"] == 0 and summary["by_stage"]["fp8 w+a"] == {BF16: 8, FP8_FWD: 16}
+
+
+@pytest.mark.parametrize("scaling", ["delayed", "tensorwise"])
+def test_one_backward_amax_update_per_forward_under_delayed_scaling(fake_te, scaling):
+    """TE reduces and updates every backward amax history after the backward of each module that consumed the
+    "first FP8 module" flag in its forward. Under the outer autocast of delayed scaling that is one module per
+    chunk and forward, as under Megatron-Core's single autocast, although each layer (and a linear kept apart by
+    a pattern) runs its own nested autocast, whose exit restores the flag: before the fix every FP8 layer's first
+    linear got it (L updates per micro-batch, each rolling every gradient history). Without delayed state each
+    layer's autocast is outermost, and each arms the flag afresh (an update with nothing to update in TE)."""
+    precision, decoder, log = attach(fake_te, {"weights": scaling, "activations": scaling, "gradients": scaling,
+                                               "layers": {"bf16_first": 1, "bf16_modules": ["*.2.mlp.linear_fc1"]}},
+                                     layers=4)
+    step(precision, decoder, log, 0)
+    reducers = [n for n, m in decoder.named_modules() if getattr(m, "reduces_backward", False)]
+    if scaling == "delayed":
+        assert reducers == ["layers.1.linears.0"]  # layer 1's linear_qkv: the first FP8 module of the forward
+    else:
+        assert reducers == ["layers.1.linears.0", "layers.2.linears.0", "layers.3.linears.0"]
+    assert fake_te.quantization_state.autocast_depth == 0
 
 
 def test_a_pattern_disables_one_linear_inside_an_fp8_layer(fake_te):

@@ -11,7 +11,9 @@ delayed scaling anywhere, one more ``te.autocast`` spans the model chunk (its la
 head), as Megatron-Core's spans its decoder: TE reduces and
 updates amax histories when the *outermost* autocast exits (forward) and after the first FP8 module's backward,
 so per-layer autocasts alone would roll every history once per layer (why Megatron-Core refuses first/last-layer
-BF16 with delayed scaling; nested inside one outer autocast it is exact).
+BF16 with delayed scaling). Nested inside one outer autocast it is exact once the "first FP8 module" flag, which
+each inner autocast's exit would restore, stays consumed (``_wrap``): one forward and one backward reduce-and-update
+per chunk and micro-batch, as under Megatron-Core's single autocast.
 
 State across stage changes: one TE recipe object per distinct :class:`~fp8_recipes.plan.TERecipe`, built once.
 TE keeps a module's delayed-scaling state (scale, amax history) when the next recipe has the same class
@@ -288,6 +290,9 @@ class TEPrecision:
         self._attention_layer = {n: i for i, n in zip((attention or {}), self.attention)}
         self._layer_choices: dict[int, TERecipe | None] = {}
         self._autocast = te.autocast
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+        self._fp8_state_manager = FP8GlobalStateManager  # (its quantization_state is replaced by reset(): read per call)
         self._group = amax_group
         self._reduce_amax = plan.recipe.amax_reduction is not AmaxReduction.NONE
         # Disabled autocasts get a stateless recipe and no group: never the key of any delayed-scaling buffer.
@@ -324,14 +329,23 @@ class TEPrecision:
 
     # -- wiring ----------------------------------------------------------------------------------------------------
     def _wrap(self, module: torch.nn.Module, context: Callable[[], tuple | None]) -> None:
-        inner, autocast = module.forward, self._autocast
+        inner, autocast, manager = module.forward, self._autocast, self._fp8_state_manager
 
         def forward(*args, **kwargs):
             ctx = context()
             if ctx is None:
                 return inner(*args, **kwargs)
             with autocast(enabled=ctx[0], recipe=ctx[1], amax_reduction_group=ctx[2]):
-                return inner(*args, **kwargs)
+                out = inner(*args, **kwargs)
+                consumed = not manager.quantization_state.is_first_fp8_module
+            # TE's autocast restores on exit the flag "the next FP8 module is the first one", which an FP8 module
+            # inside consumed: a nested autocast would re-arm it, and every layer's first FP8 module would then
+            # reduce and roll every backward amax history after its backward (L + 2 times per micro-batch, not 1).
+            # Nested in the outer autocast, the flag stays consumed, as under one autocast (Megatron-Core's).
+            state = manager.quantization_state
+            if consumed and state.autocast_depth > 0:
+                state.is_first_fp8_module = False
+            return out
 
         module.forward = forward
 
