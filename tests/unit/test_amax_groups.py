@@ -64,3 +64,39 @@ def test_te_gets_no_group_without_reduction_or_torch_distributed(asked, monkeypa
     assert te_amax_reduction_group(AmaxReduction.NONE) is None and asked == []
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     assert te_amax_reduction_group(AmaxReduction.DATA_TENSOR) is None and asked == []
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_emulated_current_scaling_takes_each_ranks_own_amax(monkeypatch, recipe):
+    """amax_reduction is delayed scaling's: the emulated backend reduces delayed amaxes over the recipe's group and
+    quantizes current-scaling (tensorwise) operands with each rank's own amax, as TE does without sequence
+    parallelism (docs/distributed.md). Before, every emulated layer reduced its tensorwise amaxes over the group."""
+    import torch
+
+    from fp8_recipes.backends import emulated
+    from fp8_recipes.backends.emulated import EmulatedLinearState, EmulatedPrecision
+    from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan
+    from fp8_recipes.recipes import load_recipe
+
+    calls = []
+
+    def reduce(amax: torch.Tensor) -> torch.Tensor:
+        calls.append(float(amax.max()))
+        return amax * 4  # what a MAX over another rank with a 4x larger amax would return
+
+    monkeypatch.setattr(emulated, "_amax_reducer", lambda kind: reduce)
+    layout = ModelLayout.gpt(1)
+    plan = PrecisionPlan(load_recipe(recipe), layout, Hardware())
+    states = {n: EmulatedLinearState(n) for n in layout.module_names}
+    precision = EmulatedPrecision(plan, states)
+    precision.begin_step(10_000)
+    assert all(s.amax_reduce is None for s in states.values())
+    state = next(s for n, s in states.items() if n.endswith("linear_fc1"))
+    x = torch.randn(8, 32)
+    state.quantized(x, emulated.Gemm.FPROP, emulated.Role.ACTIVATIONS, columnwise=False)
+    assert calls == []  # no operand's amax is reduced while quantizing: current scaling's is its own
+    precision.after_optimizer_step(10_000)
+    if recipe == "delayed":  # delayed: each scaler's newest amax is reduced when the scales update
+        assert len(calls) == sum(len(s.scalers) for s in states.values()) and max(calls) == float(x.abs().max())
+    else:
+        assert calls == []

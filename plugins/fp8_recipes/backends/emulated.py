@@ -225,9 +225,11 @@ class EmulatedPrecision:
                 state.scalers = {t: DelayedScaler(p) for t, p in state.policies.items()
                                  if p.scaling is Scaling.DELAYED}
         self.full_precision_eval_interval = plan.recipe.schedule.full_precision_eval_interval
+        # amax_reduction is delayed scaling's: current scaling takes each rank's own amax, as TE does (it reduces
+        # one only for a sequence-parallel operand, over the TP ranks; no sequence parallelism on the CPU), so each
+        # state's amax_reduce stays None
         reduce = _amax_reducer(plan.recipe.amax_reduction)
         for state in states.values():
-            state.amax_reduce = reduce
             state.scalers = {r: DelayedScaler(plan.recipe.policy(r)) for r in ROLES
                              if plan.recipe.policy(r).scaling is Scaling.DELAYED}
         self._reduce = reduce
