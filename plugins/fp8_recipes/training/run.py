@@ -219,10 +219,10 @@ def check_sequence_parallel_amax(trainer, plan) -> None:
         return
     if plan.recipe.amax_reduction in (AmaxReduction.DATA_TENSOR, AmaxReduction.TENSOR):
         return
-    raise RecipeError([f"recipe.amax_reduction: {plan.recipe.amax_reduction!s} with delayed scaling and "
+    raise RecipeError([(f"recipe.amax_reduction: {plan.recipe.amax_reduction!s} with delayed scaling and "
                        f"trainer.sequence_parallel=true: Transformer Engine all-gathers sequence-parallel FP8 tensors "
                        f"assuming one scale on every tensor-parallel rank; set recipe.amax_reduction: data_tensor (or "
-                       f"tensor), or trainer.sequence_parallel=false"])
+                       f"tensor), or trainer.sequence_parallel=false")])
 
 
 def check_recompute(trainer, plan) -> None:
@@ -238,14 +238,14 @@ def check_recompute(trainer, plan) -> None:
         return
     delayed = any(p.scaling is Scaling.DELAYED for p in plan.te.policies.values())
     if granularity == "full" and delayed:
-        raise RecipeError(["trainer.recompute_granularity=full with delayed scaling on Transformer Engine: the "
+        raise RecipeError([("trainer.recompute_granularity=full with delayed scaling on Transformer Engine: the "
                            "recomputed layers would reduce and roll the amax histories again and quantize with other "
                            "scales than their forward; use tensorwise or blockwise scaling, or "
-                           "trainer.recompute_granularity=null"])
+                           "trainer.recompute_granularity=null")])
     if granularity == "selective" and plan.recipe.attention is Attention.FP8:
-        raise RecipeError(["trainer.recompute_granularity=selective with recipe attention: fp8 on Transformer Engine: "
+        raise RecipeError([("trainer.recompute_granularity=selective with recipe attention: fp8 on Transformer Engine: "
                            "the core attention would be recomputed in BF16 under an FP8 forward; set "
-                           "trainer.recompute_granularity=null (or full), or recipe attention: bf16"])
+                           "trainer.recompute_granularity=null (or full), or recipe attention: bf16")])
 
 
 def check_fp8_param(trainer, plan) -> None:
