@@ -32,10 +32,8 @@ def amax_reduction_group(kind: AmaxReduction) -> Any:
     rank)."""
     import torch.distributed as dist
 
-    if kind is AmaxReduction.NONE or not dist.is_available() or not dist.is_initialized():
-        return None
-    group = _megatron_group(kind)
-    return group if dist.get_world_size(group) > 1 else None
+    group = te_amax_reduction_group(kind)
+    return group if group is not None and dist.get_world_size(group) > 1 else None
 
 
 def te_amax_reduction_group(kind: AmaxReduction) -> Any:

@@ -205,6 +205,15 @@ def check_engine_backend(trainer, backend) -> None:
                              f"{backend} backend builds Megatron-Core's local layers and torch's AdamW: unset it here")
 
 
+def _runs_on_te(plan) -> bool:
+    return plan.backend is Backend.TE and plan.te is not None and not plan.te.unsupported
+
+
+def _delayed_on_te(plan) -> bool:
+    """Whether Transformer Engine runs delayed scaling for some role of the plan."""
+    return _runs_on_te(plan) and any(p.scaling is Scaling.DELAYED for p in plan.te.policies.values())
+
+
 def check_sequence_parallel_amax(trainer, plan) -> None:
     """Sequence parallelism with delayed scaling on TE: the recipe's ``amax_reduction`` must span the tensor-parallel
     ranks. TE all-gathers a sequence-parallel input (and a row-parallel layer's output gradient) as FP8 bytes quantized
@@ -212,12 +221,8 @@ def check_sequence_parallel_amax(trainer, plan) -> None:
     identical across ranks", TE's ``_all_gather_fp8``). ``none`` fails TE's assertion at the first FP8 forward
     ("Amax reduction across tensor parallel group is necessary when using sequence parallelism with FP8"; not raised
     for a CustomRecipe, which then runs wrong silently), ``data`` passes it and runs wrong silently."""
-    if not getattr(trainer, "sequence_parallel", False) or plan.backend is not Backend.TE or plan.te is None \
-            or plan.te.unsupported:
-        return
-    if not any(p.scaling is Scaling.DELAYED for p in plan.te.policies.values()):
-        return
-    if plan.recipe.amax_reduction in (AmaxReduction.DATA_TENSOR, AmaxReduction.TENSOR):
+    if not getattr(trainer, "sequence_parallel", False) or not _delayed_on_te(plan) \
+            or plan.recipe.amax_reduction in (AmaxReduction.DATA_TENSOR, AmaxReduction.TENSOR):
         return
     raise RecipeError([(f"recipe.amax_reduction: {plan.recipe.amax_reduction!s} with delayed scaling and "
                        f"trainer.sequence_parallel=true: Transformer Engine all-gathers sequence-parallel FP8 tensors "
@@ -234,10 +239,9 @@ def check_recompute(trainer, plan) -> None:
     with the scales updated since the forward. Selective recompute (core attention) with FP8 attention: the recompute
     runs outside every autocast, so the attention is recomputed in BF16 under an FP8 forward."""
     granularity = getattr(trainer, "recompute_granularity", None)
-    if granularity is None or plan.backend is not Backend.TE or plan.te is None or plan.te.unsupported:
+    if granularity is None or not _runs_on_te(plan):
         return
-    delayed = any(p.scaling is Scaling.DELAYED for p in plan.te.policies.values())
-    if granularity == "full" and delayed:
+    if granularity == "full" and _delayed_on_te(plan):
         raise RecipeError([("trainer.recompute_granularity=full with delayed scaling on Transformer Engine: the "
                            "recomputed layers would reduce and roll the amax histories again and quantize with other "
                            "scales than their forward; use tensorwise or blockwise scaling, or "
