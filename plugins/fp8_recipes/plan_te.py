@@ -34,12 +34,16 @@ from fp8_recipes.schema import (
     TensorPolicy,
 )
 
-__all__ = ["Substitution", "TERecipe", "TERecipeKind", "TEResolution", "resolve_te", "te_attention", "te_recipe_for",
-           "te_stage_note"]
+__all__ = ["TE_FP8_ALIGN", "Substitution", "TERecipe", "TERecipeKind", "TEResolution", "resolve_te", "te_attention",
+           "te_fp8_shape_problem", "te_recipe_for", "te_stage_note"]
 
 W, A, G = Role.WEIGHTS, Role.ACTIVATIONS, Role.GRADIENTS
 # The GEMMs of a linear module and their operand roles (the plan's GEMM_OPERANDS, kept here to stay import-free).
 _GEMMS = (("fprop", A, W), ("dgrad", G, W), ("wgrad", G, A))
+TE_FP8_ALIGN = (8, 16)
+"""TE's FP8 linear layers (te.Linear, LayerNormLinear, LayerNormMLP) assert, at their first FP8 forward, that the
+input and the weight each have a product of leading dimensions divisible by 8 and a last dimension divisible by 16
+(``assert_dim_for_fp8_exec``, every recipe kind)."""
 TE_BLOCKS = ((1, 128), (128, 128))  # Float8BlockQuantizer: block_scaling_dim 1 and 2, block_len 128
 
 
@@ -353,6 +357,15 @@ def te_recipe_for(resolution: TEResolution, roles: frozenset[Role]) -> TERecipe 
     pw, pa, pg = (resolution.policies[r] for r in (W, A, G))
     forward_only = G not in roles or not pg.is_fp8
     return TERecipe(_builtin(pw, pa, pg, forward_only, resolution.custom_delayed), pw, pa, pg, forward_only)
+
+
+def te_fp8_shape_problem(rows: int, in_features: int, out_features: int) -> str | None:
+    """Why TE refuses a linear layer's FP8 forward: its input ``[rows, in_features]`` or its weight
+    ``[out_features, in_features]`` breaks :data:`TE_FP8_ALIGN`; None when it runs."""
+    lead, last = TE_FP8_ALIGN
+    bad = [f"{what} {n} is not a multiple of {k}" for what, n, k in (
+        ("in_features", in_features, last), ("out_features", out_features, lead), ("tokens", rows, lead)) if n % k]
+    return ", ".join(bad) or None
 
 
 def te_stage_note(roles: frozenset[Role], fp8_roles: frozenset[Role]) -> str:

@@ -35,6 +35,9 @@ def test_checks_name_the_key(tmp_path):
     with pytest.raises(ValueError, match=r"^model\.num_query_groups=3 does not divide"):
         check_model_cfg({"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 8,
                          "vocab_size": None, "num_query_groups": 3}, vocab_may_be_unset=True)
+    with pytest.raises(ValueError, match=r"^model\.ffn_hidden_size=250 is not divisible by trainer\.tensor_model_par"):
+        check_model_cfg({"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 8,
+                         "vocab_size": 64, "ffn_hidden_size": 250}, tensor_parallel=4)
     with pytest.raises(ValueError, match=r"^data\.split='1,2': must be three"):
         check_data_cfg({"path": str(tmp_path), "split": "1,2"})
 

@@ -507,3 +507,60 @@ def test_recompute_that_would_not_replay_the_forwards_fp8_is_refused_on_te():
     fp8_attention = plan_for({**load_recipe("delayed").to_dict(), "attention": "fp8"})
     with pytest.raises(ValueError, match=r"^trainer\.recompute_granularity=selective with recipe attention: fp8"):
         check_recompute(selective, fp8_attention)
+
+
+TINY = {"num_layers": N, "hidden_size": 128, "ffn_hidden_size": 512, "num_attention_heads": 4, "num_query_groups": 2,
+        "seq_length": 128, "vocab_size": 4096, "activation": "swiglu"}
+
+
+def shape_trainer(mbs=2, tp=1, cp=1, sp=False):
+    import types
+
+    return types.SimpleNamespace(micro_batch_size=mbs, tensor_model_parallel_size=tp, context_parallel_size=cp,
+                                 sequence_parallel=sp)
+
+
+def test_linear_shapes_are_megatron_cores_per_rank_shapes():
+    from fp8_recipes.megatron.model_config import linear_shapes
+
+    llama = {**TINY, "hidden_size": 4096, "ffn_hidden_size": 14336, "num_attention_heads": 32, "num_query_groups": 8,
+             "seq_length": 4096, "vocab_size": 128256}
+    assert linear_shapes(llama, micro_batch=2) == {
+        "self_attention.linear_qkv": (8192, 4096, 6144), "self_attention.linear_proj": (8192, 4096, 4096),
+        "mlp.linear_fc1": (8192, 4096, 28672), "mlp.linear_fc2": (8192, 14336, 4096),
+        "output_layer": (8192, 4096, 128256)}
+    # TP=2 with SP, CP=2: columns' outputs and rows' inputs halved, the sequence halved by CP, and again into the
+    # column-parallel layers by SP; the vocabulary padded to 128 x TP
+    assert linear_shapes({**llama, "vocab_size": 50257, "activation": "gelu"}, micro_batch=1, tensor_parallel=2,
+                         context_parallel=2, sequence_parallel=True) == {
+        "self_attention.linear_qkv": (1024, 4096, 3072), "self_attention.linear_proj": (2048, 2048, 4096),
+        "mlp.linear_fc1": (1024, 4096, 7168), "mlp.linear_fc2": (2048, 7168, 4096),
+        "output_layer": (1024, 4096, 25216)}
+
+
+def test_fp8_shapes_te_would_refuse_are_refused_before_anything_is_built():
+    """TE asserts FP8 GEMM shapes (leading dims % 8, last % 16) only at the first FP8 forward, after any BF16 warmup:
+    refused up front on TE, a warning on the emulated backend, silent where the module stays BF16."""
+    from fp8_recipes.training.run import check_fp8_shapes
+
+    assert check_fp8_shapes(shape_trainer(), TINY, plan_for("delayed")) is None
+    assert check_fp8_shapes(shape_trainer(tp=2, sp=True, cp=2), TINY, plan_for("tensorwise")) is None
+    odd_ffn = {**TINY, "ffn_hidden_size": 500}  # linear_fc2's in_features
+    with pytest.raises(ValueError, match=r"^model: Transformer Engine runs decoder\.layers\.0\.mlp\.linear_fc2 in FP8 "
+                                         r"only .*: in_features 500 is not a multiple of 16 .*features: model\.hidden_"
+                                         r"size and ffn_hidden_size\); .*bf16_modules: \['\*mlp\.linear_fc2'\]$"):
+        check_fp8_shapes(shape_trainer(), odd_ffn, plan_for("delayed"))
+    kept = {**load_recipe("delayed").to_dict(), "layers": {"bf16_modules": ["*mlp.linear_fc2"]}}
+    assert check_fp8_shapes(shape_trainer(), odd_ffn, plan_for(kept)) is None  # the fix the line names
+    safe = plan_for("safe")  # first and last layers BF16: the first FP8 module is layer 1's
+    with pytest.raises(ValueError, match=r"decoder\.layers\.1\.mlp\.linear_fc2"):
+        check_fp8_shapes(shape_trainer(), odd_ffn, safe)
+    warning = check_fp8_shapes(shape_trainer(), odd_ffn, plan_for("delayed", Hardware()))  # emulated
+    assert warning.startswith("on a GPU this run would stop at its first FP8 step: model: ") and "500" in warning
+    assert check_fp8_shapes(shape_trainer(), odd_ffn, plan_for("bf16", Hardware())) is None
+    # tokens: 1 x 72 rows pass; sequence parallelism at TP=2 hands linear_qkv 36 of them
+    short = {**TINY, "seq_length": 72}
+    assert check_fp8_shapes(shape_trainer(mbs=1, tp=2), short, plan_for("tensorwise")) is None
+    with pytest.raises(ValueError, match=r"linear_qkv .*: tokens 36 is not a multiple of 8 \(tokens: trainer\.micro_"
+                                         r"batch_size x model\.seq_length / trainer\.tensor_model_parallel_size;"):
+        check_fp8_shapes(shape_trainer(mbs=1, tp=2, sp=True), short, plan_for("tensorwise"))

@@ -50,7 +50,7 @@ import torch
 
 from fp8_recipes.launcher import launch_env, local_world_size
 from fp8_recipes.megatron.cpu_shim import cuda_as_cpu, install_cpu_shim
-from fp8_recipes.megatron.model_config import check_model_cfg
+from fp8_recipes.megatron.model_config import VOCAB_MULTIPLE, check_model_cfg, pad_vocab_size
 from fp8_recipes.plan import ModelLayout
 
 __all__ = [
@@ -68,9 +68,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-VOCAB_MULTIPLE = 128  # Megatron's make_vocab_size_divisible_by default; times TP so each shard is aligned
-
 
 # ----------------------------------------------------------------------------------------------------------
 # Process groups
@@ -166,12 +163,6 @@ def destroy_distributed() -> None:
 
 # ----------------------------------------------------------------------------------------------------------
 # Model
-
-
-def pad_vocab_size(vocab_size: int, tensor_model_parallel_size: int = 1, multiple: int = VOCAB_MULTIPLE) -> int:
-    """Round the vocabulary up so each tensor-parallel shard of the embedding/LM head is a multiple of 128."""
-    step = multiple * tensor_model_parallel_size
-    return -(-vocab_size // step) * step
 
 
 def _as_dict(model_cfg: Any) -> dict:

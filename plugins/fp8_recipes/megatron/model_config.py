@@ -15,7 +15,10 @@ from typing import Any
 
 from fp8_recipes.checks import ConfigError, check_keys, choice_error, is_int, is_number
 
-__all__ = ["MODEL_CHOICES", "MODEL_MAX", "MODEL_OPTIONAL", "MODEL_REQUIRED", "check_model_cfg", "run_model_cfg"]
+__all__ = ["MODEL_CHOICES", "MODEL_MAX", "MODEL_OPTIONAL", "MODEL_REQUIRED", "VOCAB_MULTIPLE", "check_model_cfg",
+           "linear_shapes", "pad_vocab_size", "run_model_cfg"]
+
+VOCAB_MULTIPLE = 128  # Megatron's make_vocab_size_divisible_by default; times TP so each shard is aligned
 
 MODEL_REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
 MODEL_OPTIONAL = ("ffn_hidden_size", "num_query_groups", "normalization", "activation", "position_embedding_type",
@@ -81,11 +84,42 @@ def check_model_cfg(cfg: Mapping[str, Any], *, vocab_may_be_unset: bool = False,
     if groups is not None and heads % groups:
         raise ConfigError(f"model.num_query_groups={groups} does not divide model.num_attention_heads={heads}")
     if tensor_parallel > 1:
+        ffn = cfg.get("ffn_hidden_size") or 4 * hidden
+        if ffn % tensor_parallel:  # Megatron-Core's divide() asserts in the MLP's column-parallel linear_fc1
+            raise ConfigError(f"model.ffn_hidden_size={ffn} is not divisible by trainer.tensor_model_parallel_size="
+                             f"{tensor_parallel}; pick a multiple of it")
         for key in ("num_attention_heads", "num_query_groups"):
             v = cfg.get(key)
             if v is not None and v % tensor_parallel:
                 raise ConfigError(f"model.{key}={v} is not divisible by trainer.tensor_model_parallel_size="
                                  f"{tensor_parallel}")
+
+
+def pad_vocab_size(vocab_size: int, tensor_model_parallel_size: int = 1, multiple: int = VOCAB_MULTIPLE) -> int:
+    """Round the vocabulary up so each tensor-parallel shard of the embedding/LM head is a multiple of 128."""
+    step = multiple * tensor_model_parallel_size
+    return -(-vocab_size // step) * step
+
+
+def linear_shapes(cfg: Mapping[str, Any], *, micro_batch: int, tensor_parallel: int = 1, context_parallel: int = 1,
+                  sequence_parallel: bool = False) -> dict[str, tuple[int, int, int]]:
+    """What one rank's linear layers multiply, per module (named as the plan's ModelLayout names them, the layer
+    prefix left out): ``(rows, in_features, out_features)``, rows being the tokens of the input as the layer
+    receives it. Megatron-Core's layout: column-parallel linear_qkv / linear_fc1 / the LM head split their outputs
+    over the tensor-parallel ranks, row-parallel linear_proj / linear_fc2 their inputs; context parallelism splits
+    the sequence; sequence parallelism hands the column-parallel layers each rank's slice of it (all-gathered
+    inside the layer). A checked config (:func:`check_model_cfg`) with its vocabulary set."""
+    hidden, heads, tp = int(cfg["hidden_size"]), int(cfg["num_attention_heads"]), tensor_parallel
+    head_dim, groups = hidden // heads, int(cfg.get("num_query_groups") or heads)
+    ffn = int(cfg.get("ffn_hidden_size") or 4 * hidden)
+    gated = 2 if cfg.get("activation", "gelu") == "swiglu" else 1
+    tokens = micro_batch * int(cfg["seq_length"]) // context_parallel
+    sliced = tokens // tp if sequence_parallel else tokens
+    return {"self_attention.linear_qkv": (sliced, hidden, (heads + 2 * groups) * head_dim // tp),
+            "self_attention.linear_proj": (tokens, heads * head_dim // tp, hidden),
+            "mlp.linear_fc1": (sliced, hidden, gated * ffn // tp),
+            "mlp.linear_fc2": (tokens, ffn // tp, hidden),
+            "output_layer": (sliced, hidden, pad_vocab_size(int(cfg["vocab_size"]), tp) // tp)}
 
 
 def run_model_cfg(cfg, meta: dict, data_dir: Path) -> dict:

@@ -24,10 +24,11 @@ from typing import Any
 from fp8_recipes.checks import ConfigError
 from fp8_recipes.launcher import launch_rank
 from fp8_recipes.megatron.data import build_gpt_datasets, data_parallel_batches, prepare_dataset
-from fp8_recipes.megatron.model_config import run_model_cfg
+from fp8_recipes.megatron.model_config import linear_shapes, run_model_cfg
 from fp8_recipes.observe.config import debug_config
 from fp8_recipes.plan import Hardware, ModelLayout, ParallelLayout, PrecisionPlan
 from fp8_recipes.plan_format import format_plan
+from fp8_recipes.plan_te import TE_FP8_ALIGN, te_fp8_shape_problem
 from fp8_recipes.recipes import EMPTY_RECIPE, load_recipe
 from fp8_recipes.rundir import PLAN, RECIPE, check_run_dir, claim, drop_rows_after, release, write_text
 from fp8_recipes.schema import AmaxReduction, Attention, Backend, RecipeError, Scaling
@@ -272,6 +273,41 @@ def check_fp8_param(trainer, plan) -> None:
                          f"weights as FP8 tensors standing for BF16 ones; set trainer.params_dtype=bf16")
 
 
+_FEATURE_KEYS = {"self_attention.linear_qkv": "model.hidden_size, num_attention_heads and num_query_groups",
+                 "self_attention.linear_proj": "model.hidden_size",
+                 "mlp.linear_fc1": "model.hidden_size and ffn_hidden_size",
+                 "mlp.linear_fc2": "model.hidden_size and ffn_hidden_size", "output_layer": "model.hidden_size"}
+
+
+def check_fp8_shapes(trainer, model, plan) -> str | None:
+    """The plan's FP8 linear layers whose shapes Transformer Engine's FP8 GEMMs refuse (plan_te.TE_FP8_ALIGN), found
+    before anything is built: TE asserts them only at the first FP8 forward, which a BF16 warmup can put hours into
+    the run. Refused on TE. The emulated backend has no such limit, so there the same line comes back as a warning
+    to print (the run would stop on a GPU); None when every FP8 layer fits."""
+    tp, sp = trainer.tensor_model_parallel_size, bool(getattr(trainer, "sequence_parallel", False))
+    shapes = linear_shapes(model, micro_batch=trainer.micro_batch_size, tensor_parallel=tp,
+                           context_parallel=trainer.context_parallel_size, sequence_parallel=sp)
+    for name, module in plan.at(plan.final_step()).modules.items():
+        kind = name if ModelLayout.layer_of(name) is None else name.split(".", 3)[3]
+        problem = te_fp8_shape_problem(*shapes[kind]) if module.any_fp8 else None
+        if problem is None:
+            continue
+        rows = "trainer.micro_batch_size x model.seq_length"
+        if trainer.context_parallel_size > 1:
+            rows += " / trainer.context_parallel_size"
+        if sp and kind not in ("self_attention.linear_proj", "mlp.linear_fc2"):  # row-parallel: the whole sequence
+            rows += " / trainer.tensor_model_parallel_size"
+        at_tp = f" at trainer.tensor_model_parallel_size={tp}" if tp > 1 else ""
+        line = (f"model: Transformer Engine runs {name} in FP8 only with input and weight dimensions divisible by "
+                f"{TE_FP8_ALIGN[0]} (rows) and {TE_FP8_ALIGN[1]} (last): {problem} (tokens: {rows}; features: "
+                f"{_FEATURE_KEYS[kind]}{at_tp}); change them, or keep the module BF16 with recipe "
+                f"layers.bf16_modules: ['*{kind}']")
+        if _runs_on_te(plan):
+            raise ConfigError(line)
+        return f"on a GPU this run would stop at its first FP8 step: {line}" if plan.recipe.is_fp8 else None
+    return None
+
+
 def one_cuda_connection(trainer, environ=os.environ) -> None:
     """Tensor or context parallelism: ``CUDA_DEVICE_MAX_CONNECTIONS=1`` unless the environment sets it, before CUDA
     starts (it is read when the context is created). One hardware queue keeps the order in which Megatron-Core and
@@ -310,6 +346,7 @@ def run_training(cfg) -> dict:
         check_fp8_param(tcfg, first_plan)
         check_sequence_parallel_amax(tcfg, first_plan)
         check_recompute(tcfg, first_plan)
+        shape_warning = check_fp8_shapes(tcfg, cfg.model, first_plan)
 
     # torch and Megatron-Core from here on, once the config is known to be good (module docstring)
     from fp8_recipes.megatron.model import destroy_distributed, init_distributed
@@ -356,7 +393,7 @@ def run_training(cfg) -> dict:
             return {"finished": {"steps": done, "checkpoint": str(resume_from), "max_steps": tcfg.max_steps},
                     "steps": done, "rank": rank}
         if rank == 0:
-            for line in run_notices(tcfg, recipe, debug):
+            for line in run_notices(tcfg, recipe, debug) + ([shape_warning] if shape_warning else []):
                 logger.warning(line)
 
         data = cfg.data
