@@ -41,9 +41,12 @@ W, A, G = Role.WEIGHTS, Role.ACTIVATIONS, Role.GRADIENTS
 # The GEMMs of a linear module and their operand roles (the plan's GEMM_OPERANDS, kept here to stay import-free).
 _GEMMS = (("fprop", A, W), ("dgrad", G, W), ("wgrad", G, A))
 TE_FP8_ALIGN = (8, 16)
-"""TE's FP8 linear layers (te.Linear, LayerNormLinear, LayerNormMLP) assert, at their first FP8 forward, that the
-input and the weight each have a product of leading dimensions divisible by 8 and a last dimension divisible by 16
-(``assert_dim_for_fp8_exec``, every recipe kind)."""
+"""The multiples FP8 GEMM dimensions must be on TE 2.20.2 (every recipe kind; H200, 2026-12-02: tests/gpu/
+test_te_shapes.py). The forward: TE's linear layers assert, at their first FP8 forward, the input's rows and the
+weight's rows (out_features) to be multiples of 8 and both last dimensions (in_features) of 16
+(``assert_dim_for_fp8_exec``). The backward: cuBLAS needs the dimension each FP8 GEMM sums over to be a multiple of
+16, out_features for dgrad and the tokens for wgrad ("Leading dimension requirement on A for FP8 GEMM. Caller must
+pad.", raised in the first FP8 backward)."""
 TE_BLOCKS = ((1, 128), (128, 128))  # Float8BlockQuantizer: block_scaling_dim 1 and 2, block_len 128
 
 
@@ -359,13 +362,21 @@ def te_recipe_for(resolution: TEResolution, roles: frozenset[Role]) -> TERecipe 
     return TERecipe(_builtin(pw, pa, pg, forward_only, resolution.custom_delayed), pw, pa, pg, forward_only)
 
 
-def te_fp8_shape_problem(rows: int, in_features: int, out_features: int) -> str | None:
-    """Why TE refuses a linear layer's FP8 forward: its input ``[rows, in_features]`` or its weight
-    ``[out_features, in_features]`` breaks :data:`TE_FP8_ALIGN`; None when it runs."""
-    lead, last = TE_FP8_ALIGN
-    bad = [f"{what} {n} is not a multiple of {k}" for what, n, k in (
-        ("in_features", in_features, last), ("out_features", out_features, lead), ("tokens", rows, lead)) if n % k]
-    return ", ".join(bad) or None
+def te_fp8_shape_problem(rows: int, in_features: int, out_features: int,
+                         gemms: frozenset[str] = frozenset({"fprop", "dgrad", "wgrad"})) -> str | None:
+    """Why TE cannot run a linear layer's FP8 ``gemms`` (of fprop, dgrad, wgrad) on an input of ``rows`` tokens and
+    a weight ``[out_features, in_features]`` (:data:`TE_FP8_ALIGN`), or None when they run."""
+    lead, summed = TE_FP8_ALIGN
+    need: dict[str, int] = {}
+    if "fprop" in gemms:
+        need.update(in_features=summed, out_features=lead, tokens=lead)
+    if "dgrad" in gemms:
+        need["out_features"] = summed
+    if "wgrad" in gemms:
+        need["tokens"] = summed
+    size = {"in_features": in_features, "out_features": out_features, "tokens": rows}
+    return ", ".join(f"{what} {size[what]} is not a multiple of {k}" for what, k in need.items() if size[what] % k) \
+        or None
 
 
 def te_stage_note(roles: frozenset[Role], fp8_roles: frozenset[Role]) -> str:

@@ -33,8 +33,8 @@ case "${1:-all}" in
 engine)
   stamp "GPU tests on the engine" | tee "$OUT/tests.log"
   timeout -s INT 300 "$PY" -m pytest tests/gpu/test_te_training.py tests/gpu/test_te_observe.py \
-      tests/gpu/test_integrations_gpu.py tests/gpu/test_te_numerics.py -q -p no:cacheprovider -o addopts="" -rfEs \
-      2>&1 | tee -a "$OUT/tests.log"
+      tests/gpu/test_integrations_gpu.py tests/gpu/test_te_numerics.py tests/gpu/test_te_shapes.py -q \
+      -p no:cacheprovider -o addopts="" -rfEs 2>&1 | tee -a "$OUT/tests.log"
   stamp "scripts/train.py +recipe=safe model=llama3_8b_8l trainer=gpu (distributed optimizer, overlaps on)" \
       | tee "$OUT/train.log"
   timeout -s INT 150 "$PY" scripts/train.py +recipe=safe model=llama3_8b_8l trainer=gpu trainer.max_steps=6 \

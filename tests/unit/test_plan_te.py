@@ -539,15 +539,22 @@ def test_linear_shapes_are_megatron_cores_per_rank_shapes():
 
 
 def test_fp8_shapes_te_would_refuse_are_refused_before_anything_is_built():
-    """TE asserts FP8 GEMM shapes (leading dims % 8, last % 16) only at the first FP8 forward, after any BF16 warmup:
-    refused up front on TE, a warning on the emulated backend, silent where the module stays BF16."""
+    """TE and cuBLAS check FP8 GEMM shapes only at the first FP8 forward and backward, after any BF16 warmup: refused
+    up front on TE, a warning on the emulated backend, silent where the module stays BF16 (tests/gpu/test_te_shapes.py
+    holds the rule against TE itself)."""
+    from fp8_recipes.plan_te import te_fp8_shape_problem
     from fp8_recipes.training.run import check_fp8_shapes
 
+    assert te_fp8_shape_problem(72, 512, 504) == ("out_features 504 is not a multiple of 16, "
+                                                  "tokens 72 is not a multiple of 16")
+    assert te_fp8_shape_problem(72, 512, 504, frozenset({"fprop"})) is None  # forward-only: multiples of 8 will do
+    assert te_fp8_shape_problem(36, 500, 512, frozenset({"fprop"})) == ("in_features 500 is not a multiple of 16, "
+                                                                        "tokens 36 is not a multiple of 8")
     assert check_fp8_shapes(shape_trainer(), TINY, plan_for("delayed")) is None
     assert check_fp8_shapes(shape_trainer(tp=2, sp=True, cp=2), TINY, plan_for("tensorwise")) is None
-    odd_ffn = {**TINY, "ffn_hidden_size": 500}  # linear_fc2's in_features
+    odd_ffn = {**TINY, "ffn_hidden_size": 504}  # linear_fc2's in_features (linear_fc1's 2 x 504 outputs are fine)
     with pytest.raises(ValueError, match=r"^model: Transformer Engine runs decoder\.layers\.0\.mlp\.linear_fc2 in FP8 "
-                                         r"only .*: in_features 500 is not a multiple of 16 .*features: model\.hidden_"
+                                         r"only .*: in_features 504 is not a multiple of 16 .*features: model\.hidden_"
                                          r"size and ffn_hidden_size\); .*bf16_modules: \['\*mlp\.linear_fc2'\]$"):
         check_fp8_shapes(shape_trainer(), odd_ffn, plan_for("delayed"))
     kept = {**load_recipe("delayed").to_dict(), "layers": {"bf16_modules": ["*mlp.linear_fc2"]}}
@@ -556,11 +563,14 @@ def test_fp8_shapes_te_would_refuse_are_refused_before_anything_is_built():
     with pytest.raises(ValueError, match=r"decoder\.layers\.1\.mlp\.linear_fc2"):
         check_fp8_shapes(shape_trainer(), odd_ffn, safe)
     warning = check_fp8_shapes(shape_trainer(), odd_ffn, plan_for("delayed", Hardware()))  # emulated
-    assert warning.startswith("on a GPU this run would stop at its first FP8 step: model: ") and "500" in warning
+    assert warning.startswith("on a GPU this run would stop at its first FP8 step: model: ") and "504" in warning
     assert check_fp8_shapes(shape_trainer(), odd_ffn, plan_for("bf16", Hardware())) is None
-    # tokens: 1 x 72 rows pass; sequence parallelism at TP=2 hands linear_qkv 36 of them
-    short = {**TINY, "seq_length": 72}
+    # tokens: 1 x 48 rows pass; sequence parallelism at TP=2 hands linear_qkv 24, too few for the weight gradient's
+    # GEMM (it sums over them), enough for a forward-only stage
+    short = {**TINY, "seq_length": 48}
     assert check_fp8_shapes(shape_trainer(mbs=1, tp=2), short, plan_for("tensorwise")) is None
-    with pytest.raises(ValueError, match=r"linear_qkv .*: tokens 36 is not a multiple of 8 \(tokens: trainer\.micro_"
+    with pytest.raises(ValueError, match=r"linear_qkv .*: tokens 24 is not a multiple of 16 \(tokens: trainer\.micro_"
                                          r"batch_size x model\.seq_length / trainer\.tensor_model_parallel_size;"):
         check_fp8_shapes(shape_trainer(mbs=1, tp=2, sp=True), short, plan_for("tensorwise"))
+    forward_only = {**load_recipe("tensorwise").to_dict(), "gradients": {"scaling": "none"}}
+    assert check_fp8_shapes(shape_trainer(mbs=1, tp=2, sp=True), short, plan_for(forward_only)) is None

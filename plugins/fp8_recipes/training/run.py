@@ -26,7 +26,7 @@ from fp8_recipes.launcher import launch_rank
 from fp8_recipes.megatron.data import build_gpt_datasets, data_parallel_batches, prepare_dataset
 from fp8_recipes.megatron.model_config import linear_shapes, run_model_cfg
 from fp8_recipes.observe.config import debug_config
-from fp8_recipes.plan import Hardware, ModelLayout, ParallelLayout, PrecisionPlan
+from fp8_recipes.plan import Execution, Hardware, ModelLayout, ParallelLayout, PrecisionPlan
 from fp8_recipes.plan_format import format_plan
 from fp8_recipes.plan_te import TE_FP8_ALIGN, te_fp8_shape_problem
 from fp8_recipes.recipes import EMPTY_RECIPE, load_recipe
@@ -281,15 +281,16 @@ _FEATURE_KEYS = {"self_attention.linear_qkv": "model.hidden_size, num_attention_
 
 def check_fp8_shapes(trainer, model, plan) -> str | None:
     """The plan's FP8 linear layers whose shapes Transformer Engine's FP8 GEMMs refuse (plan_te.TE_FP8_ALIGN), found
-    before anything is built: TE asserts them only at the first FP8 forward, which a BF16 warmup can put hours into
-    the run. Refused on TE. The emulated backend has no such limit, so there the same line comes back as a warning
-    to print (the run would stop on a GPU); None when every FP8 layer fits."""
+    before anything is built: TE and cuBLAS fail on them only at the first FP8 forward or backward, which a BF16
+    warmup can put hours into the run. Refused on TE. The emulated backend has no such limit, so there the same
+    line comes back as a warning to print (the run would stop on a GPU); None when every FP8 layer fits."""
     tp, sp = trainer.tensor_model_parallel_size, bool(getattr(trainer, "sequence_parallel", False))
     shapes = linear_shapes(model, micro_batch=trainer.micro_batch_size, tensor_parallel=tp,
                            context_parallel=trainer.context_parallel_size, sequence_parallel=sp)
     for name, module in plan.at(plan.final_step()).modules.items():
         kind = name if ModelLayout.layer_of(name) is None else name.split(".", 3)[3]
-        problem = te_fp8_shape_problem(*shapes[kind]) if module.any_fp8 else None
+        fp8 = frozenset(str(g) for g, p in module.gemms.items() if p.execution is not Execution.BF16)
+        problem = te_fp8_shape_problem(*shapes[kind], fp8) if fp8 else None
         if problem is None:
             continue
         rows = "trainer.micro_batch_size x model.seq_length"
@@ -298,8 +299,8 @@ def check_fp8_shapes(trainer, model, plan) -> str | None:
         if sp and kind not in ("self_attention.linear_proj", "mlp.linear_fc2"):  # row-parallel: the whole sequence
             rows += " / trainer.tensor_model_parallel_size"
         at_tp = f" at trainer.tensor_model_parallel_size={tp}" if tp > 1 else ""
-        line = (f"model: Transformer Engine runs {name} in FP8 only with input and weight dimensions divisible by "
-                f"{TE_FP8_ALIGN[0]} (rows) and {TE_FP8_ALIGN[1]} (last): {problem} (tokens: {rows}; features: "
+        line = (f"model: Transformer Engine runs {name} in FP8 only with GEMM dimensions that are multiples of "
+                f"{TE_FP8_ALIGN[0]} or {TE_FP8_ALIGN[1]}: {problem} (tokens: {rows}; features: "
                 f"{_FEATURE_KEYS[kind]}{at_tp}); change them, or keep the module BF16 with recipe "
                 f"layers.bf16_modules: ['*{kind}']")
         if _runs_on_te(plan):
