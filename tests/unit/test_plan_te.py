@@ -551,6 +551,7 @@ def test_fp8_shapes_te_would_refuse_are_refused_before_anything_is_built():
     assert te_fp8_shape_problem(36, 500, 512, frozenset({"fprop"})) == ("in_features 500 is not a multiple of 16, "
                                                                         "tokens 36 is not a multiple of 8")
     assert check_fp8_shapes(shape_trainer(), TINY, plan_for("delayed")) is None
+    assert check_fp8_shapes(shape_trainer(), {**TINY, "vocab_size": None}, plan_for("delayed")) is None  # (null)
     assert check_fp8_shapes(shape_trainer(tp=2, sp=True, cp=2), TINY, plan_for("tensorwise")) is None
     odd_ffn = {**TINY, "ffn_hidden_size": 504}  # linear_fc2's in_features (linear_fc1's 2 x 504 outputs are fine)
     with pytest.raises(ValueError, match=r"^model: Transformer Engine runs decoder\.layers\.0\.mlp\.linear_fc2 in FP8 "

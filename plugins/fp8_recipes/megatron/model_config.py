@@ -108,7 +108,7 @@ def linear_shapes(cfg: Mapping[str, Any], *, micro_batch: int, tensor_parallel: 
     receives it. Megatron-Core's layout: column-parallel linear_qkv / linear_fc1 / the LM head split their outputs
     over the tensor-parallel ranks, row-parallel linear_proj / linear_fc2 their inputs; context parallelism splits
     the sequence; sequence parallelism hands the column-parallel layers each rank's slice of it (all-gathered
-    inside the layer). A checked config (:func:`check_model_cfg`) with its vocabulary set."""
+    inside the layer). A checked config (:func:`check_model_cfg`); its vocabulary may be unset."""
     hidden, heads, tp = int(cfg["hidden_size"]), int(cfg["num_attention_heads"]), tensor_parallel
     head_dim, groups = hidden // heads, int(cfg.get("num_query_groups") or heads)
     ffn = int(cfg.get("ffn_hidden_size") or 4 * hidden)
@@ -119,7 +119,8 @@ def linear_shapes(cfg: Mapping[str, Any], *, micro_batch: int, tensor_parallel: 
             "self_attention.linear_proj": (tokens, heads * head_dim // tp, hidden),
             "mlp.linear_fc1": (sliced, hidden, gated * ffn // tp),
             "mlp.linear_fc2": (tokens, ffn // tp, hidden),
-            "output_layer": (sliced, hidden, pad_vocab_size(int(cfg["vocab_size"]), tp) // tp)}
+            # a multiple of VOCAB_MULTIPLE per rank whatever the vocabulary (unset until the tokenizer is read)
+            "output_layer": (sliced, hidden, pad_vocab_size(int(cfg.get("vocab_size") or 1), tp) // tp)}
 
 
 def run_model_cfg(cfg, meta: dict, data_dir: Path) -> dict:
