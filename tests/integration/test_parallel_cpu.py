@@ -115,11 +115,13 @@ DISTOPT = ["trainer.use_distributed_optimizer=true", "trainer.overlap_grad_reduc
 
 RUNS = {  # name: (recipe, processes, TP, extra overrides)
     "bf16-1": ("bf16", 1, 1, []),
-    "delayed-1": ("delayed", 1, 1, ["++recipe.amax_reduction=tensor"]),
+    "delayed-1": ("delayed", 1, 1, ["++recipe.amax_reduction=tensor", "++debug.interval=4"]),
     "tensorwise-1": ("tensorwise", 1, 1, []),
     "bf16-dp2": ("bf16", 2, 1, []),
     "bf16-tp2": ("bf16", 2, 2, []),
-    "delayed-tp2-tensor": ("delayed", 2, 2, ["++recipe.amax_reduction=tensor"]),
+    # with statistics (merged over the TP ranks: test_statistics_merge_the_tensor_parallel_shards); the
+    # data_tensor run below, without them, must still train bit for bit like it
+    "delayed-tp2-tensor": ("delayed", 2, 2, ["++recipe.amax_reduction=tensor", "++debug.interval=4"]),
     "delayed-tp2-data": ("delayed", 2, 2, ["++recipe.amax_reduction=data"]),
     # the default amax_reduction, Megatron-Core's amax reduction group; its TP=2 checkpoint, made old to refuse at TP=1
     "delayed-tp2-data_tensor": ("delayed", 2, 2, ["trainer.save_checkpoints=true"]),
@@ -397,3 +399,27 @@ def test_statistics_per_pipeline_stage(runs):
     rows = read_numerics(run_dir)
     assert len({r["step"] for r in rows}) == 2 and {r["module"] for r in rows} == stage0 | stage1
     assert (run_dir / "numerics_underflow.png").is_file() and (run_dir / "numerics_underflow.stage1.png").is_file()
+
+
+@pytest.mark.slow
+def test_statistics_merge_the_tensor_parallel_shards(runs):
+    """At TP=2 each rank holds half of every weight, of a row-parallel linear's input and of a column-parallel
+    one's output gradient: rank 0 writes rows merged from both ranks, which describe the whole tensors the 1-rank
+    run measures (the same elements counted; amax and underflow as close as the two runs' weights are)."""
+    def rows(name):
+        return {(r["step"], r["module"], r["gemm"], r["role"]): r for r in map(
+            json.loads, (runs[name]["run_dir"] / "numerics.jsonl").read_text().splitlines())}
+
+    one, two = rows("delayed-1"), rows("delayed-tp2-tensor")
+    assert set(one) == set(two) and len({k[0] for k in one}) == 2, sorted(set(one) ^ set(two))[:4]
+    first = min(k[0] for k in one)  # before any update: the same weights in both runs
+    weights = 0
+    for key, ref in one.items():
+        got = two[key]
+        assert got["numel"] == ref["numel"], (key, got["numel"], ref["numel"])  # unmerged: half for split operands
+        assert got["cosine"] == pytest.approx(ref["cosine"], abs=1e-3), key
+        assert got["underflow_pct"] == pytest.approx(ref["underflow_pct"], abs=1.0), key
+        if key[0] == first and key[3] == "weights":  # both halves of each weight, element for element
+            weights += 1
+            assert all(got[k] == ref[k] for k in ("amax", "min_nonzero", "underflow_pct", "saturation_pct")), key
+    assert weights == 2 * 4 * 2  # 2 layers x 4 linears x 2 GEMMs reading the weights (fprop, dgrad)

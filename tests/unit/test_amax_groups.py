@@ -90,7 +90,7 @@ def test_emulated_current_scaling_takes_each_ranks_own_amax(monkeypatch, recipe)
     states = {n: EmulatedLinearState(n) for n in layout.module_names}
     precision = EmulatedPrecision(plan, states)
     precision.begin_step(10_000)
-    assert all(s.amax_reduce is None for s in states.values())
+    assert all(not s.amax_reducers for s in states.values())
     state = next(s for n, s in states.items() if n.endswith("linear_fc1"))
     x = torch.randn(8, 32)
     state.quantized(x, emulated.Gemm.FPROP, emulated.Role.ACTIVATIONS, columnwise=False)

@@ -114,3 +114,41 @@ def test_gemm_input_is_the_normalised_tensor():
     torch.testing.assert_close(_gemm_input(module, x, fused=True), ref)  # delayed: TE casts the float32 result
     plain = types.SimpleNamespace()  # a Linear: no normalisation inside
     assert _gemm_input(plain, x) is not None and torch.equal(_gemm_input(plain, x), x)
+
+
+@pytest.mark.parametrize("mode, reduced", [("column", "activations"), ("row", "gradients"), (None, None)])
+def test_sequence_parallel_current_scaling_amaxes_are_reduced_as_te_reduces_them(mode, reduced, tmp_path,
+                                                                                 monkeypatch):
+    """Under sequence parallelism TE MAX-reduces the current-scaling amax of a column-parallel linear's input and
+    of a row-parallel one's output gradient over the TP ranks (the operands it all-gathers in FP8): the recorder
+    quantizes those with the reduced amax, the other roles (and every role without SP) with the rank's own."""
+    import torch.distributed as dist
+
+    from fp8_recipes.numerics import fp8_spec
+    from fp8_recipes.observe import recorder as recorder_mod
+    from fp8_recipes.observe.config import DebugConfig
+
+    other_rank = 4.0  # the other TP rank's amax, 4x this one's
+    calls = []
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op=None, group=None: calls.append(group) or t.mul_(other_rank))
+    torch.manual_seed(0)
+    plan = PrecisionPlan(Recipe.from_dict({"weights": "tensorwise", "activations": "tensorwise",
+                                           "gradients": "tensorwise"}), ModelLayout.gpt(1), Hardware())
+    module = NormLinear()
+    tp_group = object()
+    module.sequence_parallel, module.parallel_mode, module.tp_group = mode is not None, mode, tp_group
+    state = TEObservedLinear(NAME, module, lambda: plan.at(0))
+    rec = recorder_mod.NumericsRecorder(DebugConfig.from_dict({"interval": 1}), tmp_path, tensorboard=False)
+    rec.attach({NAME: state})
+    rec.begin_step(0)
+    seen = {}
+    real = state.observer
+    state.observer = lambda s, g, r, hp, fq, q=None: seen.__setitem__(str(r), hp) or real(s, g, r, hp, fq)
+    module(torch.randn(8, 2, 64, requires_grad=True))[0].square().sum().backward()
+    rows = dict(zip(rec._pending, recorder_mod.stats_rows(list(rec._pending.values()))))
+    e4m3, e5m2 = fp8_spec("e4m3").max, fp8_spec("e5m2").max
+    for (_, gemm, role), row in rows.items():
+        own = seen[role].abs().max().item()
+        want = (e5m2 if role == "gradients" else e4m3) / (own * (other_rank if role == reduced else 1.0))
+        assert row["scale"] == pytest.approx(want, rel=1e-6), (gemm, role, row["scale"], want)
+    assert calls == ([tp_group] if reduced else []), calls  # one copy measured per role, reduced once

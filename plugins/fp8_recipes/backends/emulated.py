@@ -50,7 +50,8 @@ class EmulatedLinearState:
         self.name = name
         self.plan: ModulePlan | None = None
         self.scalers: dict[Role, DelayedScaler] = {}
-        self.amax_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.amax_reducers: dict[Role, Callable[[torch.Tensor], torch.Tensor]] = {}
+        """Per role, the MAX-reduction of a current-scaling (tensorwise) amax; none on the CPU (see below)."""
         self.enabled = True  # False inside EmulatedPrecision.high_precision()
         # Delayed scaling records amaxes in training only: evaluation reads the scales but must not steer them
         # (and a resumed run stays bit-exact). The layer sets this from module.training at each forward.
@@ -79,7 +80,7 @@ class EmulatedLinearState:
         if policy is None:
             return t
         q = quantize(t, policy, columnwise=columnwise, scaler=self.scalers.get(role),
-                     amax_reduce=self.amax_reduce if policy.scaling is Scaling.TENSORWISE else None,
+                     amax_reduce=self.amax_reducers.get(role) if policy.scaling is Scaling.TENSORWISE else None,
                      record_amax=self.record_amax)
         out = dequantize(q)  # fake_quant(), keeping the scales for the observer
         if self.observer is not None:
@@ -227,7 +228,7 @@ class EmulatedPrecision:
         self.full_precision_eval_interval = plan.recipe.schedule.full_precision_eval_interval
         # amax_reduction is delayed scaling's: current scaling takes each rank's own amax, as TE does (it reduces
         # one only for a sequence-parallel operand, over the TP ranks; no sequence parallelism on the CPU), so each
-        # state's amax_reduce stays None
+        # state's amax_reducers stay empty
         reduce = _amax_reducer(plan.recipe.amax_reduction)
         for state in states.values():
             state.scalers = {r: DelayedScaler(plan.recipe.policy(r)) for r in ROLES

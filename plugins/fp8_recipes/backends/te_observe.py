@@ -17,7 +17,10 @@ that operand. The hooks hand over the high-precision operands:
 
 Delayed scales are read from ``fp8_meta`` at those moments: TE updates forward scales when the outermost autocast
 exits and backward scales after the last module's backward, so both reads see the scale the GEMMs used. Current
-scaling's amax is measured locally: TE reduces current-scaling amaxes only for sequence-parallel inputs.
+scaling's amax is each rank's own, except under sequence parallelism, where TE MAX-reduces it over the
+tensor-parallel ranks for the operands it all-gathers in FP8 (a column-parallel linear's input, a row-parallel
+one's output gradient: ``set_quantizer_amax_reduction_group`` in TE 2.20.2's linear modules); the recorder is handed
+the same reduction for those roles (``amax_reducers``), so its copy has TE's scale.
 
 Only a run with a ``debug`` section creates these hooks; between due steps they return at once (observer None).
 """
@@ -60,14 +63,14 @@ class _TEScale:
 
 class TEObservedLinear:
     """One TE linear as the recorder sees it (EmulatedLinearState's observer slots): ``name``, ``plan`` (the
-    module's plan this step), ``scalers``, ``amax_reduce``, ``record_amax`` and ``observer``."""
+    module's plan this step), ``scalers``, ``amax_reducers``, ``record_amax`` and ``observer``."""
 
     def __init__(self, name: str, module: torch.nn.Module, step_plan: Callable[[], Any]):
         self.name = name
         self.module = module
         self._step_plan = step_plan
         self.scalers = {role: _TEScale(module, role) for role in Role}
-        self.amax_reduce = None
+        self.amax_reducers = _sequence_parallel_reducers(module)
         self.record_amax = True
         self.observer: Callable[..., None] | None = None
         module.register_forward_hook(self._after_forward)
@@ -101,6 +104,24 @@ class TEObservedLinear:
     def _on_grad(self, grad: torch.Tensor) -> None:
         if self.observer is not None:
             self._emit(_BACKWARD_OPERANDS, {Role.GRADIENTS: grad.detach()})
+
+
+def _sequence_parallel_reducers(module: torch.nn.Module) -> dict[Role, Callable[[torch.Tensor], torch.Tensor]]:
+    """The roles whose current-scaling amax TE reduces over the tensor-parallel group for this module: under
+    sequence parallelism, a column-parallel linear's input and a row-parallel linear's output gradient."""
+    group = getattr(module, "tp_group", None)
+    if not getattr(module, "sequence_parallel", False) or group is None:
+        return {}
+    role = {"column": Role.ACTIVATIONS, "row": Role.GRADIENTS}.get(getattr(module, "parallel_mode", None))
+    if role is None:
+        return {}
+    import torch.distributed as dist
+
+    def reduce(amax: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        return amax
+
+    return {role: reduce}
 
 
 def _gemm_input(module: torch.nn.Module, x: torch.Tensor, fused: bool = False) -> torch.Tensor:

@@ -20,12 +20,16 @@ every operand it will get this step (the (GEMM, role) pairs its plan runs in FP8
 times, its observer is cleared until the next due step. Operands that never arrive (not FP8 on that path) leave it
 set; later arrivals are then skipped by a per-operand count. The rows are copied to the host once per step.
 Evaluation forwards (modules in eval mode: ``state.record_amax`` is False) are never recorded. Statistics are
-computed on every rank (a tensorwise amax reduction is a collective), written by rank 0 only.
+computed on every rank (a tensorwise amax reduction is a collective) and, under tensor or context parallelism,
+merged over the ranks that hold the other parts of the same tensor (:class:`ShardGroups`: one all-gather of the
+step's numbers per group), so a row describes the whole operand; the first rank of each pipeline stage writes them.
+Data-parallel ranks see other samples: a row is the first data-parallel rank's share of the batch.
 
 The observer protocol is the emulated backend's: ``observer(state, gemm, role, hp_tensor, fake_quant_tensor[,
 quantized])``, where a backend that keeps its FP8 copies to itself passes ``None`` as the fake-quantized tensor
 and the recorder quantizes (the Transformer Engine backend; on the GPU one Triton kernel per operand measures)
-with ``state.plan`` (the module's plan this step), ``state.scalers`` and ``state.amax_reduce``; the Transformer
+with ``state.plan`` (the module's plan this step), ``state.scalers`` and ``state.amax_reducers`` (per role, the
+current-scaling amax reduction the backend applied, if any); the Transformer
 Engine backend plugs in with hooks on its linears that call it the same way (``backends/te_observe.py``).
 """
 
@@ -38,6 +42,7 @@ import os
 import time
 import weakref
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +55,7 @@ from fp8_recipes.plan import Gemm
 from fp8_recipes.rundir import TENSORBOARD, jsonable, numerics_name
 from fp8_recipes.schema import Format, Role, Scaling
 
-__all__ = ["NumericsRecorder", "ObservedPrecision", "load_dump"]
+__all__ = ["NumericsRecorder", "ObservedPrecision", "ShardGroups", "load_dump"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +66,49 @@ TB_OPERANDS = frozenset({("fprop", "activations"), ("fprop", "weights"), ("dgrad
 other dimension: same numbers for per-tensor scales; numerics.jsonl has both)."""
 
 
+ROW_PARALLEL = ("self_attention.linear_proj", "mlp.linear_fc2")
+"""Megatron-Core's row-parallel linears (their input split by features over the TP ranks); the others, linear_qkv,
+linear_fc1 and the LM head, are column-parallel (their weight split by output rows)."""
+
+
+@dataclass(frozen=True)
+class ShardGroups:
+    """The process groups over which an operand's statistics are merged: the ranks of this pipeline stage that hold
+    the other parts of the same tensor (None: a group of one, nothing to merge)."""
+
+    tensor: Any = None
+    """Tensor parallelism: every weight is split over these ranks. Without sequence parallelism so is a
+    row-parallel linear's input (by features) and a column-parallel one's output gradient (by features); the
+    other activations and gradients are the same tensor on every TP rank. With it every operand is split (the
+    sequence, where it was replicated)."""
+    context: Any = None
+    """Context parallelism: activations and gradients split by tokens; weights the same on every CP rank."""
+    sequence_parallel: bool = False
+
+    def groups(self, module: str, role: str) -> tuple[Any, ...]:
+        """The groups `module`'s `role` operand is split over, tensor-parallel first."""
+        out = []
+        if self.tensor is not None and (role == "weights" or self.sequence_parallel
+                                        or (role == "activations") == module.endswith(ROW_PARALLEL)):
+            out.append(self.tensor)
+        if self.context is not None and role != "weights":
+            out.append(self.context)
+        return tuple(out)
+
+
+def _on_host(s: OperandStats) -> OperandStats:
+    """A copy of `s` on the CPU, to travel to other ranks (its packed buffer left behind: merge() drops it)."""
+    return OperandStats(s.policy, s.sums.cpu(), s.amax.cpu(), s.min_nonzero.cpu(), [t.cpu() for t in s.scales],
+                        None if s.scale_hist is None else s.scale_hist.cpu())
+
+
 class NumericsRecorder:
     """Aggregates operand statistics per step and writes them; saves the dumps a step asks for."""
 
     def __init__(self, config: DebugConfig, run_dir: str | os.PathLike, *, write: bool = True,
-                 tensorboard: bool = True, stage: int | None = None):
+                 tensorboard: bool = True, stage: int | None = None, shards: ShardGroups | None = None):
         self.config = config
+        self.shards = shards or ShardGroups()
         self.run_dir = Path(run_dir)
         self.write = write
         self.stage = stage
@@ -129,7 +171,7 @@ class NumericsRecorder:
             return
         columnwise = COLUMNWISE[(gemm_s, str(role))]
         scaler = state.scalers.get(role)
-        reduce = state.amax_reduce if policy.scaling is Scaling.TENSORWISE else None
+        reduce = state.amax_reducers.get(role) if policy.scaling is Scaling.TENSORWISE else None
         key = (name, gemm_s, str(role))
         stats, dump = self._wants(name, role)
         if not (stats or dump):
@@ -201,7 +243,26 @@ class NumericsRecorder:
             self.seconds += spent
             self.write_seconds += spent
 
+    def _merge_shards(self, pending: dict[tuple[str, str, str], OperandStats]) -> None:
+        """Fold the other ranks' parts of each split operand into its statistics, group by group, as micro-batches
+        of a step are folded (sums added, amax the max, scales pooled). Every rank of a group has the same pending
+        operands (the same modules, plan and micro-batches), so each takes part in the same all-gathers."""
+        import torch.distributed as dist
+
+        for group in (self.shards.tensor, self.shards.context):
+            keys = [k for k in pending if group is not None and group in self.shards.groups(k[0], k[2])]
+            if not keys:
+                continue
+            everyone: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(everyone, [_on_host(pending[k]) for k in keys], group=group)
+            for i, key in enumerate(keys):
+                merged = everyone[0][i]
+                for other in everyone[1:]:
+                    merged.merge(other[i])
+                pending[key] = merged
+
     def _write(self, pending: dict[tuple[str, str, str], OperandStats]) -> None:
+        self._merge_shards(pending)
         rows = []
         values = stats_rows(list(pending.values()))  # one device->host transfer for the whole step
         for ((module, gemm, role), s), v in zip(pending.items(), values):

@@ -66,13 +66,13 @@ def resolve_debug(cfg):
     return debug_config(plain(recipe_debug), plain(cfg.get("debug") if hasattr(cfg, "get") else None))
 
 
-def _observe(precision, debug, run_dir: Path, rank: int, backend):
+def _observe(precision, debug, run_dir: Path, rank: int, backend, sequence_parallel: bool = False):
     """Attach the numerics recorder when the run's `debug` section asks: (precision to train with, recorder).
     The emulated backend's per-module states carry the observer slot; on TE, hooks on each TE linear do
     (backends/te_observe.py)."""
     if not debug.enabled:
         return precision, None
-    from fp8_recipes.observe.recorder import NumericsRecorder, ObservedPrecision  # torch (module docstring)
+    from fp8_recipes.observe.recorder import NumericsRecorder, ObservedPrecision, ShardGroups  # torch (docstring)
 
     if str(backend) == "te":
         from fp8_recipes.backends.te_observe import te_observer_states  # torch (module docstring)
@@ -82,14 +82,18 @@ def _observe(precision, debug, run_dir: Path, rank: int, backend):
         states = precision.states
     from megatron.core import parallel_state as ps
 
-    # the first rank of each pipeline stage writes that stage's rows (its modules), from what that rank sees: its
-    # data-parallel share of the batch, its tensor-parallel shard of each weight and, under context parallelism,
-    # its 2 of the 2 x CP chunks of each sequence (the first and last); the other ranks' numbers are not merged
+    # the first rank of each pipeline stage writes that stage's rows (its modules): each operand's statistics merged
+    # over the tensor- and context-parallel ranks that hold its other parts, of the first data-parallel rank's share
+    # of the batch
+    shards = ShardGroups(
+        tensor=ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None,
+        context=ps.get_context_parallel_group() if ps.get_context_parallel_world_size() > 1 else None,
+        sequence_parallel=sequence_parallel)
     first_of_stage = (ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
                       and ps.get_context_parallel_rank() == 0)
     pp = ps.get_pipeline_model_parallel_world_size()
     recorder = NumericsRecorder(debug, run_dir, write=first_of_stage,
-                                stage=ps.get_pipeline_model_parallel_rank() if pp > 1 else None)
+                                stage=ps.get_pipeline_model_parallel_rank() if pp > 1 else None, shards=shards)
     recorder.attach(states)
     return ObservedPrecision(precision, recorder), recorder
 
@@ -473,7 +477,7 @@ def run_training(cfg) -> dict:
             import yaml
 
             write_text(run_dir / RECIPE, yaml.safe_dump(recipe.to_dict(), sort_keys=False))
-        precision, recorder = _observe(precision, debug, run_dir, rank, plan.backend)
+        precision, recorder = _observe(precision, debug, run_dir, rank, plan.backend, tcfg.sequence_parallel)
         try:
             summary = train(engine, train_iters, valid_iter, trainer, precision, run_dir, rank=rank,
                             world_size=world_size, resume_from=resume_from, on_ready=write_run_files,
