@@ -33,7 +33,7 @@ from fp8_recipes.schema import ROLES, Attention, Backend, Recipe, RecipeError, R
 
 __all__ = [
     "Execution", "Gemm", "GemmPlan", "Hardware", "ModelLayout", "ModulePlan", "ParallelLayout", "PrecisionPlan",
-    "StepPlan", "GEMM_OPERANDS", "Substitution", "TERecipe",
+    "StepPlan", "GEMM_OPERANDS", "ROW_PARALLEL", "Substitution", "TERecipe",
 ]
 
 
@@ -109,6 +109,11 @@ class Hardware:
 
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+ROW_PARALLEL = ("self_attention.linear_proj", "mlp.linear_fc2")
+"""Megatron-Core's row-parallel linears (their weight split by input columns over the TP ranks, and so their input
+by features); linear_qkv, linear_fc1 and the LM head are column-parallel (weight split by output rows)."""
 
 
 @dataclass(frozen=True)

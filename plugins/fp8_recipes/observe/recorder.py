@@ -51,7 +51,7 @@ import torch
 from fp8_recipes.observe.config import DebugConfig
 from fp8_recipes.numerics import Quantized, block_for, dequantize, quantize
 from fp8_recipes.observe.stats import COLUMNWISE, OperandStats, measure, rows as stats_rows
-from fp8_recipes.plan import Gemm
+from fp8_recipes.plan import ROW_PARALLEL, Gemm
 from fp8_recipes.rundir import TENSORBOARD, jsonable, numerics_name
 from fp8_recipes.schema import Format, Role, Scaling
 
@@ -64,11 +64,6 @@ TB_STATS = ("underflow_pct", "saturation_pct", "cosine", "scale_ratio")
 TB_OPERANDS = frozenset({("fprop", "activations"), ("fprop", "weights"), ("dgrad", "gradients")})
 """Each role once in TensorBoard, as its first GEMM reads it (the other GEMM's copy is the same tensor along the
 other dimension: same numbers for per-tensor scales; numerics.jsonl has both)."""
-
-
-ROW_PARALLEL = ("self_attention.linear_proj", "mlp.linear_fc2")
-"""Megatron-Core's row-parallel linears (their input split by features over the TP ranks); the others, linear_qkv,
-linear_fc1 and the LM head, are column-parallel (their weight split by output rows)."""
 
 
 @dataclass(frozen=True)

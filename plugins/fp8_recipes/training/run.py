@@ -26,7 +26,7 @@ from fp8_recipes.launcher import launch_rank
 from fp8_recipes.megatron.data import build_gpt_datasets, data_parallel_batches, prepare_dataset
 from fp8_recipes.megatron.model_config import linear_shapes, run_model_cfg
 from fp8_recipes.observe.config import debug_config
-from fp8_recipes.plan import Execution, Hardware, ModelLayout, ParallelLayout, PrecisionPlan
+from fp8_recipes.plan import ROW_PARALLEL, Execution, Hardware, ModelLayout, ParallelLayout, PrecisionPlan
 from fp8_recipes.plan_format import format_plan
 from fp8_recipes.plan_te import TE_FP8_ALIGN, te_fp8_shape_problem
 from fp8_recipes.recipes import EMPTY_RECIPE, load_recipe
@@ -300,7 +300,7 @@ def check_fp8_shapes(trainer, model, plan) -> str | None:
         rows = "trainer.micro_batch_size x model.seq_length"
         if trainer.context_parallel_size > 1:
             rows += " / trainer.context_parallel_size"
-        if sp and kind not in ("self_attention.linear_proj", "mlp.linear_fc2"):  # row-parallel: the whole sequence
+        if sp and kind not in ROW_PARALLEL:  # a row-parallel linear takes the whole sequence
             rows += " / trainer.tensor_model_parallel_size"
         at_tp = f" at trainer.tensor_model_parallel_size={tp}" if tp > 1 else ""
         line = (f"model: Transformer Engine runs {name} in FP8 only with GEMM dimensions that are multiples of "
