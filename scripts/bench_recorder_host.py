@@ -49,7 +49,7 @@ def main() -> None:
     stats_kernels.stats = stats_kernels.amax = _stub_launch
     stats.FUSED = True
     step_plan = PrecisionPlan(load_recipe(args.recipe), ModelLayout.gpt(args.layers), Hardware()).at(10**9)
-    states = {name: types.SimpleNamespace(name=name, plan=mp, scalers={}, amax_reduce=None, record_amax=True,
+    states = {name: types.SimpleNamespace(name=name, plan=mp, scalers={}, amax_reducers={}, record_amax=True,
                                           observer=None)
               for name, mp in step_plan.modules.items()  # the FP8 linears (the LM head stays BF16)
               if mp.gemms.get(Gemm.FPROP) is not None and mp.gemms[Gemm.FPROP].policy(Role.ACTIVATIONS) is not None}

@@ -41,12 +41,14 @@ W, A, G = Role.WEIGHTS, Role.ACTIVATIONS, Role.GRADIENTS
 # The GEMMs of a linear module and their operand roles (the plan's GEMM_OPERANDS, kept here to stay import-free).
 _GEMMS = (("fprop", A, W), ("dgrad", G, W), ("wgrad", G, A))
 TE_FP8_ALIGN = (8, 16)
-"""The multiples FP8 GEMM dimensions must be on TE 2.20.2 (every recipe kind; H200, 2026-12-02: tests/gpu/
-test_te_shapes.py). The forward: TE's linear layers assert, at their first FP8 forward, the input's rows and the
-weight's rows (out_features) to be multiples of 8 and both last dimensions (in_features) of 16
+"""The multiples FP8 GEMM dimensions must be on TE 2.20.2 (delayed, current and block scaling; H200, 2026-12-02:
+tests/gpu/test_te_shapes.py). The forward: TE's linear layers assert, at their first FP8 forward, the input's rows
+and the weight's rows (out_features) to be multiples of 8 and both last dimensions (in_features) of 16
 (``assert_dim_for_fp8_exec``). The backward: cuBLAS needs the dimension each FP8 GEMM sums over to be a multiple of
 16, out_features for dgrad and the tokens for wgrad ("Leading dimension requirement on A for FP8 GEMM. Caller must
-pad.", raised in the first FP8 backward)."""
+pad.", raised in the first FP8 backward); under sequence parallelism wgrad sums over the all-gathered tokens (TE's
+source: ``gather_along_first_dim`` before the wgrad GEMM; not measured, it needs two GPUs). MXFP8 (Blackwell) was
+not measured and may need more (multiples of 32)."""
 TE_BLOCKS = ((1, 128), (128, 128))  # Float8BlockQuantizer: block_scaling_dim 1 and 2, block_len 128
 
 
@@ -363,18 +365,22 @@ def te_recipe_for(resolution: TEResolution, roles: frozenset[Role]) -> TERecipe 
 
 
 def te_fp8_shape_problem(rows: int, in_features: int, out_features: int,
-                         gemms: frozenset[str] = frozenset({"fprop", "dgrad", "wgrad"})) -> str | None:
+                         gemms: frozenset[str] = frozenset({"fprop", "dgrad", "wgrad"}),
+                         gemm_rows: int | None = None) -> str | None:
     """Why TE cannot run a linear layer's FP8 ``gemms`` (of fprop, dgrad, wgrad) on an input of ``rows`` tokens and
-    a weight ``[out_features, in_features]`` (:data:`TE_FP8_ALIGN`), or None when they run."""
+    a weight ``[out_features, in_features]`` (:data:`TE_FP8_ALIGN`), or None when they run. ``gemm_rows``: the
+    tokens the GEMMs multiply when the layer all-gathers its slice of them (sequence parallelism; default rows)."""
     lead, summed = TE_FP8_ALIGN
+    gathered = "gathered tokens" if gemm_rows not in (None, rows) else "tokens"
     need: dict[str, int] = {}
     if "fprop" in gemms:
         need.update(in_features=summed, out_features=lead, tokens=lead)
     if "dgrad" in gemms:
         need["out_features"] = summed
     if "wgrad" in gemms:
-        need["tokens"] = summed
-    size = {"in_features": in_features, "out_features": out_features, "tokens": rows}
+        need[gathered] = summed
+    size = {"in_features": in_features, "out_features": out_features, "tokens": rows,
+            "gathered tokens": gemm_rows if gemm_rows is not None else rows}
     return ", ".join(f"{what} {size[what]} is not a multiple of {k}" for what, k in need.items() if size[what] % k) \
         or None
 

@@ -513,11 +513,11 @@ TINY = {"num_layers": N, "hidden_size": 128, "ffn_hidden_size": 512, "num_attent
         "seq_length": 128, "vocab_size": 4096, "activation": "swiglu"}
 
 
-def shape_trainer(mbs=2, tp=1, cp=1, sp=False):
+def shape_trainer(mbs=2, tp=1, cp=1, sp=False, max_steps=1000):
     import types
 
     return types.SimpleNamespace(micro_batch_size=mbs, tensor_model_parallel_size=tp, context_parallel_size=cp,
-                                 sequence_parallel=sp)
+                                 sequence_parallel=sp, max_steps=max_steps)
 
 
 def test_linear_shapes_are_megatron_cores_per_rank_shapes():
@@ -525,23 +525,24 @@ def test_linear_shapes_are_megatron_cores_per_rank_shapes():
 
     llama = {**TINY, "hidden_size": 4096, "ffn_hidden_size": 14336, "num_attention_heads": 32, "num_query_groups": 8,
              "seq_length": 4096, "vocab_size": 128256}
+    # (rows the layer receives, rows its GEMMs multiply, in_features, out_features)
     assert linear_shapes(llama, micro_batch=2) == {
-        "self_attention.linear_qkv": (8192, 4096, 6144), "self_attention.linear_proj": (8192, 4096, 4096),
-        "mlp.linear_fc1": (8192, 4096, 28672), "mlp.linear_fc2": (8192, 14336, 4096),
-        "output_layer": (8192, 4096, 128256)}
+        "self_attention.linear_qkv": (8192, 8192, 4096, 6144), "self_attention.linear_proj": (8192, 8192, 4096, 4096),
+        "mlp.linear_fc1": (8192, 8192, 4096, 28672), "mlp.linear_fc2": (8192, 8192, 14336, 4096),
+        "output_layer": (8192, 8192, 4096, 128256)}
     # TP=2 with SP, CP=2: columns' outputs and rows' inputs halved, the sequence halved by CP, and again into the
-    # column-parallel layers by SP; the vocabulary padded to 128 x TP
+    # column-parallel layers by SP (all-gathered for their GEMMs); the vocabulary padded to 128 x TP
     assert linear_shapes({**llama, "vocab_size": 50257, "activation": "gelu"}, micro_batch=1, tensor_parallel=2,
                          context_parallel=2, sequence_parallel=True) == {
-        "self_attention.linear_qkv": (1024, 4096, 3072), "self_attention.linear_proj": (2048, 2048, 4096),
-        "mlp.linear_fc1": (1024, 4096, 7168), "mlp.linear_fc2": (2048, 7168, 4096),
-        "output_layer": (1024, 4096, 25216)}
+        "self_attention.linear_qkv": (1024, 2048, 4096, 3072), "self_attention.linear_proj": (2048, 2048, 2048, 4096),
+        "mlp.linear_fc1": (1024, 2048, 4096, 7168), "mlp.linear_fc2": (2048, 2048, 7168, 4096),
+        "output_layer": (1024, 2048, 4096, 25216)}
 
 
 def test_fp8_shapes_te_would_refuse_are_refused_before_anything_is_built():
     """TE and cuBLAS check FP8 GEMM shapes only at the first FP8 forward and backward, after any BF16 warmup: refused
-    up front on TE, a warning on the emulated backend, silent where the module stays BF16 (tests/gpu/test_te_shapes.py
-    holds the rule against TE itself)."""
+    up front on TE, a warning on the emulated backend, silent where the module stays BF16 or the run ends before
+    FP8 (tests/gpu/test_te_shapes.py holds the rule against TE itself)."""
     from fp8_recipes.plan_te import te_fp8_shape_problem
     from fp8_recipes.training.run import check_fp8_shapes
 
@@ -550,6 +551,10 @@ def test_fp8_shapes_te_would_refuse_are_refused_before_anything_is_built():
     assert te_fp8_shape_problem(72, 512, 504, frozenset({"fprop"})) is None  # forward-only: multiples of 8 will do
     assert te_fp8_shape_problem(36, 500, 512, frozenset({"fprop"})) == ("in_features 500 is not a multiple of 16, "
                                                                         "tokens 36 is not a multiple of 8")
+    # sequence parallelism: the forward checks the rank's slice, wgrad sums over the all-gathered tokens
+    assert te_fp8_shape_problem(24, 512, 512, gemm_rows=48) is None
+    assert te_fp8_shape_problem(20, 512, 512, gemm_rows=40) == ("tokens 20 is not a multiple of 8, "
+                                                                "gathered tokens 40 is not a multiple of 16")
     assert check_fp8_shapes(shape_trainer(), TINY, plan_for("delayed")) is None
     assert check_fp8_shapes(shape_trainer(), {**TINY, "vocab_size": None}, plan_for("delayed")) is None  # (null)
     assert check_fp8_shapes(shape_trainer(tp=2, sp=True, cp=2), TINY, plan_for("tensorwise")) is None
@@ -563,15 +568,27 @@ def test_fp8_shapes_te_would_refuse_are_refused_before_anything_is_built():
     safe = plan_for("safe")  # first and last layers BF16: the first FP8 module is layer 1's
     with pytest.raises(ValueError, match=r"decoder\.layers\.1\.mlp\.linear_fc2"):
         check_fp8_shapes(shape_trainer(), odd_ffn, safe)
+    assert check_fp8_shapes(shape_trainer(max_steps=100), odd_ffn, safe) is None  # BF16 warmup to the end
     warning = check_fp8_shapes(shape_trainer(), odd_ffn, plan_for("delayed", Hardware()))  # emulated
-    assert warning.startswith("on a GPU this run would stop at its first FP8 step: model: ") and "504" in warning
+    assert warning.startswith("on Transformer Engine this run would stop at its first FP8 step: model: ")
+    assert "504" in warning
     assert check_fp8_shapes(shape_trainer(), odd_ffn, plan_for("bf16", Hardware())) is None
-    # tokens: 1 x 48 rows pass; sequence parallelism at TP=2 hands linear_qkv 24, too few for the weight gradient's
-    # GEMM (it sums over them), enough for a forward-only stage
-    short = {**TINY, "seq_length": 48}
-    assert check_fp8_shapes(shape_trainer(mbs=1, tp=2), short, plan_for("tensorwise")) is None
-    with pytest.raises(ValueError, match=r"linear_qkv .*: tokens 24 is not a multiple of 16 \(tokens: trainer\.micro_"
-                                         r"batch_size x model\.seq_length / trainer\.tensor_model_parallel_size;"):
-        check_fp8_shapes(shape_trainer(mbs=1, tp=2, sp=True), short, plan_for("tensorwise"))
+    # tokens: wgrad sums over them (multiples of 16); a forward-only stage needs multiples of 8
+    short = {**TINY, "seq_length": 72}
+    with pytest.raises(ValueError, match=r"linear_qkv .*: tokens 72 is not a multiple of 16 \(tokens: trainer\.micro_"
+                                         r"batch_size x model\.seq_length; features: .* at trainer\.tensor_model_par"):
+        check_fp8_shapes(shape_trainer(mbs=1, tp=2), short, plan_for("tensorwise"))
     forward_only = {**load_recipe("tensorwise").to_dict(), "gradients": {"scaling": "none"}}
-    assert check_fp8_shapes(shape_trainer(mbs=1, tp=2, sp=True), short, plan_for(forward_only)) is None
+    assert check_fp8_shapes(shape_trainer(mbs=1, tp=2), short, plan_for(forward_only)) is None
+    # ...and so does the emulated backend's warning (TE's stages, not the emulated GEMMs with one FP8 operand)
+    assert check_fp8_shapes(shape_trainer(mbs=1), short, plan_for(forward_only, Hardware())) is None
+    weights_only = {**load_recipe("tensorwise").to_dict(), "activations": {"scaling": "none"},
+                    "gradients": {"scaling": "none"}}  # TE runs no GEMM of it in FP8
+    assert check_fp8_shapes(shape_trainer(mbs=1), odd_ffn, plan_for(weights_only, Hardware())) is None
+    # sequence parallelism at TP=2: 48 tokens give linear_qkv 24 (gathered 48 for wgrad): fine; 36 give it 18
+    assert check_fp8_shapes(shape_trainer(mbs=1, tp=2, sp=True), {**TINY, "seq_length": 48},
+                            plan_for("tensorwise")) is None
+    with pytest.raises(ValueError, match=r"linear_qkv .*: tokens 18 is not a multiple of 8, gathered tokens 36 is not "
+                                         r"a multiple of 16 \(tokens: trainer\.micro_batch_size x model\.seq_length / "
+                                         r"trainer\.tensor_model_parallel_size;"):
+        check_fp8_shapes(shape_trainer(mbs=1, tp=2, sp=True), {**TINY, "seq_length": 36}, plan_for("tensorwise"))

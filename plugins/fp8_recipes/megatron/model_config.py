@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from fp8_recipes.checks import ConfigError, check_keys, choice_error, is_int, is_number
 
-__all__ = ["MODEL_CHOICES", "MODEL_MAX", "MODEL_OPTIONAL", "MODEL_REQUIRED", "VOCAB_MULTIPLE", "check_model_cfg",
-           "linear_shapes", "pad_vocab_size", "run_model_cfg"]
+__all__ = ["MODEL_CHOICES", "MODEL_MAX", "MODEL_OPTIONAL", "MODEL_REQUIRED", "VOCAB_MULTIPLE", "LinearShape",
+           "check_model_cfg", "linear_shapes", "pad_vocab_size", "run_model_cfg"]
 
 VOCAB_MULTIPLE = 128  # Megatron's make_vocab_size_divisible_by default; times TP so each shard is aligned
 
@@ -85,7 +85,7 @@ def check_model_cfg(cfg: Mapping[str, Any], *, vocab_may_be_unset: bool = False,
         raise ConfigError(f"model.num_query_groups={groups} does not divide model.num_attention_heads={heads}")
     if tensor_parallel > 1:
         ffn = cfg.get("ffn_hidden_size") or 4 * hidden
-        if ffn % tensor_parallel:  # Megatron-Core's divide() asserts in the MLP's column-parallel linear_fc1
+        if ffn % tensor_parallel:  # Megatron-Core's divide() asserts in the MLP's row-parallel linear_fc2
             raise ConfigError(f"model.ffn_hidden_size={ffn} is not divisible by trainer.tensor_model_parallel_size="
                              f"{tensor_parallel}; pick a multiple of it")
         for key in ("num_attention_heads", "num_query_groups"):
@@ -101,13 +101,25 @@ def pad_vocab_size(vocab_size: int, tensor_model_parallel_size: int = 1, multipl
     return -(-vocab_size // step) * step
 
 
+class LinearShape(NamedTuple):
+    """What one rank's linear layer multiplies."""
+
+    rows: int
+    """The tokens of the input as the layer receives it (under sequence parallelism a column-parallel layer's
+    slice of the sequence)."""
+    gemm_rows: int
+    """The tokens its GEMMs multiply: the slices all-gathered, under sequence parallelism (the input of a
+    column-parallel layer, the output gradient of a row-parallel one)."""
+    in_features: int
+    out_features: int
+
+
 def linear_shapes(cfg: Mapping[str, Any], *, micro_batch: int, tensor_parallel: int = 1, context_parallel: int = 1,
-                  sequence_parallel: bool = False) -> dict[str, tuple[int, int, int]]:
+                  sequence_parallel: bool = False) -> dict[str, LinearShape]:
     """What one rank's linear layers multiply, per module (named as the plan's ModelLayout names them, the layer
-    prefix left out): ``(rows, in_features, out_features)``, rows being the tokens of the input as the layer
-    receives it. Megatron-Core's layout: column-parallel linear_qkv / linear_fc1 / the LM head split their outputs
-    over the tensor-parallel ranks, row-parallel linear_proj / linear_fc2 their inputs; context parallelism splits
-    the sequence; sequence parallelism hands the column-parallel layers each rank's slice of it (all-gathered
+    prefix left out). Megatron-Core's layout: column-parallel linear_qkv / linear_fc1 / the LM head split their
+    outputs over the tensor-parallel ranks, row-parallel linear_proj / linear_fc2 their inputs; context parallelism
+    splits the sequence; sequence parallelism hands the column-parallel layers each rank's slice of it (all-gathered
     inside the layer). A checked config (:func:`check_model_cfg`); its vocabulary may be unset."""
     hidden, heads, tp = int(cfg["hidden_size"]), int(cfg["num_attention_heads"]), tensor_parallel
     head_dim, groups = hidden // heads, int(cfg.get("num_query_groups") or heads)
@@ -115,12 +127,13 @@ def linear_shapes(cfg: Mapping[str, Any], *, micro_batch: int, tensor_parallel: 
     gated = 2 if cfg.get("activation", "gelu") == "swiglu" else 1
     tokens = micro_batch * int(cfg["seq_length"]) // context_parallel
     sliced = tokens // tp if sequence_parallel else tokens
-    return {"self_attention.linear_qkv": (sliced, hidden, (heads + 2 * groups) * head_dim // tp),
-            "self_attention.linear_proj": (tokens, heads * head_dim // tp, hidden),
-            "mlp.linear_fc1": (sliced, hidden, gated * ffn // tp),
-            "mlp.linear_fc2": (tokens, ffn // tp, hidden),
+    return {"self_attention.linear_qkv": LinearShape(sliced, tokens, hidden, (heads + 2 * groups) * head_dim // tp),
+            "self_attention.linear_proj": LinearShape(tokens, tokens, heads * head_dim // tp, hidden),
+            "mlp.linear_fc1": LinearShape(sliced, tokens, hidden, gated * ffn // tp),
+            "mlp.linear_fc2": LinearShape(tokens, tokens, ffn // tp, hidden),
             # a multiple of VOCAB_MULTIPLE per rank whatever the vocabulary (unset until the tokenizer is read)
-            "output_layer": (sliced, hidden, pad_vocab_size(int(cfg.get("vocab_size") or 1), tp) // tp)}
+            "output_layer": LinearShape(sliced, tokens, hidden,
+                                        pad_vocab_size(int(cfg.get("vocab_size") or 1), tp) // tp)}
 
 
 def run_model_cfg(cfg, meta: dict, data_dir: Path) -> dict:

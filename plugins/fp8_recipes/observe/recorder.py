@@ -91,10 +91,25 @@ class ShardGroups:
         return tuple(out)
 
 
-def _on_host(s: OperandStats) -> OperandStats:
-    """A copy of `s` on the CPU, to travel to other ranks (its packed buffer left behind: merge() drops it)."""
-    return OperandStats(s.policy, s.sums.cpu(), s.amax.cpu(), s.min_nonzero.cpu(), [t.cpu() for t in s.scales],
-                        None if s.scale_hist is None else s.scale_hist.cpu())
+def _on_host(stats: list[OperandStats]) -> list[OperandStats]:
+    """Copies of `stats` on the CPU, to travel to other ranks, in three device->host transfers: the sums, the
+    extremes, and the scales :func:`~fp8_recipes.observe.stats.rows` will read (none where a histogram of block
+    scales stands for them). Packed buffers stay behind (merge() drops them)."""
+    if not stats:
+        return []
+    sums = torch.stack([s.sums.reshape(-1).double() for s in stats]).cpu()
+    extremes = torch.stack([torch.stack([s.amax.reshape(()).float(), s.min_nonzero.reshape(()).float()])
+                            for s in stats]).cpu()
+    kept = [[] if s.scale_hist is not None else s.scales for s in stats]
+    flat = [t.reshape(-1).float() for scales in kept for t in scales]
+    pooled = torch.cat(flat).cpu().split([t.numel() for t in flat]) if flat else ()
+    out, i = [], 0
+    for k, s in enumerate(stats):
+        scales = list(pooled[i:i + len(kept[k])])
+        i += len(kept[k])
+        out.append(OperandStats(s.policy, sums[k], extremes[k, 0], extremes[k, 1], scales,
+                                None if s.scale_hist is None else s.scale_hist.cpu()))
+    return out
 
 
 class NumericsRecorder:
@@ -249,11 +264,16 @@ class NumericsRecorder:
             if not keys:
                 continue
             everyone: list[Any] = [None] * dist.get_world_size(group)
-            dist.all_gather_object(everyone, [_on_host(pending[k]) for k in keys], group=group)
+            dist.all_gather_object(everyone, (keys, _on_host([pending[k] for k in keys])), group=group)
+            if any(theirs != keys for theirs, _ in everyone):
+                other = next(theirs for theirs, _ in everyone if theirs != keys)
+                raise RuntimeError(f"numerics: step {self.step}: the ranks of a shard group observed different "
+                                   f"operands ({len(keys)} here, {len(other)} there; first differing: "
+                                   f"{next((a, b) for a, b in zip(keys + [None], other + [None]) if a != b)})")
             for i, key in enumerate(keys):
-                merged = everyone[0][i]
-                for other in everyone[1:]:
-                    merged.merge(other[i])
+                merged = everyone[0][1][i]
+                for _, theirs in everyone[1:]:
+                    merged.merge(theirs[i])
                 pending[key] = merged
 
     def _write(self, pending: dict[tuple[str, str, str], OperandStats]) -> None:
@@ -289,8 +309,12 @@ class NumericsRecorder:
             except Exception as e:  # noqa: BLE001 - statistics go to numerics.jsonl either way
                 logger.warning("numerics: TensorBoard disabled (%s: %s)", type(e).__name__, e)
 
-    def close(self) -> None:
-        """Write the last step's rows and the heat map; detach from the modules."""
+    def close(self, merge: bool = True) -> None:
+        """Write the last step's rows and the heat map; detach from the modules. ``merge=False`` (the run ended in
+        an error that may be this rank's alone, whose peers may never join another collective): the rows that
+        would need other ranks' parts are dropped, the others written."""
+        if not merge:
+            self._pending = {k: v for k, v in self._pending.items() if not self.shards.groups(k[0], k[2])}
         self.flush()
         for state in self.states.values():
             state.observer = None

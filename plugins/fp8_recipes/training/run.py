@@ -26,13 +26,14 @@ from fp8_recipes.launcher import launch_rank
 from fp8_recipes.megatron.data import build_gpt_datasets, data_parallel_batches, prepare_dataset
 from fp8_recipes.megatron.model_config import linear_shapes, run_model_cfg
 from fp8_recipes.observe.config import debug_config
-from fp8_recipes.plan import ROW_PARALLEL, Execution, Hardware, ModelLayout, ParallelLayout, PrecisionPlan
+from fp8_recipes.plan import Execution, Hardware, ModelLayout, ParallelLayout, PrecisionPlan
 from fp8_recipes.plan_format import format_plan
 from fp8_recipes.plan_te import TE_FP8_ALIGN, te_fp8_shape_problem
 from fp8_recipes.recipes import EMPTY_RECIPE, load_recipe
 from fp8_recipes.rundir import PLAN, RECIPE, check_run_dir, claim, drop_rows_after, release, write_text
-from fp8_recipes.schema import AmaxReduction, Attention, Backend, RecipeError, Scaling
+from fp8_recipes.schema import AmaxReduction, Attention, Backend, RecipeError, Role, Scaling
 from fp8_recipes.training.config import check_run_config
+from fp8_recipes.training.errors import NonFiniteStop
 from fp8_recipes.training.notices import run_notices
 
 __all__ = ["resolve_debug", "resolve_recipe", "run_training"]
@@ -283,24 +284,43 @@ _FEATURE_KEYS = {"self_attention.linear_qkv": "model.hidden_size, num_attention_
                  "mlp.linear_fc2": "model.hidden_size and ffn_hidden_size", "output_layer": "model.hidden_size"}
 
 
+def _te_gemms(plan, step_plan, module) -> frozenset[str]:
+    """The GEMMs Transformer Engine runs in FP8 for `module` in this stage: the plan's, on TE; on the emulated backend
+    (which fake-quantizes any GEMM with an FP8 operand) what TE would run of the same stage: FP8 once weights and
+    activations both are, the backward GEMMs once gradients are too (plan_te.te_recipe_for)."""
+    if _runs_on_te(plan):
+        return frozenset(str(g) for g, p in module.gemms.items() if p.execution is not Execution.BF16)
+    if module.bf16_reason is not None or not {Role.WEIGHTS, Role.ACTIVATIONS} <= step_plan.roles_fp8:
+        return frozenset()
+    return frozenset({"fprop", "dgrad", "wgrad"} if Role.GRADIENTS in step_plan.roles_fp8 else {"fprop"})
+
+
 def check_fp8_shapes(trainer, model, plan) -> str | None:
-    """The plan's FP8 linear layers whose shapes Transformer Engine's FP8 GEMMs refuse (plan_te.TE_FP8_ALIGN), found
-    before anything is built: TE and cuBLAS fail on them only at the first FP8 forward or backward, which a BF16
-    warmup can put hours into the run. Refused on TE. The emulated backend has no such limit, so there the same
-    line comes back as a warning to print (the run would stop on a GPU); None when every FP8 layer fits."""
+    """The plan's FP8 linear layers whose shapes Transformer Engine's FP8 GEMMs refuse (plan_te.TE_FP8_ALIGN), in
+    the stages the run reaches, found before anything is built: TE and cuBLAS fail on them only at the first FP8
+    forward or backward, which a BF16 warmup can put hours into the run. Refused on TE. The emulated backend has no
+    such limit, so there the same line comes back as a warning to print (the run would stop on TE); None when
+    every FP8 layer fits."""
     tp, sp = trainer.tensor_model_parallel_size, bool(getattr(trainer, "sequence_parallel", False))
     shapes = linear_shapes(model, micro_batch=trainer.micro_batch_size, tensor_parallel=tp,
                            context_parallel=trainer.context_parallel_size, sequence_parallel=sp)
-    for name, module in plan.at(plan.final_step()).modules.items():
+    gemms: dict[str, frozenset[str]] = {}
+    for first, _, _ in plan.stages(int(trainer.max_steps)):
+        if first < trainer.max_steps:
+            step_plan = plan.at(first)
+            for name, module in step_plan.modules.items():
+                gemms[name] = gemms.get(name, frozenset()) | _te_gemms(plan, step_plan, module)
+    for name, fp8 in gemms.items():
         kind = name if ModelLayout.layer_of(name) is None else name.split(".", 3)[3]
-        fp8 = frozenset(str(g) for g, p in module.gemms.items() if p.execution is not Execution.BF16)
-        problem = te_fp8_shape_problem(*shapes[kind], fp8) if fp8 else None
+        shape = shapes[kind]
+        problem = te_fp8_shape_problem(shape.rows, shape.in_features, shape.out_features, fp8,
+                                       gemm_rows=shape.gemm_rows) if fp8 else None
         if problem is None:
             continue
         rows = "trainer.micro_batch_size x model.seq_length"
         if trainer.context_parallel_size > 1:
             rows += " / trainer.context_parallel_size"
-        if sp and kind not in ROW_PARALLEL:  # a row-parallel linear takes the whole sequence
+        if shape.rows != shape.gemm_rows:  # a column-parallel layer's slice of the sequence
             rows += " / trainer.tensor_model_parallel_size"
         at_tp = f" at trainer.tensor_model_parallel_size={tp}" if tp > 1 else ""
         line = (f"model: Transformer Engine runs {name} in FP8 only with GEMM dimensions that are multiples of "
@@ -309,7 +329,7 @@ def check_fp8_shapes(trainer, model, plan) -> str | None:
                 f"layers.bf16_modules: ['*{kind}']")
         if _runs_on_te(plan):
             raise ConfigError(line)
-        return f"on a GPU this run would stop at its first FP8 step: {line}" if plan.recipe.is_fp8 else None
+        return f"on Transformer Engine this run would stop at its first FP8 step: {line}"
     return None
 
 
@@ -478,6 +498,7 @@ def run_training(cfg) -> dict:
 
             write_text(run_dir / RECIPE, yaml.safe_dump(recipe.to_dict(), sort_keys=False))
         precision, recorder = _observe(precision, debug, run_dir, rank, plan.backend, tcfg.sequence_parallel)
+        failed = True
         try:
             summary = train(engine, train_iters, valid_iter, trainer, precision, run_dir, rank=rank,
                             world_size=world_size, resume_from=resume_from, on_ready=write_run_files,
@@ -485,9 +506,13 @@ def run_training(cfg) -> dict:
                                            "fp8": any(str(recipe.policy(r).scaling) != "none"
                                                       for r in ("weights", "activations", "gradients")),
                                            "device": hardware.describe()})
+            failed = False
+        except NonFiniteStop:
+            failed = False  # every rank stops together, after a barrier: the last rows merge as usual
+            raise
         finally:
-            if recorder is not None:  # the last step's rows and the heat map, also after a failed step
-                recorder.close()
+            if recorder is not None:  # the last step's rows and the heat map, also after a failed step (then
+                recorder.close(merge=not failed)  # unmerged: a rank that failed alone must not wait on its peers)
         summary["rank"] = rank
         if recorder is not None:
             summary["numerics_s"] = recorder.seconds  # time spent on statistics and dumps (bench_stats.py)
