@@ -65,6 +65,12 @@ class Hardware:
     te_version: str | None = None
     name: str = "cpu"
 
+    @classmethod
+    def target(cls, compute_capability: tuple[int, int]) -> Hardware:
+        """A GPU of this compute capability with Transformer Engine, as where a job will run (planned elsewhere)."""
+        cc = (int(compute_capability[0]), int(compute_capability[1]))
+        return cls("cuda", cc, "target", "sm_{}{}".format(*cc))
+
     @property
     def has_te(self) -> bool:
         return self.te_version is not None and self.device == "cuda"

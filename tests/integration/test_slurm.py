@@ -346,6 +346,29 @@ def test_the_scripts_requeue_logic(srun_rc, restarts, terminated, requeued, rc, 
     assert lines[1:] == (["scontrol requeue 77"] if requeued else [])
 
 
+def test_a_gpu_job_transformer_engine_cannot_run_is_refused_before_it_is_submitted(tmp_path, monkeypatch, capsys):
+    """A GPU job's plan is checked on the submitting host against its model and layout, for an FP8 GPU with TE: an
+    FP8 shape TE cannot run, or sequence parallelism without a TP amax group under delayed scaling, is refused in
+    one line before a queue wait (nothing written); a CPU job with the same model is not (its node warns); a recipe
+    whose plan depends on which GPU (backend: te with MXFP8) is left to the job's GPU."""
+    gpu = ["+recipe=delayed", "trainer=gpu", "launcher.tasks_per_node=2"]
+    odd = "model.ffn_hidden_size=504"  # linear_fc2's in_features: not a multiple of 16
+    for argv, message in [
+        ([*gpu, odd], "error: model: Transformer Engine runs decoder.layers.0.mlp.linear_fc2 in FP8 only with GEMM "
+                      "dimensions that are multiples of 8 or 16: in_features 504 is not a multiple of 16"),
+        ([*gpu, "trainer.tensor_model_parallel_size=2", "trainer.sequence_parallel=true",
+          "++recipe.amax_reduction=data"], "error: recipe.amax_reduction: data with delayed scaling and "
+                                           "trainer.sequence_parallel=true")]:
+        run_dir = tmp_path / f"run{len(argv)}"
+        assert make_sbatch_main([*argv, f"run_dir={run_dir}"], monkeypatch) == USER_ERROR_EXIT
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(message) and len(err.splitlines()) == 1, err
+        assert not run_dir.exists()
+    assert make_sbatch_main(["+recipe=delayed", odd, f"run_dir={tmp_path / 'cpu'}"], monkeypatch) == 0
+    assert make_sbatch_main(["+recipe=mxfp8", "++recipe.backend=te", *gpu[1:], odd, f"run_dir={tmp_path / 'mx'}"],
+                            monkeypatch) == 0
+
+
 @pytest.mark.parametrize("override, message", [
     ("launcher.nodes=0", "error: launcher.nodes: 0 is not an integer >= 1"),
     ("launcher.signal=TERM", "error: launcher.signal: 'TERM' is not one of USR1 | null"),

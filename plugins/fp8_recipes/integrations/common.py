@@ -78,8 +78,7 @@ def target_hardware(compute_capability: tuple[int, int] | None) -> Hardware:
             raise RecipeError(["compute_capability: no CUDA GPU here to read it from; pass the GPU the job runs on, "
                                "e.g. compute_capability=(9, 0) for H100/H200 or (10, 0) for B200"])
         return Hardware("cuda", hw.compute_capability, hw.te_version or "target", hw.name)
-    cc = tuple(int(v) for v in compute_capability)
-    return Hardware("cuda", cc, "target", "sm_{}{}".format(*cc))  # te_version: TE is assumed where the job runs
+    return Hardware.target(compute_capability)  # te_version: TE is assumed where the job runs
 
 
 # ---------------------------------------------------------------------------------------------------------------

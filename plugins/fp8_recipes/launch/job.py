@@ -18,8 +18,10 @@ import re
 from pathlib import Path
 from typing import Any, Iterable
 
+from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan
+from fp8_recipes.schema import RecipeError
 from fp8_recipes.training.config import check_run_config
-from fp8_recipes.training.run import resolve_recipe  # training/run.py imports torch only inside its functions
+from fp8_recipes.training.run import check_plan, resolve_recipe  # (run.py imports torch only inside its functions)
 
 __all__ = ["check_train_config", "fixed_run_dir", "resumable_overrides", "override_key", "quote_override",
            "default_job_name", "without_launcher"]
@@ -51,13 +53,27 @@ def without_launcher(cfg: Any) -> Any:
     return plain
 
 
+JOB_GPU = (9, 0)
+"""The compute capability a GPU job (``trainer.device: gpu``) is planned for on the submitting host: Hopper with
+Transformer Engine. The checks made with it (:func:`~fp8_recipes.training.run.check_plan`) hold on any FP8 GPU."""
+
+
 def check_train_config(cfg: Any, world_size: int | None = None) -> None:
     """The checks scripts/train.py makes before it builds anything (groups, values, run_dir, the recipe, the parallel
     layout at the job's ``world_size`` processes), here on the submitting host, so that a typo costs a second
-    instead of a queue wait; ValueError names the key."""
+    instead of a queue wait; ValueError names the key. For a GPU job also the recipe's plan against the layout and
+    the model (TE's FP8 shapes, sequence parallelism's amax group, recompute), planned for an FP8 GPU with TE; a
+    recipe whose plan depends on which GPU (``backend: te`` with MXFP8, say) is left to the job's GPU."""
     plain = without_launcher(cfg)
-    check_run_config(plain, world_size)
-    resolve_recipe(plain)
+    trainer = check_run_config(plain, world_size)
+    recipe = resolve_recipe(plain)
+    if trainer.device != "gpu":
+        return
+    try:
+        plan = PrecisionPlan(recipe, ModelLayout.gpt(int(plain.model.num_layers)), Hardware.target(JOB_GPU))
+    except RecipeError:
+        return  # scripts/train.py decides on the job's GPU, in one line
+    check_plan(trainer, plain.model, plan)
 
 
 def fixed_run_dir(cfg: Any) -> Path:

@@ -36,7 +36,7 @@ from fp8_recipes.training.config import check_run_config
 from fp8_recipes.training.errors import NonFiniteStop
 from fp8_recipes.training.notices import run_notices
 
-__all__ = ["resolve_debug", "resolve_recipe", "run_training"]
+__all__ = ["check_plan", "resolve_debug", "resolve_recipe", "run_training"]
 
 logger = logging.getLogger("fp8_recipes")
 
@@ -333,6 +333,16 @@ def check_fp8_shapes(trainer, model, plan) -> str | None:
     return None
 
 
+def check_plan(trainer, model, plan) -> str | None:
+    """The plan against the run's layout and model, before anything is built: the checks that do not depend on
+    which FP8 GPU runs it, so the Slurm launchers run them too, on the submitting host, for a GPU job
+    (launch/job.py). Raises the one-line error; returns the shape warning of the emulated backend, or None."""
+    check_engine_backend(trainer, plan.backend)
+    check_sequence_parallel_amax(trainer, plan)
+    check_recompute(trainer, plan)
+    return check_fp8_shapes(trainer, model, plan)
+
+
 def one_cuda_connection(trainer, environ=os.environ) -> None:
     """Tensor or context parallelism: ``CUDA_DEVICE_MAX_CONNECTIONS=1`` unless the environment sets it, before CUDA
     starts (it is read when the context is created). One hardware queue keeps the order in which Megatron-Core and
@@ -367,11 +377,8 @@ def run_training(cfg) -> dict:
         # Fail on the recipe/hardware combination before any process group, data or model exists.
         with _recipe_keys():
             first_plan = PrecisionPlan(recipe, ModelLayout.gpt(int(cfg.model.num_layers)), hardware)
-        check_engine_backend(tcfg, first_plan.backend)
         check_fp8_param(tcfg, first_plan)
-        check_sequence_parallel_amax(tcfg, first_plan)
-        check_recompute(tcfg, first_plan)
-        shape_warning = check_fp8_shapes(tcfg, cfg.model, first_plan)
+        shape_warning = check_plan(tcfg, cfg.model, first_plan)
 
     # torch and Megatron-Core from here on, once the config is known to be good (module docstring)
     from fp8_recipes.megatron.model import destroy_distributed, init_distributed
