@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from fp8_recipes.backends.groups import amax_reduction_group
+from fp8_recipes.backends.groups import amax_reduction_group, max_reducer
 from fp8_recipes.checks import ConfigError
 from fp8_recipes.numerics import DelayedScaler, block_for, dequantize, quantize
 from fp8_recipes.plan import Gemm, ModulePlan, PrecisionPlan
@@ -194,17 +194,8 @@ def attention_fake_quant(state: EmulatedAttentionState, forward_tensor: str | No
 
 def _amax_reducer(kind: AmaxReduction) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """MAX all-reduce over the recipe's group, or None when there is nothing to reduce over."""
-    import torch.distributed as dist
-
     group = amax_reduction_group(kind)
-    if group is None:
-        return None
-
-    def reduce(amax: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-        return amax
-
-    return reduce
+    return None if group is None else max_reducer(group)
 
 
 class EmulatedPrecision:

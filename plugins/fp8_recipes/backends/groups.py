@@ -1,13 +1,18 @@
 """The process group a recipe's ``amax_reduction`` names, shared by both backends (the emulated one all-reduces
-over it itself; te_layers.py hands TE the same group, even of one rank, to ``te.autocast(amax_reduction_group=...)``)."""
+over it itself; te_layers.py hands TE the same group, even of one rank, to ``te.autocast(amax_reduction_group=...)``),
+and the one MAX all-reduce of an amax that the emulated backend and the TE observer use."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from fp8_recipes.schema import AmaxReduction
 
-__all__ = ["amax_reduction_group", "te_amax_reduction_group"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["amax_reduction_group", "max_reducer", "te_amax_reduction_group"]
 
 
 def _megatron_group(kind: AmaxReduction) -> Any:
@@ -50,3 +55,15 @@ def te_amax_reduction_group(kind: AmaxReduction) -> Any:
     if kind is AmaxReduction.NONE or not dist.is_available() or not dist.is_initialized():
         return None
     return _megatron_group(kind)
+
+
+def max_reducer(group: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """An in-place MAX all-reduce of an amax over ``group``, returning it: how the emulated backend shares scales
+    over its recipe's group, and how the TE observer follows TE's own sequence-parallel amax reduction."""
+    import torch.distributed as dist
+
+    def reduce(amax: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        return amax
+
+    return reduce

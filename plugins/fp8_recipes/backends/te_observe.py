@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from fp8_recipes.backends.groups import max_reducer
 from fp8_recipes.backends.te import _delayed_tensors
 from fp8_recipes.plan import Gemm, ModulePlan
 from fp8_recipes.plan_te import TERecipeKind
@@ -115,13 +116,7 @@ def _sequence_parallel_reducers(module: torch.nn.Module) -> dict[Role, Callable[
     role = {"column": Role.ACTIVATIONS, "row": Role.GRADIENTS}.get(getattr(module, "parallel_mode", None))
     if role is None:
         return {}
-    import torch.distributed as dist
-
-    def reduce(amax: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-        return amax
-
-    return {role: reduce}
+    return {role: max_reducer(group)}
 
 
 def _gemm_input(module: torch.nn.Module, x: torch.Tensor, fused: bool = False) -> torch.Tensor:

@@ -305,11 +305,10 @@ def check_fp8_shapes(trainer, model, plan) -> str | None:
     shapes = linear_shapes(model, micro_batch=trainer.micro_batch_size, tensor_parallel=tp,
                            context_parallel=trainer.context_parallel_size, sequence_parallel=sp)
     gemms: dict[str, frozenset[str]] = {}
-    for first, _, _ in plan.stages(int(trainer.max_steps)):
-        if first < trainer.max_steps:
-            step_plan = plan.at(first)
-            for name, module in step_plan.modules.items():
-                gemms[name] = gemms.get(name, frozenset()) | _te_gemms(plan, step_plan, module)
+    for first, _, _ in plan.stages(int(trainer.max_steps)):  # only the stages that start within max_steps
+        step_plan = plan.at(first)
+        for name, module in step_plan.modules.items():
+            gemms[name] = gemms.get(name, frozenset()) | _te_gemms(plan, step_plan, module)
     for name, fp8 in gemms.items():
         kind = name if ModelLayout.layer_of(name) is None else name.split(".", 3)[3]
         shape = shapes[kind]
