@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+import fp8_recipes  # noqa: F401  (first: its CPU start-up hook, megatron/cpu_start.py, precedes any Megatron-Core import)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

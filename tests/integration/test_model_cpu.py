@@ -161,6 +161,7 @@ TWO_RANK_WORKER = r'''
 import json, sys, warnings
 warnings.filterwarnings("ignore")
 import torch, torch.distributed as dist
+import fp8_recipes  # its CPU start-up hook first (megatron/cpu_start.py)
 from megatron.core import parallel_state as ps, tensor_parallel
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from fp8_recipes.megatron.model import build_gpt_model, build_model_chunks, destroy_distributed, init_distributed
