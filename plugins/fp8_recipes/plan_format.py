@@ -152,4 +152,10 @@ def format_plan(plan: PrecisionPlan, max_steps: int | None = None, parallel: Par
         lines += _pipeline_lines(plan, parallel, final)
     for pat in plan.unmatched_patterns:
         lines.append(f"warning: layers.bf16_modules pattern '{pat}' matches no module of this model")
+    if r.is_fp8 and not final.attention and not any(m.any_fp8 for m in final.modules.values()):
+        rules = r.layers
+        lines.append(f"warning: no GEMM of this model runs FP8, every linear layer stays BF16 (why BF16 above: "
+                     f"recipe.layers.bf16_first={rules.bf16_first}, bf16_last={rules.bf16_last}"
+                     f"{', bf16_modules' if rules.bf16_modules else ''} of {plan.layout.num_layers} layers); "
+                     f"lower them or add layers, or train with +recipe=bf16 to say so")
     return "\n".join(lines)

@@ -145,6 +145,26 @@ def test_run_config_checks_the_sequence_split(tmp_path):
     check_run_config({**cfg, "model": {**model, "seq_length": 128}}, world_size=2)
 
 
+def test_run_config_refuses_a_split_without_the_share_the_run_reads(tmp_path):
+    """A zero train share, or a zero valid share while trainer.eval_iters > 0: Megatron-Core builds no dataset for
+    that split, which failed later as an internal error with a half-written run directory."""
+    from fp8_recipes.training.config import check_run_config
+
+    def conf(group: str, name: str) -> dict:
+        return OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / group / f"{name}.yaml"))
+
+    data = {**conf("data", "stdlib"), "path": str(tmp_path / "data")}
+    cfg = {"trainer": conf("trainer", "cpu"), "model": {**conf("model", "tiny"), "vocab_size": 4096},
+           "run_dir": str(tmp_path / "run")}
+    with pytest.raises(ValueError, match=r"^data\.split='0,50,50' gives the train split no share; give it one"):
+        check_run_config({**cfg, "data": {**data, "split": "0,50,50"}}, world_size=1)
+    with pytest.raises(ValueError, match=r"^data\.split='100,0,0' gives the valid split no share, but trainer\."
+                                         r"eval_iters=\d+ reads validation batches; .* or set trainer\.eval_iters=0"):
+        check_run_config({**cfg, "data": {**data, "split": "100,0,0"}}, world_size=1)
+    check_run_config({**cfg, "data": {**data, "split": "100,0,0"}, "trainer": {**cfg["trainer"], "eval_iters": 0}},
+                     world_size=1)
+
+
 def test_no_precision_satisfies_protocol():
     p = NoPrecision("bf16")
     assert isinstance(p, Precision)

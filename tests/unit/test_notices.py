@@ -44,3 +44,40 @@ def test_dump_and_statistics_steps_after_the_last_step():
     assert lines[0].startswith("debug.dump.steps: 100 after the last step (trainer.max_steps=10")
     assert lines[1].startswith("debug.start_step=20 is after the last step (trainer.max_steps=10)")
     assert len(lines) == 2
+
+
+def test_a_setting_another_one_switches_off():
+    def trainer(**kw):
+        return TrainerConfig.from_cfg({"max_steps": 200, "warmup_steps": 0, **kw})
+
+    hybrid = load_recipe("hybrid")
+    (line,) = run_notices(trainer(save_interval=50, save_checkpoints=False), hybrid, None)
+    assert line.startswith("trainer.save_interval=50 does nothing: trainer.save_checkpoints=false writes no checkpoint")
+    (line,) = run_notices(trainer(save_interval=200), hybrid, None)
+    assert line.startswith("trainer.save_interval=200 is not shorter than the run (trainer.max_steps=200): only the "
+                           "final checkpoint is written")
+    (line,) = run_notices(trainer(eval_iters=0), hybrid, None)
+    assert line.startswith("trainer.eval_interval=50 never evaluates: trainer.eval_iters=0 reads no validation batch")
+    (line,) = run_notices(trainer(reset_scaling_state=True), hybrid, None)
+    assert line.startswith("trainer.reset_scaling_state=true does nothing: the run starts at step 0 with no checkpoint")
+    assert run_notices(trainer(reset_scaling_state=True), hybrid, None, start=100) == []
+    assert run_notices(trainer(save_interval=50, eval_iters=0, eval_interval=0), hybrid, None) == []
+
+
+def test_debug_settings_that_record_nothing():
+    trainer = TrainerConfig.from_cfg({"max_steps": 200, "warmup_steps": 0})
+    stats = debug_config({"interval": 10}, None)
+    (line,) = run_notices(trainer, load_recipe("bf16"), stats)
+    assert line.startswith("debug: recipe bf16 runs no GEMM in FP8") and "nothing is recorded" in line
+    fp8 = {"decoder.layers.0.mlp.linear_fc1", "decoder.layers.1.mlp.linear_fc1"}
+    assert run_notices(trainer, load_recipe("hybrid"), stats, fp8_modules=fp8) == []
+    lines = run_notices(trainer, load_recipe("hybrid"), debug_config(
+        {"interval": 10, "layers": r"layers\.9\.", "dump": {"steps": [3, 150], "layers": "linear_fc1"}}, None),
+        start=100, fp8_modules=fp8)
+    assert lines == [
+        "debug.dump.steps: 3 at or before the resumed step 100: never dumped in this run; pick steps in 101..200",
+        "debug.layers='layers\\\\.9\\\\.' matches no module that runs FP8 (of 2, e.g. "
+        "'decoder.layers.0.mlp.linear_fc1'): nothing is recorded; widen it"], lines
+    (line,) = run_notices(trainer, load_recipe("hybrid"), debug_config({"interval": 10, "end_step": 50}, None),
+                          start=100)
+    assert line.startswith("debug.end_step=50 is at or before the resumed step 100: no statistics are recorded")

@@ -193,6 +193,16 @@ def test_unmatched_pattern_reported_and_warned():
     assert "'*.linear_proj' matches" not in text
 
 
+def test_a_recipe_whose_layer_rules_keep_every_gemm_bf16_is_warned():
+    """safe on 2 layers: bf16_first=1 and bf16_last=1 cover both, the LM head is BF16 by pattern; the stages still
+    say fp8, so the plan names the rules that leave nothing in FP8."""
+    text = format_plan(plan_for("safe", ModelLayout.gpt(2)))
+    assert ("warning: no GEMM of this model runs FP8, every linear layer stays BF16 (why BF16 above: "
+            "recipe.layers.bf16_first=1, bf16_last=1, bf16_modules of 2 layers)") in text
+    for fine in (plan_for("safe", ModelLayout.gpt(3)), plan_for("bf16", ModelLayout.gpt(2))):
+        assert "no GEMM of this model runs FP8" not in format_plan(fine)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Stages and explain()
 

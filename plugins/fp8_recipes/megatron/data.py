@@ -452,6 +452,9 @@ def _check_split(split: str, num_documents: int, num_samples: Sequence[int | Non
         bounds.append(bounds[-1] + int(round(share * float(num_documents))))
     bounds[1:] = [b - (bounds[-1] - num_documents) for b in bounds[1:]]
     for name, lo, hi, share, wanted in zip(("train", "valid", "test"), bounds, bounds[1:], shares, num_samples):
+        if share == 0 and wanted:  # Megatron-Core builds no dataset for a split without a share
+            raise ConfigError(f"data.split: {split!r} gives the {name} split no share, so it has none of the "
+                             f"{wanted} samples asked for; give it one (e.g. '98,1,1')")
         if share > 0 and wanted != 0 and hi <= lo:  # (None = one epoch of the split: needs documents too)
             raise ConfigError(f"data.split: {split!r} gives the {name} split no document of the {num_documents} in "
                              f"this dataset; give it a larger share (e.g. '80,10,10') or add documents")

@@ -3,12 +3,15 @@
     for line in run_notices(trainer, recipe, debug): logger.warning(line)
 
 A short run is legitimate (a smoke test, a first try): it is never refused for being short, but a setting it
-silently cannot reach (the LR warmup, a recipe's BF16 warmup or a role's FP8 start, a dump step) is named with
-the key to change. Imports nothing heavier than the schema.
+silently cannot reach (the LR warmup, a recipe's BF16 warmup or a role's FP8 start, a dump step, a periodic
+checkpoint) is named with the key to change, as is a setting another one switches off (a save interval without
+checkpoints, evaluations without validation batches, a scaling-state reset without a checkpoint to resume, debug
+statistics where nothing runs FP8). Imports nothing heavier than the schema.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 __all__ = ["run_notices", "schedule_notice"]
@@ -35,22 +38,61 @@ def schedule_notice(recipe: Any, max_steps: int) -> str | None:
             f"raise trainer.max_steps above {last} or lower {'it' if len(late) == 1 else 'them'}")
 
 
-def run_notices(trainer: Any, recipe: Any, debug: Any) -> list[str]:
-    """Every one-line warning about settings this run cannot reach (``trainer``: a TrainerConfig)."""
+def run_notices(trainer: Any, recipe: Any, debug: Any, start: int = 0,
+                fp8_modules: Collection[str] | None = None) -> list[str]:
+    """Every one-line warning about settings this run cannot reach (``trainer``: a TrainerConfig). ``start``: the
+    optimizer steps already done (a resumed run's checkpoint step); ``fp8_modules``: the modules that run some GEMM
+    in FP8 at some step of the run (the plan's), when known."""
     out = []
-    if trainer.warmup_steps > trainer.max_steps:
+    last = trainer.max_steps
+    if trainer.warmup_steps > last:
         out.append(f"trainer.warmup_steps={trainer.warmup_steps} is longer than the run (trainer.max_steps="
-                   f"{trainer.max_steps}): the LR warms up over {trainer.lr_warmup_steps} step(s) instead (a tenth "
-                   f"of the run); set trainer.warmup_steps <= {trainer.max_steps} to choose")
-    line = schedule_notice(recipe, trainer.max_steps)
+                   f"{last}): the LR warms up over {trainer.lr_warmup_steps} step(s) instead (a tenth "
+                   f"of the run); set trainer.warmup_steps <= {last} to choose")
+    line = schedule_notice(recipe, last)
     if line:
         out.append(line)
-    if debug is not None:
-        late = [s for s in debug.dump.steps if s > trainer.max_steps]
-        if late:
-            out.append(f"debug.dump.steps: {', '.join(map(str, late))} after the last step (trainer.max_steps="
-                       f"{trainer.max_steps}; steps count from 1): never dumped; pick steps in 1..{trainer.max_steps}")
-        if debug.interval > 0 and debug.start_step > trainer.max_steps:
-            out.append(f"debug.start_step={debug.start_step} is after the last step (trainer.max_steps="
-                       f"{trainer.max_steps}): no statistics are recorded; lower it")
+    if trainer.save_interval > 0 and not trainer.save_checkpoints:
+        out.append(f"trainer.save_interval={trainer.save_interval} does nothing: trainer.save_checkpoints=false "
+                   f"writes no checkpoint; set trainer.save_checkpoints=true, or trainer.save_interval=0")
+    elif trainer.save_interval >= last:
+        out.append(f"trainer.save_interval={trainer.save_interval} is not shorter than the run (trainer.max_steps="
+                   f"{last}): only the final checkpoint is written; set trainer.save_interval < {last}")
+    if trainer.eval_iters == 0 and trainer.eval_interval > 0:
+        out.append(f"trainer.eval_interval={trainer.eval_interval} never evaluates: trainer.eval_iters=0 reads no "
+                   f"validation batch; set trainer.eval_iters >= 1, or trainer.eval_interval=0")
+    if trainer.reset_scaling_state and start == 0:
+        out.append(f"trainer.reset_scaling_state=true does nothing: the run starts at step 0 with no checkpoint to "
+                   f"resume (trainer.resume={trainer.resume}); drop it, or point trainer.resume at a checkpoint")
+    if debug is not None and debug.enabled:
+        out += _debug_notices(debug, recipe, last, start, fp8_modules)
+    return out
+
+
+def _debug_notices(debug: Any, recipe: Any, last: int, start: int, fp8_modules: Collection[str] | None) -> list[str]:
+    out = []
+    if not recipe.is_fp8:
+        return [(f"debug: recipe {recipe.name} runs no GEMM in FP8, and the numerics statistics and dumps observe "
+                 f"FP8 quantization only: nothing is recorded; train with an FP8 recipe (+recipe=hybrid)")]
+    late = [s for s in debug.dump.steps if s > last]
+    if late:
+        out.append(f"debug.dump.steps: {', '.join(map(str, late))} after the last step (trainer.max_steps="
+                   f"{last}; steps count from 1): never dumped; pick steps in 1..{last}")
+    done = [s for s in debug.dump.steps if s <= start]
+    if done:
+        out.append(f"debug.dump.steps: {', '.join(map(str, done))} at or before the resumed step {start}: never "
+                   f"dumped in this run; pick steps in {start + 1}..{last}")
+    if debug.interval > 0 and debug.start_step > last:
+        out.append(f"debug.start_step={debug.start_step} is after the last step (trainer.max_steps="
+                   f"{last}): no statistics are recorded; lower it")
+    elif debug.interval > 0 and debug.end_step is not None and debug.end_step <= start:
+        out.append(f"debug.end_step={debug.end_step} is at or before the resumed step {start}: no statistics are "
+                   f"recorded in this run; raise it, or set it to null")
+    if fp8_modules:  # (none at all: the plan's own warning says so)
+        for key, wanted, on in (("debug.layers", debug.interval > 0, debug.stats_module),
+                                ("debug.dump.layers", bool(debug.dump.steps), debug.dump_module)):
+            pattern = debug.layers if key == "debug.layers" else debug.dump.layers
+            if wanted and not any(on(m) for m in fp8_modules):
+                out.append(f"{key}={pattern!r} matches no module that runs FP8 (of {len(fp8_modules)}, e.g. "
+                           f"{min(fp8_modules)!r}): nothing is recorded; widen it")
     return out

@@ -32,7 +32,7 @@ from fp8_recipes.plan_te import TE_FP8_ALIGN, te_fp8_shape_problem
 from fp8_recipes.recipes import EMPTY_RECIPE, load_recipe
 from fp8_recipes.rundir import PLAN, RECIPE, check_run_dir, claim, drop_rows_after, release, write_text
 from fp8_recipes.schema import AmaxReduction, Attention, Backend, RecipeError, Role, Scaling
-from fp8_recipes.training.config import check_run_config
+from fp8_recipes.training.config import check_run_config, check_writable_dir
 from fp8_recipes.training.errors import NonFiniteStop
 from fp8_recipes.training.notices import run_notices
 
@@ -368,6 +368,10 @@ def run_training(cfg) -> dict:
         tcfg = check_run_config(cfg)  # trainer, model, data, run_dir: before anything is built (and torch loads)
         recipe = resolve_recipe(cfg)
         debug = resolve_debug(cfg)
+        if debug is not None and debug.dump.steps:  # written at the first dump step, hours in: checked now
+            dump_dir = Path(debug.dump.dir)
+            check_writable_dir("debug.dump.dir", str(dump_dir if dump_dir.is_absolute() else
+                                                     Path(cfg.run_dir) / dump_dir))
     one_cuda_connection(tcfg)
     hardware = Hardware.detect()  # (CUDA starts here on a GPU machine)
     trainer = cfg.trainer
@@ -424,8 +428,12 @@ def run_training(cfg) -> dict:
             return {"finished": {"steps": done, "checkpoint": str(resume_from), "max_steps": tcfg.max_steps},
                     "steps": done, "rank": rank}
         if rank == 0:
-            for line in run_notices(tcfg, recipe, debug) + ([shape_warning] if shape_warning else []):
-                logger.warning(line)
+            fp8_modules = {name for first, _, _ in first_plan.stages(tcfg.max_steps)
+                           for name, module in first_plan.at(first).modules.items() if module.any_fp8}
+            start = int(saved["step"]) if saved is not None else 0
+            for line in [*run_notices(tcfg, recipe, debug, start, fp8_modules), shape_warning]:
+                if line:
+                    logger.warning(line)
 
         data = cfg.data
         t0 = time.perf_counter()
