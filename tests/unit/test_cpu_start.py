@@ -32,9 +32,10 @@ def test_lazy_compile_compiles_once_at_the_first_call():
     assert calls == [] and double.__name__ == "double"
     assert double(2) == ("compiled", 4) and double(3) == ("compiled", 6)
     assert triple(1) == ("compiled", 3)
-    assert calls == [("function", {}), ("function", {"mode": "max-autotune"})]  # once per function, with its options
+    assert deferred(model=lambda x: x)(5) == ("compiled", 5)  # model by keyword, as torch.compile takes it
+    assert calls == [("function", {}), ("function", {"mode": "max-autotune"}), ("function", {})]  # once each
     deferred(torch.nn.Linear(2, 2))
-    assert calls[2:] == [("Linear", {})]  # a module is compiled at once, as torch.compile does
+    assert calls[3:] == [("Linear", {})]  # a module is compiled at once, as torch.compile does
 
 
 def test_lazy_compile_runs_what_torch_compile_returns():
@@ -47,9 +48,12 @@ def test_lazy_compile_runs_what_torch_compile_returns():
 
 
 _PROBE = """
-import json, sys, torch
+import copy, importlib.machinery, json, pickle, sys, torch
 real = torch.compile
 import fp8_recipes, megatron.core
+loader = megatron.core.__spec__.loader  # Megatron-Core's own kind of loader: copied and pickled as ever
+assert isinstance(loader, importlib.machinery.SourceFileLoader) and megatron.core.__loader__ is loader
+assert pickle.loads(pickle.dumps(loader)).path == copy.deepcopy(loader).path == loader.path
 from megatron.core import jit
 from megatron.core.transformer.moe import router
 from megatron.core.transformer.utils import gelu_impl

@@ -159,7 +159,8 @@ def test_run_config_refuses_a_split_without_the_share_the_run_reads(tmp_path):
     with pytest.raises(ValueError, match=r"^data\.split='0,50,50' gives the train split no share; give it one"):
         check_run_config({**cfg, "data": {**data, "split": "0,50,50"}}, world_size=1)
     with pytest.raises(ValueError, match=r"^data\.split='100,0,0' gives the valid split no share, but trainer\."
-                                         r"eval_iters=\d+ reads validation batches; .* or set trainer\.eval_iters=0"):
+                                         r"eval_iters=\d+ reads validation batches; .* or set trainer\.eval_iters=0 "
+                                         r"trainer\.eval_interval=0"):
         check_run_config({**cfg, "data": {**data, "split": "100,0,0"}}, world_size=1)
     check_run_config({**cfg, "data": {**data, "split": "100,0,0"}, "trainer": {**cfg["trainer"], "eval_iters": 0}},
                      world_size=1)

@@ -5,14 +5,15 @@ activations in ``activations.py``, an inference router's top-k) with ``torch.com
 ``megatron.core.jit.jit_fuser`` is ``torch.compile`` on torch >= 2.2. ``torch.compile`` compiles nothing until the
 first call, but the decoration itself imports TorchDynamo and Inductor: about 4 s of every process that imports
 Megatron-Core on the 2-core CI machine (``python -X importtime -c "import megatron.core"``, torch 2.14.1: ~10 s in
-all), paid by every run, export, evaluation and torchrun worker. Without CUDA none of those kernels runs: the model is
-built with every fusion off (``megatron/model.py``).
+all), paid by every run, export, evaluation and torchrun worker. Without CUDA this project's model runs none of those
+kernels: it is built with every fusion off (``megatron/model.py``); one that does run compiles at its first call, as
+before.
 
 So on a machine without CUDA, while ``megatron.core`` is imported, ``torch.compile`` is a decorator that calls the
 real ``torch.compile`` at the function's first call and runs what it returns from then on, as a decorated function
 would (an ``nn.Module`` is compiled at once, as before). TorchDynamo and Inductor are then imported only if a
-compiled kernel ever runs. ``torch.compile`` itself is restored as soon as the import ends, and with CUDA nothing
-changes. :func:`install` puts the import hook in place; the package does it on import (``fp8_recipes/__init__.py``),
+compiled kernel ever runs. ``torch.compile`` itself is restored as soon as the import ends (what Megatron-Core
+bound in that window, ``jit_fuser``, keeps the deferring decorator), and with CUDA nothing changes. :func:`install` puts the import hook in place; the package does it on import (``fp8_recipes/__init__.py``),
 so every entry point, worker and test process gets it, whatever it imports first.
 """
 
@@ -35,7 +36,7 @@ PACKAGE = "megatron.core"
 def lazy_compile(compile_: Callable[..., Any]) -> Callable[..., Any]:
     """``compile_`` (torch.compile) that, given a plain function, defers itself to that function's first call."""
 
-    def deferred(model: Any = None, /, **options: Any) -> Any:
+    def deferred(model: Any = None, **options: Any) -> Any:
         if model is None:  # @torch.compile(mode=...): the decorator
             return functools.partial(deferred, **options)
         if not inspect.isfunction(model):  # a module or another callable: as torch.compile does it
@@ -54,28 +55,19 @@ def lazy_compile(compile_: Callable[..., Any]) -> Callable[..., Any]:
     return deferred
 
 
-class _Loader(importlib.abc.Loader):
-    """Runs ``megatron.core`` as its own loader would, with a deferring torch.compile when CUDA is absent."""
-
-    def __init__(self, loader: importlib.abc.Loader):
-        self.loader = loader
-
-    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, is_package, ...: the file loader's own
-        return getattr(self.loader, name)
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self.loader.create_module(spec)
+class _Loader(importlib.machinery.SourceFileLoader):
+    """Megatron-Core's own source loader, with a deferring torch.compile while it runs when CUDA is absent."""
 
     def exec_module(self, module: ModuleType) -> None:
         import torch  # Megatron-Core's first import
 
         if torch.cuda.is_available():
-            self.loader.exec_module(module)
+            super().exec_module(module)
             return
         real = torch.compile
         torch.compile = lazy_compile(real)
         try:
-            self.loader.exec_module(module)
+            super().exec_module(module)
         finally:
             torch.compile = real
 
@@ -85,8 +77,8 @@ class _Finder(importlib.abc.MetaPathFinder):
         if name != PACKAGE:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _Loader(spec.loader)
+        if spec is not None and type(spec.loader) is importlib.machinery.SourceFileLoader:  # (else: as it is)
+            spec.loader = _Loader(spec.loader.name, spec.loader.path)
         return spec
 
 

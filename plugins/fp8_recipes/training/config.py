@@ -439,7 +439,7 @@ def check_run_config(cfg: Any, world_size: int | None = None) -> TrainerConfig:
     if valid_share == 0 and trainer.eval_iters > 0:
         raise ConfigError(f"data.split={data.get('split')!r} gives the valid split no share, but trainer.eval_iters="
                          f"{trainer.eval_iters} reads validation batches; give it one (e.g. '98,1,1') or set "
-                         f"trainer.eval_iters=0 (no validation)")
+                         f"trainer.eval_iters=0 trainer.eval_interval=0 (no validation)")
     tokenizer_vocab = 257 if data.get("tokenizer") == "bytes" else data.get("vocab_size")
     if model.get("vocab_size") is not None and model["vocab_size"] < tokenizer_vocab:
         raise ConfigError(f"model.vocab_size: {model['vocab_size']} is smaller than the tokenizer's {tokenizer_vocab}; "
