@@ -56,6 +56,11 @@ def main() -> None:
     quiet_third_party_logs()
     out = args.plot_only or args.out or Path("runs") / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
+        if args.parity_iters is not None and args.parity_iters < 1:
+            raise ValueError(f"--parity-iters: {args.parity_iters} must be >= 1 (or leave it out: trainer.eval_iters)")
+        if args.plot_only and not args.plot_only.is_dir():
+            raise ValueError(f"--plot-only: '{args.plot_only}' is not a directory; give a directory written by "
+                             f"scripts/compare_recipes.py")
         if args.plot_only:
             result = collect(args.plot_only)
         else:

@@ -31,16 +31,21 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
 
     from fp8_recipes.bench.output import save_json
+    from fp8_recipes.training.config import check_writable_dir
     from fp8_recipes.training.errors import USER_ERROR_EXIT
     from fp8_recipes.training.evaluate import evaluate_checkpoint, format_parity
 
+    out = args.out or args.run_dir / "parity.json"
     try:
+        if out.is_dir():  # checked before minutes of evaluation
+            raise ValueError(f"--out: '{out}' is a directory; give a file path such as parity.json")
+        check_writable_dir("--out", str(out.parent))
         result = evaluate_checkpoint(args.run_dir, checkpoint=args.checkpoint, recipe=args.recipe,
                                      eval_iters=args.eval_iters)
     except ValueError as e:  # a user error: one line naming the argument, nothing written
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT)
-    save_json(args.out or args.run_dir / "parity.json", result)
+    save_json(out, result)
     print(format_parity(result))
 
 

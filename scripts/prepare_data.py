@@ -16,6 +16,7 @@ import sys
 import time
 
 from fp8_recipes.megatron.data import prepare_dataset
+from fp8_recipes.training.config import check_writable_dir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,9 +31,10 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.perf_counter()
     try:
+        check_writable_dir("--out", args.out)
         out = prepare_dataset(args.inputs, args.out, args.tokenizer, args.vocab_size, args.json_key)
     except ValueError as err:  # a user error: one line, no traceback
-        print(f"prepare_data: {err}", file=sys.stderr)
+        print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
     meta = json.loads((out / "meta.json").read_text())
     print(f"{out}: {meta['num_documents']} documents, {meta['num_tokens']} tokens, vocab {meta['vocab_size']} "

@@ -196,10 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    for option in ("layers", "steps"):  # a plan for no layers or no steps means nothing
+    for option in ("layers", "steps", "mbs", "seq", "microbatches"):  # none of these means anything at 0 or less
         value = getattr(args, option, None)
         if value is not None and value < 1:
-            print(f"error: explain: --{option} must be >= 1", file=sys.stderr)
+            print(f"error: {args.command}: --{option} must be >= 1", file=sys.stderr)
             return 2
     try:
         return args.fn(args)

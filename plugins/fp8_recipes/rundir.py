@@ -94,10 +94,11 @@ class RunDirError(ConfigError):
 
 
 class RunFileError(ConfigError):
-    """A line of a run's JSONL file that is not JSON; ``str()`` names the file and the line."""
+    """A line of a run's JSONL file that is not a JSON object (or a file that is not UTF-8 text: ``line`` None);
+    ``str()`` names the file and the line."""
 
-    def __init__(self, path: Path, line: int, msg: str):
-        super().__init__(f"{path} line {line} is not JSON ({msg})")
+    def __init__(self, path: Path, line: int | None, msg: str, what: str = "JSON"):
+        super().__init__(f"{path}{'' if line is None else f' line {line}'} is not {what} ({msg})")
         self.path, self.line, self.msg = path, line, msg
 
 
@@ -109,15 +110,23 @@ def jsonable(value: Any) -> Any:
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Every row of a JSONL file (blank lines skipped); RunFileError at the first line that is not JSON."""
+    """Every row of a JSONL file (blank lines skipped); RunFileError at the first line that is not a JSON object,
+    or when the file is not UTF-8 text."""
     path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise RunFileError(path, None, f"{e.reason} at byte {e.start}", what="UTF-8 text") from None
     rows = []
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for i, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise RunFileError(path, i, e.msg) from None
+            if not isinstance(row, dict):
+                raise RunFileError(path, i, f"a {type(row).__name__}", what="a JSON object")
+            rows.append(row)
     return rows
 
 

@@ -124,6 +124,8 @@ def test_plot_only_redraws_from_the_run_dirs(shootout):
 @pytest.mark.parametrize("args, expected", [
     (["--recipes", "tensorwize"], "error: recipe: 'tensorwize' is not a recipe (did you mean 'tensorwise'?)"),
     (["--recipes", "tensorwise", "trainer.max_stepz=3"], "error: trainer.max_stepz: not in the config"),
+    (["--plot-only", "no/such/shootout"], "error: --plot-only: 'no/such/shootout' is not a directory"),
+    (["--parity-iters", "0"], "error: --parity-iters: 0 must be >= 1"),
 ])
 def test_bad_input_is_one_line_exit_2(args, expected, tmp_path):
     out = tmp_path / "out"
@@ -140,6 +142,13 @@ def test_eval_checkpoint_of_a_non_run_is_one_line_exit_2(tmp_path):
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(
         f"error: run_dir: '{tmp_path}' has no .hydra/config.yaml"), proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_eval_checkpoint_refuses_an_out_that_is_a_directory_before_evaluating(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "eval_checkpoint.py"), str(tmp_path), "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        f"error: --out: '{tmp_path}' is a directory; give a file path such as parity.json"), proc.stderr
 
 
 def _is_import_noise(line: str) -> bool:

@@ -374,6 +374,7 @@ def test_a_gpu_job_transformer_engine_cannot_run_is_refused_before_it_is_submitt
     ("launcher.signal=TERM", "error: launcher.signal: 'TERM' is not one of USR1 | null"),
     ("launcher.signal_lead_s=3600", "error: launcher.signal_lead_s: 3600 s is not shorter than launcher.time_min=60"),
     ("launcher.sbatch_args={time: 5}", "error: launcher.sbatch_args.time: set by launcher.time_min"),
+    ("launcher.sbatch_args={exclusive: false}", "error: launcher.sbatch_args.exclusive: False is not one sbatch value"),
     ("launcher.partition='a b'", "error: launcher.partition: 'a b' is not a Slurm name"),
     ("launcher.max_requeues=-1", "error: launcher.max_requeues: -1 is not an integer >= 0"),
     ("launcher.requeue=maybe", "error: launcher.requeue: 'maybe' is not true or false"),
@@ -388,6 +389,15 @@ def test_bad_launcher_values_end_in_one_line(override, message, tmp_path, monkey
     err = capsys.readouterr().err.strip()
     assert err.startswith(message) and len(err.splitlines()) == 1, err
     assert not run_dir.exists()  # nothing written
+
+
+def test_an_output_that_is_a_directory_is_refused_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    run_dir = tmp_path / "run"
+    args = ["+recipe=delayed", f"run_dir={run_dir}", "--output", str(tmp_path)]
+    assert make_sbatch_main(args, monkeypatch) == USER_ERROR_EXIT
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: --output: '{tmp_path}' is a directory; give a file path, e.g. jobs/tw.sbatch", err
+    assert not run_dir.exists() and sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def test_cli_error_is_one_line_and_exit_2(tmp_path):

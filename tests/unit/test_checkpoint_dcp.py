@@ -247,6 +247,26 @@ def test_eval_checkpoint_refuses_a_format_1_checkpoint(tmp_path):
         evaluate_checkpoint(tmp_path, recipe="bf16")
 
 
+def test_export_and_evaluation_refuse_a_damaged_checkpoint_in_one_line(tmp_path):
+    """A checkpoint whose shards are gone (latest names an empty step dir): one line naming the argument, before
+    anything is read or written."""
+    from fp8_recipes.training.evaluate import evaluate_checkpoint
+    from fp8_recipes.training.hf import export_hf
+
+    step_dir = tmp_path / "checkpoints" / "step_1"
+    step_dir.mkdir(parents=True)
+    (tmp_path / "checkpoints" / "latest").write_text("step_1\n")
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "config.yaml").write_text("trainer: {}\n")
+    damaged = (rf"{step_dir} is damaged: its \.metadata \(the index of its shards\) is missing; name an intact "
+               rf"step_N dir$")
+    with pytest.raises(ValueError, match=rf"^checkpoint: {damaged}"):
+        evaluate_checkpoint(tmp_path, recipe="bf16")
+    with pytest.raises(ValueError, match=rf"^SOURCE: {damaged}"):
+        export_hf(tmp_path, tmp_path.parent / "hf")
+    assert not (tmp_path.parent / "hf").exists()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Integrity (issue 19): checksums written with every checkpoint, verified on resume; auto falls back to the
 # newest intact checkpoint with one warning; a named damaged one is refused in one line

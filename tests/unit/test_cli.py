@@ -177,7 +177,9 @@ def test_explain_steps_bounds_the_stage_table(capsys):
 
 @pytest.mark.parametrize("argv", [[], ["frobnicate"], ["show"], ["validate"], ["explain"],
                                   ["explain", "safe", "--layers", "x"], ["explain", "safe", "--layers", "0"],
-                                  ["explain", "safe", "--steps", "0"], ["list", "--bogus"]])
+                                  ["explain", "safe", "--steps", "0"], ["list", "--bogus"],
+                                  ["memory", "llama3-8b", "--mbs", "-4"], ["memory", "llama3-8b", "--seq", "0"],
+                                  ["memory", "llama3-8b", "--microbatches", "0"]])
 def test_bad_usage_exits_2(capsys, argv):
     try:
         rc = cli.main(argv)

@@ -173,14 +173,15 @@ def test_refuses_to_replace_a_directory_that_is_not_a_dataset(tmp_path):
 
 def test_script_bad_path_exits_2_with_one_line(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "plugins"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--inputs", str(tmp_path / "nope"),
-         "--out", str(tmp_path / "ds")],
-        capture_output=True, text=True, env=env, timeout=60,
-    )
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
-    assert "data.inputs: path" in proc.stderr and "does not exist" in proc.stderr
+    (tmp_path / "file").write_text("not a directory\n")
+    for args, says in ((["--inputs", str(tmp_path / "nope"), "--out", str(tmp_path / "ds")], "data.inputs: path"),
+                       (["--tokenizer", "bytes", "--out", str(tmp_path / "file")], "error: --out: ")):
+        proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_data.py"), *args],
+                              capture_output=True, text=True, env=env, timeout=60)
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr and proc.stderr.startswith("error: ")
+        assert says in proc.stderr, proc.stderr
+    assert not (tmp_path / "ds").exists()
 
 
 def test_runs_sharing_a_dataset_build_its_index_cache_one_at_a_time(tmp_path):

@@ -295,6 +295,14 @@ def test_bad_inputs_end_in_one_line_exit_2(tmp_path, capsys):
     (tmp_path / "garbled" / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 3}\n{oops\n')
     rc, _, err = doctor(capsys, tmp_path / "garbled")
     assert rc == 2 and "line 2 is not JSON" in err and err.count("\n") == 1
+    for name, content, says in (("list", b"[1, 2]\n", "line 1 is not a JSON object (a list)"),
+                                ("stepless", b'{"kind": "train", "iteration": 1, "loss": 2.5}\n',
+                                 'row 1 has no integer "step" (not written by scripts/train.py)'),
+                                ("binary", b"\xff\xfe{}\n", "metrics.jsonl is not UTF-8 text (invalid start byte")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_bytes(content)
+        rc, out, err = doctor(capsys, tmp_path / name)
+        assert rc == 2 and out == "" and err.startswith("error: RUN_DIR: ") and says in err and err.count("\n") == 1
 
 
 def test_report_is_short_and_names_everything(tmp_path):

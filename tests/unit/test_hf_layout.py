@@ -97,3 +97,17 @@ def test_the_core_imports_neither_transformers_nor_safetensors():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout == 'model.init_from: HF checkpoints need the hf extra: pip install -e ".[hf]" ' \
                           '(transformers, safetensors, accelerate)\n'
+
+
+def test_an_export_that_fails_while_writing_leaves_nothing(tmp_path):
+    """write_hf_checkpoint writes into OUT.tmp: a failure there (here a tokenizer file it cannot create; a full
+    disk in real life) removes it, and OUT is never created."""
+    from fp8_recipes.integrations.hf_llama import write_hf_checkpoint
+
+    out = tmp_path / "hf"
+    with pytest.raises(FileNotFoundError):
+        write_hf_checkpoint(out, {"model_type": "llama"}, {"w": torch.zeros(2, 2)}, {"no/such/dir.json": b"{}"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    assert write_hf_checkpoint(out, {"model_type": "llama"}, {"w": torch.zeros(2, 2)}, {"a.json": b"{}"}) == out
+    assert sorted(p.name for p in out.iterdir()) == ["a.json", "config.json", "model-00001-of-00001.safetensors",
+                                                      "model.safetensors.index.json"]

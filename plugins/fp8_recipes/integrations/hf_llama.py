@@ -304,6 +304,24 @@ def write_hf_checkpoint(out: str | os.PathLike, config: dict, tensors: Mapping[s
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    try:
+        _write_shards(st, tmp, config, tensors, extra_files, shard_bytes, progress)
+    except BaseException:  # a full disk, an interrupt: no half-written export is left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        old = out.with_name(out.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(out, old)
+        os.rename(tmp, out)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, out)
+    return out
+
+
+def _write_shards(st: Any, tmp: Path, config: dict, tensors: Mapping[str, torch.Tensor],
+                  extra_files: Mapping[str, bytes], shard_bytes: int, progress: Callable[[str], None]) -> None:
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, tensor in tensors.items():
@@ -326,15 +344,6 @@ def write_hf_checkpoint(out: str | os.PathLike, config: dict, tensors: Mapping[s
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     for name, data in extra_files.items():
         (tmp / name).write_bytes(data)
-    if out.exists():
-        old = out.with_name(out.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(out, old)
-        os.rename(tmp, out)
-        shutil.rmtree(old)
-    else:
-        os.rename(tmp, out)
-    return out
 
 
 class HFTensors:

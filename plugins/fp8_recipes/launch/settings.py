@@ -119,9 +119,9 @@ class LauncherSettings:
             if name in MANAGED_SBATCH_OPTIONS:
                 raise ValueError(f"launcher.sbatch_args.{option}: set by launcher.{MANAGED_SBATCH_OPTIONS[name]} "
                                  f"(remove it from sbatch_args)")
-            if value is None or isinstance(value, (dict, list)) or "\n" in str(value):
+            if value is None or value is False or isinstance(value, (dict, list)) or "\n" in str(value):
                 raise ValueError(f"launcher.sbatch_args.{option}: {value!r} is not one sbatch value "
-                                 f"(a string, a number or true)")
+                                 f"(a string, a number or true; leave the option out for false)")
 
     def for_trainer(self, trainer: Any) -> "LauncherSettings":
         """These settings for a job of ``trainer`` (its config group): a GPU per task when the trainer runs on GPUs

@@ -45,6 +45,11 @@ def load_run(run_dir: str | Path, key: str = "RUN_DIR") -> RunData:
         numerics = read_numerics(path)
     except RunFileError as e:
         raise DoctorInputError(f"{key}: {e}; give a run directory written by scripts/train.py") from None
+    stepless = next((i for i, r in enumerate(rows, 1) if r.get("kind") in ("train", "eval")
+                     and not (isinstance(r.get("step"), int) and not isinstance(r.get("step"), bool))), None)
+    if stepless is not None:
+        raise DoctorInputError(f"{key}: '{run_dir}'/{METRICS} row {stepless} has no integer \"step\" (not written by "
+                               f"scripts/train.py); give a run directory written by scripts/train.py")
     train = sorted((r for r in rows if r.get("kind") == "train"), key=lambda r: r.get("step", 0))
     evals = sorted((r for r in rows if r.get("kind") == "eval" and "val_loss" in r), key=lambda r: r.get("step", 0))
     if not train:

@@ -82,6 +82,7 @@ from fp8_recipes.training.reshard import (
 )
 
 __all__ = ["barrier", "save_checkpoint", "load_checkpoint", "read_checkpoint", "resolve_checkpoint", "find_resume",
+           "intact_checkpoint",
            "checkpoint_step", "checkpoint_meta", "resume_skip", "checkpoint_damage", "quick_damage", "shared_damage",
            "check_model_matches"]
 
@@ -448,6 +449,22 @@ def _current_format(step_dir: Path) -> Path:
     raise ConfigError(f"{step_dir} is a format-{version} checkpoint, which this version cannot read (format "
                      f"{FORMAT_VERSION}: Megatron-Core's optimizer state in a torch.distributed.checkpoint dir); "
                      "continue it with the fp8-recipes version that wrote it, or start a fresh run")
+
+
+def intact_checkpoint(path: str | os.PathLike, key: str) -> Path:
+    """:func:`resolve_checkpoint` for a command that reads one checkpoint (the HF export, an evaluation): a one-line
+    ConfigError naming ``key`` when there is none, it is of an earlier format, or :func:`quick_damage` finds it
+    damaged (a missing shard or index), before any of it is read."""
+    try:
+        step_dir = resolve_checkpoint(path)
+    except FileNotFoundError as e:
+        raise ConfigError(f"{key}: {e}; train with trainer.save_checkpoints=true") from None
+    except ValueError as e:  # a checkpoint of a format this version cannot read
+        raise ConfigError(f"{key}: {e}") from None
+    problem = quick_damage(step_dir)
+    if problem:
+        raise ConfigError(f"{key}: {step_dir} is damaged: {problem}; name an intact step_N dir")
+    return step_dir
 
 
 def find_resume(resume: str | None, run_dir: str | os.PathLike, *,

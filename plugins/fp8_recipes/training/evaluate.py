@@ -108,17 +108,12 @@ def evaluate_checkpoint(run_dir: str | Path, *, checkpoint: str | Path | None = 
     micro-batches (default: the run's ``trainer.eval_iters`` x its data-parallel size, the ones its evaluations
     used). User errors (not a run dir, no checkpoint, a bad recipe) are ValueErrors of one line naming the argument.
     """
-    from fp8_recipes.training.checkpoint import resolve_checkpoint
+    from fp8_recipes.training.checkpoint import intact_checkpoint
 
     run_dir = Path(run_dir)
     cfg = load_run_config(run_dir)
     chosen = _run_recipe(run_dir, recipe)
-    try:
-        step_dir = resolve_checkpoint(checkpoint if checkpoint is not None else run_dir)
-    except FileNotFoundError as e:
-        raise ValueError(f"checkpoint: {e}; train with trainer.save_checkpoints=true") from None
-    except ValueError as e:  # a checkpoint of a format this version cannot read
-        raise ValueError(f"checkpoint: {e}") from None
+    step_dir = intact_checkpoint(checkpoint if checkpoint is not None else run_dir, "checkpoint")
     train_dp = run_data_parallel_size(step_dir)  # the run evaluated eval_iters micro-batches on each of its ranks
     iters = int(eval_iters if eval_iters is not None else int(cfg.trainer.eval_iters) * train_dp)
     if iters < 1:

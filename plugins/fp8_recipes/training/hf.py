@@ -34,7 +34,8 @@ from fp8_recipes.megatron.data import EOD_TEXT
 from fp8_recipes.megatron.model import unwrap_model
 from fp8_recipes.megatron.model_config import run_model_cfg
 from fp8_recipes.rundir import load_run_config
-from fp8_recipes.training.checkpoint import checkpoint_meta, read_checkpoint, resolve_checkpoint
+from fp8_recipes.training.checkpoint import checkpoint_meta, intact_checkpoint, read_checkpoint
+from fp8_recipes.training.config import check_writable_dir
 from fp8_recipes.training.reshard import COLUMN, join_shards, live_global_name, rank_slice
 
 __all__ = ["export_hf", "check_hf_init", "load_hf_weights", "hf_init_path", "parse_block"]
@@ -123,15 +124,13 @@ def export_hf(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str =
     if dtype not in ("bf16", "fp8"):
         raise ConfigError(f"--dtype: {dtype!r} is not bf16 or fp8")
     require_safetensors("--to hf")  # before minutes of reading shards
-    try:
-        step_dir = resolve_checkpoint(source)
-    except FileNotFoundError as e:
-        raise ConfigError(f"SOURCE: {e}") from None
+    step_dir = intact_checkpoint(source, "SOURCE")
     out = Path(out)
     if out.resolve() == Path(source).resolve() or Path(source).resolve() in out.resolve().parents:
         raise ConfigError(f"OUT: {out} is inside the run {source}; write the export somewhere else")
     if out.exists() and not (out / "config.json").is_file():
         raise ConfigError(f"OUT: {out} exists and is not a HF checkpoint (no config.json); give a new directory")
+    check_writable_dir("OUT", str(out))  # before minutes of reading shards
     cfg, _ = _run_config(step_dir)
     data_dir = Path(cfg.data.path)
     if not (data_dir / "meta.json").is_file():
