@@ -31,15 +31,13 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
 
     from fp8_recipes.bench.output import save_json
-    from fp8_recipes.training.config import check_writable_dir
+    from fp8_recipes.training.config import check_writable_file
     from fp8_recipes.training.errors import USER_ERROR_EXIT
     from fp8_recipes.training.evaluate import evaluate_checkpoint, format_parity
 
     out = args.out or args.run_dir / "parity.json"
     try:
-        if out.is_dir():  # checked before minutes of evaluation
-            raise ValueError(f"--out: '{out}' is a directory; give a file path such as parity.json")
-        check_writable_dir("--out", str(out.parent))
+        check_writable_file("--out", out, "parity.json")  # before minutes of evaluation
         result = evaluate_checkpoint(args.run_dir, checkpoint=args.checkpoint, recipe=args.recipe,
                                      eval_iters=args.eval_iters)
     except ValueError as e:  # a user error: one line naming the argument, nothing written

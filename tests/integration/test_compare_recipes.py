@@ -148,7 +148,7 @@ def test_eval_checkpoint_refuses_an_out_that_is_a_directory_before_evaluating(tm
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "eval_checkpoint.py"), str(tmp_path), "--out",
                            str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
-        f"error: --out: '{tmp_path}' is a directory; give a file path such as parity.json"), proc.stderr
+        f"error: --out: '{tmp_path}' is a directory; give a file path, e.g. parity.json"), proc.stderr
 
 
 def _is_import_noise(line: str) -> bool:

@@ -21,7 +21,7 @@ from fp8_recipes.launch.job import (check_train_config, default_job_name, fixed_
                                     resumable_overrides)
 from fp8_recipes.launch.settings import LauncherSettings
 from fp8_recipes.recipes import conf_dir, recipe_file_overrides
-from fp8_recipes.training.config import check_writable_dir
+from fp8_recipes.training.config import check_writable_file
 from fp8_recipes.training.errors import PREEMPTED_EXIT
 
 __all__ = ["sbatch_script", "sbatch_lines", "SLURM_OUTPUT"]
@@ -151,10 +151,8 @@ def write_sbatch(overrides: Iterable[str], output: Path | None = None, *, python
     check_train_config(cfg, settings.world_size)
     run_dir = fixed_run_dir(cfg)
     path = Path(output).resolve() if output else run_dir / "job.sbatch"
-    if output and path.is_dir():
-        raise ValueError(f"--output: '{output}' is a directory; give a file path, e.g. jobs/tw.sbatch")
     if output:
-        check_writable_dir("--output", str(path.parent))
+        check_writable_file("--output", output, "jobs/tw.sbatch")
     text = sbatch_script(settings, resumable_overrides(train, run_dir), run_dir=run_dir, workdir=workdir,
                          python=python, train_script=train_script, job_name=default_job_name(cfg), script=path,
                          generated_by=generated_by)

@@ -13,8 +13,9 @@ So on a machine without CUDA, while ``megatron.core`` is imported, ``torch.compi
 real ``torch.compile`` at the function's first call and runs what it returns from then on, as a decorated function
 would (an ``nn.Module`` is compiled at once, as before). TorchDynamo and Inductor are then imported only if a
 compiled kernel ever runs. ``torch.compile`` itself is restored as soon as the import ends (what Megatron-Core
-bound in that window, ``jit_fuser``, keeps the deferring decorator), and with CUDA nothing changes. :func:`install` puts the import hook in place; the package does it on import (``fp8_recipes/__init__.py``),
-so every entry point, worker and test process gets it, whatever it imports first.
+bound in that window, ``jit_fuser``, keeps the deferring decorator), and with CUDA nothing changes.
+:func:`install` puts the import hook in place; the package does it on import (``fp8_recipes/__init__.py``), so every
+entry point, worker and test process gets it, whatever it imports first.
 """
 
 from __future__ import annotations

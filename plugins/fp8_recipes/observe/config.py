@@ -23,6 +23,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from os import PathLike
+from pathlib import Path
 from typing import Any
 
 from fp8_recipes.checks import KeyReader, fmt
@@ -43,6 +45,10 @@ class DumpConfig:
     """Which roles are saved: activations, weights, gradients."""
     dir: str = "dumps"
     """Where, relative to the run directory (or an absolute path)."""
+
+    def path(self, run_dir: str | PathLike) -> Path:
+        """The dump directory of the run in ``run_dir``."""
+        return Path(run_dir) / self.dir  # (an absolute dir stays itself)
 
 
 @dataclass(frozen=True)

@@ -338,8 +338,7 @@ class NumericsRecorder:
         if not self.write:
             return
         module, gemm, role = key
-        out_dir = Path(self.config.dump.dir)
-        out_dir = (out_dir if out_dir.is_absolute() else self.run_dir / out_dir) / f"step_{self.step}"
+        out_dir = self.config.dump.path(self.run_dir) / f"step_{self.step}"
         out_dir.mkdir(parents=True, exist_ok=True)
         torch.save({
             "step": self.step, "module": module, "gemm": gemm, "role": role, "micro_batch": index,

@@ -20,7 +20,7 @@ from fp8_recipes.launcher import launch_world_size
 from fp8_recipes.megatron.model_config import check_model_cfg
 
 __all__ = ["LRScaling", "TrainerConfig", "NONFINITE_ACTIONS", "check_model_cfg", "check_data_cfg",
-           "check_writable_dir", "check_run_config"]
+           "check_writable_dir", "check_writable_file", "check_run_config"]
 
 NONFINITE_ACTIONS = ("skip_then_bf16", "stop")
 
@@ -341,6 +341,13 @@ def check_writable_dir(key: str, path: Any) -> None:
                          f"writable directory")
     if not os.access(ancestor, os.W_OK | os.X_OK) or str(ancestor).startswith(("/proc", "/sys")):
         raise ConfigError(f"{key}: {path!r} is not writable ({str(ancestor)!r}); point {key} at a writable directory")
+
+
+def check_writable_file(key: str, path: str | os.PathLike, example: str) -> None:
+    """``path`` can be written as a file: not a directory, in a directory this process can write or create."""
+    if Path(path).is_dir():
+        raise ConfigError(f"{key}: '{path}' is a directory; give a file path, e.g. {example}")
+    check_writable_dir(key, str(Path(path).absolute().parent))
 
 
 def check_data_cfg(cfg: Mapping[str, Any]) -> None:

@@ -89,9 +89,9 @@ def _debug_notices(debug: Any, recipe: Any, last: int, start: int, fp8_modules: 
         out.append(f"debug.end_step={debug.end_step} is at or before the resumed step {start}: no statistics are "
                    f"recorded in this run; raise it, or set it to null")
     if fp8_modules:  # (none at all: the plan's own warning says so)
-        for key, wanted, on in (("debug.layers", debug.interval > 0, debug.stats_module),
-                                ("debug.dump.layers", bool(debug.dump.steps), debug.dump_module)):
-            pattern = debug.layers if key == "debug.layers" else debug.dump.layers
+        for key, pattern, wanted, on in (("debug.layers", debug.layers, debug.interval > 0, debug.stats_module),
+                                         ("debug.dump.layers", debug.dump.layers, bool(debug.dump.steps),
+                                          debug.dump_module)):
             if wanted and not any(on(m) for m in fp8_modules):
                 out.append(f"{key}={pattern!r} matches no module that runs FP8 (of {len(fp8_modules)}, e.g. "
                            f"{min(fp8_modules)!r}): nothing is recorded; widen it")

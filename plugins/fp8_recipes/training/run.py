@@ -369,9 +369,7 @@ def run_training(cfg) -> dict:
         recipe = resolve_recipe(cfg)
         debug = resolve_debug(cfg)
         if debug is not None and debug.dump.steps:  # written at the first dump step, hours in: checked now
-            dump_dir = Path(debug.dump.dir)
-            check_writable_dir("debug.dump.dir", str(dump_dir if dump_dir.is_absolute() else
-                                                     Path(cfg.run_dir) / dump_dir))
+            check_writable_dir("debug.dump.dir", str(debug.dump.path(cfg.run_dir)))
     one_cuda_connection(tcfg)
     hardware = Hardware.detect()  # (CUDA starts here on a GPU machine)
     trainer = cfg.trainer
