@@ -85,9 +85,9 @@ EXPORTED = {c.split()[2] for _, c in ALL if c.startswith("fp8-recipes export ") 
 def rule(command: str) -> str:
     """How a command is checked here (the module docstring); '' when no rule covers it."""
     words = command.split()
-    if command.startswith(("bash scripts/setup.sh", "bash tests/gpu/run_gpu.sh", "pip install", "S=",
-                           "BASELINE=", "PYTHONPATH=")) or "scripts/bench_" in command or "tests/gpu/run_gpu.sh" in command \
-            or "scripts/bridge_pretrain.py" in command:
+    if command.startswith(("bash scripts/setup.sh", "FP8_RECIPES_TORCH=", "bash scripts/lock.sh", "TORCH=",
+                           "bash tests/gpu/run_gpu.sh", "pip install", "S=", "BASELINE=", "PYTHONPATH=")) \
+            or "scripts/bench_" in command or "tests/gpu/run_gpu.sh" in command or "scripts/bridge_pretrain.py" in command:
         return "gpu-or-setup"
     if words[0].endswith("python") and words[1:3] == ["-m", "pytest"]:
         return "pytest"
