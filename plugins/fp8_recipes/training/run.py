@@ -14,10 +14,12 @@ train.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -362,8 +364,90 @@ def same_on_every_rank():
         raise
 
 
+@dataclasses.dataclass
+class _Run:
+    """What run_training's phases hand on: the checked config and first plan, the resume decision, this rank."""
+
+    cfg: Any
+    tcfg: Any
+    """The checked TrainerConfig (training/config.py)."""
+    recipe: Any
+    debug: Any
+    hardware: Hardware
+    first_plan: PrecisionPlan
+    """The plan on the whole model's layout, made before anything is built (its checks refuse early)."""
+    shape_warning: str | None
+    resume_from: Path | None = None
+    skip: int = 0
+    """Micro-batches of the training stream the checkpoint consumed (checkpoint.resume_skip)."""
+    saved: dict | None = None
+    """The checkpoint's meta.json, read once."""
+    rank: int = 0
+    world_size: int = 1
+    device: Any = None
+
+    @property
+    def trainer(self):
+        return self.cfg.trainer
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.cfg.run_dir)
+
+    @property
+    def layout(self) -> dict:
+        """The model-parallel sizes, as init_distributed and checkpoint.resume_skip take them."""
+        return {"tensor_model_parallel_size": self.tcfg.tensor_model_parallel_size,
+                "pipeline_model_parallel_size": self.tcfg.pipeline_model_parallel_size,
+                "virtual_pipeline_model_parallel_size": self.tcfg.virtual_pipeline_model_parallel_size}
+
+
+@dataclasses.dataclass
+class _RunData:
+    """This rank's batches and the dataset they come from."""
+
+    train_iters: list
+    """One iterator per model chunk, each the same stream (the first stage reads its tokens, the last its labels)."""
+    valid_iter: Any
+    meta: dict
+    """The dataset's meta.json (tokenizer, vocabulary)."""
+    data_dir: Path
+    data_parallel_size: int
+
+
 def run_training(cfg) -> dict:
     quiet_third_party_logs()
+    run = _checked_run(cfg)
+    # torch and Megatron-Core from here on, once the config is known to be good (module docstring)
+    from fp8_recipes.megatron.model import destroy_distributed, init_distributed
+
+    _decide_resume(run)
+    if launch_rank() == 0:
+        claim(run.run_dir)  # the lock, released when the run ends (at exit, if it ends in an exception before `try`)
+    run.rank, run.world_size, run.device = init_distributed(**run.layout,
+                                                            context_parallel_size=run.tcfg.context_parallel_size,
+                                                            seed=run.tcfg.seed)
+    try:
+        _verify_resume(run)
+        if run.saved is not None and (done := int(run.saved["step"])) >= run.tcfg.max_steps:
+            # A finished run resumed (a requeued or resubmitted job): nothing to train, nothing of the run rewritten.
+            # Decided on the verified checkpoint: a damaged final one is refused, or with auto trained again.
+            return {"finished": {"steps": done, "checkpoint": str(run.resume_from), "max_steps": run.tcfg.max_steps},
+                    "steps": done, "rank": run.rank}
+        if run.rank == 0:
+            _warn_notices(run)
+        data = _run_data(run)
+        engine, plan, precision = _model_and_engine(run, data)
+        write_run_files = _run_files(run, plan, data.data_parallel_size)
+        return _train(run, engine, plan, precision, data, on_ready=write_run_files)
+    finally:
+        release(run.run_dir)
+        destroy_distributed()
+
+
+def _checked_run(cfg) -> _Run:
+    """The config, recipe and debug section checked, and the first plan with its checks: every error here comes
+    before any process group, data or model exists (and before torch loads)."""
     with same_on_every_rank():
         tcfg = check_run_config(cfg)  # trainer, model, data, run_dir: before anything is built (and torch loads)
         recipe = resolve_recipe(cfg)
@@ -372,166 +456,192 @@ def run_training(cfg) -> dict:
             check_writable_dir("debug.dump.dir", str(debug.dump.path(cfg.run_dir)))
     one_cuda_connection(tcfg)
     hardware = Hardware.detect()  # (CUDA starts here on a GPU machine)
-    trainer = cfg.trainer
-    run_dir = Path(cfg.run_dir)
     with same_on_every_rank():
         # Fail on the recipe/hardware combination before any process group, data or model exists.
         with _recipe_keys():
             first_plan = PrecisionPlan(recipe, ModelLayout.gpt(int(cfg.model.num_layers)), hardware)
         check_fp8_param(tcfg, first_plan)
         shape_warning = check_plan(tcfg, cfg.model, first_plan)
+    return _Run(cfg, tcfg, recipe, debug, hardware, first_plan, shape_warning)
 
-    # torch and Megatron-Core from here on, once the config is known to be good (module docstring)
-    from fp8_recipes.megatron.model import destroy_distributed, init_distributed
-    from fp8_recipes.training.checkpoint import (check_model_matches, checkpoint_meta, find_resume, quick_damage,
-                                                 resume_skip, shared_damage)
-    from fp8_recipes.training.engine import build_engine
-    from fp8_recipes.training.loop import train
+
+def _resume_skip(run: _Run, step_dir: Path | None) -> int:
+    from fp8_recipes.training.checkpoint import resume_skip  # torch (module docstring)
+
+    return resume_skip(step_dir, global_batch_size=run.tcfg.global_batch_size,
+                       micro_batch_size=run.tcfg.micro_batch_size, **run.layout,
+                       use_distributed_optimizer=run.tcfg.use_distributed_optimizer) if step_dir is not None else 0
+
+
+def _decide_resume(run: _Run) -> None:
+    """Where the run starts, before any process group exists: the checkpoint to resume (its files checked quickly),
+    the samples it consumed, and the run directory's owner check."""
+    from fp8_recipes.training.checkpoint import checkpoint_meta, find_resume, quick_damage  # torch (docstring)
 
     with same_on_every_rank():
-        if tcfg.device == "gpu" and hardware.device != "cuda":
+        if run.tcfg.device == "gpu" and run.hardware.device != "cuda":
             raise ConfigError("trainer.device=gpu: this machine has no CUDA GPU; train on the CPU with trainer=cpu (or "
                              "trainer.device=auto)")
-        gbs, mbs = tcfg.global_batch_size, tcfg.micro_batch_size
-        layout = {"tensor_model_parallel_size": tcfg.tensor_model_parallel_size,
-                  "pipeline_model_parallel_size": tcfg.pipeline_model_parallel_size,
-                  "virtual_pipeline_model_parallel_size": tcfg.virtual_pipeline_model_parallel_size}
         # A resume that cannot continue the run (another layout or global batch) is refused before anything is built.
-        # Its files' contents are verified once the process group exists (each rank a share: shared_damage, below).
-        resume_from = find_resume(trainer.get("resume"), run_dir, damage=quick_damage, warn=False)
-
-        def skipped(step_dir: Path | None) -> int:
-            return resume_skip(step_dir, global_batch_size=gbs, micro_batch_size=mbs, **layout,
-                               use_distributed_optimizer=tcfg.use_distributed_optimizer) if step_dir is not None else 0
-
-        skip = skipped(resume_from)
+        # Its files' contents are verified once the process group exists (each rank a share: _verify_resume).
+        run.resume_from = find_resume(run.trainer.get("resume"), run.run_dir, damage=quick_damage, warn=False)
+        run.skip = _resume_skip(run, run.resume_from)
         # One owner (rundir.py): no other running job, and a fresh start only into a directory holding no other run.
-        check_run_dir(run_dir, fresh=resume_from is None and trainer.get("resume") != "auto")
-    saved = checkpoint_meta(resume_from) if resume_from is not None else None  # read once, used below
-    if launch_rank() == 0:
-        claim(run_dir)  # the lock, released when the run ends (at exit, if it ends in an exception before `try`)
-    rank, world_size, device = init_distributed(**layout, context_parallel_size=tcfg.context_parallel_size,
-                                                seed=tcfg.seed)
+        check_run_dir(run.run_dir, fresh=run.resume_from is None and run.trainer.get("resume") != "auto")
+    run.saved = checkpoint_meta(run.resume_from) if run.resume_from is not None else None  # read once, used below
+
+
+def _verify_resume(run: _Run) -> None:
+    """The checkpoint's contents, read once between the ranks (the process group exists now); auto may fall back
+    to an earlier checkpoint, or to a fresh start."""
+    if run.resume_from is None:
+        return
+    from fp8_recipes.training.checkpoint import checkpoint_meta, find_resume, shared_damage  # torch (docstring)
+
+    with same_on_every_rank():
+        verified = find_resume(run.trainer.get("resume"), run.run_dir, damage=shared_damage)
+        if verified != run.resume_from:
+            run.resume_from, run.skip, run.saved = verified, _resume_skip(run, verified), checkpoint_meta(verified)
+
+
+def _warn_notices(run: _Run) -> None:
+    """Settings that do nothing in this run, and the emulated backend's shape warning: said once (rank 0)."""
+    plan = run.first_plan
+    fp8_modules = {name for first, _, _ in plan.stages(run.tcfg.max_steps)
+                   for name, module in plan.at(first).modules.items() if module.any_fp8}
+    start = int(run.saved["step"]) if run.saved is not None else 0
+    for line in [*run_notices(run.tcfg, run.recipe, run.debug, start, fp8_modules), run.shape_warning]:
+        if line:
+            logger.warning(line)
+
+
+def _run_data(run: _Run) -> _RunData:
+    """The dataset (built or reused by rank 0, the others wait) and this rank's training and validation batches."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    data, trainer, mbs = run.cfg.data, run.trainer, run.tcfg.micro_batch_size
+    t0 = time.perf_counter()
+    if run.rank == 0:  # one rank builds (or reuses) the dataset, the others wait and read it
+        prepare_dataset(data.inputs, data.path, tokenizer_kind=data.tokenizer, vocab_size=int(data.vocab_size),
+                        json_key=data.json_key)
+    if run.world_size > 1:
+        dist.barrier()
+    data_dir = Path(data.path)
+    meta = json.loads((data_dir / "meta.json").read_text())
+    dp = ps.get_data_parallel_world_size()
+    train_ds, valid_ds = run_datasets(run.cfg, data_dir, dp)
+    # One global stream of micro-batches dealt out round robin to the data-parallel ranks: a step trains on the
+    # same samples at any DP size, and a resumed run starts after the samples its checkpoint consumed.
+    dp_rank = ps.get_data_parallel_rank()
+    # every pipeline stage and model chunk reads the same stream (the first stage its tokens, the last its labels)
+    train_iters = [data_parallel_batches(train_ds, mbs, int(trainer.seed), dp_rank, dp, skip=run.skip)
+                   for _ in range(run.tcfg.virtual_pipeline_model_parallel_size or 1)]
+    valid_iter = data_parallel_batches(valid_ds, mbs, valid_seed(trainer), dp_rank, dp)
+    if run.rank == 0 and run.saved is not None:
+        saved_dp = run.saved.get("data_parallel_size", dp)
+        logger.info("resume: from %s (step %d, %d samples consumed%s)", run.resume_from, run.saved["step"],
+                    run.skip * mbs, f"; data parallel {saved_dp} -> {dp}, the same global batches"
+                    if saved_dp != dp else "")
+    elif run.rank == 0 and trainer.get("resume") == "auto":
+        logger.info("resume: auto: no checkpoint in %s, starting fresh", run.run_dir)
+    if run.rank == 0:
+        logger.info("data: %s (%d tokens, vocab %d) ready in %.1fs", data_dir, meta.get("num_tokens", -1),
+                    meta["vocab_size"], time.perf_counter() - t0)
+    return _RunData(train_iters, valid_iter, meta, data_dir, dp)
+
+
+def _model_and_engine(run: _Run, data: _RunData):
+    """This rank's model chunks with the precision backend attached (initial weights from model.init_from, checked
+    against a resumed checkpoint) and the engine around them: (engine, the model's plan, precision)."""
+    from fp8_recipes.training.checkpoint import check_model_matches  # torch (module docstring)
+    from fp8_recipes.training.engine import build_engine  # torch and Megatron-Core (module docstring)
+
+    model_cfg = run_model_cfg(run.cfg, data.meta, data.data_dir)
+    init_from = model_cfg.get("init_from") if run.resume_from is None else None  # a resumed run has its weights
+    if init_from:
+        # (torch and safetensors: this module loads without them, for the config checks and the Slurm launcher)
+        from fp8_recipes.training.hf import check_hf_init, hf_init_path, load_hf_weights
+
+        with same_on_every_rank():
+            check_hf_init(hf_init_path(init_from), model_cfg)  # vocabulary and shape, before the model is built
+    params_dtype = torch_dtype(str(run.trainer.params_dtype))
+    attach = attach_te if run.first_plan.backend is Backend.TE else attach_emulated
+    # the same initial weights at any pipeline layout (megatron/model.py: build_gpt_model's init_seed)
+    chunks, plan, precision = attach(model_cfg, run.recipe, run.hardware, params_dtype, run.device,
+                                     engine_config_overrides(run.tcfg), init_seed=run.tcfg.seed)
+    if init_from:  # before the optimizer copies the parameters into its main params
+        with same_on_every_rank():
+            count = load_hf_weights(chunks, hf_init_path(init_from), model_cfg)
+        if run.rank == 0:
+            logger.info("model.init_from: %s (%d tensors on rank 0)", init_from, count)
+    if run.resume_from is not None:  # another model config: refused before the run's files are rewritten
+        with same_on_every_rank():
+            check_model_matches(run.resume_from, chunks)
+    fp8_param = None
+    if plan.backend is Backend.TE:
+        from fp8_recipes.megatron.te_layers import fp8_param_recipe  # Megatron-Core (module docstring)
+
+        fp8_param = fp8_param_recipe(plan)
+    engine = build_engine(chunks, run.tcfg, seq_length=int(model_cfg["seq_length"]), lr=run.tcfg.lr,
+                          device=run.device, fp8_param=fp8_param)
+    return engine, plan, precision
+
+
+def _run_files(run: _Run, plan, data_parallel_size: int) -> Callable[[], None]:
+    """The plan printed now (rank 0); the function that writes the run's plan and recipe files, for the loop's
+    on_ready."""
+    tcfg = run.tcfg
+    explained = format_plan(plan, max_steps=int(run.trainer.max_steps), parallel=ParallelLayout(
+        tcfg.tensor_model_parallel_size, tcfg.pipeline_model_parallel_size,
+        tcfg.virtual_pipeline_model_parallel_size, tcfg.context_parallel_size, data_parallel_size))
+    if run.rank == 0:
+        run.run_dir.mkdir(parents=True, exist_ok=True)
+        print(explained, flush=True)
+
+    def write_run_files() -> None:
+        """Called by the loop once the checkpoint is loaded: a resume refused while loading (e.g. the scaling
+        state of another recipe) leaves the run's plan, recipe and metrics as they were."""
+        if run.rank != 0:
+            return
+        if run.resume_from is not None or run.trainer.get("resume") == "auto":
+            # the rows a killed run wrote past its checkpoint
+            drop_rows_after(run.run_dir, int(run.saved["step"]) if run.saved is not None else 0)
+        write_text(run.run_dir / PLAN, explained + "\n")
+        import yaml
+
+        write_text(run.run_dir / RECIPE, yaml.safe_dump(run.recipe.to_dict(), sort_keys=False))
+    return write_run_files
+
+
+def _train(run: _Run, engine, plan, precision, data: _RunData, on_ready: Callable[[], None]) -> dict:
+    """The loop, with the numerics recorder when `debug` asks (closed however the loop ends); the summary with
+    this rank, the recorder's time and what the TE linears really ran."""
+    # imported here, not at the top: the loop module is torch's (and a test's hook patches its `train`)
+    from fp8_recipes.training.loop import train
+
+    recipe = run.recipe
+    precision, recorder = _observe(precision, run.debug, run.run_dir, run.rank, plan.backend,
+                                   run.tcfg.sequence_parallel)
+    failed = True
     try:
-        import torch.distributed as dist
-
-        if resume_from is not None:  # the checkpoint's contents, read once between the ranks; auto may fall back
-            with same_on_every_rank():
-                verified = find_resume(trainer.get("resume"), run_dir, damage=shared_damage)
-                if verified != resume_from:
-                    resume_from, skip, saved = verified, skipped(verified), checkpoint_meta(verified)
-        if saved is not None and (done := int(saved["step"])) >= tcfg.max_steps:
-            # A finished run resumed (a requeued or resubmitted job): nothing to train, nothing of the run rewritten.
-            # Decided on the verified checkpoint: a damaged final one is refused, or with auto trained again.
-            return {"finished": {"steps": done, "checkpoint": str(resume_from), "max_steps": tcfg.max_steps},
-                    "steps": done, "rank": rank}
-        if rank == 0:
-            fp8_modules = {name for first, _, _ in first_plan.stages(tcfg.max_steps)
-                           for name, module in first_plan.at(first).modules.items() if module.any_fp8}
-            start = int(saved["step"]) if saved is not None else 0
-            for line in [*run_notices(tcfg, recipe, debug, start, fp8_modules), shape_warning]:
-                if line:
-                    logger.warning(line)
-
-        data = cfg.data
-        t0 = time.perf_counter()
-        if rank == 0:  # one rank builds (or reuses) the dataset, the others wait and read it
-            data_dir = prepare_dataset(data.inputs, data.path, tokenizer_kind=data.tokenizer,
-                                       vocab_size=int(data.vocab_size), json_key=data.json_key)
-        if world_size > 1:
-            dist.barrier()
-        data_dir = Path(data.path)
-        meta = json.loads((data_dir / "meta.json").read_text())
-        from megatron.core import parallel_state as ps
-
-        dp = ps.get_data_parallel_world_size()
-        train_ds, valid_ds = run_datasets(cfg, data_dir, dp)
-        # One global stream of micro-batches dealt out round robin to the data-parallel ranks: a step trains on the
-        # same samples at any DP size, and a resumed run starts after the samples its checkpoint consumed.
-        dp_rank = ps.get_data_parallel_rank()
-        # every pipeline stage and model chunk reads the same stream (the first stage its tokens, the last its labels)
-        train_iters = [data_parallel_batches(train_ds, mbs, int(trainer.seed), dp_rank, dp, skip=skip)
-                       for _ in range(tcfg.virtual_pipeline_model_parallel_size or 1)]
-        valid_iter = data_parallel_batches(valid_ds, mbs, valid_seed(trainer), dp_rank, dp)
-        if rank == 0 and saved is not None:
-            saved_dp = saved.get("data_parallel_size", dp)
-            logger.info("resume: from %s (step %d, %d samples consumed%s)", resume_from, saved["step"], skip * mbs,
-                        f"; data parallel {saved_dp} -> {dp}, the same global batches" if saved_dp != dp else "")
-        elif rank == 0 and trainer.get("resume") == "auto":
-            logger.info("resume: auto: no checkpoint in %s, starting fresh", run_dir)
-        if rank == 0:
-            logger.info("data: %s (%d tokens, vocab %d) ready in %.1fs", data_dir, meta.get("num_tokens", -1),
-                        meta["vocab_size"], time.perf_counter() - t0)
-
-        model_cfg = run_model_cfg(cfg, meta, data_dir)
-        init_from = model_cfg.get("init_from") if resume_from is None else None  # a resumed run has its weights
-        if init_from:
-            # (torch and safetensors: this module loads without them, for the config checks and the Slurm launcher)
-            from fp8_recipes.training.hf import check_hf_init, hf_init_path, load_hf_weights
-
-            with same_on_every_rank():
-                check_hf_init(hf_init_path(init_from), model_cfg)  # vocabulary and shape, before the model is built
-        params_dtype = torch_dtype(str(trainer.params_dtype))
-        attach = attach_te if first_plan.backend is Backend.TE else attach_emulated
-        # the same initial weights at any pipeline layout (megatron/model.py: build_gpt_model's init_seed)
-        chunks, plan, precision = attach(model_cfg, recipe, hardware, params_dtype, device,
-                                         engine_config_overrides(tcfg), init_seed=tcfg.seed)
-        if init_from:  # before the optimizer copies the parameters into its main params
-            with same_on_every_rank():
-                count = load_hf_weights(chunks, hf_init_path(init_from), model_cfg)
-            if rank == 0:
-                logger.info("model.init_from: %s (%d tensors on rank 0)", init_from, count)
-        if resume_from is not None:  # another model config: refused before the run's files are rewritten
-            with same_on_every_rank():
-                check_model_matches(resume_from, chunks)
-        fp8_param = None
-        if plan.backend is Backend.TE:
-            from fp8_recipes.megatron.te_layers import fp8_param_recipe  # Megatron-Core (module docstring)
-
-            fp8_param = fp8_param_recipe(plan)
-        engine = build_engine(chunks, tcfg, seq_length=int(model_cfg["seq_length"]), lr=tcfg.lr, device=device,
-                              fp8_param=fp8_param)
-        explained = format_plan(plan, max_steps=int(trainer.max_steps), parallel=ParallelLayout(
-            tcfg.tensor_model_parallel_size, tcfg.pipeline_model_parallel_size,
-            tcfg.virtual_pipeline_model_parallel_size, tcfg.context_parallel_size, dp))
-        if rank == 0:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            print(explained, flush=True)
-
-        def write_run_files() -> None:
-            """Called by the loop once the checkpoint is loaded: a resume refused while loading (e.g. the scaling
-            state of another recipe) leaves the run's plan, recipe and metrics as they were."""
-            if rank != 0:
-                return
-            if resume_from is not None or trainer.get("resume") == "auto":  # rows a killed run wrote past its checkpoint
-                drop_rows_after(run_dir, int(saved["step"]) if saved is not None else 0)
-            write_text(run_dir / PLAN, explained + "\n")
-            import yaml
-
-            write_text(run_dir / RECIPE, yaml.safe_dump(recipe.to_dict(), sort_keys=False))
-        precision, recorder = _observe(precision, debug, run_dir, rank, plan.backend, tcfg.sequence_parallel)
-        failed = True
-        try:
-            summary = train(engine, train_iters, valid_iter, trainer, precision, run_dir, rank=rank,
-                            world_size=world_size, resume_from=resume_from, on_ready=write_run_files,
-                            summary_extra={"recipe": recipe.name, "backend": str(plan.backend),
-                                           "fp8": any(str(recipe.policy(r).scaling) != "none"
-                                                      for r in ("weights", "activations", "gradients")),
-                                           "device": hardware.describe()})
-            failed = False
-        except NonFiniteStop:
-            failed = False  # every rank stops together, after a barrier: the last rows merge as usual
-            raise
-        finally:
-            if recorder is not None:  # the last step's rows and the heat map, also after a failed step (then
-                recorder.close(merge=not failed)  # unmerged: a rank that failed alone must not wait on its peers)
-        summary["rank"] = rank
-        if recorder is not None:
-            summary["numerics_s"] = recorder.seconds  # time spent on statistics and dumps (bench_stats.py)
-            summary["numerics_write_s"] = recorder.write_seconds  # of which writing rows, between steps
-        if hasattr(precision, "execution_summary"):  # what the TE linears really ran, against the plan
-            summary["te_execution"] = precision.execution_summary()
-        return summary
+        summary = train(engine, data.train_iters, data.valid_iter, run.trainer, precision, run.run_dir, rank=run.rank,
+                        world_size=run.world_size, resume_from=run.resume_from, on_ready=on_ready,
+                        summary_extra={"recipe": recipe.name, "backend": str(plan.backend),
+                                       "fp8": any(str(recipe.policy(r).scaling) != "none"
+                                                  for r in ("weights", "activations", "gradients")),
+                                       "device": run.hardware.describe()})
+        failed = False
+    except NonFiniteStop:
+        failed = False  # every rank stops together, after a barrier: the last rows merge as usual
+        raise
     finally:
-        release(run_dir)
-        destroy_distributed()
+        if recorder is not None:  # the last step's rows and the heat map, also after a failed step (then
+            recorder.close(merge=not failed)  # unmerged: a rank that failed alone must not wait on its peers)
+    summary["rank"] = run.rank
+    if recorder is not None:
+        summary["numerics_s"] = recorder.seconds  # time spent on statistics and dumps (bench_stats.py)
+        summary["numerics_write_s"] = recorder.write_seconds  # of which writing rows, between steps
+    if hasattr(precision, "execution_summary"):  # what the TE linears really ran, against the plan
+        summary["te_execution"] = precision.execution_summary()
+    return summary
