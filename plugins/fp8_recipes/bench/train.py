@@ -25,8 +25,10 @@ tokens/s over ``steps`` timed steps after ``warmup``, peak memory from torch.cud
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -83,8 +85,6 @@ def check_configs(configs: list[str]) -> None:
 
 def with_levers(recipe: Any, levers: list[str]) -> Any:
     """``recipe`` with the named speed levers on (bench config ``NAME+LEVER``)."""
-    import dataclasses
-
     check_configs([f"{recipe.name}+{'+'.join(levers)}"] if levers else [])
     if "head" in levers:
         recipe = dataclasses.replace(recipe, layers=dataclasses.replace(recipe.layers, fp8_output_layer=True))
@@ -105,55 +105,91 @@ def _optimizer(model: torch.nn.Module, levers: list[str]) -> torch.optim.Optimiz
     return torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
 
-def _run_config(model_cfg: dict, label: str, *, seq: int, mbs: int, warmup: int, steps: int, seed: int,
-                profile: bool = False) -> dict[str, Any]:
+@dataclasses.dataclass
+class _BenchConfig:
+    """A config label decided: the recipe and plan it runs, Megatron-Core's own FP8 fields (NAME:raw), the plan
+    stage it is timed in; or why it is skipped."""
+
+    label: str
+    name: str
+    mode: str
+    levers: list[str]
+    recipe: Any = None
+    plan: Any = None
+    overrides: dict | None = None
+    describe: str = "BF16"
+    steady: int = 0
+    skipped: str | None = None
+
+    @property
+    def ours(self) -> bool:
+        """This project's TE backend drives the model (a recipe, not NAME:raw)."""
+        return self.name != "bf16" and self.mode != "raw"
+
+
+def _decide(model_cfg: dict, label: str) -> _BenchConfig:
+    """What a config label runs, decided on the plan before any model is built."""
+    name, _, mode = label.partition(":")
+    name, *levers = name.split("+")
+    run = _BenchConfig(label, name, mode, levers)
+    if name == "bf16":
+        return run
+    run.recipe = recipe = with_levers(load_recipe(name), levers)
+    if mode == "raw" and "head" in levers:
+        run.skipped = (f"Megatron-Core has no FP8 LM head on this GPU; {name}+{'+'.join(levers)} is compared with "
+                       f"{name}:raw")
+        return run
+    run.plan = plan = PrecisionPlan(recipe, ModelLayout.gpt(int(model_cfg["num_layers"])), Hardware.detect())
+    if plan.te is None:
+        run.skipped = f"no TE plan ({plan.backend_reason})"
+        return run
+    # Timed in the recipe's final stage (after any BF16 warmup and staged enablement): its steady state.
+    run.steady = max(recipe.schedule.role_start(r) for r in ROLES if recipe.policy(r).is_fp8)
+    choice = plan.at(run.steady).modules["decoder.layers.1.mlp.linear_fc1"].te
+    run.describe = choice.describe() if choice is not None else "BF16"
+    if mode == "raw":
+        run.overrides = raw_megatron_fp8(choice, recipe)
+        if run.overrides is None:
+            run.skipped = f"Megatron-Core has no plain recipe for {run.describe}"
+        elif "attn" in levers and not choice.fp8_dpa:
+            run.skipped = f"TE runs no FP8 attention under {run.describe} here"
+        elif "fp8param" in levers:
+            run.overrides = {**run.overrides, "fp8_param": True}  # Megatron-Core's own FP8 weights
+    elif recipe.fp8_param and plan.fp8_param_problem():
+        run.skipped = plan.fp8_param_problem()
+    return run
+
+
+def _bench_model(model_cfg: dict, run: _BenchConfig, seed: int) -> tuple[torch.nn.Module, Any]:
+    """The TE-spec model, freshly seeded, and this project's backend on it (None for bf16 and NAME:raw)."""
     # Megatron-Core here and in bench_train, not at import: --help, --plot-only and the config checks run without it
     from megatron.core import tensor_parallel
 
     from fp8_recipes.megatron.model import build_gpt_model, model_layout
     from fp8_recipes.megatron.te_layers import FP8ParamInit, attach_te_backend
 
-    name, _, mode = label.partition(":")
-    name, *levers = name.split("+")
-    overrides, precision, describe, steady = None, None, "BF16", 0
-    if name != "bf16":
-        recipe = with_levers(load_recipe(name), levers)
-        if mode == "raw" and "head" in levers:
-            return {"config": label, "skipped": f"Megatron-Core has no FP8 LM head on this GPU; "
-                                                f"{name}+{'+'.join(levers)} is compared with {name}:raw"}
-        plan = PrecisionPlan(recipe, ModelLayout.gpt(int(model_cfg["num_layers"])), Hardware.detect())
-        if plan.te is None:
-            return {"config": label, "skipped": f"no TE plan ({plan.backend_reason})"}
-        # Timed in the recipe's final stage (after any BF16 warmup and staged enablement): its steady state.
-        steady = max(recipe.schedule.role_start(r) for r in ROLES if recipe.policy(r).is_fp8)
-        choice = plan.at(steady).modules["decoder.layers.1.mlp.linear_fc1"].te
-        describe = choice.describe() if choice is not None else "BF16"
-        if mode == "raw":
-            overrides = raw_megatron_fp8(choice, recipe)
-            if overrides is None:
-                return {"config": label, "skipped": f"Megatron-Core has no plain recipe for {describe}"}
-            if "attn" in levers and not choice.fp8_dpa:
-                return {"config": label, "skipped": f"TE runs no FP8 attention under {describe} here"}
-            if "fp8param" in levers:
-                overrides = {**overrides, "fp8_param": True}  # Megatron-Core's own FP8 weights
-        elif recipe.fp8_param and plan.fp8_param_problem():
-            return {"config": label, "skipped": plan.fp8_param_problem()}
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.cuda.reset_peak_memory_stats()
-    fp8_param = FP8ParamInit(plan) if name != "bf16" and mode != "raw" and recipe.fp8_param else None
+    fp8_param = FP8ParamInit(run.plan) if run.ours and run.recipe.fp8_param else None
     model = build_gpt_model(model_cfg, use_te_spec=True, params_dtype=torch.bfloat16, device="cuda",
-                            config_overrides=overrides, layer_init=fp8_param)
-    if name != "bf16" and mode != "raw":
-        precision = attach_te_backend(model, PrecisionPlan(recipe, model_layout(model), Hardware.detect()),
+                            config_overrides=run.overrides, layer_init=fp8_param)
+    precision = None
+    if run.ours:
+        precision = attach_te_backend(model, PrecisionPlan(run.recipe, model_layout(model), Hardware.detect()),
                                       count=False, recipes=fp8_param.recipes if fp8_param else None)
-    model.train()
-    optimizer = _optimizer(model, levers)
+    return model, precision
+
+
+def _step_function(model: torch.nn.Module, precision: Any, optimizer: torch.optim.Optimizer, run: _BenchConfig,
+                   model_cfg: dict, *, seq: int, mbs: int, seed: int) -> Callable[[int], torch.Tensor]:
+    """One training step on the same random tokens each time, numbered from the recipe's steady stage."""
     vocab = int(model_cfg["vocab_size"])
     g = torch.Generator(device="cuda").manual_seed(seed)
     tokens = torch.randint(0, vocab, (mbs, seq), device="cuda", generator=g)
     labels = torch.randint(0, vocab, (mbs, seq), device="cuda", generator=g)
     position_ids = torch.arange(seq, device="cuda").expand(mbs, seq)
+    steady, overrides = run.steady, run.overrides
 
     def one_step(i: int) -> torch.Tensor:
         if precision is not None:
@@ -167,7 +203,11 @@ def _run_config(model_cfg: dict, label: str, *, seq: int, mbs: int, warmup: int,
         if precision is not None:
             precision.after_optimizer_step(steady + i)
         return loss.detach()
+    return one_step
 
+
+def _timed(one_step: Callable[[int], torch.Tensor], warmup: int, steps: int) -> tuple[float, torch.Tensor]:
+    """Seconds of ``steps`` steps after ``warmup`` untimed ones (CUDA events), and the last step's loss."""
     for i in range(warmup):
         one_step(i)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -177,14 +217,26 @@ def _run_config(model_cfg: dict, label: str, *, seq: int, mbs: int, warmup: int,
         loss = one_step(i)
     end.record()
     end.synchronize()
-    seconds = start.elapsed_time(end) / 1000
-    out = {"config": label, "te_recipe": describe, "megatron_fp8": overrides, "step_ms": 1000 * seconds / steps,
-           "tokens_per_s": steps * mbs * seq / seconds, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
-           "loss": loss.item()}
+    return start.elapsed_time(end) / 1000, loss
+
+
+def _run_config(model_cfg: dict, label: str, *, seq: int, mbs: int, warmup: int, steps: int, seed: int,
+                profile: bool = False) -> dict[str, Any]:
+    run = _decide(model_cfg, label)
+    if run.skipped is not None:
+        return {"config": label, "skipped": run.skipped}
+    model, precision = _bench_model(model_cfg, run, seed)
+    model.train()
+    optimizer = _optimizer(model, run.levers)
+    one_step = _step_function(model, precision, optimizer, run, model_cfg, seq=seq, mbs=mbs, seed=seed)
+    seconds, loss = _timed(one_step, warmup, steps)
+    out = {"config": label, "te_recipe": run.describe, "megatron_fp8": run.overrides,
+           "step_ms": 1000 * seconds / steps, "tokens_per_s": steps * mbs * seq / seconds,
+           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": loss.item()}
     if profile:  # after the timing, so the profiler costs the timed steps nothing
         out["profile"] = profile_steps(one_step, warmup + steps)
         print(format_profile(f"{model_cfg.get('num_layers')}-layer {label}", out["profile"]), flush=True)
-    model = optimizer = precision = None  # drop the closure's references too, then the memory
+    model = optimizer = precision = one_step = loss = None  # the step function holds them too; then the memory
     _free()
     return out
 
