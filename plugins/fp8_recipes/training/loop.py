@@ -238,6 +238,28 @@ def _write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
         logger.warning("plot_loss failed: %s: %s", type(e).__name__, e)
 
 
+def _resume(engine: Engine, cfg: TrainerConfig, precision: Precision, schedule: LRSchedule,
+            resume_from: str | os.PathLike | None, rank: int) -> int:
+    """The step to start at: 0, or the checkpoint's, with model, optimizer, LR schedule, RNG and (unless
+    trainer.reset_scaling_state) the precision's scaling state loaded from it."""
+    reset = resume_from is not None and precision is not None and cfg.reset_scaling_state
+    if reset and rank == 0:
+        logger.warning("resume: trainer.reset_scaling_state=true: weights, optimizer, LR schedule and step from %s; "
+                       "the scaling state (amax histories, scales) starts fresh", resume_from)
+    return 0 if resume_from is None else load_checkpoint(resume_from, engine=engine, scheduler=schedule,
+                                                         precision=None if reset else precision)
+
+
+def _leave_together(run_dir: Path, summary: dict[str, Any], stopped: str | None, rank: int) -> None:
+    """summary.json and loss.png written (rank 0) before any rank leaves (the module docstring says why); a run
+    the fault policy stopped leaves with NonFiniteStop."""
+    if rank == 0:
+        _write_summary(run_dir, summary)
+    barrier()
+    if stopped is not None:
+        raise NonFiniteStop(stopped)
+
+
 def train(engine: Engine, batches_train: Iterator[Mapping[str, Any]] | list[Iterator[Mapping[str, Any]]],
           batches_valid: Iterator[Mapping[str, Any]] | None, trainer_cfg: Any, precision: Precision,
           run_dir: str | os.PathLike, *, rank: int = 0, world_size: int = 1,
@@ -257,12 +279,7 @@ def train(engine: Engine, batches_train: Iterator[Mapping[str, Any]] | list[Iter
     """
     cfg, run_dir = TrainerConfig.from_cfg(trainer_cfg), Path(run_dir)
     schedule = _start(engine, cfg, rank)
-    reset = resume_from is not None and precision is not None and cfg.reset_scaling_state
-    if reset and rank == 0:
-        logger.warning("resume: trainer.reset_scaling_state=true: weights, optimizer, LR schedule and step from %s; "
-                       "the scaling state (amax histories, scales) starts fresh", resume_from)
-    start = 0 if resume_from is None else load_checkpoint(resume_from, engine=engine, scheduler=schedule,
-                                                          precision=None if reset else precision)
+    start = _resume(engine, cfg, precision, schedule, resume_from, rank)
     if on_ready is not None:
         on_ready()
     evaluate = Evaluation(engine, precision, batches_valid, cfg)
@@ -299,9 +316,5 @@ def train(engine: Engine, batches_train: Iterator[Mapping[str, Any]] | list[Iter
     stopped = state.stop.message(saved) if state.stop is not None else None
     summary = _summary(state, faults, stopped, time.perf_counter() - wall0, engine.device, summary_extra)
     log.close()
-    if rank == 0:
-        _write_summary(run_dir, summary)
-    barrier()  # see the module docstring: no rank exits before the summary is written
-    if stopped is not None:
-        raise NonFiniteStop(stopped)
+    _leave_together(run_dir, summary, stopped, rank)
     return summary
