@@ -226,8 +226,8 @@ def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_li
 
     Returns the GPTModel for float32 params; for bfloat16 params a ``Float16Module`` wrapping it (``.module``
     is the GPTModel): its forward casts float inputs to bf16 and upcasts the per-token loss to fp32, and it
-    is the only way all params (norms, embeddings) end up bf16 (docs/facts.md, "Megatron-Core on the CPU"). Use :func:`unwrap_model` to reach
-    the GPTModel either way.
+    is the only way all params (norms, embeddings) end up bf16 (docs/facts.md, "Megatron-Core on the CPU"). Use
+    :func:`unwrap_model` to reach the GPTModel either way.
 
     ``use_te_spec=True`` (GPUs with Transformer Engine): linear_qkv / linear_fc1 become
     TELayerNormColumnParallelLinear (the input norm fused in, so the layer's own norms are IdentityOp) and
@@ -243,14 +243,33 @@ def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_li
     ``layer_init``: a context per global (0-based) layer number, each TransformerLayer built inside its own (the TE
     backend's ``quantized_model_init`` for layers whose weights are stored in FP8: megatron/te_layers.py).
     """
-    import torch.nn.functional as F
-    from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.module import Float16Module
 
     cfg = _as_dict(model_cfg)
     check_model_cfg(cfg)
+    _check_build_args(column_linear, row_linear, output_linear, core_attention, use_te_spec, params_dtype)
+    device = torch.device(device) if device is not None else (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+    vocab = _padded_vocab(cfg)
+    config = _transformer_config(cfg, params_dtype, device, use_te_spec, config_overrides)
+    spec = _layer_spec(config, use_te_spec, column_linear, row_linear, core_attention)
+    model = _seeded_gpt_model(config, spec, cfg, vocab, init_seed, layer_init, pre_process=pre_process,
+                              post_process=post_process, vp_stage=vp_stage)
+    output_linear = output_linear or column_linear
+    if output_linear is not None and post_process:
+        replace_output_layer_class(model, output_linear)
+    model.to(device)
+    if params_dtype == torch.bfloat16:
+        model = Float16Module(config, model)
+    return model
+
+
+def _check_build_args(column_linear: type | None, row_linear: type | None, output_linear: type | None,
+                      core_attention: type | None, use_te_spec: bool, params_dtype: torch.dtype) -> None:
+    """build_gpt_model's substitute classes (subclasses of the classes they replace, on the local spec only) and
+    its params dtype."""
+    from megatron.core import tensor_parallel
+
     _check_linear_class(column_linear, tensor_parallel.ColumnParallelLinear, "column_linear")
     _check_linear_class(row_linear, tensor_parallel.RowParallelLinear, "row_linear")
     _check_linear_class(output_linear, tensor_parallel.ColumnParallelLinear, "output_linear")
@@ -266,14 +285,27 @@ def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_li
         raise ValueError("column_linear/row_linear/core_attention apply to the local spec only: the TE spec fuses "
                          "the norm into linear_qkv/linear_fc1 (TELayerNormColumnParallelLinear) and builds TE's "
                          "attention; set use_te_spec=False")
-    device = torch.device(device) if device is not None else (
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+
+
+def _padded_vocab(cfg: dict) -> int:
+    """model.vocab_size padded for the tensor-parallel size (logged once, by the first data-parallel rank)."""
+    from megatron.core import parallel_state
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     vocab = pad_vocab_size(int(cfg["vocab_size"]), tp)
     if vocab != cfg["vocab_size"] and parallel_state.get_data_parallel_rank() == 0:
         logger.info("model.vocab_size %d -> %d (padded to a multiple of %d x TP %d)", cfg["vocab_size"], vocab,
                     VOCAB_MULTIPLE, tp)
+    return vocab
+
+
+def _transformer_config(cfg: dict, params_dtype: torch.dtype, device: torch.device, use_te_spec: bool,
+                        config_overrides: Mapping[str, Any] | None):
+    """Megatron-Core's TransformerConfig of a model config group, at parallel_state's layout, with the overrides."""
+    import torch.nn.functional as F
+    from megatron.core import parallel_state
+    from megatron.core.transformer import TransformerConfig
+
     swiglu = cfg.get("activation", "gelu") == "swiglu"
     hidden = int(cfg["hidden_size"])
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
@@ -291,7 +323,7 @@ def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_li
         attention_dropout=float(cfg.get("attention_dropout", 0.0)),
         init_method_std=float(cfg.get("init_method_std", 0.02)),
         layernorm_epsilon=float(cfg.get("layernorm_epsilon", 1e-5)),
-        tensor_model_parallel_size=tp,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         virtual_pipeline_model_parallel_size=vpp,
         # the interleaved schedule's p2p as Megatron-LM wires it (--overlap-p2p-communication, its default: overlap
@@ -318,16 +350,26 @@ def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_li
         gradient_accumulation_fusion=False,  # TE's fused wgrad into DDP's main_grad: not measured here yet
     )
     fields.update(config_overrides or {})
-    config = TransformerConfig(**fields)
+    return TransformerConfig(**fields)
 
+
+def _layer_spec(config, use_te_spec: bool, column_linear: type | None, row_linear: type | None,
+                core_attention: type | None):
+    """The transformer layer spec: Megatron-Core's TE spec, or its local spec with the substitute classes."""
     if use_te_spec:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-        spec = get_gpt_layer_with_transformer_engine_spec()
-    else:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        spec = get_gpt_layer_local_spec(normalization=config.normalization)
-        if column_linear or row_linear or core_attention:
-            spec = _substitute_linears(spec, column_linear, row_linear, core_attention)
+        return get_gpt_layer_with_transformer_engine_spec()
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    spec = get_gpt_layer_local_spec(normalization=config.normalization)
+    if column_linear or row_linear or core_attention:
+        spec = _substitute_linears(spec, column_linear, row_linear, core_attention)
+    return spec
+
+
+def _seeded_gpt_model(config, spec, cfg: dict, vocab: int, init_seed: int | None, layer_init: Callable | None, *,
+                      pre_process: bool, post_process: bool, vp_stage: int | None) -> torch.nn.Module:
+    """The GPTModel, its layers built from their own streams (init_seed) and in their layer_init contexts."""
+    from megatron.core.models.gpt import GPTModel
 
     if init_seed is not None or layer_init is not None:
         spec = dataclasses.replace(spec, module=_layout_seeded(spec.module))
@@ -352,12 +394,6 @@ def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_li
         )
     if init_seed is not None:  # the streams after the build as init_distributed left them (dropout, data order)
         _reseed(init_seed)
-    output_linear = output_linear or column_linear
-    if output_linear is not None and post_process:
-        replace_output_layer_class(model, output_linear)
-    model.to(device)
-    if params_dtype == torch.bfloat16:
-        model = Float16Module(config, model)
     return model
 
 
