@@ -20,6 +20,19 @@ from test_train_cpu import dataset, small_run  # noqa: F401  (the shared tiny da
 ROOT = Path(__file__).resolve().parents[2]
 CASES = yaml.safe_load((Path(__file__).parent / "bad_input" / "cases.yaml").read_text())
 IDS = [c["id"] for c in CASES]
+BOMB = "".join(f"{c}: &{c} [{', '.join([f'*{p}'] * 9) if p else ', '.join(['x'] * 9)}]\n"
+               for p, c in zip([None, "a", "b", "c", "d", "e", "f", "g"], "abcdefgh"))  # 9^8 values in ~300 bytes
+SEARCH_PATH_RECIPES = {  # {tmp}/group/recipe/NAME.yaml, for the cases `+recipe=NAME` found on Hydra's search path
+    "bomb": BOMB.encode(),
+    "pyobject": b"name: x\nweights: !!python/object/apply:os.system [echo hi]\n",
+    "dupkey": b"name: x\nweights: tensorwise\nweights: delayed\n",
+    "twodocs": b"name: x\n---\nname: y\n",
+    "nul": b"name: x\x00\n",
+    "notutf8": b"name: \xff\xfe\n",
+    "deep": ("name: x\nweights: " + "[" * 40 + "]" * 40 + "\n").encode(),
+    "mine": b"defaults: [base, _self_]\nname: mine\n",  # its defaults list names a bad recipe of the same group
+    "base": b"weights: {scaling: tensorwise}\nweights: {scaling: delayed}\n",
+}
 
 
 def test_corpus_is_well_formed():
@@ -30,10 +43,14 @@ def test_corpus_is_well_formed():
 
 
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory, dataset):  # noqa: F811
-    """{case id: (returncode, stdout, stderr, run_dir)} for the whole corpus, run 4 at a time."""
+def outcomes(request, tmp_path_factory, dataset):  # noqa: F811
+    """{case id: (returncode, stdout, stderr, run_dir)} for the selected cases (-k), run 4 at a time."""
     tmp = tmp_path_factory.mktemp("bad_input")
     (tmp / "empty.yaml").write_text("# a recipe of comments only\n")
+    group = tmp / "group" / "recipe"  # a user's own recipe group: hydra.searchpath=[file://{tmp}/group]
+    group.mkdir(parents=True)
+    for name, raw in SEARCH_PATH_RECIPES.items():
+        (group / f"{name}.yaml").write_bytes(raw)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "HYDRA_FULL_ERROR")}
 
     def run(case):
@@ -44,8 +61,10 @@ def outcomes(tmp_path_factory, dataset):  # noqa: F811
                               text=True, timeout=120)
         return case["id"], (proc.returncode, proc.stdout, proc.stderr, run_dir)
 
+    selected = {item.callspec.params["case"]["id"] for item in request.session.items
+                if item.module is request.module and "case" in getattr(getattr(item, "callspec", None), "params", {})}
     with ThreadPoolExecutor(max_workers=4) as pool:
-        return dict(pool.map(run, CASES))
+        return dict(pool.map(run, [c for c in CASES if c["id"] in selected]))
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
