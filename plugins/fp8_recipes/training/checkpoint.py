@@ -378,12 +378,9 @@ def checkpoint_damage(step_dir: str | os.PathLike, *, contents: bool = True,
         return "does not exist"
     if not (step_dir / _METADATA).is_file():
         return f"its {_METADATA} (the index of its shards) is missing"
-    for name in ("meta.json", _CHECKSUMS):
-        if (step_dir / name).is_file():
-            try:
-                json.loads((step_dir / name).read_text(encoding="utf-8"))
-            except (ValueError, UnicodeDecodeError):
-                return f"its {name} is not valid JSON"
+    problem = _records_damage(step_dir)
+    if problem:
+        return problem
     record = step_dir / _CHECKSUMS
     if not record.is_file():  # written before the record existed: the files DCP indexed are there
         return None
@@ -397,6 +394,30 @@ def checkpoint_damage(step_dir: str | os.PathLike, *, contents: bool = True,
     for name, want in recorded[share[0]::share[1]] if contents else []:
         if _digest(step_dir / name)["crc32"] != want["crc32"]:
             return f"{name} does not match its checksum, so it changed on disk after it was written"
+    return None
+
+
+def _records_damage(step_dir: Path) -> str | None:
+    """What is wrong with a step dir's ``meta.json`` and ``checksums.json`` as save_checkpoint writes them (JSON
+    objects; meta with the integer step and tensor-parallel size every reader of it needs), or None. A ``{}`` meta
+    would otherwise read as a checkpoint of another layout, and a record of the wrong shape end in a traceback."""
+    for name in ("meta.json", _CHECKSUMS):
+        if not (step_dir / name).is_file():
+            continue
+        try:
+            data = json.loads((step_dir / name).read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            return f"its {name} is not valid JSON"
+        if not isinstance(data, dict):
+            return f"its {name} is not a JSON object"
+        if name == "meta.json":
+            missing = [k for k in ("step", "tensor_model_parallel_size")
+                       if not isinstance(data.get(k), int) or isinstance(data.get(k), bool)]
+            if missing:
+                return f"its meta.json has no integer {' or '.join(repr(k) for k in missing)}"
+        elif not all(isinstance(v, dict) and isinstance(v.get("bytes"), int) and isinstance(v.get("crc32"), str)
+                     for v in data.values()):
+            return f"its {name} is not a record of file sizes and checksums"
     return None
 
 
@@ -421,12 +442,32 @@ def _step_dirs(root: Path) -> list[Path]:
     return sorted(steps, key=lambda p: int(p.name[5:]), reverse=True)
 
 
+def _latest(root: Path) -> tuple[str | None, str | None]:
+    """(the step dir name ``root/latest`` holds, None) or (None, what is wrong with it): missing, not UTF-8 text,
+    or not a ``step_N`` name (save_checkpoint writes nothing else; a path there would lead outside ``root``)."""
+    try:
+        name = (root / "latest").read_bytes().decode("utf-8").strip()
+    except FileNotFoundError:
+        return None, "checkpoints/latest is missing"
+    except UnicodeDecodeError:
+        return None, "checkpoints/latest is not UTF-8 text (it holds a step_N name)"
+    except OSError as e:
+        return None, f"checkpoints/latest cannot be read ({e.strerror or e})"
+    if not re.fullmatch(r"step_\d+", name):
+        return None, f"checkpoints/latest holds {name[:40]!r}, not a step_N name"
+    return name, None
+
+
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A ``step_N`` directory from a run dir, its ``checkpoints`` dir (both via ``latest``) or the step dir itself."""
+    """A ``step_N`` directory from a run dir, its ``checkpoints`` dir (both via ``latest``) or the step dir itself.
+    A damaged ``latest`` is a one-line ConfigError (a ValueError) naming it and the way round it."""
     path = Path(path)
     for root in (path / "checkpoints", path):
         if (root / "latest").is_file():
-            return _current_format(root / (root / "latest").read_text(encoding="utf-8").strip())
+            name, problem = _latest(root)
+            if problem:
+                raise ConfigError(f"{root}: {problem}; name one of its step_N dirs instead")
+            return _current_format(root / name)
     if path.name.endswith(".tmp"):
         raise FileNotFoundError(f"{path} is a checkpoint still being written (or left by a crash); resume from "
                                 "its run dir or a finished step_N dir")
@@ -494,14 +535,14 @@ def find_resume(resume: str | None, run_dir: str | os.PathLike, *,
 def _newest_intact(root: Path, damage: Callable[[Path], str | None], warn: bool) -> Path:
     """``trainer.resume=auto``: what ``latest`` names when intact, else the newest intact ``step_N`` (one warning
     naming both), else a one-line ValueError."""
-    named = (root / "latest").read_text(encoding="utf-8").strip() if (root / "latest").is_file() else None
+    named, pointer_problem = _latest(root)
     first = root / named if named else None
     if first is not None and first.is_dir():
         try:
             _current_format(first)  # an earlier format: refused as such, not taken for damage
         except ValueError as e:
             raise ConfigError(f"trainer.resume: {e}") from None
-    problem = (damage(first) if first is not None else "checkpoints/latest is missing")
+    problem = damage(first) if first is not None else pointer_problem
     if problem is None:
         return first
     for step_dir in _step_dirs(root):
