@@ -30,7 +30,8 @@ each rank digests only its share of the files (every world-size-th one) and all 
 
 ``meta.json`` (rank 0, inside the step dir, so atomic with it) says how the checkpoint was made: step, samples
 consumed, global and micro batch size, the parallel layout (data, tensor, pipeline, virtual pipeline, context) and
-whether the optimizer was distributed. It is read before any process group or
+whether the optimizer was distributed, the model's config keys and params dtype (:func:`check_model_matches` names
+the key that changed). It is read before any process group or
 model exists (:func:`resume_skip`), so a resume that cannot work is refused in one line.
 
 Resuming (``trainer.resume``, see :func:`find_resume`): the data position is the samples consumed (step x global
@@ -314,8 +315,8 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, engine=None, model
         (tmp / _CHECKSUMS).write_text(json.dumps(dict(sorted(digests.items())), indent=1))
         distributed = {"use_distributed_optimizer": engine.cfg.use_distributed_optimizer,
                        "reshardable": True} if engine else {}
-        (tmp / "meta.json").write_text(json.dumps({"step": step, **_parallel_sizes(), **distributed, **(meta or {})},
-                                                  indent=1))
+        (tmp / "meta.json").write_text(json.dumps({"step": step, **_parallel_sizes(), **distributed,
+                                                   **_model_fields(chunks), **(meta or {})}, indent=1))
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
@@ -616,12 +617,63 @@ def resume_skip(step_dir: str | os.PathLike, *, global_batch_size: int, micro_ba
     return consumed // micro_batch_size
 
 
-def check_model_matches(step_dir: str | os.PathLike, models: list[torch.nn.Module]) -> None:
-    """A one-line ValueError (naming the first parameter that differs) when this rank's model chunks are not the
-    shapes its shard in ``step_dir`` holds: another model config. Reads DCP's index only; called before a resumed
-    run writes anything, so a refused resume leaves the run as it was."""
+_DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}  # trainer.params_dtype's names
+
+
+def _model_fields(chunks: list[torch.nn.Module]) -> dict[str, Any]:
+    """What meta.json records of the model, by the config keys a user sets (``model.<key>``, and
+    ``trainer.params_dtype``), so that a resume under another config names the key, not a tensor's shape.
+    ``vocab_size`` is Megatron-Core's padded one (the unpadded size is not in the model)."""
+    gpt = _unwrap(chunks[0])
+    c = gpt.config
+    model = {"num_layers": c.num_layers, "hidden_size": c.hidden_size, "ffn_hidden_size": c.ffn_hidden_size,
+             "num_attention_heads": c.num_attention_heads,
+             "num_query_groups": c.num_query_groups or c.num_attention_heads, "normalization": c.normalization,
+             "activation": "swiglu" if c.gated_linear_unit else "gelu", "add_bias_linear": c.add_bias_linear,
+             "share_embeddings_and_output_weights": bool(getattr(gpt, "share_embeddings_and_output_weights", False)),
+             "vocab_size": getattr(gpt, "vocab_size", None)}
+    return {"model": model, "params_dtype": _DTYPES.get(c.params_dtype, str(c.params_dtype))}
+
+
+def _check_model_fields(step_dir: Path, models: list[torch.nn.Module]) -> None:
+    """check_model_matches by the keys meta.json records (checkpoints written before it recorded them: nothing
+    here; the shapes are compared after). Another params dtype would fail deep in Megatron-Core's optimizer load
+    (its state of BF16 params holds FP32 main copies, of FP32 params none)."""
+    meta, here = checkpoint_meta(step_dir), _model_fields(models)
+    where = f"({step_dir} was saved with it; resume with"
+    dtype = meta.get("params_dtype") or _saved_params_dtype(step_dir)
+    if dtype not in (None, here["params_dtype"]):
+        raise ConfigError(f"trainer.params_dtype: the checkpoint has {dtype}, this run {here['params_dtype']} "
+                          f"{where} trainer.params_dtype={dtype}, or start a fresh run)")
+    saved = meta.get("model") if isinstance(meta.get("model"), dict) else {}
+    same_tp = _layout(meta)[0] == _layout(_parallel_sizes())[0]  # the vocabulary is padded per TP size
+    for key, value in here["model"].items():
+        if key in saved and saved[key] != value and (key != "vocab_size" or same_tp):
+            shown = json.dumps(saved[key])
+            note = f" (padded to a multiple of {VOCAB_MULTIPLE} x TP; set by model.vocab_size or the tokenizer)" \
+                if key == "vocab_size" else ""
+            raise ConfigError(f"model.{key}: the checkpoint has {shown}, this run {json.dumps(value)}{note} {where} "
+                              f"model.{key}={shown}, or start a fresh run)")
+
+
+def _saved_params_dtype(step_dir: Path) -> str | None:
+    """The params dtype of a checkpoint whose meta.json does not record it: its model tensors' dtype in DCP's
+    index (BF16 params are saved as BF16; a BF16 tensor among them means a BF16 run)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    dtypes = {storage.properties.dtype for entries in _saved_payloads(step_dir).values() for path, storage in entries
+              if path[0] == "tensors" and str(path[1]).startswith("model/")
+              and isinstance(storage, TensorStorageMetadata)}
+    return "bf16" if torch.bfloat16 in dtypes else "fp32" if torch.float32 in dtypes else None
+
+
+def check_model_matches(step_dir: str | os.PathLike, models: list[torch.nn.Module]) -> None:
+    """A one-line ValueError when this rank's model is not the one in ``step_dir``: naming the config key that
+    differs (meta.json's record), else the first parameter whose shape differs. Reads meta.json and DCP's index
+    only; called before a resumed run writes anything, so a refused resume leaves the run as it was."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    _check_model_fields(Path(step_dir), models)
     if _resharding(step_dir):
         _check_whole_shapes(step_dir, models)
         return
