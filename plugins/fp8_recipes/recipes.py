@@ -9,6 +9,7 @@ for ``scripts/train.py +recipe=NAME``; :func:`load_recipe_dict` applies the same
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
@@ -204,9 +205,11 @@ def recipe_file_overrides(overrides: list[str]) -> list[str]:
             data.setdefault("name", path.stem)
             from hydra.core.config_store import ConfigStore
 
-            option = f"file:{path.stem}"
+            # quoted: Hydra's override grammar takes unquoted values of ASCII word characters only (mine_中文.yaml
+            # was a parse error); the option's name holds no quote or backslash to escape
+            option = "file:" + re.sub(r"['\"\\]", "_", path.stem)
             ConfigStore.instance().store(group="recipe", name=option, node=data)
-            override = f"{key}={option}"
+            override = f"{key}='{option}'"
         elif eq and key.lstrip("+") == "recipe" and value.strip("'\"") in recipe_names():
             # Hydra reads the pack's files with its own YAML loader (duplicate keys, tags, alias bombs pass or end
             # in tracebacks there): the guarded reader first, the recipe and its defaults chain, one line if bad
