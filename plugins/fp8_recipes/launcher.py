@@ -11,7 +11,14 @@ import socket
 import subprocess
 from dataclasses import dataclass
 
-__all__ = ["Launch", "launch_env", "launch_rank", "launch_world_size", "local_world_size"]
+from fp8_recipes.checks import ConfigError
+
+__all__ = ["Launch", "LaunchError", "check_launch_env", "launch_env", "launch_rank", "launch_world_size",
+           "local_world_size"]
+
+
+class LaunchError(ConfigError):
+    """The launcher's variables do not describe a launch (one line naming them and the fix)."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +39,27 @@ def _srun() -> bool:
     # srun sets SLURM_STEP_NUM_TASKS for a job step; a batch script's own shell has SLURM_PROCID=0 and
     # SLURM_NTASKS=N too, but is one process: treating it as rank 0 of N would hang in init.
     return "SLURM_PROCID" in os.environ and "SLURM_STEP_NUM_TASKS" in os.environ
+
+
+def check_launch_env() -> None:
+    """A LaunchError when RANK and WORLD_SIZE say torchrun but are not torchrun's: not integers, a rank outside the
+    world, or without MASTER_ADDR / MASTER_PORT (torchrun always sets them; left over from another launch, e.g.
+    exported in a shell, the rendezvous would fail deep in torch.distributed). Before anything reads them."""
+    if not _torchrun():
+        return
+    env = os.environ
+    shown = f"RANK={env['RANK']} WORLD_SIZE={env['WORLD_SIZE']}"
+    fix = "unset RANK WORLD_SIZE to run one process, or launch with torchrun (torchrun --nproc-per-node N ...)"
+    try:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    except ValueError:
+        raise LaunchError(f"{shown}: not integers, so not torchrun's; {fix}") from None
+    if not 0 <= rank < world:
+        raise LaunchError(f"{shown}: the rank is outside the world (0..WORLD_SIZE-1); {fix}")
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
+    if missing:
+        raise LaunchError(f"{shown}: set without {' and '.join(missing)}, so not by torchrun (left over from "
+                          f"another launch?); {fix}")
 
 
 def launch_rank() -> int:
@@ -81,6 +109,7 @@ def launch_env() -> Launch:
     """Rank, world size, local rank and the rendezvous address of this process, from torchrun, srun or nothing."""
     env = os.environ
     if _torchrun():
+        check_launch_env()
         return Launch(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
                       env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)), "torchrun")
     if _srun():

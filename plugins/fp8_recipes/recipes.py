@@ -9,6 +9,7 @@ for ``scripts/train.py +recipe=NAME``; :func:`load_recipe_dict` applies the same
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
@@ -78,8 +79,10 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def _resolve_ref(ref: str | Path, near: Path | None = None, key: str = "recipe", source: str | None = None) -> Path:
-    """The YAML file `ref` names; `key` and `source` say where the name was written, for the error message."""
+def _resolve_ref(ref: str | Path, near: Path | None = None, key: str = "recipe", source: str | None = None,
+                 group: tuple[Path, ...] = ()) -> Path:
+    """The YAML file `ref` names; `key` and `source` say where the name was written, for the error message;
+    `group`: the recipe folders of Hydra's search path after the pack (``hydra.searchpath``), looked in last."""
     s = str(ref)
     p = Path(s).expanduser()
     if near is not None and not p.is_absolute():  # a defaults entry: relative to the recipe that names it
@@ -89,7 +92,7 @@ def _resolve_ref(ref: str | Path, near: Path | None = None, key: str = "recipe",
             raise RecipeError([f"{key}: file '{s}' does not exist; give a recipe name "
                                f"({', '.join(recipe_names())}) or a path to a YAML file"], source)
         return p
-    for d in ([near] if near is not None else []) + [recipes_dir()]:  # a name: beside the recipe, then the pack
+    for d in ([near] if near is not None else []) + [recipes_dir(), *group]:  # beside the recipe, the pack, the rest
         cand = d / f"{s}.yaml"
         if cand.is_file():
             return cand
@@ -108,9 +111,10 @@ def _merge(base: dict, over: Mapping) -> dict:
     return out
 
 
-def load_recipe_dict(ref: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """The recipe's data after its defaults list is applied (Hydra's merge order), without validation."""
-    path = _resolve_ref(ref)
+def load_recipe_dict(ref: str | Path, _seen: tuple[Path, ...] = (), group: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The recipe's data after its defaults list is applied (Hydra's merge order), without validation. `group`:
+    further recipe folders (Hydra's search path) where names are looked up after the pack."""
+    path = _resolve_ref(ref, group=group)
     if path.resolve() in _seen:
         chain = " -> ".join(p.stem for p in _seen + (path.resolve(),))
         raise RecipeError([f"defaults: circular recipe inheritance {chain}; remove one of the defaults"], str(path))
@@ -130,8 +134,8 @@ def load_recipe_dict(ref: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str,
         if not isinstance(entry, str):
             raise RecipeError([f"defaults: {entry!r} is not a recipe name (group overrides are not supported "
                                f"in recipes; name a recipe such as tensorwise)"], str(path))
-        base_path = _resolve_ref(entry, near=path.parent, key="defaults", source=str(path))
-        out = _merge(out, load_recipe_dict(base_path, _seen + (path.resolve(),)))
+        base_path = _resolve_ref(entry, near=path.parent, key="defaults", source=str(path), group=group)
+        out = _merge(out, load_recipe_dict(base_path, _seen + (path.resolve(),), group))
     return out
 
 
@@ -147,6 +151,41 @@ def load_recipe(ref: str | Path | Mapping[str, Any]) -> Recipe:
 
 def _is_file_ref(value: str) -> bool:
     return value.endswith((".yaml", ".yml")) or "/" in value
+
+
+def _search_path_groups(args: list[str]) -> tuple[Path, ...]:
+    """The ``recipe`` folders Hydra adds after the pack for ``hydra.searchpath=[...]`` and ``--config-dir DIR``
+    (``file://DIR`` or ``pkg://module``: ``DIR/recipe``), in Hydra's order; those that exist."""
+    entries: list[str] = []
+    for i, arg in enumerate(args):
+        if arg in ("--config-dir", "-cd") and i + 1 < len(args):
+            entries.append(f"file://{args[i + 1]}")
+        elif arg.startswith("--config-dir="):
+            entries.append(f"file://{arg.partition('=')[2]}")
+        elif arg.lstrip("+").startswith("hydra.searchpath="):
+            from hydra.core.override_parser.overrides_parser import OverridesParser
+            from hydra.errors import OverrideParseException
+
+            try:  # Hydra's own parser: the list syntax and quoting are Hydra's
+                value = OverridesParser.create().parse_overrides([arg])[0].value()
+            except OverrideParseException:
+                continue  # Hydra reports it as one line when it composes
+            entries += [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
+    dirs = []
+    for entry in entries:
+        scheme, _, where = entry.partition("://")
+        if scheme == "pkg":
+            import importlib.util
+
+            try:
+                spec = importlib.util.find_spec(where.replace("/", "."))
+            except (ImportError, ValueError):
+                continue
+            roots = list(spec.submodule_search_locations or []) if spec else []
+        else:
+            roots = [where if scheme == "file" else entry]
+        dirs += [Path(r).expanduser() / "recipe" for r in roots if (Path(r).expanduser() / "recipe").is_dir()]
+    return tuple(dirs)
 
 
 def recipe_file_overrides(overrides: list[str]) -> list[str]:
@@ -166,12 +205,22 @@ def recipe_file_overrides(overrides: list[str]) -> list[str]:
             data.setdefault("name", path.stem)
             from hydra.core.config_store import ConfigStore
 
-            option = f"file:{path.stem}"
+            # quoted: Hydra's override grammar takes unquoted values of ASCII word characters only (mine_中文.yaml
+            # was a parse error); the option's name holds no quote or backslash to escape
+            option = "file:" + re.sub(r"['\"\\]", "_", path.stem)
             ConfigStore.instance().store(group="recipe", name=option, node=data)
-            override = f"{key}={option}"
+            override = f"{key}='{option}'"
         elif eq and key.lstrip("+") == "recipe" and value.strip("'\"") in recipe_names():
             # Hydra reads the pack's files with its own YAML loader (duplicate keys, tags, alias bombs pass or end
             # in tracebacks there): the guarded reader first, the recipe and its defaults chain, one line if bad
             load_recipe_dict(value.strip("'\""))
+        elif eq and key.lstrip("+") == "recipe" and value.strip("'\""):
+            # a recipe of the user's own group (hydra.searchpath=[file://DIR], DIR/recipe/NAME.yaml): the same guard;
+            # a name found nowhere is left to Hydra, whose error lists the options
+            group = _search_path_groups(overrides)
+            found = [d / f"{value.strip(chr(39) + chr(34))}.yaml" for d in group]
+            found = [f for f in found if f.is_file()]
+            if found:  # the first in Hydra's search order is the one Hydra loads
+                load_recipe_dict(found[0], group=group)
         out.append(override)
     return out

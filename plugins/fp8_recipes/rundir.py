@@ -33,6 +33,7 @@ import os
 import re
 import socket
 import time
+import unicodedata
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -208,9 +209,26 @@ def read_recipe(run_dir: str | os.PathLike) -> dict[str, Any] | None:
 # One owner: unique default names, the lock, the refusal, rows past a resumed checkpoint
 
 
+_NAME_BYTES = 96  # of UTF-8 in the recipe part: with '-<time>-<job>' well inside a file system's 255 bytes
+
+
+def _name_char(ch: str) -> bool:
+    """Whether ``ch`` may stay in a run directory's name: a letter, mark or digit of any script (名前, é, ट),
+    a symbol such as an emoji, '_' or '-'. Path separators, '.', spaces, punctuation the shell reads, control and
+    format characters (the bidirectional overrides U+202A..U+202E and U+2066..U+2069, zero-width characters) and
+    lone surrogates (a command line that is not UTF-8) are not."""
+    return ch in "_-" or unicodedata.category(ch)[0] in "LMN" or unicodedata.category(ch) == "So"
+
+
 def safe_name(name: str) -> str:
-    """``name`` as one path component: letters, digits, '_' and '-' (a recipe ``name: ../../x`` stays in runs/)."""
-    return re.sub(r"-{2,}", "-", re.sub(r"[^A-Za-z0-9_-]", "-", str(name))).strip("-")[:64] or "run"
+    """``name`` as one path component that keeps the recipe's own letters in any script: every character that
+    :func:`_name_char` refuses becomes '-' (a recipe ``name: ../../x`` stays in runs/), runs of '-' become one,
+    and the name is cut to ``_NAME_BYTES`` bytes of UTF-8 at a character boundary. NFC first, so that an accent
+    typed as one character or as two gives one directory."""
+    text = "".join(ch if _name_char(ch) else "-" for ch in unicodedata.normalize("NFC", str(name)))
+    text = re.sub(r"-{2,}", "-", text).strip("-")
+    text = text.encode("utf-8")[:_NAME_BYTES].decode("utf-8", "ignore").strip("-")
+    return text or "run"
 
 
 def _short_hash(*parts: object) -> str:

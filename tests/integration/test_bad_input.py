@@ -20,6 +20,19 @@ from test_train_cpu import dataset, small_run  # noqa: F401  (the shared tiny da
 ROOT = Path(__file__).resolve().parents[2]
 CASES = yaml.safe_load((Path(__file__).parent / "bad_input" / "cases.yaml").read_text())
 IDS = [c["id"] for c in CASES]
+BOMB = "".join(f"{c}: &{c} [{', '.join([f'*{p}'] * 9) if p else ', '.join(['x'] * 9)}]\n"
+               for p, c in zip([None, "a", "b", "c", "d", "e", "f", "g"], "abcdefgh"))  # 9^8 values in ~300 bytes
+SEARCH_PATH_RECIPES = {  # {tmp}/group/recipe/NAME.yaml, for the cases `+recipe=NAME` found on Hydra's search path
+    "bomb": BOMB.encode(),
+    "pyobject": b"name: x\nweights: !!python/object/apply:os.system [echo hi]\n",
+    "dupkey": b"name: x\nweights: tensorwise\nweights: delayed\n",
+    "twodocs": b"name: x\n---\nname: y\n",
+    "nul": b"name: x\x00\n",
+    "notutf8": b"name: \xff\xfe\n",
+    "deep": ("name: x\nweights: " + "[" * 40 + "]" * 40 + "\n").encode(),
+    "mine": b"defaults: [base, _self_]\nname: mine\n",  # its defaults list names a bad recipe of the same group
+    "base": b"weights: {scaling: tensorwise}\nweights: {scaling: delayed}\n",
+}
 
 
 def test_corpus_is_well_formed():
@@ -30,10 +43,14 @@ def test_corpus_is_well_formed():
 
 
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory, dataset):  # noqa: F811
-    """{case id: (returncode, stdout, stderr, run_dir)} for the whole corpus, run 4 at a time."""
+def outcomes(request, tmp_path_factory, dataset):  # noqa: F811
+    """{case id: (returncode, stdout, stderr, run_dir)} for the selected cases (-k), run 4 at a time."""
     tmp = tmp_path_factory.mktemp("bad_input")
     (tmp / "empty.yaml").write_text("# a recipe of comments only\n")
+    group = tmp / "group" / "recipe"  # a user's own recipe group: hydra.searchpath=[file://{tmp}/group]
+    group.mkdir(parents=True)
+    for name, raw in SEARCH_PATH_RECIPES.items():
+        (group / f"{name}.yaml").write_bytes(raw)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "HYDRA_FULL_ERROR")}
 
     def run(case):
@@ -44,8 +61,10 @@ def outcomes(tmp_path_factory, dataset):  # noqa: F811
                               text=True, timeout=120)
         return case["id"], (proc.returncode, proc.stdout, proc.stderr, run_dir)
 
+    selected = {item.callspec.params["case"]["id"] for item in request.session.items
+                if item.module is request.module and "case" in getattr(getattr(item, "callspec", None), "params", {})}
     with ThreadPoolExecutor(max_workers=4) as pool:
-        return dict(pool.map(run, CASES))
+        return dict(pool.map(run, [c for c in CASES if c["id"] in selected]))
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
@@ -62,3 +81,23 @@ def test_bad_input(case, outcomes):
     assert case.get("phrase", "") in line, line
     assert not run_dir.exists(), sorted(p.name for p in run_dir.iterdir())  # not even Hydra's .hydra
     assert "recipe    " not in stdout  # failed before the plan was printed
+
+
+@pytest.mark.parametrize("stale, says", [
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "RANK=0 WORLD_SIZE=2: set without MASTER_ADDR and MASTER_PORT"),
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "29500"}, "RANK=1 WORLD_SIZE=2: set without MASTER_ADDR,"),
+    ({"RANK": "x", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "RANK=x WORLD_SIZE=2: not integers"),
+    ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "RANK=2 WORLD_SIZE=2: the rank is outside the world"),
+])
+def test_stale_launcher_variables_are_one_line(tmp_path, stale, says):
+    """RANK / WORLD_SIZE left in the environment without torchrun's rendezvous (was an internal error from
+    torch.distributed's env:// or int()): one line naming them and the fix, exit 2, nothing written."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                                             "HYDRA_FULL_ERROR")}
+    proc = subprocess.run([sys.executable, "scripts/train.py", f"run_dir={tmp_path / 'run'}", "trainer.max_steps=1"],
+                          cwd=ROOT, env={**env, **stale}, capture_output=True, text=True, timeout=120)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[0].startswith(f"error: {says}") and lines[0].endswith(
+        "unset RANK WORLD_SIZE to run one process, or launch with torchrun (torchrun --nproc-per-node N ...)"), lines
+    assert not (tmp_path / "run").exists()

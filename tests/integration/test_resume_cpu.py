@@ -169,16 +169,40 @@ def test_resuming_a_finished_run_is_a_no_op(reference, dataset, tmp_path):
     assert summary["steps"] == STEPS + 1 and max(rows(run)) == STEPS + 1
 
 
-def test_resume_under_another_model_is_refused_before_anything_is_written(reference, dataset, tmp_path):
+@pytest.mark.parametrize("override, saved", [
+    ("model.ffn_hidden_size=96", "512"), ("model.hidden_size=64", "128"),
+    ("trainer.params_dtype=fp32", "bf16"),  # was a KeyError deep in Megatron-Core's optimizer load
+])
+def test_resume_under_another_model_is_refused_before_anything_is_written(reference, dataset, tmp_path, override,
+                                                                          saved):
+    """The key that changed and both values (meta.json records the model's config keys and the params dtype)."""
     run = tmp_path / "run"
     shutil.copytree(reference("bf16"), run)
     before = {f: (run / f).read_bytes() for f in ("summary.json", "plan.txt", "recipe.yaml", "metrics.jsonl")}
+    with pytest.raises(ValueError) as e:
+        train_run("bf16", run, dataset, "trainer.resume=auto", override, steps=STEPS + 2)
+    message = str(e.value)
+    key, _, value = override.partition("=")
+    assert message.startswith(f"{key}: the checkpoint has {saved}, this run {value} (") and "\n" not in message
+    assert message.endswith(f"was saved with it; resume with {key}={saved}, or start a fresh run)"), message
+    assert {f: (run / f).read_bytes() for f in before} == before
+
+
+def test_resume_of_a_checkpoint_without_the_model_record_names_the_tensor(reference, dataset, tmp_path):
+    """A checkpoint written before meta.json recorded the model: the first tensor whose shape differs."""
+    run = tmp_path / "run"
+    shutil.copytree(reference("bf16"), run)
+    for meta in (run / "checkpoints").glob("step_*/meta.json"):  # as written before (checksums.json omits it)
+        data = json.loads(meta.read_text())
+        del data["model"], data["params_dtype"]
+        meta.write_text(json.dumps(data))
     with pytest.raises(ValueError) as e:
         train_run("bf16", run, dataset, "trainer.resume=auto", "model.ffn_hidden_size=96", steps=STEPS + 2)
     message = str(e.value)
     assert message.startswith("model: decoder.layers.0.mlp.linear_fc1.weight is (") and "\n" not in message
     assert "was saved with another model config); resume with the model it was saved with" in message
-    assert {f: (run / f).read_bytes() for f in before} == before
+    with pytest.raises(ValueError, match=r"^trainer.params_dtype: the checkpoint has bf16, this run fp32 \("):
+        train_run("bf16", run, dataset, "trainer.resume=auto", "trainer.params_dtype=fp32", steps=STEPS + 2)
 
 
 def test_a_flipped_bit_in_the_latest_checkpoint_is_found_once_the_ranks_share_the_reading(reference, dataset,  # noqa: F811

@@ -267,6 +267,27 @@ def test_export_and_evaluation_refuse_a_damaged_checkpoint_in_one_line(tmp_path)
     assert not (tmp_path.parent / "hf").exists()
 
 
+@pytest.mark.parametrize("case", ["latest not UTF-8", "empty meta.json"])
+def test_train_py_and_export_name_a_damaged_checkpoint(case, tmp_path):
+    """A `latest` that is not UTF-8 (was an internal error) and a `{}` meta.json (was read as another tensor-parallel
+    size): one line calling the checkpoint damaged, from train.py (exit 2, the new run_dir never made) and export."""
+    from fp8_recipes.training.hf import export_hf
+
+    step_2, step_4 = two_checkpoints(tmp_path / "old")
+    DAMAGE[case][0](step_4)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID")}
+    proc = subprocess.run([sys.executable, "scripts/train.py", f"run_dir={tmp_path / 'new'}",
+                           f"trainer.resume={tmp_path / 'old'}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[0].startswith("error: trainer.resume: ") and DAMAGE[case][1] in lines[0], lines
+    assert not (tmp_path / "new").exists()
+    with pytest.raises(ValueError, match=r"^SOURCE: ") as e:
+        export_hf(tmp_path / "old", tmp_path / "hf")
+    assert DAMAGE[case][1] in str(e.value) and "\n" not in str(e.value)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Integrity (issue 19): checksums written with every checkpoint, verified on resume; auto falls back to the
 # newest intact checkpoint with one warning; a named damaged one is refused in one line
@@ -293,7 +314,16 @@ DAMAGE = {
     "missing .metadata": (lambda d: (d / ".metadata").unlink(), "its .metadata (the index of its shards) is missing"),
     "garbage meta.json": (lambda d: (d / "meta.json").write_text("{not json"), "its meta.json is not valid JSON"),
     "latest names nothing": (lambda d: (d.parent / "latest").write_text("step_99\n"), "does not exist"),
+    "empty meta.json": (lambda d: (d / "meta.json").write_text("{}"),
+                        "its meta.json has no integer 'step' or 'tensor_model_parallel_size'"),
+    "meta.json a list": (lambda d: (d / "meta.json").write_text("[1]"), "its meta.json is not a JSON object"),
+    "checksums of another shape": (lambda d: (d / "checksums.json").write_text('{"a": 1}'),
+                                   "its checksums.json is not a record of file sizes and checksums"),
+    "latest not UTF-8": (lambda d: (d.parent / "latest").write_bytes(b"\xff\xfe\n"),
+                         "checkpoints/latest is not UTF-8 text"),
+    "latest a path": (lambda d: (d.parent / "latest").write_text("../../elsewhere\n"), "not a step_N name"),
 }
+POINTER = ("latest names nothing", "latest not UTF-8", "latest a path")  # step_4 itself is intact
 
 
 @pytest.mark.parametrize("case", list(DAMAGE))
@@ -306,7 +336,7 @@ def test_a_damaged_latest_falls_back_to_the_newest_intact(case, tmp_path, caplog
     assert checkpoint_damage(step_4) is None and (step_4 / "checksums.json").is_file()
     damage, says = DAMAGE[case]
     damage(step_4)
-    fallback = step_4 if case == "latest names nothing" else step_2  # the newest intact one
+    fallback = step_4 if case in POINTER else step_2  # the newest intact one
     with caplog.at_level(logging.WARNING, logger="fp8_recipes"):
         assert find_resume("auto", tmp_path) == fallback
     warning = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "fp8_recipes"]

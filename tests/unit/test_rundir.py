@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -24,10 +25,32 @@ TORCHRUN = {"TORCHELASTIC_RUN_ID": "abc", "MASTER_ADDR": "127.0.0.1", "MASTER_PO
 
 
 @pytest.mark.parametrize("name, expected", [("hybrid", "hybrid"), ("../../x", "x"), ("/etc/passwd", "etc-passwd"),
-                                            ("a b:c", "a-b-c"), ("..", "run"), ("", "run")])
+                                            ("a b:c", "a-b-c"), ("..", "run"), ("", "run"),
+                                            # the recipe's own letters in any script; only the dangerous go
+                                            ("mine_中文", "mine_中文"), ("名前", "名前"), ("café", "café"),
+                                            ("cafe\u0301", "café"), ("नमस्ते", "नमस्ते"), ("🚀fast", "🚀fast"),
+                                            ("evil\u202etxt.exe", "evil-txt-exe"), ("a\u2066b\u2069", "a-b"),
+                                            ("a\\b\x00c\td\x1b", "a-b-c-d"), ("x\u200by", "x-y"),
+                                            ("z\udcff", "z"), ("中" * 60, "中" * 32)])
 def test_recipe_names_stay_one_path_component(name, expected):
     assert safe_name(name) == expected
     assert "/" not in default_run_name(name, SINGLE) and not default_run_name(name, SINGLE).startswith(".")
+
+
+@pytest.mark.parametrize("stem, name, expected", [("mine_中文", None, "mine_中文"), ("名前", None, "名前"),
+                                                   ("x", "évite \u202e中/文", "évite-中-文"), ("it's 🚀", None, "it-s-🚀")])
+def test_a_recipe_file_in_another_script_names_its_run_dir(tmp_path, stem, name, expected):
+    """+recipe=FILE.yaml through scripts/train.py: the default run_dir keeps the file's (or its name:'s) letters
+    (was ASCII fragments; a stem outside ASCII was an override parse error)."""
+    recipe = tmp_path / f"{stem}.yaml"
+    recipe.write_text("weights: tensorwise\n" + (f"name: {json.dumps(name)}\n" if name else ""), encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "SLURM_", "MASTER_", "RANK"))}
+    proc = subprocess.run([sys.executable, "scripts/train.py", f"+recipe={recipe}", "--cfg", "job", "--resolve"],
+                          cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_dir = next(line for line in proc.stdout.splitlines() if line.startswith("run_dir: "))
+    assert run_dir.startswith(f"run_dir: runs/{expected}-"), run_dir
 
 
 def _name_in_child(env: dict[str, str]) -> str:

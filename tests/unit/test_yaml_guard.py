@@ -132,3 +132,39 @@ def test_pack_recipes_go_through_it_before_hydra(tmp_path, monkeypatch, case):
         assert str(e.value).startswith(f"{tmp_path / bad}.yaml: ") and message in str(e.value)
         assert "\n" not in str(e.value)
     assert recipes.recipe_file_overrides(["+recipe=good", "recipe=nosuch"]) == ["+recipe=good", "recipe=nosuch"]
+
+
+@pytest.mark.parametrize("case", ["alias bomb", "python object", "deep", "not UTF-8"])
+def test_search_path_recipes_go_through_it_before_hydra(tmp_path, case):
+    """+recipe=NAME of the user's own group (hydra.searchpath=[file://DIR], DIR/recipe/NAME.yaml, or
+    --config-dir DIR): the same guard as a pack recipe, the file and its defaults list (names looked up in the
+    pack and the search path's recipe folders, as Hydra does)."""
+    from fp8_recipes import recipes
+
+    data, message = CASES[case]
+    group = tmp_path / "recipe"
+    group.mkdir()
+    (group / "base.yaml").write_bytes(data)
+    (group / "mine.yaml").write_text("defaults: [base, _self_]\nname: mine\n")
+    (group / "fine.yaml").write_text("defaults: [tensorwise, _self_]\nname: fine\n")
+    for how in ([f"hydra.searchpath=[file://{tmp_path}]"], ["--config-dir", str(tmp_path)]):
+        for name in ("base", "mine"):
+            with pytest.raises(RecipeError) as e:
+                recipes.recipe_file_overrides([*how, f"+recipe={name}"])
+            assert str(e.value).startswith(f"{group / 'base'}.yaml: ") and message in str(e.value)
+        assert recipes.recipe_file_overrides([*how, "+recipe=fine"]) == [*how, "+recipe=fine"]
+
+
+def test_unreadable_search_path_recipe_names_the_file(tmp_path, monkeypatch):
+    """chmod 000 (simulated: the tests may run as root, who reads it anyway): the recipe file named, not run_dir."""
+    from fp8_recipes import recipes
+
+    (tmp_path / "recipe").mkdir()
+    locked = tmp_path / "recipe" / "locked.yaml"
+    locked.write_text("name: locked\n")
+    real = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda p: (_ for _ in ()).throw(PermissionError(13, "Permission denied"))
+                        if p == locked else real(p))
+    with pytest.raises(RecipeError) as e:
+        recipes.recipe_file_overrides([f"hydra.searchpath=[file://{tmp_path}]", "+recipe=locked"])
+    assert str(e.value) == f"{locked}: cannot read: Permission denied"

@@ -30,7 +30,8 @@ each rank digests only its share of the files (every world-size-th one) and all 
 
 ``meta.json`` (rank 0, inside the step dir, so atomic with it) says how the checkpoint was made: step, samples
 consumed, global and micro batch size, the parallel layout (data, tensor, pipeline, virtual pipeline, context) and
-whether the optimizer was distributed. It is read before any process group or
+whether the optimizer was distributed, the model's config keys and params dtype (:func:`check_model_matches` names
+the key that changed). It is read before any process group or
 model exists (:func:`resume_skip`), so a resume that cannot work is refused in one line.
 
 Resuming (``trainer.resume``, see :func:`find_resume`): the data position is the samples consumed (step x global
@@ -314,8 +315,8 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, engine=None, model
         (tmp / _CHECKSUMS).write_text(json.dumps(dict(sorted(digests.items())), indent=1))
         distributed = {"use_distributed_optimizer": engine.cfg.use_distributed_optimizer,
                        "reshardable": True} if engine else {}
-        (tmp / "meta.json").write_text(json.dumps({"step": step, **_parallel_sizes(), **distributed, **(meta or {})},
-                                                  indent=1))
+        (tmp / "meta.json").write_text(json.dumps({"step": step, **_parallel_sizes(), **distributed,
+                                                   **_model_fields(chunks), **(meta or {})}, indent=1))
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
@@ -378,12 +379,9 @@ def checkpoint_damage(step_dir: str | os.PathLike, *, contents: bool = True,
         return "does not exist"
     if not (step_dir / _METADATA).is_file():
         return f"its {_METADATA} (the index of its shards) is missing"
-    for name in ("meta.json", _CHECKSUMS):
-        if (step_dir / name).is_file():
-            try:
-                json.loads((step_dir / name).read_text(encoding="utf-8"))
-            except (ValueError, UnicodeDecodeError):
-                return f"its {name} is not valid JSON"
+    problem = _records_damage(step_dir)
+    if problem:
+        return problem
     record = step_dir / _CHECKSUMS
     if not record.is_file():  # written before the record existed: the files DCP indexed are there
         return None
@@ -397,6 +395,30 @@ def checkpoint_damage(step_dir: str | os.PathLike, *, contents: bool = True,
     for name, want in recorded[share[0]::share[1]] if contents else []:
         if _digest(step_dir / name)["crc32"] != want["crc32"]:
             return f"{name} does not match its checksum, so it changed on disk after it was written"
+    return None
+
+
+def _records_damage(step_dir: Path) -> str | None:
+    """What is wrong with a step dir's ``meta.json`` and ``checksums.json`` as save_checkpoint writes them (JSON
+    objects; meta with the integer step and tensor-parallel size every reader of it needs), or None. A ``{}`` meta
+    would otherwise read as a checkpoint of another layout, and a record of the wrong shape end in a traceback."""
+    for name in ("meta.json", _CHECKSUMS):
+        if not (step_dir / name).is_file():
+            continue
+        try:
+            data = json.loads((step_dir / name).read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            return f"its {name} is not valid JSON"
+        if not isinstance(data, dict):
+            return f"its {name} is not a JSON object"
+        if name == "meta.json":
+            missing = [k for k in ("step", "tensor_model_parallel_size")
+                       if not isinstance(data.get(k), int) or isinstance(data.get(k), bool)]
+            if missing:
+                return f"its meta.json has no integer {' or '.join(repr(k) for k in missing)}"
+        elif not all(isinstance(v, dict) and isinstance(v.get("bytes"), int) and isinstance(v.get("crc32"), str)
+                     for v in data.values()):
+            return f"its {name} is not a record of file sizes and checksums"
     return None
 
 
@@ -421,12 +443,32 @@ def _step_dirs(root: Path) -> list[Path]:
     return sorted(steps, key=lambda p: int(p.name[5:]), reverse=True)
 
 
+def _latest(root: Path) -> tuple[str | None, str | None]:
+    """(the step dir name ``root/latest`` holds, None) or (None, what is wrong with it): missing, not UTF-8 text,
+    or not a ``step_N`` name (save_checkpoint writes nothing else; a path there would lead outside ``root``)."""
+    try:
+        name = (root / "latest").read_bytes().decode("utf-8").strip()
+    except FileNotFoundError:
+        return None, "checkpoints/latest is missing"
+    except UnicodeDecodeError:
+        return None, "checkpoints/latest is not UTF-8 text (it holds a step_N name)"
+    except OSError as e:
+        return None, f"checkpoints/latest cannot be read ({e.strerror or e})"
+    if not re.fullmatch(r"step_\d+", name):
+        return None, f"checkpoints/latest holds {name[:40]!r}, not a step_N name"
+    return name, None
+
+
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A ``step_N`` directory from a run dir, its ``checkpoints`` dir (both via ``latest``) or the step dir itself."""
+    """A ``step_N`` directory from a run dir, its ``checkpoints`` dir (both via ``latest``) or the step dir itself.
+    A damaged ``latest`` is a one-line ConfigError (a ValueError) naming it and the way round it."""
     path = Path(path)
     for root in (path / "checkpoints", path):
         if (root / "latest").is_file():
-            return _current_format(root / (root / "latest").read_text(encoding="utf-8").strip())
+            name, problem = _latest(root)
+            if problem:
+                raise ConfigError(f"{root}: {problem}; name one of its step_N dirs instead")
+            return _current_format(root / name)
     if path.name.endswith(".tmp"):
         raise FileNotFoundError(f"{path} is a checkpoint still being written (or left by a crash); resume from "
                                 "its run dir or a finished step_N dir")
@@ -494,14 +536,14 @@ def find_resume(resume: str | None, run_dir: str | os.PathLike, *,
 def _newest_intact(root: Path, damage: Callable[[Path], str | None], warn: bool) -> Path:
     """``trainer.resume=auto``: what ``latest`` names when intact, else the newest intact ``step_N`` (one warning
     naming both), else a one-line ValueError."""
-    named = (root / "latest").read_text(encoding="utf-8").strip() if (root / "latest").is_file() else None
+    named, pointer_problem = _latest(root)
     first = root / named if named else None
     if first is not None and first.is_dir():
         try:
             _current_format(first)  # an earlier format: refused as such, not taken for damage
         except ValueError as e:
             raise ConfigError(f"trainer.resume: {e}") from None
-    problem = (damage(first) if first is not None else "checkpoints/latest is missing")
+    problem = damage(first) if first is not None else pointer_problem
     if problem is None:
         return first
     for step_dir in _step_dirs(root):
@@ -575,12 +617,63 @@ def resume_skip(step_dir: str | os.PathLike, *, global_batch_size: int, micro_ba
     return consumed // micro_batch_size
 
 
-def check_model_matches(step_dir: str | os.PathLike, models: list[torch.nn.Module]) -> None:
-    """A one-line ValueError (naming the first parameter that differs) when this rank's model chunks are not the
-    shapes its shard in ``step_dir`` holds: another model config. Reads DCP's index only; called before a resumed
-    run writes anything, so a refused resume leaves the run as it was."""
+_DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}  # trainer.params_dtype's names
+
+
+def _model_fields(chunks: list[torch.nn.Module]) -> dict[str, Any]:
+    """What meta.json records of the model, by the config keys a user sets (``model.<key>``, and
+    ``trainer.params_dtype``), so that a resume under another config names the key, not a tensor's shape.
+    ``vocab_size`` is Megatron-Core's padded one (the unpadded size is not in the model)."""
+    gpt = _unwrap(chunks[0])
+    c = gpt.config
+    model = {"num_layers": c.num_layers, "hidden_size": c.hidden_size, "ffn_hidden_size": c.ffn_hidden_size,
+             "num_attention_heads": c.num_attention_heads,
+             "num_query_groups": c.num_query_groups or c.num_attention_heads, "normalization": c.normalization,
+             "activation": "swiglu" if c.gated_linear_unit else "gelu", "add_bias_linear": c.add_bias_linear,
+             "share_embeddings_and_output_weights": bool(getattr(gpt, "share_embeddings_and_output_weights", False)),
+             "vocab_size": getattr(gpt, "vocab_size", None)}
+    return {"model": model, "params_dtype": _DTYPES.get(c.params_dtype, str(c.params_dtype))}
+
+
+def _check_model_fields(step_dir: Path, models: list[torch.nn.Module]) -> None:
+    """check_model_matches by the keys meta.json records (checkpoints written before it recorded them: nothing
+    here; the shapes are compared after). Another params dtype would fail deep in Megatron-Core's optimizer load
+    (its state of BF16 params holds FP32 main copies, of FP32 params none)."""
+    meta, here = checkpoint_meta(step_dir), _model_fields(models)
+    where = f"({step_dir} was saved with it; resume with"
+    dtype = meta.get("params_dtype") or _saved_params_dtype(step_dir)
+    if dtype not in (None, here["params_dtype"]):
+        raise ConfigError(f"trainer.params_dtype: the checkpoint has {dtype}, this run {here['params_dtype']} "
+                          f"{where} trainer.params_dtype={dtype}, or start a fresh run)")
+    saved = meta.get("model") if isinstance(meta.get("model"), dict) else {}
+    same_tp = _layout(meta)[0] == _layout(_parallel_sizes())[0]  # the vocabulary is padded per TP size
+    for key, value in here["model"].items():
+        if key in saved and saved[key] != value and (key != "vocab_size" or same_tp):
+            shown = json.dumps(saved[key])
+            note = f" (padded to a multiple of {VOCAB_MULTIPLE} x TP; set by model.vocab_size or the tokenizer)" \
+                if key == "vocab_size" else ""
+            raise ConfigError(f"model.{key}: the checkpoint has {shown}, this run {json.dumps(value)}{note} {where} "
+                              f"model.{key}={shown}, or start a fresh run)")
+
+
+def _saved_params_dtype(step_dir: Path) -> str | None:
+    """The params dtype of a checkpoint whose meta.json does not record it: its model tensors' dtype in DCP's
+    index (BF16 params are saved as BF16; a BF16 tensor among them means a BF16 run)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    dtypes = {storage.properties.dtype for entries in _saved_payloads(step_dir).values() for path, storage in entries
+              if path[0] == "tensors" and str(path[1]).startswith("model/")
+              and isinstance(storage, TensorStorageMetadata)}
+    return "bf16" if torch.bfloat16 in dtypes else "fp32" if torch.float32 in dtypes else None
+
+
+def check_model_matches(step_dir: str | os.PathLike, models: list[torch.nn.Module]) -> None:
+    """A one-line ValueError when this rank's model is not the one in ``step_dir``: naming the config key that
+    differs (meta.json's record), else the first parameter whose shape differs. Reads meta.json and DCP's index
+    only; called before a resumed run writes anything, so a refused resume leaves the run as it was."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    _check_model_fields(Path(step_dir), models)
     if _resharding(step_dir):
         _check_whole_shapes(step_dir, models)
         return
