@@ -623,9 +623,12 @@ _DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}
 def _model_fields(chunks: list[torch.nn.Module]) -> dict[str, Any]:
     """What meta.json records of the model, by the config keys a user sets (``model.<key>``, and
     ``trainer.params_dtype``), so that a resume under another config names the key, not a tensor's shape.
-    ``vocab_size`` is Megatron-Core's padded one (the unpadded size is not in the model)."""
+    ``vocab_size`` is Megatron-Core's padded one (the unpadded size is not in the model). Nothing for modules that
+    are not a Megatron-Core model (no ``config``: the engine's tests checkpoint plain torch modules)."""
     gpt = _unwrap(chunks[0])
-    c = gpt.config
+    c = getattr(gpt, "config", None)
+    if c is None:
+        return {}
     model = {"num_layers": c.num_layers, "hidden_size": c.hidden_size, "ffn_hidden_size": c.ffn_hidden_size,
              "num_attention_heads": c.num_attention_heads,
              "num_query_groups": c.num_query_groups or c.num_attention_heads, "normalization": c.normalization,
@@ -640,6 +643,8 @@ def _check_model_fields(step_dir: Path, models: list[torch.nn.Module]) -> None:
     here; the shapes are compared after). Another params dtype would fail deep in Megatron-Core's optimizer load
     (its state of BF16 params holds FP32 main copies, of FP32 params none)."""
     meta, here = checkpoint_meta(step_dir), _model_fields(models)
+    if not here:
+        return
     where = f"({step_dir} was saved with it; resume with"
     dtype = meta.get("params_dtype") or _saved_params_dtype(step_dir)
     if dtype not in (None, here["params_dtype"]):
