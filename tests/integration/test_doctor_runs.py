@@ -10,10 +10,10 @@
   delayed scale clips the layer's activations and the gradients spike. The doctor names that layer;
 - a stale delayed history in one layer (the same sitecustomize records an amax of 1e6 in the activation history
   of ``decoder.layers.0.mlp.linear_fc2`` in step 4, as a corrupted amax reduction or a bad restore would): the
-  layer's activations underflow for the rest of the run and the loss ends ~4% above BF16's. Layer-local: the doctor
+  layer's activations underflow for the rest of the run and the loss ends ~5% above BF16's. Layer-local: the doctor
   names the layer and role first and proposes that layer's fallback and current scaling;
 - E4M3 gradients with a margin of 16 (margin abuse: every gradient shrunk 65536x before the cast): every linear's
-  gradients underflow and the loss ends ~13% above BF16's. Role-wide: the doctor proposes ``gradients.margin: 0``
+  gradients underflow and the loss ends ~9-11% above BF16's. Role-wide: the doctor proposes ``gradients.margin: 0``
   and no BF16 modules.
 
 For the last two, the written recipe is trained again (the same fault planted) and must close most of the gap.
@@ -151,11 +151,13 @@ def smoothed_gap(run: Path, base: Path) -> float:
     return diagnose(load_run(run), load_run(base)).gap.measure("smoothed").gap
 
 
-def baseline_event(base: Path, metric: str, step: int) -> float:
-    """The baseline's own largest value at `step` (one step either side) over the median of its 10 steps before."""
+def hardest_steps(base: Path, metric: str, top: int = 3) -> set[int]:
+    """The steps of the baseline's `top` largest excursions of its own (each value over the median of its 10 steps
+    before, after 5 settling steps): its hardest batches."""
     rows = {r["step"]: r[metric] for r in load_run(base).train}
-    before = [rows[s] for s in sorted(rows) if s < step - 1][-10:]
-    return max(rows[s] for s in (step - 1, step, step + 1) if s in rows) / statistics.median(before)
+    steps = sorted(rows)
+    ratio = {s: rows[s] / statistics.median([rows[t] for t in steps if t < s][-10:]) for s in steps[5:]}
+    return set(sorted(ratio, key=ratio.get, reverse=True)[:top])
 
 
 @pytest.mark.slow
@@ -164,10 +166,11 @@ def test_healthy_and_bf16_runs_are_quiet(runs, capsys, tmp_path):
     gap to its own seed's BF16 is +0.43 %, +0.35 %, +0.48 %; the three BF16 tail levels spread 2.85 % (standard
     deviation 1.57 %), so the floor is 3.1 %, 6x the largest healthy gap (the planted gaps below: +4.5 % to +5.1 %
     stale, +8.9 % to +10.8 % margin 16, at the same three seeds). The spikes: at seed 1234 a hard batch at step 33
-    that BF16 takes at 4x its grad-norm median, hybrid at 38x (and 1.4x in loss): current-scaled activations
-    amplify it on this model (docs/doctor.md), which the doctor reports as spikes; seeds 1 and 2 have none. So a
-    healthy run is never worse than its baseline, proposes nothing, and any spike it has is one the baseline has
-    at the same step (at least 2x its running median)."""
+    that BF16 takes at 3x its grad-norm median, hybrid at 38x (and 1.4x in loss): current-scaled activations
+    amplify it on this model (docs/doctor.md), which the doctor reports as spikes; seeds 1 and 2 have none. Step 33
+    is that BF16 run's largest excursion of its own in both metrics (1.18x its running loss median, 3.2x in grad
+    norm; the next: 1.15x and 2.8x). So a healthy run is never worse than its baseline, proposes nothing, and any
+    spike it has falls on one of its baseline's three hardest batches (one step either side)."""
     for seed in SEEDS:
         rc, out, err = doctor(capsys, runs[f"base{seed}"])
         assert (rc, err) == (0, "") and "verdict   healthy" in out and "proposals" not in out, out
@@ -180,7 +183,8 @@ def test_healthy_and_bf16_runs_are_quiet(runs, capsys, tmp_path):
         assert not d.proposals and not written.exists(), out
         alone = diagnose(load_run(runs[f"healthy{seed}"]))
         for spike in d.spikes + alone.spikes:  # FP8 amplifying a hard batch the baseline takes too, nothing else
-            assert baseline_event(runs[f"base{seed}"], spike.metric, spike.start) >= 2.0, (seed, spike, out)
+            hardest = hardest_steps(runs[f"base{seed}"], spike.metric)
+            assert hardest & {spike.start - 1, spike.start, spike.start + 1}, (seed, spike, hardest, out)
 
 
 @pytest.mark.slow
@@ -197,6 +201,9 @@ def test_too_high_lr_diverges_from_the_start_and_is_not_fp8(runs, capsys):
 
 @pytest.mark.slow
 def test_outlier_names_the_layer_and_the_written_recipe_validates(runs, capsys, tmp_path):
+    """Measured at seeds 1234, 1, 2: verdict spikes (grad norm 12.9x, 13.8x, 20.7x at step 13), the target's
+    activations first with saturation 99.6-99.8 % at step 13, the written recipe with it in BF16 and tensorwise
+    activations at each; the smoothed gap +1.0 to +1.1 %, inside every floor."""
     written = tmp_path / "fixed.yaml"
     rc, out, err = doctor(capsys, runs["outlier"], "--baseline", runs["base"], "--write", written)
     assert (rc, err) == (1, ""), out

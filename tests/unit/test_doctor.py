@@ -20,6 +20,7 @@ from fp8_recipes import cli
 from fp8_recipes.observe.doctor import Spike, detect_spikes, diagnose
 from fp8_recipes.observe.doctor_findings import find_problems
 from fp8_recipes.observe.doctor_gap import SEED_Z, STEP_Z, noise_floor
+from fp8_recipes.observe.doctor_remedies import propose
 from fp8_recipes.observe.doctor_report import format_report, load_run, patched_recipe
 from fp8_recipes.recipes import load_recipe
 
@@ -444,6 +445,24 @@ def test_a_seed_baseline_that_is_not_a_run_or_too_short_is_a_user_error(tmp_path
     rc, out, err = doctor(capsys, run, "--baseline", base, "--baseline", short)
     assert rc == 2 and out == "" and err.count("\n") == 1
     assert err.startswith("error: --baseline: ") and "lacks 10 of the steps" in err, err
+
+
+def test_the_role_with_the_worst_evidence_comes_first_even_when_another_is_role_wide():
+    """One dead layer's activations (100 % underflow: the cause) and, as its consequence, stale delayed gradient
+    scales in half the linears (role-wide, mild): the activations' change comes first, as the stale-history run
+    at seed 1234 needs (tests/integration/test_doctor_runs.py). Before, every role-wide change came first."""
+    def poison(row: dict) -> None:
+        if row["step"] > 1 and row["module"] == TARGET and row["role"] == "activations":
+            row.update(underflow_pct=100.0, cosine=0.0, scale_ratio=1e-6)
+        elif row["step"] > 1 and row["role"] == "gradients" and row["module"].startswith(("decoder.layers.0.",
+                                                                                       "decoder.layers.1.")):
+            row.update(scale_ratio=0.01)
+    rows = numerics(range(1, STEPS + 1, 4), poison=poison)
+    findings = find_problems(rows)
+    proposals = propose(findings, load_recipe("delayed"), rows)
+    roles = [next(iter(p.changes)).split(".")[0] for p in proposals if not p.alternative]
+    assert roles[:2] == ["activations", "gradients"], roles
+    assert "8 of 16 gradients linears" in next(p.reason for p in proposals if "gradients.scaling" in p.changes)
 
 
 def test_onset_is_the_earliest_spike_kept_after_the_baseline_filter(tmp_path):

@@ -207,12 +207,11 @@ def _layer_proposals(findings: list[Finding], recipe: Recipe, numerics: list[dic
 def propose(findings: list[Finding], recipe: Recipe | None, numerics: list[dict[str, Any]]) -> list[Proposal]:
     """A role-wide change for a role-wide problem, a per-role change for a local one, the role with the worst
     evidence first (a role-wide role does not jump the queue: a consequence can be role-wide, the cause local),
-    then layer changes (see the module docstring). The findings of a role-wide role never name modules for BF16: its change covers them. An unknown
-    recipe (None) has no role setting to change: the layer fallbacks only."""
+    then layer changes (see the module docstring). The findings of a role-wide role never name modules for BF16:
+    its change covers them. An unknown recipe (None) has no role setting to change: the layer fallbacks only."""
     recipe = recipe if recipe is not None else Recipe()  # every role BF16 and no layer rules: nothing to change
     extent = role_extent(findings, numerics)
     out = []
-
     weight = {r: sum(f.severity for f in findings if f.role == r and f.kind not in SUPPORTING) for r in map(str, ROLES)}
     for role in sorted(map(str, ROLES), key=lambda r: -weight[r]):  # the worst evidence first, role-wide or not
         policy = recipe.policy(role)
