@@ -316,12 +316,7 @@ def diagnose(run: RunData, baseline: RunData | None = None, seeds: Sequence[RunD
     d.notes += _input_notes(d)
     if verdict == "healthy":
         d.summary = _healthy_summary(d)
-        if spikes:
-            d.notes.append(f"{len(spikes)} spike(s) (steps {', '.join(str(s.start) for s in spikes)}) in a run "
-                           f"without FP8: its own, nothing for an FP8 doctor")
-        if baseline is None and fp8:
-            d.notes.append("without --baseline the doctor cannot see a loss gap, the most common FP8 failure: train "
-                           "the same config without +recipe and pass it as --baseline")
+        d.notes += _healthy_notes(d, fp8)
         return d
     # the onset: the earliest anomaly kept after the baseline filter (what the stage, warmup and cause rules use)
     onset = min([s.start for s in spikes] + ([div[1]] if div else []) + (
@@ -370,6 +365,18 @@ def _input_notes(d: Diagnosis) -> list[str]:
     if d.shared:
         out.append(f"{len(d.shared)} spike(s) at the same steps as the baseline's (steps "
                    f"{', '.join(str(s.start) for s in d.shared)}): both runs see them, not counted")
+    return out
+
+
+def _healthy_notes(d: Diagnosis, fp8: bool) -> list[str]:
+    """A healthy run's spikes (a run without FP8 has its own) and, for an FP8 run alone, how to see a gap."""
+    out = []
+    if d.spikes:
+        out.append(f"{len(d.spikes)} spike(s) (steps {', '.join(str(s.start) for s in d.spikes)}) in a run "
+                   f"without FP8: its own, nothing for an FP8 doctor")
+    if d.baseline is None and fp8:
+        out.append("without --baseline the doctor cannot see a loss gap, the most common FP8 failure: train "
+                   "the same config without +recipe and pass it as --baseline")
     return out
 
 
