@@ -6,7 +6,7 @@
     fp8-recipes explain safe --layers 8           per-role policies, stages and per-layer GEMM precision
     fp8-recipes explain safe --layers 8 --layout tp=2,pp=4,dp=8    ... and which pipeline stage runs which layers
     fp8-recipes memory llama3-70b --layout tp=4,pp=4,cp=2,dp=4 --fp8   estimated memory per GPU
-    fp8-recipes doctor RUN_DIR --baseline BF16_RUN --write fixed.yaml
+    fp8-recipes doctor RUN_DIR --baseline BF16_RUN [--baseline BF16_OTHER_SEED ...] --write fixed.yaml
                                                   diagnose a run: exit 0 healthy, 1 problem found, 2 bad input
     fp8-recipes export RUN_DIR --to hf OUT --dtype fp8 --block 128x128
                                                   a checkpoint as a Hugging Face Llama checkpoint (docs/handoff.md)
@@ -109,11 +109,12 @@ def _cmd_doctor(args) -> int:
 
     try:
         run = load_run(args.run_dir)
-        baseline = load_run(args.baseline, "--baseline") if args.baseline else None
+        baselines = [load_run(b, "--baseline") for b in args.baseline or []]
+        baseline, seeds = (baselines[0], baselines[1:]) if baselines else (None, [])
         if args.write and (Path(args.write).is_dir() or not Path(args.write).resolve().parent.is_dir()):
             raise DoctorInputError(f"--write: '{args.write}' is a directory or its directory does not exist (give a "
                                    f"file path in an existing directory, e.g. fixed.yaml)")
-        diagnosis = diagnose(run, baseline)
+        diagnosis = diagnose(run, baseline, seeds)
         print(format_report(diagnosis))
         patched = patched_recipe(diagnosis) if args.write else None
         if args.write and patched is None:
@@ -176,8 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(fn=_cmd_memory)
     d = sub.add_parser("doctor", help="diagnose a run and propose a recipe change (exit 0 healthy, 1 problem)")
     d.add_argument("run_dir", metavar="RUN_DIR", help="a scripts/train.py run directory (metrics.jsonl, ...)")
-    d.add_argument("--baseline", metavar="DIR", help="a BF16 run of the same config: tells FP8 from the LR and "
-                   "the data; spikes must exceed its own")
+    d.add_argument("--baseline", metavar="DIR", action="append", help="a BF16 run of the same config and seed: "
+                   "tells FP8 from the LR and the data; spikes must exceed its own. Repeat it with BF16 runs of other "
+                   "seeds (the first is the run's own): their spread is the noise floor a loss gap must exceed")
     d.add_argument("--write", metavar="PATH", help="write the recipe with the proposals applied (validated)")
     d.set_defaults(fn=_cmd_doctor)
     x = sub.add_parser("export", help="write a checkpoint as a Hugging Face Llama checkpoint (BF16 or FP8 with "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,8 @@ import yaml
 from fp8_recipes import cli
 from fp8_recipes.observe.doctor import Spike, detect_spikes, diagnose
 from fp8_recipes.observe.doctor_findings import find_problems
+from fp8_recipes.observe.doctor_gap import SEED_Z, STEP_Z, noise_floor
+from fp8_recipes.observe.doctor_remedies import propose
 from fp8_recipes.observe.doctor_report import format_report, load_run, patched_recipe
 from fp8_recipes.recipes import load_recipe
 
@@ -371,16 +374,95 @@ def test_a_role_wide_gap_gets_a_role_wide_change(tmp_path, margin):
 
 
 def test_a_gap_within_noise_is_healthy_and_another_seed_widens_the_threshold(tmp_path):
-    base = load_run(write_run(tmp_path / "base", smooth_losses(), recipe="bf16", stage="bf16"))
-    d = diagnose(load_run(write_run(tmp_path / "small", gapped_losses(0.01))), base)
-    assert d.verdict == "healthy" and "+1.0% against the baseline" in d.summary
+    """Batches as noisy as a tiny run's (a 4% wiggle a step): +1% is inside the baseline's step floor, +4% is not."""
+    noisy = [v * (1 + 0.06 * math.sin(2.3 * i)) for i, v in enumerate(smooth_losses())]
+    base = load_run(write_run(tmp_path / "base", noisy, recipe="bf16", stage="bf16"))
+    gapped = [v * g / b for v, g, b in zip(noisy, gapped_losses(0.01), smooth_losses())]
+    d = diagnose(load_run(write_run(tmp_path / "small", gapped)), base)
+    assert d.verdict == "healthy" and "+1.0% against the baseline, within noise" in d.summary, d.summary
+    assert 0.01 < d.gap.floor.value < 0.04
     # another seed: other batches, so the step-to-step wiggles do not match; the noise widens the threshold
     other = [v + 0.3 * math.sin(2.9 * i + 1) for i, v in enumerate(smooth_losses())]
     d = diagnose(load_run(write_run(tmp_path / "other", [v * 1.04 for v in other])), base)
     assert not d.gap.paired and d.gap.measure("smoothed").threshold > 0.04 and d.verdict == "healthy"
     assert any("did not see the run's batches" in n for n in d.notes)
-    d = diagnose(load_run(write_run(tmp_path / "paired", gapped_losses(0.04, opens=1))), base)
+    paired = [v * g / b for v, g, b in zip(noisy, gapped_losses(0.05, opens=1), smooth_losses())]
+    d = diagnose(load_run(write_run(tmp_path / "paired", paired)), base)
     assert d.gap.paired and d.verdict == "worse_than_baseline"
+
+
+def test_the_noise_floor_is_measured_on_the_baseline_and_printed():
+    """One baseline: STEP_Z standard errors of its own tail level (the robust spread of each loss over its running
+    median, over the square root of the tail's steps); with other seeds: SEED_Z standard deviations of the
+    baselines' tail levels instead."""
+    base = list(enumerate(smooth_losses(), 1))
+    tail = list(range(31, 41))
+    wiggle = [v / statistics.median(smooth_losses()[max(0, i - 5):i + 6]) - 1 for i, v in enumerate(smooth_losses())]
+    spread = 1.4826 * statistics.median(abs(w - statistics.median(wiggle[30:])) for w in wiggle[30:])
+    one = noise_floor([base], tail)
+    assert one.step_noise == pytest.approx(spread) and spread > 0.005 and one.baselines == 1
+    assert one.value == pytest.approx(STEP_Z * spread / math.sqrt(10)) and one.seed_noise is None
+    assert "one baseline, so seed-to-seed noise is not measured" in one.how and f"{one.value:.2%}" in one.how
+    seeds = [[(s, v * k) for s, v in base] for k in (1.03, 0.975)]
+    many = noise_floor([base, *seeds], tail)
+    levels = [statistics.median(v * k for s, v in base if s in tail) for k in (1.0, 1.03, 0.975)]
+    sd = statistics.stdev(levels) / statistics.fmean(levels)
+    assert many.seed_noise == pytest.approx(sd) and many.value == pytest.approx(SEED_Z * sd)
+    assert many.baselines == 3 and "3 baselines' levels across seeds" in many.how and f"{SEED_Z * sd:.2%}" in many.how
+
+
+def test_a_gap_inside_the_seed_noise_is_within_noise_exit_0_nothing_written(tmp_path, capsys):
+    """A +3% run: beyond one baseline's step floor, inside the spread of three seeds (BF16 at 1.03x and 0.975x the
+    baseline: 2.8% standard deviation, floor 5.5%). Before the floor was measured: --baseline kept the last one,
+    and 3% was above the fixed 2%."""
+    base = write_run(tmp_path / "base", smooth_losses(), recipe="bf16", stage="bf16")
+    seeds = [write_run(tmp_path / f"seed{k}", [v * k for v in smooth_losses()], recipe="bf16", stage="bf16")
+             for k in (1.03, 0.975)]
+    run = write_run(tmp_path / "run", gapped_losses(0.03, opens=1))
+    written = tmp_path / "fixed.yaml"
+    rc, out, err = doctor(capsys, run, "--baseline", base, "--write", tmp_path / "one.yaml")
+    assert (rc, err) == (1, "") and "verdict   worse_than_baseline" in out, out
+    assert (tmp_path / "one.yaml").exists()  # a recipe written: the false alarm several seeds avoid
+    assert "one baseline measures its step-to-step noise" in out and "another --baseline" in out
+    rc, out, err = doctor(capsys, run, "--baseline", base, *[a for s in seeds for a in ("--baseline", s)],
+                          "--write", written)
+    assert (rc, err) == (0, "") and "verdict   healthy" in out and "+3.0% against the baseline, within noise" in out
+    assert "noise     floor 5.5" in out and "3 baselines' levels across seeds (2.7" in out, out
+    assert "smoothed" in out.split("loss gap to the baseline")[1]  # the table shows what stayed inside the floor
+    assert "nothing written" in out and not written.exists() and "proposals" not in out
+    # a planted gap beyond the seed noise still counts
+    big = write_run(tmp_path / "big", gapped_losses(0.08, opens=1))
+    d = diagnose(load_run(big), load_run(base), [load_run(s) for s in seeds])
+    assert d.verdict == "worse_than_baseline" and d.gap.floor.baselines == 3
+
+
+def test_a_seed_baseline_that_is_not_a_run_or_too_short_is_a_user_error(tmp_path, capsys):
+    base = write_run(tmp_path / "base", smooth_losses(), recipe="bf16", stage="bf16")
+    run = write_run(tmp_path / "run", gapped_losses(0.03, opens=1))
+    rc, out, err = doctor(capsys, run, "--baseline", base, "--baseline", tmp_path / "nope")
+    assert rc == 2 and out == "" and err.startswith("error: --baseline: ") and err.count("\n") == 1
+    short = write_run(tmp_path / "short", smooth_losses()[:30], recipe="bf16", stage="bf16")
+    rc, out, err = doctor(capsys, run, "--baseline", base, "--baseline", short)
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith("error: --baseline: ") and "lacks 10 of the steps" in err, err
+
+
+def test_the_role_with_the_worst_evidence_comes_first_even_when_another_is_role_wide():
+    """One dead layer's activations (100 % underflow: the cause) and, as its consequence, stale delayed gradient
+    scales in half the linears (role-wide, mild): the activations' change comes first, as the stale-history run
+    at seed 1234 needs (tests/integration/test_doctor_runs.py). Before, every role-wide change came first."""
+    def poison(row: dict) -> None:
+        if row["step"] > 1 and row["module"] == TARGET and row["role"] == "activations":
+            row.update(underflow_pct=100.0, cosine=0.0, scale_ratio=1e-6)
+        elif row["step"] > 1 and row["role"] == "gradients" and row["module"].startswith(("decoder.layers.0.",
+                                                                                       "decoder.layers.1.")):
+            row.update(scale_ratio=0.01)
+    rows = numerics(range(1, STEPS + 1, 4), poison=poison)
+    findings = find_problems(rows)
+    proposals = propose(findings, load_recipe("delayed"), rows)
+    roles = [next(iter(p.changes)).split(".")[0] for p in proposals if not p.alternative]
+    assert roles[:2] == ["activations", "gradients"], roles
+    assert "8 of 16 gradients linears" in next(p.reason for p in proposals if "gradients.scaling" in p.changes)
 
 
 def test_onset_is_the_earliest_spike_kept_after_the_baseline_filter(tmp_path):

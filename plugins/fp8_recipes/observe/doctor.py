@@ -7,8 +7,10 @@ propose a recipe change.
     print(format_report(d))                                  # verdict, evidence, layers and tensors, proposals
     patched = patched_recipe(d)                              # the recipe dict with the proposals applied (validated)
 
-``fp8-recipes doctor RUN_DIR [--baseline DIR] [--write PATH]`` wraps this; its exit code is 0 when the run is
-healthy, 1 when a problem was found, 2 on a user error (no such run directory, no metrics.jsonl, ...).
+``fp8-recipes doctor RUN_DIR [--baseline DIR ...] [--write PATH]`` wraps this (more baselines: BF16 runs of other
+seeds, ``diagnose(run, baseline, seeds=[...])``, whose spread is the noise floor of the gap); its exit code is 0
+when the run is healthy, 1 when a problem was found, 2 on a user error (no such run directory, no metrics.jsonl,
+...).
 
 Verdicts (one per run, the first that applies):
 
@@ -16,8 +18,9 @@ Verdicts (one per run, the first that applies):
                          (or a non-finite loss / a loss above 1.5x the first one appears in the first steps), and
                          the run had not learnt anything before (its loss never fell below 0.9x the first one)
 ``mid_run_divergence``   the same, after the loss had come down
-``worse_than_baseline``  with a baseline: the loss gap (final, smoothed, eval) is beyond run-to-run noise
-                         (:mod:`~fp8_recipes.observe.doctor_gap`)
+``worse_than_baseline``  with a baseline: the loss gap (final, smoothed, eval) is beyond the noise floor measured
+                         on the baseline(s) (:mod:`~fp8_recipes.observe.doctor_gap`); a gap inside it is healthy,
+                         "within noise"
 ``spikes``               loss or grad-norm spikes: a value above the running median of the previous
                          :data:`WINDOW` accepted steps by more than ``max(REL x median, Z x robust sigma)``; with a
                          baseline, only those the baseline does not share at the same steps (:func:`_match_baseline`)
@@ -40,12 +43,13 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fp8_recipes.observe.doctor_findings import Finding, find_problems
-from fp8_recipes.observe.doctor_gap import LossGap, loss_gap
+from fp8_recipes.observe.doctor_gap import LossGap, loss_gap, missing_steps
 from fp8_recipes.observe.doctor_remedies import Proposal, propose, warmup_proposal
 from fp8_recipes.schema import Recipe
 
@@ -109,6 +113,8 @@ class Diagnosis:
     proposals: list[Proposal] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     baseline: RunData | None = None
+    seeds: list[RunData] = field(default_factory=list)
+    """BF16 runs of other seeds: their spread with the baseline is the gap's seed floor."""
     gap: LossGap | None = None
     """The loss gap to the baseline (None without one, or with fewer than 10 common steps)."""
     shared: list[Spike] = field(default_factory=list)
@@ -270,8 +276,25 @@ def _first_recorded(numerics: list[dict[str, Any]], step: int) -> int:
     return min((int(r.get("step", 0)) for r in numerics if int(r.get("step", 0)) >= step), default=step)
 
 
-def diagnose(run: RunData, baseline: RunData | None = None) -> Diagnosis:
-    """Classify the run, list what numerics.jsonl says about its layers and tensors, and propose changes."""
+def _gap(run: RunData, baseline: RunData, seeds: list[RunData]) -> LossGap | None:
+    """The loss gap to the baseline, its noise floor measured on the baseline and the other seeds' runs;
+    DoctorInputError when one of those lacks steps the run and its baseline share."""
+    losses, base = _series(run, "loss"), _series(baseline, "loss")
+    for other in seeds:
+        missing = missing_steps(_series(other, "loss"), losses, base)
+        if missing:
+            raise DoctorInputError(f"--baseline: '{other.path}' lacks {missing} of the steps the run and its first "
+                                   f"baseline share (give BF16 runs of the same config and length, other seeds)")
+    return loss_gap(losses, base, _evals(run), _evals(baseline),
+                    seeds=[_series(o, "loss") for o in seeds])
+
+
+def diagnose(run: RunData, baseline: RunData | None = None, seeds: Sequence[RunData] = ()) -> Diagnosis:
+    """Classify the run, list what numerics.jsonl says about its layers and tensors, and propose changes.
+    `seeds`: BF16 runs of the same config with other seeds (need a baseline): the spread between them and the
+    baseline is the seed noise a gap must exceed."""
+    if seeds and baseline is None:
+        raise DoctorInputError("--baseline: runs of other seeds need the baseline of the run's own seed first")
     losses = _series(run, "loss")
     spikes = _all_spikes(run)
     div = _divergence(losses, spikes)
@@ -280,36 +303,20 @@ def diagnose(run: RunData, baseline: RunData | None = None) -> Diagnosis:
     if baseline is not None:
         spikes, shared = _match_baseline(spikes, baseline)
         base_div = _divergence(_series(baseline, "loss"), _all_spikes(baseline))
-        gap = loss_gap(losses, _series(baseline, "loss"), _evals(run), _evals(baseline))
+        gap = _gap(run, baseline, list(seeds))
     fp8 = _has_fp8(run.recipe)
-    if gap is not None and not gap.paired:
-        notes = ["the baseline did not see the run's batches (another seed, batch size or data?): its loss gap is "
-                 "held to the wider threshold that noise gives, and eval losses are not compared"]
-    else:
-        notes = []
     if div is not None:
         verdict = div[0]
     elif gap is not None and gap.worse:
         verdict = "worse_than_baseline"
     else:
         verdict = "spikes" if spikes and fp8 else "healthy"
-    d = Diagnosis(run, verdict, "", spikes=spikes, baseline=baseline, gap=gap, shared=shared)
+    d = Diagnosis(run, verdict, "", spikes=spikes, baseline=baseline, seeds=list(seeds), gap=gap, shared=shared)
     d.findings = find_problems(run.numerics)
-    d.notes += notes
-    if run.recipe_problem:
-        d.notes.append(f"recipe.yaml does not validate ({run.recipe_problem}): the doctor reads it as unknown (no FP8 "
-                       f"role ruled out, no role setting to change, nothing for --write to patch)")
-    if shared:
-        d.notes.append(f"{len(shared)} spike(s) at the same steps as the baseline's (steps "
-                       f"{', '.join(str(s.start) for s in shared)}): both runs see them, not counted")
+    d.notes += _input_notes(d)
     if verdict == "healthy":
         d.summary = _healthy_summary(d)
-        if spikes:
-            d.notes.append(f"{len(spikes)} spike(s) (steps {', '.join(str(s.start) for s in spikes)}) in a run "
-                           f"without FP8: its own, nothing for an FP8 doctor")
-        if baseline is None and fp8:
-            d.notes.append("without --baseline the doctor cannot see a loss gap, the most common FP8 failure: train "
-                           "the same config without +recipe and pass it as --baseline")
+        d.notes += _healthy_notes(d, fp8)
         return d
     # the onset: the earliest anomaly kept after the baseline filter (what the stage, warmup and cause rules use)
     onset = min([s.start for s in spikes] + ([div[1]] if div else []) + (
@@ -317,6 +324,10 @@ def diagnose(run: RunData, baseline: RunData | None = None) -> Diagnosis:
     d.onset = onset
     d.summary = _summary(d, onset)
     d.notes += _run_notes(run)
+    if verdict == "worse_than_baseline" and not seeds:
+        d.notes.append("one baseline measures its step-to-step noise, not the seed-to-seed noise (on the tiny CPU "
+                       "model larger: docs/doctor.md, 'How large a gap counts'); a small gap may be that: train the "
+                       "BF16 baseline with other seeds (trainer.seed=1, 2) and pass each as another --baseline")
     if not run.numerics and fp8:
         d.notes.append("no numerics.jsonl: rerun with ++debug.interval=10 to name the layers and tensors")
     reason = _not_fp8_reason(run, baseline, onset, base_div[0] if base_div else None)
@@ -342,6 +353,33 @@ def diagnose(run: RunData, baseline: RunData | None = None) -> Diagnosis:
     return d
 
 
+def _input_notes(d: Diagnosis) -> list[str]:
+    """What the doctor says about its inputs: an unpaired baseline, a recipe it cannot read, shared spikes."""
+    out = []
+    if d.gap is not None and not d.gap.paired:
+        out.append("the baseline did not see the run's batches (another seed, batch size or data?): its loss gap is "
+                   "held to the wider threshold that noise gives, and eval losses are not compared")
+    if d.run.recipe_problem:
+        out.append(f"recipe.yaml does not validate ({d.run.recipe_problem}): the doctor reads it as unknown (no FP8 "
+                   f"role ruled out, no role setting to change, nothing for --write to patch)")
+    if d.shared:
+        out.append(f"{len(d.shared)} spike(s) at the same steps as the baseline's (steps "
+                   f"{', '.join(str(s.start) for s in d.shared)}): both runs see them, not counted")
+    return out
+
+
+def _healthy_notes(d: Diagnosis, fp8: bool) -> list[str]:
+    """A healthy run's spikes (a run without FP8 has its own) and, for an FP8 run alone, how to see a gap."""
+    out = []
+    if d.spikes:
+        out.append(f"{len(d.spikes)} spike(s) (steps {', '.join(str(s.start) for s in d.spikes)}) in a run "
+                   f"without FP8: its own, nothing for an FP8 doctor")
+    if d.baseline is None and fp8:
+        out.append("without --baseline the doctor cannot see a loss gap, the most common FP8 failure: train "
+                   "the same config without +recipe and pass it as --baseline")
+    return out
+
+
 def _run_notes(run: RunData) -> list[str]:
     """What summary.json adds: an early stop, BF16 fallbacks, skipped steps."""
     s, out = run.summary, []
@@ -357,7 +395,8 @@ def _healthy_summary(d: Diagnosis) -> str:
     text = "the loss came down without divergence or spikes" + (" beyond the baseline's" if d.baseline else "")
     if d.gap is not None:
         m = d.gap.measure("smoothed")
-        text += f"; {m.gap:+.1%} against the baseline (smoothed, steps {m.steps}; counts from {m.threshold:.1%})"
+        noise = ", within noise" if d.gap.within_noise else ""
+        text += f"; {m.gap:+.1%} against the baseline{noise} (smoothed, steps {m.steps}; counts from {m.threshold:.1%})"
     return text
 
 

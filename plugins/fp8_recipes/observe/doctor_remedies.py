@@ -1,6 +1,6 @@
 """The doctor's remedies: recipe changes that fit the extent of the cause, ranked, each with the evidence for it.
 
-    proposals = propose(findings, recipe, numerics)      # role-wide changes first, then layer fallbacks
+    proposals = propose(findings, recipe, numerics)      # each role's change, worst evidence first; layers last
     proposals.append(warmup_proposal(recipe, onset, total))
 
 A role whose findings cover at least half of its quantized linears (:data:`ROLE_WIDE`) has a role-wide problem
@@ -205,26 +205,27 @@ def _layer_proposals(findings: list[Finding], recipe: Recipe, numerics: list[dic
 
 
 def propose(findings: list[Finding], recipe: Recipe | None, numerics: list[dict[str, Any]]) -> list[Proposal]:
-    """Role-wide changes for role-wide problems, then per-role and layer changes for local ones (see the module
-    docstring). The findings of a role-wide role never name modules for BF16: its change covers them. An unknown
-    recipe (None) has no role setting to change: the layer fallbacks only."""
+    """A role-wide change for a role-wide problem, a per-role change for a local one, the role with the worst
+    evidence first (a role-wide role does not jump the queue: a consequence can be role-wide, the cause local),
+    then layer changes (see the module docstring). The findings of a role-wide role never name modules for BF16:
+    its change covers them. An unknown recipe (None) has no role setting to change: the layer fallbacks only."""
     recipe = recipe if recipe is not None else Recipe()  # every role BF16 and no layer rules: nothing to change
     extent = role_extent(findings, numerics)
-    wide, local = [], []
+    out = []
     weight = {r: sum(f.severity for f in findings if f.role == r and f.kind not in SUPPORTING) for r in map(str, ROLES)}
-    for role in sorted(map(str, ROLES), key=lambda r: -weight[r]):  # the role with the worst evidence first
+    for role in sorted(map(str, ROLES), key=lambda r: -weight[r]):  # the worst evidence first, role-wide or not
         policy = recipe.policy(role)
         mine = [f for f in findings if f.role == role and f.kind not in SUPPORTING]
         if not mine:
             continue
         flagged, quantized = extent[role]
         if _is_role_wide(flagged, quantized):
-            wide += _role_wide(role, policy, [f for f in mine if f.share >= LASTING], flagged, quantized)
+            out += _role_wide(role, policy, [f for f in mine if f.share >= LASTING], flagged, quantized)
         else:
-            local += _local_role(role, policy, mine)
+            out += _local_role(role, policy, mine)
     wide_roles = {r for r in extent if _is_role_wide(*extent[r])}
     kept = [f for f in findings if f.role not in wide_roles]
-    return wide + local + _layer_proposals(kept, recipe, numerics)
+    return out + _layer_proposals(kept, recipe, numerics)
 
 
 def warmup_proposal(recipe: Recipe, onset: int, total: int) -> Proposal:

@@ -124,8 +124,12 @@ def format_report(d: Diagnosis, max_findings: int = 8) -> str:
              f"{len({r.get('step') for r in run.numerics})} steps with numerics)"]
     if d.baseline is not None:
         lines.append(f"baseline  {d.baseline.path}  (recipe {_name(d.baseline)})")
+    lines += [f"seed      {s.path}  (recipe {_name(s)}): another seed, for the noise floor" for s in d.seeds]
     lines.append(f"verdict   {d.verdict}: {d.summary}")
-    if d.gap is not None and (d.verdict == "worse_than_baseline" or any(m.over for m in d.gap.measures)):
+    if d.gap is not None and d.gap.floor is not None:
+        lines.append(f"noise     {d.gap.floor.how}")
+    if d.gap is not None and (d.verdict == "worse_than_baseline" or d.gap.within_noise
+                              or any(m.over for m in d.gap.measures)):
         lines += ["", f"loss gap to the baseline (over the {d.gap.steps} steps both have)"] + _table(
             [["loss", "steps", "run", "baseline", "gap", "counts from"]]
             + [[m.name, m.steps, f"{m.run:.4f}", f"{m.baseline:.4f}", f"{m.gap:+.2%}", f"{m.threshold:.2%}"]
