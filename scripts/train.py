@@ -94,7 +94,9 @@ def main(cfg: DictConfig) -> None:
 if __name__ == "__main__":
     from fp8_recipes.launcher import LaunchError, check_launch_env
     from fp8_recipes.recipes import recipe_file_overrides
-    from fp8_recipes.training.errors import USER_ERROR_EXIT, hydra_errors_as_one_line, print_error_once
+    from fp8_recipes.training.errors import (
+        USER_ERROR_EXIT, hydra_errors_as_one_line, print_error_once, worker_hydra_overrides,
+    )
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:  # stale RANK / WORLD_SIZE: said by this process itself (which rank prints is what they get wrong)
@@ -103,7 +105,7 @@ if __name__ == "__main__":
         print(f"error: {e}", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT)
     try:  # +recipe=path/to/mine.yaml: a recipe file anywhere (as fp8-recipes show/validate/explain take it)
-        sys.argv[1:] = recipe_file_overrides(sys.argv[1:])
+        sys.argv[1:] = recipe_file_overrides(sys.argv[1:]) + worker_hydra_overrides()  # (rank 0 alone writes run_dir)
     except ValueError as e:
         print_error_once(str(e).splitlines())
         sys.exit(USER_ERROR_EXIT)

@@ -29,7 +29,7 @@ from fp8_recipes.rundir import (HYDRA, RUN_OUTPUTS, TRAIN_LOG, RunDirError, chec
                                 release)
 
 __all__ = ["ConsoleFormatter", "INTERNAL_ERROR_EXIT", "NonFiniteStop", "USER_ERROR_EXIT", "NONFINITE_EXIT", "PREEMPTED_EXIT",
-           "RunDirCheck", "hydra_errors_as_one_line", "keep_earlier_run_files", "one_line", "print_error_once",
+           "RunDirCheck", "hydra_errors_as_one_line", "worker_hydra_overrides", "keep_earlier_run_files", "one_line", "print_error_once",
            "remove_partial_run_dir", "report_internal_error"]
 
 INTERNAL_ERROR_EXIT = 1  # a bug (not a config error): the traceback is in run_dir/train.log, the outputs are kept
@@ -168,6 +168,19 @@ def print_error_once(lines: list[str]) -> None:
         time.sleep(QUIET_RANK_DELAY_S)
 
 
+WORKER_HYDRA_OVERRIDES = ("hydra.run.dir=.", "hydra.output_subdir=null", "~hydra.job_logging.handlers.file",
+                          "hydra.job_logging.root.handlers=[console]")
+
+
+def worker_hydra_overrides() -> list[str]:
+    """Hydra overrides for a launched job's ranks other than 0: Hydra creates neither run_dir, nor its ``.hydra/``,
+    nor a train.log handler there (their messages go to the console; an internal error's traceback is still appended
+    to train.log). Every rank once did, each at its own pace: a refused fresh start's clean-up by one rank raced
+    another rank still creating them (a run dir left behind, or a logging traceback for the vanished directory).
+    The working directory (``.``) is where Hydra puts nothing: it exists, and no output_subdir is written."""
+    return list(WORKER_HYDRA_OVERRIDES) if launch_rank() != 0 else []
+
+
 class RunDirCheck:
     """Hydra callback (conf/train.yaml ``hydra.callbacks``): refuses a start that rundir.check_run_dir refuses (another
     running job holds run_dir; a fresh start into a directory holding another run) before Hydra writes its .hydra/
@@ -230,9 +243,12 @@ def remove_partial_run_dir(run_dir: str | os.PathLike, since: float = _IMPORTED_
     never other files, an earlier run's outputs, a run with checkpoints, or a directory another running job holds),
     put back the ``.hydra/`` files of an earlier run that Hydra rewrote and cut its train.log to what it held
     (:func:`keep_earlier_run_files`), then
-    remove the directory when empty. Under torchrun/srun every rank removes (each may have written Hydra's files
-    after another one cleaned), tolerating the files another rank removed first."""
+    remove the directory when empty. Under torchrun/srun only the launcher's rank 0 removes: it alone let Hydra
+    write into ``run_dir`` (:func:`worker_hydra_overrides`), so it removes after its own last write, and no other
+    rank writes there after it."""
     run_dir = Path(run_dir)
+    if launch_rank() != 0:  # the other ranks wrote nothing here (worker_hydra_overrides); removing while rank 0's
+        return  # Hydra is still writing left its files behind, or its log handler without a directory
     if not run_dir.is_dir() or held_by_another(run_dir):
         return
     if (run_dir / "checkpoints").exists():  # a refused resume: its outputs stay, its config as it was
