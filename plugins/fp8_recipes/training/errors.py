@@ -28,7 +28,7 @@ from fp8_recipes.launcher import launch_rank
 from fp8_recipes.rundir import (HYDRA, RUN_OUTPUTS, TRAIN_LOG, RunDirError, check_run_dir, held_by_another,
                                 release)
 
-__all__ = ["ConsoleFormatter", "INTERNAL_ERROR_EXIT", "NonFiniteStop", "USER_ERROR_EXIT", "NONFINITE_EXIT", "PREEMPTED_EXIT",
+__all__ = ["CHECKPOINT_WRITE_EXIT", "CheckpointWriteError", "ConsoleFormatter", "INTERNAL_ERROR_EXIT", "NonFiniteStop", "USER_ERROR_EXIT", "NONFINITE_EXIT", "PREEMPTED_EXIT",
            "RunDirCheck", "hydra_errors_as_one_line", "worker_hydra_overrides", "keep_earlier_run_files", "one_line", "print_error_once",
            "remove_partial_run_dir", "report_internal_error"]
 
@@ -36,6 +36,7 @@ INTERNAL_ERROR_EXIT = 1  # a bug (not a config error): the traceback is in run_d
 USER_ERROR_EXIT = 2  # a bad config, recipe or command line: nothing was run
 NONFINITE_EXIT = 3   # training stopped on non-finite losses or gradients (trainer.on_nonfinite)
 PREEMPTED_EXIT = 4   # SIGTERM/SIGUSR1: checkpointed after the current step, not finished: requeue, resume=auto
+CHECKPOINT_WRITE_EXIT = 5  # writing a checkpoint failed (disk full, file size limit): outputs kept, resume=auto
 
 _PACKAGE = str(Path(__file__).resolve().parents[1])
 _IMPORTED_AT = time.time()  # scripts/train.py imports this module before Hydra creates run_dir
@@ -52,6 +53,25 @@ class ConsoleFormatter(logging.Formatter):
 
 class NonFiniteStop(RuntimeError):
     """The run stopped on non-finite losses or gradients (``trainer.on_nonfinite``); ``str()`` is one line."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """Writing ``step_dir`` failed with an OS error on some rank (a full disk, a file size limit). Not a ConfigError:
+    the run's outputs so far stay (scripts/train.py removes a failed start's). Every rank raises it together
+    (checkpoint.save_checkpoint agrees on the failure), after rank 0 removed the half-written temporary directory;
+    ``latest`` still names ``previous`` (a ``step_N`` name, or None when there was no checkpoint yet). ``key`` is
+    the setting that asked for the save (the loop sets it); ``str()`` is one line."""
+
+    def __init__(self, step_dir: str | os.PathLike, reason: str, previous: str | None,
+                 key: str = "trainer.save_checkpoints") -> None:
+        super().__init__(reason)
+        self.step_dir, self.reason, self.previous, self.key = Path(step_dir), reason, previous, key
+
+    def __str__(self) -> str:
+        then = f"which continues from {self.previous}" if self.previous else "which starts again from step 0 (no " \
+            "earlier checkpoint)"
+        return (f"{self.key}: writing checkpoint {self.step_dir} failed: {self.reason}; free space on its file "
+                f"system (or raise the file size limit) and continue with trainer.resume=auto, {then}")
 
 
 def _first_line(text: str) -> str:
