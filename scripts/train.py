@@ -19,7 +19,10 @@ rank finished the step, checkpoints/step_N was written and summary.json says `"p
 `trainer.resume=auto` continues at step N + 1. Not 0, so that a finished run and an interrupted one differ for a
 requeue wrapper (`[ $? -eq 4 ] && scontrol requeue $SLURM_JOB_ID`) and for `afterok` dependencies; not 128 +
 signal, which means killed without a checkpoint. (torchrun reports any nonzero worker code as its own failure:
-there, read summary.json.) A signal before training starts or after it ends has its usual effect.
+there, read summary.json.) A signal before training starts or after it ends has its usual effect;
+5 writing a checkpoint failed (a full disk, a file size limit): one `error: trainer.save_interval: writing checkpoint
+RUN/checkpoints/step_N failed: [Errno 28] ...` line, the half-written temporary directory removed, `latest` and the
+outputs so far kept; free space, then `trainer.resume=auto` continues from the previous checkpoint.
 """
 
 import logging
@@ -47,8 +50,8 @@ def main(cfg: DictConfig) -> None:
     from fp8_recipes.checks import ConfigError
     from fp8_recipes.rundir import RunDirError
     from fp8_recipes.training.errors import (
-        INTERNAL_ERROR_EXIT, NONFINITE_EXIT, PREEMPTED_EXIT, USER_ERROR_EXIT, NonFiniteStop, print_error_once,
-        remove_partial_run_dir, report_internal_error,
+        CHECKPOINT_WRITE_EXIT, INTERNAL_ERROR_EXIT, NONFINITE_EXIT, PREEMPTED_EXIT, USER_ERROR_EXIT,
+        CheckpointWriteError, NonFiniteStop, print_error_once, remove_partial_run_dir, report_internal_error,
     )
     from fp8_recipes.training.run import run_training
 
@@ -69,6 +72,10 @@ def main(cfg: DictConfig) -> None:
     except NonFiniteStop as e:  # trainer.on_nonfinite=stop: the run's outputs so far stay
         print(f"error: {e}", file=sys.stderr)
         _exit_written(NONFINITE_EXIT)
+    except CheckpointWriteError as e:  # a full disk, a file size limit: every rank raises it; the outputs stay
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (a rank that is leaving anyway, see _exit_written)
+        print_error_once([str(e)])
+        _exit_written(CHECKPOINT_WRITE_EXIT)
     except Exception as e:  # noqa: BLE001 - a bug, not a config error: its traceback in train.log, the outputs kept
         print(report_internal_error(e, run_dir), file=sys.stderr, flush=True)
         _exit_written(INTERNAL_ERROR_EXIT)
@@ -94,7 +101,9 @@ def main(cfg: DictConfig) -> None:
 if __name__ == "__main__":
     from fp8_recipes.launcher import LaunchError, check_launch_env
     from fp8_recipes.recipes import recipe_file_overrides
-    from fp8_recipes.training.errors import USER_ERROR_EXIT, hydra_errors_as_one_line, print_error_once
+    from fp8_recipes.training.errors import (
+        USER_ERROR_EXIT, hydra_errors_as_one_line, print_error_once, worker_hydra_overrides,
+    )
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:  # stale RANK / WORLD_SIZE: said by this process itself (which rank prints is what they get wrong)
@@ -103,7 +112,7 @@ if __name__ == "__main__":
         print(f"error: {e}", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT)
     try:  # +recipe=path/to/mine.yaml: a recipe file anywhere (as fp8-recipes show/validate/explain take it)
-        sys.argv[1:] = recipe_file_overrides(sys.argv[1:])
+        sys.argv[1:] = recipe_file_overrides(sys.argv[1:]) + worker_hydra_overrides()  # (rank 0 alone writes run_dir)
     except ValueError as e:
         print_error_once(str(e).splitlines())
         sys.exit(USER_ERROR_EXIT)

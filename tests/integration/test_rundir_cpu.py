@@ -75,3 +75,28 @@ def test_a_resume_after_a_kill_keeps_one_row_per_step(dataset, tmp_path):  # noq
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert {r["step"]: r["loss"] for r in rows} == reference  # the re-run steps replaced, bit for bit
     assert not (run_dir / LOCK).exists() or json.loads((run_dir / LOCK).read_text())["pid"] == os.getpid()
+
+
+TORCHRUN_4 = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+
+
+@pytest.mark.slow
+def test_a_refused_fresh_start_under_four_ranks_leaves_nothing(tmp_path):
+    """issue 27 (class 6): each rank once let Hydra create run_dir, .hydra/ and a train.log handler at its own pace,
+    and rank 0's clean-up of a refused start raced them: about 1 start in 8 left .hydra/ or train.log behind, or a
+    rank printed a logging traceback for the directory rank 0 had just removed. 12 starts, each into a fresh
+    run_dir, 3 at a time (the contention for 2 cores varies the ranks' pace); the refusal comes before any model
+    is built."""
+    for batch in range(4):
+        run_dirs = [tmp_path / f"run{batch}-{i}" for i in range(3)]
+        procs = [subprocess.Popen([sys.executable, *TORCHRUN_4, "scripts/train.py", "trainer.global_batch_size=7",
+                                   f"run_dir={run_dir}"], cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True) for run_dir in run_dirs]
+        for run_dir, proc in zip(run_dirs, procs):
+            stderr = proc.communicate(timeout=120)[1]
+            assert proc.returncode != 0, stderr[-3000:]
+            errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+            assert len(errors) == 1 and errors[0].startswith("error: trainer.global_batch_size=7"), stderr[-3000:]
+            # torchrun's own report of a failed worker is its one traceback; none from a worker
+            assert stderr.count("Traceback") == stderr.count("ChildFailedError:"), stderr[-3000:]
+            assert not run_dir.exists(), (run_dir.name, sorted(p.name for p in run_dir.rglob("*")))

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from fp8_recipes.training.config import check_data_cfg, check_model_cfg, check_writable_dir
-from fp8_recipes.training.errors import remove_partial_run_dir
+from fp8_recipes.training.errors import remove_partial_run_dir, worker_hydra_overrides
 
 
 def test_cleanup_removes_only_what_this_start_wrote(tmp_path):
@@ -42,21 +42,22 @@ def test_checks_name_the_key(tmp_path):
         check_data_cfg({"path": str(tmp_path), "split": "1,2"})
 
 
-def test_every_rank_removes_a_failed_start_whatever_the_other_removed_first(tmp_path, monkeypatch):
-    """Under torchrun each rank removes what the failed start wrote: a rank whose Hydra files came after another
-    rank's cleanup leaves none behind, and files another rank removed first are no error."""
+def test_only_rank_0_writes_and_removes_a_failed_starts_run_dir(tmp_path, monkeypatch):
+    """Under torchrun only rank 0 lets Hydra write run_dir (the others get worker_hydra_overrides: no run_dir, no
+    .hydra/, no train.log handler), and only rank 0 removes a failed start's files: a rank removing while another
+    was still writing left files behind, or that rank's log handler without its directory (issue 27, class 6)."""
     run = tmp_path / "run"
     run.mkdir()
     start = time.time()
+    (run / ".hydra").mkdir()
     (run / "plan.txt").write_text("plan\n")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("RANK", "0")
-    remove_partial_run_dir(run, since=start)
-    assert not run.exists()
-    run.mkdir()  # rank 1, slower, wrote Hydra's files after rank 0 cleaned
-    (run / ".hydra").mkdir()
-    (run / "train.log").write_text("rank 1\n")
     monkeypatch.setenv("RANK", "1")
+    assert "hydra.output_subdir=null" in worker_hydra_overrides()
+    remove_partial_run_dir(run, since=start)
+    assert sorted(p.name for p in run.iterdir()) == [".hydra", "plan.txt"]  # rank 0's, still being written maybe
+    monkeypatch.setenv("RANK", "0")
+    assert worker_hydra_overrides() == []
     remove_partial_run_dir(run, since=start)
     assert not run.exists()
     remove_partial_run_dir(run, since=start)  # nothing left to remove: no error

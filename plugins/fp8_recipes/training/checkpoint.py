@@ -17,7 +17,9 @@ nested dicts would turn the optimizer state's int keys into strings and drop emp
 
 Atomicity: every rank writes into ``checkpoints/.step_N.tmp``; after a barrier rank 0 renames it to
 ``step_N`` and then replaces ``latest``. A crash leaves either the old checkpoint or the new one, never half:
-a run dir is resumed from what ``latest`` names only, and a ``.tmp`` directory is never loaded.
+a run dir is resumed from what ``latest`` names only, and a ``.tmp`` directory is never loaded. A write that
+fails (a full disk, a file size limit) on any rank is agreed on at the next barrier: every rank raises
+CheckpointWriteError (training/errors.py) together, and rank 0 removes the ``.tmp`` directory.
 
 Integrity: ``checksums.json`` (inside the step dir) records each file's size and CRC-32, each rank digesting the
 files it wrote. Resuming verifies them (and that ``meta.json`` reads): ``trainer.resume=auto`` falls back from a
@@ -72,6 +74,7 @@ from fp8_recipes.checks import ConfigError
 from fp8_recipes.launcher import launch_rank
 from fp8_recipes.megatron.model import VOCAB_MULTIPLE
 from fp8_recipes.megatron.model import unwrap_model as _unwrap
+from fp8_recipes.training.errors import CheckpointWriteError
 from fp8_recipes.training.reshard import (
     join_shards,
     live_global_name,
@@ -287,15 +290,18 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, engine=None, model
     chunks: weights only). ``precision`` and ``scheduler`` are anything with ``state_dict()``; ``extra`` is a small
     plain dict (e.g. the trainer config); ``meta`` (JSON-able: the data position, batch sizes) goes into
     ``meta.json`` with the step and the parallel layout. Returns the final ``step_N`` directory.
+
+    An OS error while writing (a full disk, a file size limit) on any rank: every rank raises CheckpointWriteError
+    together, the temporary directory removed and ``latest`` left on the previous checkpoint (:func:`_agree`).
     """
     rank, tp_rank, pp_rank = _ranks()
     root = Path(run_dir) / "checkpoints"
     final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
+    previous = _latest(root)[0] if (root / "latest").is_file() else None
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # left over by a crash during an earlier save
-        tmp.mkdir()
-    barrier()
+        _agree(_attempt(_fresh_tmp, root, tmp), final, tmp, previous)
+    else:
+        _agree(None, final, tmp, previous)
     chunks = engine.models if engine is not None else (models if isinstance(models, (list, tuple)) else [models])
     payload = {
         "format_version": FORMAT_VERSION,
@@ -307,24 +313,77 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, engine=None, model
         "rng": _rng_state(),
         "extra": extra or {},
     }
-    _write_payload(tmp, _shard_key(tp_rank, pp_rank), payload)
-    barrier()
+    _agree(_attempt(_write_payload, tmp, _shard_key(tp_rank, pp_rank), payload), final, tmp, previous)
     digests = _gather({name: _digest(tmp / name) for name in _own_files(tmp, rank)})  # each rank its own files
+    failed = None
     if rank == 0:
         digests[_METADATA] = _digest(tmp / _METADATA)
-        (tmp / _CHECKSUMS).write_text(json.dumps(dict(sorted(digests.items())), indent=1))
         distributed = {"use_distributed_optimizer": engine.cfg.use_distributed_optimizer,
                        "reshardable": True} if engine else {}
-        (tmp / "meta.json").write_text(json.dumps({"step": step, **_parallel_sizes(), **distributed,
-                                                   **_model_fields(chunks), **(meta or {})}, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        pointer = root / ".latest.tmp"
-        pointer.write_text(final.name + "\n", encoding="utf-8")
-        os.replace(pointer, root / "latest")
-    barrier()
+        failed = _attempt(_finish, root, tmp, final, digests, {"step": step, **_parallel_sizes(), **distributed,
+                                                              **_model_fields(chunks), **(meta or {})})
+    _agree(failed, final, tmp, previous)
     return final
+
+
+def _fresh_tmp(root: Path, tmp: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)  # left over by a crash during an earlier save
+    tmp.mkdir()
+
+
+def _finish(root: Path, tmp: Path, final: Path, digests: dict[str, Any], meta: dict[str, Any]) -> None:
+    """Rank 0: the records, then ``tmp`` renamed to ``final`` and ``latest`` pointed at it. Everything that takes
+    space (the records, the pointer's temporary file) is written before the renames, which take none: a full disk
+    fails before ``final`` exists."""
+    (tmp / _CHECKSUMS).write_text(json.dumps(dict(sorted(digests.items())), indent=1))
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    pointer = root / ".latest.tmp"
+    pointer.write_text(final.name + "\n", encoding="utf-8")
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    os.replace(pointer, root / "latest")
+
+
+def _attempt(fn: Callable[..., Any], *args: Any) -> str | None:
+    """Run ``fn``; the OS error it ends in as ``[Errno N] text`` (DCP wraps a writer's in its CheckpointException,
+    a BaseException), or None. Any other exception is a bug and propagates."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        fn(*args)
+    except OSError as e:
+        return _os_error_text(e)
+    except CheckpointException as e:
+        errors = [exc for exc, _ in e.failures.values() if isinstance(exc, OSError)]
+        if not errors:
+            raise
+        return _os_error_text(errors[0])
+    return None
+
+
+def _os_error_text(e: OSError) -> str:
+    return f"[Errno {e.errno}] {e.strerror}" if e.errno else f"{type(e).__name__}: {e}"
+
+
+def _agree(error: str | None, final: Path, tmp: Path, previous: str | None) -> None:
+    """A barrier that also tells every rank whether any rank's write failed (a plain barrier would leave the others
+    waiting on a rank that raised): then rank 0 removes the temporary directory and every rank raises
+    CheckpointWriteError with the first failing rank's error."""
+    dist = _dist()
+    errors = [error]
+    if dist is not None and dist.get_world_size() > 1:
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    failed = next(((r, e) for r, e in enumerate(errors) if e is not None), None)
+    if failed is None:
+        return
+    if _ranks()[0] == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (final.parent / ".latest.tmp").unlink(missing_ok=True)
+    rank, reason = failed
+    raise CheckpointWriteError(final, reason + (f" (rank {rank})" if len(errors) > 1 else ""), previous)
 
 
 def _optimizer_state(engine) -> dict[str, Any]:

@@ -28,14 +28,15 @@ from fp8_recipes.launcher import launch_rank
 from fp8_recipes.rundir import (HYDRA, RUN_OUTPUTS, TRAIN_LOG, RunDirError, check_run_dir, held_by_another,
                                 release)
 
-__all__ = ["ConsoleFormatter", "INTERNAL_ERROR_EXIT", "NonFiniteStop", "USER_ERROR_EXIT", "NONFINITE_EXIT", "PREEMPTED_EXIT",
-           "RunDirCheck", "hydra_errors_as_one_line", "keep_earlier_run_files", "one_line", "print_error_once",
+__all__ = ["CHECKPOINT_WRITE_EXIT", "CheckpointWriteError", "ConsoleFormatter", "INTERNAL_ERROR_EXIT", "NonFiniteStop", "USER_ERROR_EXIT", "NONFINITE_EXIT", "PREEMPTED_EXIT",
+           "RunDirCheck", "hydra_errors_as_one_line", "worker_hydra_overrides", "keep_earlier_run_files", "one_line", "print_error_once",
            "remove_partial_run_dir", "report_internal_error"]
 
 INTERNAL_ERROR_EXIT = 1  # a bug (not a config error): the traceback is in run_dir/train.log, the outputs are kept
 USER_ERROR_EXIT = 2  # a bad config, recipe or command line: nothing was run
 NONFINITE_EXIT = 3   # training stopped on non-finite losses or gradients (trainer.on_nonfinite)
 PREEMPTED_EXIT = 4   # SIGTERM/SIGUSR1: checkpointed after the current step, not finished: requeue, resume=auto
+CHECKPOINT_WRITE_EXIT = 5  # writing a checkpoint failed (disk full, file size limit): outputs kept, resume=auto
 
 _PACKAGE = str(Path(__file__).resolve().parents[1])
 _IMPORTED_AT = time.time()  # scripts/train.py imports this module before Hydra creates run_dir
@@ -52,6 +53,25 @@ class ConsoleFormatter(logging.Formatter):
 
 class NonFiniteStop(RuntimeError):
     """The run stopped on non-finite losses or gradients (``trainer.on_nonfinite``); ``str()`` is one line."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """Writing ``step_dir`` failed with an OS error on some rank (a full disk, a file size limit). Not a ConfigError:
+    the run's outputs so far stay (scripts/train.py removes a failed start's). Every rank raises it together
+    (checkpoint.save_checkpoint agrees on the failure), after rank 0 removed the half-written temporary directory;
+    ``latest`` still names ``previous`` (a ``step_N`` name, or None when there was no checkpoint yet). ``key`` is
+    the setting that asked for the save (the loop sets it); ``str()`` is one line."""
+
+    def __init__(self, step_dir: str | os.PathLike, reason: str, previous: str | None,
+                 key: str = "trainer.save_checkpoints") -> None:
+        super().__init__(reason)
+        self.step_dir, self.reason, self.previous, self.key = Path(step_dir), reason, previous, key
+
+    def __str__(self) -> str:
+        then = f"which continues from {self.previous}" if self.previous else "which starts again from step 0 (no " \
+            "earlier checkpoint)"
+        return (f"{self.key}: writing checkpoint {self.step_dir} failed: {self.reason}; free space on its file "
+                f"system (or raise the file size limit) and continue with trainer.resume=auto, {then}")
 
 
 def _first_line(text: str) -> str:
@@ -168,6 +188,19 @@ def print_error_once(lines: list[str]) -> None:
         time.sleep(QUIET_RANK_DELAY_S)
 
 
+WORKER_HYDRA_OVERRIDES = ("hydra.run.dir=.", "hydra.output_subdir=null", "~hydra.job_logging.handlers.file",
+                          "hydra.job_logging.root.handlers=[console]")
+
+
+def worker_hydra_overrides() -> list[str]:
+    """Hydra overrides for a launched job's ranks other than 0: Hydra creates neither run_dir, nor its ``.hydra/``,
+    nor a train.log handler there (their messages go to the console; an internal error's traceback is still appended
+    to train.log). Every rank once did, each at its own pace: a refused fresh start's clean-up by one rank raced
+    another rank still creating them (a run dir left behind, or a logging traceback for the vanished directory).
+    The working directory (``.``) is where Hydra puts nothing: it exists, and no output_subdir is written."""
+    return list(WORKER_HYDRA_OVERRIDES) if launch_rank() != 0 else []
+
+
 class RunDirCheck:
     """Hydra callback (conf/train.yaml ``hydra.callbacks``): refuses a start that rundir.check_run_dir refuses (another
     running job holds run_dir; a fresh start into a directory holding another run) before Hydra writes its .hydra/
@@ -230,9 +263,12 @@ def remove_partial_run_dir(run_dir: str | os.PathLike, since: float = _IMPORTED_
     never other files, an earlier run's outputs, a run with checkpoints, or a directory another running job holds),
     put back the ``.hydra/`` files of an earlier run that Hydra rewrote and cut its train.log to what it held
     (:func:`keep_earlier_run_files`), then
-    remove the directory when empty. Under torchrun/srun every rank removes (each may have written Hydra's files
-    after another one cleaned), tolerating the files another rank removed first."""
+    remove the directory when empty. Under torchrun/srun only the launcher's rank 0 removes: it alone let Hydra
+    write into ``run_dir`` (:func:`worker_hydra_overrides`), so it removes after its own last write, and no other
+    rank writes there after it."""
     run_dir = Path(run_dir)
+    if launch_rank() != 0:  # the other ranks wrote nothing here (worker_hydra_overrides); removing while rank 0's
+        return  # Hydra is still writing left its files behind, or its log handler without a directory
     if not run_dir.is_dir() or held_by_another(run_dir):
         return
     if (run_dir / "checkpoints").exists():  # a refused resume: its outputs stay, its config as it was

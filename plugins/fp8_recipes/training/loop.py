@@ -37,7 +37,7 @@ from fp8_recipes.rundir import write_summary
 from fp8_recipes.training.checkpoint import barrier, load_checkpoint, save_checkpoint
 from fp8_recipes.training.config import TrainerConfig
 from fp8_recipes.training.engine import Engine, StepResult
-from fp8_recipes.training.errors import NonFiniteStop
+from fp8_recipes.training.errors import CheckpointWriteError, NonFiniteStop
 from fp8_recipes.training.faults import NonFinitePolicy, Stop
 from fp8_recipes.training.lr_schedule import LRSchedule
 from fp8_recipes.training.metrics import MetricsWriter, plot_loss
@@ -109,6 +109,7 @@ class StepLog:
             self.writer.log({**row, "preempted": state.preempted["signal"]} if state.preempted else row)
 
     def close(self) -> None:
+        self.bar.close()
         self.writer.close()
 
 
@@ -144,19 +145,23 @@ class Checkpoints:
                  schedule: LRSchedule) -> None:
         self.run_dir, self.cfg, self.engine, self.precision, self.schedule = run_dir, cfg, engine, precision, schedule
 
-    def save(self, done: int) -> Path | None:
+    def save(self, done: int, key: str = "trainer.save_checkpoints") -> Path | None:
         cfg = self.cfg
         if not cfg.save_checkpoints:
             return None
         # the data position in samples: a run at another data-parallel size continues from it exactly
         position = {"consumed_samples": done * cfg.global_batch_size, "global_batch_size": cfg.global_batch_size,
                     "micro_batch_size": cfg.micro_batch_size}
-        return save_checkpoint(self.run_dir, done, engine=self.engine, precision=self.precision,
-                               scheduler=self.schedule, extra={"trainer": dataclasses.asdict(cfg)}, meta=position)
+        try:
+            return save_checkpoint(self.run_dir, done, engine=self.engine, precision=self.precision,
+                                   scheduler=self.schedule, extra={"trainer": dataclasses.asdict(cfg)}, meta=position)
+        except CheckpointWriteError as e:
+            e.key = key  # the setting that asked for this save, for its one error line
+            raise
 
     def periodic(self, done: int) -> None:
         if self.cfg.save_interval > 0 and done % self.cfg.save_interval == 0 and done != self.cfg.max_steps:
-            self.save(done)
+            self.save(done, key="trainer.save_interval")
 
 
 def _run_step(engine: Engine, batches: Any, precision: Precision, schedule: LRSchedule, faults: NonFinitePolicy,
@@ -288,7 +293,9 @@ def train(engine: Engine, batches_train: Iterator[Mapping[str, Any]] | list[Iter
     state, faults = LoopState(done=start), NonFinitePolicy(cfg)
     tokens = cfg.global_batch_size * engine.seq_length  # per optimizer step, all ranks
     wall0 = time.perf_counter()
-    with PreemptionSignals() as signals:  # SIGTERM/SIGUSR1 -> a flag, for the loop's lifetime only
+    # SIGTERM/SIGUSR1 -> a flag, for the loop's lifetime only; the log closed however the loop ends (a failed save:
+    # the bar's line ended before the error's)
+    with PreemptionSignals() as signals, contextlib.closing(log):
         engine.set_lr(schedule.lr())  # then again after each optimizer step: only they move the LR
         for step in range(start, cfg.max_steps):
             lr = schedule.lr()  # a skipped step leaves the schedule where it was: the next step runs at this LR
@@ -315,6 +322,5 @@ def train(engine: Engine, batches_train: Iterator[Mapping[str, Any]] | list[Iter
             _warn_preempted(state, cfg, run_dir)
     stopped = state.stop.message(saved) if state.stop is not None else None
     summary = _summary(state, faults, stopped, time.perf_counter() - wall0, engine.device, summary_extra)
-    log.close()
     _leave_together(run_dir, summary, stopped, rank)
     return summary

@@ -35,7 +35,7 @@ from fp8_recipes.recipes import EMPTY_RECIPE, load_recipe
 from fp8_recipes.rundir import PLAN, RECIPE, check_run_dir, claim, drop_rows_after, release, write_text
 from fp8_recipes.schema import AmaxReduction, Attention, Backend, RecipeError, Role, Scaling
 from fp8_recipes.training.config import check_run_config, check_writable_dir
-from fp8_recipes.training.errors import NonFiniteStop
+from fp8_recipes.training.errors import CheckpointWriteError, NonFiniteStop
 from fp8_recipes.training.notices import run_notices
 
 __all__ = ["check_plan", "resolve_debug", "resolve_recipe", "run_training"]
@@ -632,7 +632,7 @@ def _train(run: _Run, engine, plan, precision, data: _RunData, on_ready: Callabl
                                                   for r in ("weights", "activations", "gradients")),
                                        "device": run.hardware.describe()})
         failed = False
-    except NonFiniteStop:
+    except (NonFiniteStop, CheckpointWriteError):
         failed = False  # every rank stops together, after a barrier: the last rows merge as usual
         raise
     finally:
