@@ -359,6 +359,8 @@ def test_two_ranks_train_on_the_one_rank_batches(dp_runs):
     dp1, dp2 = losses(dp_runs["dp1"]), losses(dp_runs["dp2"])
     assert sorted(dp2) == list(range(1, DP_STEPS + 1)) and rel(dp2, dp1) < DP_LOSS_TOL, (dp2, dp1)
     meta = json.loads((dp_runs["dp2"] / "checkpoints" / f"step_{DP_SAVED}" / "meta.json").read_text())
+    model = meta.pop("model")  # what a resume checks the model keys against
+    assert (model["num_layers"], model["hidden_size"], meta.pop("params_dtype")) == (2, 128, "bf16"), model
     assert meta == {"step": DP_SAVED, "data_parallel_size": 2, "tensor_model_parallel_size": 1,
                     "pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": None,
                     "context_parallel_size": 1, "use_distributed_optimizer": False, "reshardable": True,
