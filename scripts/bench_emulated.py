@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))  # a ch
 
 def main() -> None:
     from fp8_recipes.bench.emulated import bench_emulated, format_table, save
-    from fp8_recipes.recipes import recipe_names
+    from fp8_recipes.recipe.pack import recipe_names
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipes", nargs="+", default=recipe_names())

@@ -52,7 +52,7 @@ def main() -> None:
     import torch
 
     from fp8_recipes.observe import stats, stats_kernels
-    from fp8_recipes.schema import Scaling, TensorPolicy
+    from fp8_recipes.recipe.schema import Scaling, TensorPolicy
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", type=int, nargs=2, default=[8192, 768])

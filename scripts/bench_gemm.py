@@ -28,7 +28,7 @@ def shape(text: str) -> tuple[int, int, int]:
 
 def main() -> None:
     from fp8_recipes.bench.gemm import DEFAULT_CONFIGS, DEFAULT_SHAPES, bench_gemm, save, summarize
-    from fp8_recipes.plan import Hardware
+    from fp8_recipes.plan.precision import Hardware
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", type=shape, default=DEFAULT_SHAPES, metavar="MxKxN")

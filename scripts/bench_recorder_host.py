@@ -35,9 +35,9 @@ def main() -> None:
 
     from fp8_recipes.observe import recorder as rec_mod, stats, stats_kernels
     from fp8_recipes.observe.config import DebugConfig
-    from fp8_recipes.plan import Gemm, Hardware, ModelLayout, PrecisionPlan
-    from fp8_recipes.recipes import load_recipe
-    from fp8_recipes.schema import Role
+    from fp8_recipes.plan.precision import Gemm, Hardware, ModelLayout, PrecisionPlan
+    from fp8_recipes.recipe.pack import load_recipe
+    from fp8_recipes.recipe.schema import Role
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", default="hybrid")

@@ -29,7 +29,7 @@ DEFAULT_CONFIGS = ["delayed", "delayed:raw", "tensorwise", "tensorwise:raw", "bl
 
 def main() -> None:
     from fp8_recipes.bench.train import bench_train, check_configs, save, summarize
-    from fp8_recipes.plan import Hardware
+    from fp8_recipes.plan.precision import Hardware
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=["llama3_8b_8l", "llama3_8b_16l"], help="conf/model/ names")

@@ -61,7 +61,7 @@ def build_config(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     from fp8_recipes.integrations.bridge import apply_recipe
-    from fp8_recipes.schema import RecipeError
+    from fp8_recipes.recipe.schema import RecipeError
 
     args = parse_args(argv)
     try:

@@ -100,7 +100,7 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     from fp8_recipes.launcher import LaunchError, check_launch_env
-    from fp8_recipes.recipes import recipe_file_overrides
+    from fp8_recipes.recipe.pack import recipe_file_overrides
     from fp8_recipes.training.errors import (
         USER_ERROR_EXIT, hydra_errors_as_one_line, print_error_once, worker_hydra_overrides,
     )

@@ -1,6 +1,6 @@
 """fp8_recipes: FP8 training recipes for Megatron-Core and Transformer Engine.
 
-YAML recipe -> typed :class:`~fp8_recipes.schema.Recipe` -> :class:`~fp8_recipes.plan.PrecisionPlan`
+YAML recipe -> typed :class:`~fp8_recipes.recipe.schema.Recipe` -> :class:`~fp8_recipes.plan.precision.PrecisionPlan`
 -> backend (Transformer Engine or emulated) -> training loop -> observers.
 
 Importing this package needs neither a GPU nor Transformer Engine. Its one side effect: on a machine without CUDA,

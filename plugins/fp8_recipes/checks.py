@@ -2,7 +2,7 @@
 
 Two styles of reader use them, and each is right for its input:
 
-- :class:`KeyReader` *collects* one message per bad key and goes on reading, so a recipe file (schema.py) or a
+- :class:`KeyReader` *collects* one message per bad key and goes on reading, so a recipe file (recipe/schema.py) or a
   ``debug:`` section (observe/config.py) is reported whole, all problems at once;
 - the run-config checks (training/config.py, megatron/model_config.py, launch/settings.py) *raise* the first
   problem as a one-line ValueError, as Hydra's own errors come, through :func:`unknown_key` and :func:`choice_error`.
@@ -79,7 +79,7 @@ class KeyReader:
 
     Each scalar reader returns the value it read, or `default` after recording a problem, so reading goes on and a
     file's problems are reported all at once. Subclasses add the structured readers of their section
-    (schema.py's recipe reader, observe/config.py's ``debug:`` reader); :attr:`value_hints` maps spellings of
+    (recipe/schema.py's recipe reader, observe/config.py's ``debug:`` reader); :attr:`value_hints` maps spellings of
     other tools to ours for enum values (never for key names)."""
 
     value_hints: Mapping[str, str] = {}

@@ -25,9 +25,9 @@ from pathlib import Path
 import yaml
 
 from fp8_recipes.observe.config import DebugConfig
-from fp8_recipes.plan import Hardware, ModelLayout, ParallelLayout, PrecisionPlan
-from fp8_recipes.plan_format import format_plan
-from fp8_recipes.recipes import conf_dir, load_recipe, load_recipe_dict, recipe_names
+from fp8_recipes.plan.precision import Hardware, ModelLayout, ParallelLayout, PrecisionPlan
+from fp8_recipes.plan.format import format_plan
+from fp8_recipes.recipe.pack import conf_dir, load_recipe, load_recipe_dict, recipe_names
 
 __all__ = ["main"]
 
@@ -73,7 +73,7 @@ def _cmd_explain(args) -> int:
 
 def _cmd_memory(args) -> int:
     # this command's own (module docstring)
-    from fp8_recipes.memory import LLAMA3, OptimizerPrecision, estimate_stages, format_estimate
+    from fp8_recipes.plan.memory import LLAMA3, OptimizerPrecision, estimate_stages, format_estimate
 
     if args.model in LLAMA3:
         model = LLAMA3[args.model]

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from fp8_recipes.checks import ConfigError
-from fp8_recipes.yaml_guard import load_yaml
+from fp8_recipes.recipe.yaml_guard import load_yaml
 
 __all__ = [
     "CHECKPOINTS",

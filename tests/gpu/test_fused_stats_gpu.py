@@ -25,7 +25,7 @@ def test_fused_statistics_equal_the_numerics_core_on_the_gpu():
 
 @pytest.mark.parametrize("block", [(1, 128), (128, 128), (256, 1)])
 def test_te_block_shapes(block):
-    from fp8_recipes.schema import Scaling, TensorPolicy
+    from fp8_recipes.recipe.schema import Scaling, TensorPolicy
 
     for x in (operand(4096, 3072, torch.bfloat16, special=False, device="cuda", seed=3),
               operand(1000, 300, torch.float32, special=True, device="cuda", seed=4)):  # partial blocks

@@ -65,7 +65,7 @@ def run(tmp_path_factory) -> Path:
     from omegaconf import OmegaConf
 
     from fp8_recipes.megatron.data import prepare_dataset
-    from fp8_recipes.recipes import conf_dir
+    from fp8_recipes.recipe.pack import conf_dir
     from fp8_recipes.training.run import run_training
 
     root = tmp_path_factory.mktemp("pangram")
@@ -104,8 +104,8 @@ def exports(run, tmp_path_factory) -> dict[str, Path]:
 def ours(run, megatron_gpu):
     """(our TE model holding the run's last checkpoint, its precision, its model config)."""
     from fp8_recipes.megatron.model_config import run_model_cfg
-    from fp8_recipes.plan import Hardware
-    from fp8_recipes.recipes import load_recipe
+    from fp8_recipes.plan.precision import Hardware
+    from fp8_recipes.recipe.pack import load_recipe
     from fp8_recipes.rundir import load_run_config
     from fp8_recipes.training.checkpoint import load_checkpoint
     from fp8_recipes.training.run import attach_te

@@ -206,7 +206,7 @@ def test_plugin_owned_recipe_follows_its_plan_in_lightning(world):
     is BF16 for the warmup and weights-only steps, then FP8 forward-only, then FP8, in layers 1-2 only (the first
     and last layers stay BF16); the model itself was built without fp8."""
     from fp8_recipes.integrations.nemo import FP8RecipePrecision, FP8ScheduleCallback
-    from fp8_recipes.recipes import load_recipe
+    from fp8_recipes.recipe.pack import load_recipe
 
     recipe = {**load_recipe("safe").to_dict(), "schedule": SAFE_SCHEDULE}
     precision = FP8RecipePrecision(recipe, num_layers=MODEL["num_layers"], max_steps=STEPS,

@@ -17,8 +17,8 @@ import torch
 
 from fp8_recipes.backends.te import te_available, te_recipe
 from fp8_recipes.numerics import DelayedScaler, nan_ignoring_amax, quantize
-from fp8_recipes.plan import TERecipe
-from fp8_recipes.schema import AmaxAlgo, Format, Scaling, TensorPolicy
+from fp8_recipes.plan.precision import TERecipe
+from fp8_recipes.recipe.schema import AmaxAlgo, Format, Scaling, TensorPolicy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (torch.cuda.is_available() and te_available()),
                                                   reason="needs a CUDA GPU with Transformer Engine")]

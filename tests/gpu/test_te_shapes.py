@@ -1,5 +1,5 @@
 """The FP8 GEMM shapes Transformer Engine runs, beside the rule the run checks before anything is built
-(plan_te.te_fp8_shape_problem, used by training/run.py's check_fp8_shapes): a te.Linear under each recipe kind the
+(plan.te.te_fp8_shape_problem, used by training/run.py's check_fp8_shapes): a te.Linear under each recipe kind the
 plan builds, forward and backward, runs exactly when the rule finds no problem with the GEMMs the plan runs in FP8.
 
 Found on the H200 (2026-12-02): TE's forward assertion (rows and out_features multiples of 8, in_features of 16) is
@@ -25,9 +25,9 @@ RECIPES = {"delayed": "delayed", "tensorwise": "tensorwise", "blockwise": "block
 
 
 def _module_plan(recipe):
-    from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan
-    from fp8_recipes.recipes import load_recipe
-    from fp8_recipes.schema import Recipe
+    from fp8_recipes.plan.precision import Hardware, ModelLayout, PrecisionPlan
+    from fp8_recipes.recipe.pack import load_recipe
+    from fp8_recipes.recipe.schema import Recipe
 
     recipe = load_recipe(recipe) if isinstance(recipe, str) else Recipe.from_dict(recipe)
     plan = PrecisionPlan(recipe, ModelLayout.gpt(1), Hardware.detect())
@@ -39,8 +39,8 @@ def test_te_runs_exactly_the_shapes_the_rule_allows(name):
     import transformer_engine.pytorch as te
 
     from fp8_recipes.backends.te import te_recipe
-    from fp8_recipes.plan import Execution
-    from fp8_recipes.plan_te import te_fp8_shape_problem
+    from fp8_recipes.plan.precision import Execution
+    from fp8_recipes.plan.te import te_fp8_shape_problem
 
     module = _module_plan(RECIPES[name])
     gemms = frozenset(str(g) for g, p in module.gemms.items() if p.execution is not Execution.BF16)

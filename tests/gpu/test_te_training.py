@@ -12,7 +12,7 @@ import torch
 
 from fp8_recipes.backends.te import BF16, FP8, FP8_FWD, te_available
 from fp8_recipes.megatron.data import repeated_batch
-from fp8_recipes.recipes import recipe_names
+from fp8_recipes.recipe.pack import recipe_names
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (torch.cuda.is_available() and te_available()),
                                                   reason="needs a CUDA GPU with Transformer Engine")]
@@ -39,7 +39,7 @@ def compose(overrides: list[str]):
     pytest.importorskip("hydra", reason="hydra-core is not installed on this machine")
     from hydra import compose as hydra_compose, initialize_config_dir
 
-    from fp8_recipes.recipes import conf_dir
+    from fp8_recipes.recipe.pack import conf_dir
 
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         return hydra_compose("train", overrides=overrides)
@@ -75,7 +75,7 @@ def test_every_recipe_trains_on_te(name, data_dir, tmp_path, monkeypatch):
         assert run["by_stage"]["fp8 w+a"] == {BF16: 2 * 8, FP8_FWD: 2 * 8}
         assert run["by_stage"]["fp8 w+a+g"] == {BF16: 2 * 8, FP8: 2 * 8}
     else:  # 16 layer linears per step, and the LM head where the recipe runs it FP8 (fast)
-        from fp8_recipes.recipes import load_recipe
+        from fp8_recipes.recipe.pack import load_recipe
 
         head = int(load_recipe(name).layers.fp8_output_layer)
         assert run["module_forwards"] == {FP8: 8 * (16 + head)}, run
@@ -96,8 +96,8 @@ def fixed_batches(batch_size=8, seq=128, vocab=4096, seed=0):
 def build(recipe: dict, device, seed: int = 0, **model_cfg):
     from fp8_recipes.megatron.model import build_gpt_model, model_layout
     from fp8_recipes.megatron.te_layers import attach_te_backend
-    from fp8_recipes.plan import Hardware, PrecisionPlan
-    from fp8_recipes.schema import Recipe
+    from fp8_recipes.plan.precision import Hardware, PrecisionPlan
+    from fp8_recipes.recipe.schema import Recipe
 
     torch.manual_seed(seed)
     model = build_gpt_model({**TINY, **model_cfg}, use_te_spec=True, params_dtype=torch.bfloat16, device=device)
@@ -183,7 +183,7 @@ def test_te_spec_model_has_the_plans_layout(megatron_gpu):
     from transformer_engine.pytorch import LayerNormLinear, Linear
 
     from fp8_recipes.megatron.model import build_gpt_model, named_linear_modules
-    from fp8_recipes.plan import ModelLayout
+    from fp8_recipes.plan.precision import ModelLayout
 
     model = build_gpt_model(TINY, use_te_spec=True, params_dtype=torch.bfloat16, device=megatron_gpu[2])
     named = named_linear_modules(model)
@@ -277,7 +277,7 @@ def test_fp8_lm_head_computes_the_quantized_gemm(tied, megatron_gpu):
     equals TE's quantizers bit for bit), up to the GEMM's accumulation order, and far from the unquantized ones."""
     from fp8_recipes.megatron.model import unwrap_model
     from fp8_recipes.numerics import fake_quant
-    from fp8_recipes.schema import Recipe, Role
+    from fp8_recipes.recipe.schema import Recipe, Role
 
     recipe = head_recipe("tensorwise")
     model, precision = build(recipe, megatron_gpu[2], share_embeddings_and_output_weights=tied)
@@ -388,8 +388,8 @@ def build_stored(recipe: dict, device, **model_cfg):
     (the same initial values with and without fp8_param: init_seed)."""
     from fp8_recipes.megatron.model import build_gpt_model
     from fp8_recipes.megatron.te_layers import FP8ParamInit, attach_te_backend
-    from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan
-    from fp8_recipes.schema import Recipe
+    from fp8_recipes.plan.precision import Hardware, ModelLayout, PrecisionPlan
+    from fp8_recipes.recipe.schema import Recipe
 
     plan = PrecisionPlan(Recipe.from_dict(recipe), ModelLayout.gpt(TINY["num_layers"]), Hardware.detect())
     assert str(plan.backend) == "te" and plan.fp8_param_problem() is None, plan.fp8_param_problem()

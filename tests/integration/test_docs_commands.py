@@ -265,7 +265,7 @@ def _launcher_checked(overrides: list[str]):
 
     from fp8_recipes.launch.job import check_train_config
     from fp8_recipes.launch.settings import LauncherSettings
-    from fp8_recipes.recipes import conf_dir
+    from fp8_recipes.recipe.pack import conf_dir
 
     sweep = [o.split(",")[0] if o.startswith("+recipe=") else o for o in overrides]  # the sweep's first job
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):

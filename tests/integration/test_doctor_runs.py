@@ -35,7 +35,7 @@ import pytest
 from fp8_recipes import cli
 from fp8_recipes.observe.doctor import diagnose
 from fp8_recipes.observe.doctor_report import load_run
-from fp8_recipes.recipes import load_recipe
+from fp8_recipes.recipe.pack import load_recipe
 from test_train_cpu import dataset, small_run  # noqa: F401  (the shared tiny dataset fixture)
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),

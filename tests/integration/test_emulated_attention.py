@@ -29,9 +29,9 @@ from fp8_recipes.megatron.emulated_layers import (
 )
 from fp8_recipes.megatron.model import build_gpt_model, model_layout
 from fp8_recipes.numerics import fp8_spec
-from fp8_recipes.plan import ModelLayout, PrecisionPlan
-from fp8_recipes.recipes import load_recipe_dict
-from fp8_recipes.schema import Recipe
+from fp8_recipes.plan.precision import ModelLayout, PrecisionPlan
+from fp8_recipes.recipe.pack import load_recipe_dict
+from fp8_recipes.recipe.schema import Recipe
 from test_train_cpu import ROOT, compose_train, dataset, small_run  # noqa: F401  (dataset: the shared fixture)
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),

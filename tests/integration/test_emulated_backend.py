@@ -21,9 +21,9 @@ from fp8_recipes.megatron.emulated_layers import (
 )
 from fp8_recipes.megatron.model import build_gpt_model, model_layout, named_linear_modules
 from fp8_recipes.numerics import fake_quant, fp8_spec
-from fp8_recipes.plan import Gemm, ModelLayout, PrecisionPlan
-from fp8_recipes.recipes import load_recipe, load_recipe_dict
-from fp8_recipes.schema import Recipe, Role, Scaling
+from fp8_recipes.plan.precision import Gemm, ModelLayout, PrecisionPlan
+from fp8_recipes.recipe.pack import load_recipe, load_recipe_dict
+from fp8_recipes.recipe.schema import Recipe, Role, Scaling
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]

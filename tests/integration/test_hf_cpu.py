@@ -87,8 +87,8 @@ def exports(run, tmp_path_factory) -> dict[str, Path]:
 def build_ours(run: Path, dtype: torch.dtype):
     """(our model holding the run's checkpoint with ``dtype`` parameters, its model config)."""
     from fp8_recipes.megatron.model_config import run_model_cfg
-    from fp8_recipes.plan import Hardware
-    from fp8_recipes.recipes import load_recipe
+    from fp8_recipes.plan.precision import Hardware
+    from fp8_recipes.recipe.pack import load_recipe
     from fp8_recipes.rundir import load_run_config
     from fp8_recipes.training.checkpoint import load_checkpoint
     from fp8_recipes.training.run import attach_emulated

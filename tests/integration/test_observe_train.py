@@ -14,7 +14,7 @@ from fp8_recipes.numerics import DelayedScaler, fake_quant
 from fp8_recipes.observe.recorder import load_dump
 from fp8_recipes.rundir import read_numerics
 from fp8_recipes.observe.stats import STAT_KEYS
-from fp8_recipes.schema import Recipe
+from fp8_recipes.recipe.schema import Recipe
 
 from test_train_cpu import compose_train, dataset, small_run  # noqa: F401 (dataset: the shared fixture)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fp8_recipes.recipes import load_recipe, recipe_names
+from fp8_recipes.recipe.pack import load_recipe, recipe_names
 
 ROOT = Path(__file__).resolve().parents[2]
 PACK = {p.stem for p in (ROOT / "recipes").glob("*.yaml")}  # every recipe of the checkout goes into the wheel
@@ -73,7 +73,8 @@ INSTALLED_CHECK = textwrap.dedent('''
     sys.path.insert(0, {site!r})
     sys.path.append({venv_site!r})
     import fp8_recipes
-    from fp8_recipes import cli, recipes
+    from fp8_recipes import cli
+    from fp8_recipes.recipe import pack as recipes
     from hydra import compose, initialize
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.plugins import Plugins
@@ -124,7 +125,7 @@ def test_checkout_hydra_discovers_the_search_path_plugin():
     from hydra.core.plugins import Plugins
     from hydra.plugins.search_path_plugin import SearchPathPlugin
 
-    from fp8_recipes.recipes import conf_search_path
+    from fp8_recipes.recipe.pack import conf_search_path
 
     found = {p.__name__: p for p in Plugins.instance().discover(SearchPathPlugin)}
     assert "FP8RecipesSearchPathPlugin" in found

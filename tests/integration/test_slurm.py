@@ -420,7 +420,7 @@ def test_hydra_launcher_takes_its_values_from_the_launcher_group():
 
     from fp8_recipes.launch.settings import LauncherSettings
     from fp8_recipes.launch.submitit_slurm import submitit_parameters
-    from fp8_recipes.recipes import conf_dir
+    from fp8_recipes.recipe.pack import conf_dir
 
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         cfg = compose("train", overrides=["hydra/launcher=slurm", "launcher.nodes=3", "launcher.tasks_per_node=8",

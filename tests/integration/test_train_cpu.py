@@ -24,11 +24,11 @@ import torch
 import yaml
 from hydra import compose, initialize_config_dir
 
-from fp8_recipes.plan import ModelLayout, PrecisionPlan
-from fp8_recipes.plan_format import format_plan
-from fp8_recipes.recipes import conf_dir, load_recipe, recipe_names
+from fp8_recipes.plan.precision import ModelLayout, PrecisionPlan
+from fp8_recipes.plan.format import format_plan
+from fp8_recipes.recipe.pack import conf_dir, load_recipe, recipe_names
 from fp8_recipes.rundir import read_metrics
-from fp8_recipes.schema import Recipe
+from fp8_recipes.recipe.schema import Recipe
 from fp8_recipes.training.checkpoint import read_checkpoint
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),

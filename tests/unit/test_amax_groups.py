@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from fp8_recipes.backends.groups import amax_reduction_group, te_amax_reduction_group
-from fp8_recipes.schema import AmaxReduction
+from fp8_recipes.recipe.schema import AmaxReduction
 
 ps = pytest.importorskip("megatron.core.parallel_state")
 
@@ -75,8 +75,8 @@ def test_emulated_current_scaling_takes_each_ranks_own_amax(monkeypatch, recipe)
 
     from fp8_recipes.backends import emulated
     from fp8_recipes.backends.emulated import EmulatedLinearState, EmulatedPrecision
-    from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan
-    from fp8_recipes.recipes import load_recipe
+    from fp8_recipes.plan.precision import Hardware, ModelLayout, PrecisionPlan
+    from fp8_recipes.recipe.pack import load_recipe
 
     calls = []
 

@@ -6,8 +6,8 @@ import pytest
 
 from fp8_recipes.bench.train import check_configs, raw_megatron_fp8, summarize, with_levers
 from fp8_recipes.integrations.common import megatron_fp8_fields
-from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan
-from fp8_recipes.recipes import load_recipe
+from fp8_recipes.plan.precision import Hardware, ModelLayout, PrecisionPlan
+from fp8_recipes.recipe.pack import load_recipe
 
 
 def test_levers_turn_on_what_they_name():

@@ -16,10 +16,10 @@ import pytest
 import yaml
 
 from fp8_recipes import cli
-from fp8_recipes.plan import ModelLayout, PrecisionPlan
-from fp8_recipes.plan_format import format_plan
-from fp8_recipes.recipes import load_recipe, recipe_names, recipes_dir
-from fp8_recipes.schema import Recipe
+from fp8_recipes.plan.precision import ModelLayout, PrecisionPlan
+from fp8_recipes.plan.format import format_plan
+from fp8_recipes.recipe.pack import load_recipe, recipe_names, recipes_dir
+from fp8_recipes.recipe.schema import Recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 BROKEN = sorted((Path(__file__).parent / "broken_recipes").glob("*.yaml"))

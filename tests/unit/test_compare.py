@@ -13,8 +13,8 @@ import pytest
 from fp8_recipes.bench.compare import (
     REFERENCE, add_gaps, check_runs, collect, final_loss, run_overrides, save, steady_tokens_per_s, summarize_run,
 )
-from fp8_recipes.recipes import load_recipe
-from fp8_recipes.schema import ROLES
+from fp8_recipes.recipe.pack import load_recipe
+from fp8_recipes.recipe.schema import ROLES
 from fp8_recipes.training.evaluate import eval_step_all_on, gap_pct
 
 

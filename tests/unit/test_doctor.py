@@ -22,7 +22,7 @@ from fp8_recipes.observe.doctor_findings import find_problems
 from fp8_recipes.observe.doctor_gap import SEED_Z, STEP_Z, noise_floor
 from fp8_recipes.observe.doctor_remedies import propose
 from fp8_recipes.observe.doctor_report import format_report, load_run, patched_recipe
-from fp8_recipes.recipes import load_recipe
+from fp8_recipes.recipe.pack import load_recipe
 
 LAYERS = 4
 LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")

@@ -12,7 +12,7 @@ import torch
 
 from fp8_recipes.numerics import DelayedScaler
 from fp8_recipes.rundir import read_metrics
-from fp8_recipes.schema import Role, Scaling, TensorPolicy
+from fp8_recipes.recipe.schema import Role, Scaling, TensorPolicy
 from fp8_recipes.training.checkpoint import read_checkpoint
 from fp8_recipes.training.config import TrainerConfig
 from fp8_recipes.training.errors import NonFiniteStop

@@ -14,8 +14,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "plugins" / "fp8_recipes"
 
 # Bottom to top, as docs/architecture.md draws them; a module is on the floor of its longest matching prefix.
 FLOORS: list[tuple[str, ...]] = [
-    ("checks", "yaml_guard", "schema", "rundir", "launcher", "numerics"),  # 0: typed recipe, key checks, numerics, run dir, launcher env
-    ("plan_te", "plan", "plan_format", "recipes", "memory"),           # 1: the PrecisionPlan and the recipe pack
+    ("checks", "recipe.yaml_guard", "recipe.schema", "rundir", "launcher", "numerics"),  # 0: typed recipe, key checks, numerics, run dir, launcher env
+    ("plan", "recipe"),                                                # 1: the PrecisionPlan and the recipe pack
     ("backends", "observe"),                                           # 2: executing and observing the plan
     ("megatron", "integrations.hf_llama"),                             # 3: Megatron-Core model, data; HF Llama layout
     ("training",),                                                     # 4: the run: config, engine, loop, checkpoints

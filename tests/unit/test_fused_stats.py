@@ -21,7 +21,7 @@ import torch
 from fp8_recipes.numerics import DelayedScaler, dequantize, quantize
 from fp8_recipes.observe import stats as stats_mod
 from fp8_recipes.observe.stats import measure, measure_fused
-from fp8_recipes.schema import Format, MxRounding, Scaling, TensorPolicy
+from fp8_recipes.recipe.schema import Format, MxRounding, Scaling, TensorPolicy
 
 POLICIES = {
     "tensorwise": TensorPolicy(scaling=Scaling.TENSORWISE),

@@ -22,8 +22,8 @@ from fp8_recipes.integrations.common import (
     FACTORY_PATH, QUANTIZER_ENV, NeedsPluginOwned, ScheduleDriver, _role_quantizers, activate_quantizer_factory,
     fp8_quantizer_factory, megatron_fp8_fields, megatron_precision, plugin_owned_plan,
 )
-from fp8_recipes.recipes import load_recipe, recipe_names
-from fp8_recipes.schema import Recipe, RecipeError
+from fp8_recipes.recipe.pack import load_recipe, recipe_names
+from fp8_recipes.recipe.schema import Recipe, RecipeError
 
 H200, B200, ADA = (9, 0), (10, 0), (8, 9)
 MODEL = dict(num_layers=4, hidden_size=64, num_attention_heads=4)
@@ -206,7 +206,7 @@ def test_schedule_driver_plans_the_whole_model_over_pipeline_chunks(monkeypatch)
     import torch
 
     import fp8_recipes.megatron.te_layers as te_layers
-    from fp8_recipes.plan import Hardware
+    from fp8_recipes.plan.precision import Hardware
 
     class Chunk(torch.nn.Module):
         config = types.SimpleNamespace(num_layers=4)

@@ -1,4 +1,4 @@
-"""The memory estimator (fp8_recipes/memory.py) against what was measured: peaks of scripts/train.py on one H200
+"""The memory estimator (fp8_recipes/plan/memory.py) against what was measured: peaks of scripts/train.py on one H200
 (docs/bench/bench_engine_h200.json and bench_bf16moments_h200.json, written by scripts/bench_parallel.py) within 10%,
 the fp8_param saving (bench_fp8param_h200.json), the published Llama 3 parameter counts; each term's exact bytes on
 a small config; docs/scale.md's Llama 3 table equal to the estimator's."""
@@ -10,9 +10,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from fp8_recipes import cli
-from fp8_recipes.memory import (GIB, LLAMA3, OptimizerPrecision, estimate_memory, estimate_stages,
+from fp8_recipes.plan.memory import (GIB, LLAMA3, OptimizerPrecision, estimate_memory, estimate_stages,
                                 microbatches_in_flight, parameter_counts)
-from fp8_recipes.plan import ParallelLayout
+from fp8_recipes.plan.precision import ParallelLayout
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -4,7 +4,7 @@ key to change; a run whose settings all take effect gets none."""
 from __future__ import annotations
 
 from fp8_recipes.observe.config import debug_config
-from fp8_recipes.recipes import load_recipe
+from fp8_recipes.recipe.pack import load_recipe
 from fp8_recipes.training.config import TrainerConfig
 from fp8_recipes.training.notices import run_notices, schedule_notice
 

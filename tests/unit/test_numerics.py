@@ -19,7 +19,7 @@ from fp8_recipes.numerics import (
     DelayedScaler, amax_to_e8m0, amax_to_scale, dequantize, e8m0_to_multiplier, e8m0_to_scale_inv, fake_quant,
     fp8_spec, quantize, to_fp8_saturated,
 )
-from fp8_recipes.schema import AmaxAlgo, Format, MxRounding, Recipe, Scaling, TensorPolicy
+from fp8_recipes.recipe.schema import AmaxAlgo, Format, MxRounding, Recipe, Scaling, TensorPolicy
 
 F32_MAX = float(np.finfo(np.float32).max)
 FMTS = (Format.E4M3, Format.E5M2)

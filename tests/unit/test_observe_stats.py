@@ -11,7 +11,7 @@ import torch
 from fp8_recipes.numerics import DelayedScaler, fake_quant, quantize
 from fp8_recipes.observe.config import DebugConfig, debug_config
 from fp8_recipes.observe.stats import measure
-from fp8_recipes.schema import Format, MxRounding, RecipeError, Role, Scaling, TensorPolicy
+from fp8_recipes.recipe.schema import Format, MxRounding, RecipeError, Role, Scaling, TensorPolicy
 
 TENSORWISE = TensorPolicy(scaling=Scaling.TENSORWISE)
 DELAYED = TensorPolicy(scaling=Scaling.DELAYED, amax_history_len=4)

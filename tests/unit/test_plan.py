@@ -7,12 +7,12 @@ import fnmatch
 
 import pytest
 
-from fp8_recipes.plan import (
+from fp8_recipes.plan.precision import (
     GEMM_OPERANDS, Execution, Gemm, Hardware, ModelLayout, PrecisionPlan,
 )
-from fp8_recipes.plan_format import format_plan
-from fp8_recipes.recipes import load_recipe, recipe_names
-from fp8_recipes.schema import Backend, LayerRules, Recipe, Role, Schedule
+from fp8_recipes.plan.format import format_plan
+from fp8_recipes.recipe.pack import load_recipe, recipe_names
+from fp8_recipes.recipe.schema import Backend, LayerRules, Recipe, Role, Schedule
 
 N = 6
 LAYOUT = ModelLayout.gpt(N)
@@ -354,7 +354,7 @@ def test_layer_rules_default_plan_is_all_fp8_but_lm_head():
 def test_parallel_layout_places_layers_as_megatron_core():
     """Megatron-Core's even split (tests/integration/test_parallel_cpu.py checks it against built models): chunk v of
     stage s holds the (v x pp + s)-th run of layers."""
-    from fp8_recipes.plan import ParallelLayout
+    from fp8_recipes.plan.precision import ParallelLayout
 
     layout = ParallelLayout.parse("tp=2,pp=2,vpp=2,cp=2,dp=8")
     assert (layout.tp, layout.pp, layout.vpp, layout.cp, layout.dp, layout.gpus) == (2, 2, 2, 2, 8, 64)
@@ -373,7 +373,7 @@ def test_parallel_layout_places_layers_as_megatron_core():
 
 
 def test_explain_shows_which_stage_runs_which_layers():
-    from fp8_recipes.plan import ParallelLayout
+    from fp8_recipes.plan.precision import ParallelLayout
 
     plan = PrecisionPlan(load_recipe("safe"), ModelLayout.gpt(4))
     text = format_plan(plan, parallel=ParallelLayout(pp=2, dp=4))

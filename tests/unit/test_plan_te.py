@@ -7,11 +7,11 @@ import dataclasses
 
 import pytest
 
-from fp8_recipes.plan import Execution, Gemm, Hardware, ModelLayout, PrecisionPlan
-from fp8_recipes.plan_format import format_plan
-from fp8_recipes.plan_te import TERecipe, TERecipeKind, resolve_te, te_recipe_for
-from fp8_recipes.recipes import load_recipe, recipe_names
-from fp8_recipes.schema import Backend, Format, Recipe, Role, Scaling, TensorPolicy
+from fp8_recipes.plan.precision import Execution, Gemm, Hardware, ModelLayout, PrecisionPlan
+from fp8_recipes.plan.format import format_plan
+from fp8_recipes.plan.te import TERecipe, TERecipeKind, resolve_te, te_recipe_for
+from fp8_recipes.recipe.pack import load_recipe, recipe_names
+from fp8_recipes.recipe.schema import Backend, Format, Recipe, Role, Scaling, TensorPolicy
 
 H200 = Hardware("cuda", (9, 0), "2.20.2", "NVIDIA H200")
 B200 = Hardware("cuda", (10, 0), "2.20.2", "NVIDIA B200")
@@ -543,7 +543,7 @@ def test_fp8_shapes_te_would_refuse_are_refused_before_anything_is_built():
     """TE and cuBLAS check FP8 GEMM shapes only at the first FP8 forward and backward, after any BF16 warmup: refused
     up front on TE, a warning on the emulated backend, silent where the module stays BF16 or the run ends before
     FP8 (tests/gpu/test_te_shapes.py holds the rule against TE itself)."""
-    from fp8_recipes.plan_te import te_fp8_shape_problem
+    from fp8_recipes.plan.te import te_fp8_shape_problem
     from fp8_recipes.training.run import check_fp8_shapes
 
     assert te_fp8_shape_problem(72, 512, 504) == ("out_features 504 is not a multiple of 16, "

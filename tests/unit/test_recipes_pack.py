@@ -15,8 +15,8 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 
-from fp8_recipes.recipes import conf_dir, load_recipe, load_recipe_dict, recipe_names, recipes_dir
-from fp8_recipes.schema import AmaxAlgo, Format, Recipe, Role, Scaling
+from fp8_recipes.recipe.pack import conf_dir, load_recipe, load_recipe_dict, recipe_names, recipes_dir
+from fp8_recipes.recipe.schema import AmaxAlgo, Format, Recipe, Role, Scaling
 
 PACK = recipe_names()
 EXPECTED_PACK = {"bf16", "blockwise", "delayed", "fast", "hybrid", "mxfp8", "safe", "tensorwise"}

@@ -11,7 +11,7 @@ from fp8_recipes.numerics import fake_quant
 from fp8_recipes.observe.config import DebugConfig
 from fp8_recipes.observe.recorder import NumericsRecorder, ShardGroups
 from fp8_recipes.observe.stats import measure, rows
-from fp8_recipes.schema import Scaling, TensorPolicy
+from fp8_recipes.recipe.schema import Scaling, TensorPolicy
 
 TP, CP = "tp-group", "cp-group"
 QKV, PROJ, FC1, FC2 = (f"decoder.layers.0.{m}" for m in ("self_attention.linear_qkv", "self_attention.linear_proj",

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fp8_recipes.recipes import load_recipe, recipe_names
-from fp8_recipes.schema import (
+from fp8_recipes.recipe.pack import load_recipe, recipe_names
+from fp8_recipes.recipe.schema import (
     ROLES, AmaxAlgo, AmaxReduction, Backend, Format, LayerRules, MxRounding, Recipe, RecipeError, Role, Scaling,
     Schedule, TensorPolicy, default_policy,
 )

@@ -13,8 +13,8 @@ import torch
 
 from fp8_recipes.backends import te as te_backend
 from fp8_recipes.backends.te import BF16, FP8, FP8_FWD, TEPrecision
-from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan
-from fp8_recipes.schema import Recipe
+from fp8_recipes.plan.precision import Hardware, ModelLayout, PrecisionPlan
+from fp8_recipes.recipe.schema import Recipe
 
 H200 = Hardware("cuda", (9, 0), "2.20.2", "NVIDIA H200")
 PER_LAYER = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
@@ -294,7 +294,7 @@ def test_fp8_weights_bytes_are_state_restored_in_place(fake_te, monkeypatch):
 
 def test_fp8_param_init_builds_fp8_layers_under_their_recipe(request):
     from fp8_recipes.megatron.te_layers import FP8ParamInit, fp8_param_recipe  # (imports Megatron-Core: before TE's fake)
-    from fp8_recipes.schema import RecipeError
+    from fp8_recipes.recipe.schema import RecipeError
 
     from fp8_recipes.megatron import te_layers
 

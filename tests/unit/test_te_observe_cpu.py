@@ -11,8 +11,8 @@ import torch
 
 from fp8_recipes.backends.te_observe import TEObservedLinear, _gemm_input
 from fp8_recipes.numerics import fake_quant
-from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan
-from fp8_recipes.schema import Recipe, Role
+from fp8_recipes.plan.precision import Hardware, ModelLayout, PrecisionPlan
+from fp8_recipes.recipe.schema import Recipe, Role
 
 NAME = "decoder.layers.0.mlp.linear_fc1"
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from fp8_recipes.recipes import load_recipe
-from fp8_recipes.schema import Recipe, RecipeError
-from fp8_recipes.yaml_guard import MAX_BYTES, UnsafeYAML, load_yaml
+from fp8_recipes.recipe.pack import load_recipe
+from fp8_recipes.recipe.schema import Recipe, RecipeError
+from fp8_recipes.recipe.yaml_guard import MAX_BYTES, UnsafeYAML, load_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 BOMB = "".join(f"{c}: &{c} [{', '.join([f'*{p}'] * 9) if p else ', '.join(['x'] * 9)}]\n"
@@ -119,7 +119,7 @@ def test_seed_is_bounded():
 def test_pack_recipes_go_through_it_before_hydra(tmp_path, monkeypatch, case):
     """+recipe=NAME of the pack: Hydra would read the file with its own loader; scripts/train.py's pre-compose
     step (recipe_file_overrides) reads it, and the recipes of its defaults list, through the guard first."""
-    from fp8_recipes import recipes
+    from fp8_recipes.recipe import pack as recipes
 
     data, message = CASES[case]
     (tmp_path / "base.yaml").write_bytes(data)
@@ -139,7 +139,7 @@ def test_search_path_recipes_go_through_it_before_hydra(tmp_path, case):
     """+recipe=NAME of the user's own group (hydra.searchpath=[file://DIR], DIR/recipe/NAME.yaml, or
     --config-dir DIR): the same guard as a pack recipe, the file and its defaults list (names looked up in the
     pack and the search path's recipe folders, as Hydra does)."""
-    from fp8_recipes import recipes
+    from fp8_recipes.recipe import pack as recipes
 
     data, message = CASES[case]
     group = tmp_path / "recipe"
@@ -157,7 +157,7 @@ def test_search_path_recipes_go_through_it_before_hydra(tmp_path, case):
 
 def test_unreadable_search_path_recipe_names_the_file(tmp_path, monkeypatch):
     """chmod 000 (simulated: the tests may run as root, who reads it anyway): the recipe file named, not run_dir."""
-    from fp8_recipes import recipes
+    from fp8_recipes.recipe import pack as recipes
 
     (tmp_path / "recipe").mkdir()
     locked = tmp_path / "recipe" / "locked.yaml"

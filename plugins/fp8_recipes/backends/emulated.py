@@ -10,7 +10,7 @@ the GEMM's reduction dimension), and multiplies them in the layer's dtype:
 so any per-role mix, any block shape and MXFP8 run on any device. Delayed scaling keeps one DelayedScaler per
 module and role; its scale is updated after each optimizer step, with the amax MAX-reduced over the recipe's
 ``amax_reduction`` group when distributed. Nothing here decides precision: :class:`EmulatedPrecision` hands each
-layer its :class:`~fp8_recipes.plan.ModulePlan` for the step.
+layer its :class:`~fp8_recipes.plan.precision.ModulePlan` for the step.
 
 The core attention (recipe ``attention: fp8``, in the layers ``StepPlan.attention`` names) is quantized where
 Transformer Engine's own FP8 attention emulation quantizes it (docs/facts.md, "Transformer Engine 2.20.2"):
@@ -34,8 +34,8 @@ import torch
 from fp8_recipes.backends.groups import amax_reduction_group, max_reducer
 from fp8_recipes.checks import ConfigError
 from fp8_recipes.numerics import DelayedScaler, block_for, dequantize, quantize
-from fp8_recipes.plan import Gemm, ModulePlan, PrecisionPlan
-from fp8_recipes.schema import ROLES, AmaxReduction, Attention, Role, Scaling, TensorPolicy
+from fp8_recipes.plan.precision import Gemm, ModulePlan, PrecisionPlan
+from fp8_recipes.recipe.schema import ROLES, AmaxReduction, Attention, Role, Scaling, TensorPolicy
 
 __all__ = [
     "ATTENTION_TENSORS", "EmulatedAttentionState", "EmulatedLinearState", "EmulatedPrecision",

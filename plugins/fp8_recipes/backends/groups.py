@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from fp8_recipes.schema import AmaxReduction
+from fp8_recipes.recipe.schema import AmaxReduction
 
 if TYPE_CHECKING:
     import torch

@@ -15,7 +15,7 @@ BF16 with delayed scaling). Nested inside one outer autocast it is exact once th
 each inner autocast's exit would restore, stays consumed (``_wrap``): one forward and one backward reduce-and-update
 per chunk and micro-batch, as under Megatron-Core's single autocast.
 
-State across stage changes: one TE recipe object per distinct :class:`~fp8_recipes.plan.TERecipe`, built once.
+State across stage changes: one TE recipe object per distinct :class:`~fp8_recipes.plan.precision.TERecipe`, built once.
 TE keeps a module's delayed-scaling state (scale, amax history) when the next recipe has the same class
 (``set_meta_tensor`` returns early; a CustomRecipe rebuild hands it over through ``inherit_state_from``); only a
 change of recipe class starts afresh, which the plan never asks for (delayed roles keep one carrier).
@@ -42,9 +42,9 @@ import torch
 
 from fp8_recipes.checks import ConfigError
 from fp8_recipes.numerics.scaling import delayed_scale_update, history_percentile
-from fp8_recipes.plan import PrecisionPlan, StepPlan, TERecipe
-from fp8_recipes.plan_te import TERecipeKind
-from fp8_recipes.schema import AmaxAlgo, AmaxReduction, Format, Role, Scaling, TensorPolicy
+from fp8_recipes.plan.precision import PrecisionPlan, StepPlan, TERecipe
+from fp8_recipes.plan.te import TERecipeKind
+from fp8_recipes.recipe.schema import AmaxAlgo, AmaxReduction, Format, Role, Scaling, TensorPolicy
 
 __all__ = ["DelayedScaleUpdate", "PercentileAmax", "RoleQuantizers", "TEPrecision", "te_available", "te_recipe",
            "what_ran"]

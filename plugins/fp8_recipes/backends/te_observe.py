@@ -34,9 +34,9 @@ import torch
 
 from fp8_recipes.backends.groups import max_reducer
 from fp8_recipes.backends.te import _delayed_tensors
-from fp8_recipes.plan import Gemm, ModulePlan
-from fp8_recipes.plan_te import TERecipeKind
-from fp8_recipes.schema import Role
+from fp8_recipes.plan.precision import Gemm, ModulePlan
+from fp8_recipes.plan.te import TERecipeKind
+from fp8_recipes.recipe.schema import Role
 
 __all__ = ["TEObservedLinear", "te_observer_states"]
 

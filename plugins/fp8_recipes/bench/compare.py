@@ -37,7 +37,7 @@ from typing import Any, Sequence
 
 from fp8_recipes.bench.output import markdown_table, save_json
 from fp8_recipes.megatron.data import prepare_dataset
-from fp8_recipes.recipes import conf_dir, load_recipe, project_root, recipe_names
+from fp8_recipes.recipe.pack import conf_dir, load_recipe, project_root, recipe_names
 from fp8_recipes.rundir import METRICS, last_metrics_step, read_metrics, read_summary
 from fp8_recipes.training.config import check_run_config
 from fp8_recipes.training.errors import one_line

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from fp8_recipes.recipes import conf_dir
+from fp8_recipes.recipe.pack import conf_dir
 from fp8_recipes.training.run import run_training
 
 __all__ = ["bench_emulated", "format_table", "plot"]

@@ -19,9 +19,9 @@ import torch
 
 from fp8_recipes.backends.te import te_recipe
 from fp8_recipes.bench.output import bar_chart, markdown_table, save_json
-from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan
-from fp8_recipes.plan_te import TERecipeKind
-from fp8_recipes.recipes import load_recipe
+from fp8_recipes.plan.precision import Hardware, ModelLayout, PrecisionPlan
+from fp8_recipes.plan.te import TERecipeKind
+from fp8_recipes.recipe.pack import load_recipe
 
 __all__ = ["DEFAULT_CONFIGS", "DEFAULT_SHAPES", "bench_gemm", "resolve_configs", "save", "summarize"]
 

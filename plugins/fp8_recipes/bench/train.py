@@ -37,9 +37,9 @@ import torch
 from fp8_recipes.bench.output import bar_chart, markdown_table, save_json
 from fp8_recipes.bench.profile import format_profile, profile_steps
 from fp8_recipes.integrations.common import named_recipe_gaps, te_recipe_fields
-from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan
-from fp8_recipes.recipes import conf_dir, load_recipe, recipe_names
-from fp8_recipes.schema import ROLES, Recipe
+from fp8_recipes.plan.precision import Hardware, ModelLayout, PrecisionPlan
+from fp8_recipes.recipe.pack import conf_dir, load_recipe, recipe_names
+from fp8_recipes.recipe.schema import ROLES, Recipe
 
 __all__ = ["bench_train", "check_configs", "load_model_cfg", "summarize", "with_levers"]
 

@@ -28,7 +28,7 @@ from fp8_recipes.integrations.common import (
     EXTRA_FIELDS, NeedsPluginOwned, ScheduleDriver, activate_quantizer_factory, as_recipe, log_applied,
     megatron_precision, plugin_owned_plan, with_fields,
 )
-from fp8_recipes.schema import Recipe
+from fp8_recipes.recipe.schema import Recipe
 
 __all__ = ["FP8MixedPrecisionConfig", "FP8RecipeCallback", "apply_recipe", "mixed_precision_config",
            "use_prebuilt_dataset_helpers"]

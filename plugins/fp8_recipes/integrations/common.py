@@ -35,11 +35,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping
 
-from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan, Substitution, TERecipe
-from fp8_recipes.plan_format import format_plan
-from fp8_recipes.plan_te import TERecipeKind, te_recipe_for
-from fp8_recipes.recipes import load_recipe
-from fp8_recipes.schema import (
+from fp8_recipes.plan.precision import Hardware, ModelLayout, PrecisionPlan, Substitution, TERecipe
+from fp8_recipes.plan.format import format_plan
+from fp8_recipes.plan.te import TERecipeKind, te_recipe_for
+from fp8_recipes.recipe.pack import load_recipe
+from fp8_recipes.recipe.schema import (
     DEFAULT_BLOCK, ROLES, AmaxAlgo, AmaxReduction, Attention, Backend, Recipe, RecipeError, Scaling,
 )
 

@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from fp8_recipes.numerics import Quantized, dequantize, quantize
-from fp8_recipes.schema import Format, Scaling, TensorPolicy
+from fp8_recipes.recipe.schema import Format, Scaling, TensorPolicy
 
 __all__ = ["LlamaShape", "HF_EXTRA", "require_safetensors", "hf_config", "megatron_to_hf", "hf_to_megatron",
            "quantize_hf_weights", "dequantize_hf_weights", "write_hf_checkpoint", "read_hf_config", "HFTensors",

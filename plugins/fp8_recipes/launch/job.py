@@ -18,8 +18,8 @@ import re
 from pathlib import Path
 from typing import Any, Iterable
 
-from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan
-from fp8_recipes.schema import RecipeError
+from fp8_recipes.plan.precision import Hardware, ModelLayout, PrecisionPlan
+from fp8_recipes.recipe.schema import RecipeError
 from fp8_recipes.training.config import check_run_config
 from fp8_recipes.training.run import check_plan, resolve_recipe  # (run.py imports torch only inside its functions)
 

@@ -20,7 +20,7 @@ from typing import Any, Iterable
 from fp8_recipes.launch.job import (check_train_config, default_job_name, fixed_run_dir, override_key,
                                     resumable_overrides)
 from fp8_recipes.launch.settings import LauncherSettings
-from fp8_recipes.recipes import conf_dir, recipe_file_overrides
+from fp8_recipes.recipe.pack import conf_dir, recipe_file_overrides
 from fp8_recipes.training.config import check_writable_file
 from fp8_recipes.training.errors import PREEMPTED_EXIT
 

@@ -20,8 +20,8 @@ from fp8_recipes.backends.emulated import (
 from fp8_recipes.megatron.model import (  # model_layout: re-exported
     model_layout, named_linear_modules, transformer_layers,
 )
-from fp8_recipes.plan import PrecisionPlan
-from fp8_recipes.schema import Attention
+from fp8_recipes.plan.precision import PrecisionPlan
+from fp8_recipes.recipe.schema import Attention
 
 __all__ = [
     "EmulatedColumnParallelLinear", "EmulatedDotProductAttention", "EmulatedRowParallelLinear",

@@ -51,7 +51,7 @@ import torch
 from fp8_recipes.launcher import launch_env, local_world_size
 from fp8_recipes.megatron.cpu_shim import cuda_as_cpu, install_cpu_shim
 from fp8_recipes.megatron.model_config import VOCAB_MULTIPLE, check_model_cfg, pad_vocab_size
-from fp8_recipes.plan import ModelLayout
+from fp8_recipes.plan.precision import ModelLayout
 
 __all__ = [
     "init_distributed",

@@ -37,9 +37,9 @@ from fp8_recipes.backends.groups import te_amax_reduction_group
 from fp8_recipes.backends.te import TEPrecision, te_recipe
 from fp8_recipes.megatron.model import (named_linear_modules, replace_output_layer_class, transformer_layers,
                                         unwrap_model)
-from fp8_recipes.plan import PrecisionPlan, TERecipe
-from fp8_recipes.plan_te import TERecipeKind
-from fp8_recipes.schema import AmaxReduction, Attention, RecipeError
+from fp8_recipes.plan.precision import PrecisionPlan, TERecipe
+from fp8_recipes.plan.te import TERecipeKind
+from fp8_recipes.recipe.schema import AmaxReduction, Attention, RecipeError
 
 __all__ = ["FP8ParamInit", "TEOutputLayer", "attach_te_backend", "fp8_param_recipe", "head_runs_fp8"]
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fp8_recipes.schema import Format
+from fp8_recipes.recipe.schema import Format
 
 __all__ = ["FP8Spec", "FP8_SPECS", "fp8_spec", "fp8_to_float32", "to_fp8_saturated"]
 

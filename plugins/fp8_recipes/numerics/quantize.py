@@ -1,4 +1,4 @@
-"""Quantize / dequantize / fake-quantize a tensor under a :class:`~fp8_recipes.schema.TensorPolicy`.
+"""Quantize / dequantize / fake-quantize a tensor under a :class:`~fp8_recipes.recipe.schema.TensorPolicy`.
 
 Every scaling mode is one block quantizer with a different block and scale rule:
 
@@ -30,7 +30,7 @@ from fp8_recipes.numerics.scaling import (
     AmaxReduce, DelayedScaler, amax_to_e8m0, amax_to_scale, e8m0_to_multiplier, e8m0_to_scale_inv,
     nan_ignoring_amax,
 )
-from fp8_recipes.schema import MXFP8_BLOCK, Format, Scaling, TensorPolicy
+from fp8_recipes.recipe.schema import MXFP8_BLOCK, Format, Scaling, TensorPolicy
 
 __all__ = ["Quantized", "block_for", "dequantize", "fake_quant", "quantize"]
 

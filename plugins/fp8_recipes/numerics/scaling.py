@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from fp8_recipes.numerics.formats import FLOAT32_MAX, fp8_spec
-from fp8_recipes.schema import AmaxAlgo, Format, MxRounding, TensorPolicy
+from fp8_recipes.recipe.schema import AmaxAlgo, Format, MxRounding, TensorPolicy
 
 __all__ = [
     "AmaxReduce", "DelayedScaler", "amax_to_e8m0", "amax_to_scale", "delayed_scale_update", "e8m0_to_multiplier",

@@ -13,7 +13,7 @@ Steps count optimizer steps completed, as ``metrics.jsonl`` rows do: step 1 is t
       micro_batches: 1           # micro-batches measured per due step and module (0 = all; default 1)
       dump: {steps: [1, 100], layers: "linear_fc2", tensors: [activations], dir: dumps}
 
-Problems are reported as ``debug.<key>: ...`` in a :class:`~fp8_recipes.schema.RecipeError` (a ValueError),
+Problems are reported as ``debug.<key>: ...`` in a :class:`~fp8_recipes.recipe.schema.RecipeError` (a ValueError),
 all at once, with the recipe reader's messages (both read through :class:`~fp8_recipes.checks.KeyReader`).
 Imports only the schema and checks.py.
 """
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8_recipes.checks import KeyReader, fmt
-from fp8_recipes.schema import ROLES, RecipeError, Role
+from fp8_recipes.recipe.schema import ROLES, RecipeError, Role
 
 __all__ = ["DebugConfig", "DumpConfig", "debug_config"]
 

@@ -51,7 +51,7 @@ from typing import Any
 from fp8_recipes.observe.doctor_findings import Finding, find_problems
 from fp8_recipes.observe.doctor_gap import LossGap, loss_gap, missing_steps
 from fp8_recipes.observe.doctor_remedies import Proposal, propose, warmup_proposal
-from fp8_recipes.schema import Recipe
+from fp8_recipes.recipe.schema import Recipe
 
 __all__ = ["Diagnosis", "DoctorInputError", "LossGap", "Proposal", "RunData", "Spike", "detect_spikes", "diagnose"]
 

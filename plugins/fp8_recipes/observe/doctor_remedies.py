@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fp8_recipes.observe.doctor_findings import SCALE_RATIO_HIGH, SUPPORTING, Finding, module_scores
-from fp8_recipes.schema import DEFAULT_BLOCK, ROLES, Format, MxRounding, Recipe, Role, Scaling, TensorPolicy
+from fp8_recipes.recipe.schema import DEFAULT_BLOCK, ROLES, Format, MxRounding, Recipe, Role, Scaling, TensorPolicy
 
 __all__ = ["ROLE_WIDE", "Proposal", "propose", "role_extent", "warmup_proposal"]
 

@@ -26,8 +26,8 @@ from fp8_recipes.rundir import (
     read_recipe,
     read_summary,
 )
-from fp8_recipes.schema import Recipe, RecipeError
-from fp8_recipes.yaml_guard import UnsafeYAML
+from fp8_recipes.recipe.schema import Recipe, RecipeError
+from fp8_recipes.recipe.yaml_guard import UnsafeYAML
 
 __all__ = ["format_report", "load_run", "patched_recipe", "write_recipe"]
 

@@ -51,9 +51,9 @@ import torch
 from fp8_recipes.observe.config import DebugConfig
 from fp8_recipes.numerics import Quantized, block_for, dequantize, quantize
 from fp8_recipes.observe.stats import COLUMNWISE, OperandStats, measure, rows as stats_rows
-from fp8_recipes.plan import ROW_PARALLEL, Gemm
+from fp8_recipes.plan.precision import ROW_PARALLEL, Gemm
 from fp8_recipes.rundir import TENSORBOARD, jsonable, numerics_name
-from fp8_recipes.schema import Format, Role, Scaling
+from fp8_recipes.recipe.schema import Format, Role, Scaling
 
 __all__ = ["NumericsRecorder", "ObservedPrecision", "ShardGroups", "load_dump"]
 

@@ -51,7 +51,7 @@ from fp8_recipes.numerics.formats import FLOAT32_MAX
 # quantize's own block-scale rule and block multiply, fed the |x| computed here (no second float copy, no cast)
 from fp8_recipes.numerics.quantize import _block_scales, _rows_cols, _scale_blocks, block_for, block_scale_for_inf
 from fp8_recipes.numerics.scaling import AmaxReduce
-from fp8_recipes.schema import MxRounding, Scaling, TensorPolicy
+from fp8_recipes.recipe.schema import MxRounding, Scaling, TensorPolicy
 
 logger = logging.getLogger(__name__)
 

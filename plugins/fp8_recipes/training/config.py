@@ -3,7 +3,7 @@
     check_run_config(cfg)   # in run_training, before any process group, dataset or model exists
 
 Every problem is a ValueError of one line that names the dotted key, the bad value and the fix, as the recipe
-schema's are (schema.py). This module imports neither torch nor megatron, so a typo costs a second, not the
+schema's are (recipe/schema.py). This module imports neither torch nor megatron, so a typo costs a second, not the
 start-up of a training job.
 """
 

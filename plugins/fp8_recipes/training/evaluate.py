@@ -29,14 +29,14 @@ from typing import Any
 from fp8_recipes.launcher import launch_world_size
 from fp8_recipes.megatron.data import batches
 from fp8_recipes.megatron.model_config import run_model_cfg
-from fp8_recipes.plan import Hardware, ModelLayout, PrecisionPlan
-from fp8_recipes.recipes import load_recipe
+from fp8_recipes.plan.precision import Hardware, ModelLayout, PrecisionPlan
+from fp8_recipes.recipe.pack import load_recipe
 from fp8_recipes.rundir import RECIPE, load_run_config, read_recipe
-from fp8_recipes.schema import ROLES, Backend
+from fp8_recipes.recipe.schema import ROLES, Backend
 from fp8_recipes.training.config import TrainerConfig
 from fp8_recipes.training.run import (attach_emulated, attach_te, quiet_third_party_logs, run_datasets,
                                       torch_dtype, valid_seed)
-from fp8_recipes.yaml_guard import UnsafeYAML
+from fp8_recipes.recipe.yaml_guard import UnsafeYAML
 
 # torch and Megatron-Core (checkpoints, the model, the engine) are imported inside the functions that evaluate a
 # checkpoint: gap_pct and format_parity serve the comparison tables without them.

@@ -28,12 +28,12 @@ from fp8_recipes.launcher import launch_rank
 from fp8_recipes.megatron.data import build_gpt_datasets, data_parallel_batches, prepare_dataset
 from fp8_recipes.megatron.model_config import linear_shapes, run_model_cfg
 from fp8_recipes.observe.config import debug_config
-from fp8_recipes.plan import Execution, Hardware, ModelLayout, ParallelLayout, PrecisionPlan
-from fp8_recipes.plan_format import format_plan
-from fp8_recipes.plan_te import TE_FP8_ALIGN, te_fp8_shape_problem
-from fp8_recipes.recipes import EMPTY_RECIPE, load_recipe
+from fp8_recipes.plan.precision import Execution, Hardware, ModelLayout, ParallelLayout, PrecisionPlan
+from fp8_recipes.plan.format import format_plan
+from fp8_recipes.plan.te import TE_FP8_ALIGN, te_fp8_shape_problem
+from fp8_recipes.recipe.pack import EMPTY_RECIPE, load_recipe
 from fp8_recipes.rundir import PLAN, RECIPE, check_run_dir, claim, drop_rows_after, release, write_text
-from fp8_recipes.schema import AmaxReduction, Attention, Backend, RecipeError, Role, Scaling
+from fp8_recipes.recipe.schema import AmaxReduction, Attention, Backend, RecipeError, Role, Scaling
 from fp8_recipes.training.config import check_run_config, check_writable_dir
 from fp8_recipes.training.errors import CheckpointWriteError, NonFiniteStop
 from fp8_recipes.training.notices import run_notices
@@ -289,7 +289,7 @@ _FEATURE_KEYS = {"self_attention.linear_qkv": "model.hidden_size, num_attention_
 def _te_gemms(plan, step_plan, module) -> frozenset[str]:
     """The GEMMs Transformer Engine runs in FP8 for `module` in this stage: the plan's, on TE; on the emulated backend
     (which fake-quantizes any GEMM with an FP8 operand) what TE would run of the same stage: FP8 once weights and
-    activations both are, the backward GEMMs once gradients are too (plan_te.te_recipe_for)."""
+    activations both are, the backward GEMMs once gradients are too (plan.te.te_recipe_for)."""
     if _runs_on_te(plan):
         return frozenset(str(g) for g, p in module.gemms.items() if p.execution is not Execution.BF16)
     if module.bf16_reason is not None or not {Role.WEIGHTS, Role.ACTIVATIONS} <= step_plan.roles_fp8:
@@ -298,7 +298,7 @@ def _te_gemms(plan, step_plan, module) -> frozenset[str]:
 
 
 def check_fp8_shapes(trainer, model, plan) -> str | None:
-    """The plan's FP8 linear layers whose shapes Transformer Engine's FP8 GEMMs refuse (plan_te.TE_FP8_ALIGN), in
+    """The plan's FP8 linear layers whose shapes Transformer Engine's FP8 GEMMs refuse (plan.te.TE_FP8_ALIGN), in
     the stages the run reaches, found before anything is built: TE and cuBLAS fail on them only at the first FP8
     forward or backward, which a BF16 warmup can put hours into the run. Refused on TE. The emulated backend has no
     such limit, so there the same line comes back as a warning to print (the run would stop on TE); None when

@@ -18,6 +18,6 @@ OmegaConf.register_new_resolver("fp8_run_name", default_run_name, use_cache=True
 
 class FP8RecipesSearchPathPlugin(SearchPathPlugin):
     def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
-        from fp8_recipes.recipes import conf_search_path  # when Hydra asks: it imports every plugin of every app
+        from fp8_recipes.recipe.pack import conf_search_path  # when Hydra asks: it imports every plugin of every app
 
         search_path.append(provider="fp8-recipes", path=conf_search_path())

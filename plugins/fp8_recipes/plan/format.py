@@ -2,13 +2,13 @@
 
     print(format_plan(plan, max_steps=1000, parallel=ParallelLayout(pp=2, dp=4)))
 
-One floor above plan.py: the plan decides, this module only prints the decision (plan.py never imports it).
+One floor above plan/precision.py: the plan decides, this module only prints the decision (plan/precision.py never imports it).
 """
 
 from __future__ import annotations
 
-from fp8_recipes.plan import Gemm, ModulePlan, ParallelLayout, PrecisionPlan, StepPlan
-from fp8_recipes.schema import ROLES, Attention
+from fp8_recipes.plan.precision import Gemm, ModulePlan, ParallelLayout, PrecisionPlan, StepPlan
+from fp8_recipes.recipe.schema import ROLES, Attention
 
 __all__ = ["format_plan"]
 

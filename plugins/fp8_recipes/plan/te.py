@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from fp8_recipes.schema import (
+from fp8_recipes.recipe.schema import (
     DEFAULT_BLOCK, MXFP8_BLOCK, ROLES, AmaxAlgo, AmaxReduction, Format, MxRounding, Recipe, Role, Scaling,
     TensorPolicy,
 )

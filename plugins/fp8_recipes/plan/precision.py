@@ -7,10 +7,10 @@ Each linear module runs three GEMMs: fprop (activations x weights), dgrad (gradi
 (gradients x activations). An operand is FP8 when its role is enabled at that step (BF16 warmup and
 ``schedule.enable``) and the module is not kept BF16 by ``layers`` (first/last N transformer layers,
 ``bf16_modules`` glob patterns, the LM head unless ``fp8_output_layer``). Backends execute the plan; they do not
-re-decide it. :func:`fp8_recipes.plan_format.format_plan` prints it (printing sits a floor above deciding).
+re-decide it. :func:`fp8_recipes.plan.format.format_plan` prints it (printing sits a floor above deciding).
 
 With the Transformer Engine backend (``plan.backend == "te"``) a GEMM is real FP8 only where TE can run it
-(:mod:`fp8_recipes.plan_te`): both operands FP8, in one scaling family, on hardware that has it. Each module's
+(:mod:`fp8_recipes.plan.te`): both operands FP8, in one scaling family, on hardware that has it. Each module's
 plan then also names the TE recipe it runs under (``ModulePlan.te``), operands show the policies TE really
 quantizes with, and ``substitutions`` lists every setting TE runs differently from the recipe (``backend: te``
 refuses them in one line instead; ``auto`` runs the nearest legal recipe, or the emulated backend when none is
@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cached_property
 
-from fp8_recipes.plan_te import (
+from fp8_recipes.plan.te import (
     Substitution, TERecipe, TEResolution, resolve_te, te_attention, te_recipe_for, te_stage_note,
 )
-from fp8_recipes.schema import ROLES, Attention, Backend, Recipe, RecipeError, Role, Scaling, TensorPolicy
+from fp8_recipes.recipe.schema import ROLES, Attention, Backend, Recipe, RecipeError, Role, Scaling, TensorPolicy
 
 __all__ = [
     "Execution", "Gemm", "GemmPlan", "Hardware", "ModelLayout", "ModulePlan", "ParallelLayout", "PrecisionPlan",

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from collections.abc import Mapping
 from typing import Any
 
-from fp8_recipes.plan import ParallelLayout
+from fp8_recipes.plan.precision import ParallelLayout
 
 __all__ = ["GIB", "LLAMA3", "MemoryEstimate", "OptimizerPrecision", "estimate_memory", "estimate_stages",
            "format_estimate", "microbatches_in_flight", "parameter_counts"]

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from fp8_recipes.checks import did_you_mean
-from fp8_recipes.schema import Recipe, RecipeError
-from fp8_recipes.yaml_guard import UnsafeYAML, load_yaml
+from fp8_recipes.recipe.schema import Recipe, RecipeError
+from fp8_recipes.recipe.yaml_guard import UnsafeYAML, load_yaml
 
 __all__ = [
     "conf_dir", "conf_search_path", "load_recipe", "load_recipe_dict", "project_root", "recipe_file_overrides",
@@ -33,7 +33,7 @@ EMPTY_RECIPE = ("the recipe states nothing (an empty file, or only comments), so
 @lru_cache(maxsize=1)
 def project_root() -> Path | None:
     """The checkout this package runs from (editable install or PYTHONPATH=plugins), else None."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     return root if (root / "recipes").is_dir() and (root / "conf" / "train.yaml").is_file() else None
 
 
@@ -42,8 +42,8 @@ def conf_dir() -> Path:
     if root is not None:
         return root / "conf"
     # _conf has no __init__.py (it is conf/ shipped as data), so it is a namespace package: files() returns a
-    # MultiplexedPath there, whose str() is its repr, not a path. The installed files sit beside this module.
-    return Path(__file__).resolve().parent / "_conf"
+    # MultiplexedPath there, whose str() is its repr, not a path. The installed files sit in the package, one folder up.
+    return Path(__file__).resolve().parents[1] / "_conf"
 
 
 def recipes_dir() -> Path:
