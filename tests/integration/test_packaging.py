@@ -60,8 +60,8 @@ def test_wheel_contents(wheel):
     assert "hydra_plugins/fp8_recipes_searchpath/__init__.py" in names
     assert not any(n.startswith("hydra_plugins/__init__") for n in names)  # a namespace package shared by plugins
     assert "fp8-recipes = fp8_recipes.cli:main" in entry_points
-    for module in ("cli", "recipes", "schema", "plan", "numerics/quantize", "backends/emulated",
-                   "megatron/emulated_layers", "training/run", "observe/recorder"):
+    for module in ("cli", "recipe/pack", "recipe/schema", "plan/precision", "plan/te", "numerics/quantize",
+                   "backends/emulated", "megatron/emulated_layers", "training/run", "observe/recorder"):
         assert f"fp8_recipes/{module}.py" in names, module
 
 
