@@ -5,6 +5,7 @@
     fp8-recipes validate recipes/*.yaml my.yaml   exit 0, or 1 with one line per problem
     fp8-recipes explain safe --layers 8           per-role policies, stages and per-layer GEMM precision
     fp8-recipes explain safe --layers 8 --layout tp=2,pp=4,dp=8    ... and which pipeline stage runs which layers
+    fp8-recipes explain hybrid --model tiny_moe   ... of a conf/model model (an MoE model: experts and routers)
     fp8-recipes memory llama3-70b --layout tp=4,pp=4,cp=2,dp=4 --fp8   estimated memory per GPU
     fp8-recipes doctor RUN_DIR --baseline BF16_RUN [--baseline BF16_OTHER_SEED ...] --write fixed.yaml
                                                   diagnose a run: exit 0 healthy, 1 problem found, 2 bad input
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import yaml
 
+from fp8_recipes.megatron.model_config import layout_of
 from fp8_recipes.observe.config import DebugConfig
 from fp8_recipes.plan.precision import Hardware, ModelLayout, ParallelLayout, PrecisionPlan
 from fp8_recipes.plan.format import format_plan
@@ -60,13 +62,28 @@ def _cmd_validate(args) -> int:
     return 1 if failed else 0
 
 
+def _model_conf(name: str, command: str) -> dict:
+    """conf/model/NAME.yaml as a dict (its interpolations unresolved: the vocabulary comes from the data)."""
+    from omegaconf import OmegaConf
+
+    path = conf_dir() / "model" / f"{name}.yaml"
+    if not path.is_file():
+        raise ValueError(f"{command}: {name!r} is not a model ({', '.join(sorted(p.stem for p in path.parent.glob('*.yaml')))})")
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+
+
 def _cmd_explain(args) -> int:
     hardware = Hardware.detect() if args.detect else Hardware()
+    if args.model is not None:  # the model's own layers and MoE layout (--layers, if given too, overrides its layers)
+        cfg = _model_conf(args.model, "explain --model")
+        layout = layout_of({**cfg, "num_layers": args.layers or cfg["num_layers"]})
+    else:
+        layout = ModelLayout.gpt(args.layers or 4)
     parallel = None
     if args.layout:
         parallel = ParallelLayout.parse(args.layout)
-        parallel.check(args.layers)
-    plan = PrecisionPlan(load_recipe(args.recipe), ModelLayout.gpt(args.layers), hardware)
+        parallel.check(layout.num_layers)
+    plan = PrecisionPlan(load_recipe(args.recipe), layout, hardware)
     print(format_plan(plan, max_steps=args.steps, parallel=parallel))
     return 0
 
@@ -78,13 +95,14 @@ def _cmd_memory(args) -> int:
     if args.model in LLAMA3:
         model = LLAMA3[args.model]
     else:
-        from omegaconf import OmegaConf
-
-        path = conf_dir() / "model" / f"{args.model}.yaml"
-        if not path.is_file():
-            choices = sorted(LLAMA3) + sorted(p.stem for p in path.parent.glob("*.yaml"))
+        if not (conf_dir() / "model" / f"{args.model}.yaml").is_file():
+            choices = sorted(LLAMA3) + sorted(p.stem for p in (conf_dir() / "model").glob("*.yaml"))
             raise ValueError(f"memory: {args.model!r} is not a model ({', '.join(choices)})")
-        model = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        model = _model_conf(args.model, "memory")
+        if model.get("num_moe_experts") is not None:
+            raise ValueError(f"memory: {args.model} is a Mixture-of-Experts model, and the estimator counts dense GPTs "
+                             f"only so far (its experts' weights, optimizer state and dispatch buffers are not "
+                             f"modelled); give a dense model")
         if not isinstance(model.get("vocab_size"), int):
             model["vocab_size"] = 4096  # the stdlib tokenizer's, which the small configs take from data
     layout = ParallelLayout.parse(args.layout)
@@ -151,7 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(fn=_cmd_validate)
     e = sub.add_parser("explain", help="what runs where and when, for an N-layer GPT")
     e.add_argument("recipe", metavar="NAME|FILE")
-    e.add_argument("--layers", type=int, default=4, help="transformer layers of the model (default 4)")
+    e.add_argument("--layers", type=int, default=None, help="transformer layers of the model (default 4, or the "
+                   "--model's)")
+    e.add_argument("--model", metavar="NAME", default=None, help="a conf/model name: its layers and MoE layout "
+                   "(experts, shared experts, routers; e.g. tiny_moe)")
     e.add_argument("--steps", type=int, default=None, help="training steps, to bound the stage table")
     e.add_argument("--detect", action="store_true", help="plan for this machine's GPU/TE instead of a CPU")
     e.add_argument("--layout", metavar="tp=2,pp=4,vpp=2,cp=2,dp=8",

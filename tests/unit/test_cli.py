@@ -29,7 +29,7 @@ SURFACE = {
     "list": ([], []),
     "show": (["recipe"], []),
     "validate": (["recipes"], []),
-    "explain": (["recipe"], ["--detect", "--layers", "--layout", "--steps"]),
+    "explain": (["recipe"], ["--detect", "--layers", "--layout", "--model", "--steps"]),
     "memory": (["model"], ["--exp-avg-dtype", "--exp-avg-sq-dtype", "--fp8", "--fp8-param", "--grad-reduce-in-bf16",
                            "--layout", "--main-params-dtype", "--mbs", "--microbatches", "--precision-aware-optimizer",
                            "--replicated-optimizer", "--seq"]),
@@ -67,7 +67,8 @@ def test_public_cli_surface_is_frozen():
     top = [a for a in parser._actions if a.option_strings]
     assert [a.option_strings for a in top] == [["-h", "--help"]]
     args = parser.parse_args(["explain", "safe"])  # the defaults are part of the surface too
-    assert (args.layers, args.steps, args.detect) == (4, None, False)
+    # --layers: 4, or the --model's own layers (None means: not given)
+    assert (args.layers, args.model, args.steps, args.detect) == (None, None, None, False)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -224,3 +225,18 @@ def test_readme_command_line_block_runs():
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, (command, err)
         assert out.strip() and err == "", command
+
+
+def test_explain_a_conf_model_prints_its_experts_and_routers(capsys):
+    rc, out, err = run_cli(capsys, "explain", "hybrid", "--model", "tiny_moe", "--steps", "50")
+    assert rc == 0 and err == ""
+    assert "  0        mlp.router" in out and "  2        mlp.router" in out
+    assert "MoE: 4 routed experts in layers 0, 2;" in out
+    rc, out, _ = run_cli(capsys, "explain", "hybrid", "--model", "tiny_moe", "--layers", "6")
+    assert rc == 0 and "MoE: 4 routed experts in layers 0, 2, 4;" in out
+    rc, out, _ = run_cli(capsys, "explain", "hybrid", "--model", "tiny")
+    assert rc == 0 and "router" not in out and "0-3      (all linears)" in out
+    rc, _, err = run_cli(capsys, "explain", "hybrid", "--model", "tiny_mo")
+    assert rc != 0 and err.startswith("error: explain --model: 'tiny_mo' is not a model (") and "tiny_moe" in err
+    rc, _, err = run_cli(capsys, "memory", "tiny_moe")
+    assert rc != 0 and "is a Mixture-of-Experts model" in err

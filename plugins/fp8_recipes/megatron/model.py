@@ -43,6 +43,7 @@ import dataclasses
 import functools
 import logging
 import os
+import re
 from datetime import timedelta
 from typing import Any, Callable, Mapping
 
@@ -50,7 +51,7 @@ import torch
 
 from fp8_recipes.launcher import launch_env, local_world_size
 from fp8_recipes.megatron.cpu_shim import cuda_as_cpu, install_cpu_shim
-from fp8_recipes.megatron.model_config import VOCAB_MULTIPLE, check_model_cfg, pad_vocab_size
+from fp8_recipes.megatron.model_config import MOE_KEYS, VOCAB_MULTIPLE, check_model_cfg, layout_of, pad_vocab_size
 from fp8_recipes.plan.precision import ModelLayout
 
 __all__ = [
@@ -183,7 +184,8 @@ def _check_linear_class(cls: type | None, base: type, what: str) -> None:
 def _substitute_linears(spec, column_linear: type | None, row_linear: type | None,
                         core_attention: type | None = None):
     """Return a copy of a local GPT layer spec with linear_qkv/fc1 -> column_linear, linear_proj/fc2 -> row_linear
-    (and the attention's core_attention -> core_attention)."""
+    (and the attention's core_attention -> core_attention). An MoE layer's routed experts (SequentialMLP's MLPs) and
+    shared experts get the same classes; its router is left as it is (the plan keeps it BF16)."""
     layer = spec.submodules
     attn = layer.self_attention
     attn_sub = attn.submodules
@@ -191,21 +193,29 @@ def _substitute_linears(spec, column_linear: type | None, row_linear: type | Non
                                    linear_proj=row_linear or attn_sub.linear_proj,
                                    core_attention=core_attention or attn_sub.core_attention)
     attn = dataclasses.replace(attn, submodules=attn_sub)
-    mlp = layer.mlp
-    # 0.19 builds the dense MLP as functools.partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(...));
-    # earlier versions use a ModuleSpec with .submodules. Handle both.
-    if isinstance(mlp, functools.partial):
-        sub = mlp.keywords["submodules"]
-        sub = dataclasses.replace(sub, linear_fc1=column_linear or sub.linear_fc1,
-                                  linear_fc2=row_linear or sub.linear_fc2)
-        mlp = functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": sub})
-    else:
-        sub = mlp.submodules
-        sub = dataclasses.replace(sub, linear_fc1=column_linear or sub.linear_fc1,
-                                  linear_fc2=row_linear or sub.linear_fc2)
-        mlp = dataclasses.replace(mlp, submodules=sub)
-    layer = dataclasses.replace(layer, self_attention=attn, mlp=mlp)
+    layer = dataclasses.replace(layer, self_attention=attn, mlp=_substitute_mlp(layer.mlp, column_linear, row_linear))
     return dataclasses.replace(spec, submodules=layer)
+
+
+def _substitute_mlp(mlp, column_linear: type | None, row_linear: type | None):
+    """An MLP builder with its two linears replaced: a dense MLP, or each MLP inside an MoE layer's experts and
+    shared experts. 0.19 builds them as functools.partial(builder, submodules=...); earlier versions use a
+    ModuleSpec with .submodules. Handle both."""
+    from megatron.core.transformer.mlp import MLPSubmodules
+
+    def linears(sub):
+        return dataclasses.replace(sub, linear_fc1=column_linear or sub.linear_fc1,
+                                   linear_fc2=row_linear or sub.linear_fc2)
+
+    sub = mlp.keywords["submodules"] if isinstance(mlp, functools.partial) else mlp.submodules
+    if isinstance(sub, MLPSubmodules):
+        sub = linears(sub)
+    else:  # MoESubmodules: experts (SequentialMLP) and shared experts, each a partial over MLPSubmodules
+        sub = dataclasses.replace(sub, **{k: _substitute_mlp(getattr(sub, k), column_linear, row_linear)
+                                          for k in ("experts", "shared_experts") if getattr(sub, k) is not None})
+    if isinstance(mlp, functools.partial):
+        return functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": sub})
+    return dataclasses.replace(mlp, submodules=sub)
 
 
 def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_linear: type | None = None,
@@ -252,7 +262,7 @@ def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_li
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
     vocab = _padded_vocab(cfg)
     config = _transformer_config(cfg, params_dtype, device, use_te_spec, config_overrides)
-    spec = _layer_spec(config, use_te_spec, column_linear, row_linear, core_attention)
+    spec = _layer_spec(config, use_te_spec, column_linear, row_linear, core_attention, vp_stage)
     model = _seeded_gpt_model(config, spec, cfg, vocab, init_seed, layer_init, pre_process=pre_process,
                               post_process=post_process, vp_stage=vp_stage)
     output_linear = output_linear or column_linear
@@ -349,13 +359,36 @@ def _transformer_config(cfg: dict, params_dtype: torch.dtype, device: torch.devi
         cross_entropy_loss_fusion=device.type == "cuda",
         gradient_accumulation_fusion=False,  # TE's fused wgrad into DDP's main_grad: not measured here yet
     )
+    fields.update(_moe_fields(cfg))
     fields.update(config_overrides or {})
     return TransformerConfig(**fields)
 
 
+def _moe_fields(cfg: dict) -> dict:
+    """The model group's MoE keys as TransformerConfig fields (they share Megatron-Core's names); none for a dense
+    model. Unset keys keep Megatron-Core's defaults (top-2, aux-loss balancing, the allgather dispatcher)."""
+    if cfg.get("num_moe_experts") is None:
+        return {}
+    fields = {key: cfg[key] for key in MOE_KEYS if key in cfg}
+    if isinstance(fields.get("moe_layer_freq"), (list, tuple)):
+        fields["moe_layer_freq"] = [int(f) for f in fields["moe_layer_freq"]]
+    return fields
+
+
 def _layer_spec(config, use_te_spec: bool, column_linear: type | None, row_linear: type | None,
-                core_attention: type | None):
-    """The transformer layer spec: Megatron-Core's TE spec, or its local spec with the substitute classes."""
+                core_attention: type | None, vp_stage: int | None = None):
+    """The transformer layer spec: Megatron-Core's TE spec, or its local spec with the substitute classes. An MoE model
+    gets Megatron-Core's block spec (a layer spec per layer: MoE where ``moe_layer_freq`` puts experts, else dense)."""
+    if config.num_moe_experts is not None:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te_spec,
+                                           normalization=config.normalization,
+                                           vp_stage=vp_stage)
+        if column_linear or row_linear or core_attention:
+            block = dataclasses.replace(block, layer_specs=[
+                _substitute_linears(s, column_linear, row_linear, core_attention) for s in block.layer_specs])
+        return block
     if use_te_spec:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
         return get_gpt_layer_with_transformer_engine_spec()
@@ -372,7 +405,11 @@ def _seeded_gpt_model(config, spec, cfg: dict, vocab: int, init_seed: int | None
     from megatron.core.models.gpt import GPTModel
 
     if init_seed is not None or layer_init is not None:
-        spec = dataclasses.replace(spec, module=_layout_seeded(spec.module))
+        if hasattr(spec, "layer_specs"):  # an MoE model's block spec: one spec per layer of this stage
+            spec = dataclasses.replace(spec, layer_specs=[dataclasses.replace(s, module=_layout_seeded(s.module))
+                                                          for s in spec.layer_specs])
+        else:
+            spec = dataclasses.replace(spec, module=_layout_seeded(spec.module))
     if init_seed is not None:
         _reseed(init_seed)
     # cuda_as_cpu: a tied LM head on the last of several stages is copied from the first with
@@ -494,28 +531,47 @@ def replace_output_layer_class(model: torch.nn.Module, cls: type) -> torch.nn.Mo
 
 
 _LINEAR_SUFFIXES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")
+_ORDER = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.shared_experts.linear_fc1",
+          "mlp.shared_experts.linear_fc2", "mlp.experts", "mlp.linear_fc1", "mlp.linear_fc2", "output_layer")
+"""A layer's linears in the order they run (ModelLayout.gpt's order): attention, then the MLP, or an MoE layer's
+shared experts and its routed experts (each expert's fc1 and fc2, by global expert number)."""
 
 
 def _global_names(gpt: torch.nn.Module) -> dict[str, str]:
-    """``decoder.layers.<local>.`` -> ``decoder.layers.<global>.`` for a (pipeline-stage) GPTModel: each
-    TransformerLayer's ``layer_number`` is Megatron-Core's global 1-based number (local index + layer offset)."""
+    """Local -> global prefixes for a (pipeline-stage, expert-parallel) GPTModel: ``decoder.layers.<local>.`` ->
+    ``decoder.layers.<global>.`` (each TransformerLayer's ``layer_number`` is Megatron-Core's global 1-based number:
+    local index + layer offset), and an MoE layer's ``mlp.experts.local_experts.<local>.`` -> ``...<global>.``
+    (MoELayer's ``local_expert_indices``: the experts this expert-parallel rank holds)."""
     decoder = getattr(gpt, "decoder", None)
-    return {f"decoder.layers.{j}.": f"decoder.layers.{layer.layer_number - 1}."
-            for j, layer in enumerate(getattr(decoder, "layers", []))}
+    out = {}
+    for j, layer in enumerate(getattr(decoder, "layers", [])):
+        prefix = f"decoder.layers.{layer.layer_number - 1}."
+        out[f"decoder.layers.{j}."] = prefix
+        for k, e in enumerate(getattr(layer.mlp, "local_expert_indices", ())):
+            out[f"decoder.layers.{j}.mlp.experts.local_experts.{k}."] = f"{prefix}mlp.experts.local_experts.{e}."
+    return out
 
 
 def _global_name(name: str, prefixes: dict[str, str]) -> str:
-    for local, global_ in prefixes.items():
-        if name.startswith(local):
-            return global_ + name[len(local):]
-    return name
+    best = max((p for p in prefixes if name.startswith(p)), key=len, default=None)
+    return prefixes[best] + name[len(best):] if best is not None else name
+
+
+def _order_key(name: str) -> tuple[int, int, int]:
+    """Where a linear runs within its layer: (the _ORDER kind, the expert, fc1 before fc2)."""
+    tail = re.sub(r"^decoder\.layers\.\d+\.", "", name)
+    expert = ModelLayout.expert_of(name)
+    if expert is not None:
+        return _ORDER.index("mlp.experts"), expert, int(tail.endswith("linear_fc2"))
+    return _ORDER.index(tail), 0, 0
 
 
 def named_linear_modules(model: torch.nn.Module | list[torch.nn.Module]) -> list[tuple[str, torch.nn.Module]]:
-    """(name, module) for every GEMM-bearing linear (attention qkv/proj, MLP fc1/fc2, LM head), in execution order.
+    """(name, module) for every GEMM-bearing linear (attention qkv/proj, MLP fc1/fc2, each expert's and shared
+    expert's fc1/fc2, LM head), in execution order. An MoE router is not one of them (the plan keeps it BF16).
 
     ``model``: a GPTModel (any wrappers) or this rank's list of model chunks. Names are relative to the GPTModel
-    (any Float16Module / DDP ``module.`` prefix dropped) with **global** layer numbers, e.g.
+    (any Float16Module / DDP ``module.`` prefix dropped) with **global** layer and expert numbers, e.g.
     ``decoder.layers.5.self_attention.linear_qkv`` on a pipeline stage whose first layer is 4, ``output_layer``.
     (``named_modules`` alone lists ``linear_proj`` before ``linear_qkv``: the attention base class registers it
     first.)
@@ -526,16 +582,8 @@ def named_linear_modules(model: torch.nn.Module | list[torch.nn.Module]) -> list
     prefixes = _global_names(gpt)
     found = [(_global_name(name, prefixes), mod) for name, mod in gpt.named_modules()
              if name.rsplit(".", 1)[-1] in _LINEAR_SUFFIXES]
-    layer_order: dict[str, int] = {}
-    for name, _ in found:
-        layer_order.setdefault(name.split(".self_attention.")[0].split(".mlp.")[0], len(layer_order))
-
-    def key(item: tuple[str, torch.nn.Module]) -> tuple[int, int]:
-        name = item[0]
-        return layer_order[name.split(".self_attention.")[0].split(".mlp.")[0]], _LINEAR_SUFFIXES.index(
-            name.rsplit(".", 1)[-1])
-
-    return sorted(found, key=key)
+    return sorted(found, key=lambda item: (ModelLayout.layer_of(item[0]) if item[0] != "output_layer" else 1 << 30,
+                                           *_order_key(item[0])))
 
 
 def transformer_layers(model: torch.nn.Module | list[torch.nn.Module]) -> dict[int, torch.nn.Module]:
@@ -550,8 +598,12 @@ def linear_module_names(model: torch.nn.Module | list[torch.nn.Module]) -> list[
 
 
 def model_layout(model: torch.nn.Module | list[torch.nn.Module]):
-    """The plan's view of a built GPTModel (local or TE spec): the whole model's transformer layer count and linear
-    names, whichever pipeline stage ``model`` is (the plan spans the stages: its names are global)."""
+    """The plan's view of a built GPTModel (local or TE spec): the whole model's transformer layers, linear names and
+    MoE experts, whichever pipeline stage or expert-parallel rank ``model`` is (the plan spans them: its names are
+    global)."""
     first = model[0] if isinstance(model, (list, tuple)) else model
     config = unwrap_model(first).config
-    return ModelLayout.gpt(config.num_layers)
+    # (getattr with a default: a framework's own config, e.g. a stand-in for a dense TransformerConfig, may lack them)
+    moe = {key: getattr(config, key, default) for key, default in (
+        ("num_moe_experts", None), ("moe_layer_freq", 1), ("moe_shared_expert_intermediate_size", None))}
+    return layout_of({"num_layers": config.num_layers, **moe})

@@ -9,14 +9,16 @@ run-config checks (training/config.py) use it before any process group exists.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from fp8_recipes.checks import ConfigError, check_keys, choice_error, is_int, is_number
+from fp8_recipes.plan.precision import ModelLayout, MoEShape
 
-__all__ = ["MODEL_CHOICES", "MODEL_MAX", "MODEL_OPTIONAL", "MODEL_REQUIRED", "VOCAB_MULTIPLE", "LinearShape",
-           "check_model_cfg", "linear_shapes", "pad_vocab_size", "run_model_cfg"]
+__all__ = ["MODEL_CHOICES", "MODEL_MAX", "MODEL_OPTIONAL", "MODEL_REQUIRED", "MOE_KEYS", "VOCAB_MULTIPLE", "LinearShape",
+           "check_model_cfg", "check_model_device", "layout_of", "linear_shapes", "model_notices", "moe_layer_pattern", "pad_vocab_size",
+           "run_model_cfg"]
 
 VOCAB_MULTIPLE = 128  # Megatron's make_vocab_size_divisible_by default; times TP so each shard is aligned
 
@@ -24,19 +26,32 @@ MODEL_REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_lengt
 MODEL_OPTIONAL = ("ffn_hidden_size", "num_query_groups", "normalization", "activation", "position_embedding_type",
                   "rotary_base", "share_embeddings_and_output_weights", "init_method_std", "add_bias_linear",
                   "hidden_dropout", "attention_dropout", "layernorm_epsilon", "init_from")
+MOE_KEYS = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+            "moe_layer_freq", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+            "moe_router_dtype", "moe_token_dispatcher_type", "moe_grouped_gemm", "moe_permute_fusion",
+            "moe_router_padding_for_quantization")
+"""Mixture-of-Experts keys, named and meant as Megatron-Core's TransformerConfig fields (num_moe_experts null: a
+dense model, and the other keys do nothing)."""
 MODEL_CHOICES = {"normalization": ("LayerNorm", "RMSNorm"), "activation": ("gelu", "swiglu"),
-                 "position_embedding_type": ("rope", "learned_absolute")}
+                 "position_embedding_type": ("rope", "learned_absolute"),
+                 "moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"),
+                 "moe_router_dtype": (None, "fp32", "fp64"),
+                 "moe_token_dispatcher_type": ("allgather", "alltoall", "flex")}
 _MODEL_POSITIVE_INTS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
-                        "ffn_hidden_size", "num_query_groups")
+                        "ffn_hidden_size", "num_query_groups", "num_moe_experts", "moe_router_topk",
+                        "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
 # Upper bounds far above any model this plugin trains (Llama-3 405B: 126 layers, 16384 hidden, 53248 ffn, 128 heads,
 # 128256 vocab); past them a typo (an extra zero, a million tokens) would die in an allocation traceback instead.
 MODEL_MAX = {"num_layers": 1024, "hidden_size": 65536, "ffn_hidden_size": 262144, "num_attention_heads": 1024,
-             "num_query_groups": 1024, "seq_length": 131072, "vocab_size": 1048576}
+             "num_query_groups": 1024, "seq_length": 131072, "vocab_size": 1048576,
+             # DeepSeek-V3: 256 routed experts of FFN 2048, top-8, one shared expert
+             "num_moe_experts": 1024, "moe_router_topk": 1024, "moe_ffn_hidden_size": 262144,
+             "moe_shared_expert_intermediate_size": 262144}
 
 
 def check_model_cfg(cfg: Mapping[str, Any], *, vocab_may_be_unset: bool = False, tensor_parallel: int = 1) -> None:
     """The `model` group: known keys, types, ranges, and the shapes Megatron-Core would assert on."""
-    known = MODEL_REQUIRED + MODEL_OPTIONAL
+    known = MODEL_REQUIRED + MODEL_OPTIONAL + MOE_KEYS
     check_keys("model", cfg, known)
     for key in MODEL_REQUIRED:
         if cfg.get(key) is None and not (key == "vocab_size" and vocab_may_be_unset):
@@ -51,7 +66,8 @@ def check_model_cfg(cfg: Mapping[str, Any], *, vocab_may_be_unset: bool = False,
     for key, choices in MODEL_CHOICES.items():
         if key in cfg and cfg[key] not in choices:
             raise choice_error(f"model.{key}", cfg[key], choices)
-    for key in ("share_embeddings_and_output_weights", "add_bias_linear"):
+    for key in ("share_embeddings_and_output_weights", "add_bias_linear", "moe_grouped_gemm", "moe_permute_fusion",
+                "moe_router_padding_for_quantization"):
         if key in cfg and not isinstance(cfg[key], bool):
             raise ConfigError(f"model.{key}={cfg[key]!r}: must be true or false")
     for key in ("hidden_dropout", "attention_dropout"):
@@ -62,6 +78,7 @@ def check_model_cfg(cfg: Mapping[str, Any], *, vocab_may_be_unset: bool = False,
         v = cfg.get(key)
         if v is not None and not (is_number(v) and v > 0):
             raise ConfigError(f"model.{key}={v!r}: must be a number > 0")
+    _check_moe(cfg, tensor_parallel)
     init_from = cfg.get("init_from")
     if init_from is not None:  # training/hf.py checks the vocabulary and the shape once the model config is final
         if not (isinstance(init_from, str) and init_from.startswith("hf:") and len(init_from) > 3):
@@ -95,6 +112,87 @@ def check_model_cfg(cfg: Mapping[str, Any], *, vocab_may_be_unset: bool = False,
                                  f"{tensor_parallel}")
 
 
+def _check_moe(cfg: Mapping[str, Any], tensor_parallel: int) -> None:
+    """The MoE keys Megatron-Core would assert on (or misread) at build time, each named."""
+    for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+        v = cfg.get(key)
+        if v is not None and not (is_number(v) and v >= 0):
+            raise ConfigError(f"model.{key}={v!r}: must be a number >= 0 (or null)")
+    experts = cfg.get("num_moe_experts")
+    if experts is None:
+        return
+    topk = cfg.get("moe_router_topk", 2)
+    if topk > experts:
+        raise ConfigError(f"model.moe_router_topk={topk} is more than model.num_moe_experts={experts}; each token "
+                         f"picks at most every expert")
+    if topk == 1 and cfg.get("moe_router_load_balancing_type", "aux_loss") != "sinkhorn":
+        raise ConfigError("model.moe_router_topk=1: Megatron-Core's softmax over one selected expert has a zero "
+                         "gradient; use model.moe_router_topk >= 2 (or moe_router_load_balancing_type=sinkhorn)")
+    moe_layer_pattern(cfg)  # moe_layer_freq's form and length
+    if cfg.get("moe_router_padding_for_quantization") and cfg.get("moe_token_dispatcher_type",
+                                                                   "allgather") == "allgather":
+        raise ConfigError("model.moe_router_padding_for_quantization=true: Megatron-Core's allgather dispatcher "
+                         "does not pad; set model.moe_token_dispatcher_type=alltoall, or the padding false")
+    if tensor_parallel > 1:
+        for key in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+            v = cfg.get(key)
+            if v is not None and v % tensor_parallel:
+                raise ConfigError(f"model.{key}={v} is not divisible by trainer.tensor_model_parallel_size="
+                                 f"{tensor_parallel}; pick a multiple of it")
+
+
+def moe_layer_pattern(cfg: Mapping[str, Any]) -> tuple[int, ...]:
+    """The MoE layers (global, 0-based) of a model config, as Megatron-Core reads ``moe_layer_freq``: an integer N puts
+    experts in every N-th layer from layer 0, a list of 0/1 (one per layer) names them. Empty for a dense model."""
+    if cfg.get("num_moe_experts") is None:
+        return ()
+    n, freq = int(cfg["num_layers"]), cfg.get("moe_layer_freq", 1)
+    if is_int(freq) and freq >= 1:
+        return tuple(i for i in range(n) if i % freq == 0)
+    if isinstance(freq, Sequence) and not isinstance(freq, str) and len(freq) == n and all(is_int(f) and f in (0, 1) for f in freq):
+        if not any(freq):
+            raise ConfigError("model.moe_layer_freq: every layer is 0 (dense); put a 1 where a layer has experts, "
+                             "or set model.num_moe_experts=null")
+        return tuple(i for i, f in enumerate(freq) if f)
+    raise ConfigError(f"model.moe_layer_freq={freq!r}: give an integer >= 1 (experts in every N-th layer) or a list "
+                     f"of zeros and ones, one per layer (model.num_layers={n})")
+
+
+def layout_of(cfg: Mapping[str, Any]) -> ModelLayout:
+    """The plan's view of a (checked) model config: its layers, and the experts of its MoE layers."""
+    layers = moe_layer_pattern(cfg)
+    moe = MoEShape(int(cfg["num_moe_experts"]), layers, cfg.get("moe_shared_expert_intermediate_size") is not None) \
+        if layers else None
+    return ModelLayout.gpt(int(cfg["num_layers"]), moe=moe)
+
+
+def check_model_device(cfg: Mapping[str, Any], device: str) -> None:
+    """The MoE keys that need a GPU (Transformer Engine, CUDA streams), refused on the CPU before anything is built."""
+    if cfg.get("num_moe_experts") is None or device == "cuda":
+        return
+    dispatcher = cfg.get("moe_token_dispatcher_type", "allgather")
+    if dispatcher != "allgather":
+        raise ConfigError(f"model.moe_token_dispatcher_type={dispatcher}: Megatron-Core's {dispatcher} dispatcher "
+                         f"needs a GPU (it creates CUDA streams); on the CPU set model.moe_token_dispatcher_type="
+                         f"allgather")
+    if cfg.get("moe_permute_fusion"):
+        raise ConfigError("model.moe_permute_fusion=true: the fused permutation is Transformer Engine's (GPU only); "
+                         "on the CPU set model.moe_permute_fusion=false")
+
+
+def model_notices(cfg: Mapping[str, Any], *, device: str) -> list[str]:
+    """One-line warnings for model keys that do nothing here (``device``: 'cpu' or 'cuda')."""
+    if cfg.get("num_moe_experts") is None:
+        idle = [k for k in MOE_KEYS if k != "num_moe_experts" and cfg.get(k) not in (None, False)]
+        return [f"model.{idle[0]}={cfg[idle[0]]!r} does nothing: model.num_moe_experts is null (a dense model); "
+                f"set model.num_moe_experts, or drop the MoE keys"] if idle else []
+    out = []
+    if device == "cpu" and cfg.get("moe_grouped_gemm"):
+        out.append("model.moe_grouped_gemm=true does nothing on the CPU: Megatron-Core's local layers run the experts "
+                   "one after another (SequentialMLP); the grouped GEMM is Transformer Engine's, on the GPU")
+    return out
+
+
 def pad_vocab_size(vocab_size: int, tensor_model_parallel_size: int = 1, multiple: int = VOCAB_MULTIPLE) -> int:
     """Round the vocabulary up so each tensor-parallel shard of the embedding/LM head is a multiple of 128."""
     step = multiple * tensor_model_parallel_size
@@ -117,7 +215,7 @@ class LinearShape(NamedTuple):
 def linear_shapes(cfg: Mapping[str, Any], *, micro_batch: int, tensor_parallel: int = 1, context_parallel: int = 1,
                   sequence_parallel: bool = False) -> dict[str, LinearShape]:
     """What one rank's linear layers multiply, per module (named as the plan's ModelLayout names them, the layer
-    prefix left out). Megatron-Core's layout: column-parallel linear_qkv / linear_fc1 / the LM head split their
+    prefix and an expert's number left out). Megatron-Core's layout: column-parallel linear_qkv / linear_fc1 / the LM head split their
     outputs over the tensor-parallel ranks, row-parallel linear_proj / linear_fc2 their inputs; context parallelism
     splits the sequence; sequence parallelism hands the column-parallel layers each rank's slice of it (all-gathered
     inside the layer). A checked config (:func:`check_model_cfg`); its vocabulary may be unset."""
@@ -133,7 +231,25 @@ def linear_shapes(cfg: Mapping[str, Any], *, micro_batch: int, tensor_parallel: 
             "mlp.linear_fc2": LinearShape(tokens, tokens, ffn // tp, hidden),
             # a multiple of VOCAB_MULTIPLE per rank whatever the vocabulary (unset until the tokenizer is read)
             "output_layer": LinearShape(sliced, tokens, hidden,
-                                        pad_vocab_size(int(cfg.get("vocab_size") or 1), tp) // tp)}
+                                        pad_vocab_size(int(cfg.get("vocab_size") or 1), tp) // tp),
+            **_moe_shapes(cfg, tokens, sliced, tp, gated)}
+
+
+def _moe_shapes(cfg: Mapping[str, Any], tokens: int, sliced: int, tp: int, gated: int) -> dict[str, LinearShape]:
+    """An MoE layer's linears (``mlp.experts.*``: every routed expert's, named without the expert number). A routed
+    expert multiplies its share of the layer's tokens, which the router changes every step: its rows are the layer's
+    tokens here, and TE's grouped GEMM pads each share (model.moe_router_padding_for_quantization)."""
+    if cfg.get("num_moe_experts") is None:
+        return {}
+    hidden = int(cfg["hidden_size"])
+    ffn = int(cfg.get("moe_ffn_hidden_size") or cfg.get("ffn_hidden_size") or 4 * hidden)
+    out = {"mlp.experts.linear_fc1": LinearShape(tokens, tokens, hidden, gated * ffn // tp),
+           "mlp.experts.linear_fc2": LinearShape(tokens, tokens, ffn // tp, hidden)}
+    shared = cfg.get("moe_shared_expert_intermediate_size")
+    if shared is not None:
+        out["mlp.shared_experts.linear_fc1"] = LinearShape(sliced, tokens, hidden, gated * int(shared) // tp)
+        out["mlp.shared_experts.linear_fc2"] = LinearShape(tokens, tokens, int(shared) // tp, hidden)
+    return out
 
 
 def run_model_cfg(cfg, meta: dict, data_dir: Path) -> dict:

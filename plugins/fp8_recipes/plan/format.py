@@ -7,7 +7,9 @@ One floor above plan/precision.py: the plan decides, this module only prints the
 
 from __future__ import annotations
 
-from fp8_recipes.plan.precision import Gemm, ModulePlan, ParallelLayout, PrecisionPlan, StepPlan
+from fp8_recipes.plan.precision import (
+    ROUTER_REASON, Execution, Gemm, ModelLayout, ModulePlan, ParallelLayout, PrecisionPlan, StepPlan,
+)
 from fp8_recipes.recipe.schema import ROLES, Attention
 
 __all__ = ["format_plan"]
@@ -17,9 +19,90 @@ def _ranges(nums: list[int]) -> str:
     return f"{nums[0]}" if len(nums) == 1 else f"{nums[0]}-{nums[-1]}"
 
 
-def _row(layers: str, module: str, mp: ModulePlan) -> str:
-    cells = "".join(f"{mp.gemms[g].execution:<10}" for g in Gemm)
-    return f"  {layers:<8} {module:<28} {cells}{mp.bf16_reason or ''}".rstrip()
+def _spans(nums: list[int]) -> str:
+    """'0-2,4-7' for [0, 1, 2, 4, 5, 6, 7]."""
+    runs: list[list[int]] = []
+    for n in nums:
+        if runs and runs[-1][-1] == n - 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return ",".join(_ranges(r) for r in runs)
+
+
+Row = tuple[str, str, str]
+"""A GEMM table row before it is printed: (layers, module, the GEMM cells and why BF16)."""
+
+
+def _row(layers: str, module: str, mp: ModulePlan | None, reason: str | None = None) -> Row:
+    """One table row; ``mp`` None: a module the plan never quantizes (an MoE router), BF16 in every GEMM."""
+    cells = "".join(f"{mp.gemms[g].execution if mp else Execution.BF16:<10}" for g in Gemm)
+    return layers, module, f"{cells}{reason or (mp.bf16_reason if mp else '') or ''}".rstrip()
+
+
+def _layer_groups(final: StepPlan) -> tuple[list[tuple[list[int], list[ModulePlan]]], list[ModulePlan]]:
+    """Consecutive layers whose linears have the same plans, grouped; and the modules of no layer (the LM head)."""
+    by_layer: dict[int, list[ModulePlan]] = {}
+    others: list[ModulePlan] = []
+    for mp in final.modules.values():
+        (by_layer.setdefault(mp.layer, []) if mp.layer is not None else others).append(mp)
+
+    def signature(mps: list[ModulePlan]):
+        return tuple((m.name.split(f"layers.{m.layer}.", 1)[-1], m.summary(), m.bf16_reason) for m in mps)
+
+    groups: list[tuple[list[int], list[ModulePlan]]] = []
+    for layer in sorted(by_layer):
+        mps = by_layer[layer]
+        if groups and signature(groups[-1][1]) == signature(mps) and groups[-1][0][-1] == layer - 1:
+            groups[-1][0].append(layer)
+        else:
+            groups.append(([layer], mps))
+    return groups, others
+
+
+def _gemm_table(plan: PrecisionPlan, final: StepPlan) -> list[str]:
+    """The GEMM table with every role on: a row per layer group whose linears agree, else per linear (an MoE layer's
+    experts collapsed), each MoE layer group's router, the LM head; then the MoE line."""
+    groups, others = _layer_groups(final)
+    routers = set(plan.layout.routers)
+    rows: list[Row] = []
+    for layers, mps in groups:
+        if len({(m.summary(), m.bf16_reason) for m in mps}) == 1:
+            rows.append(_row(_ranges(layers), "(all linears)", mps[0]))
+        else:
+            rows += _module_rows(_ranges(layers), mps)
+        if f"decoder.layers.{layers[0]}.mlp.router" in routers:
+            rows.append(_row(_ranges(layers), "mlp.router", None, ROUTER_REASON))
+    rows += [_row("-", m.name, m) for m in others]
+    width = max(28, *(len(module) for _, module, _ in rows))  # (28: every dense model's names fit)
+    lines = ["", "GEMMs with every role on (fprop = activations x weights, dgrad = gradients x weights, "
+                 "wgrad = gradients x activations)",
+             f"  {'layers':<8} {'module':<{width}} " + "".join(f"{g!s:<10}" for g in Gemm) + "why BF16"]
+    lines += [f"  {layers:<8} {module:<{width}} {rest}".rstrip() for layers, module, rest in rows]
+    if routers:
+        moe = sorted({ModelLayout.layer_of(n) for n in routers})
+        lines.append(f"  MoE: {plan.layout.experts} routed experts in layers {_spans(moe).replace(',', ', ')}; each "
+                     f"expert's GEMMs quantized on their own (a quantizer per expert GEMM); the router's GEMM stays BF16")
+    return lines
+
+
+def _module_rows(layers: str, mps: list[ModulePlan]) -> list[Row]:
+    """A layer group's rows, one per linear; an MoE layer's routed experts collapsed into a row per plan they share
+    (``mlp.experts[0-7] fc1+fc2``: every expert's two linears)."""
+    lines, experts = [], {}
+    for m in mps:
+        e = ModelLayout.expert_of(m.name)
+        if e is None:
+            lines.append(_row(layers, m.name.split(f"layers.{m.layer}.", 1)[-1], m))
+        else:
+            by_fc = experts.setdefault((m.summary(), m.bf16_reason), ({}, m))[0]
+            by_fc.setdefault(m.name.rsplit(".", 1)[-1], []).append(e)
+    for by_fc, m in experts.values():
+        if len(by_fc) == 2 and len(set(map(tuple, by_fc.values()))) == 1:
+            lines.append(_row(layers, f"mlp.experts[{_spans(next(iter(by_fc.values())))}] fc1+fc2", m))
+        else:
+            lines += [_row(layers, f"mlp.experts[{_spans(es)}].{fc}", m) for fc, es in by_fc.items()]
+    return lines
 
 
 def _te_lines(plan: PrecisionPlan) -> list[str]:
@@ -112,32 +195,7 @@ def format_plan(plan: PrecisionPlan, max_steps: int | None = None, parallel: Par
         lines.append(f"  full-precision evaluation every {sched.full_precision_eval_interval} steps")
 
     final = plan.at(max(sched.role_start(x) for x in ROLES))
-    lines += ["", "GEMMs with every role on (fprop = activations x weights, dgrad = gradients x weights, "
-                  "wgrad = gradients x activations)",
-              f"  {'layers':<8} {'module':<28} " + "".join(f"{g!s:<10}" for g in Gemm) + "why BF16"]
-    by_layer: dict[int, list[ModulePlan]] = {}
-    others: list[ModulePlan] = []
-    for mp in final.modules.values():
-        (by_layer.setdefault(mp.layer, []) if mp.layer is not None else others).append(mp)
-
-    def signature(mps: list[ModulePlan]):
-        return tuple((m.name.split(f"layers.{m.layer}.", 1)[-1], m.summary(), m.bf16_reason) for m in mps)
-
-    groups: list[tuple[list[int], list[ModulePlan]]] = []
-    for layer in sorted(by_layer):
-        mps = by_layer[layer]
-        if groups and signature(groups[-1][1]) == signature(mps) and groups[-1][0][-1] == layer - 1:
-            groups[-1][0].append(layer)
-        else:
-            groups.append(([layer], mps))
-    for layers, mps in groups:
-        if len({(m.summary(), m.bf16_reason) for m in mps}) == 1:
-            lines.append(_row(_ranges(layers), "(all linears)", mps[0]))
-        else:
-            for m in mps:
-                lines.append(_row(_ranges(layers), m.name.split(f"layers.{m.layer}.", 1)[-1], m))
-    for m in others:
-        lines.append(_row("-", m.name, m))
+    lines += _gemm_table(plan, final)
     if r.attention is Attention.FP8:
         where = sorted(final.attention)
         lines.append("  core attention (softmax(Q K^T) V): " + (

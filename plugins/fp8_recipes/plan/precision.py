@@ -32,8 +32,8 @@ from fp8_recipes.plan.te import (
 from fp8_recipes.recipe.schema import ROLES, Attention, Backend, Recipe, RecipeError, Role, Scaling, TensorPolicy
 
 __all__ = [
-    "Execution", "Gemm", "GemmPlan", "Hardware", "ModelLayout", "ModulePlan", "ParallelLayout", "PrecisionPlan",
-    "StepPlan", "GEMM_OPERANDS", "ROW_PARALLEL", "Substitution", "TERecipe",
+    "Execution", "Gemm", "GemmPlan", "Hardware", "ModelLayout", "ModulePlan", "MoEShape", "ParallelLayout",
+    "PrecisionPlan", "StepPlan", "GEMM_OPERANDS", "ROUTER_REASON", "ROW_PARALLEL", "Substitution", "TERecipe",
 ]
 
 
@@ -115,32 +115,74 @@ class Hardware:
 
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_EXPERT_RE = re.compile(r"\.experts\.local_experts\.(\d+)\.")
 
 
-ROW_PARALLEL = ("self_attention.linear_proj", "mlp.linear_fc2")
-"""Megatron-Core's row-parallel linears (their weight split by input columns over the TP ranks, and so their input
+ROW_PARALLEL = ("linear_proj", "linear_fc2")
+"""Megatron-Core's row-parallel linears (name suffixes: the attention's projection, every MLP's and expert's fc2) (their weight split by input columns over the TP ranks, and so their input
 by features); linear_qkv, linear_fc1 and the LM head are column-parallel (weight split by output rows)."""
 
 
 @dataclass(frozen=True)
+class MoEShape:
+    """The Mixture-of-Experts part of a model, as the plan needs it: how many routed experts each MoE layer has, which
+    (global, 0-based) layers are MoE, and whether they also have shared experts (Megatron-Core's SharedExpertMLP)."""
+
+    experts: int
+    layers: tuple[int, ...]
+    shared_experts: bool = False
+
+
+_DENSE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+@dataclass(frozen=True)
 class ModelLayout:
-    """The model as the plan sees it: transformer layer count and linear module names."""
+    """The model as the plan sees it: transformer layer count and linear module names (and the routers of its MoE
+    layers, which run no GEMM the plan decides: they stay BF16, see :data:`ROUTER_REASON`)."""
 
     num_layers: int
     module_names: tuple[str, ...]
+    routers: tuple[str, ...] = ()
+    experts: int = 0
+    """Routed experts per MoE layer (0: a dense model)."""
 
     @staticmethod
     def layer_of(name: str) -> int | None:
         m = _LAYER_RE.search(name)
         return int(m.group(1)) if m else None
 
+    @staticmethod
+    def expert_of(name: str) -> int | None:
+        """The (global) routed expert a module belongs to, or None."""
+        m = _EXPERT_RE.search(name)
+        return int(m.group(1)) if m else None
+
     @classmethod
-    def gpt(cls, num_layers: int, output_layer: bool = True) -> ModelLayout:
-        """The linear modules of a Megatron-Core GPTModel (local or TE spec), for planning without a model."""
-        names = [f"decoder.layers.{i}.{m}" for i in range(num_layers)
-                 for m in ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
-                           "mlp.linear_fc2")]
-        return cls(num_layers, tuple(names + (["output_layer"] if output_layer else [])))
+    def gpt(cls, num_layers: int, output_layer: bool = True, moe: MoEShape | None = None) -> ModelLayout:
+        """The linear modules of a Megatron-Core GPTModel (local or TE spec), for planning without a model. An MoE
+        layer's MLP is its shared experts' two linears, then each routed expert's, as Megatron-Core's SequentialMLP
+        names them (``mlp.experts.local_experts.<e>.linear_fc1``; ``e`` global, whichever rank holds the expert)."""
+        moe_layers = set(moe.layers) if moe else set()
+        names = []
+        for i in range(num_layers):
+            if i not in moe_layers:
+                names += [f"decoder.layers.{i}.{m}" for m in _DENSE]
+                continue
+            names += [f"decoder.layers.{i}.{m}" for m in _DENSE[:2]]
+            if moe.shared_experts:
+                names += [f"decoder.layers.{i}.mlp.shared_experts.linear_fc{k}" for k in (1, 2)]
+            names += [f"decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc{k}"
+                      for e in range(moe.experts) for k in (1, 2)]
+        routers = tuple(f"decoder.layers.{i}.mlp.router" for i in sorted(moe_layers))
+        return cls(num_layers, tuple(names + (["output_layer"] if output_layer else [])), routers,
+                   moe.experts if moe else 0)
+
+
+ROUTER_REASON = "router (always BF16)"
+"""Why an MoE layer's router stays BF16: its GEMM (Megatron-Core's router_gating_linear, in fp32 with
+``moe_router_dtype: fp32``) picks the experts, and a quantized score flips a token's top-k; Megatron-Core never
+quantizes it, and DeepSeek-V3's FP8 training kept it in BF16 too."""
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +27,7 @@ from typing import Any
 from fp8_recipes.checks import ConfigError
 from fp8_recipes.launcher import launch_rank
 from fp8_recipes.megatron.data import build_gpt_datasets, data_parallel_batches, prepare_dataset
-from fp8_recipes.megatron.model_config import linear_shapes, run_model_cfg
+from fp8_recipes.megatron.model_config import check_model_device, layout_of, linear_shapes, model_notices, run_model_cfg
 from fp8_recipes.observe.config import debug_config
 from fp8_recipes.plan.precision import Execution, Hardware, ModelLayout, ParallelLayout, PrecisionPlan
 from fp8_recipes.plan.format import format_plan
@@ -171,7 +172,7 @@ def attach_te(model_cfg: dict, recipe, hardware, params_dtype: torch.dtype, devi
     from fp8_recipes.megatron.model import build_model_chunks
     from fp8_recipes.megatron.te_layers import FP8ParamInit, attach_te_backend
 
-    plan = PrecisionPlan(recipe, ModelLayout.gpt(int(model_cfg["num_layers"])), hardware)
+    plan = PrecisionPlan(recipe, layout_of(model_cfg), hardware)
     fp8_param = FP8ParamInit(plan) if recipe.fp8_param else None
     chunks = build_model_chunks(model_cfg, use_te_spec=True, params_dtype=params_dtype, device=device,
                                 config_overrides=config_overrides, init_seed=init_seed, layer_init=fp8_param)
@@ -260,6 +261,15 @@ def check_recompute(trainer, plan) -> None:
                            "trainer.recompute_granularity=null (or full), or recipe attention: bf16")])
 
 
+def check_moe_backend(model, plan) -> None:
+    """MoE models run on the emulated backend so far: the TE backend's per-layer autocast over Megatron-Core's TE
+    experts (TEGroupedMLP) is not wired, so a GPU run is refused in one line before anything is built."""
+    if model.get("num_moe_experts") is not None and plan.backend is Backend.TE:
+        raise ConfigError(f"model.num_moe_experts={model.get('num_moe_experts')}: Mixture-of-Experts models run on the "
+                         f"emulated backend only so far (this plan picked te: {plan.backend_reason}); add "
+                         f"+recipe.backend=emulated (and, for a BF16 run, a recipe: +recipe=bf16)")
+
+
 def check_fp8_param(trainer, plan) -> None:
     """Recipe ``fp8_param: true``: refused in one line, before anything is built, where the plan cannot store the
     weights in FP8 (the emulated backend, ...: ``PrecisionPlan.fp8_param_problem``) or the trainer lacks what
@@ -283,7 +293,11 @@ def check_fp8_param(trainer, plan) -> None:
 _FEATURE_KEYS = {"self_attention.linear_qkv": "model.hidden_size, num_attention_heads and num_query_groups",
                  "self_attention.linear_proj": "model.hidden_size",
                  "mlp.linear_fc1": "model.hidden_size and ffn_hidden_size",
-                 "mlp.linear_fc2": "model.hidden_size and ffn_hidden_size", "output_layer": "model.hidden_size"}
+                 "mlp.linear_fc2": "model.hidden_size and ffn_hidden_size", "output_layer": "model.hidden_size",
+                 "mlp.experts.linear_fc1": "model.hidden_size and moe_ffn_hidden_size",
+                 "mlp.experts.linear_fc2": "model.hidden_size and moe_ffn_hidden_size",
+                 "mlp.shared_experts.linear_fc1": "model.hidden_size and moe_shared_expert_intermediate_size",
+                 "mlp.shared_experts.linear_fc2": "model.hidden_size and moe_shared_expert_intermediate_size"}
 
 
 def _te_gemms(plan, step_plan, module) -> frozenset[str]:
@@ -312,7 +326,8 @@ def check_fp8_shapes(trainer, model, plan) -> str | None:
         for name, module in step_plan.modules.items():
             gemms[name] = gemms.get(name, frozenset()) | _te_gemms(plan, step_plan, module)
     for name, fp8 in gemms.items():
-        kind = name if ModelLayout.layer_of(name) is None else name.split(".", 3)[3]
+        kind = name if ModelLayout.layer_of(name) is None else re.sub(r"local_experts\.\d+\.", "",
+                                                                       name.split(".", 3)[3])
         shape = shapes[kind]
         problem = te_fp8_shape_problem(shape.rows, shape.in_features, shape.out_features, fp8,
                                        gemm_rows=shape.gemm_rows) if fp8 else None
@@ -457,10 +472,12 @@ def _checked_run(cfg) -> _Run:
     one_cuda_connection(tcfg)
     hardware = Hardware.detect()  # (CUDA starts here on a GPU machine)
     with same_on_every_rank():
+        check_model_device(cfg.model, hardware.device)
         # Fail on the recipe/hardware combination before any process group, data or model exists.
         with _recipe_keys():
-            first_plan = PrecisionPlan(recipe, ModelLayout.gpt(int(cfg.model.num_layers)), hardware)
+            first_plan = PrecisionPlan(recipe, layout_of(cfg.model), hardware)
         check_fp8_param(tcfg, first_plan)
+        check_moe_backend(cfg.model, first_plan)
         shape_warning = check_plan(tcfg, cfg.model, first_plan)
     return _Run(cfg, tcfg, recipe, debug, hardware, first_plan, shape_warning)
 
@@ -510,7 +527,8 @@ def _warn_notices(run: _Run) -> None:
     fp8_modules = {name for first, _, _ in plan.stages(run.tcfg.max_steps)
                    for name, module in plan.at(first).modules.items() if module.any_fp8}
     start = int(run.saved["step"]) if run.saved is not None else 0
-    for line in [*run_notices(run.tcfg, run.recipe, run.debug, start, fp8_modules), run.shape_warning]:
+    for line in [*model_notices(run.cfg.model, device=run.hardware.device),
+                 *run_notices(run.tcfg, run.recipe, run.debug, start, fp8_modules), run.shape_warning]:
         if line:
             logger.warning(line)
 

@@ -1,0 +1,104 @@
+"""Mixture-of-Experts on the CPU (issue 28): Megatron-Core's MoE layers (TopKRouter, the allgather dispatcher,
+SequentialMLP experts, a shared expert) under the emulated backend: the plan's names are the model's, the router is
+left alone, BF16 stays bit-identical to Megatron-Core, each expert quantizes on its own (an expert without tokens
+too), and scripts/train.py trains model=tiny_moe."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from megatron.core.transformer.moe.router import TopKRouter
+from omegaconf import OmegaConf
+
+from fp8_recipes.megatron.emulated_layers import (
+    EmulatedColumnParallelLinear, EmulatedRowParallelLinear, attach_emulated_backend,
+)
+from fp8_recipes.megatron.model import build_gpt_model, linear_module_names, model_layout, named_linear_modules, unwrap_model
+from fp8_recipes.megatron.model_config import layout_of
+from fp8_recipes.plan.format import format_plan
+from fp8_recipes.plan.precision import PrecisionPlan
+from fp8_recipes.recipe.pack import load_recipe
+from fp8_recipes.recipe.schema import Role
+from fp8_recipes.rundir import read_metrics
+from test_emulated_backend import forward_backward, identical
+from test_train_cpu import ROOT, assert_learns, dataset, small_run  # noqa: F401  (the shared dataset fixture)
+
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+
+def moe_cfg(**change) -> dict:
+    """conf/model/tiny_moe.yaml, two layers: a dense one, then an MoE one (4 experts, top-2, a shared expert)."""
+    cfg = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / "tiny_moe.yaml"), resolve=False)
+    return {**cfg, "vocab_size": 256, "num_layers": 2, "moe_layer_freq": [0, 1],
+            "moe_shared_expert_intermediate_size": 128, **change}
+
+
+def build(emulated: bool, cfg: dict | None = None, dtype=torch.bfloat16):
+    torch.manual_seed(5)
+    kw = dict(column_linear=EmulatedColumnParallelLinear, row_linear=EmulatedRowParallelLinear) if emulated else {}
+    return build_gpt_model(cfg or moe_cfg(), params_dtype=dtype, device="cpu", **kw)
+
+
+def test_the_plans_names_are_the_models_and_the_router_is_left_alone(megatron_cpu):
+    model = build(emulated=True)
+    assert linear_module_names(model) == list(layout_of(moe_cfg()).module_names)
+    assert model_layout(model) == layout_of(moe_cfg())
+    linears = dict(named_linear_modules(model))
+    assert all(isinstance(m, (EmulatedColumnParallelLinear, EmulatedRowParallelLinear)) for m in linears.values()
+               if m is not linears["output_layer"])
+    assert type(linears["decoder.layers.1.mlp.experts.local_experts.3.linear_fc2"]) is EmulatedRowParallelLinear
+    assert type(linears["decoder.layers.1.mlp.shared_experts.linear_fc1"]) is EmulatedColumnParallelLinear
+    assert type(unwrap_model(model).decoder.layers[1].mlp.router) is TopKRouter
+
+
+def test_bf16_is_bit_identical_to_megatron_core_and_each_expert_scales_on_its_own(megatron_cpu):
+    plain, model = build(emulated=False), build(emulated=True)
+    precision = attach_emulated_backend(model, PrecisionPlan(load_recipe("bf16"), model_layout(model)))
+    precision.begin_step(0)
+    reference = forward_backward(plain)
+    assert identical(forward_backward(model), reference)
+    delayed = build(emulated=True)
+    precision = attach_emulated_backend(delayed, PrecisionPlan(load_recipe("delayed"), model_layout(delayed)))
+    for step in range(3):
+        precision.begin_step(step)
+        fp8 = forward_backward(delayed, seed=step)
+    assert not torch.equal(fp8[1], reference[1])
+    experts = [precision.states[f"decoder.layers.1.mlp.experts.local_experts.{e}.linear_fc1"] for e in range(4)]
+    for role, distinct in ((Role.WEIGHTS, 4), (Role.ACTIVATIONS, 2), (Role.GRADIENTS, 2)):
+        histories = [s.scalers[role].history for s in experts]
+        assert all(h.max() > 0 for h in histories), role  # every expert saw tokens and recorded its own amaxes
+        # each its own weights; its own tokens (top-2: the largest token goes to two experts, which then agree)
+        assert len({tuple(h.tolist()) for h in histories}) >= distinct, (role, histories)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise", "hybrid", "mxfp8"])
+def test_an_expert_without_tokens_runs_every_scaling(megatron_cpu, recipe):
+    """SequentialMLP calls every local expert, one the router gave no token with an empty input: each scaling kind
+    quantizes it (0 rows) and its weight gradient is zero."""
+    model = build(emulated=True)
+    precision = attach_emulated_backend(model, PrecisionPlan(load_recipe(recipe), model_layout(model)))
+    precision.begin_step(10**6)
+    fc1 = dict(named_linear_modules(model))["decoder.layers.1.mlp.experts.local_experts.2.linear_fc1"]
+    x = torch.empty(0, 128, dtype=torch.bfloat16, requires_grad=True)
+    y, _ = fc1(x)
+    y.sum().backward()
+    assert y.shape == (0, 512) and x.grad.shape == (0, 128)
+    assert fc1.weight.grad is not None and not fc1.weight.grad.any()
+
+
+def test_train_script_trains_tiny_moe_with_hybrid(dataset, tmp_path):  # noqa: F811
+    """The issue's command, shortened: plan.txt shows the experts and the router, the loss falls."""
+    args = ["model=tiny_moe", "+recipe=hybrid", *dataset, *small_run(tmp_path, num_layers=2, steps=8)]
+    proc = subprocess.run([sys.executable, "scripts/train.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    plan = (tmp_path / "plan.txt").read_text()
+    cfg = {**moe_cfg(), "vocab_size": 384, "moe_layer_freq": 2, "moe_shared_expert_intermediate_size": None}
+    assert plan == format_plan(PrecisionPlan(load_recipe("hybrid"), layout_of(cfg)), max_steps=8) + "\n"
+    assert "  0        mlp.router" in plan and "MoE: 4 routed experts in layers 0;" in plan
+    assert "  1        (all linears)" in plan  # the dense layer
+    assert_learns([r["loss"] for r in read_metrics(tmp_path, "train")])
