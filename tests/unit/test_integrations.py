@@ -37,6 +37,8 @@ EXPECTED = {
     "mxfp8": (("e4m3", "blockwise"), ("e4m3", "mxfp8")),   # no MXFP8 on Hopper: the plan's 128x128/1x128 blocks
     "hybrid": (("hybrid", "blockwise"), ("hybrid", "mxfp8")),
     "safe": (None, None),                                  # warmup + stages
+    "moe_blockwise": (("e4m3", "blockwise"), ("e4m3", "blockwise")),
+    "moe_delayed": ("refused", "refused"),                 # per-module policies: scripts/train.py's emulated backend
 }
 
 
@@ -62,6 +64,12 @@ def test_expected_covers_the_pack():
 @pytest.mark.parametrize("name", recipe_names())
 def test_pack_recipe_maps_or_is_refused_in_one_line(name, cc):
     expected = EXPECTED[name][cc == B200]
+    if expected == "refused":
+        for build in (megatron_fp8_fields, plugin_owned_plan):
+            with pytest.raises(RecipeError) as e:
+                build(name, compute_capability=cc, num_layers=4)
+            assert "\n" not in str(e.value) and str(e.value).startswith("modules: per-module policies"), str(e.value)
+        return
     if expected is None:
         with pytest.raises(NeedsPluginOwned) as e:
             megatron_fp8_fields(name, compute_capability=cc, num_layers=4)

@@ -10,9 +10,9 @@ from fp8_recipes.megatron.model_config import (
     check_model_cfg, check_model_device, layout_of, linear_shapes, model_notices, moe_layer_pattern,
 )
 from fp8_recipes.plan.format import format_plan
-from fp8_recipes.plan.precision import ROUTER_REASON, Execution, ModelLayout, MoEShape, PrecisionPlan
+from fp8_recipes.plan.precision import ROUTER_REASON, Execution, Gemm, ModelLayout, MoEShape, PrecisionPlan
 from fp8_recipes.recipe.pack import load_recipe, load_recipe_dict
-from fp8_recipes.recipe.schema import Recipe
+from fp8_recipes.recipe.schema import Recipe, Role, Scaling
 
 DENSE = {"num_layers": 4, "hidden_size": 128, "num_attention_heads": 4, "seq_length": 128, "vocab_size": 4096,
          "ffn_hidden_size": 512, "activation": "swiglu"}
@@ -139,3 +139,79 @@ def test_moe_on_the_te_backend_is_refused_in_one_line_until_it_is_wired():
     emulated = Recipe.from_dict({**load_recipe_dict("hybrid"), "backend": "emulated"})
     check_moe_backend(MOE, PrecisionPlan(emulated, layout, Hardware.target((9, 0))))
     check_moe_backend(DENSE, PrecisionPlan(load_recipe("hybrid"), ModelLayout.gpt(4), Hardware.target((9, 0))))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per-module policies (recipe `modules:`)
+
+def _with_modules(modules, base="delayed") -> Recipe:
+    return Recipe.from_dict({**load_recipe_dict(base), "modules": modules})
+
+
+def test_module_policies_replace_the_recipes_roles_where_the_pattern_matches():
+    recipe = _with_modules({"*.experts.*": {"gradients": {"scaling": "tensorwise"}, "activations": "none"},
+                            "*.layers.1.*": {"weights": {"scaling": "delayed", "amax_history_len": 8}}})
+    plan = PrecisionPlan(recipe, layout_of(MOE))
+    expert = "decoder.layers.1.mlp.experts.local_experts.2.linear_fc1"
+    assert plan.module_policy(expert, Role.GRADIENTS).describe() == "tensorwise e5m2"  # the role's default format
+    assert plan.module_policy(expert, Role.WEIGHTS) == recipe.weights  # first match wins: not layer 1's weights
+    assert plan.module_policy("decoder.layers.1.self_attention.linear_qkv", Role.WEIGHTS).amax_history_len == 8
+    mp = plan.at(0).modules[expert]
+    assert mp.gemms[Gemm.FPROP].policy(Role.ACTIVATIONS) is None  # activations BF16 in the experts
+    assert mp.gemms[Gemm.FPROP].policy(Role.WEIGHTS) == recipe.weights
+    assert mp.gemms[Gemm.WGRAD].policy(Role.GRADIENTS).scaling is Scaling.TENSORWISE
+    assert mp.override == "modules '*.experts.*': activations bf16, gradients tensorwise e5m2"
+    assert plan.at(0).modules["decoder.layers.0.mlp.linear_fc1" if False else
+                              "decoder.layers.0.self_attention.linear_qkv"].override is None
+    again = Recipe.from_dict(recipe.to_dict())  # show's YAML loads back to the same recipe
+    assert again == recipe and [m.pattern for m in again.modules] == ["*.experts.*", "*.layers.1.*"]
+
+
+@pytest.mark.parametrize("modules, says", [
+    ("experts", r"^modules: 'experts' is not a mapping of module patterns"),
+    ({"*experts*": {"grads": {"scaling": "tensorwise"}}}, r"^modules\.\*experts\*\.grads: unknown key"),
+    ({"*experts*": {"gradients": {"scaling": "fast"}}}, r"^modules\.\*experts\*\.gradients\.scaling: 'fast'"),
+    ({"*experts*": {"gradients": {"scaling": "tensorwise", "amax_history_len": 4}}},
+     r"^modules\.\*experts\*\.gradients\.amax_history_len: 4 does not apply to scaling: tensorwise"),
+    ({"*experts*": {}}, r"^modules\.\*experts\*: gives no role"),
+])
+def test_module_policies_are_checked_with_their_keys(modules, says):
+    with pytest.raises(ValueError, match=says):
+        _with_modules(modules)
+
+
+def test_a_module_may_not_turn_fp8_a_role_the_recipe_keeps_bf16():
+    base = {**load_recipe_dict("delayed"), "gradients": {"scaling": "none"}}
+    with pytest.raises(ValueError, match=r"^modules\.\*experts\*\.gradients: tensorwise where the recipe keeps "
+                                         r"gradients BF16"):
+        Recipe.from_dict({**base, "modules": {"*experts*": {"gradients": {"scaling": "tensorwise"}}}})
+
+
+def test_module_policies_run_emulated_and_the_table_shows_them():
+    from fp8_recipes.plan.precision import Hardware
+
+    recipe = _with_modules({"*.experts.*": {"activations": {"scaling": "delayed", "amax_history_len": 16}},
+                            "*nothing*": {"weights": "none"}})
+    hopper = PrecisionPlan(recipe, layout_of(MOE), Hardware.target((9, 0)))
+    assert hopper.backend == "emulated" and "per-module policies" in hopper.backend_reason
+    with pytest.raises(ValueError, match=r"^modules: per-module policies run on the emulated backend only"):
+        PrecisionPlan(Recipe.from_dict({**recipe.to_dict(), "backend": "te"}), layout_of(MOE), Hardware.target((9, 0)))
+    text = format_plan(PrecisionPlan(recipe, layout_of(MOE)))
+    assert "why BF16 / own policies (modules:)" in text
+    assert ("0-3      mlp.experts[0-3] fc1+fc2      emulated  emulated  emulated  modules '*.experts.*': activations delayed "
+            "e4m3 hist 16 max") in text
+    assert "warning: modules pattern '*nothing*' matches no module of this model" in text
+    assert "own policies" not in format_plan(PrecisionPlan(load_recipe("delayed"), layout_of(MOE)))
+
+
+def test_moe_presets():
+    delayed = PrecisionPlan(load_recipe("moe_delayed"), layout_of(MOE))
+    expert = "decoder.layers.0.mlp.experts.local_experts.0.linear_fc2"
+    assert [delayed.module_policy(expert, r).amax_history_len for r in Role] == [1024, 16, 16]
+    assert delayed.module_policy("decoder.layers.0.self_attention.linear_qkv", Role.GRADIENTS).amax_history_len == 1024
+    assert delayed.module_override("decoder.layers.0.mlp.shared_experts.linear_fc1") is None
+    blockwise = load_recipe("moe_blockwise")
+    assert [blockwise.policy(r).describe() for r in Role] == ["blockwise e4m3 128x128 pow2", "blockwise e4m3 1x128 pow2",
+                                                             "blockwise e4m3 1x128 pow2"]
+    plan = PrecisionPlan(blockwise, layout_of(MOE)).at(0)
+    assert plan.modules["output_layer"].bf16_reason and not plan.attention

@@ -19,7 +19,8 @@ from fp8_recipes.recipe.pack import conf_dir, load_recipe, load_recipe_dict, rec
 from fp8_recipes.recipe.schema import AmaxAlgo, Format, Recipe, Role, Scaling
 
 PACK = recipe_names()
-EXPECTED_PACK = {"bf16", "blockwise", "delayed", "fast", "hybrid", "mxfp8", "safe", "tensorwise"}
+EXPECTED_PACK = {"bf16", "blockwise", "delayed", "fast", "hybrid", "moe_blockwise", "moe_delayed", "mxfp8", "safe",
+                 "tensorwise"}
 TRAIN_GROUPS = re.compile(r"\b(model|data|trainer)/")
 
 

@@ -221,9 +221,9 @@ class EmulatedPrecision:
         # one only for a sequence-parallel operand, over the TP ranks; no sequence parallelism on the CPU), so each
         # state's amax_reducers stay empty
         reduce = _amax_reducer(plan.recipe.amax_reduction)
-        for state in states.values():
-            state.scalers = {r: DelayedScaler(plan.recipe.policy(r)) for r in ROLES
-                             if plan.recipe.policy(r).scaling is Scaling.DELAYED}
+        for name, state in states.items():  # (a module's own policies: the recipe's, or its modules: override's)
+            policies = {r: plan.module_policy(name, r) for r in ROLES}
+            state.scalers = {r: DelayedScaler(p) for r, p in policies.items() if p.scaling is Scaling.DELAYED}
         self._reduce = reduce
 
     def begin_step(self, step: int) -> str:

@@ -37,7 +37,12 @@ Row = tuple[str, str, str]
 def _row(layers: str, module: str, mp: ModulePlan | None, reason: str | None = None) -> Row:
     """One table row; ``mp`` None: a module the plan never quantizes (an MoE router), BF16 in every GEMM."""
     cells = "".join(f"{mp.gemms[g].execution if mp else Execution.BF16:<10}" for g in Gemm)
-    return layers, module, f"{cells}{reason or (mp.bf16_reason if mp else '') or ''}".rstrip()
+    return layers, module, f"{cells}{reason or (mp.bf16_reason or mp.override if mp else '') or ''}".rstrip()
+
+
+def _kind(m: ModulePlan) -> tuple:
+    """What a row says of a module: its GEMMs, why BF16, its modules: override."""
+    return m.summary(), m.bf16_reason, m.override
 
 
 def _layer_groups(final: StepPlan) -> tuple[list[tuple[list[int], list[ModulePlan]]], list[ModulePlan]]:
@@ -48,7 +53,7 @@ def _layer_groups(final: StepPlan) -> tuple[list[tuple[list[int], list[ModulePla
         (by_layer.setdefault(mp.layer, []) if mp.layer is not None else others).append(mp)
 
     def signature(mps: list[ModulePlan]):
-        return tuple((m.name.split(f"layers.{m.layer}.", 1)[-1], m.summary(), m.bf16_reason) for m in mps)
+        return tuple((m.name.split(f"layers.{m.layer}.", 1)[-1], *_kind(m)) for m in mps)
 
     groups: list[tuple[list[int], list[ModulePlan]]] = []
     for layer in sorted(by_layer):
@@ -67,7 +72,7 @@ def _gemm_table(plan: PrecisionPlan, final: StepPlan) -> list[str]:
     routers = set(plan.layout.routers)
     rows: list[Row] = []
     for layers, mps in groups:
-        if len({(m.summary(), m.bf16_reason) for m in mps}) == 1:
+        if len({_kind(m) for m in mps}) == 1:
             rows.append(_row(_ranges(layers), "(all linears)", mps[0]))
         else:
             rows += _module_rows(_ranges(layers), mps)
@@ -77,7 +82,8 @@ def _gemm_table(plan: PrecisionPlan, final: StepPlan) -> list[str]:
     width = max(28, *(len(module) for _, module, _ in rows))  # (28: every dense model's names fit)
     lines = ["", "GEMMs with every role on (fprop = activations x weights, dgrad = gradients x weights, "
                  "wgrad = gradients x activations)",
-             f"  {'layers':<8} {'module':<{width}} " + "".join(f"{g!s:<10}" for g in Gemm) + "why BF16"]
+             f"  {'layers':<8} {'module':<{width}} " + "".join(f"{g!s:<10}" for g in Gemm) + "why BF16"
+             + (" / own policies (modules:)" if plan.recipe.modules else "")]
     lines += [f"  {layers:<8} {module:<{width}} {rest}".rstrip() for layers, module, rest in rows]
     if routers:
         moe = sorted({ModelLayout.layer_of(n) for n in routers})
@@ -95,7 +101,7 @@ def _module_rows(layers: str, mps: list[ModulePlan]) -> list[Row]:
         if e is None:
             lines.append(_row(layers, m.name.split(f"layers.{m.layer}.", 1)[-1], m))
         else:
-            by_fc = experts.setdefault((m.summary(), m.bf16_reason), ({}, m))[0]
+            by_fc = experts.setdefault(_kind(m), ({}, m))[0]
             by_fc.setdefault(m.name.rsplit(".", 1)[-1], []).append(e)
     for by_fc, m in experts.values():
         if len(by_fc) == 2 and len(set(map(tuple, by_fc.values()))) == 1:
@@ -210,6 +216,8 @@ def format_plan(plan: PrecisionPlan, max_steps: int | None = None, parallel: Par
         lines += _pipeline_lines(plan, parallel, final)
     for pat in plan.unmatched_patterns:
         lines.append(f"warning: layers.bf16_modules pattern '{pat}' matches no module of this model")
+    for pat in plan.unmatched_module_patterns:
+        lines.append(f"warning: modules pattern '{pat}' matches no module of this model: its policies do nothing")
     if r.is_fp8 and not final.attention and not any(m.any_fp8 for m in final.modules.values()):
         rules = r.layers
         lines.append(f"warning: no GEMM of this model runs FP8, every linear layer stays BF16 (why BF16 above: "

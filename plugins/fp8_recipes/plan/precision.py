@@ -29,7 +29,9 @@ from functools import cached_property
 from fp8_recipes.plan.te import (
     Substitution, TERecipe, TEResolution, resolve_te, te_attention, te_recipe_for, te_stage_note,
 )
-from fp8_recipes.recipe.schema import ROLES, Attention, Backend, Recipe, RecipeError, Role, Scaling, TensorPolicy
+from fp8_recipes.recipe.schema import (
+    ROLES, Attention, Backend, ModulePolicies, Recipe, RecipeError, Role, Scaling, TensorPolicy,
+)
 
 __all__ = [
     "Execution", "Gemm", "GemmPlan", "Hardware", "ModelLayout", "ModulePlan", "MoEShape", "ParallelLayout",
@@ -262,6 +264,8 @@ class ModulePlan:
     gemms: dict[Gemm, GemmPlan] = field(default_factory=dict)
     te: TERecipe | None = None
     """Transformer Engine backend: the TE recipe this module runs under at this step (None: BF16)."""
+    override: str | None = None
+    """The recipe's ``modules:`` pattern whose policies this module runs, and what it changes, else None."""
 
     @property
     def any_fp8(self) -> bool:
@@ -311,6 +315,11 @@ class PrecisionPlan:
             return Backend.TE, "no FP8 role: every GEMM runs BF16 in Transformer Engine's layers"
         if want is Backend.EMULATED:
             return Backend.EMULATED, "requested"
+        if self.recipe.modules:  # one TE recipe per layer today: per-module policies are the emulated backend's
+            if want is Backend.TE:
+                raise RecipeError(["modules: per-module policies run on the emulated backend only so far (the TE "
+                                   "backend runs one TE recipe per layer); set backend: emulated (or auto)"])
+            return Backend.EMULATED, "auto: per-module policies (modules:) run on the emulated backend only so far"
         if want is Backend.TE and not te_ready:
             raise RecipeError([f"backend: 'te' needs a CUDA GPU with FP8 (sm_89+) and Transformer Engine; this "
                                f"machine has {hw.describe()}; set backend: emulated (or auto)"])
@@ -430,6 +439,12 @@ class PrecisionPlan:
         return tuple(p for p in self.recipe.layers.bf16_modules
                      if not any(fnmatch.fnmatchcase(n, p) for n in self.layout.module_names))
 
+    @cached_property
+    def unmatched_module_patterns(self) -> tuple[str, ...]:
+        """``modules:`` patterns that match no module of this model (usually a typo)."""
+        return tuple(m.pattern for m in self.recipe.modules
+                     if not any(fnmatch.fnmatchcase(n, m.pattern) for n in self.layout.module_names))
+
     def roles_fp8_at(self, step: int) -> frozenset[Role]:
         sched = self.recipe.schedule
         return frozenset(r for r in ROLES if self.recipe.policy(r).is_fp8 and step >= sched.role_start(r))
@@ -461,13 +476,25 @@ class PrecisionPlan:
             return dataclasses.replace(cached, step=step, stage=self.stage_label(roles, step))
         return cached
 
+    def module_override(self, name: str) -> ModulePolicies | None:
+        """The recipe's first ``modules:`` entry whose pattern matches ``name``, else None."""
+        return next((m for m in self.recipe.modules if fnmatch.fnmatchcase(name, m.pattern)), None)
+
+    def module_policy(self, name: str, role: Role) -> TensorPolicy:
+        """The policy ``role`` runs under in module ``name``: its ``modules:`` override's, else the recipe's."""
+        override = self.module_override(name)
+        return (override.policy(role) if override else None) or self.recipe.policy(role)
+
     def _module_plan(self, name: str, roles: frozenset[Role]) -> ModulePlan:
         reason = self.bf16_reason(name)
+        override = self.module_override(name)
         gemms = {}
         for gemm, (a, b) in GEMM_OPERANDS.items():
-            ops = tuple((r, self.recipe.policy(r) if (reason is None and r in roles) else None) for r in (a, b))
+            ops = tuple((r, p if reason is None and r in roles and (p := self.module_policy(name, r)).is_fp8 else None)
+                        for r in (a, b))
             gemms[gemm] = GemmPlan(gemm, self._execution(ops), ops)
-        return ModulePlan(name, self.layout.layer_of(name), reason, gemms)
+        note = f"modules '{override.pattern}': {override.describe()}" if override and reason is None else None
+        return ModulePlan(name, self.layout.layer_of(name), reason, gemms, override=note)
 
     def _te_module_plan(self, name: str, roles: frozenset[Role], te: TERecipe | None) -> ModulePlan:
         """A module on the TE backend: the stage's TE recipe unless the module is kept BF16 (the LM head runs it

@@ -22,8 +22,8 @@ from typing import Any
 from fp8_recipes.checks import ConfigError, KeyReader, fmt
 
 __all__ = [
-    "AmaxAlgo", "AmaxReduction", "Attention", "Backend", "Format", "LayerRules", "MxRounding", "Recipe", "RecipeError",
-    "Role", "Scaling", "Schedule", "TensorPolicy", "default_policy",
+    "AmaxAlgo", "AmaxReduction", "Attention", "Backend", "Format", "LayerRules", "ModulePolicies", "MxRounding", "Recipe",
+    "RecipeError", "Role", "Scaling", "Schedule", "TensorPolicy", "default_policy",
 ]
 
 
@@ -231,6 +231,24 @@ class LayerRules:
 
 
 @dataclass(frozen=True)
+class ModulePolicies:
+    """``modules: {PATTERN: {ROLE: policy}}``: the modules whose names match the fnmatch ``pattern`` run the given
+    roles under these policies instead of the recipe's (the other roles as the recipe says); the first matching
+    pattern wins. A role may become BF16 there (``scaling: none``) or change its scaling, but not turn FP8 where
+    the recipe keeps it BF16 (its schedule is the recipe's)."""
+
+    pattern: str
+    policies: tuple[tuple[Role, TensorPolicy], ...]
+
+    def policy(self, role: Role) -> TensorPolicy | None:
+        return next((p for r, p in self.policies if r is role), None)
+
+    def describe(self) -> str:
+        """``gradients tensorwise e5m2, activations delayed e4m3 hist 16 max``."""
+        return ", ".join(f"{r} {p.describe()}" for r, p in self.policies)
+
+
+@dataclass(frozen=True)
 class Recipe:
     name: str = "bf16"
     description: str = ""
@@ -253,6 +271,8 @@ class Recipe:
     linear weight is a Transformer Engine FP8 tensor quantized once per optimizer step from the fp32 main params, not
     a BF16 copy quantized at every forward (less memory). BF16 layers (bf16_first/bf16_last/bf16_modules), the LM
     head and the embeddings keep BF16 weights. TE backend only; the weights are FP8 from step 0 (no BF16 stage)."""
+    modules: tuple[ModulePolicies, ...] = ()
+    """Per-module policy overrides (:class:`ModulePolicies`), in the recipe's order; the emulated backend runs them."""
 
     def policy(self, role: Role | str) -> TensorPolicy:
         return getattr(self, str(role))
@@ -282,6 +302,7 @@ class Recipe:
             "amax_reduction": str(self.amax_reduction),
             "attention": str(self.attention),
             "fp8_param": self.fp8_param,
+            "modules": {m.pattern: {str(r): p.to_dict() for r, p in m.policies} for m in self.modules},
         }
 
     @classmethod
@@ -419,6 +440,37 @@ class _RecipeReader(KeyReader):
             fp8_output_layer=self.boolean("layers.fp8_output_layer", given("fp8_output_layer"), d.fp8_output_layer),
         )
 
+    def modules(self, value: Any, policies: Mapping[str, TensorPolicy]) -> tuple[ModulePolicies, ...]:
+        """``modules: {PATTERN: {ROLE: policy}}``, each role read as a recipe's role is (its defaults, its rules)."""
+        if value is None:
+            return ()
+        if not isinstance(value, Mapping):
+            self.bad("modules", f"{fmt(value)} is not a mapping of module patterns to role policies (e.g. "
+                                f"{{'*experts*': {{gradients: {{scaling: tensorwise}}}}}})")
+            return ()
+        out = []
+        for pattern, roles in value.items():
+            key = f"modules.{pattern}"
+            if not isinstance(pattern, str) or not pattern.strip():
+                self.bad("modules", f"{fmt(pattern)} is not a glob pattern string")
+                continue
+            raw = self.mapping(key, roles, {str(r) for r in ROLES})
+            if not raw and isinstance(roles, Mapping):
+                self.bad(key, "gives no role; give weights, activations or gradients a policy, or remove it")
+            read = []
+            for role in ROLES:
+                if str(role) not in raw:
+                    continue
+                policy = self.policy(f"{key}.{role}", role, raw[str(role)])
+                if policy.is_fp8 and not policies[str(role)].is_fp8:
+                    self.bad(f"{key}.{role}", f"{policy.scaling} where the recipe keeps {role} BF16 ({role}.scaling: "
+                                              f"none): a module may keep a role BF16 or scale it otherwise, not turn "
+                                              f"it FP8 alone; give {role} a scaling and keep the other modules BF16 "
+                                              f"with another pattern ({role}: none)")
+                read.append((role, policy))
+            out.append(ModulePolicies(pattern, tuple(read)))
+        return tuple(out)
+
     def read(self, data: Mapping[str, Any] | None) -> Recipe:
         if data is None:
             data = {}
@@ -453,6 +505,7 @@ class _RecipeReader(KeyReader):
             amax_reduction=self.enum("amax_reduction", given("amax_reduction"), AmaxReduction, d.amax_reduction),
             attention=self.enum("attention", given("attention"), Attention, d.attention),
             fp8_param=self.boolean("fp8_param", given("fp8_param"), d.fp8_param),
+            modules=self.modules(raw.get("modules"), policies),
             **policies,
         )
         self.cross_checks(recipe)
