@@ -7,6 +7,7 @@
       recipe.yaml             the resolved recipe the run trained with
       metrics.jsonl           one JSON object per row: ``{"kind": "train" | "eval", "step": N, ...}``
       numerics.jsonl          statistics (debug.interval); a pipelined run adds numerics.stageN.jsonl per stage
+      routing.jsonl           an MoE model's tokens per expert per step and layer (observe/routing.py)
       tb/                     TensorBoard
       summary.json            the run's results (written atomically, at the end and on a stop)
       loss.png                train and validation loss
@@ -73,6 +74,7 @@ PLAN = "plan.txt"
 RECIPE = "recipe.yaml"
 METRICS = "metrics.jsonl"
 NUMERICS = "numerics.jsonl"
+ROUTING = "routing.jsonl"
 TENSORBOARD = "tb"
 SUMMARY = "summary.json"
 LOSS_PLOT = "loss.png"
@@ -379,10 +381,10 @@ def held_by_another(run_dir: str | os.PathLike, env: Mapping[str, str] | None = 
 
 
 def drop_rows_after(run_dir: str | os.PathLike, step: int) -> int:
-    """Before a resumed run continues from ``step``: drop the metrics and numerics rows past it (written after the
+    """Before a resumed run continues from ``step``: drop the metrics, routing and numerics rows past it (written after the
     checkpoint by a run killed later), each file rewritten atomically; the number of rows dropped."""
     dropped = 0
-    for path in [Path(run_dir) / METRICS, *numerics_files(run_dir)]:
+    for path in [Path(run_dir) / METRICS, Path(run_dir) / ROUTING, *numerics_files(run_dir)]:
         if not path.is_file():
             continue
         lines = path.read_text(encoding="utf-8").splitlines(keepends=True)

@@ -22,7 +22,7 @@ from fp8_recipes.plan.format import format_plan
 from fp8_recipes.plan.precision import PrecisionPlan
 from fp8_recipes.recipe.pack import load_recipe
 from fp8_recipes.recipe.schema import Role
-from fp8_recipes.rundir import read_metrics
+from fp8_recipes.rundir import read_jsonl, read_metrics
 from test_emulated_backend import forward_backward, identical
 from test_train_cpu import ROOT, assert_learns, dataset, small_run  # noqa: F401  (the shared dataset fixture)
 
@@ -102,6 +102,11 @@ def test_train_script_trains_tiny_moe_with_hybrid(dataset, tmp_path):  # noqa: F
     assert "  0        mlp.router" in plan and "MoE: 4 routed experts in layers 0;" in plan
     assert "  1        (all linears)" in plan  # the dense layer
     assert_learns([r["loss"] for r in read_metrics(tmp_path, "train")])
+    rows = read_jsonl(tmp_path / "routing.jsonl")  # the MoE layer's tokens per expert, every step
+    assert [(r["step"], r["layer"]) for r in rows] == [(s, 0) for s in range(1, 9)]
+    for r in rows:  # micro-batch 4 x 128 tokens, each routed to 2 experts
+        assert len(r["tokens"]) == 4 and sum(r["tokens"]) == 4 * 128 * 2, r
+        assert r["imbalance"] == max(r["tokens"]) / (sum(r["tokens"]) / 4) and r["idle"] == r["tokens"].count(0)
 
 
 def test_module_policies_give_the_experts_their_own_delayed_history(megatron_cpu):

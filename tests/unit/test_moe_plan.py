@@ -215,3 +215,13 @@ def test_moe_presets():
                                                              "blockwise e4m3 1x128 pow2"]
     plan = PrecisionPlan(blockwise, layout_of(MOE)).at(0)
     assert plan.modules["output_layer"].bf16_reason and not plan.attention
+
+
+def test_routing_rows_say_the_imbalance_and_the_idle_experts():
+    from fp8_recipes.observe.routing import routing_row
+
+    assert routing_row(3, 1, [4, 4, 4, 4]) == {"step": 3, "layer": 1, "tokens": [4, 4, 4, 4], "imbalance": 1.0,
+                                                "idle": 0}
+    row = routing_row(3, 1, [10, 6, 0, 0])
+    assert row["imbalance"] == 2.5 and row["idle"] == 2
+    assert routing_row(1, 0, [0, 0])["imbalance"] == 0.0  # (no token at all: nothing to balance)

@@ -102,6 +102,20 @@ def _observe(precision, debug, run_dir: Path, rank: int, backend, sequence_paral
     return ObservedPrecision(precision, recorder), recorder
 
 
+def _route(precision, chunks, run_dir: Path):
+    """An MoE model's routing statistics (observe/routing.py), written by the first data-, tensor- and
+    context-parallel rank of each pipeline stage: (precision to train with, recorder or None)."""
+    from megatron.core import parallel_state as ps
+
+    from fp8_recipes.megatron.model import transformer_layers  # torch and Megatron-Core (module docstring)
+    from fp8_recipes.observe.routing import RoutedPrecision, RoutingRecorder
+
+    first = (ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
+             and ps.get_context_parallel_rank() == 0)
+    routing = RoutingRecorder.attach(transformer_layers(chunks), run_dir, write=first)
+    return (precision, None) if routing is None else (RoutedPrecision(precision, routing), routing)
+
+
 @contextlib.contextmanager
 def _recipe_keys():
     """Recipe problems name their keys as Hydra's command line does: `recipe.<key>`."""
@@ -641,6 +655,7 @@ def _train(run: _Run, engine, plan, precision, data: _RunData, on_ready: Callabl
     recipe = run.recipe
     precision, recorder = _observe(precision, run.debug, run.run_dir, run.rank, plan.backend,
                                    run.tcfg.sequence_parallel)
+    precision, routing = _route(precision, engine.chunks, run.run_dir)
     failed = True
     try:
         summary = train(engine, data.train_iters, data.valid_iter, run.trainer, precision, run.run_dir, rank=run.rank,
@@ -656,6 +671,8 @@ def _train(run: _Run, engine, plan, precision, data: _RunData, on_ready: Callabl
     finally:
         if recorder is not None:  # the last step's rows and the heat map, also after a failed step (then
             recorder.close(merge=not failed)  # unmerged: a rank that failed alone must not wait on its peers)
+        if routing is not None:
+            routing.close()
     summary["rank"] = run.rank
     if recorder is not None:
         summary["numerics_s"] = recorder.seconds  # time spent on statistics and dumps (bench_stats.py)
