@@ -32,7 +32,7 @@ stamp() { echo "[$(( $(date +%s) - start ))s] $*"; }
 case "${1:-all}" in
 engine)
   stamp "GPU tests on the engine" | tee "$OUT/tests.log"
-  timeout -s INT 300 "$PY" -m pytest tests/gpu/test_te_training.py tests/gpu/test_te_observe.py \
+  timeout -s INT 300 "$PY" -m pytest tests/gpu/test_te_training.py tests/gpu/test_te_observe.py tests/gpu/test_te_grouped.py \
       tests/gpu/test_integrations_gpu.py tests/gpu/test_te_numerics.py tests/gpu/test_te_shapes.py -q \
       -p no:cacheprovider -o addopts="" -rfEs 2>&1 | tee -a "$OUT/tests.log"
   stamp "scripts/train.py +recipe=safe model=llama3_8b_8l trainer=gpu (distributed optimizer, overlaps on)" \

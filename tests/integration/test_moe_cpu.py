@@ -87,6 +87,14 @@ def test_an_expert_without_tokens_runs_every_scaling(megatron_cpu, recipe):
     y.sum().backward()
     assert y.shape == (0, 512) and x.grad.shape == (0, 128)
     assert fc1.weight.grad is not None and not fc1.weight.grad.any()
+    if recipe == "delayed":  # TE's GroupedLinear neither records nor rolls an empty split (test_te_grouped.py)
+        scalers = precision.states["decoder.layers.1.mlp.experts.local_experts.2.linear_fc1"].scalers
+        before = {r: (s.history.clone(), s.scale.clone()) for r, s in scalers.items()}
+        precision.after_optimizer_step(10**6)
+        for role in (Role.ACTIVATIONS, Role.GRADIENTS):
+            assert torch.equal(scalers[role].history, before[role][0]) and torch.equal(scalers[role].scale,
+                                                                                      before[role][1]), role
+        assert scalers[Role.WEIGHTS].history[-1] > 0  # the weight was quantized: recorded, then rolled
 
 
 def test_train_script_trains_tiny_moe_with_hybrid(dataset, tmp_path):  # noqa: F811

@@ -251,9 +251,11 @@ class EmulatedPrecision:
 
     def after_optimizer_step(self, step: int) -> None:
         # (every rank of the reduction group holds the same modules: the same all-reduces in the same order)
+        # An expert that got no token this step keeps its history and scale, as TE's GroupedLinear does on one GPU;
+        # with an amax reduction every rank updates (the same collectives on every rank of the group)
         for state in self._all_states():
             for scaler in state.scalers.values():
-                scaler.update(self._reduce)
+                scaler.update(self._reduce, skip_unobserved=self._reduce is None)
 
     def skip_step(self, step: int) -> None:
         # The skipped step's amaxes (slot 0, maybe inf/NaN) never reach a scale: torch.maximum would keep a NaN
@@ -261,6 +263,7 @@ class EmulatedPrecision:
         for state in self._all_states():
             for scaler in state.scalers.values():
                 scaler.history[0] = 0.0
+                scaler.observed = False
 
     def scales(self) -> dict[str, dict[str, float]]:
         """The current delayed scales per module and role (for logging and the multi-rank checks)."""

@@ -151,7 +151,7 @@ def quantize(
         if policy.scaling is Scaling.DELAYED:
             if scaler is None:
                 raise ValueError("quantize: scaling 'delayed' needs its DelayedScaler state (scaler=...)")
-            if record_amax:
+            if record_amax and x.numel():  # an expert the router gave no token records nothing (TE's GroupedLinear)
                 scaler.observe(amax.reshape(()))
             scale = scaler.scale.to(hp_x.device).reshape(1, 1)
         else:

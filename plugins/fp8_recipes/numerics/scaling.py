@@ -133,16 +133,21 @@ class DelayedScaler:
     Follows TE's DelayedScaling: a quantization uses ``scale`` (from earlier steps) and records its amax in
     ``history[0]``; :meth:`update` (after the step) reduces that slot over the group, takes the history's max /
     most recent / percentile, sets ``scale = fp8_max / amax / 2^margin`` (unchanged when amax is 0 or not
-    finite), then rolls the history and clears slot 0.
+    finite), then rolls the history and clears slot 0. A step that quantized nothing with it (an MoE expert the
+    router gave no token, in every micro-batch) leaves history and scale as they were: TE 2.20.2's GroupedLinear
+    neither records nor rolls an empty split's amax (measured on an H200, tests/gpu/test_te_grouped.py).
     """
 
     def __init__(self, policy: TensorPolicy, device: torch.device | str = "cpu"):
         self.policy = policy
         self.history = torch.zeros(policy.amax_history_len, dtype=torch.float32, device=device)
         self.scale = torch.ones((), dtype=torch.float32, device=device)
+        self.observed = False
+        """Whether a quantization recorded an amax since the last update."""
 
     def observe(self, amax: torch.Tensor) -> None:
         self.history[0] = torch.maximum(self.history[0], amax.detach().float().to(self.history.device))
+        self.observed = True
 
     def history_amax(self) -> torch.Tensor:
         algo = self.policy.amax_compute_algo
@@ -152,7 +157,12 @@ class DelayedScaler:
             return history_percentile(self.history, self.policy.percentile)
         return self.history.max()
 
-    def update(self, reduce: AmaxReduce | None = None) -> None:
+    def update(self, reduce: AmaxReduce | None = None, *, skip_unobserved: bool = False) -> None:
+        """``skip_unobserved``: keep history and scale when nothing was observed since the last update (an expert
+        without tokens, on one GPU as measured). Off where amaxes are all-reduced: every rank must update."""
+        if skip_unobserved and not self.observed:
+            return
+        self.observed = False
         if reduce is not None:
             self.history[0] = reduce(self.history[0].clone())
         amax = self.history_amax()
