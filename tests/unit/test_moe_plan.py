@@ -3,6 +3,8 @@ plan's per-expert rows and bf16_modules patterns on experts, and the printed tab
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from fp8_recipes.checks import ConfigError
@@ -225,3 +227,17 @@ def test_routing_rows_say_the_imbalance_and_the_idle_experts():
     row = routing_row(3, 1, [10, 6, 0, 0])
     assert row["imbalance"] == 2.5 and row["idle"] == 2
     assert routing_row(1, 0, [0, 0])["imbalance"] == 0.0  # (no token at all: nothing to balance)
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "conf" / "model")
+                                        .glob("*.yaml")))
+def test_every_shipped_model_passes_the_checks(name):
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.to_container(OmegaConf.load(Path(__file__).resolve().parents[2] / "conf" / "model" /
+                                                f"{name}.yaml"), resolve=False)
+    if not isinstance(cfg.get("vocab_size"), int):
+        cfg["vocab_size"] = 4096  # (from the data group: ${data.vocab_size})
+    check_model_cfg(cfg, tensor_parallel=2 if name not in ("tiny",) else 1)
+    layout = layout_of(cfg)
+    assert layout.num_layers == cfg["num_layers"] and bool(layout.routers) == (cfg.get("num_moe_experts") is not None)
