@@ -47,6 +47,8 @@ def outcomes(request, tmp_path_factory, dataset):  # noqa: F811
     """{case id: (returncode, stdout, stderr, run_dir)} for the selected cases (-k), run 4 at a time."""
     tmp = tmp_path_factory.mktemp("bad_input")
     (tmp / "empty.yaml").write_text("# a recipe of comments only\n")
+    (tmp / "badmodules.yaml").write_text('defaults: [delayed, _self_]\nname: m\nmodules:\n  "*.experts.*":\n'
+                                         '    grads: {scaling: tensorwise}\n')
     group = tmp / "group" / "recipe"  # a user's own recipe group: hydra.searchpath=[file://{tmp}/group]
     group.mkdir(parents=True)
     for name, raw in SEARCH_PATH_RECIPES.items():

@@ -455,7 +455,7 @@ class _RecipeReader(KeyReader):
                 self.bad("modules", f"{fmt(pattern)} is not a glob pattern string")
                 continue
             raw = self.mapping(key, roles, {str(r) for r in ROLES})
-            if not raw and isinstance(roles, Mapping):
+            if isinstance(roles, Mapping) and not roles:  # (unknown role keys are reported by mapping() above)
                 self.bad(key, "gives no role; give weights, activations or gradients a policy, or remove it")
             read = []
             for role in ROLES:
