@@ -241,3 +241,19 @@ def test_every_shipped_model_passes_the_checks(name):
     check_model_cfg(cfg, tensor_parallel=2 if name not in ("tiny",) else 1)
     layout = layout_of(cfg)
     assert layout.num_layers == cfg["num_layers"] and bool(layout.routers) == (cfg.get("num_moe_experts") is not None)
+
+
+def test_a_slurm_gpu_job_of_an_moe_model_is_refused_on_the_submitting_host():
+    from hydra import compose, initialize_config_dir
+
+    from fp8_recipes.launch.job import check_train_config
+    from fp8_recipes.recipe.pack import conf_dir
+
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        job = compose("train", overrides=["model=mixtral_8x7b_4l", "+recipe=delayed", "trainer=gpu"])
+        emulated = compose("train", overrides=["model=mixtral_8x7b_4l", "+recipe=delayed", "trainer=gpu",
+                                               "+recipe.backend=emulated"])
+    with pytest.raises(ConfigError, match=r"^model\.num_moe_experts=8: Mixture-of-Experts models run on the "
+                                          r"emulated backend only so far"):
+        check_train_config(job, world_size=1)
+    check_train_config(emulated, world_size=1)

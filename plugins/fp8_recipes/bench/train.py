@@ -37,7 +37,8 @@ import torch
 from fp8_recipes.bench.output import bar_chart, markdown_table, save_json
 from fp8_recipes.bench.profile import format_profile, profile_steps
 from fp8_recipes.integrations.common import named_recipe_gaps, te_recipe_fields
-from fp8_recipes.plan.precision import Hardware, ModelLayout, PrecisionPlan
+from fp8_recipes.megatron.model_config import layout_of
+from fp8_recipes.plan.precision import Hardware, PrecisionPlan
 from fp8_recipes.recipe.pack import conf_dir, load_recipe, recipe_names
 from fp8_recipes.recipe.schema import ROLES, Recipe
 
@@ -139,7 +140,7 @@ def _decide(model_cfg: dict, label: str) -> _BenchConfig:
         run.skipped = (f"Megatron-Core has no FP8 LM head on this GPU; {name}+{'+'.join(levers)} is compared with "
                        f"{name}:raw")
         return run
-    run.plan = plan = PrecisionPlan(recipe, ModelLayout.gpt(int(model_cfg["num_layers"])), Hardware.detect())
+    run.plan = plan = PrecisionPlan(recipe, layout_of(model_cfg), Hardware.detect())
     if plan.te is None:
         run.skipped = f"no TE plan ({plan.backend_reason})"
         return run

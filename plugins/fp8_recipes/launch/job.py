@@ -18,7 +18,8 @@ import re
 from pathlib import Path
 from typing import Any, Iterable
 
-from fp8_recipes.plan.precision import Hardware, ModelLayout, PrecisionPlan
+from fp8_recipes.megatron.model_config import layout_of
+from fp8_recipes.plan.precision import Hardware, PrecisionPlan
 from fp8_recipes.recipe.schema import RecipeError
 from fp8_recipes.training.config import check_run_config
 from fp8_recipes.training.run import check_plan, resolve_recipe  # (run.py imports torch only inside its functions)
@@ -70,7 +71,7 @@ def check_train_config(cfg: Any, world_size: int | None = None) -> None:
     if trainer.device != "gpu":
         return
     try:
-        plan = PrecisionPlan(recipe, ModelLayout.gpt(int(plain.model.num_layers)), Hardware.target(JOB_GPU))
+        plan = PrecisionPlan(recipe, layout_of(plain.model), Hardware.target(JOB_GPU))
     except RecipeError:
         return  # scripts/train.py decides on the job's GPU, in one line
     check_plan(trainer, plain.model, plan)

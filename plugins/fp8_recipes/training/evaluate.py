@@ -28,8 +28,8 @@ from typing import Any
 
 from fp8_recipes.launcher import launch_world_size
 from fp8_recipes.megatron.data import batches
-from fp8_recipes.megatron.model_config import run_model_cfg
-from fp8_recipes.plan.precision import Hardware, ModelLayout, PrecisionPlan
+from fp8_recipes.megatron.model_config import layout_of, run_model_cfg
+from fp8_recipes.plan.precision import Hardware, PrecisionPlan
 from fp8_recipes.recipe.pack import load_recipe
 from fp8_recipes.rundir import RECIPE, load_run_config, read_recipe
 from fp8_recipes.recipe.schema import ROLES, Backend
@@ -129,7 +129,7 @@ def _evaluate(cfg: Any, recipe: Any, step_dir: Path, eval_iters: int, train_dp: 
 
     quiet_third_party_logs()
     hardware = Hardware.detect()
-    first_plan = PrecisionPlan(recipe, ModelLayout.gpt(int(cfg.model.num_layers)), hardware)  # refuses early
+    first_plan = PrecisionPlan(recipe, layout_of(cfg.model), hardware)  # refuses early
     # One stage, whole sequences: the checkpoint is resharded on load when it was written at another tensor or
     # pipeline layout (training/checkpoint.py), as a resume at another layout is. The run's TP when launched with
     # processes for it (torchrun), else 1.

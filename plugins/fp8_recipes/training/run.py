@@ -368,6 +368,7 @@ def check_plan(trainer, model, plan) -> str | None:
     which FP8 GPU runs it, so the Slurm launchers run them too, on the submitting host, for a GPU job
     (launch/job.py). Raises the one-line error; returns the shape warning of the emulated backend, or None."""
     check_engine_backend(trainer, plan.backend)
+    check_moe_backend(model, plan)
     check_sequence_parallel_amax(trainer, plan)
     check_recompute(trainer, plan)
     return check_fp8_shapes(trainer, model, plan)
@@ -491,7 +492,6 @@ def _checked_run(cfg) -> _Run:
         with _recipe_keys():
             first_plan = PrecisionPlan(recipe, layout_of(cfg.model), hardware)
         check_fp8_param(tcfg, first_plan)
-        check_moe_backend(cfg.model, first_plan)
         shape_warning = check_plan(tcfg, cfg.model, first_plan)
     return _Run(cfg, tcfg, recipe, debug, hardware, first_plan, shape_warning)
 
