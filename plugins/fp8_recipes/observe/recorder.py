@@ -352,9 +352,10 @@ class NumericsRecorder:
 
 
 class ObservedPrecision:
-    """A precision controller that also tells a recorder each step begins: everything else is the wrapped one."""
+    """A precision controller that also tells a recorder each step begins: everything else is the wrapped one. The
+    recorder is anything with ``begin_step(step)``: the numerics recorder, or observe/routing.py's."""
 
-    def __init__(self, inner, recorder: NumericsRecorder):
+    def __init__(self, inner, recorder: NumericsRecorder | Any):
         self._inner = inner
         self.recorder = recorder
         self.full_precision_eval_interval = inner.full_precision_eval_interval

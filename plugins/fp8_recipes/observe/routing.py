@@ -1,7 +1,7 @@
 """Routing statistics of a Mixture-of-Experts model: the tokens each expert receives per step, and the imbalance.
 
     routing = RoutingRecorder.attach(transformer_layers(chunks), run_dir, write=rank_writes)  # None: a dense model
-    precision = RoutedPrecision(precision, routing)                        # tells it each step; the loop is unchanged
+    precision = ObservedPrecision(precision, routing)  # observe/recorder.py's: tells it each step begins
     ... train ...
     routing.close()
 
@@ -18,7 +18,6 @@ tensor per MoE layer and micro-batch, copied to the host once per step.
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ import torch
 
 from fp8_recipes.rundir import ROUTING, jsonable
 
-__all__ = ["RoutedPrecision", "RoutingRecorder", "routing_row"]
+__all__ = ["RoutingRecorder", "routing_row"]
 
 
 def routing_row(step: int, layer: int, tokens: list[int]) -> dict[str, Any]:
@@ -45,7 +44,6 @@ class RoutingRecorder:
         self._counts: dict[int, torch.Tensor] = {}
         self._step: int | None = None
         self._hooks = [moe.experts.register_forward_pre_hook(self._hook(layer, moe)) for layer, moe in layers.items()]
-        self.rows_written = 0
 
     @classmethod
     def attach(cls, layers: dict[int, torch.nn.Module], run_dir: str | Path, *,
@@ -83,7 +81,6 @@ class RoutingRecorder:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "a", encoding="utf-8") as f:  # append: a resumed run continues
                 f.writelines(json.dumps({k: jsonable(v) for k, v in r.items()}) + "\n" for r in rows)
-            self.rows_written += len(rows)
 
     def close(self) -> None:
         self.flush()
@@ -91,18 +88,3 @@ class RoutingRecorder:
             hook.remove()
         self._hooks = []
 
-
-class RoutedPrecision:
-    """A precision controller that also tells the routing recorder where each step starts."""
-
-    def __init__(self, inner, routing: RoutingRecorder):
-        self.inner, self.routing = inner, routing
-
-    def begin_step(self, step: int) -> str:
-        self.routing.begin_step(step)
-        return self.inner.begin_step(step)
-
-    def __getattr__(self, name: str):  # high_precision(), after_optimizer_step(), state_dict(), plan ...
-        if name == "inner":  # not set yet (copy, pickle): no recursion
-            raise AttributeError(name)
-        return getattr(self.inner, name)

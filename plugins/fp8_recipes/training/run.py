@@ -108,12 +108,13 @@ def _route(precision, chunks, run_dir: Path):
     from megatron.core import parallel_state as ps
 
     from fp8_recipes.megatron.model import transformer_layers  # torch and Megatron-Core (module docstring)
-    from fp8_recipes.observe.routing import RoutedPrecision, RoutingRecorder
+    from fp8_recipes.observe.recorder import ObservedPrecision
+    from fp8_recipes.observe.routing import RoutingRecorder
 
     first = (ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
              and ps.get_context_parallel_rank() == 0)
     routing = RoutingRecorder.attach(transformer_layers(chunks), run_dir, write=first)
-    return (precision, None) if routing is None else (RoutedPrecision(precision, routing), routing)
+    return (precision, None) if routing is None else (ObservedPrecision(precision, routing), routing)
 
 
 @contextlib.contextmanager
