@@ -43,7 +43,6 @@ import dataclasses
 import functools
 import logging
 import os
-import re
 from datetime import timedelta
 from typing import Any, Callable, Mapping
 
@@ -52,7 +51,6 @@ import torch
 from fp8_recipes.launcher import launch_env, local_world_size
 from fp8_recipes.megatron.cpu_shim import cuda_as_cpu, install_cpu_shim
 from fp8_recipes.megatron.model_config import MOE_KEYS, VOCAB_MULTIPLE, check_model_cfg, layout_of, pad_vocab_size
-from fp8_recipes.plan.precision import ModelLayout
 
 __all__ = [
     "init_distributed",
@@ -531,12 +529,6 @@ def replace_output_layer_class(model: torch.nn.Module, cls: type) -> torch.nn.Mo
 
 
 _LINEAR_SUFFIXES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")
-_ORDER = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.shared_experts.linear_fc1",
-          "mlp.shared_experts.linear_fc2", "mlp.experts", "mlp.linear_fc1", "mlp.linear_fc2", "output_layer")
-"""A layer's linears in the order they run (ModelLayout.gpt's order): attention, then the MLP, or an MoE layer's
-shared experts and its routed experts (each expert's fc1 and fc2, by global expert number)."""
-
-
 def _global_names(gpt: torch.nn.Module) -> dict[str, str]:
     """Local -> global prefixes for a (pipeline-stage, expert-parallel) GPTModel: ``decoder.layers.<local>.`` ->
     ``decoder.layers.<global>.`` (each TransformerLayer's ``layer_number`` is Megatron-Core's global 1-based number:
@@ -557,15 +549,6 @@ def _global_name(name: str, prefixes: dict[str, str]) -> str:
     return prefixes[best] + name[len(best):] if best is not None else name
 
 
-def _order_key(name: str) -> tuple[int, int, int]:
-    """Where a linear runs within its layer: (the _ORDER kind, the expert, fc1 before fc2)."""
-    tail = re.sub(r"^decoder\.layers\.\d+\.", "", name)
-    expert = ModelLayout.expert_of(name)
-    if expert is not None:
-        return _ORDER.index("mlp.experts"), expert, int(tail.endswith("linear_fc2"))
-    return _ORDER.index(tail), 0, 0
-
-
 def named_linear_modules(model: torch.nn.Module | list[torch.nn.Module]) -> list[tuple[str, torch.nn.Module]]:
     """(name, module) for every GEMM-bearing linear (attention qkv/proj, MLP fc1/fc2, each expert's and shared
     expert's fc1/fc2, LM head), in execution order. An MoE router is not one of them (the plan keeps it BF16).
@@ -582,8 +565,10 @@ def named_linear_modules(model: torch.nn.Module | list[torch.nn.Module]) -> list
     prefixes = _global_names(gpt)
     found = [(_global_name(name, prefixes), mod) for name, mod in gpt.named_modules()
              if name.rsplit(".", 1)[-1] in _LINEAR_SUFFIXES]
-    return sorted(found, key=lambda item: (ModelLayout.layer_of(item[0]) if item[0] != "output_layer" else 1 << 30,
-                                           *_order_key(item[0])))
+    # in the plan's order (ModelLayout.gpt: the order they run); a name the plan lacks sorts last, for the backends'
+    # attach check to name it
+    order = {name: i for i, name in enumerate(model_layout(gpt).module_names)}
+    return sorted(found, key=lambda item: order.get(item[0], len(order)))
 
 
 def transformer_layers(model: torch.nn.Module | list[torch.nn.Module]) -> dict[int, torch.nn.Module]:
