@@ -222,8 +222,8 @@ class EmulatedPrecision:
         # state's amax_reducers stay empty
         reduce = _amax_reducer(plan.recipe.amax_reduction)
         for name, state in states.items():  # (a module's own policies: the recipe's, or its modules: override's)
-            policies = {r: plan.module_policy(name, r) for r in ROLES}
-            state.scalers = {r: DelayedScaler(p) for r, p in policies.items() if p.scaling is Scaling.DELAYED}
+            state.scalers = {r: DelayedScaler(p) for r, p in plan.module_policies(name).items()
+                             if p.scaling is Scaling.DELAYED}
         self._reduce = reduce
 
     def begin_step(self, step: int) -> str:

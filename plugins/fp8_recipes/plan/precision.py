@@ -121,8 +121,9 @@ _EXPERT_RE = re.compile(r"\.experts\.local_experts\.(\d+)\.")
 
 
 ROW_PARALLEL = ("linear_proj", "linear_fc2")
-"""Megatron-Core's row-parallel linears (name suffixes: the attention's projection, every MLP's and expert's fc2) (their weight split by input columns over the TP ranks, and so their input
-by features); linear_qkv, linear_fc1 and the LM head are column-parallel (weight split by output rows)."""
+"""Megatron-Core's row-parallel linears, as name suffixes (the attention's projection, every MLP's and expert's fc2):
+their weight split by input columns over the TP ranks, and so their input by features; linear_qkv, linear_fc1 and
+the LM head are column-parallel (weight split by output rows)."""
 
 
 @dataclass(frozen=True)
@@ -480,18 +481,22 @@ class PrecisionPlan:
         """The recipe's first ``modules:`` entry whose pattern matches ``name``, else None."""
         return next((m for m in self.recipe.modules if fnmatch.fnmatchcase(name, m.pattern)), None)
 
-    def module_policy(self, name: str, role: Role) -> TensorPolicy:
-        """The policy ``role`` runs under in module ``name``: its ``modules:`` override's, else the recipe's."""
+    def module_policies(self, name: str) -> dict[Role, TensorPolicy]:
+        """The policy each role runs under in module ``name``: its ``modules:`` override's, else the recipe's."""
         override = self.module_override(name)
-        return (override.policy(role) if override else None) or self.recipe.policy(role)
+        return {r: (override.policy(r) if override else None) or self.recipe.policy(r) for r in ROLES}
+
+    def module_policy(self, name: str, role: Role) -> TensorPolicy:
+        return self.module_policies(name)[role]
 
     def _module_plan(self, name: str, roles: frozenset[Role]) -> ModulePlan:
         reason = self.bf16_reason(name)
         override = self.module_override(name)
+        policies = self.module_policies(name)
+        on = {r: policies[r] if reason is None and r in roles and policies[r].is_fp8 else None for r in ROLES}
         gemms = {}
         for gemm, (a, b) in GEMM_OPERANDS.items():
-            ops = tuple((r, p if reason is None and r in roles and (p := self.module_policy(name, r)).is_fp8 else None)
-                        for r in (a, b))
+            ops = ((a, on[a]), (b, on[b]))
             gemms[gemm] = GemmPlan(gemm, self._execution(ops), ops)
         note = f"modules '{override.pattern}': {override.describe()}" if override and reason is None else None
         return ModulePlan(name, self.layout.layer_of(name), reason, gemms, override=note)
