@@ -16,9 +16,9 @@ from typing import Any, NamedTuple
 from fp8_recipes.checks import ConfigError, check_keys, choice_error, is_int, is_number
 from fp8_recipes.plan.precision import ModelLayout, MoEShape
 
-__all__ = ["MODEL_CHOICES", "MODEL_MAX", "MODEL_OPTIONAL", "MODEL_REQUIRED", "MOE_KEYS", "VOCAB_MULTIPLE", "LinearShape",
-           "check_model_cfg", "check_model_device", "layout_of", "linear_shapes", "model_notices", "moe_layer_pattern", "pad_vocab_size",
-           "run_model_cfg"]
+__all__ = ["MODEL_CHOICES", "MODEL_MAX", "MODEL_OPTIONAL", "MODEL_REQUIRED", "MOE_KEYS", "VOCAB_MULTIPLE",
+           "LinearShape", "check_model_cfg", "check_model_device", "layout_of", "linear_shapes", "model_notices",
+           "moe_layer_pattern", "pad_vocab_size", "run_model_cfg"]
 
 VOCAB_MULTIPLE = 128  # Megatron's make_vocab_size_divisible_by default; times TP so each shard is aligned
 
@@ -149,7 +149,8 @@ def moe_layer_pattern(cfg: Mapping[str, Any]) -> tuple[int, ...]:
     n, freq = int(cfg["num_layers"]), cfg.get("moe_layer_freq", 1)
     if is_int(freq) and freq >= 1:
         return tuple(i for i in range(n) if i % freq == 0)
-    if isinstance(freq, Sequence) and not isinstance(freq, str) and len(freq) == n and all(is_int(f) and f in (0, 1) for f in freq):
+    listed = isinstance(freq, Sequence) and not isinstance(freq, str)
+    if listed and len(freq) == n and all(is_int(f) and f in (0, 1) for f in freq):
         if not any(freq):
             raise ConfigError("model.moe_layer_freq: every layer is 0 (dense); put a 1 where a layer has experts, "
                              "or set model.num_moe_experts=null")
@@ -215,10 +216,10 @@ class LinearShape(NamedTuple):
 def linear_shapes(cfg: Mapping[str, Any], *, micro_batch: int, tensor_parallel: int = 1, context_parallel: int = 1,
                   sequence_parallel: bool = False) -> dict[str, LinearShape]:
     """What one rank's linear layers multiply, per module (named as the plan's ModelLayout names them, the layer
-    prefix and an expert's number left out). Megatron-Core's layout: column-parallel linear_qkv / linear_fc1 / the LM head split their
-    outputs over the tensor-parallel ranks, row-parallel linear_proj / linear_fc2 their inputs; context parallelism
-    splits the sequence; sequence parallelism hands the column-parallel layers each rank's slice of it (all-gathered
-    inside the layer). A checked config (:func:`check_model_cfg`); its vocabulary may be unset."""
+    prefix and an expert's number left out). Megatron-Core's layout: column-parallel linear_qkv / linear_fc1 / the LM
+    head split their outputs over the tensor-parallel ranks, row-parallel linear_proj / linear_fc2 their inputs;
+    context parallelism splits the sequence; sequence parallelism hands the column-parallel layers each rank's slice
+    of it (all-gathered inside the layer). A checked config (:func:`check_model_cfg`); its vocabulary may be unset."""
     hidden, heads, tp = int(cfg["hidden_size"]), int(cfg["num_attention_heads"]), tensor_parallel
     head_dim, groups = hidden // heads, int(cfg.get("num_query_groups") or heads)
     ffn = int(cfg.get("ffn_hidden_size") or 4 * hidden)

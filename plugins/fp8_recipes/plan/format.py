@@ -2,7 +2,8 @@
 
     print(format_plan(plan, max_steps=1000, parallel=ParallelLayout(pp=2, dp=4)))
 
-One floor above plan/precision.py: the plan decides, this module only prints the decision (plan/precision.py never imports it).
+One floor above plan/precision.py: the plan decides, this module only prints the decision (plan/precision.py never
+imports it).
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ def _gemm_table(plan: PrecisionPlan, final: StepPlan) -> list[str]:
     if routers:
         moe = sorted({ModelLayout.layer_of(n) for n in routers})
         lines.append(f"  MoE: {plan.layout.experts} routed experts in layers {_spans(moe).replace(',', ', ')}; each "
-                     f"expert's GEMMs quantized on their own (a quantizer per expert GEMM); the router's GEMM stays BF16")
+                     f"expert's GEMMs quantized on their own (a quantizer per expert GEMM); the router's GEMM stays "
+                     f"BF16")
     return lines
 
 
