@@ -43,6 +43,7 @@ import dataclasses
 import functools
 import logging
 import os
+import re
 from datetime import timedelta
 from typing import Any, Callable, Mapping
 
@@ -60,6 +61,7 @@ __all__ = [
     "pad_vocab_size",
     "unwrap_model",
     "replace_output_layer_class",
+    "global_name",
     "named_linear_modules",
     "transformer_layers",
     "linear_module_names",
@@ -529,24 +531,23 @@ def replace_output_layer_class(model: torch.nn.Module, cls: type) -> torch.nn.Mo
 
 
 _LINEAR_SUFFIXES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")
-def _global_names(gpt: torch.nn.Module) -> dict[str, str]:
-    """Local -> global prefixes for a (pipeline-stage, expert-parallel) GPTModel: ``decoder.layers.<local>.`` ->
-    ``decoder.layers.<global>.`` (each TransformerLayer's ``layer_number`` is Megatron-Core's global 1-based number:
-    local index + layer offset), and an MoE layer's ``mlp.experts.local_experts.<local>.`` -> ``...<global>.``
-    (MoELayer's ``local_expert_indices``: the experts this expert-parallel rank holds)."""
-    decoder = getattr(gpt, "decoder", None)
-    out = {}
-    for j, layer in enumerate(getattr(decoder, "layers", [])):
-        prefix = f"decoder.layers.{layer.layer_number - 1}."
-        out[f"decoder.layers.{j}."] = prefix
-        for k, e in enumerate(getattr(layer.mlp, "local_expert_indices", ())):
-            out[f"decoder.layers.{j}.mlp.experts.local_experts.{k}."] = f"{prefix}mlp.experts.local_experts.{e}."
-    return out
+_LOCAL_NAME = re.compile(r"decoder\.layers\.(\d+)\.(?:mlp\.experts\.local_experts\.(\d+)\.)?")
 
 
-def _global_name(name: str, prefixes: dict[str, str]) -> str:
-    best = max((p for p in prefixes if name.startswith(p)), key=len, default=None)
-    return prefixes[best] + name[len(best):] if best is not None else name
+def global_name(gpt: torch.nn.Module, name: str) -> str:
+    """A (pipeline-stage, expert-parallel) GPTModel's module or parameter name with global numbers:
+    ``decoder.layers.<local>.`` -> ``decoder.layers.<global>.`` (each TransformerLayer's ``layer_number`` is
+    Megatron-Core's global 1-based number: local index + layer offset), and an MoE layer's
+    ``mlp.experts.local_experts.<local>.`` -> ``...<global>.`` (MoELayer's ``local_expert_indices``: the experts this
+    expert-parallel rank holds)."""
+    m = _LOCAL_NAME.match(name)
+    if m is None:
+        return name
+    layer = gpt.decoder.layers[int(m.group(1))]
+    out = f"decoder.layers.{layer.layer_number - 1}."
+    if m.group(2) is not None:
+        out += f"mlp.experts.local_experts.{layer.mlp.local_expert_indices[int(m.group(2))]}."
+    return out + name[m.end():]
 
 
 def named_linear_modules(model: torch.nn.Module | list[torch.nn.Module]) -> list[tuple[str, torch.nn.Module]]:
@@ -562,8 +563,7 @@ def named_linear_modules(model: torch.nn.Module | list[torch.nn.Module]) -> list
     if isinstance(model, (list, tuple)):
         return [item for chunk in model for item in named_linear_modules(chunk)]
     gpt = unwrap_model(model)
-    prefixes = _global_names(gpt)
-    found = [(_global_name(name, prefixes), mod) for name, mod in gpt.named_modules()
+    found = [(global_name(gpt, name), mod) for name, mod in gpt.named_modules()
              if name.rsplit(".", 1)[-1] in _LINEAR_SUFFIXES]
     # in the plan's order (ModelLayout.gpt: the order they run); a name the plan lacks sorts last, for the backends'
     # attach check to name it

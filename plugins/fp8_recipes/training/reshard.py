@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from fp8_recipes.megatron.cpu_shim import cuda_as_cpu
+from fp8_recipes.megatron.model import global_name
 from fp8_recipes.training.engine import untie_step_tensors
 
 __all__ = [
@@ -157,12 +158,9 @@ def stages_holding(held: Mapping[int, Iterable[tuple[int, str]]], layout: tuple[
 
 
 def live_global_name(model: torch.nn.Module, name: str) -> str:
-    """The canonical global name of ``name`` in a built model chunk (its layers know their global numbers)."""
-    name = canonical_name(name)
-    if name.startswith("decoder.layers."):
-        local, _, rest = name[len("decoder.layers."):].partition(".")
-        return f"decoder.layers.{model.decoder.layers[int(local)].layer_number - 1}.{rest}"
-    return name
+    """The canonical global name of ``name`` in a built model chunk (its layers know their global numbers, an MoE
+    layer its experts')."""
+    return global_name(model, canonical_name(name))
 
 
 # ----------------------------------------------------------------------------------------------------------
