@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import yaml
@@ -62,13 +63,15 @@ def _cmd_validate(args) -> int:
     return 1 if failed else 0
 
 
-def _model_conf(name: str, command: str) -> dict:
-    """conf/model/NAME.yaml as a dict (its interpolations unresolved: the vocabulary comes from the data)."""
+def _model_conf(name: str, command: str, also: Iterable[str] = ()) -> dict:
+    """conf/model/NAME.yaml as a dict (its interpolations unresolved: the vocabulary comes from the data); an unknown
+    name is refused with the choices (``also``: the command's own models first)."""
     from omegaconf import OmegaConf
 
     path = conf_dir() / "model" / f"{name}.yaml"
     if not path.is_file():
-        raise ValueError(f"{command}: {name!r} is not a model ({', '.join(sorted(p.stem for p in path.parent.glob('*.yaml')))})")
+        choices = sorted(also) + sorted(p.stem for p in path.parent.glob("*.yaml"))
+        raise ValueError(f"{command}: {name!r} is not a model ({', '.join(choices)})")
     return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
 
 
@@ -95,10 +98,7 @@ def _cmd_memory(args) -> int:
     if args.model in LLAMA3:
         model = LLAMA3[args.model]
     else:
-        if not (conf_dir() / "model" / f"{args.model}.yaml").is_file():
-            choices = sorted(LLAMA3) + sorted(p.stem for p in (conf_dir() / "model").glob("*.yaml"))
-            raise ValueError(f"memory: {args.model!r} is not a model ({', '.join(choices)})")
-        model = _model_conf(args.model, "memory")
+        model = _model_conf(args.model, "memory", also=LLAMA3)
         if model.get("num_moe_experts") is not None:
             raise ValueError(f"memory: {args.model} is a Mixture-of-Experts model, and the estimator counts dense GPTs "
                              f"only so far (its experts' weights, optimizer state and dispatch buffers are not "

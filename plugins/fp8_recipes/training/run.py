@@ -93,27 +93,29 @@ def _observe(precision, debug, run_dir: Path, rank: int, backend, sequence_paral
         tensor=ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None,
         context=ps.get_context_parallel_group() if ps.get_context_parallel_world_size() > 1 else None,
         sequence_parallel=sequence_parallel)
-    first_of_stage = (ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
-                      and ps.get_context_parallel_rank() == 0)
     pp = ps.get_pipeline_model_parallel_world_size()
-    recorder = NumericsRecorder(debug, run_dir, write=first_of_stage,
+    recorder = NumericsRecorder(debug, run_dir, write=_first_of_stage(),
                                 stage=ps.get_pipeline_model_parallel_rank() if pp > 1 else None, shards=shards)
     recorder.attach(states)
     return ObservedPrecision(precision, recorder), recorder
 
 
+def _first_of_stage() -> bool:
+    """Whether this rank writes its pipeline stage's statistics: the first data-, tensor- and context-parallel one."""
+    from megatron.core import parallel_state as ps
+
+    return (ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_context_parallel_rank() == 0)
+
+
 def _route(precision, chunks, run_dir: Path):
     """An MoE model's routing statistics (observe/routing.py), written by the first data-, tensor- and
     context-parallel rank of each pipeline stage: (precision to train with, recorder or None)."""
-    from megatron.core import parallel_state as ps
-
     from fp8_recipes.megatron.model import transformer_layers  # torch and Megatron-Core (module docstring)
     from fp8_recipes.observe.recorder import ObservedPrecision
     from fp8_recipes.observe.routing import RoutingRecorder
 
-    first = (ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
-             and ps.get_context_parallel_rank() == 0)
-    routing = RoutingRecorder.attach(transformer_layers(chunks), run_dir, write=first)
+    routing = RoutingRecorder.attach(transformer_layers(chunks), run_dir, write=_first_of_stage())
     return (precision, None) if routing is None else (ObservedPrecision(precision, routing), routing)
 
 
