@@ -6,12 +6,16 @@
     python scripts/bench_train.py --models llama3_8b_16l --configs tensorwise+masters tensorwise+fp8param \
         tensorwise+fp8param:raw
     python scripts/bench_train.py --models llama3_8b_16l --mbs 2 --seq 4096 --warmup 3 --steps 8 --out runs/train16
+    python scripts/bench_train.py --models mixtral_8x7b_4l --mbs 1 --accum 8 --configs delayed delayed:raw \
+        delayed+pad delayed+pad:raw bf16+nofuse
     python scripts/bench_train.py --plot-only runs/bench_train/bench_train.json
 
 Configs: bf16 (always first, the baseline), NAME (a recipe through this project's TE backend), NAME:raw (the
 same TE recipe through Megatron-Core's own fp8 config and get_fp8_context) and NAME+LEVER (a speed lever on:
 `head` runs the LM head in FP8, `attn` the core attention, `fp8param` stores the FP8 layers' weights in FP8 with
-fp32 master weights in TE's FusedAdam, `masters` is that optimizer on BF16-stored weights: fp8param's baseline).
+fp32 master weights in TE's FusedAdam, `masters` is that optimizer on BF16-stored weights: fp8param's baseline,
+`moments16` its Adam moments in BF16; MoE models: `pad` pads each expert's tokens in the router,
+`nofuse` turns the fused token permutation off). --accum N: micro-batches per optimizer step.
 Same model, seed and random tokens; one GPU, plain fused torch AdamW (fp8param, masters: TE's FusedAdam).
 Prints tokens/s, the ratio to BF16, ours / raw and peak memory; writes bench_train.json and bench_train.png into --out. Needs a GPU with Transformer Engine.
 """
@@ -38,6 +42,7 @@ def main() -> None:
     p.add_argument("--mbs", type=int, default=2)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (gradient accumulation)")
     p.add_argument("--out", type=Path, default=Path("runs/bench_train"))
     p.add_argument("--profile", action="store_true",
                    help="after timing, profile 2 steps per config: GPU time per kernel category (bench/profile.py)")
@@ -58,9 +63,10 @@ def main() -> None:
 
         quiet_third_party_logs()
         result = bench_train(args.models, args.configs, seq=args.seq, mbs=args.mbs, warmup=args.warmup,
-                             steps=args.steps, out_dir=args.out, profile=args.profile)
+                             steps=args.steps, out_dir=args.out, profile=args.profile, accum=args.accum)
     print(summarize(result)[0])
-    print(f"({result['device']}, seq {result['seq']}, mbs {result['mbs']}, {result['steps']} timed steps after "
+    print(f"({result['device']}, seq {result['seq']}, mbs {result['mbs']} x {result.get('accum', 1)} micro-batches, "
+          f"{result['steps']} timed steps after "
           f"{result['warmup']}; {result['seconds']:.0f}s; JSON and PNG in "
           f"{args.plot_only.parent if args.plot_only else args.out})")
 

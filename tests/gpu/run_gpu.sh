@@ -17,6 +17,7 @@
 #     bash tests/gpu/run_gpu.sh fp8param     # FP8 primary weights: their GPU tests (cap 240 s) + bench_train (cap 270 s)
 #     bash tests/gpu/run_gpu.sh handoff      # issue 16 on the H200: blockwise-trained Llama exported, run by transformers
 #     SEED=4321 NAME=cmp4321 bash tests/gpu/run_gpu.sh shootout   # gpt_125m shoot-out, 1000 steps, 4 runs at once
+#     bash tests/gpu/run_gpu.sh moe          # MoE on TE: its GPU tests + bench_train on mixtral_8x7b_4l (caps 240 + 300 s)
 #     bash tests/gpu/run_gpu.sh two          # two GPUs: scales across the amax group, safe at PP=2, bench_parallel
 #         (10 runs of ~40 s; a second call with LAYOUTS="1gpu dp2 tp2sp pp2 cp2" RECIPES="tensorwise" covers the rest)
 # BASELINE: a checkout of the engine before (git archive 107c97b plugins conf scripts recipes setup.cfg | tar -x -C .oldsrc)
@@ -115,8 +116,38 @@ engine-bench)
       --steps 15 --gbs 8 ${BASELINE:+--baseline "$BASELINE"} --out "$OUT" -- model=llama3_8b_8l trainer=gpu \
       trainer.micro_batch_size=2 trainer.warmup_steps=1 2>&1 | tee -a "$OUT/bench.log"
   ;;
+moe)
+  # Issue 28 on the H200: the TE backend on Megatron-Core's MoE layers (tests), then bench_train on 4 Mixtral-8x7B
+  # layers (seq 4096, micro-batch 1, 8 micro-batches per step; CONFIGS, MODELS, PROFILE vary it)
+  stamp "GPU tests: TE MoE (grouped and sequential experts) and GroupedLinear numerics" | tee "$OUT/tests.log"
+  [ -z "${SKIP_TESTS:-}" ] && timeout -s INT ${TEST_CAP:-240} "$PY" -m pytest tests/gpu/test_te_moe.py \
+      tests/gpu/test_te_grouped.py -q -p no:cacheprovider -o addopts="" -rfEs ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
+      | tee -a "$OUT/tests.log"
+  stamp "bench_train: ${MODELS:-mixtral_8x7b_4l}" | tee "$OUT/bench_train.log"
+  timeout -s INT ${BENCH_CAP:-300} "$PY" scripts/bench_train.py --models ${MODELS:-mixtral_8x7b_4l} --seq 4096 --mbs 1 \
+      --accum 8 --warmup 2 --steps ${STEPS:-4} --configs ${CONFIGS:-delayed delayed:raw tensorwise tensorwise:raw \
+      blockwise blockwise:raw} ${PROFILE:+--profile} --out "$OUT" 2>&1 | tee -a "$OUT/bench_train.log"
+  echo; stamp "summary"
+  echo "GPU tests: $(grep -E ' in [0-9.]+s' "$OUT/tests.log" | tail -1)"
+  grep -E '^(FAILED|ERROR) ' "$OUT/tests.log" | head -20
+  [ -f "$OUT/bench_train.json" ] && "$PY" scripts/bench_train.py --plot-only "$OUT/bench_train.json"
+  ;;
+moe-engine)
+  # 4 Mixtral-8x7B layers trained by scripts/train.py on Megatron-Core's engine (distributed optimizer), TE backend:
+  # the peak memory docs/scale.md's MoE estimate is checked against (summary.json's peak_memory_bytes)
+  for recipe in ${RECIPES:-bf16 delayed}; do
+    stamp "scripts/train.py model=mixtral_8x7b_4l +recipe=$recipe trainer=gpu (mbs 1, seq 4096)" | tee -a "$OUT/engine.log"
+    timeout -s INT ${TRAIN_CAP:-150} "$PY" scripts/train.py +recipe=$recipe model=mixtral_8x7b_4l trainer=gpu \
+        trainer.max_steps=3 trainer.micro_batch_size=1 trainer.global_batch_size=2 trainer.warmup_steps=1 \
+        trainer.eval_interval=0 trainer.save_checkpoints=false data.tokenizer=bytes data.path=/tmp/moe-data \
+        run_dir="$OUT/engine-$recipe" 2>&1 | grep -v -E "it/s\]|step/s" | tail -8 | tee -a "$OUT/engine.log"
+    "$PY" -c "import json,sys; s=json.load(open('$OUT/engine-$recipe/summary.json')); print('$recipe peak GiB', \
+        round(s['peak_memory_bytes']/2**30, 2), 'loss', s.get('final_loss'), 'te', s.get('te_execution'))" \
+        2>&1 | tee -a "$OUT/engine.log"
+  done
+  ;;
 all) ;;
-*) echo "run_gpu.sh: unknown part '$1' (all | engine | engine-bench | two)" >&2; exit 2 ;;
+*) echo "run_gpu.sh: unknown part '$1' (all | engine | engine-bench | two | moe | ...)" >&2; exit 2 ;;
 esac
 [ "${1:-all}" = all ] || exit 0
 

@@ -62,3 +62,11 @@ def test_fp8param_lever_goes_through_the_schema():
     check_configs(["delayed+fp8param", "delayed+masters", "blockwise+fp8param:raw"])
     with pytest.raises(ValueError, match=r"^schedule.bf16_warmup_steps: 100 with fp8_param: true"):
         with_levers(load_recipe("safe"), ["fp8param"])  # a BF16 warmup: refused by the schema
+
+
+def test_moe_model_levers_and_moments16():
+    check_configs(["bf16+nofuse", "delayed+pad", "delayed+pad:raw", "tensorwise+pad+nofuse+head",
+                   "delayed+masters+moments16", "delayed+fp8param+moments16"])
+    with pytest.raises(ValueError, match=r"^--configs delayed\+moments16: moments16 is the fp8param / masters "):
+        check_configs(["delayed+moments16"])
+    assert with_levers(load_recipe("delayed"), ["pad", "nofuse"]) == load_recipe("delayed")  # model keys only

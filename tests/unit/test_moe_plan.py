@@ -42,6 +42,9 @@ def test_moe_layer_pattern_reads_moe_layer_freq_as_megatron_core_does():
     ({"moe_permute_fusion": "yes"}, r"^model\.moe_permute_fusion='yes': must be true or false"),
     ({"moe_router_padding_for_quantization": True}, r"^model\.moe_router_padding_for_quantization=true: .*allgather"),
     ({"moe_layer_freq": [0, 0, 0, 0]}, r"^model\.moe_layer_freq: every layer is 0"),
+    ({"moe_router_fusion": 1}, r"^model\.moe_router_fusion=1: must be true or false"),
+    ({"moe_router_fusion": True, "moe_router_padding_for_quantization": True, "moe_token_dispatcher_type": "alltoall"},
+     r"^model\.moe_router_fusion=true with model\.moe_router_padding_for_quantization=true: .*set one of them false$"),
     ({"moe_expert_count": 4}, r"^model\.moe_expert_count: unknown key"),
 ])
 def test_moe_keys_are_checked_one_line_each(change, says):
@@ -58,7 +61,7 @@ def test_moe_widths_must_split_over_tensor_parallel_ranks():
 
 def test_gpu_only_moe_keys_are_refused_on_the_cpu_and_idle_ones_warned():
     for key, value in (("moe_token_dispatcher_type", "alltoall"), ("moe_token_dispatcher_type", "flex"),
-                       ("moe_permute_fusion", True)):
+                       ("moe_permute_fusion", True), ("moe_router_fusion", True)):
         with pytest.raises(ConfigError, match=rf"^model\.{key}=.*(needs a GPU|GPU only)"):
             check_model_device({**MOE, key: value}, "cpu")
         check_model_device({**MOE, key: value}, "cuda")
@@ -129,18 +132,27 @@ def test_plan_table_collapses_experts_and_says_the_router_is_bf16():
     assert len(many.splitlines()) < 40
 
 
-def test_moe_on_the_te_backend_is_refused_in_one_line_until_it_is_wired():
+def test_grouped_experts_must_share_one_te_recipe_per_layer():
     from fp8_recipes.plan.precision import Hardware
-    from fp8_recipes.training.run import check_moe_backend
+    from fp8_recipes.training.run import check_grouped_experts
 
     layout = layout_of(MOE)
-    hopper = PrecisionPlan(load_recipe("hybrid"), layout, Hardware.target((9, 0)))
-    with pytest.raises(ConfigError, match=r"^model\.num_moe_experts=4: .* emulated backend only so far .*"
-                                          r"\+recipe\.backend=emulated"):
-        check_moe_backend(MOE, hopper)
-    emulated = Recipe.from_dict({**load_recipe_dict("hybrid"), "backend": "emulated"})
-    check_moe_backend(MOE, PrecisionPlan(emulated, layout, Hardware.target((9, 0))))
-    check_moe_backend(DENSE, PrecisionPlan(load_recipe("hybrid"), ModelLayout.gpt(4), Hardware.target((9, 0))))
+    hopper = Hardware.target((9, 0))
+    check_grouped_experts({**MOE, "moe_grouped_gemm": True}, PrecisionPlan(load_recipe("hybrid"), layout, hopper))
+    split = Recipe.from_dict({**load_recipe_dict("delayed"), "layers": {"bf16_modules": ["*local_experts.2.*"]}})
+    plan = PrecisionPlan(split, layout, hopper)
+    with pytest.raises(ConfigError, match=r"^recipe: decoder\.layers\.0\.mlp\.experts\.local_experts\.2\.linear_fc1 "
+                                          r"runs otherwise than .*local_experts\.0\.linear_fc1 from step 0, and "
+                                          r"model\.moe_grouped_gemm=true .*set model\.moe_grouped_gemm=false$"):
+        check_grouped_experts({**MOE, "moe_grouped_gemm": True}, plan)
+    check_grouped_experts({**MOE, "moe_grouped_gemm": False}, plan)  # SequentialMLP: an autocast per expert linear
+    # the experts one rank holds (expert parallelism): only those must agree
+    rows = {"decoder.layers.0.mlp.experts.linear_fc1": tuple(
+        f"decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc1" for e in (0, 1))}
+    assert plan.grouped_experts_problem(rows) is None
+    emulated = Recipe.from_dict({**load_recipe_dict("delayed"), "backend": "emulated",
+                                 "layers": {"bf16_modules": ["*local_experts.2.*"]}})
+    assert PrecisionPlan(emulated, layout, hopper).grouped_experts_problem() is None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -243,7 +255,7 @@ def test_every_shipped_model_passes_the_checks(name):
     assert layout.num_layers == cfg["num_layers"] and bool(layout.routers) == (cfg.get("num_moe_experts") is not None)
 
 
-def test_a_slurm_gpu_job_of_an_moe_model_is_refused_on_the_submitting_host():
+def test_a_slurm_gpu_job_of_an_moe_model_is_checked_on_the_submitting_host():
     from hydra import compose, initialize_config_dir
 
     from fp8_recipes.launch.job import check_train_config
@@ -251,9 +263,9 @@ def test_a_slurm_gpu_job_of_an_moe_model_is_refused_on_the_submitting_host():
 
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         job = compose("train", overrides=["model=mixtral_8x7b_4l", "+recipe=delayed", "trainer=gpu"])
-        emulated = compose("train", overrides=["model=mixtral_8x7b_4l", "+recipe=delayed", "trainer=gpu",
-                                               "+recipe.backend=emulated"])
-    with pytest.raises(ConfigError, match=r"^model\.num_moe_experts=8: Mixture-of-Experts models run on the "
-                                          r"emulated backend only so far"):
-        check_train_config(job, world_size=1)
-    check_train_config(emulated, world_size=1)
+        split = compose("train", overrides=["model=mixtral_8x7b_4l", "+recipe=delayed", "trainer=gpu",
+                                            "++recipe.layers.bf16_modules=['*local_experts.7.*']"])
+    check_train_config(job, world_size=1)
+    with pytest.raises(ConfigError, match=r"^recipe: decoder\.layers\.0\.mlp\.experts\.local_experts\.7\.linear_fc1 "
+                                          r"runs otherwise than"):
+        check_train_config(split, world_size=1)

@@ -219,7 +219,7 @@ def _restore_delayed(name: str, module: torch.nn.Module, saved: Mapping[str, tor
                      num_gemms: int = 1) -> None:
     meta = module.fp8_meta
     # TE's Linear and LayerNormLinear run one GEMM; its DotProductAttention keeps the state of three (its own
-    # init_fp8_metadata(num_gemms=3))
+    # init_fp8_metadata(num_gemms=3)), a GroupedLinear one per expert
     meta.setdefault("num_gemms", num_gemms)
     meta["recipe"] = recipe
     with torch.no_grad():
@@ -265,7 +265,8 @@ class TEPrecision:
     """Executes a PrecisionPlan on Transformer Engine modules (the training loop's precision controller).
 
     ``layers``: this rank's TransformerLayers by global layer number (plan layer i = layers[i]; a pipeline stage
-    holds some of them); ``linears``: its TE linear modules by plan name (the LM head's when it runs FP8);
+    holds some of them); ``linears``: its TE linear modules by plan name (the LM head's when it runs FP8; a grouped
+    expert linear by its own name, ``rows`` naming the experts' plan rows it runs);
     ``chunks``: per model chunk, the module spanning its TE modules, the GPTModel (the outer autocast of delayed
     scaling: per chunk, as Megatron-Core's own FP8 path does, with the LM head inside it).
     ``count``: record what each TE linear really ran (``step_kinds``, ``module_kinds``, ``mismatches`` against
@@ -276,7 +277,8 @@ class TEPrecision:
                  linears: Mapping[str, torch.nn.Module], chunks: Sequence[torch.nn.Module], amax_group: Any = None,
                  count: bool = True, attention: Mapping[int, torch.nn.Module] | None = None,
                  recipes: Mapping[TERecipe, Any] | None = None,
-                 fp8_params: Mapping[str, torch.nn.Parameter] | None = None):
+                 fp8_params: Mapping[str, torch.nn.Parameter] | None = None,
+                 rows: Mapping[str, tuple[str, ...]] | None = None):
         import transformer_engine.pytorch as te
         from transformer_engine.common.recipe import Float8CurrentScaling
 
@@ -300,7 +302,9 @@ class TEPrecision:
         self._recipes: dict[TERecipe, Any] = dict(recipes or {})  # those the FP8 weights were quantized with
         self.fp8_params = dict(fp8_params or {})
         """This rank's FP8-stored weights (TE QuantizedTensors) by ``<linear name>.<param>``: their bytes are state."""
-        self._layer_of = {n: plan.layout.layer_of(n) for n in self.linears}
+        self.rows = {n: tuple((rows or {}).get(n, (n,))) for n in self.linears}
+        """The plan rows each linear runs: its own name, or a grouped expert linear's experts (one TE recipe)."""
+        self._layer_of = {n: plan.layout.layer_of(r[0]) for n, r in self.rows.items()}
         self._layer_ctx: dict[int, tuple | None] = dict.fromkeys(layers, self._off)
         self._module_ctx: dict[str, tuple | None] = {}
         self._outer: tuple | None = None
@@ -373,7 +377,7 @@ class TEPrecision:
         """Derive every autocast of a stage from the plan: per layer the most common choice of its linears, per
         linear an override where it differs, its own for a linear outside the layers (the LM head), and the outer
         autocast when any choice has delayed state."""
-        choices = {n: sp.modules[n].te for n in self.linears}
+        choices = {n: sp.modules[self.rows[n][0]].te for n in self.linears}  # (a grouped linear's rows agree)
         by_layer: dict[int | None, list[str]] = defaultdict(list)
         for name in self.linears:
             by_layer[self._layer_of[name]].append(name)
@@ -405,7 +409,9 @@ class TEPrecision:
                 continue
             choice = self._choices.get(name)
             if choice is not None and choice.delayed:
-                _restore_delayed(name, self.linears[name], self._pending.pop(name), self.te_recipe(choice))
+                module = self.linears[name]
+                _restore_delayed(name, module, self._pending.pop(name), self.te_recipe(choice),
+                                 num_gemms=getattr(module, "num_gemms", 1))  # a GroupedLinear: one per expert
 
     # -- the Precision protocol ------------------------------------------------------------------------------------
     def begin_step(self, step: int) -> str:

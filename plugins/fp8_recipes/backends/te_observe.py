@@ -22,6 +22,12 @@ tensor-parallel ranks for the operands it all-gathers in FP8 (a column-parallel 
 one's output gradient: ``set_quantizer_amax_reduction_group`` in TE 2.20.2's linear modules); the recorder is handed
 the same reduction for those roles (``amax_reducers``), so its copy has TE's scale.
 
+Grouped experts (Megatron-Core's TEGroupedMLP: one TE GroupedLinear runs a GEMM per local expert) are observed per
+expert, as the plan's rows: the input and the output gradient are split by the forward's ``m_splits`` (the token
+counts after FP8 padding, so an expert's split holds its padding's zero rows as TE quantizes them), expert ``e``'s
+weight is ``weight{e}``, and its delayed scales are TE's slots ``3e`` (input), ``3e+1`` (weight) and ``2e``
+(grad_output); an expert that got no token this micro-batch hands over nothing, as TE quantizes nothing for it.
+
 Only a run with a ``debug`` section creates these hooks; between due steps they return at once (observer None).
 """
 
@@ -38,7 +44,7 @@ from fp8_recipes.plan.precision import Gemm, ModulePlan
 from fp8_recipes.plan.te import TERecipeKind
 from fp8_recipes.recipe.schema import Role
 
-__all__ = ["TEObservedLinear", "te_observer_states"]
+__all__ = ["TEObservedExpert", "TEObservedLinear", "te_observer_states"]
 
 # TE's delayed-scaling slots of a one-GEMM module (tex.FP8FwdTensors / FP8BwdTensors): GEMM1_INPUT, GEMM1_WEIGHT,
 # GRAD_OUTPUT1, in the scale tensors backends/te.py's _delayed_tensors reads.
@@ -51,8 +57,10 @@ _BACKWARD_OPERANDS = ((Gemm.DGRAD, Role.GRADIENTS), (Gemm.WGRAD, Role.GRADIENTS)
 class _TEScale:
     """The delayed scale TE holds for one operand (a DelayedScaler's ``scale``, read only)."""
 
-    def __init__(self, module: torch.nn.Module, role: Role):
-        self.module, (self.key, self.index) = module, _DELAYED_SLOT[role]
+    def __init__(self, module: torch.nn.Module, role: Role, gemm: int = 0):
+        self.module, (self.key, index) = module, _DELAYED_SLOT[role]
+        # a GroupedLinear's GEMM e: forward slots 3e + (input 0, weight 1), backward 2e + grad_output 0
+        self.index = index + gemm * (3 if self.key == "scale_fwd" else 2)
 
     @property
     def scale(self) -> torch.Tensor:
@@ -66,15 +74,16 @@ class TEObservedLinear:
     """One TE linear as the recorder sees it (EmulatedLinearState's observer slots): ``name``, ``plan`` (the
     module's plan this step), ``scalers``, ``amax_reducers``, ``record_amax`` and ``observer``."""
 
-    def __init__(self, name: str, module: torch.nn.Module, step_plan: Callable[[], Any]):
+    def __init__(self, name: str, module: torch.nn.Module, step_plan: Callable[[], Any], gemm: int = 0):
         self.name = name
         self.module = module
         self._step_plan = step_plan
-        self.scalers = {role: _TEScale(module, role) for role in Role}
+        self.scalers = {role: _TEScale(module, role, gemm) for role in Role}
         self.amax_reducers = _sequence_parallel_reducers(module)
         self.record_amax = True
         self.observer: Callable[..., None] | None = None
-        module.register_forward_hook(self._after_forward)
+        if type(self) is TEObservedLinear:
+            module.register_forward_hook(self._after_forward)
 
     @property
     def plan(self) -> ModulePlan:
@@ -105,6 +114,46 @@ class TEObservedLinear:
     def _on_grad(self, grad: torch.Tensor) -> None:
         if self.observer is not None:
             self._emit(_BACKWARD_OPERANDS, {Role.GRADIENTS: grad.detach()})
+
+
+class TEObservedExpert(TEObservedLinear):
+    """One expert GEMM of a grouped expert linear (plan row ``name``: GEMM ``gemm`` of ``module``), fed by
+    :class:`_GroupedHooks` with its own split of the tokens."""
+
+    def __init__(self, name: str, module: torch.nn.Module, step_plan: Callable[[], Any], gemm: int):
+        super().__init__(name, module, step_plan, gemm)
+        self.gemm = gemm
+
+    def forward_operands(self, x: torch.Tensor) -> None:
+        if self.observer is not None and x.shape[0] > 0:
+            self._emit(_FORWARD_OPERANDS, {Role.ACTIVATIONS: x,
+                                           Role.WEIGHTS: getattr(self.module, f"weight{self.gemm}").detach()})
+
+    def backward_operands(self, grad: torch.Tensor) -> None:
+        if self.observer is not None and grad.shape[0] > 0:
+            self._emit(_BACKWARD_OPERANDS, {Role.GRADIENTS: grad})
+
+
+class _GroupedHooks:
+    """A grouped expert linear's forward hook and output-gradient hook, splitting by ``m_splits`` per expert."""
+
+    def __init__(self, module: torch.nn.Module, experts: list[TEObservedExpert]):
+        self.experts = experts
+        module.register_forward_hook(self._after_forward)
+
+    def _after_forward(self, module, args, output) -> None:
+        if all(e.observer is None for e in self.experts) or not module.training or not getattr(module, "fp8", False):
+            return
+        splits = [int(m) for m in args[1]]
+        for expert, x in zip(self.experts, torch.split(args[0].detach(), splits)):
+            expert.forward_operands(x)
+        out = output[0] if isinstance(output, tuple) else output
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda grad: self._on_grad(grad, splits))
+
+    def _on_grad(self, grad: torch.Tensor, splits: list[int]) -> None:
+        for expert, g in zip(self.experts, torch.split(grad.detach(), splits)):
+            expert.backward_operands(g)
 
 
 def _sequence_parallel_reducers(module: torch.nn.Module) -> dict[Role, Callable[[torch.Tensor], torch.Tensor]]:
@@ -143,6 +192,16 @@ def _gemm_input(module: torch.nn.Module, x: torch.Tensor, fused: bool = False) -
 
 
 def te_observer_states(precision) -> dict[str, TEObservedLinear]:
-    """Hooks on every TE linear of a :class:`~fp8_recipes.backends.te.TEPrecision`; name -> observed state."""
-    return {name: TEObservedLinear(name, module, lambda: precision.step_plan)
-            for name, module in precision.linears.items()}
+    """Hooks on every TE linear of a :class:`~fp8_recipes.backends.te.TEPrecision`; plan row -> observed state
+    (a grouped expert linear: a state per expert)."""
+    out: dict[str, TEObservedLinear] = {}
+    step_plan = lambda: precision.step_plan  # noqa: E731
+    for name, module in precision.linears.items():
+        rows = precision.rows.get(name, (name,))
+        if rows == (name,):
+            out[name] = TEObservedLinear(name, module, step_plan)
+            continue
+        experts = [TEObservedExpert(row, module, step_plan, e) for e, row in enumerate(rows)]
+        _GroupedHooks(module, experts)
+        out.update({e.name: e for e in experts})
+    return out

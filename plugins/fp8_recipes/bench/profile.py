@@ -19,6 +19,8 @@ CATEGORIES: list[tuple[str, re.Pattern]] = [
     ("gemm fp8", re.compile(r"nvjet_sm\d+_[qr]{2}|(gemm|xmma|cutlass).*(e4m3|e5m2|fp8)|(e4m3|e5m2|fp8).*gemm", re.I)),
     ("gemm bf16", re.compile(r"gemm|nvjet|xmma|cutlass|cublas", re.I)),
     ("attention", re.compile(r"flash|fmha|attn|attention|cudnn|sdpa", re.I)),
+    # MoE: the router's top-k, token permutation and un-permutation, the experts' FP8 padding
+    ("moe route/permute/pad", re.compile(r"permut|topk|radix|sort|moe|routing|padding|histogram|bincount", re.I)),
     ("fp8 quantize/amax/transpose", re.compile(
         r"transformer_engine.*(cast|quantiz|amax|transpose|scale)|cast_transpose|block_scaled|compute_amax|"
         r"fp8_quantize|delayed_scaling|amax_and_scale", re.I)),

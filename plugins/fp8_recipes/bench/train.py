@@ -17,10 +17,18 @@ Per model, configs run one after another on a freshly built model (same seed, sa
                      NAME+fp8param:raw is Megatron-Core's fp8_param=True with that optimizer
                masters  the optimizer of fp8param (fp32 master weights) on BF16-stored weights: NAME+masters is
                      the baseline NAME+fp8param differs from by the FP8 storage alone
+               moments16  with fp8param or masters: that optimizer's Adam moments in BF16 (not fp32)
+  MoE models' levers (model keys; on bf16 too, e.g. bf16+nofuse):
+               pad   model moe_router_padding_for_quantization: true (the alltoall dispatcher pads each expert's
+                     tokens to FP8's multiple, so the experts skip their own padding copies)
+               nofuse  model moe_permute_fusion: false (Megatron-Core's unfused token permutation)
+               router  model moe_router_fusion: true (TE's fused top-k and softmax in the router)
 Recipes with BF16 warmup or staged enablement are timed in their final stage (all roles FP8), the steady state.
-A step is forward (per-token loss, mean) + backward + plain fused torch AdamW on the BF16 params (no master
-weights, no DDP: the GEMMs dominate; levers fp8param and masters: TE's FusedAdam with fp32 master weights);
-tokens/s over ``steps`` timed steps after ``warmup``, peak memory from torch.cuda.max_memory_allocated.
+A step is ``accum`` micro-batches, each forward (per-token loss, mean) + backward, as a training step accumulates
+them (weights quantized once per step: TE's is_first_microbatch), then plain fused torch AdamW on the BF16 params
+(its moments BF16 like the params; no master weights, no DDP: the GEMMs dominate; levers fp8param and masters: TE's
+FusedAdam with fp32 master weights); tokens/s over ``steps`` timed steps after ``warmup``, peak memory from
+torch.cuda.max_memory_allocated.
 """
 
 from __future__ import annotations
@@ -66,7 +74,10 @@ def raw_megatron_fp8(choice: Any, recipe: Any) -> dict | None:
     return te_recipe_fields(choice)
 
 
-LEVERS = ("head", "attn", "fp8param", "masters")
+LEVERS = ("head", "attn", "fp8param", "masters", "moments16")
+MODEL_LEVERS = {"pad": {"moe_router_padding_for_quantization": True}, "nofuse": {"moe_permute_fusion": False},
+                "router": {"moe_router_fusion": True}}
+"""Levers that are MoE model keys (bench config ``NAME+pad``, ``bf16+nofuse``)."""
 
 
 def check_configs(configs: list[str]) -> None:
@@ -78,10 +89,15 @@ def check_configs(configs: list[str]) -> None:
             raise ValueError(f"--configs {label}: no recipe {name!r}; choose from {', '.join(recipe_names())}")
         if mode not in ("", "raw"):
             raise ValueError(f"--configs {label}: unknown mode {mode!r}; write NAME or NAME:raw")
-        bad = [lever for lever in levers if lever not in LEVERS]
-        if bad or (levers and name == "bf16"):
-            raise ValueError(f"--configs {label}: unknown lever {(bad or levers)[0]!r}; levers (on a recipe): "
-                             f"{', '.join(LEVERS)}")
+        bad = [lever for lever in levers if lever not in LEVERS and lever not in MODEL_LEVERS]
+        if not bad and name == "bf16":
+            bad = [lever for lever in levers if lever not in MODEL_LEVERS]
+        if bad:
+            raise ValueError(f"--configs {label}: unknown lever {bad[0]!r}; levers (on a recipe): {', '.join(LEVERS)}; "
+                             f"model levers (MoE, on bf16 too): {', '.join(MODEL_LEVERS)}")
+        if "moments16" in levers and not {"fp8param", "masters"} & set(levers):
+            raise ValueError(f"--configs {label}: moments16 is the fp8param / masters optimizer's; add +fp8param or "
+                             f"+masters")
 
 
 def with_levers(recipe: Any, levers: list[str]) -> Any:
@@ -102,7 +118,9 @@ def _optimizer(model: torch.nn.Module, levers: list[str]) -> torch.optim.Optimiz
     if "fp8param" in levers or "masters" in levers:
         from transformer_engine.pytorch.optimizers import FusedAdam
 
-        return FusedAdam(model.parameters(), lr=1e-5, master_weights=True)
+        moments = torch.bfloat16 if "moments16" in levers else torch.float32
+        return FusedAdam(model.parameters(), lr=1e-5, master_weights=True, exp_avg_dtype=moments,
+                         exp_avg_sq_dtype=moments)
     return torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
 
@@ -146,7 +164,9 @@ def _decide(model_cfg: dict, label: str) -> _BenchConfig:
         return run
     # Timed in the recipe's final stage (after any BF16 warmup and staged enablement): its steady state.
     run.steady = max(recipe.schedule.role_start(r) for r in ROLES if recipe.policy(r).is_fp8)
-    choice = plan.at(run.steady).modules["decoder.layers.1.mlp.linear_fc1"].te
+    # what the model's (first FP8) transformer-layer linears run: an MoE layer's experts, a dense layer's MLP
+    choice = next((m.te for m in plan.at(run.steady).modules.values() if m.layer is not None and m.te is not None),
+                  None)
     run.describe = choice.describe() if choice is not None else "BF16"
     if mode == "raw":
         run.overrides = raw_megatron_fp8(choice, recipe)
@@ -178,13 +198,15 @@ def _bench_model(model_cfg: dict, run: _BenchConfig, seed: int) -> tuple[torch.n
     precision = None
     if run.ours:
         precision = attach_te_backend(model, PrecisionPlan(run.recipe, model_layout(model), Hardware.detect()),
-                                      count=False, recipes=fp8_param.recipes if fp8_param else None)
+                                      count=False, recipes=fp8_param.recipes if fp8_param else None,
+                                      router_padding=bool(model_cfg.get("moe_router_padding_for_quantization")))
     return model, precision
 
 
 def _step_function(model: torch.nn.Module, precision: Any, optimizer: torch.optim.Optimizer, run: _BenchConfig,
-                   model_cfg: dict, *, seq: int, mbs: int, seed: int) -> Callable[[int], torch.Tensor]:
-    """One training step on the same random tokens each time, numbered from the recipe's steady stage."""
+                   model_cfg: dict, *, seq: int, mbs: int, seed: int, accum: int = 1) -> Callable[[int], torch.Tensor]:
+    """One training step of ``accum`` micro-batches on the same random tokens each time, numbered from the recipe's
+    steady stage."""
     vocab = int(model_cfg["vocab_size"])
     g = torch.Generator(device="cuda").manual_seed(seed)
     tokens = torch.randint(0, vocab, (mbs, seq), device="cuda", generator=g)
@@ -197,8 +219,9 @@ def _step_function(model: torch.nn.Module, precision: Any, optimizer: torch.opti
             precision.begin_step(steady + i)
         elif overrides is not None:
             model.set_is_first_microbatch()  # Megatron's schedules: requantize the weights once per step
-        loss = model(tokens, position_ids, None, labels=labels).float().mean()
-        loss.backward()
+        for _ in range(accum):
+            loss = model(tokens, position_ids, None, labels=labels).float().mean()
+            (loss / accum).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if precision is not None:
@@ -222,17 +245,19 @@ def _timed(one_step: Callable[[int], torch.Tensor], warmup: int, steps: int) -> 
 
 
 def _run_config(model_cfg: dict, label: str, *, seq: int, mbs: int, warmup: int, steps: int, seed: int,
-                profile: bool = False) -> dict[str, Any]:
+                profile: bool = False, accum: int = 1) -> dict[str, Any]:
+    levers = label.partition(":")[0].split("+")[1:]
+    model_cfg = {**model_cfg, **{k: v for lever in levers for k, v in MODEL_LEVERS.get(lever, {}).items()}}
     run = _decide(model_cfg, label)
     if run.skipped is not None:
         return {"config": label, "skipped": run.skipped}
     model, precision = _bench_model(model_cfg, run, seed)
     model.train()
     optimizer = _optimizer(model, run.levers)
-    one_step = _step_function(model, precision, optimizer, run, model_cfg, seq=seq, mbs=mbs, seed=seed)
+    one_step = _step_function(model, precision, optimizer, run, model_cfg, seq=seq, mbs=mbs, seed=seed, accum=accum)
     seconds, loss = _timed(one_step, warmup, steps)
     out = {"config": label, "te_recipe": run.describe, "megatron_fp8": run.overrides,
-           "step_ms": 1000 * seconds / steps, "tokens_per_s": steps * mbs * seq / seconds,
+           "step_ms": 1000 * seconds / steps, "tokens_per_s": steps * accum * mbs * seq / seconds,
            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": loss.item()}
     if profile:  # after the timing, so the profiler costs the timed steps nothing
         out["profile"] = profile_steps(one_step, warmup + steps)
@@ -254,8 +279,8 @@ def _free() -> None:
 
 
 def bench_train(models: list[str], configs: list[str], *, seq: int = 4096, mbs: int = 2, warmup: int = 3,
-                steps: int = 8, seed: int = 1234, out_dir: Path | None = None, profile: bool = False
-                ) -> dict[str, Any]:
+                steps: int = 8, seed: int = 1234, out_dir: Path | None = None, profile: bool = False,
+                accum: int = 1) -> dict[str, Any]:
     """Every config of every model; with ``out_dir`` the results so far are saved after each config (a run cut
     short by a time limit keeps what it measured)."""
     from fp8_recipes.megatron.model import destroy_distributed, init_distributed  # (see _run_config)
@@ -264,14 +289,14 @@ def bench_train(models: list[str], configs: list[str], *, seq: int = 4096, mbs: 
     t0 = time.perf_counter()
     results: list[dict] = []
     result = {"kind": "train", "device": torch.cuda.get_device_name(), "torch": torch.__version__, "seq": seq,
-              "mbs": mbs, "warmup": warmup, "steps": steps, "seconds": 0.0, "rows": results}
+              "mbs": mbs, "accum": accum, "warmup": warmup, "steps": steps, "seconds": 0.0, "rows": results}
     try:
         for model_name in models:
             cfg = {**load_model_cfg(model_name), "seq_length": seq}
             for label in ["bf16"] + [c for c in configs if c != "bf16"]:
                 t = time.perf_counter()
                 row = {"model": model_name, **_run_config(cfg, label, seq=seq, mbs=mbs, warmup=warmup, steps=steps,
-                                                          seed=seed, profile=profile)}
+                                                          seed=seed, profile=profile, accum=accum)}
                 row["wall_s"] = time.perf_counter() - t
                 results.append(row)
                 done = (f"{row['tokens_per_s']:,.0f} tok/s, {row['peak_mem_gib']:.1f} GiB, loss {row['loss']:.3f}"

@@ -63,6 +63,7 @@ __all__ = [
     "replace_output_layer_class",
     "global_name",
     "named_linear_modules",
+    "grouped_expert_rows",
     "transformer_layers",
     "linear_module_names",
     "model_layout",
@@ -361,6 +362,10 @@ def _transformer_config(cfg: dict, params_dtype: torch.dtype, device: torch.devi
     )
     fields.update(_moe_fields(cfg))
     fields.update(config_overrides or {})
+    if not (fields.get("fp8") or fields.get("fp4")):
+        # Megatron-Core pads the routing map only under its own FP8 path (and refuses the key without it); under
+        # ours the TE backend gives the dispatchers of FP8 experts that padding (megatron/te_layers.py)
+        fields.pop("moe_router_padding_for_quantization", None)
     return TransformerConfig(**fields)
 
 
@@ -565,10 +570,32 @@ def named_linear_modules(model: torch.nn.Module | list[torch.nn.Module]) -> list
     gpt = unwrap_model(model)
     found = [(global_name(gpt, name), mod) for name, mod in gpt.named_modules()
              if name.rsplit(".", 1)[-1] in _LINEAR_SUFFIXES]
-    # in the plan's order (ModelLayout.gpt: the order they run); a name the plan lacks sorts last, for the backends'
-    # attach check to name it
+    # in the plan's order (ModelLayout.gpt: the order they run; a grouped expert linear where its first expert's
+    # row is); a name the plan lacks sorts last, for the backends' attach check to name it
     order = {name: i for i, name in enumerate(model_layout(gpt).module_names)}
-    return sorted(found, key=lambda item: order.get(item[0], len(order)))
+    first_row = {name: rows[0] for name, rows in grouped_expert_rows(gpt).items()}
+    return sorted(found, key=lambda item: order.get(first_row.get(item[0], item[0]), len(order)))
+
+
+def grouped_expert_rows(model: torch.nn.Module | list[torch.nn.Module]) -> dict[str, tuple[str, ...]]:
+    """The plan rows of each grouped expert linear (Megatron-Core's TEGroupedMLP with ``moe_grouped_gemm: true``:
+    one TE GroupedLinear per MoE layer and fc, ``decoder.layers.<L>.mlp.experts.linear_fc1``, running one GEMM per
+    local expert): its name -> the rows of the experts it runs, ``...mlp.experts.local_experts.<E>.linear_fc1``
+    with global expert numbers (MoELayer's ``local_expert_indices``), in GEMM order. Empty for SequentialMLP
+    experts, whose linears are plan rows themselves."""
+    if isinstance(model, (list, tuple)):
+        return {k: v for chunk in model for k, v in grouped_expert_rows(chunk).items()}
+    gpt, out = unwrap_model(model), {}
+    for layer in gpt.decoder.layers:
+        experts = getattr(getattr(layer, "mlp", None), "experts", None)
+        if experts is None or hasattr(experts, "local_experts"):
+            continue
+        prefix = f"decoder.layers.{layer.layer_number - 1}.mlp.experts"
+        for fc in ("linear_fc1", "linear_fc2"):
+            if getattr(experts, fc, None) is not None:
+                out[f"{prefix}.{fc}"] = tuple(f"{prefix}.local_experts.{e}.{fc}"
+                                              for e in layer.mlp.local_expert_indices)
+    return out
 
 
 def transformer_layers(model: torch.nn.Module | list[torch.nn.Module]) -> dict[int, torch.nn.Module]:

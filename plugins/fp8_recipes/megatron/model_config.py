@@ -29,7 +29,7 @@ MODEL_OPTIONAL = ("ffn_hidden_size", "num_query_groups", "normalization", "activ
 MOE_KEYS = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
             "moe_layer_freq", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
             "moe_router_dtype", "moe_token_dispatcher_type", "moe_grouped_gemm", "moe_permute_fusion",
-            "moe_router_padding_for_quantization")
+            "moe_router_padding_for_quantization", "moe_router_fusion")
 """Mixture-of-Experts keys, named and meant as Megatron-Core's TransformerConfig fields (num_moe_experts null: a
 dense model, and the other keys do nothing)."""
 MODEL_CHOICES = {"normalization": ("LayerNorm", "RMSNorm"), "activation": ("gelu", "swiglu"),
@@ -67,7 +67,7 @@ def check_model_cfg(cfg: Mapping[str, Any], *, vocab_may_be_unset: bool = False,
         if key in cfg and cfg[key] not in choices:
             raise choice_error(f"model.{key}", cfg[key], choices)
     for key in ("share_embeddings_and_output_weights", "add_bias_linear", "moe_grouped_gemm", "moe_permute_fusion",
-                "moe_router_padding_for_quantization"):
+                "moe_router_padding_for_quantization", "moe_router_fusion"):
         if key in cfg and not isinstance(cfg[key], bool):
             raise ConfigError(f"model.{key}={cfg[key]!r}: must be true or false")
     for key in ("hidden_dropout", "attention_dropout"):
@@ -133,6 +133,10 @@ def _check_moe(cfg: Mapping[str, Any], tensor_parallel: int) -> None:
                                                                    "allgather") == "allgather":
         raise ConfigError("model.moe_router_padding_for_quantization=true: Megatron-Core's allgather dispatcher "
                          "does not pad; set model.moe_token_dispatcher_type=alltoall, or the padding false")
+    if cfg.get("moe_router_padding_for_quantization") and cfg.get("moe_router_fusion"):
+        raise ConfigError("model.moe_router_fusion=true with model.moe_router_padding_for_quantization=true: "
+                         "Megatron-Core 0.19.2 pads the routing map the fused router saved for its backward in place "
+                         "(the backward then fails, measured on the H200); set one of them false")
     if tensor_parallel > 1:
         for key in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
             v = cfg.get(key)
@@ -176,9 +180,10 @@ def check_model_device(cfg: Mapping[str, Any], device: str) -> None:
         raise ConfigError(f"model.moe_token_dispatcher_type={dispatcher}: Megatron-Core's {dispatcher} dispatcher "
                          f"needs a GPU (it creates CUDA streams); on the CPU set model.moe_token_dispatcher_type="
                          f"allgather")
-    if cfg.get("moe_permute_fusion"):
-        raise ConfigError("model.moe_permute_fusion=true: the fused permutation is Transformer Engine's (GPU only); "
-                         "on the CPU set model.moe_permute_fusion=false")
+    for key, what in (("moe_permute_fusion", "permutation"), ("moe_router_fusion", "router top-k")):
+        if cfg.get(key):
+            raise ConfigError(f"model.{key}=true: the fused {what} is Transformer Engine's (GPU only); on the CPU set "
+                             f"model.{key}=false")
 
 
 def model_notices(cfg: Mapping[str, Any], *, device: str) -> list[str]:

@@ -16,6 +16,17 @@ with ``fp8_output_proj``, and then without tied embeddings). When the plan runs 
 head's own, or the word embedding's when embeddings are tied), so parameters, state dict, DDP buffers and the
 tied-embedding wiring stay Megatron-Core's. A head the plan keeps BF16 is left exactly as built.
 
+Mixture-of-Experts. Megatron-Core's TE spec builds an MoE layer's routed experts as ``TEGroupedMLP`` (model
+``moe_grouped_gemm: true``: one TE ``GroupedLinear`` per fc, running a GEMM per local expert, named
+``mlp.experts.linear_fc1``) or as ``SequentialMLP`` (an MLP of TE linears per expert, named as the plan's rows).
+A grouped linear stands for the plan rows of its experts (:func:`grouped_expert_rows`): they must share one TE
+recipe at every stage (one autocast runs the module), else the attach refuses in one line. TE's FP8 GEMMs need
+each expert's token count to be a multiple of 16 (32 for MXFP8); Megatron-Core pads them only when its config
+sets ``fp8``, which ours never does, so :func:`_pad_expert_tokens` gives the experts of each MoE layer the plan
+runs in FP8 a config of their own that says FP8 (read only for that padding: TEGroupedMLP's ``Fp8Padding``, or
+SequentialMLP's per-expert zero rows), and, with model ``moe_router_padding_for_quantization: true``, the token
+dispatcher too (it pads the routing map instead, so the experts' own padding has nothing left to do).
+
 FP8 weights (recipe ``fp8_param: true``). :class:`FP8ParamInit` is ``build_gpt_model``'s ``layer_init``: each layer the
 plan stores in FP8 is built inside TE's ``quantized_model_init(recipe=)`` with the TE recipe object that layer's
 autocast then runs under (handed to :func:`attach_te_backend`), so its TE linears hold their weights as FP8 tensors
@@ -26,6 +37,7 @@ config). Megatron-Core's DDP and distributed optimizer keep them (``fp8_param_ga
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any
 
 import torch
@@ -35,11 +47,11 @@ from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_para
 from fp8_recipes.checks import ConfigError
 from fp8_recipes.backends.groups import te_amax_reduction_group
 from fp8_recipes.backends.te import TEPrecision, te_recipe
-from fp8_recipes.megatron.model import (named_linear_modules, replace_output_layer_class, transformer_layers,
-                                        unwrap_model)
+from fp8_recipes.megatron.model import (grouped_expert_rows, named_linear_modules, replace_output_layer_class,
+                                        transformer_layers, unwrap_model)
 from fp8_recipes.plan.precision import PrecisionPlan, TERecipe
 from fp8_recipes.plan.te import TERecipeKind
-from fp8_recipes.recipe.schema import AmaxReduction, Attention, RecipeError
+from fp8_recipes.recipe.schema import AmaxReduction, Attention, RecipeError, Scaling
 
 __all__ = ["FP8ParamInit", "TEOutputLayer", "attach_te_backend", "fp8_param_recipe", "head_runs_fp8"]
 
@@ -131,11 +143,56 @@ def head_runs_fp8(plan: PrecisionPlan) -> bool:
         plan.at(first).modules["output_layer"].te is not None for first, _, _ in plan.stages())
 
 
+def _stage_choices(plan: PrecisionPlan, rows: tuple[str, ...]) -> list[list[TERecipe | None]]:
+    """Per stage of the plan, the TE recipe of each of ``rows``."""
+    return [[plan.at(first).modules[r].te for r in rows] for first, _, _ in plan.stages()]
+
+
+def _align(choice: TERecipe) -> int:
+    """The token multiple TE's FP8 GEMMs need under ``choice``: 32 with an MXFP8 operand, else 16."""
+    mxfp8 = choice.recipe is TERecipeKind.MXFP8 or any(
+        p.scaling is Scaling.MXFP8 for p in (choice.weights, choice.activations, choice.gradients))
+    return 32 if mxfp8 else 16
+
+
+def _pad_expert_tokens(gpts: list[torch.nn.Module], plan: PrecisionPlan, router_padding: bool) -> None:
+    """Each MoE layer whose experts the plan runs in FP8 at some stage pads every expert's tokens to TE's multiple
+    (see the module docstring): its experts module (and, with ``router_padding``, its token dispatcher) get a
+    shallow copy of the model's config with ``fp8`` set, which Megatron-Core reads there for that padding alone."""
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    for gpt in gpts:
+        for layer in gpt.decoder.layers:
+            mlp = layer.mlp
+            if not hasattr(mlp, "token_dispatcher"):
+                continue
+            prefix = f"decoder.layers.{layer.layer_number - 1}.mlp.experts.local_experts."
+            rows = [n for n in plan.layout.module_names if n.startswith(prefix)]
+            choices = {c for stage in _stage_choices(plan, tuple(rows)) for c in stage if c is not None}
+            if not choices:
+                continue
+            align = max(_align(c) for c in choices)
+            config = copy.copy(mlp.experts.config)
+            config.fp8, config.fp8_recipe = "e4m3", "mxfp8" if align == 32 else "tensorwise"
+            config.moe_router_padding_for_quantization = router_padding
+            mlp.experts.config = config
+            if isinstance(mlp.experts, TEGroupedMLP):
+                from transformer_engine.pytorch import Fp8Padding, Fp8Unpadding
+
+                n = mlp.experts.num_local_experts
+                mlp.experts.quantization_padding = Fp8Padding(n, align_size=align)
+                mlp.experts.quantization_unpadding = Fp8Unpadding(n, align_size=align)
+            if router_padding:
+                mlp.token_dispatcher.config = config
+
+
 def attach_te_backend(model: torch.nn.Module | list[torch.nn.Module], plan: PrecisionPlan, *,
-                      count: bool = True, recipes: dict[TERecipe, Any] | None = None) -> TEPrecision:
+                      count: bool = True, recipes: dict[TERecipe, Any] | None = None,
+                      router_padding: bool = False) -> TEPrecision:
     """Wrap the layers and TE linears of `model` (a GPTModel or this rank's pipeline chunks) in plan-driven
     autocasts; return the controller. The plan is the whole model's: each stage runs its own layers' part.
-    ``recipes``: the TE recipe objects the model's FP8 weights were quantized with (:class:`FP8ParamInit`)."""
+    ``recipes``: the TE recipe objects the model's FP8 weights were quantized with (:class:`FP8ParamInit`).
+    ``router_padding``: model ``moe_router_padding_for_quantization`` (the dispatcher pads, see the module doc)."""
     from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
 
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
@@ -144,9 +201,14 @@ def attach_te_backend(model: torch.nn.Module | list[torch.nn.Module], plan: Prec
         raise ValueError(f"te backend: the model was built with fp8={gpts[0].config.fp8!r} in its "
                          "TransformerConfig; build it without (the backend chooses each layer's autocast)")
     linears = dict(named_linear_modules(chunks))
-    if not set(linears) <= set(plan.layout.module_names):
+    grouped = grouped_expert_rows(chunks)
+    if not {grouped.get(n, (n,))[0] for n in linears} <= set(plan.layout.module_names):
         raise ValueError("te backend: the plan was made for another model layout; build the plan from "
                          "model_layout(model)")
+    problem = plan.grouped_experts_problem(grouped) if grouped else None
+    if problem is not None:
+        raise ConfigError(f"te backend: {problem}")
+    _pad_expert_tokens(gpts, plan, router_padding)
     te_linears = {n: m for n, m in linears.items() if isinstance(m, TransformerEngineBaseModule)}
     missing = [n for n in linears if plan.layout.layer_of(n) is not None and n not in te_linears]
     if missing:
@@ -175,4 +237,4 @@ def attach_te_backend(model: torch.nn.Module | list[torch.nn.Module], plan: Prec
                          f"layer_init=FP8ParamInit(plan)")
     return TEPrecision(plan, layers=layers, linears=te_linears, chunks=gpts, attention=attention,
                        amax_group=te_amax_reduction_group(plan.recipe.amax_reduction), count=count, recipes=recipes,
-                       fp8_params=fp8_params)
+                       fp8_params=fp8_params, rows={n: grouped[n] for n in te_linears if n in grouped})

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cached_property
@@ -384,6 +385,30 @@ class PrecisionPlan:
             if mp.layer is not None and mp.te is not None:
                 out.setdefault(mp.layer, mp.te)
         return dict(sorted(out.items()))
+
+    def grouped_experts_problem(self, grouped: Mapping[str, tuple[str, ...]] | None = None) -> str | None:
+        """Why Megatron-Core's grouped experts (model ``moe_grouped_gemm: true``: a layer's experts in one TE
+        GroupedLinear per fc, under one autocast) cannot run this plan on the te backend, or None. ``grouped``: each
+        grouped linear's expert rows (megatron/model.py ``grouped_expert_rows``); by default every MoE layer's
+        experts per fc (what the ranks of any expert-parallel size hold between them)."""
+        if self.te is None:
+            return None
+        if grouped is None:
+            by_fc: dict[str, list[str]] = {}
+            for name in self.layout.module_names:
+                if self.layout.expert_of(name) is not None:
+                    by_fc.setdefault(_EXPERT_RE.sub(".experts.", name), []).append(name)
+            grouped = {k: tuple(v) for k, v in by_fc.items()}
+        for name, rows in grouped.items():
+            for first, _, _ in self.stages():
+                choices = [self.at(first).modules[r].te for r in rows]
+                odd = next((r for r, c in zip(rows, choices) if c != choices[0]), None)
+                if odd is not None:
+                    return (f"{odd} runs otherwise than {rows[0]} from step {first}, and model.moe_grouped_gemm=true "
+                            f"runs a layer's experts in one TE GroupedLinear ({name}) under one recipe; give those "
+                            f"experts one policy (recipe modules: / layers.bf16_modules), or set "
+                            f"model.moe_grouped_gemm=false")
+        return None
 
     def fp8_param_problem(self) -> str | None:
         """Why ``fp8_param: true`` cannot run with this plan (one line naming the key and the fix), or None. The

@@ -193,7 +193,8 @@ def attach_te(model_cfg: dict, recipe, hardware, params_dtype: torch.dtype, devi
     fp8_param = FP8ParamInit(plan) if recipe.fp8_param else None
     chunks = build_model_chunks(model_cfg, use_te_spec=True, params_dtype=params_dtype, device=device,
                                 config_overrides=config_overrides, init_seed=init_seed, layer_init=fp8_param)
-    return chunks, plan, attach_te_backend(chunks, plan, recipes=fp8_param.recipes if fp8_param else None)
+    return chunks, plan, attach_te_backend(chunks, plan, recipes=fp8_param.recipes if fp8_param else None,
+                                           router_padding=bool(model_cfg.get("moe_router_padding_for_quantization")))
 
 
 VALID_SEED_OFFSET = 1000
@@ -278,13 +279,12 @@ def check_recompute(trainer, plan) -> None:
                            "trainer.recompute_granularity=null (or full), or recipe attention: bf16")])
 
 
-def check_moe_backend(model, plan) -> None:
-    """MoE models run on the emulated backend so far: the TE backend's per-layer autocast over Megatron-Core's TE
-    experts (TEGroupedMLP) is not wired, so a GPU run is refused in one line before anything is built."""
-    if model.get("num_moe_experts") is not None and plan.backend is Backend.TE:
-        raise ConfigError(f"model.num_moe_experts={model.get('num_moe_experts')}: Mixture-of-Experts models run on the "
-                         f"emulated backend only so far (this plan picked te: {plan.backend_reason}); add "
-                         f"+recipe.backend=emulated (and, for a BF16 run, a recipe: +recipe=bf16)")
+def check_grouped_experts(model, plan) -> None:
+    """Model ``moe_grouped_gemm: true`` on the te backend: a layer's experts share one TE recipe at every stage (one
+    GroupedLinear runs them), refused in one line before anything is built where the plan splits them."""
+    problem = plan.grouped_experts_problem() if model.get("moe_grouped_gemm") else None
+    if problem is not None:
+        raise ConfigError(f"recipe: {problem}")
 
 
 def check_fp8_param(trainer, plan) -> None:
@@ -371,7 +371,7 @@ def check_plan(trainer, model, plan) -> str | None:
     which FP8 GPU runs it, so the Slurm launchers run them too, on the submitting host, for a GPU job
     (launch/job.py). Raises the one-line error; returns the shape warning of the emulated backend, or None."""
     check_engine_backend(trainer, plan.backend)
-    check_moe_backend(model, plan)
+    check_grouped_experts(model, plan)
     check_sequence_parallel_amax(trainer, plan)
     check_recompute(trainer, plan)
     return check_fp8_shapes(trainer, model, plan)
@@ -544,7 +544,10 @@ def _warn_notices(run: _Run) -> None:
     fp8_modules = {name for first, _, _ in plan.stages(run.tcfg.max_steps)
                    for name, module in plan.at(first).modules.items() if module.any_fp8}
     start = int(run.saved["step"]) if run.saved is not None else 0
+    padding = run.cfg.model.get("moe_router_padding_for_quantization") and plan.te is None
     for line in [*model_notices(run.cfg.model, device=run.hardware.device),
+                 "model.moe_router_padding_for_quantization=true does nothing on the emulated backend (its GEMMs "
+                 "take any token count); it pads for Transformer Engine's FP8 GEMMs" if padding else None,
                  *run_notices(run.tcfg, run.recipe, run.debug, start, fp8_modules), run.shape_warning]:
         if line:
             logger.warning(line)
