@@ -19,7 +19,11 @@ due step only the first ``debug.micro_batches`` micro-batches (default 1) are me
 every operand it will get this step (the (GEMM, role) pairs its plan runs in FP8 and the config asks for) that many
 times, its observer is cleared until the next due step. Operands that never arrive (not FP8 on that path) leave it
 set; later arrivals are then skipped by a per-operand count. The rows are copied to the host once per step.
-Evaluation forwards (modules in eval mode: ``state.record_amax`` is False) are never recorded. Statistics are
+Evaluation forwards (modules in eval mode: ``state.record_amax`` is False) are never recorded, nor empty operands
+(an MoE expert the router gave no token in that micro-batch: its activations and gradients have no element, and it
+gets no activation or gradient row that step; its weights' rows stay, as the weights are quantized). Each routed
+expert's linears are modules of their own (``decoder.layers.L.mlp.experts.local_experts.E.linear_fcK``), so every
+statistic, ``scale_ratio`` (delayed vs current scale) included, is per expert GEMM. Statistics are
 computed on every rank (a tensorwise amax reduction is a collective) and, under tensor or context parallelism,
 merged over the ranks that hold the other parts of the same tensor (:class:`ShardGroups`: one all-gather of the
 step's numbers per group), so a row describes the whole operand; the first rank of each pipeline stage writes them.
@@ -167,6 +171,8 @@ class NumericsRecorder:
         """`quantized`: the Quantized `fq_x` came from, when the backend has it (its scales are then reused).
         `fq_x` None: the backend did not quantize; the recorder does, with ``state.scalers`` (see measure())."""
         if not state.record_amax:  # an evaluation forward: the model is in eval mode
+            return
+        if hp_x.numel() == 0:  # an expert the router gave no token: nothing quantized, so no row (not one of NaNs)
             return
         t0 = time.perf_counter()
         try:
