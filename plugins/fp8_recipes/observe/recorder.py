@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from fp8_recipes.observe.config import DebugConfig
+from fp8_recipes.observe.heatmap import plot_heatmap
 from fp8_recipes.numerics import Quantized, block_for, dequantize, quantize
 from fp8_recipes.observe.stats import COLUMNWISE, OperandStats, measure, rows as stats_rows
 from fp8_recipes.plan.precision import ROW_PARALLEL, Gemm
@@ -405,33 +406,6 @@ def load_dump(path: str | os.PathLike) -> dict[str, Any]:
                   e8m0=d["e8m0"])
     d["dequantized"] = dequantize(q)
     return d
-
-
-def plot_heatmap(heat: dict[str, dict[int, float]], path: Path, what: str = "underflow % of fprop activations"):
-    """Modules (rows, model order) x recorded steps (columns), colour = `what`."""
-    import matplotlib
-    matplotlib.use("Agg")  # no display on cluster nodes; must precede pyplot's import
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    modules = list(heat)
-    steps = sorted({s for per in heat.values() for s in per})
-    grid = np.full((len(modules), len(steps)), np.nan)
-    for i, m in enumerate(modules):
-        for j, s in enumerate(steps):
-            grid[i, j] = heat[m].get(s, np.nan)
-    fig, ax = plt.subplots(figsize=(min(4 + 0.35 * len(steps), 16), min(2 + 0.3 * len(modules), 20)), dpi=110)
-    im = ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest")
-    ax.set_yticks(range(len(modules)), [m.removeprefix("decoder.") for m in modules], fontsize=7)
-    ticks = list(range(0, len(steps), max(1, len(steps) // 12)))
-    ax.set_xticks(ticks, [str(steps[j]) for j in ticks], fontsize=7)
-    ax.set_xlabel("step")
-    ax.set_title(what, fontsize=9)
-    fig.colorbar(im, ax=ax, label="%")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
 
 
 def _add_scalars(writer, scalars: dict[str, float], step: int) -> None:
