@@ -118,6 +118,9 @@ def expert_heatmap(run_dir: str | os.PathLike, stat: str = "scale_gap", role: st
         raise ValueError(f"--stat {stat}: '{run_dir}' has no numerics.jsonl (train with ++debug.interval=N), or "
                          f"plot --stat tokens")
     grid = expert_grid(numerics, read_jsonl(run_dir / ROUTING), stat, role)
+    if not any(grid.values()):
+        raise ValueError(f"--stat {stat}: '{run_dir}' has no {stat} of the experts' {role} to plot (a delayed "
+                         f"operand's first row is left out: record more steps, or pick another --stat or --role)")
     path = Path(out) if out is not None else run_dir / f"experts_{stat}.png"
     what = EXPERT_STATS[stat] if stat in ("tokens", "weight") else f"{stat} of the experts' {role}"
     return plot_heatmap(grid, path, what=f"{what} (experts x steps)", unit=EXPERT_STATS[stat], strip="")
