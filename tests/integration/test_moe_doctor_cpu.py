@@ -25,9 +25,6 @@ shift); layer 1 expert 2 under current scaling has no scale gap by construction 
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -39,7 +36,8 @@ from fp8_recipes.observe.doctor_findings import LIMITS, SCALE_RATIO_HIGH
 from fp8_recipes.observe.doctor_report import load_run
 from fp8_recipes.recipe.pack import load_recipe
 from fp8_recipes.rundir import read_jsonl, read_numerics
-from test_train_cpu import ROOT, dataset, small_run  # noqa: F401  (the shared dataset fixture)
+from test_doctor_runs import train_planted
+from test_train_cpu import dataset, small_run  # noqa: F401  (the shared dataset fixture)
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -98,22 +96,8 @@ if os.environ.get("FP8_TEST_ROUTING_SHIFT") or os.environ.get("FP8_TEST_STARVE")
 
 
 def _train(root: Path, runs: dict[str, tuple[list[str], dict[str, str]]], dataset: list[str]) -> dict[str, Path]:  # noqa: F811
-    """Start every run at once (one thread each); {name: run_dir} once all have finished (each must exit 0)."""
-    hook = root / "hook"
-    hook.mkdir(exist_ok=True)
-    (hook / "sitecustomize.py").write_text(ROUTER_HOOK)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", *PLANTS)}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(hook), env.get("PYTHONPATH", "")]).rstrip(
-        os.pathsep))
-    procs = {}
-    for name, (overrides, extra) in runs.items():
-        cmd = [sys.executable, "scripts/train.py", *dataset, *small_run(root / name, steps=STEPS), *MOE, *overrides]
-        procs[name] = subprocess.Popen(cmd, cwd=ROOT, env={**env, **extra}, stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT, text=True)
-    for name, proc in procs.items():
-        out, _ = proc.communicate(timeout=600)
-        assert proc.returncode == 0, (name, out[-4000:])
-    return {name: root / name for name in runs}
+    return train_planted(root, runs, ROUTER_HOOK,
+                         lambda run_dir: [*dataset, *small_run(run_dir, steps=STEPS), *MOE])
 
 
 @pytest.fixture(scope="module")
