@@ -15,8 +15,8 @@
                                                   a checkpoint as a Hugging Face Llama checkpoint (docs/handoff.md)
 
 User errors end in one line on stderr and a non-zero exit code, never a traceback. What the recipe commands
-(list, show, validate, explain) share is imported at the top; memory, doctor, heatmap and export import their own machinery
-inside their command, so a recipe command does not pay for it (export's is torch and Megatron-Core).
+(list, show, validate, explain) share is imported at the top; memory, doctor, heatmap and export import their own
+machinery inside their command, so a recipe command does not pay for it (export's is torch and Megatron-Core).
 """
 
 from __future__ import annotations
