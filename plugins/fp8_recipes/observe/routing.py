@@ -87,8 +87,9 @@ class RoutingRecorder:
             counts = self._counts.setdefault(layer, torch.zeros(self.experts, dtype=torch.long))
             counts.index_add_(0, indices, tokens)
             probs = args[2] if len(args) > 2 else None  # permuted_probs: one per routed token, expert by expert
-            if torch.is_tensor(probs) and probs.numel() == int(tokens.sum()):  # (on its device: no sync here)
-                owner = indices.to(probs.device).repeat_interleave(tokens.to(probs.device))
+            routed = int(tokens.sum())  # (host counts: the output size below needs no device sync)
+            if torch.is_tensor(probs) and probs.numel() == routed:  # summed on its device
+                owner = indices.to(probs.device).repeat_interleave(tokens.to(probs.device), output_size=routed)
                 weights = self._weights.get(layer)
                 if weights is None:
                     weights = self._weights[layer] = torch.zeros(self.experts, dtype=torch.float64, device=probs.device)
