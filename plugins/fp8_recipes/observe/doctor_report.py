@@ -93,8 +93,8 @@ def patched_recipe(d: Diagnosis) -> dict[str, Any] | None:
                 node[leaf] = value
     name = str(out.get("name", "recipe"))
     out["name"] = name if name.endswith("-doctor") else f"{name}-doctor"
-    out["description"] = f"{out.get('description') or name}; doctor: " + ", ".join(
-        k for p in applied for k, v in p.changes.items() if v is not None)
+    out["description"] = f"{out.get('description') or name}; doctor: " + ", ".join(dict.fromkeys(
+        k for p in applied for k, v in p.changes.items() if v is not None))  # (each key once: modules: per expert)
     Recipe.from_dict(out)  # every proposal must keep the recipe valid
     return out
 
