@@ -9,12 +9,14 @@
     fp8-recipes memory llama3-70b --layout tp=4,pp=4,cp=2,dp=4 --fp8   estimated memory per GPU
     fp8-recipes doctor RUN_DIR --baseline BF16_RUN [--baseline BF16_OTHER_SEED ...] --write fixed.yaml
                                                   diagnose a run: exit 0 healthy, 1 problem found, 2 bad input
+    fp8-recipes heatmap RUN_DIR --stat scale_gap    an MoE run's experts x steps (tokens, weight, underflow_pct,
+                                                  scale_gap) as experts_<stat>.png in the run directory
     fp8-recipes export RUN_DIR --to hf OUT --dtype fp8 --block 128x128
                                                   a checkpoint as a Hugging Face Llama checkpoint (docs/handoff.md)
 
 User errors end in one line on stderr and a non-zero exit code, never a traceback. What the recipe commands
-(list, show, validate, explain) share is imported at the top; memory, doctor and export import their own machinery
-inside their command, so a recipe command does not pay for it (export's is torch and Megatron-Core).
+(list, show, validate, explain) share is imported at the top; memory, doctor, heatmap and export import their own
+machinery inside their command, so a recipe command does not pay for it (export's is torch and Megatron-Core).
 """
 
 from __future__ import annotations
@@ -146,6 +148,14 @@ def _cmd_doctor(args) -> int:
     return 0 if diagnosis.healthy else 1
 
 
+def _cmd_heatmap(args) -> int:
+    # this command's own (module docstring): matplotlib
+    from fp8_recipes.observe.heatmap import expert_heatmap
+
+    print(expert_heatmap(args.run_dir, stat=args.stat, role=args.role, out=args.out))
+    return 0
+
+
 def _cmd_export(args) -> int:
     # this command's own (module docstring): torch and Megatron-Core
     from fp8_recipes.training.hf import export_hf, parse_block
@@ -203,6 +213,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "seeds (the first is the run's own): their spread is the noise floor a loss gap must exceed")
     d.add_argument("--write", metavar="PATH", help="write the recipe with the proposals applied (validated)")
     d.set_defaults(fn=_cmd_doctor)
+    h = sub.add_parser("heatmap", help="an MoE run's experts x steps heat map (PNG; routing.jsonl, numerics.jsonl)")
+    h.add_argument("run_dir", metavar="RUN_DIR", help="a scripts/train.py run directory of an MoE model")
+    h.add_argument("--stat", default="scale_gap", choices=["tokens", "weight", "underflow_pct", "scale_gap"],
+                   help="tokens / mean routing weight per expert (every step), or its linears' worst underflow %% "
+                   "or |log2(delayed / current scale)| (statistics steps; default scale_gap)")
+    h.add_argument("--role", default="activations", choices=["activations", "weights", "gradients"],
+                   help="the operand role of --stat underflow_pct / scale_gap (default activations)")
+    h.add_argument("--out", metavar="PATH", default=None, help="the PNG to write (default RUN_DIR/experts_STAT.png)")
+    h.set_defaults(fn=_cmd_heatmap)
     x = sub.add_parser("export", help="write a checkpoint as a Hugging Face Llama checkpoint (BF16 or FP8 with "
                        "scales; docs/handoff.md)")
     x.add_argument("source", metavar="RUN_DIR|STEP_DIR", help="a scripts/train.py run dir (its latest checkpoint) "

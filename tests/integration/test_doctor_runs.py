@@ -91,17 +91,25 @@ PLANS = {
 
 
 def _train(root: Path, runs: dict[str, tuple[list[str], dict[str, str]]], dataset: list[str]) -> dict[str, Path]:  # noqa: F811
-    """Start every run at once; {name: run_dir} once all have finished (each must exit 0)."""
+    return train_planted(root, runs, FAULT_HOOK, lambda run_dir: [
+        *dataset, *small_run(run_dir, steps=STEPS), "trainer.eval_interval=40", "trainer.eval_iters=2"])
+
+
+def train_planted(root: Path, runs: dict[str, tuple[list[str], dict[str, str]]], hook_text: str,
+                  args) -> dict[str, Path]:
+    """Start every run at once (scripts/train.py with `args(run_dir)`, then the run's overrides; one thread each,
+    `hook_text` as the sitecustomize that plants the faults, the run's own environment on top); {name: run_dir}
+    once all have finished (each must exit 0)."""
     hook = root / "hook"
     hook.mkdir(exist_ok=True)
-    (hook / "sitecustomize.py").write_text(FAULT_HOOK)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    (hook / "sitecustomize.py").write_text(hook_text)
+    planted = {k for _, extra in runs.values() for k in extra}  # (never inherited: a run without them has none)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", *planted)}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(hook), env.get("PYTHONPATH", "")]).rstrip(
         os.pathsep))
     procs = {}
     for name, (overrides, extra) in runs.items():
-        cmd = [sys.executable, "scripts/train.py", *dataset, *small_run(root / name, steps=STEPS),
-               "trainer.eval_interval=40", "trainer.eval_iters=2", *overrides]
+        cmd = [sys.executable, "scripts/train.py", *args(root / name), *overrides]
         procs[name] = subprocess.Popen(cmd, cwd=ROOT, env={**env, **extra}, stdout=subprocess.PIPE,
                                        stderr=subprocess.STDOUT, text=True)
     for name, proc in procs.items():

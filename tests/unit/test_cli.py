@@ -34,6 +34,7 @@ SURFACE = {
                            "--layout", "--main-params-dtype", "--mbs", "--microbatches", "--precision-aware-optimizer",
                            "--replicated-optimizer", "--seq"]),
     "doctor": (["run_dir"], ["--baseline", "--write"]),
+    "heatmap": (["run_dir"], ["--out", "--role", "--stat"]),
     "export": (["out", "source"], ["--block", "--dtype", "--to"]),
 }
 

@@ -24,6 +24,10 @@ Verdicts (one per run, the first that applies):
 ``spikes``               loss or grad-norm spikes: a value above the running median of the previous
                          :data:`WINDOW` accepted steps by more than ``max(REL x median, Z x robust sigma)``; with a
                          baseline, only those the baseline does not share at the same steps (:func:`_match_baseline`)
+``stale_expert_scales``  none of the above, but an MoE expert's delayed scale stays far from its current one and its
+                         routing rows say why (a routing shift, or a starved expert:
+                         :mod:`~fp8_recipes.observe.doctor_experts`): the loss may not show it yet (the expert's
+                         output is weighted by its routing probability), its FP8 values are lost all the same
 ``healthy``              none of the above; also spikes in a run without FP8 (its own, noted)
 
 The onset is the earliest anomaly kept after the baseline filter (a kept spike, the divergence, the gap's
@@ -48,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fp8_recipes.observe.doctor_experts import ExpertCause, expert_causes, expert_of, expert_proposals
 from fp8_recipes.observe.doctor_findings import Finding, find_problems
 from fp8_recipes.observe.doctor_gap import LossGap, loss_gap, missing_steps
 from fp8_recipes.observe.doctor_remedies import Proposal, propose, warmup_proposal
@@ -89,6 +94,8 @@ class RunData:
     """metrics.jsonl rows of kind "eval" (val_loss), in step order."""
     recipe_problem: str = ""
     """Why recipe.yaml did not validate (its first problem), empty when it did or is absent."""
+    routing: list[dict[str, Any]] = field(default_factory=list)
+    """routing.jsonl rows of an MoE run (tokens and mean routing weight per expert, per step and MoE layer)."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +128,8 @@ class Diagnosis:
     """Spikes the baseline has at the same steps: not counted."""
     onset: int | None = None
     """The earliest anomaly kept after the baseline filter (None when healthy)."""
+    experts: list[ExpertCause] = field(default_factory=list)
+    """MoE experts whose delayed scales are far from their current ones, with the cause (routing shift, starved)."""
 
     @property
     def healthy(self) -> bool:
@@ -313,7 +322,15 @@ def diagnose(run: RunData, baseline: RunData | None = None, seeds: Sequence[RunD
         verdict = "spikes" if spikes and fp8 else "healthy"
     d = Diagnosis(run, verdict, "", spikes=spikes, baseline=baseline, seeds=list(seeds), gap=gap, shared=shared)
     d.findings = find_problems(run.numerics)
+    d.experts = expert_causes(d.findings, run.numerics, run.routing) if _has_fp8(run.recipe) else []
     d.notes += _input_notes(d)
+    if verdict == "healthy" and d.experts:  # the loss does not show it (yet): the experts' own remedies only
+        d.verdict = "stale_expert_scales"
+        d.summary = (f"{len(d.experts)} expert(s) with a delayed scale far from the current one: "
+                     + "; ".join(f"layer {c.layer} expert {c.expert} ({c.cause.replace('_', ' ')} at step {c.step})"
+                                 for c in d.experts))
+        d.proposals = expert_proposals(d.experts, run.recipe) if run.recipe is not None else []
+        return d
     if verdict == "healthy":
         d.summary = _healthy_summary(d)
         d.notes += _healthy_notes(d, fp8)
@@ -340,7 +357,11 @@ def diagnose(run: RunData, baseline: RunData | None = None, seeds: Sequence[RunD
     blind = baseline is None and div is not None and early  # everything explodes: findings are consequences
     if not blind:  # after a divergence, the numbers are its consequences: the causes are in the steps up to it
         causes = find_problems(run.numerics, _first_recorded(run.numerics, onset)) if div else d.findings
-        d.proposals = propose(causes, run.recipe, run.numerics)
+        experts = expert_causes(causes, run.numerics, run.routing) if div else d.experts
+        mine = {c.prefix for c in experts}  # those experts' findings get their own remedy, not a role's
+        causes = [f for f in causes if (expert_of(f.module) or ("",))[0] not in mine]
+        d.proposals = (expert_proposals(experts, run.recipe) if run.recipe is not None else []) + propose(
+            causes, run.recipe, run.numerics)
     if (blind or early) and run.recipe is not None:
         d.proposals.append(warmup_proposal(run.recipe, onset, total))
     if not d.proposals:

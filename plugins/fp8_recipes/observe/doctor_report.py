@@ -17,10 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from fp8_recipes.observe.doctor import Diagnosis, DoctorInputError, Finding, RunData
+from fp8_recipes.observe.doctor_experts import describe_modules
 from fp8_recipes.rundir import (
     METRICS,
     RECIPE,
+    ROUTING,
     RunFileError,
+    read_jsonl,
     read_metrics,
     read_numerics,
     read_recipe,
@@ -43,6 +46,7 @@ def load_run(run_dir: str | Path, key: str = "RUN_DIR") -> RunData:
     try:
         rows = read_metrics(path)
         numerics = read_numerics(path)
+        routing = read_jsonl(path / ROUTING) if (path / ROUTING).is_file() else []  # an MoE run's
     except RunFileError as e:
         raise DoctorInputError(f"{key}: {e}; give a run directory written by scripts/train.py") from None
     stepless = next((i for i, r in enumerate(rows, 1) if r.get("kind") in ("train", "eval")
@@ -65,7 +69,7 @@ def load_run(run_dir: str | Path, key: str = "RUN_DIR") -> RunData:
         except RecipeError as e:
             problem = e.problems[0] + (f"; +{len(e.problems) - 1} more" if len(e.problems) > 1 else "")
     summary = read_summary(path)  # {} for a run killed while writing it: the metrics rows say enough
-    return RunData(path, train, numerics, recipe, summary, evals, recipe_problem=problem)
+    return RunData(path, train, numerics, recipe, summary, evals, recipe_problem=problem, routing=routing)
 
 
 def patched_recipe(d: Diagnosis) -> dict[str, Any] | None:
@@ -83,12 +87,14 @@ def patched_recipe(d: Diagnosis) -> dict[str, Any] | None:
                 node = node.setdefault(k, {})
             if value is None:
                 node.pop(leaf, None)
+            elif dotted == "modules":  # new patterns first (the first match wins), the recipe's after them
+                node[leaf] = {**value, **{k: v for k, v in (node.get(leaf) or {}).items() if k not in value}}
             else:
                 node[leaf] = value
     name = str(out.get("name", "recipe"))
     out["name"] = name if name.endswith("-doctor") else f"{name}-doctor"
-    out["description"] = f"{out.get('description') or name}; doctor: " + ", ".join(
-        k for p in applied for k, v in p.changes.items() if v is not None)
+    out["description"] = f"{out.get('description') or name}; doctor: " + ", ".join(dict.fromkeys(
+        k for p in applied for k, v in p.changes.items() if v is not None))  # (each key once: modules: per expert)
     Recipe.from_dict(out)  # every proposal must keep the recipe valid
     return out
 
@@ -148,10 +154,17 @@ def format_report(d: Diagnosis, max_findings: int = 8) -> str:
                                                                    + rows[:max_findings])
         if len(rows) > max_findings:
             lines.append(f"  ... {len(rows) - max_findings} more")
+    if d.experts:
+        lines += ["", "experts (worst first)"] + _table(
+            [["layer", "expert", "cause", "from step", "roles", "evidence"]]
+            + [[str(c.layer), str(c.expert), c.cause, str(c.step), ",".join(c.roles),
+                f"{c.evidence}; {c.worst.module.rsplit('.', 1)[-1]} {c.worst.gemm}: {c.worst.text}"]
+               for c in d.experts])
     if d.proposals:
         lines += ["", "proposals (* = applied by --write)"]
         for p in d.proposals:
-            change = ", ".join(f"{k}: {_show(v)}" for k, v in p.changes.items() if v is not None)
+            change = ", ".join(f"modules: {describe_modules(v)}" if k == "modules" else f"{k}: {_show(v)}"
+                               for k, v in p.changes.items() if v is not None)
             lines.append(f"  {' ' if p.alternative else '*'} {change}")
             lines.append(f"      {p.reason}")
     lines += [f"note      {n}" for n in d.notes]

@@ -19,7 +19,11 @@ due step only the first ``debug.micro_batches`` micro-batches (default 1) are me
 every operand it will get this step (the (GEMM, role) pairs its plan runs in FP8 and the config asks for) that many
 times, its observer is cleared until the next due step. Operands that never arrive (not FP8 on that path) leave it
 set; later arrivals are then skipped by a per-operand count. The rows are copied to the host once per step.
-Evaluation forwards (modules in eval mode: ``state.record_amax`` is False) are never recorded. Statistics are
+Evaluation forwards (modules in eval mode: ``state.record_amax`` is False) are never recorded, nor empty operands
+(an MoE expert the router gave no token in that micro-batch: its activations and gradients have no element, and it
+gets no activation or gradient row that step; its weights' rows stay, as the weights are quantized). Each routed
+expert's linears are modules of their own (``decoder.layers.L.mlp.experts.local_experts.E.linear_fcK``), so every
+statistic, ``scale_ratio`` (delayed vs current scale) included, is per expert GEMM. Statistics are
 computed on every rank (a tensorwise amax reduction is a collective) and, under tensor or context parallelism,
 merged over the ranks that hold the other parts of the same tensor (:class:`ShardGroups`: one all-gather of the
 step's numbers per group), so a row describes the whole operand; the first rank of each pipeline stage writes them.
@@ -49,6 +53,7 @@ from typing import Any
 import torch
 
 from fp8_recipes.observe.config import DebugConfig
+from fp8_recipes.observe.heatmap import plot_heatmap
 from fp8_recipes.numerics import Quantized, block_for, dequantize, quantize
 from fp8_recipes.observe.stats import COLUMNWISE, OperandStats, measure, rows as stats_rows
 from fp8_recipes.plan.precision import ROW_PARALLEL, Gemm
@@ -167,6 +172,8 @@ class NumericsRecorder:
         """`quantized`: the Quantized `fq_x` came from, when the backend has it (its scales are then reused).
         `fq_x` None: the backend did not quantize; the recorder does, with ``state.scalers`` (see measure())."""
         if not state.record_amax:  # an evaluation forward: the model is in eval mode
+            return
+        if hp_x.numel() == 0:  # an expert the router gave no token: nothing quantized, so no row (not one of NaNs)
             return
         t0 = time.perf_counter()
         try:
@@ -399,33 +406,6 @@ def load_dump(path: str | os.PathLike) -> dict[str, Any]:
                   e8m0=d["e8m0"])
     d["dequantized"] = dequantize(q)
     return d
-
-
-def plot_heatmap(heat: dict[str, dict[int, float]], path: Path, what: str = "underflow % of fprop activations"):
-    """Modules (rows, model order) x recorded steps (columns), colour = `what`."""
-    import matplotlib
-    matplotlib.use("Agg")  # no display on cluster nodes; must precede pyplot's import
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    modules = list(heat)
-    steps = sorted({s for per in heat.values() for s in per})
-    grid = np.full((len(modules), len(steps)), np.nan)
-    for i, m in enumerate(modules):
-        for j, s in enumerate(steps):
-            grid[i, j] = heat[m].get(s, np.nan)
-    fig, ax = plt.subplots(figsize=(min(4 + 0.35 * len(steps), 16), min(2 + 0.3 * len(modules), 20)), dpi=110)
-    im = ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest")
-    ax.set_yticks(range(len(modules)), [m.removeprefix("decoder.") for m in modules], fontsize=7)
-    ticks = list(range(0, len(steps), max(1, len(steps) // 12)))
-    ax.set_xticks(ticks, [str(steps[j]) for j in ticks], fontsize=7)
-    ax.set_xlabel("step")
-    ax.set_title(what, fontsize=9)
-    fig.colorbar(im, ax=ax, label="%")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
 
 
 def _add_scalars(writer, scalars: dict[str, float], step: int) -> None:

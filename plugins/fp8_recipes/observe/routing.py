@@ -6,13 +6,21 @@
     routing.close()
 
 ``routing.jsonl`` in the run directory: one row per training step and MoE layer,
-``{"step": N, "layer": L, "tokens": [t_0, ..., t_E-1], "imbalance": max / mean, "idle": experts with no token}``,
-experts by global number. Counted from what Megatron-Core hands each MoE layer's experts module (its
+``{"step": N, "layer": L, "tokens": [t_0, ..., t_E-1], "imbalance": max / mean, "idle": experts with no token,
+"weight": [w_0, ..., w_E-1], "z_loss": z}``, experts by global number. ``weight`` is the mean routing probability of
+the tokens each expert received (null for an idle one): Megatron-Core multiplies an expert's SwiGLU output by it, so
+it sets the scale of the expert's fc2 input and of its fc1 gradients, and a change in it is a routing shift the
+delayed scales of those operands must follow. ``z_loss`` is Megatron-Core's router z-loss before its coefficient,
+mean over the step's tokens of logsumexp(logits)^2 (``z_loss_func``), from the logits the router hands its routing
+(the router's ``routing`` is wrapped on the instance, so the logits are not computed twice).
+
+Counted from what Megatron-Core hands each MoE layer's experts module (its
 ``tokens_per_expert`` argument: SequentialMLP's and TE's grouped experts' alike), summed over the step's
 micro-batches; training forwards only (evaluation runs without gradients) and once under activation recompute
 (Megatron-Core's first, gradient-free pass is not counted, its replay is). The counts are this rank's tokens: on
 several data-parallel ranks the first one's share of the batch, as for the numerics rows. Cost: one small integer
-tensor per MoE layer and micro-batch, copied to the host once per step.
+tensor per MoE layer and micro-batch (copied to the host as Megatron-Core hands it); the weights and the z-loss
+are summed on the device and copied once per step.
 """
 
 from __future__ import annotations
@@ -28,11 +36,18 @@ from fp8_recipes.rundir import ROUTING, jsonable
 __all__ = ["RoutingRecorder", "routing_row"]
 
 
-def routing_row(step: int, layer: int, tokens: list[int]) -> dict[str, Any]:
-    """One row: the counts, their max over their mean (1.0 = perfectly balanced), the experts without a token."""
+def routing_row(step: int, layer: int, tokens: list[int], weights: list[float] | None = None,
+                z_loss: float | None = None) -> dict[str, Any]:
+    """One row: the counts, their max over their mean (1.0 = perfectly balanced), the experts without a token;
+    with `weights` (each expert's summed routing probabilities) their mean per token, and the router z-loss."""
     mean = sum(tokens) / len(tokens)
-    return {"step": step, "layer": layer, "tokens": tokens, "imbalance": max(tokens) / mean if mean else 0.0,
-            "idle": sum(1 for t in tokens if t == 0)}
+    row = {"step": step, "layer": layer, "tokens": tokens, "imbalance": max(tokens) / mean if mean else 0.0,
+           "idle": sum(1 for t in tokens if t == 0)}
+    if weights is not None:
+        row["weight"] = [w / t if t else None for w, t in zip(weights, tokens)]
+    if z_loss is not None:
+        row["z_loss"] = z_loss
+    return row
 
 
 class RoutingRecorder:
@@ -42,8 +57,14 @@ class RoutingRecorder:
         self.experts, self.write = experts, write
         self.path = Path(run_dir) / ROUTING
         self._counts: dict[int, torch.Tensor] = {}
+        self._weights: dict[int, torch.Tensor] = {}  # layer -> per expert, the summed routing probabilities
+        self._z: dict[int, tuple[Any, int]] = {}  # layer -> (sum over tokens of logsumexp(logits)^2, tokens)
         self._step: int | None = None
         self._hooks = [moe.experts.register_forward_pre_hook(self._hook(layer, moe)) for layer, moe in layers.items()]
+        self._routers = [moe.router for moe in layers.values() if hasattr(moe, "router")]
+        for layer, moe in layers.items():
+            if hasattr(moe, "router"):
+                moe.router.routing = self._z_loss(layer, moe.router.routing)
 
     @classmethod
     def attach(cls, layers: dict[int, torch.nn.Module], run_dir: str | Path, *,
@@ -65,7 +86,28 @@ class RoutingRecorder:
             tokens = torch.as_tensor(tokens).detach().to("cpu", torch.long)  # (a list on some dispatchers)
             counts = self._counts.setdefault(layer, torch.zeros(self.experts, dtype=torch.long))
             counts.index_add_(0, indices, tokens)
+            probs = args[2] if len(args) > 2 else None  # permuted_probs: one per routed token, expert by expert
+            routed = int(tokens.sum())  # (host counts: the output size below needs no device sync)
+            if torch.is_tensor(probs) and probs.numel() == routed:  # summed on its device
+                owner = indices.to(probs.device).repeat_interleave(tokens.to(probs.device), output_size=routed)
+                weights = self._weights.get(layer)
+                if weights is None:
+                    weights = self._weights[layer] = torch.zeros(self.experts, dtype=torch.float64, device=probs.device)
+                weights.index_add_(0, owner, probs.detach().reshape(-1).double())
         return count
+
+    def _z_loss(self, layer: int, routing):
+        """The router's bound ``routing(logits, ...)``, also summing logsumexp(logits)^2 over the tokens (training
+        forwards with gradients only, as the token counts)."""
+
+        def wrapped(logits, *args, **kwargs):
+            if routing.__self__.training and torch.is_grad_enabled():
+                flat = logits.detach().reshape(-1, logits.shape[-1]).float()
+                z = torch.logsumexp(flat, dim=-1).square().sum()  # on the logits' device: read at flush
+                total, n = self._z.get(layer, (0.0, 0))
+                self._z[layer] = (total + z, n + flat.shape[0])
+            return routing(logits, *args, **kwargs)
+        return wrapped
 
     def begin_step(self, step: int) -> None:
         """Write the finished step's rows (0-based ``step`` starts; rows count steps from 1, as metrics.jsonl)."""
@@ -75,8 +117,13 @@ class RoutingRecorder:
     def flush(self) -> None:
         if self._step is None or not self._counts:
             return
-        rows = [routing_row(self._step + 1, layer, counts.tolist()) for layer, counts in sorted(self._counts.items())]
-        self._counts = {}
+        rows = []
+        for layer, counts in sorted(self._counts.items()):
+            weights, z = self._weights.get(layer), self._z.get(layer)
+            rows.append(routing_row(self._step + 1, layer, counts.tolist(),
+                                    None if weights is None else weights.tolist(),
+                                    None if z is None or not z[1] else float(z[0]) / z[1]))
+        self._counts, self._weights, self._z = {}, {}, {}
         if self.write:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "a", encoding="utf-8") as f:  # append: a resumed run continues
@@ -86,5 +133,7 @@ class RoutingRecorder:
         self.flush()
         for hook in self._hooks:
             hook.remove()
-        self._hooks = []
+        for router in self._routers:
+            router.__dict__.pop("routing", None)  # the class's own method again
+        self._hooks, self._routers = [], []
 

@@ -504,12 +504,11 @@ class PrecisionPlan:
 
     def module_override(self, name: str) -> ModulePolicies | None:
         """The recipe's first ``modules:`` entry whose pattern matches ``name``, else None."""
-        return next((m for m in self.recipe.modules if fnmatch.fnmatchcase(name, m.pattern)), None)
+        return self.recipe.module_override(name)
 
     def module_policies(self, name: str) -> dict[Role, TensorPolicy]:
         """The policy each role runs under in module ``name``: its ``modules:`` override's, else the recipe's."""
-        override = self.module_override(name)
-        return {r: (override.policy(r) if override else None) or self.recipe.policy(r) for r in ROLES}
+        return {r: self.recipe.module_policy(name, r) for r in ROLES}
 
     def module_policy(self, name: str, role: Role) -> TensorPolicy:
         return self.module_policies(name)[role]

@@ -13,6 +13,7 @@ This module imports only checks.py (the shared key checks), nothing else of ours
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -276,6 +277,15 @@ class Recipe:
 
     def policy(self, role: Role | str) -> TensorPolicy:
         return getattr(self, str(role))
+
+    def module_override(self, name: str) -> ModulePolicies | None:
+        """The first ``modules:`` entry whose pattern matches module ``name`` (fnmatch, case-sensitive), else None."""
+        return next((m for m in self.modules if fnmatch.fnmatchcase(name, m.pattern)), None)
+
+    def module_policy(self, name: str, role: Role | str) -> TensorPolicy:
+        """The policy `role` runs under in module ``name``: its ``modules:`` override's, else the recipe's."""
+        override = self.module_override(name)
+        return (override.policy(Role(role)) if override else None) or self.policy(role)
 
     @property
     def is_fp8(self) -> bool:

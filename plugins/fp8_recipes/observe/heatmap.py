@@ -1,0 +1,126 @@
+"""Heat maps of a run: modules x steps (the recorder's ``numerics_underflow.png``) and MoE experts x steps.
+
+    plot_heatmap({module: {step: value}}, path)                 # what the recorder writes when a run closes
+    expert_heatmap(run_dir, stat="scale_gap", out=None)         # `fp8-recipes heatmap RUN_DIR --stat scale_gap`
+
+The expert view has one row per routed expert (``L<layer> E<expert>``, layers then experts in order) and one column
+per recorded step, from the run's numerics.jsonl and routing.jsonl (:data:`EXPERT_STATS`):
+
+==============  =======================================================================================
+tokens          the tokens the expert received that step (routing.jsonl; every training step)
+weight          their mean routing weight (routing.jsonl)
+underflow_pct   % of its non-zero values lost to zero, worst of its two linears, for `role` (numerics)
+scale_gap       how far its delayed scale is from the current one, |log2(delayed / current)|, worst of its
+                linears and GEMMs for `role` (numerics; 0 = the scale current scaling would pick; 6 = 64x)
+==============  =======================================================================================
+
+A blank cell is a step without a value: an expert with no token (no activation or gradient row), a step without
+statistics, a scale gap under current scaling (there is none) or a delayed operand's first row (its scale is 1
+from an empty history, as in TE: the doctor leaves it out too). Imports matplotlib (and numpy) only, where it
+plots.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+__all__ = ["EXPERT_STATS", "expert_grid", "expert_heatmap", "plot_heatmap"]
+
+EXPERT_STATS = {"tokens": "tokens", "weight": "mean routing weight", "underflow_pct": "%",
+                "scale_gap": "|log2(delayed / current scale)|"}
+"""The expert view's statistics -> the colour bar's label."""
+
+
+def plot_heatmap(heat: dict[str, dict[int, float]], path: Path, what: str = "underflow % of fprop activations",
+                 unit: str = "%", strip: str = "decoder."):
+    """Rows (in the mapping's order) x steps (columns), colour = `what`; blank where a row has no value."""
+    import matplotlib
+    matplotlib.use("Agg")  # no display on cluster nodes; must precede pyplot's import
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    modules = list(heat)
+    steps = sorted({s for per in heat.values() for s in per})
+    grid = np.full((len(modules), len(steps)), np.nan)
+    for i, m in enumerate(modules):
+        for j, s in enumerate(steps):
+            grid[i, j] = heat[m].get(s, np.nan)
+    fig, ax = plt.subplots(figsize=(min(4 + 0.35 * len(steps), 16), min(2 + 0.3 * len(modules), 20)), dpi=110)
+    im = ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest")
+    ax.set_yticks(range(len(modules)), [m.removeprefix(strip) for m in modules], fontsize=7)
+    ticks = list(range(0, len(steps), max(1, len(steps) // 12)))
+    ax.set_xticks(ticks, [str(steps[j]) for j in ticks], fontsize=7)
+    ax.set_xlabel("step")
+    ax.set_title(what, fontsize=9)
+    fig.colorbar(im, ax=ax, label=unit)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _expert_label(layer: int, expert: int) -> str:
+    return f"L{layer} E{expert}"
+
+
+def expert_grid(numerics: list[dict[str, Any]], routing: list[dict[str, Any]], stat: str = "scale_gap",
+                role: str = "activations") -> dict[str, dict[int, float]]:
+    """{"L<layer> E<expert>": {step: value}} for :func:`plot_heatmap` (see the module docstring); every expert of
+    the routing rows has a row, even one without a value."""
+    from fp8_recipes.observe.doctor_experts import expert_of  # (pure: no torch)
+    from fp8_recipes.observe.doctor_findings import _usable_rows
+
+    if stat not in EXPERT_STATS:
+        raise ValueError(f"--stat: {stat!r} is not one of {' | '.join(EXPERT_STATS)}")
+    grid: dict[tuple[int, int], dict[int, float]] = defaultdict(dict)
+    for r in routing:
+        values = r.get("tokens") if stat in ("tokens", "scale_gap", "underflow_pct") else r.get("weight")
+        for e, v in enumerate(values or []):
+            cell = grid[(int(r["layer"]), e)]
+            if stat in ("tokens", "weight") and v is not None:
+                cell[int(r["step"])] = float(v)
+    if stat in ("underflow_pct", "scale_gap"):
+        # the doctor's rows: a delayed operand's first row (scale 1 from an empty history, as TE) says nothing
+        kept = [r for (module, r_role), rows in _usable_rows(numerics).items()
+                if r_role == role and expert_of(module) is not None for r in rows]
+        for r in kept:
+            who = expert_of(str(r.get("module", "")))
+            if stat == "scale_gap":
+                ratio = r.get("scale_ratio")
+                value = abs(math.log2(ratio)) if isinstance(ratio, (int, float)) and ratio > 0 else None
+            else:
+                value = r.get("underflow_pct")
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                cell = grid[(who[1], who[2])]
+                step = int(r["step"])
+                cell[step] = max(cell.get(step, -math.inf), float(value))
+    return {_expert_label(*k): grid[k] for k in sorted(grid)}
+
+
+def expert_heatmap(run_dir: str | os.PathLike, stat: str = "scale_gap", role: str = "activations",
+                   out: str | os.PathLike | None = None) -> Path:
+    """Write the experts x steps heat map of `run_dir` (default ``<run_dir>/experts_<stat>.png``); ValueError
+    (one line) when the run has no routing rows (not an MoE run) or `stat` is unknown."""
+    from fp8_recipes.rundir import ROUTING, read_jsonl, read_numerics
+
+    run_dir = Path(run_dir)
+    if stat not in EXPERT_STATS:
+        raise ValueError(f"--stat: {stat!r} is not one of {' | '.join(EXPERT_STATS)}")
+    if not (run_dir / ROUTING).is_file():
+        raise ValueError(f"RUN_DIR: '{run_dir}' has no {ROUTING} (the heat map by expert needs an MoE run, e.g. "
+                         f"model=tiny_moe)")
+    numerics = read_numerics(run_dir) if stat in ("underflow_pct", "scale_gap") else []
+    if stat in ("underflow_pct", "scale_gap") and not numerics:
+        raise ValueError(f"--stat {stat}: '{run_dir}' has no numerics.jsonl (train with ++debug.interval=N), or "
+                         f"plot --stat tokens")
+    grid = expert_grid(numerics, read_jsonl(run_dir / ROUTING), stat, role)
+    if not any(grid.values()):
+        raise ValueError(f"--stat {stat}: '{run_dir}' has no {stat} of the experts' {role} to plot (a delayed "
+                         f"operand's first row is left out: record more steps, or pick another --stat or --role)")
+    path = Path(out) if out is not None else run_dir / f"experts_{stat}.png"
+    what = EXPERT_STATS[stat] if stat in ("tokens", "weight") else f"{stat} of the experts' {role}"
+    return plot_heatmap(grid, path, what=f"{what} (experts x steps)", unit=EXPERT_STATS[stat], strip="")

@@ -1,0 +1,124 @@
+"""The doctor per expert on plain rows (observe/doctor_experts.py): the cause from the routing rows (starved, a
+routing shift, neither), the per-expert remedy (a modules: entry for that expert only, in front of the recipe's
+own), the verdict of an otherwise healthy run, and the heat map's expert grid. The same on real runs:
+tests/integration/test_moe_doctor_cpu.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from fp8_recipes.observe.doctor import Diagnosis, RunData, diagnose
+from fp8_recipes.observe.doctor_experts import expert_causes, expert_of, expert_proposals
+from fp8_recipes.observe.doctor_findings import find_problems
+from fp8_recipes.observe.doctor_report import patched_recipe
+from fp8_recipes.observe.heatmap import expert_grid
+from fp8_recipes.observe.routing import routing_row
+from fp8_recipes.recipe.pack import load_recipe
+from fp8_recipes.recipe.schema import Recipe
+
+EXPERT = "decoder.layers.0.mlp.experts.local_experts.{}.linear_fc2"
+STEPS = range(1, 33)
+
+
+def numerics(ratios: dict[int, float], expert: int = 1, role: str = "activations") -> list[dict]:
+    """Delayed fprop rows of one expert's fc2 every 4 steps (the first at scale 1, as an empty history gives)."""
+    rows = []
+    for step in range(1, 33, 4):
+        ratio = ratios.get(step, 1.0)
+        rows.append({"step": step, "module": EXPERT.format(expert), "gemm": "fprop", "role": role,
+                     "policy": "delayed e4m3 hist 1024 max", "scale": 1.0 if step == 1 else 0.5,
+                     "scale_ratio": ratio, "underflow_pct": 0.0, "cosine": 1.0, "amax": 1.0, "mse": 0.0})
+    return rows
+
+
+def routing(tokens, weights) -> list[dict]:
+    """Layer 0 rows: `tokens(step)` and `weights(step)` are the 4 experts' counts and summed weights."""
+    return [routing_row(s, 0, tokens(s), weights(s), 2.0) for s in STEPS]
+
+
+def test_routing_rows_hold_the_mean_weight_and_the_z_loss():
+    row = routing_row(3, 1, [10, 6, 0, 0], [5.0, 3.0, 0.0, 0.0], 1.5)
+    assert row == {"step": 3, "layer": 1, "tokens": [10, 6, 0, 0], "imbalance": 2.5, "idle": 2,
+                   "weight": [0.5, 0.5, None, None], "z_loss": 1.5}
+    assert "weight" not in routing_row(1, 0, [1, 1]) and "z_loss" not in routing_row(1, 0, [1, 1])
+
+
+def test_expert_names():
+    assert expert_of(EXPERT.format(3)) == ("decoder.layers.0.mlp.experts.local_experts.3", 0, 3)
+    assert expert_of("decoder.layers.0.mlp.linear_fc2") is None
+    assert expert_of("decoder.layers.1.mlp.shared_experts.linear_fc1") is None
+
+
+def shifted() -> list[dict]:
+    """Expert 1 keeps 300 tokens a step; its weight falls 1000-fold at step 9."""
+    return routing(lambda s: [200, 300, 300, 224], lambda s: [100.0, 150.0 if s < 9 else 0.15, 150.0, 112.0])
+
+
+def starved() -> list[dict]:
+    """Expert 1 gets tokens only every 4th step from step 5 on."""
+    return routing(lambda s: [300, 0 if s >= 5 and (s - 1) % 4 else 100, 300, 324],
+                   lambda s: [150.0, 0.0 if s >= 5 and (s - 1) % 4 else 50.0, 150.0, 160.0])
+
+
+@pytest.mark.parametrize("rows,cause,step", [(shifted(), "routing_shift", 9), (starved(), "starved", 6)])
+def test_the_cause_comes_from_the_routing_rows(rows, cause, step):
+    stats = numerics({s: 0.001 for s in range(9, 33, 4)})
+    (c,) = expert_causes(find_problems(stats), stats, rows)
+    assert (c.layer, c.expert, c.cause, c.step, c.roles) == (0, 1, cause, step, ("activations",)), c
+    assert c.pattern == "decoder.layers.0.mlp.experts.local_experts.1.*"
+
+
+def test_no_cause_without_a_lasting_gap_or_a_routing_change():
+    stats = numerics({s: 0.001 for s in range(9, 33, 4)})
+    steady = routing(lambda s: [256] * 4, lambda s: [128.0] * 4)
+    assert expert_causes(find_problems(stats), stats, steady) == []  # the gap has another cause: general rules
+    one_step = numerics({9: 0.001})
+    assert expert_causes(find_problems(one_step), one_step, shifted()) == []  # one bad row is an event
+    assert expert_causes(find_problems(stats), stats, []) == []  # no routing rows (a dense run's files)
+
+
+def test_the_remedy_is_a_modules_entry_for_that_expert_in_front_of_the_recipes():
+    stats = numerics({s: 0.001 for s in range(9, 33, 4)})
+    recipe = load_recipe("moe_delayed")  # "*.experts.*": activations and gradients with a 16-step history
+    (shift,) = expert_causes(find_problems(stats), stats, shifted())
+    applied, *alternatives = expert_proposals([shift], recipe)
+    entry = applied.changes["modules"]["decoder.layers.0.mlp.experts.local_experts.1.*"]
+    assert entry["activations"]["amax_history_len"] == 8  # half of the 16 it already had
+    assert entry["gradients"] == recipe.module_policy(EXPERT.format(1), "gradients").to_dict()  # kept as it was
+    assert [a.alternative for a in alternatives] == [True, True]
+    run = RunData(path=None, train=[], numerics=stats, recipe=recipe, summary={})
+    d = Diagnosis(run, "stale_expert_scales", "", proposals=[applied])
+    patched = patched_recipe(d)
+    assert list(patched["modules"]) == ["decoder.layers.0.mlp.experts.local_experts.1.*", "*.experts.*"]
+    assert Recipe.from_dict(patched).module_policy(EXPERT.format(1), "activations").amax_history_len == 8
+    assert Recipe.from_dict(patched).module_policy(EXPERT.format(2), "activations").amax_history_len == 16
+    (hungry,) = expert_causes(find_problems(stats), stats, starved())
+    applied = expert_proposals([hungry], load_recipe("delayed"))[0]
+    assert applied.changes == {"modules": {"decoder.layers.0.mlp.experts.local_experts.1.*": {
+        "activations": {"scaling": "tensorwise", "format": "e4m3", "margin": 0}}}}
+
+
+def test_a_healthy_loss_with_a_stale_expert_scale_is_reported_and_patched():
+    stats = numerics({s: 0.001 for s in range(9, 33, 4)})
+    train = [{"kind": "train", "step": s, "loss": 5.0 - 0.05 * s, "grad_norm": 1.0, "lr": 1e-3, "stage": "fp8"}
+             for s in STEPS]
+    run = RunData(path=None, train=train, numerics=stats, recipe=load_recipe("delayed"), summary={},
+                  routing=starved())
+    d = diagnose(run)
+    assert d.verdict == "stale_expert_scales" and not d.healthy and "layer 0 expert 1 (starved" in d.summary
+    assert [list(p.changes) for p in d.proposals if not p.alternative] == [["modules"]]
+    assert diagnose(RunData(path=None, train=train, numerics=stats, recipe=load_recipe("delayed"), summary={},
+                            routing=routing(lambda s: [256] * 4, lambda s: [128.0] * 4))).verdict == "healthy"
+
+
+def test_the_expert_grid():
+    stats = numerics({s: 2.0 ** -10 for s in range(9, 33, 4)}) + numerics({}, expert=2)
+    grid = expert_grid(stats, starved(), "scale_gap")
+    assert list(grid) == ["L0 E0", "L0 E1", "L0 E2", "L0 E3"]
+    assert grid["L0 E1"] == {5: 0.0, **{s: 10.0 for s in range(9, 33, 4)}}  # step 1 (scale 1) left out
+    assert grid["L0 E0"] == {}
+    tokens = expert_grid([], starved(), "tokens")
+    assert tokens["L0 E1"][6] == 0 and tokens["L0 E1"][9] == 100 and len(tokens["L0 E1"]) == 32
+    assert 6 not in expert_grid([], starved(), "weight")["L0 E1"]  # an idle step has no weight
+    with pytest.raises(ValueError, match="--stat"):
+        expert_grid([], [], "cosine")
