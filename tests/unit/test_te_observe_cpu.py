@@ -152,3 +152,57 @@ def test_sequence_parallel_current_scaling_amaxes_are_reduced_as_te_reduces_them
         want = (e5m2 if role == "gradients" else e4m3) / (own * (other_rank if role == reduced else 1.0))
         assert row["scale"] == pytest.approx(want, rel=1e-6), (gemm, role, row["scale"], want)
     assert calls == ([tp_group] if reduced else []), calls  # one copy measured per role, reduced once
+
+
+class Grouped(torch.nn.Module):
+    """What the hooks need of TE's GroupedLinear (as Megatron-Core's TEGroupedLinear calls it): ``weight{e}`` per
+    expert, the ``fp8`` flag, forward ``(x, m_splits) -> (out, bias)``, and TE's delayed slots (3 forward, 2
+    backward per GEMM)."""
+
+    def __init__(self, experts=3, hidden=32, out=48):
+        super().__init__()
+        for e in range(experts):
+            self.register_parameter(f"weight{e}", torch.nn.Parameter(0.05 * torch.randn(out, hidden)))
+        self.num_gemms, self.fp8 = experts, True
+        self.fp8_meta = {"scaling_fwd": types.SimpleNamespace(scale=torch.arange(3.0 * experts) + 1,
+                                                              amax_history=torch.zeros(4, 3 * experts)),
+                         "scaling_bwd": types.SimpleNamespace(scale=torch.arange(2.0 * experts) + 100,
+                                                              amax_history=torch.zeros(4, 2 * experts))}
+
+    def forward(self, x, m_splits):
+        outs = [xs @ getattr(self, f"weight{e}").t() for e, xs in enumerate(torch.split(x, m_splits))]
+        return torch.cat(outs), None
+
+
+def test_a_grouped_expert_linear_is_observed_per_expert():
+    from fp8_recipes.backends.te_observe import te_observer_states
+    from fp8_recipes.megatron.model_config import layout_of
+
+    torch.manual_seed(0)
+    cfg = {"num_layers": 1, "num_moe_experts": 3}
+    recipe = Recipe.from_dict({"weights": "delayed", "activations": "delayed", "gradients": "delayed"})
+    plan = PrecisionPlan(recipe, layout_of(cfg), Hardware())
+    module = Grouped()
+    grouped = "decoder.layers.0.mlp.experts.linear_fc1"
+    rows = tuple(f"decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc1" for e in range(3))
+    precision = types.SimpleNamespace(linears={grouped: module}, rows={grouped: rows}, step_plan=plan.at(0))
+    states = te_observer_states(precision)
+    assert list(states) == list(rows)  # a state per expert, under the plan's rows
+    seen = []
+    for state in states.values():
+        state.observer = lambda s, gemm, role, hp, fq, q=None: seen.append((s.name, str(gemm), str(role), hp))
+    splits = [5, 0, 11]
+    x = torch.randn(16, 32, requires_grad=True)
+    module(x, splits)[0].square().sum().backward()
+    experts = [n for n, *_ in seen]
+    assert [(g, r) for n, g, r, _ in seen if n == rows[1]] == [("fprop", "weights"), ("dgrad", "weights")]  # no token
+    assert experts.count(rows[0]) == experts.count(rows[2]) == 6  # three GEMMs x two operands each
+    by = {(n, g, r): hp for n, g, r, hp in seen}
+    torch.testing.assert_close(by[(rows[2], "fprop", "activations")], x.detach()[5:])
+    assert by[(rows[2], "fprop", "weights")] is not None
+    torch.testing.assert_close(by[(rows[2], "fprop", "weights")], module.weight2.detach())
+    assert by[(rows[0], "dgrad", "gradients")].shape == (5, 48)
+    # TE's slots of GEMM e: forward 3e (input), 3e+1 (weight); backward 2e (grad_output)
+    assert float(states[rows[2]].scalers[Role.ACTIVATIONS].scale) == 7.0
+    assert float(states[rows[2]].scalers[Role.WEIGHTS].scale) == 8.0
+    assert float(states[rows[2]].scalers[Role.GRADIENTS].scale) == 104.0

@@ -26,7 +26,8 @@ Grouped experts (Megatron-Core's TEGroupedMLP: one TE GroupedLinear runs a GEMM 
 expert, as the plan's rows: the input and the output gradient are split by the forward's ``m_splits`` (the token
 counts after FP8 padding, so an expert's split holds its padding's zero rows as TE quantizes them), expert ``e``'s
 weight is ``weight{e}``, and its delayed scales are TE's slots ``3e`` (input), ``3e+1`` (weight) and ``2e``
-(grad_output); an expert that got no token this micro-batch hands over nothing, as TE quantizes nothing for it.
+(grad_output); an expert that got no token this micro-batch hands over its weight alone (TE quantizes nothing else
+for it), as the emulated backend's rows do.
 
 Only a run with a ``debug`` section creates these hooks; between due steps they return at once (observer None).
 """
@@ -52,6 +53,7 @@ _DELAYED_SLOT = {Role.ACTIVATIONS: ("scale_fwd", 0), Role.WEIGHTS: ("scale_fwd",
 _FORWARD_OPERANDS = ((Gemm.FPROP, Role.ACTIVATIONS), (Gemm.FPROP, Role.WEIGHTS), (Gemm.DGRAD, Role.WEIGHTS),
                      (Gemm.WGRAD, Role.ACTIVATIONS))
 _BACKWARD_OPERANDS = ((Gemm.DGRAD, Role.GRADIENTS), (Gemm.WGRAD, Role.GRADIENTS))
+_WEIGHT_OPERANDS = ((Gemm.FPROP, Role.WEIGHTS), (Gemm.DGRAD, Role.WEIGHTS))
 
 
 class _TEScale:
@@ -125,9 +127,11 @@ class TEObservedExpert(TEObservedLinear):
         self.gemm = gemm
 
     def forward_operands(self, x: torch.Tensor) -> None:
-        if self.observer is not None and x.shape[0] > 0:
-            self._emit(_FORWARD_OPERANDS, {Role.ACTIVATIONS: x,
-                                           Role.WEIGHTS: getattr(self.module, f"weight{self.gemm}").detach()})
+        if self.observer is None:
+            return
+        # an expert without tokens: TE still quantizes its weight (its history rolls), not its empty input
+        operands = _FORWARD_OPERANDS if x.shape[0] > 0 else _WEIGHT_OPERANDS
+        self._emit(operands, {Role.ACTIVATIONS: x, Role.WEIGHTS: getattr(self.module, f"weight{self.gemm}").detach()})
 
     def backward_operands(self, grad: torch.Tensor) -> None:
         if self.observer is not None and grad.shape[0] > 0:
