@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from fp8_recipes.checks import ConfigError, check_keys, choice_error, is_int, is_number
-from fp8_recipes.plan.precision import ModelLayout, MoEShape
+from fp8_recipes.plan.precision import ModelLayout, MoEShape, moe_layer_pattern
 
 __all__ = ["MODEL_CHOICES", "MODEL_MAX", "MODEL_OPTIONAL", "MODEL_REQUIRED", "MOE_KEYS", "VOCAB_MULTIPLE",
            "LinearShape", "check_model_cfg", "check_model_device", "layout_of", "linear_shapes", "model_notices",
@@ -143,24 +143,6 @@ def _check_moe(cfg: Mapping[str, Any], tensor_parallel: int) -> None:
             if v is not None and v % tensor_parallel:
                 raise ConfigError(f"model.{key}={v} is not divisible by trainer.tensor_model_parallel_size="
                                  f"{tensor_parallel}; pick a multiple of it")
-
-
-def moe_layer_pattern(cfg: Mapping[str, Any]) -> tuple[int, ...]:
-    """The MoE layers (global, 0-based) of a model config, as Megatron-Core reads ``moe_layer_freq``: an integer N puts
-    experts in every N-th layer from layer 0, a list of 0/1 (one per layer) names them. Empty for a dense model."""
-    if cfg.get("num_moe_experts") is None:
-        return ()
-    n, freq = int(cfg["num_layers"]), cfg.get("moe_layer_freq", 1)
-    if is_int(freq) and freq >= 1:
-        return tuple(i for i in range(n) if i % freq == 0)
-    listed = isinstance(freq, Sequence) and not isinstance(freq, str)
-    if listed and len(freq) == n and all(is_int(f) and f in (0, 1) for f in freq):
-        if not any(freq):
-            raise ConfigError("model.moe_layer_freq: every layer is 0 (dense); put a 1 where a layer has experts, "
-                             "or set model.num_moe_experts=null")
-        return tuple(i for i, f in enumerate(freq) if f)
-    raise ConfigError(f"model.moe_layer_freq={freq!r}: give an integer >= 1 (experts in every N-th layer) or a list "
-                     f"of zeros and ones, one per layer (model.num_layers={n})")
 
 
 def layout_of(cfg: Mapping[str, Any]) -> ModelLayout:
