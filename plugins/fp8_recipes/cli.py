@@ -24,16 +24,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterable
 from pathlib import Path
 
 import yaml
 
-from fp8_recipes.megatron.model_config import layout_of
+from fp8_recipes.megatron.model_config import layout_of, read_model_conf
 from fp8_recipes.observe.config import DebugConfig
 from fp8_recipes.plan.precision import Hardware, ModelLayout, ParallelLayout, PrecisionPlan
 from fp8_recipes.plan.format import format_plan
-from fp8_recipes.recipe.pack import conf_dir, load_recipe, load_recipe_dict, recipe_names
+from fp8_recipes.recipe.pack import load_recipe, load_recipe_dict, recipe_names
 
 __all__ = ["main"]
 
@@ -66,22 +65,10 @@ def _cmd_validate(args) -> int:
     return 1 if failed else 0
 
 
-def _model_conf(name: str, command: str, also: Iterable[str] = ()) -> dict:
-    """conf/model/NAME.yaml as a dict (its interpolations unresolved: the vocabulary comes from the data); an unknown
-    name is refused with the choices (``also``: the command's own models first)."""
-    from omegaconf import OmegaConf
-
-    path = conf_dir() / "model" / f"{name}.yaml"
-    if not path.is_file():
-        choices = sorted(also) + sorted(p.stem for p in path.parent.glob("*.yaml"))
-        raise ValueError(f"{command}: {name!r} is not a model ({', '.join(choices)})")
-    return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-
-
 def _cmd_explain(args) -> int:
     hardware = Hardware.detect() if args.detect else Hardware()
     if args.model is not None:  # the model's own layers and MoE layout (--layers, if given too, overrides its layers)
-        cfg = _model_conf(args.model, "explain --model")
+        cfg = read_model_conf(args.model, "explain --model")
         layout = layout_of({**cfg, "num_layers": args.layers or cfg["num_layers"]})
     else:
         layout = ModelLayout.gpt(args.layers or 4)
@@ -105,7 +92,7 @@ def _cmd_memory(args) -> int:
     if args.model in published:
         model = published[args.model]
     else:
-        model = _model_conf(args.model, "memory", also=published)
+        model = read_model_conf(args.model, "memory", also=published)
         if not isinstance(model.get("vocab_size"), int):
             model["vocab_size"] = 4096  # the stdlib tokenizer's, which the small configs take from data
         check_model_cfg(model, tensor_parallel=layout.tp)  # (an MoE model's keys too: one line naming the key)

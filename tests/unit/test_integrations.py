@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -232,6 +233,75 @@ def test_schedule_driver_plans_the_whole_model_over_pipeline_chunks(monkeypatch)
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Mixture-of-Experts: the model keys onto a framework's config, the plan of its MoE layers
+
+
+def test_apply_moe_puts_a_conf_models_moe_keys_on_a_model_provider(caplog):
+    """Bridge's GPTModelProvider is a Megatron-Core TransformerConfig subclass: apply_moe sets our MoE keys (the same
+    names) on one, and Megatron-Core's own validation takes them."""
+    import logging
+
+    from fp8_recipes.integrations.bridge import apply_moe
+    from fp8_recipes.megatron.model_config import config_layout
+
+    config = transformer_config({})
+    with caplog.at_level(logging.INFO, logger="fp8_recipes.integrations"):
+        fields = apply_moe(config, "tiny_moe")
+    assert fields["num_moe_experts"] == 4 and fields["moe_layer_freq"] == 2 and fields["moe_router_dtype"] == "fp32"
+    assert "model provider moe_layer_freq: 1 -> 2" in caplog.text  # each changed field, old -> new
+    config.__post_init__()  # Megatron-Core's checks of the MoE fields
+    layout = config_layout(config)
+    assert layout.experts == 4 and layout.routers == ("decoder.layers.0.mlp.router", "decoder.layers.2.mlp.router")
+    mixtral = apply_moe(transformer_config({}), "mixtral_8x7b_4l")  # the provider keeps its shape, takes the keys
+    assert (mixtral["moe_token_dispatcher_type"], mixtral["moe_grouped_gemm"]) == ("alltoall", True)
+    listed = apply_moe(transformer_config({}), {"num_moe_experts": 8, "moe_router_topk": 2,
+                                                "moe_layer_freq": [0, 1, 1, 1]})
+    assert listed["moe_layer_freq"] == [0, 1, 1, 1]
+
+
+@pytest.mark.parametrize("model, message", [
+    ({"num_moe_experts": 4, "moe_router_topk": 5}, "model.moe_router_topk=5 is more than model.num_moe_experts=4"),
+    ({"num_moe_experts": 4, "moe_layer_freq": [1, 0]}, "model.moe_layer_freq=[1, 0]: give an integer >= 1"),
+    ({"num_moe_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 255}, "model.moe_ffn_hidden_size=255 is not "
+                                                                             "divisible by"),
+    ({"num_moe_expert": 4}, "apply_moe: 'num_moe_expert' is not a model key"),
+    ("tiny", "apply_moe: model.num_moe_experts is not set: a dense model"),
+    ("tiny_mo", "apply_moe: 'tiny_mo' is not a model ("),
+])
+def test_apply_moe_refuses_in_one_line(model, message):
+    from fp8_recipes.integrations.bridge import apply_moe
+
+    config = transformer_config({})
+    config.tensor_model_parallel_size = 2  # (the provider's TP: an expert's FFN must divide over it)
+    with pytest.raises(ValueError) as e:
+        apply_moe(config, model)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+def test_an_moe_models_plan_maps_natively_or_is_refused_in_one_line():
+    from fp8_recipes.integrations.bridge import apply_moe, apply_recipe
+    from fp8_recipes.megatron.model_config import config_layout
+
+    config = transformer_config({})
+    apply_moe(config, "mixtral_8x7b_4l")
+    layout = config_layout(config)
+    mp = megatron_precision("moe_blockwise", compute_capability=H200, layout=layout)
+    assert (mp.fields["fp8"], mp.fields["fp8_recipe"]) == ("e4m3", "blockwise")  # Megatron-Core's TE experts natively
+    for name, r in (("experts BF16", recipe(weights="tensorwise", activations="tensorwise", gradients="tensorwise",
+                                            layers={"bf16_modules": ["*experts*"]})), ("safe", "safe")):
+        with pytest.raises(NeedsPluginOwned):  # a pattern over the experts, stages: only plugin-owned says them
+            megatron_precision(r, compute_capability=H200, layout=layout)
+        with pytest.raises(RecipeError, match=r"plugin-owned precision .* of a Mixture-of-Experts model \(8 experts "
+                                              r"per MoE layer\) is not wired yet") as e:
+            plugin_owned_plan(r, compute_capability=H200, layout=layout)
+        assert "\n" not in str(e.value), name
+    config.moe_router_padding_for_quantization = True
+    container = types.SimpleNamespace(model=config, train=types.SimpleNamespace(train_iters=10))
+    with pytest.raises(RecipeError, match=r"^model.moe_router_padding_for_quantization=true .* recipe 'bf16' is BF16"):
+        apply_recipe(container, "bf16", compute_capability=H200)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Lazy imports; the adapters in their own environments (opt-in)
 
 
@@ -289,6 +359,16 @@ for name, r in [("hybrid", "hybrid"),
     out[name] = dict(fp8=cfg.fp8, fp8_recipe=cfg.fp8_recipe, factory=cfg.fp8_quantizer_factory, bf16=cfg.bf16,
                      is_mpc=isinstance(mpc, MixedPrecisionConfig))
 out["callback"] = issubclass(FP8RecipeCallback, Callback)
+from types import SimpleNamespace
+from megatron.bridge.models import GPTModelProvider
+from fp8_recipes.integrations.bridge import apply_moe, apply_recipe
+provider = GPTModelProvider(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=256, seq_length=64)
+apply_moe(provider, "mixtral_8x7b_4l")
+container = SimpleNamespace(model=provider, train=SimpleNamespace(train_iters=10))
+callbacks = apply_recipe(container, "moe_blockwise", compute_capability=(9, 0))
+cfg = update_config_with_precision_overrides(container.mixed_precision, provider)
+out["moe"] = dict(experts=cfg.num_moe_experts, dispatcher=cfg.moe_token_dispatcher_type, fp8=cfg.fp8,
+                  fp8_recipe=cfg.fp8_recipe, callbacks=len(callbacks))
 print("RESULT " + json.dumps(out))
 """
 
@@ -327,6 +407,7 @@ def test_bridge_mixed_precision_in_real_bridge():
     assert out["hybrid"] == dict(fp8="hybrid", fp8_recipe="blockwise", factory=None, bf16=True, is_mpc=True)
     assert out["mix"]["fp8_recipe"] == "custom" and out["mix"]["factory"] == FACTORY_PATH
     assert out["callback"] is True
+    assert out["moe"] == dict(experts=8, dispatcher="alltoall", fp8="e4m3", fp8_recipe="blockwise", callbacks=0)
 
 
 def test_fp8_param_maps_to_megatrons_own_fp8_weights():
