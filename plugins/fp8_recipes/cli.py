@@ -76,6 +76,8 @@ def _cmd_explain(args) -> int:
     if args.layout:
         parallel = ParallelLayout.parse(args.layout)
         parallel.check(layout.num_layers)
+        if layout.experts:  # (ep / etp: how the routed experts split; the memory command says what it costs)
+            parallel.check_experts(layout.experts)
     plan = PrecisionPlan(load_recipe(args.recipe), layout, hardware)
     print(format_plan(plan, max_steps=args.steps, parallel=parallel))
     return 0
