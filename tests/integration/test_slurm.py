@@ -376,7 +376,8 @@ MOE_KEYS = ["model=tiny_moe", "model.moe_router_topk=3", "model.moe_shared_exper
 def test_an_moe_job_carries_its_model_keys_and_is_checked_before_it_is_submitted(tmp_path, monkeypatch, capsys):
     """MoE model keys pass through to every task's train.py as given (the srun line), after the submitting host
     checked them with the rest of the config: a bad one is refused in one line, nothing written; a GPU job of an MoE
-    model runs emulated (+recipe.backend=emulated; the TE backend refuses MoE so far, test_moe_plan.py)."""
+    model has its plan checked for TE (one TE recipe per grouped experts' layer: a pattern splitting them is
+    refused)."""
     run_dir = tmp_path / "run"
     argv = ["+recipe=moe_delayed", *MOE_KEYS, "launcher.tasks_per_node=2", "trainer.global_batch_size=32",
             f"run_dir={run_dir}"]
@@ -394,9 +395,14 @@ def test_an_moe_job_carries_its_model_keys_and_is_checked_before_it_is_submitted
         assert err.startswith(message) and len(err.splitlines()) == 1, err
         assert not bad.exists()
     gpu = tmp_path / "gpu"
-    assert make_sbatch_main(["+recipe=moe_blockwise", "+recipe.backend=emulated", "trainer=gpu",
-                             "model=mixtral_8x7b_4l", "launcher.tasks_per_node=1", f"run_dir={gpu}"], monkeypatch) == 0
+    job = ["+recipe=moe_blockwise", "trainer=gpu", "model=mixtral_8x7b_4l", "launcher.tasks_per_node=1"]
+    assert make_sbatch_main([*job, f"run_dir={gpu}"], monkeypatch) == 0
     assert sbatch_options((gpu / "job.sbatch").read_text())["gpus-per-node"] == "1"
+    split = tmp_path / "split"
+    assert make_sbatch_main([*job, "++recipe.layers.bf16_modules=[*local_experts.3.*]", f"run_dir={split}"],
+                            monkeypatch) == USER_ERROR_EXIT
+    err = capsys.readouterr().err.strip()
+    assert "model.moe_grouped_gemm=false" in err and len(err.splitlines()) == 1 and not split.exists(), err
 
 
 def test_expert_parallelism_is_checked_at_the_jobs_world_size(tmp_path, monkeypatch, capsys):

@@ -222,7 +222,8 @@ def test_schedule_driver_plans_the_whole_model_over_pipeline_chunks(monkeypatch)
 
     attached = []
     monkeypatch.setattr(Hardware, "detect", classmethod(lambda cls: Hardware("cuda", (9, 0), "2.20.2", "H200")))
-    monkeypatch.setattr(te_layers, "attach_te_backend", lambda chunks, plan: attached.append((chunks, plan)) or "te")
+    monkeypatch.setattr(te_layers, "attach_te_backend",
+                        lambda chunks, plan, router_padding: attached.append((chunks, plan)) or "te")
     chunks = [Chunk(), Chunk()]
     driver = ScheduleDriver("safe")
     driver.attach(chunks)
@@ -278,8 +279,8 @@ def test_apply_moe_refuses_in_one_line(model, message):
     assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
 
 
-def test_an_moe_models_plan_maps_natively_or_is_refused_in_one_line():
-    from fp8_recipes.integrations.bridge import apply_moe, apply_recipe
+def test_an_moe_models_plan_maps_natively_or_runs_plugin_owned():
+    from fp8_recipes.integrations.bridge import apply_moe
     from fp8_recipes.megatron.model_config import config_layout
 
     config = transformer_config({})
@@ -287,18 +288,20 @@ def test_an_moe_models_plan_maps_natively_or_is_refused_in_one_line():
     layout = config_layout(config)
     mp = megatron_precision("moe_blockwise", compute_capability=H200, layout=layout)
     assert (mp.fields["fp8"], mp.fields["fp8_recipe"]) == ("e4m3", "blockwise")  # Megatron-Core's TE experts natively
-    for name, r in (("experts BF16", recipe(weights="tensorwise", activations="tensorwise", gradients="tensorwise",
-                                            layers={"bf16_modules": ["*experts*"]})), ("safe", "safe")):
-        with pytest.raises(NeedsPluginOwned):  # a pattern over the experts, stages: only plugin-owned says them
+    experts_bf16 = recipe(weights="tensorwise", activations="tensorwise", gradients="tensorwise",
+                          layers={"bf16_modules": ["*experts*"]})
+    for r in (experts_bf16, "safe"):  # a pattern over the experts, stages: only plugin-owned says them
+        with pytest.raises(NeedsPluginOwned):
             megatron_precision(r, compute_capability=H200, layout=layout)
-        with pytest.raises(RecipeError, match=r"plugin-owned precision .* of a Mixture-of-Experts model \(8 experts "
-                                              r"per MoE layer\) is not wired yet") as e:
-            plugin_owned_plan(r, compute_capability=H200, layout=layout)
-        assert "\n" not in str(e.value), name
-    config.moe_router_padding_for_quantization = True
-    container = types.SimpleNamespace(model=config, train=types.SimpleNamespace(train_iters=10))
-    with pytest.raises(RecipeError, match=r"^model.moe_router_padding_for_quantization=true .* recipe 'bf16' is BF16"):
-        apply_recipe(container, "bf16", compute_capability=H200)
+        plan = plugin_owned_plan(r, compute_capability=H200, layout=layout)  # our TE backend runs the MoE layers
+        assert plan.layout.experts == 8 and plan.grouped_experts_problem() is None
+    assert "decoder.layers.0.mlp.router" in plan.layout.routers  # (the router: BF16 whatever the recipe)
+    one_expert = recipe(weights="tensorwise", activations="tensorwise", gradients="tensorwise",
+                        layers={"bf16_modules": ["*local_experts.3.*"]})
+    # moe_grouped_gemm runs a layer's experts in one GroupedLinear under one TE recipe: apply_recipe refuses this
+    problem = plugin_owned_plan(one_expert, compute_capability=H200, layout=layout).grouped_experts_problem()
+    assert problem.startswith("decoder.layers.0.mlp.experts.local_experts.3.linear_fc1 runs otherwise than") \
+        and "model.moe_grouped_gemm=false" in problem
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -362,13 +365,16 @@ out["callback"] = issubclass(FP8RecipeCallback, Callback)
 from types import SimpleNamespace
 from megatron.bridge.models import GPTModelProvider
 from fp8_recipes.integrations.bridge import apply_moe, apply_recipe
-provider = GPTModelProvider(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=256, seq_length=64)
-apply_moe(provider, "mixtral_8x7b_4l")
-container = SimpleNamespace(model=provider, train=SimpleNamespace(train_iters=10))
-callbacks = apply_recipe(container, "moe_blockwise", compute_capability=(9, 0))
-cfg = update_config_with_precision_overrides(container.mixed_precision, provider)
-out["moe"] = dict(experts=cfg.num_moe_experts, dispatcher=cfg.moe_token_dispatcher_type, fp8=cfg.fp8,
-                  fp8_recipe=cfg.fp8_recipe, callbacks=len(callbacks))
+for name in ("moe_blockwise", "bf16", "safe"):
+    provider = GPTModelProvider(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=256, seq_length=64)
+    apply_moe(provider, {"num_moe_experts": 8, "moe_router_topk": 2, "moe_token_dispatcher_type": "alltoall",
+                         "moe_router_padding_for_quantization": True})
+    container = SimpleNamespace(model=provider, train=SimpleNamespace(train_iters=10))
+    callbacks = apply_recipe(container, name, compute_capability=(9, 0))
+    cfg = update_config_with_precision_overrides(container.mixed_precision, provider)
+    out[name] = dict(experts=cfg.num_moe_experts, dispatcher=cfg.moe_token_dispatcher_type, fp8=cfg.fp8,
+                     fp8_recipe=cfg.fp8_recipe, padding=cfg.moe_router_padding_for_quantization,
+                     callbacks=[type(c).__name__ for c in callbacks])
 print("RESULT " + json.dumps(out))
 """
 
@@ -407,7 +413,12 @@ def test_bridge_mixed_precision_in_real_bridge():
     assert out["hybrid"] == dict(fp8="hybrid", fp8_recipe="blockwise", factory=None, bf16=True, is_mpc=True)
     assert out["mix"]["fp8_recipe"] == "custom" and out["mix"]["factory"] == FACTORY_PATH
     assert out["callback"] is True
-    assert out["moe"] == dict(experts=8, dispatcher="alltoall", fp8="e4m3", fp8_recipe="blockwise", callbacks=0)
+    moe = dict(experts=8, dispatcher="alltoall")
+    assert out["moe_blockwise"] == dict(**moe, fp8="e4m3", fp8_recipe="blockwise", padding=True, callbacks=[])
+    # BF16: no padding (Megatron-Core refuses it without fp8); plugin-owned: built BF16, the callback pads
+    assert out["bf16"] == dict(**moe, fp8=None, fp8_recipe=out["bf16"]["fp8_recipe"], padding=False, callbacks=[])
+    assert out["safe"] == dict(**moe, fp8=None, fp8_recipe=out["safe"]["fp8_recipe"], padding=False,
+                               callbacks=["FP8RecipeCallback"])
 
 
 def test_fp8_param_maps_to_megatrons_own_fp8_weights():

@@ -64,8 +64,8 @@ def _classes() -> dict[str, type]:
         Needs the model built without fp8 (``apply_recipe`` sets plain BF16) and the TE layer spec (Bridge's default
         with TE installed); with pipeline stages, every chunk of the rank runs its layers' part of the whole plan."""
 
-        def __init__(self, recipe: RecipeRef, *, max_steps: int | None = None):
-            self.driver = ScheduleDriver(recipe, max_steps=max_steps)
+        def __init__(self, recipe: RecipeRef, *, max_steps: int | None = None, router_padding: bool = False):
+            self.driver = ScheduleDriver(recipe, max_steps=max_steps, router_padding=router_padding)
 
         def on_train_start(self, context: Any) -> None:
             self.driver.attach(context.model)
@@ -120,18 +120,30 @@ def apply_recipe(config: Any, recipe: RecipeRef, *, compute_capability: tuple[in
     recipe = as_recipe(recipe)
     num_layers = getattr(config.model, "num_layers", None)
     layout = config_layout(config.model) if num_layers else None
-    if getattr(config.model, "moe_router_padding_for_quantization", False) and not recipe.is_fp8:
-        raise RecipeError([f"model.moe_router_padding_for_quantization=true pads the experts' tokens for FP8 GEMMs, "
-                           f"and recipe '{recipe.name}' is BF16 (Megatron-Core refuses it without fp8); set it false"])
+    padding = bool(getattr(config.model, "moe_router_padding_for_quantization", False))
     try:
         config.mixed_precision = mixed_precision_config(recipe, compute_capability=compute_capability,
                                                         num_layers=num_layers, layout=layout)
+        if padding and not recipe.is_fp8:  # Megatron-Core refuses the key without fp8; BF16 GEMMs need no padding
+            _unpad(config.model, "a BF16 recipe's GEMMs take any token count")
         return []
     except NeedsPluginOwned:
-        plugin_owned_plan(recipe, compute_capability=compute_capability, num_layers=num_layers, layout=layout)
+        plan = plugin_owned_plan(recipe, compute_capability=compute_capability, num_layers=num_layers, layout=layout)
+    problem = plan.grouped_experts_problem() if getattr(config.model, "moe_grouped_gemm", False) else None
+    if problem is not None:  # (what attach would refuse at train start, here before anything is built)
+        raise RecipeError([f"recipe: {problem}"])
     config.mixed_precision = _bf16_mixed()  # fp8 stays unset: the callback owns every autocast
+    if padding:  # built BF16, the model leaves the padding to our backend, which pads the FP8 layers' dispatchers
+        _unpad(config.model, "built BF16; the schedule callback pads the FP8 layers' tokens")
     max_steps = getattr(getattr(config, "train", None), "train_iters", None)
-    return [_classes()["FP8RecipeCallback"](recipe, max_steps=max_steps)]
+    return [_classes()["FP8RecipeCallback"](recipe, max_steps=max_steps, router_padding=padding)]
+
+
+def _unpad(provider: Any, why: str) -> None:
+    """Megatron-Core pads each expert's tokens only under its own fp8 config, and refuses the key without it."""
+    log.warning("fp8-recipes: Megatron-Bridge model provider moe_router_padding_for_quantization: True -> False (%s)",
+                why)
+    provider.moe_router_padding_for_quantization = False
 
 
 def apply_moe(provider: Any, model: str | Mapping[str, Any]) -> dict[str, Any]:

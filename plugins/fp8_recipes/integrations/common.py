@@ -268,13 +268,7 @@ def plugin_owned_plan(recipe: Recipe | str | Path | Mapping[str, Any], *,
         raise _refuse("fp8_param: true with plugin-owned precision: the framework builds the model before the plugin "
                       "attaches, so its layers cannot be built with FP8 weights; use Megatron-Core's native fields "
                       "(megatron_precision sets fp8_param) or set fp8_param: false")
-    model_layout = _layout(recipe, num_layers, layout)
-    if model_layout.experts:
-        raise RecipeError([f"recipe '{recipe.name}': plugin-owned precision (BF16 warmup, stages, per-module BF16) of a "
-                           f"Mixture-of-Experts model ({model_layout.experts} experts per MoE layer) is not wired yet: "
-                           f"our TE backend does not run Megatron-Core's TE experts (docs/moe.md); use a recipe "
-                           f"Megatron-Core runs natively (e.g. moe_blockwise, delayed)"])
-    return _plan(recipe, target_hardware(compute_capability), model_layout)
+    return _plan(recipe, target_hardware(compute_capability), _layout(recipe, num_layers, layout))
 
 
 def log_applied(mp: MegatronPrecision, recipe: Recipe, where: str) -> None:
@@ -346,9 +340,11 @@ class ScheduleDriver:
     numbers, megatron/model.py's named_linear_modules), and each stage runs its own layers' part of it.
     """
 
-    def __init__(self, recipe: Recipe | str | Path | Mapping[str, Any], *, max_steps: int | None = None):
+    def __init__(self, recipe: Recipe | str | Path | Mapping[str, Any], *, max_steps: int | None = None,
+                 router_padding: bool = False):
         self.recipe = as_recipe(recipe)
         self.max_steps = max_steps
+        self.router_padding = router_padding  # MoE: pad each expert's tokens for FP8 GEMMs (our backend does it)
         self.precision: Any = None
         self.plan: PrecisionPlan | None = None
         self.stage = ""
@@ -360,16 +356,11 @@ class ScheduleDriver:
         from fp8_recipes.megatron.te_layers import attach_te_backend
 
         chunks = list(chunks)
-        layout = model_layout(chunks)
-        if layout.experts:  # (plugin_owned_plan refuses it at config time; a framework may skip that)
-            raise RuntimeError(f"fp8-recipes schedule callback: recipe '{self.recipe.name}' on a Mixture-of-Experts "
-                               f"model: plugin-owned precision does not run Megatron-Core's TE experts yet; use a "
-                               f"recipe Megatron-Core runs natively (docs/nemo.md)")
-        self.plan = PrecisionPlan(self.recipe, layout, Hardware.detect())
+        self.plan = PrecisionPlan(self.recipe, model_layout(chunks), Hardware.detect())
         if self.plan.backend is not Backend.TE:
             raise RuntimeError(f"fp8-recipes schedule callback: recipe '{self.recipe.name}' cannot run on Transformer "
                                f"Engine here ({self.plan.backend_reason})")
-        self.precision = attach_te_backend(chunks, self.plan)
+        self.precision = attach_te_backend(chunks, self.plan, router_padding=self.router_padding)
         if _rank() == 0:
             log.info("fp8-recipes precision plan:\n%s", format_plan(self.plan, self.max_steps))
 
