@@ -132,9 +132,11 @@ def test_moe_shootout_on_tiny_moe_reports_a_finite_gap_per_recipe(dataset, tmp_p
         for key in ("loss_gap_pct", "val_gap_pct"):
             assert isinstance(r[key], float) and math.isfinite(r[key]), (r["name"], key, r[key])
         assert sum(line.startswith(f"| {r['name']} |") for line in table.splitlines()) == 1, table
-        assert (out / r["name"] / "routing.jsonl").is_file()  # an MoE run: it routed tokens to experts
+        # an MoE run: its routing, summarized from routing.jsonl (the router's tokens per expert)
+        assert r["routing"]["imbalance"] >= 1.0 and 0.0 <= r["routing"]["idle_pct"] <= 100.0, r["routing"]
         if r["name"] != "bf16":
             assert math.isfinite(r["parity"]["gap_pct"]), r["parity"]
+    assert "| routing imbalance | idle experts |" in table
 
 
 def test_plot_only_redraws_from_the_run_dirs(shootout):
