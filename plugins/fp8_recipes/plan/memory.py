@@ -344,7 +344,7 @@ def estimate_stages(model: Mapping[str, Any], layout: ParallelLayout, *, micro_b
                              "parallelism (trainer.sequence_parallel=true)")
     elif layout.ep > 1 or layout.etp:
         raise ValueError("--layout: ep / etp split routed experts, and this model has none (num_moe_experts: null)")
-    fp8_on = set(range(counts["layers"])) if fp8 and fp8_layers is None else set(fp8_layers or ()) if fp8 else set()
+    fp8_on = set() if not fp8 else set(range(counts["layers"])) if fp8_layers is None else set(fp8_layers)
     tokens = micro_batch_size * seq_length / layout.cp  # per micro-batch, on this rank
     per_layer = {on: _activation_bytes_per_token_layer(model, layout, fp8=on, sequence_parallel=sp) * tokens
                  for on in (False, True)}
