@@ -251,7 +251,8 @@ def _activation_bytes_per_token_layer(model: Mapping[str, Any], layout: Parallel
 
 
 FP8_ROWS_ALIGN = 16
-"""Rows per expert GEMM that TE's FP8 GEMMs need a multiple of (Megatron-Core's get_fp8_align_size: 32 for MXFP8)."""
+"""Rows per expert GEMM that TE's FP8 GEMMs need a multiple of (Megatron-Core's get_fp8_align_size; 32 under MXFP8,
+Blackwell only, not told apart here: a few rows per expert)."""
 
 
 @dataclass(frozen=True)
