@@ -2,6 +2,8 @@
 
     torchrun --nproc-per-node 1 scripts/bridge_pretrain.py                    # recipe hybrid, 40 steps
     torchrun --nproc-per-node 8 scripts/bridge_pretrain.py --recipe safe --steps 400
+    torchrun --nproc-per-node 1 scripts/bridge_pretrain.py --recipe moe_blockwise --moe mixtral_8x7b_4l
+                                                     # the small GPT with a conf/model's MoE keys (8 experts, top-2)
     python scripts/bridge_pretrain.py --dry-run --compute-capability 9.0     # what would run on an H200 (any
                                                                               # machine where megatron-bridge imports)
 
@@ -23,6 +25,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--layers", type=int, default=8, help="transformer layers of the small GPT (hidden 1024)")
     p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--moe", metavar="MODEL", default=None, help="a conf/model name whose Mixture-of-Experts keys go "
+                   "onto the small GPT (apply_moe), e.g. mixtral_8x7b_4l (8 experts of FFN 14336, top-2, alltoall)")
     p.add_argument("--out", default="runs/bridge", help="tensorboard / logs directory")
     p.add_argument("--dry-run", action="store_true", help="print the precision settings and exit")
     p.add_argument("--compute-capability", default=None, metavar="MAJOR.MINOR",
@@ -47,6 +51,10 @@ def build_config(args: argparse.Namespace):
 
     cfg = _pretrain_common()  # Bridge's own pretraining defaults (mock data when no blend is given)
     cfg.model = small_gpt(args.layers, args.seq)
+    if args.moe:  # our MoE keys onto Bridge's provider (TransformerConfig fields of the same names), checked
+        from fp8_recipes.integrations.bridge import apply_moe
+
+        apply_moe(cfg.model, args.moe)
     cfg.model.gradient_accumulation_fusion = False  # needs APEX's fused_weight_gradient_mlp_cuda (pip installs lack it)
     cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model = "NullTokenizer", None
     cfg.tokenizer.vocab_size = cfg.model.vocab_size
@@ -66,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         cfg = build_config(args)
+    except ValueError as e:  # apply_moe: a bad MoE key or model name, one line
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
     except ImportError as e:  # Bridge missing, or present without the Transformer Engine it imports
         print(f"error: megatron-bridge: cannot import ({e}); install it with Transformer Engine on a GPU machine "
               f"(pip install -e '.[bridge,gpu]', see docs/nemo.md)", file=sys.stderr)
@@ -77,8 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
     mp = cfg.mixed_precision
+    moe = f" experts={cfg.model.num_moe_experts} top-{cfg.model.moe_router_topk}" if args.moe else ""
     print(f"recipe {args.recipe}: fp8={mp.fp8!r} fp8_recipe={mp.fp8_recipe!r} "
-          f"factory={mp.fp8_quantizer_factory!r} callbacks={[type(c).__name__ for c in callbacks]}")
+          f"factory={mp.fp8_quantizer_factory!r} callbacks={[type(c).__name__ for c in callbacks]}{moe}")
     if args.dry_run:
         return 0
     from megatron.bridge.training.gpt_step import forward_step

@@ -7,6 +7,7 @@
     fp8-recipes explain safe --layers 8 --layout tp=2,pp=4,dp=8    ... and which pipeline stage runs which layers
     fp8-recipes explain hybrid --model tiny_moe   ... of a conf/model model (an MoE model: experts and routers)
     fp8-recipes memory llama3-70b --layout tp=4,pp=4,cp=2,dp=4 --fp8   estimated memory per GPU
+    fp8-recipes memory mixtral_8x7b_4l --seq 4096 --recipe delayed    ... of an MoE model (experts, dispatch)
     fp8-recipes doctor RUN_DIR --baseline BF16_RUN [--baseline BF16_OTHER_SEED ...] --write fixed.yaml
                                                   diagnose a run: exit 0 healthy, 1 problem found, 2 bad input
     fp8-recipes heatmap RUN_DIR --stat scale_gap    an MoE run's experts x steps (tokens, weight, underflow_pct,
@@ -23,16 +24,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterable
 from pathlib import Path
 
 import yaml
 
-from fp8_recipes.megatron.model_config import layout_of
+from fp8_recipes.megatron.model_config import layout_of, read_model_conf
 from fp8_recipes.observe.config import DebugConfig
 from fp8_recipes.plan.precision import Hardware, ModelLayout, ParallelLayout, PrecisionPlan
 from fp8_recipes.plan.format import format_plan
-from fp8_recipes.recipe.pack import conf_dir, load_recipe, load_recipe_dict, recipe_names
+from fp8_recipes.recipe.pack import load_recipe, load_recipe_dict, recipe_names
 
 __all__ = ["main"]
 
@@ -65,22 +65,10 @@ def _cmd_validate(args) -> int:
     return 1 if failed else 0
 
 
-def _model_conf(name: str, command: str, also: Iterable[str] = ()) -> dict:
-    """conf/model/NAME.yaml as a dict (its interpolations unresolved: the vocabulary comes from the data); an unknown
-    name is refused with the choices (``also``: the command's own models first)."""
-    from omegaconf import OmegaConf
-
-    path = conf_dir() / "model" / f"{name}.yaml"
-    if not path.is_file():
-        choices = sorted(also) + sorted(p.stem for p in path.parent.glob("*.yaml"))
-        raise ValueError(f"{command}: {name!r} is not a model ({', '.join(choices)})")
-    return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-
-
 def _cmd_explain(args) -> int:
     hardware = Hardware.detect() if args.detect else Hardware()
     if args.model is not None:  # the model's own layers and MoE layout (--layers, if given too, overrides its layers)
-        cfg = _model_conf(args.model, "explain --model")
+        cfg = read_model_conf(args.model, "explain --model")
         layout = layout_of({**cfg, "num_layers": args.layers or cfg["num_layers"]})
     else:
         layout = ModelLayout.gpt(args.layers or 4)
@@ -88,6 +76,8 @@ def _cmd_explain(args) -> int:
     if args.layout:
         parallel = ParallelLayout.parse(args.layout)
         parallel.check(layout.num_layers)
+        if layout.experts:  # (ep / etp: how the routed experts split; the memory command says what it costs)
+            parallel.check_experts(layout.experts)
     plan = PrecisionPlan(load_recipe(args.recipe), layout, hardware)
     print(format_plan(plan, max_steps=args.steps, parallel=parallel))
     return 0
@@ -95,29 +85,37 @@ def _cmd_explain(args) -> int:
 
 def _cmd_memory(args) -> int:
     # this command's own (module docstring)
-    from fp8_recipes.plan.memory import LLAMA3, OptimizerPrecision, estimate_stages, format_estimate
+    from fp8_recipes.megatron.model_config import check_model_cfg
+    from fp8_recipes.plan.memory import (LLAMA3, MIXTRAL, OptimizerPrecision, estimate_stages, format_estimate,
+                                         fp8_layers_of, fp8_weight_copy_bytes)
 
-    if args.model in LLAMA3:
-        model = LLAMA3[args.model]
+    layout = ParallelLayout.parse(args.layout)
+    published = {**LLAMA3, **MIXTRAL}
+    if args.model in published:
+        model = published[args.model]
     else:
-        model = _model_conf(args.model, "memory", also=LLAMA3)
-        if model.get("num_moe_experts") is not None:
-            raise ValueError(f"memory: {args.model} is a Mixture-of-Experts model, and the estimator counts dense GPTs "
-                             f"only so far (its experts' weights, optimizer state and dispatch buffers are not "
-                             f"modelled); give a dense model")
+        model = read_model_conf(args.model, "memory", also=published)
         if not isinstance(model.get("vocab_size"), int):
             model["vocab_size"] = 4096  # the stdlib tokenizer's, which the small configs take from data
-    layout = ParallelLayout.parse(args.layout)
+        check_model_cfg(model, tensor_parallel=layout.tp)  # (an MoE model's keys too: one line naming the key)
     dtypes = {"exp_avg_dtype": args.exp_avg_dtype, "exp_avg_sq_dtype": args.exp_avg_sq_dtype,
               "main_params_dtype": args.main_params_dtype}
     optimizer = OptimizerPrecision(  # a low-precision dtype implies the precision-aware optimizer, as in Megatron-LM
         use_precision_aware_optimizer=args.precision_aware_optimizer or any(v != "fp32" for v in dtypes.values()),
         grad_reduce_in_fp32=not args.grad_reduce_in_bf16, **dtypes)
-    common = {"micro_batch_size": args.mbs, "seq_length": args.seq, "fp8": args.fp8, "fp8_param": args.fp8_param,
+    fp8, fp8_param, per_recipe = args.fp8, args.fp8_param, {}
+    if args.recipe is not None:  # the recipe says FP8 or not, fp8_param, the FP8 layers and its weight copies
+        if args.fp8 or args.fp8_param:
+            raise ValueError("memory: --recipe says whether it is FP8 and stores FP8 weights; drop --fp8 / --fp8-param")
+        recipe = load_recipe(args.recipe)
+        fp8, fp8_param = recipe.is_fp8, recipe.fp8_param
+        per_recipe = {"fp8_layers": fp8_layers_of(recipe, int(model["num_layers"])),
+                      "fp8_weight_bytes": fp8_weight_copy_bytes(recipe)} if fp8 else {}
+    common = {"micro_batch_size": args.mbs, "seq_length": args.seq, "fp8": fp8, "fp8_param": fp8_param,
               "distributed_optimizer": not args.replicated_optimizer, "optimizer": optimizer}
-    stages = estimate_stages(model, layout, num_microbatches=args.microbatches, **common)
+    stages = estimate_stages(model, layout, num_microbatches=args.microbatches, **common, **per_recipe)
     peak = max(stages, key=lambda s: s.total)
-    print(format_estimate(args.model, layout, peak, stages=stages, **common))
+    print(format_estimate(args.model, layout, peak, stages=stages, recipe=args.recipe, **common))
     return 0
 
 
@@ -188,12 +186,17 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--layout", metavar="tp=2,pp=4,vpp=2,cp=2,dp=8",
                    help="a parallel layout: also print which pipeline stage runs which layers in which precision")
     e.set_defaults(fn=_cmd_explain)
-    m = sub.add_parser("memory", help="estimated memory per GPU of a GPT at a parallel layout (docs/scale.md)")
-    m.add_argument("model", metavar="MODEL", help="llama3-8b | llama3-70b | llama3-405b | a conf/model name")
-    m.add_argument("--layout", default="", metavar="tp=8,pp=4,vpp=2,cp=2,dp=8")
+    m = sub.add_parser("memory", help="estimated memory per GPU of a GPT (dense or MoE) at a parallel layout "
+                       "(docs/scale.md)")
+    m.add_argument("model", metavar="MODEL", help="llama3-8b | llama3-70b | llama3-405b | mixtral-8x7b | a conf/model "
+                   "name (MoE too: mixtral_8x7b_4l)")
+    m.add_argument("--layout", default="", metavar="tp=8,pp=4,vpp=2,cp=2,dp=8,ep=8,etp=1",
+                   help="parallel sizes (the rest 1); ep / etp: expert parallel / expert tensor parallel (MoE)")
     m.add_argument("--mbs", type=int, default=1, help="micro-batch size (default 1)")
     m.add_argument("--seq", type=int, default=8192, help="sequence length (default 8192)")
     m.add_argument("--fp8", action="store_true", help="an FP8 recipe with per-tensor scaling (FP8 weight copies)")
+    m.add_argument("--recipe", metavar="NAME|FILE", default=None, help="a recipe instead of --fp8: FP8 or not, its "
+                   "fp8_param, its first/last BF16 layers and its weight scaling's FP8 copies")
     m.add_argument("--replicated-optimizer", action="store_true", help="without the distributed optimizer")
     m.add_argument("--fp8-param", action="store_true", help="FP8 layers' weights stored in FP8 (recipe fp8_param)")
     m.add_argument("--precision-aware-optimizer", action="store_true",

@@ -1,7 +1,8 @@
 """The Bridge / NeMo 2 integrations' Megatron-Core side on a real GPU (no Bridge or NeMo needed): a GPTModel with
 the TE layer spec built with the fields a recipe maps to, Megatron-Core's own FP8 path running them (a named
-recipe, and ``fp8_recipe="custom"`` importing our quantizer factory, whose quantizers are the recipe's per role),
-and plugin-owned precision (the schedule callbacks' ScheduleDriver) switching BF16 -> FP8 at the planned step."""
+recipe, and ``fp8_recipe="custom"`` importing our quantizer factory, whose quantizers are the recipe's per role;
+an MoE model's TE experts), and plugin-owned precision (the schedule callbacks' ScheduleDriver) switching BF16 ->
+FP8 at the planned step."""
 
 from __future__ import annotations
 
@@ -115,3 +116,37 @@ def test_schedule_driver_refuses_a_model_built_with_fp8(megatron_gpu):
     model = build(megatron_gpu[2], {"fp8": "hybrid", "fp8_recipe": "tensorwise"})
     with pytest.raises(ValueError, match="without"):
         ScheduleDriver("safe").attach([model])
+
+
+# An MoE model as Bridge / NeMo would build it from our keys (apply_moe; moe_config_fields): 4 experts of FFN 256,
+# top-2, in layers 0 and 2, with Megatron-Core's GPU MoE settings (alltoall, TE grouped GEMM, fused permutation).
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=256, moe_layer_freq=2, moe_router_dtype="fp32",
+           moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True, moe_permute_fusion=True)
+
+
+@pytest.mark.parametrize("ref, padding", [("moe_blockwise", False), ("delayed", False), ("delayed", True)])
+def test_megatron_runs_an_moe_model_under_the_mapped_fields(ref, padding, megatron_gpu):
+    """Native path for an MoE model: the fields the recipe maps to over the model's MoE layout, Megatron-Core's own
+    autocast; the experts' TE GroupedLinears run the mapped TE recipe in FP8, forward and backward, with and without
+    the router padding each expert's tokens to the FP8 GEMMs' multiple of 16."""
+    from fp8_recipes.integrations.common import megatron_precision
+    from fp8_recipes.megatron.model import build_gpt_model
+    from fp8_recipes.megatron.model_config import layout_of
+
+    cfg = {**TINY, **MOE, "moe_router_padding_for_quantization": padding}
+    mp = megatron_precision(ref, compute_capability=torch.cuda.get_device_capability(), layout=layout_of(cfg))
+    torch.manual_seed(0)
+    model = build_gpt_model(cfg, use_te_spec=True, params_dtype=torch.bfloat16, device=megatron_gpu[2],
+                            config_overrides=mp.fields)
+    losses = []
+    for _ in range(2):  # a second step: delayed scaling's histories rolled once
+        losses.append(loss_and_backward(model, batch(megatron_gpu[2])))
+        model.zero_grad(set_to_none=False)
+    assert all(math.isfinite(x) for x in losses), losses
+    experts = {n: m for n, m in model.named_modules() if n.endswith(("experts.linear_fc1", "experts.linear_fc2"))}
+    assert sorted(experts) == [f"decoder.layers.{i}.mlp.experts.linear_fc{k}" for i in (0, 2) for k in (1, 2)]
+    for name, module in experts.items():
+        assert type(module).__name__ == "TEGroupedLinear" and module.fp8, f"{name} did not run FP8"
+        assert type(module.fp8_meta["recipe"]).__name__ == mp.te.recipe, (name, mp.te.describe())
+    router = model.decoder.layers[0].mlp.router  # not a TE module: Megatron-Core's own GEMM, outside FP8
+    assert router.weight.grad is not None and torch.isfinite(router.weight.grad).all()

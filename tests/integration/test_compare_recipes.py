@@ -1,6 +1,7 @@
 """The recipe shoot-out end to end on the CPU: scripts/compare_recipes.py trains BF16 and two recipes (tiny model,
 emulated FP8), writes its PNG, table and JSON with numbers recomputed here from each run's own metrics.jsonl, and
-evaluates each FP8 checkpoint with FP8 and BF16 GEMMs (inference parity); bad input ends in one line, exit 2."""
+evaluates each FP8 checkpoint with FP8 and BF16 GEMMs (inference parity); the same on the tiny MoE with the MoE
+presets (about 55 s on 2 cores); bad input ends in one line, exit 2."""
 
 from __future__ import annotations
 
@@ -107,6 +108,35 @@ def test_evaluate_a_bf16_checkpoint_with_another_recipe(shootout, monkeypatch):
     # BF16 GEMMs on the BF16-trained checkpoint: exactly the BF16 run's own last evaluation
     assert result["bf16_loss"] == pytest.approx(read_metrics(out / "bf16", "eval")[-1]["val_loss"], rel=1e-6)
     assert math.isfinite(result["gap_pct"]) and result["fp8_loss"] != result["bf16_loss"]
+
+
+MOE_RECIPES = ["moe_delayed", "moe_blockwise", "tensorwise"]
+
+
+@pytest.mark.slow
+def test_moe_shootout_on_tiny_moe_reports_a_finite_gap_per_recipe(dataset, tmp_path):  # noqa: F811
+    """The CI part of issue 28's loss item: the shoot-out on the tiny MoE (2 layers: one MoE, one dense), BF16 against
+    the two MoE presets and tensorwise, a few steps each, parity included (a checkpoint of experts evaluates)."""
+    out = tmp_path / "moe"
+    steps = 8
+    overrides = [o for o in _overrides(out) if not o.startswith(("trainer.max_steps=", "trainer.eval_interval="))]
+    cmd = [sys.executable, SCRIPT, "--recipes", *MOE_RECIPES, "--parallel", "2", "--out", str(out), *dataset,
+           "model=tiny_moe", *overrides, f"trainer.max_steps={steps}", f"trainer.eval_interval={steps}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((out / "compare.json").read_text())
+    assert [r["name"] for r in result["runs"]] == ["bf16", *MOE_RECIPES]
+    table = (out / "compare.md").read_text()
+    for r in result["runs"]:
+        assert r["status"] == "ok" and r["steps"] == steps and r["backend"] == "emulated", r
+        for key in ("loss_gap_pct", "val_gap_pct"):
+            assert isinstance(r[key], float) and math.isfinite(r[key]), (r["name"], key, r[key])
+        assert sum(line.startswith(f"| {r['name']} |") for line in table.splitlines()) == 1, table
+        # an MoE run: its routing, summarized from routing.jsonl (the router's tokens per expert)
+        assert r["routing"]["imbalance"] >= 1.0 and 0.0 <= r["routing"]["idle_pct"] <= 100.0, r["routing"]
+        if r["name"] != "bf16":
+            assert math.isfinite(r["parity"]["gap_pct"]), r["parity"]
+    assert "| routing imbalance | idle experts |" in table
 
 
 def test_plot_only_redraws_from_the_run_dirs(shootout):

@@ -369,6 +369,63 @@ def test_a_gpu_job_transformer_engine_cannot_run_is_refused_before_it_is_submitt
                             monkeypatch) == 0
 
 
+MOE_KEYS = ["model=tiny_moe", "model.moe_router_topk=3", "model.moe_shared_expert_intermediate_size=128",
+            "model.moe_layer_freq=[1,0,1,1]", "model.moe_aux_loss_coeff=0.02"]
+
+
+def test_an_moe_job_carries_its_model_keys_and_is_checked_before_it_is_submitted(tmp_path, monkeypatch, capsys):
+    """MoE model keys pass through to every task's train.py as given (the srun line), after the submitting host
+    checked them with the rest of the config: a bad one is refused in one line, nothing written; a GPU job of an MoE
+    model has its plan checked for TE (one TE recipe per grouped experts' layer: a pattern splitting them is
+    refused)."""
+    run_dir = tmp_path / "run"
+    argv = ["+recipe=moe_delayed", *MOE_KEYS, "launcher.tasks_per_node=2", "trainer.global_batch_size=32",
+            f"run_dir={run_dir}"]
+    assert make_sbatch_main(argv, monkeypatch) == 0
+    srun = next(shlex.split(line) for line in (run_dir / "job.sbatch").read_text().splitlines()
+                if line.startswith("srun "))
+    assert srun[3:3 + 1 + len(MOE_KEYS)] == ["+recipe=moe_delayed", *MOE_KEYS]
+    capsys.readouterr()
+    for override, message in [("model.moe_router_topk=5", "error: model.moe_router_topk=5 is more than "
+                                                         "model.num_moe_experts=4"),
+                              ("model.moe_token_dispatcher_type=alltoal", "error: model.moe_token_dispatcher_type")]:
+        bad = tmp_path / "bad"
+        assert make_sbatch_main([*argv[:-1], override, f"run_dir={bad}"], monkeypatch) == USER_ERROR_EXIT
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(message) and len(err.splitlines()) == 1, err
+        assert not bad.exists()
+    gpu = tmp_path / "gpu"
+    job = ["+recipe=moe_blockwise", "trainer=gpu", "model=mixtral_8x7b_4l", "launcher.tasks_per_node=1"]
+    assert make_sbatch_main([*job, f"run_dir={gpu}"], monkeypatch) == 0
+    assert sbatch_options((gpu / "job.sbatch").read_text())["gpus-per-node"] == "1"
+    split = tmp_path / "split"
+    assert make_sbatch_main([*job, "++recipe.layers.bf16_modules=[*local_experts.3.*]", f"run_dir={split}"],
+                            monkeypatch) == USER_ERROR_EXIT
+    err = capsys.readouterr().err.strip()
+    assert "model.moe_grouped_gemm=false" in err and len(err.splitlines()) == 1 and not split.exists(), err
+
+
+def test_expert_parallelism_is_checked_at_the_jobs_world_size(tmp_path, monkeypatch, capsys):
+    """trainer.expert_model_parallel_size goes to the job like any trainer key, and the launchers check it at the
+    job's nodes x tasks per node (training/config.py's rules), not at the submitting host's one process."""
+    from fp8_recipes.training.config import TrainerConfig
+
+    if "expert_model_parallel_size" not in TrainerConfig.__dataclass_fields__:
+        pytest.skip("trainer.expert_model_parallel_size is not a trainer key in this checkout yet (issue 28, item 2)")
+    base = ["+recipe=moe_delayed", "model=tiny_moe", "trainer.global_batch_size=32"]
+    ok = tmp_path / "ok"
+    assert make_sbatch_main([*base, "trainer.expert_model_parallel_size=2", "launcher.tasks_per_node=2",
+                             f"run_dir={ok}"], monkeypatch) == 0
+    assert "trainer.expert_model_parallel_size=2" in (ok / "job.sbatch").read_text()
+    capsys.readouterr()
+    bad = tmp_path / "bad"
+    assert make_sbatch_main([*base, "trainer.expert_model_parallel_size=4", "launcher.tasks_per_node=2",
+                             f"run_dir={bad}"], monkeypatch) == USER_ERROR_EXIT  # 4 EP ranks in a 2-rank job
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: trainer.expert_model_parallel_size") and len(err.splitlines()) == 1, err
+    assert not bad.exists()
+
+
 @pytest.mark.parametrize("override, message", [
     ("launcher.nodes=0", "error: launcher.nodes: 0 is not an integer >= 1"),
     ("launcher.signal=TERM", "error: launcher.signal: 'TERM' is not one of USR1 | null"),

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from fp8_recipes.bench.compare import (
-    REFERENCE, add_gaps, check_runs, collect, final_loss, run_overrides, save, steady_tokens_per_s, summarize_run,
+    REFERENCE, add_gaps, check_runs, collect, final_loss, routing_summary, run_overrides, save, steady_tokens_per_s,
+    summarize, summarize_run,
 )
 from fp8_recipes.recipe.pack import load_recipe
 from fp8_recipes.recipe.schema import ROLES
@@ -104,6 +105,26 @@ def test_collect_and_save_from_run_dirs(tmp_path):
 
 def statistics_mean(values: list[float]) -> float:
     return sum(values) / len(values)
+
+
+def test_an_moe_runs_routing_is_summarized_and_tabulated(tmp_path):
+    from fp8_recipes.observe.routing import routing_row
+
+    rows = [routing_row(1, 0, [4, 4, 4, 4]), routing_row(1, 2, [10, 6, 0, 0]), routing_row(2, 0, [8, 0, 4, 4])]
+    summary = routing_summary(rows)
+    assert summary["imbalance"] == pytest.approx((1.0 + 2.5 + 2.0) / 3) and summary["idle_pct"] == 100 * 3 / 12
+    assert routing_summary([]) is None
+    n = 20
+    _write_run(tmp_path / "bf16", [5.0 - 0.05 * i for i in range(n)], 3.1)
+    _write_run(tmp_path / "moe_delayed", [5.0 - 0.05 * i for i in range(n)], 3.1)
+    (tmp_path / "moe_delayed" / "routing.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = collect(tmp_path, ["bf16", "moe_delayed"])
+    assert result["runs"][0]["routing"] is None and result["runs"][1]["routing"] == summary
+    lines = summarize(result).splitlines()
+    assert "| routing imbalance | idle experts | status |" in lines[0]
+    assert lines[3].endswith(f"| {summary['imbalance']:.3f} | 25.0% | ok |") and lines[2].endswith("| - | - | ok |")
+    dense = collect(tmp_path, ["bf16"])  # a dense shoot-out's table has no routing columns
+    assert "routing" not in summarize(dense)
 
 
 def test_summarize_run_of_a_missing_dir_is_a_not_run_row(tmp_path):

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -221,7 +222,8 @@ def test_schedule_driver_plans_the_whole_model_over_pipeline_chunks(monkeypatch)
 
     attached = []
     monkeypatch.setattr(Hardware, "detect", classmethod(lambda cls: Hardware("cuda", (9, 0), "2.20.2", "H200")))
-    monkeypatch.setattr(te_layers, "attach_te_backend", lambda chunks, plan: attached.append((chunks, plan)) or "te")
+    monkeypatch.setattr(te_layers, "attach_te_backend",
+                        lambda chunks, plan, router_padding: attached.append((chunks, plan)) or "te")
     chunks = [Chunk(), Chunk()]
     driver = ScheduleDriver("safe")
     driver.attach(chunks)
@@ -229,6 +231,77 @@ def test_schedule_driver_plans_the_whole_model_over_pipeline_chunks(monkeypatch)
     assert got == chunks and driver.precision == "te" and plan.layout.num_layers == 4
     assert plan.bf16_reason("decoder.layers.0.self_attention.linear_qkv") == "bf16_first: 1"
     assert plan.bf16_reason("decoder.layers.3.mlp.linear_fc2") == "bf16_last: 1"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Mixture-of-Experts: the model keys onto a framework's config, the plan of its MoE layers
+
+
+def test_apply_moe_puts_a_conf_models_moe_keys_on_a_model_provider(caplog):
+    """Bridge's GPTModelProvider is a Megatron-Core TransformerConfig subclass: apply_moe sets our MoE keys (the same
+    names) on one, and Megatron-Core's own validation takes them."""
+    import logging
+
+    from fp8_recipes.integrations.bridge import apply_moe
+    from fp8_recipes.megatron.model_config import config_layout
+
+    config = transformer_config({})
+    with caplog.at_level(logging.INFO, logger="fp8_recipes.integrations"):
+        fields = apply_moe(config, "tiny_moe")
+    assert fields["num_moe_experts"] == 4 and fields["moe_layer_freq"] == 2 and fields["moe_router_dtype"] == "fp32"
+    assert "model provider moe_layer_freq: 1 -> 2" in caplog.text  # each changed field, old -> new
+    config.__post_init__()  # Megatron-Core's checks of the MoE fields
+    layout = config_layout(config)
+    assert layout.experts == 4 and layout.routers == ("decoder.layers.0.mlp.router", "decoder.layers.2.mlp.router")
+    mixtral = apply_moe(transformer_config({}), "mixtral_8x7b_4l")  # the provider keeps its shape, takes the keys
+    assert (mixtral["moe_token_dispatcher_type"], mixtral["moe_grouped_gemm"]) == ("alltoall", True)
+    listed = apply_moe(transformer_config({}), {"num_moe_experts": 8, "moe_router_topk": 2,
+                                                "moe_layer_freq": [0, 1, 1, 1]})
+    assert listed["moe_layer_freq"] == [0, 1, 1, 1]
+
+
+@pytest.mark.parametrize("model, message", [
+    ({"num_moe_experts": 4, "moe_router_topk": 5}, "model.moe_router_topk=5 is more than model.num_moe_experts=4"),
+    ({"num_moe_experts": 4, "moe_layer_freq": [1, 0]}, "model.moe_layer_freq=[1, 0]: give an integer >= 1"),
+    ({"num_moe_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 255}, "model.moe_ffn_hidden_size=255 is not "
+                                                                             "divisible by"),
+    ({"num_moe_expert": 4}, "apply_moe: 'num_moe_expert' is not a model key"),
+    ("tiny", "apply_moe: model.num_moe_experts is not set: a dense model"),
+    ("tiny_mo", "apply_moe: 'tiny_mo' is not a model ("),
+])
+def test_apply_moe_refuses_in_one_line(model, message):
+    from fp8_recipes.integrations.bridge import apply_moe
+
+    config = transformer_config({})
+    config.tensor_model_parallel_size = 2  # (the provider's TP: an expert's FFN must divide over it)
+    with pytest.raises(ValueError) as e:
+        apply_moe(config, model)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+def test_an_moe_models_plan_maps_natively_or_runs_plugin_owned():
+    from fp8_recipes.integrations.bridge import apply_moe
+    from fp8_recipes.megatron.model_config import config_layout
+
+    config = transformer_config({})
+    apply_moe(config, "mixtral_8x7b_4l")
+    layout = config_layout(config)
+    mp = megatron_precision("moe_blockwise", compute_capability=H200, layout=layout)
+    assert (mp.fields["fp8"], mp.fields["fp8_recipe"]) == ("e4m3", "blockwise")  # Megatron-Core's TE experts natively
+    experts_bf16 = recipe(weights="tensorwise", activations="tensorwise", gradients="tensorwise",
+                          layers={"bf16_modules": ["*experts*"]})
+    for r in (experts_bf16, "safe"):  # a pattern over the experts, stages: only plugin-owned says them
+        with pytest.raises(NeedsPluginOwned):
+            megatron_precision(r, compute_capability=H200, layout=layout)
+        plan = plugin_owned_plan(r, compute_capability=H200, layout=layout)  # our TE backend runs the MoE layers
+        assert plan.layout.experts == 8 and plan.grouped_experts_problem() is None
+    assert "decoder.layers.0.mlp.router" in plan.layout.routers  # (the router: BF16 whatever the recipe)
+    one_expert = recipe(weights="tensorwise", activations="tensorwise", gradients="tensorwise",
+                        layers={"bf16_modules": ["*local_experts.3.*"]})
+    # moe_grouped_gemm runs a layer's experts in one GroupedLinear under one TE recipe: apply_recipe refuses this
+    problem = plugin_owned_plan(one_expert, compute_capability=H200, layout=layout).grouped_experts_problem()
+    assert problem.startswith("decoder.layers.0.mlp.experts.local_experts.3.linear_fc1 runs otherwise than") \
+        and "model.moe_grouped_gemm=false" in problem
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -289,6 +362,19 @@ for name, r in [("hybrid", "hybrid"),
     out[name] = dict(fp8=cfg.fp8, fp8_recipe=cfg.fp8_recipe, factory=cfg.fp8_quantizer_factory, bf16=cfg.bf16,
                      is_mpc=isinstance(mpc, MixedPrecisionConfig))
 out["callback"] = issubclass(FP8RecipeCallback, Callback)
+from types import SimpleNamespace
+from megatron.bridge.models import GPTModelProvider
+from fp8_recipes.integrations.bridge import apply_moe, apply_recipe
+for name in ("moe_blockwise", "bf16", "safe"):
+    provider = GPTModelProvider(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=256, seq_length=64)
+    apply_moe(provider, {"num_moe_experts": 8, "moe_router_topk": 2, "moe_token_dispatcher_type": "alltoall",
+                         "moe_router_padding_for_quantization": True})
+    container = SimpleNamespace(model=provider, train=SimpleNamespace(train_iters=10))
+    callbacks = apply_recipe(container, name, compute_capability=(9, 0))
+    cfg = update_config_with_precision_overrides(container.mixed_precision, provider)
+    out[name] = dict(experts=cfg.num_moe_experts, dispatcher=cfg.moe_token_dispatcher_type, fp8=cfg.fp8,
+                     fp8_recipe=cfg.fp8_recipe, padding=cfg.moe_router_padding_for_quantization,
+                     callbacks=[type(c).__name__ for c in callbacks])
 print("RESULT " + json.dumps(out))
 """
 
@@ -327,6 +413,12 @@ def test_bridge_mixed_precision_in_real_bridge():
     assert out["hybrid"] == dict(fp8="hybrid", fp8_recipe="blockwise", factory=None, bf16=True, is_mpc=True)
     assert out["mix"]["fp8_recipe"] == "custom" and out["mix"]["factory"] == FACTORY_PATH
     assert out["callback"] is True
+    moe = dict(experts=8, dispatcher="alltoall")
+    assert out["moe_blockwise"] == dict(**moe, fp8="e4m3", fp8_recipe="blockwise", padding=True, callbacks=[])
+    # BF16: no padding (Megatron-Core refuses it without fp8); plugin-owned: built BF16, the callback pads
+    assert out["bf16"] == dict(**moe, fp8=None, fp8_recipe=out["bf16"]["fp8_recipe"], padding=False, callbacks=[])
+    assert out["safe"] == dict(**moe, fp8=None, fp8_recipe=out["safe"]["fp8_recipe"], padding=False,
+                               callbacks=["FP8RecipeCallback"])
 
 
 def test_fp8_param_maps_to_megatrons_own_fp8_weights():

@@ -362,7 +362,8 @@ def test_parallel_layout_places_layers_as_megatron_core():
                                       (1, 1): range(6, 8)}
     assert ParallelLayout.parse("pp=4").chunk_layers(8)[(3, 0)] == range(6, 8)
     assert ParallelLayout.parse("pp=2,vpp=1").vpp is None
-    for text, match in (("tp=2,ep=4", r"'ep' is not one of tp, pp, vpp, cp, dp"), ("pp=0", r"'pp=0'.* >= 1"),
+    assert ParallelLayout.parse("tp=2,ep=4,etp=1,dp=4").expert_dp == ParallelLayout.parse("ep=4,dp=8").expert_dp == 2
+    for text, match in (("tp=2,xp=4", r"'xp' is not one of tp, pp, vpp, cp, dp, ep, etp"), ("pp=0", r"'pp=0'.* >= 1"),
                         ("pp=x", r"'pp=x'")):
         with pytest.raises(ValueError, match=match):
             ParallelLayout.parse(text)

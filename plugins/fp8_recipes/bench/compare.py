@@ -16,7 +16,9 @@ What the table says, from each run's own metrics.jsonl:
   (start-up, allocator warm-up and any BF16 warmup stage left out); with --parallel > 1 the runs share the device,
   so compare tokens/s only within one shoot-out;
 - eval loss: the last ``val_loss`` the run logged (same validation batches in every run);
-- parity: the FP8-trained checkpoint's eval loss with FP8 and with BF16 GEMMs, and their gap.
+- parity: the FP8-trained checkpoint's eval loss with FP8 and with BF16 GEMMs, and their gap;
+- routing (an MoE model): the mean load imbalance over steps and MoE layers and the share of idle expert slots, from
+  the run's routing.jsonl (a recipe that moves the router's inputs can move its routing).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from typing import Any, Sequence
 from fp8_recipes.bench.output import markdown_table, save_json
 from fp8_recipes.megatron.data import prepare_dataset
 from fp8_recipes.recipe.pack import conf_dir, load_recipe, project_root, recipe_names
-from fp8_recipes.rundir import METRICS, last_metrics_step, read_metrics, read_summary
+from fp8_recipes.rundir import METRICS, ROUTING, last_metrics_step, read_jsonl, read_metrics, read_summary
 from fp8_recipes.training.config import check_run_config
 from fp8_recipes.training.errors import one_line
 from fp8_recipes.training.evaluate import evaluate_checkpoint, format_parity, gap_pct
@@ -46,7 +48,8 @@ from fp8_recipes.training.progress import PlainBar
 from fp8_recipes.training.run import resolve_recipe
 
 __all__ = ["REFERENCE", "add_gaps", "check_runs", "child_main", "collect", "compare_recipes", "final_loss",
-           "plot_curves", "run_overrides", "save", "steady_tokens_per_s", "summarize", "summarize_run"]
+           "plot_curves", "routing_summary", "run_overrides", "save", "steady_tokens_per_s", "summarize",
+           "summarize_run"]
 
 REFERENCE = "bf16"        # the run every gap is measured against
 FINAL_FRACTION = 0.05     # final loss = mean of the last 5% of logged training losses
@@ -85,6 +88,17 @@ def steady_tokens_per_s(rows: Sequence[dict], warmup_fraction: float = WARMUP_FR
     return statistics.median(float(r["tokens_per_s"]) for r in steady)
 
 
+def routing_summary(rows: Sequence[dict]) -> dict[str, float] | None:
+    """An MoE run's routing from its routing.jsonl rows (None without rows: a dense model): the mean load imbalance
+    (max / mean tokens per expert, 1.0 = balanced) over steps and MoE layers, and the share of (step, layer, expert)
+    slots in which an expert got no token, in %."""
+    if not rows:
+        return None
+    slots = sum(len(r["tokens"]) for r in rows)
+    return {"imbalance": statistics.fmean(float(r["imbalance"]) for r in rows),
+            "idle_pct": 100 * sum(int(r["idle"]) for r in rows) / slots if slots else 0.0}
+
+
 def _gap(value: float | None, reference: float | None) -> float | None:
     if value is None or reference is None or not math.isfinite(value) or not math.isfinite(reference):
         return None
@@ -121,6 +135,7 @@ def summarize_run(run_dir: Path, name: str) -> dict[str, Any]:
         "peak_memory_gib": peak_bytes / 2**30 if peak_bytes else None,
         "peak_memory_kind": None if not peak_bytes else "cpu peak rss" if device == "CPU" else "cuda max allocated",
         "skipped_steps": summary.get("skipped_steps"),
+        "routing": routing_summary(read_jsonl(run_dir / ROUTING)) if (run_dir / ROUTING).is_file() else None,
         "parity": {k: parity[k] for k in ("fp8_loss", "bf16_loss", "fp8_ppl", "bf16_ppl", "gap_pct", "eval_step",
                                           "stage", "eval_tokens") if k in parity} or None,
     }
@@ -176,12 +191,21 @@ def summarize(result: dict[str, Any]) -> str:
                      _fmt(r["tokens_vs_bf16"], ".3f"), _fmt(r["peak_memory_gib"], ".2f"),
                      _fmt(p.get("fp8_loss"), ".4f"), _fmt(p.get("bf16_loss"), ".4f"),
                      _fmt(p.get("gap_pct"), "+.3f") and f"{p['gap_pct']:+.3f}%", r["status"]])
+    if any(r.get("routing") for r in result["runs"]):  # an MoE model: how each run routed its tokens
+        header[-1:-1] = ["routing imbalance", "idle experts"]
+        for row, r in zip(rows, result["runs"]):
+            routing = r.get("routing") or {}
+            row[-1:-1] = [_fmt(routing.get("imbalance"), ".3f"),
+                          _fmt(routing.get("idle_pct"), ".1f") and f"{routing['idle_pct']:.1f}%"]
     kinds = sorted({r["peak_memory_kind"] for r in result["runs"] if r.get("peak_memory_kind")})
     k = max((r["final_k"] for r in result["runs"]), default=0)
     notes = [f"final loss: mean of the last {k} logged training losses ({FINAL_FRACTION:.0%} of the steps); "
              f"gaps: 100 x (recipe - BF16) / BF16; tokens/s: median of the last stage after the first "
              f"{WARMUP_FRACTION:.0%} of steps; peak memory: {', '.join(kinds) or '-'}; parity: the FP8-trained "
              "final checkpoint evaluated with FP8 and with BF16 GEMMs on the run's validation batches."]
+    if any(r.get("routing") for r in result["runs"]):
+        notes.append("routing imbalance: max / mean tokens per expert (1.000 = balanced), averaged over steps and MoE "
+                     "layers (routing.jsonl); idle experts: the share of those slots in which an expert got no token.")
     if int(result.get("parallel") or 1) > 1:
         notes.append(f"{result['parallel']} runs at a time shared the device: tokens/s compare within this table only.")
     return markdown_table(header, rows) + "\n\n" + "\n".join(notes)

@@ -20,6 +20,7 @@ Checked against megatron-bridge 0.6.2 (``training/mixed_precision.py``, ``traini
 
 from __future__ import annotations
 
+import logging
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping
@@ -28,12 +29,16 @@ from fp8_recipes.integrations.common import (
     EXTRA_FIELDS, NeedsPluginOwned, ScheduleDriver, activate_quantizer_factory, as_recipe, log_applied,
     megatron_precision, plugin_owned_plan, with_fields,
 )
-from fp8_recipes.recipe.schema import Recipe
+from fp8_recipes.megatron.model_config import (MODEL_OPTIONAL, MODEL_REQUIRED, MOE_KEYS, check_model_cfg,
+                                              config_layout, moe_config_fields, read_model_conf)
+from fp8_recipes.plan.precision import ModelLayout
+from fp8_recipes.recipe.schema import Recipe, RecipeError
 
-__all__ = ["FP8MixedPrecisionConfig", "FP8RecipeCallback", "apply_recipe", "mixed_precision_config",
+__all__ = ["FP8MixedPrecisionConfig", "FP8RecipeCallback", "apply_moe", "apply_recipe", "mixed_precision_config",
            "use_prebuilt_dataset_helpers"]
 
 RecipeRef = Recipe | str | Path | Mapping[str, Any]
+log = logging.getLogger("fp8_recipes.integrations")
 
 
 @lru_cache(maxsize=1)
@@ -59,8 +64,8 @@ def _classes() -> dict[str, type]:
         Needs the model built without fp8 (``apply_recipe`` sets plain BF16) and the TE layer spec (Bridge's default
         with TE installed); with pipeline stages, every chunk of the rank runs its layers' part of the whole plan."""
 
-        def __init__(self, recipe: RecipeRef, *, max_steps: int | None = None):
-            self.driver = ScheduleDriver(recipe, max_steps=max_steps)
+        def __init__(self, recipe: RecipeRef, *, max_steps: int | None = None, router_padding: bool = False):
+            self.driver = ScheduleDriver(recipe, max_steps=max_steps, router_padding=router_padding)
 
         def on_train_start(self, context: Any) -> None:
             self.driver.attach(context.model)
@@ -90,14 +95,14 @@ def _bf16_mixed() -> Any:
 
 
 def mixed_precision_config(recipe: RecipeRef, *, compute_capability: tuple[int, int] | None = None,
-                           num_layers: int | None = None) -> Any:
+                           num_layers: int | None = None, layout: ModelLayout | None = None) -> Any:
     """Bridge's ``bf16_mixed`` with the recipe's Megatron-Core fp8 fields (an :class:`FP8MixedPrecisionConfig`).
 
     Raises a one-line RecipeError for what the native path cannot run (:class:`NeedsPluginOwned` when the
     callback can: use :func:`apply_recipe`). For ``fp8_recipe="custom"`` it also points our quantizer factory at
     the recipe in this process (every rank runs the script that calls this)."""
     recipe = as_recipe(recipe)
-    mp = megatron_precision(recipe, compute_capability=compute_capability, num_layers=num_layers)
+    mp = megatron_precision(recipe, compute_capability=compute_capability, num_layers=num_layers, layout=layout)
     base = _bf16_mixed()
     fields = {k: v for k, v in mp.fields.items() if hasattr(base, k) or k in EXTRA_FIELDS}
     out = with_fields(base, type(base), fields)
@@ -109,19 +114,69 @@ def mixed_precision_config(recipe: RecipeRef, *, compute_capability: tuple[int, 
 def apply_recipe(config: Any, recipe: RecipeRef, *, compute_capability: tuple[int, int] | None = None) -> list[Any]:
     """Set ``config.mixed_precision`` for `recipe` and return the callbacks ``pretrain`` needs ([] when native).
 
-    `config` is Bridge's ConfigContainer (its ``model.num_layers`` checks the layer rules, ``train.train_iters``
-    sizes the printed plan)."""
+    `config` is Bridge's ConfigContainer: its model provider's layers and MoE fields (``num_moe_experts``,
+    ``moe_layer_freq``, shared experts; :func:`apply_moe` sets ours) check the layer rules and ``bf16_modules``
+    patterns, ``train.train_iters`` sizes the printed plan."""
     recipe = as_recipe(recipe)
     num_layers = getattr(config.model, "num_layers", None)
+    layout = config_layout(config.model) if num_layers else None
+    padding = bool(getattr(config.model, "moe_router_padding_for_quantization", False))
     try:
         config.mixed_precision = mixed_precision_config(recipe, compute_capability=compute_capability,
-                                                        num_layers=num_layers)
+                                                        num_layers=num_layers, layout=layout)
+        if padding and not recipe.is_fp8:  # Megatron-Core refuses the key without fp8; BF16 GEMMs need no padding
+            _unpad(config.model, "a BF16 recipe's GEMMs take any token count")
         return []
     except NeedsPluginOwned:
-        plugin_owned_plan(recipe, compute_capability=compute_capability, num_layers=num_layers)
+        plan = plugin_owned_plan(recipe, compute_capability=compute_capability, num_layers=num_layers, layout=layout)
+    problem = plan.grouped_experts_problem() if getattr(config.model, "moe_grouped_gemm", False) else None
+    if problem is not None:  # (what attach would refuse at train start, here before anything is built)
+        raise RecipeError([f"recipe: {problem}"])
     config.mixed_precision = _bf16_mixed()  # fp8 stays unset: the callback owns every autocast
+    if padding:  # built BF16, the model leaves the padding to our backend, which pads the FP8 layers' dispatchers
+        _unpad(config.model, "built BF16; the schedule callback pads the FP8 layers' tokens")
     max_steps = getattr(getattr(config, "train", None), "train_iters", None)
-    return [_classes()["FP8RecipeCallback"](recipe, max_steps=max_steps)]
+    return [_classes()["FP8RecipeCallback"](recipe, max_steps=max_steps, router_padding=padding)]
+
+
+def _unpad(provider: Any, why: str) -> None:
+    """Megatron-Core pads each expert's tokens only under its own fp8 config, and refuses the key without it."""
+    log.warning("fp8-recipes: Megatron-Bridge model provider moe_router_padding_for_quantization: True -> False (%s)",
+                why)
+    provider.moe_router_padding_for_quantization = False
+
+
+def apply_moe(provider: Any, model: str | Mapping[str, Any]) -> dict[str, Any]:
+    """Put a model group's Mixture-of-Experts keys on Bridge's model provider (a GPTModelProvider, any Megatron-Core
+    TransformerConfig: the fields share the keys' names) and return what was set. ``model`` is a conf/model name
+    (``"mixtral_8x7b_4l"``: only its MoE keys are taken, the provider keeps its own shape) or a mapping of MoE keys.
+
+    The keys are checked as scripts/train.py checks them, against the provider's shape and tensor-parallel size:
+    a bad one is a one-line ValueError naming ``model.<key>``. Each field changed is logged, old -> new."""
+    keys = _moe_keys(model)
+    shape = {key: getattr(provider, key, None) for key in MODEL_REQUIRED + ("ffn_hidden_size", "num_query_groups")}
+    shape["vocab_size"] = shape["vocab_size"] or 1  # (a provider may take it from the tokenizer later)
+    shape["seq_length"] = shape["seq_length"] or 1
+    check_model_cfg({**{k: v for k, v in shape.items() if v is not None}, **keys},
+                    tensor_parallel=int(getattr(provider, "tensor_model_parallel_size", 1) or 1))
+    fields = moe_config_fields(keys)
+    for key, value in fields.items():
+        old = getattr(provider, key, None)
+        if old != value:
+            log.info("fp8-recipes: Megatron-Bridge model provider %s: %r -> %r", key, old, value)
+        setattr(provider, key, value)
+    return fields
+
+
+def _moe_keys(model: str | Mapping[str, Any]) -> dict[str, Any]:
+    model = read_model_conf(model, "apply_moe") if isinstance(model, str) else model
+    unknown = sorted(set(model) - set(MOE_KEYS) - set(MODEL_REQUIRED + MODEL_OPTIONAL))
+    if unknown:
+        raise ValueError(f"apply_moe: {unknown[0]!r} is not a model key (the MoE keys: {', '.join(MOE_KEYS)})")
+    keys = {key: model[key] for key in MOE_KEYS if key in model}
+    if keys.get("num_moe_experts") is None:
+        raise ValueError("apply_moe: model.num_moe_experts is not set: a dense model has no MoE keys to apply")
+    return keys
 
 
 def use_prebuilt_dataset_helpers() -> bool:

@@ -127,7 +127,9 @@ def _refuse(problem: str) -> RecipeError:
     return (NeedsPluginOwned if NATIVE_FIX in problem else RecipeError)([problem])
 
 
-def _layout(recipe: Recipe, num_layers: int | None) -> ModelLayout:
+def _layout(recipe: Recipe, num_layers: int | None, layout: ModelLayout | None = None) -> ModelLayout:
+    if layout is not None:  # the framework's model config, MoE layers included (config_layout)
+        return layout
     n = num_layers or recipe.layers.bf16_first + recipe.layers.bf16_last + 2
     return ModelLayout.gpt(n)
 
@@ -203,18 +205,20 @@ def _fields(te: TERecipe, recipe: Recipe, custom: bool) -> dict[str, Any]:
 
 
 def megatron_precision(recipe: Recipe | str | Path | Mapping[str, Any], *,
-                       compute_capability: tuple[int, int] | None = None,
-                       num_layers: int | None = None) -> MegatronPrecision:
+                       compute_capability: tuple[int, int] | None = None, num_layers: int | None = None,
+                       layout: ModelLayout | None = None) -> MegatronPrecision:
     """Resolve `recipe` for Megatron-Core's native FP8 path on a GPU of `compute_capability`.
 
     Raises a one-line :class:`RecipeError` (naming the key and the fix) for what Megatron-Core's config cannot
-    express or TE cannot run. `num_layers` lets ``bf16_modules`` patterns be checked against the real model.
+    express or TE cannot run. `num_layers` lets ``bf16_modules`` patterns be checked against the real model;
+    `layout` (the model config's, :func:`~fp8_recipes.megatron.model_config.config_layout`) against its MoE layers
+    too: experts, shared experts, routers.
     """
     recipe = as_recipe(recipe)
     if not recipe.is_fp8:
         return MegatronPrecision({"fp8": None}, None, (), None)
     hw = target_hardware(compute_capability)
-    plan = _plan(recipe, hw, _layout(recipe, num_layers))
+    plan = _plan(recipe, hw, _layout(recipe, num_layers, layout))
     keys = runtime_only_keys(plan)
     if keys:
         raise _refuse(f"{', '.join(keys)}: Megatron-Core's config has no BF16 warmup, stages, per-module BF16, "
@@ -256,15 +260,15 @@ def megatron_fp8_fields(recipe: Recipe | str | Path | Mapping[str, Any], *,
 
 
 def plugin_owned_plan(recipe: Recipe | str | Path | Mapping[str, Any], *,
-                      compute_capability: tuple[int, int] | None = None,
-                      num_layers: int | None = None) -> PrecisionPlan:
+                      compute_capability: tuple[int, int] | None = None, num_layers: int | None = None,
+                      layout: ModelLayout | None = None) -> PrecisionPlan:
     """The plan plugin-owned precision will run, checked now (one-line RecipeError) rather than at train start."""
     recipe = as_recipe(recipe)
     if recipe.fp8_param:
         raise _refuse("fp8_param: true with plugin-owned precision: the framework builds the model before the plugin "
                       "attaches, so its layers cannot be built with FP8 weights; use Megatron-Core's native fields "
                       "(megatron_precision sets fp8_param) or set fp8_param: false")
-    return _plan(recipe, target_hardware(compute_capability), _layout(recipe, num_layers))
+    return _plan(recipe, target_hardware(compute_capability), _layout(recipe, num_layers, layout))
 
 
 def log_applied(mp: MegatronPrecision, recipe: Recipe, where: str) -> None:
@@ -336,9 +340,11 @@ class ScheduleDriver:
     numbers, megatron/model.py's named_linear_modules), and each stage runs its own layers' part of it.
     """
 
-    def __init__(self, recipe: Recipe | str | Path | Mapping[str, Any], *, max_steps: int | None = None):
+    def __init__(self, recipe: Recipe | str | Path | Mapping[str, Any], *, max_steps: int | None = None,
+                 router_padding: bool = False):
         self.recipe = as_recipe(recipe)
         self.max_steps = max_steps
+        self.router_padding = router_padding  # MoE: pad each expert's tokens for FP8 GEMMs (our backend does it)
         self.precision: Any = None
         self.plan: PrecisionPlan | None = None
         self.stage = ""
@@ -354,7 +360,7 @@ class ScheduleDriver:
         if self.plan.backend is not Backend.TE:
             raise RuntimeError(f"fp8-recipes schedule callback: recipe '{self.recipe.name}' cannot run on Transformer "
                                f"Engine here ({self.plan.backend_reason})")
-        self.precision = attach_te_backend(chunks, self.plan)
+        self.precision = attach_te_backend(chunks, self.plan, router_padding=self.router_padding)
         if _rank() == 0:
             log.info("fp8-recipes precision plan:\n%s", format_plan(self.plan, self.max_steps))
 

@@ -51,7 +51,8 @@ import torch
 
 from fp8_recipes.launcher import launch_env, local_world_size
 from fp8_recipes.megatron.cpu_shim import cuda_as_cpu, install_cpu_shim
-from fp8_recipes.megatron.model_config import MOE_KEYS, VOCAB_MULTIPLE, check_model_cfg, layout_of, pad_vocab_size
+from fp8_recipes.megatron.model_config import (VOCAB_MULTIPLE, check_model_cfg, config_layout, moe_config_fields,
+                                              pad_vocab_size)
 
 __all__ = [
     "init_distributed",
@@ -360,24 +361,13 @@ def _transformer_config(cfg: dict, params_dtype: torch.dtype, device: torch.devi
         cross_entropy_loss_fusion=device.type == "cuda",
         gradient_accumulation_fusion=False,  # TE's fused wgrad into DDP's main_grad: not measured here yet
     )
-    fields.update(_moe_fields(cfg))
+    fields.update(moe_config_fields(cfg))
     fields.update(config_overrides or {})
     if not (fields.get("fp8") or fields.get("fp4")):
         # Megatron-Core pads the routing map only under its own FP8 path (and refuses the key without it); under
         # ours the TE backend gives the dispatchers of FP8 experts that padding (megatron/te_layers.py)
         fields.pop("moe_router_padding_for_quantization", None)
     return TransformerConfig(**fields)
-
-
-def _moe_fields(cfg: dict) -> dict:
-    """The model group's MoE keys as TransformerConfig fields (they share Megatron-Core's names); none for a dense
-    model. Unset keys keep Megatron-Core's defaults (top-2, aux-loss balancing, the allgather dispatcher)."""
-    if cfg.get("num_moe_experts") is None:
-        return {}
-    fields = {key: cfg[key] for key in MOE_KEYS if key in cfg}
-    if isinstance(fields.get("moe_layer_freq"), (list, tuple)):
-        fields["moe_layer_freq"] = [int(f) for f in fields["moe_layer_freq"]]
-    return fields
 
 
 def _layer_spec(config, use_te_spec: bool, column_linear: type | None, row_linear: type | None,
@@ -614,8 +604,4 @@ def model_layout(model: torch.nn.Module | list[torch.nn.Module]):
     MoE experts, whichever pipeline stage or expert-parallel rank ``model`` is (the plan spans them: its names are
     global)."""
     first = model[0] if isinstance(model, (list, tuple)) else model
-    config = unwrap_model(first).config
-    # (getattr with a default: a framework's own config, e.g. a stand-in for a dense TransformerConfig, may lack them)
-    moe = {key: getattr(config, key, default) for key, default in (
-        ("num_moe_experts", None), ("moe_layer_freq", 1), ("moe_shared_expert_intermediate_size", None))}
-    return layout_of({"num_layers": config.num_layers, **moe})
+    return config_layout(unwrap_model(first).config)

@@ -9,16 +9,18 @@ run-config checks (training/config.py) use it before any process group exists.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from fp8_recipes.checks import ConfigError, check_keys, choice_error, is_int, is_number
-from fp8_recipes.plan.precision import ModelLayout, MoEShape
+from fp8_recipes.plan.precision import ModelLayout, MoEShape, moe_layer_pattern
+from fp8_recipes.recipe.pack import conf_dir
 
 __all__ = ["MODEL_CHOICES", "MODEL_MAX", "MODEL_OPTIONAL", "MODEL_REQUIRED", "MOE_KEYS", "VOCAB_MULTIPLE",
-           "LinearShape", "check_model_cfg", "check_model_device", "layout_of", "linear_shapes", "model_notices",
-           "moe_layer_pattern", "pad_vocab_size", "run_model_cfg"]
+           "LinearShape", "check_model_cfg", "check_model_device", "config_layout", "layout_of", "linear_shapes",
+           "model_notices", "moe_config_fields", "moe_layer_pattern", "pad_vocab_size", "read_model_conf",
+           "run_model_cfg"]
 
 VOCAB_MULTIPLE = 128  # Megatron's make_vocab_size_divisible_by default; times TP so each shard is aligned
 
@@ -145,30 +147,33 @@ def _check_moe(cfg: Mapping[str, Any], tensor_parallel: int) -> None:
                                  f"{tensor_parallel}; pick a multiple of it")
 
 
-def moe_layer_pattern(cfg: Mapping[str, Any]) -> tuple[int, ...]:
-    """The MoE layers (global, 0-based) of a model config, as Megatron-Core reads ``moe_layer_freq``: an integer N puts
-    experts in every N-th layer from layer 0, a list of 0/1 (one per layer) names them. Empty for a dense model."""
-    if cfg.get("num_moe_experts") is None:
-        return ()
-    n, freq = int(cfg["num_layers"]), cfg.get("moe_layer_freq", 1)
-    if is_int(freq) and freq >= 1:
-        return tuple(i for i in range(n) if i % freq == 0)
-    listed = isinstance(freq, Sequence) and not isinstance(freq, str)
-    if listed and len(freq) == n and all(is_int(f) and f in (0, 1) for f in freq):
-        if not any(freq):
-            raise ConfigError("model.moe_layer_freq: every layer is 0 (dense); put a 1 where a layer has experts, "
-                             "or set model.num_moe_experts=null")
-        return tuple(i for i, f in enumerate(freq) if f)
-    raise ConfigError(f"model.moe_layer_freq={freq!r}: give an integer >= 1 (experts in every N-th layer) or a list "
-                     f"of zeros and ones, one per layer (model.num_layers={n})")
-
-
 def layout_of(cfg: Mapping[str, Any]) -> ModelLayout:
     """The plan's view of a (checked) model config: its layers, and the experts of its MoE layers."""
     layers = moe_layer_pattern(cfg)
     moe = MoEShape(int(cfg["num_moe_experts"]), layers, cfg.get("moe_shared_expert_intermediate_size") is not None) \
         if layers else None
     return ModelLayout.gpt(int(cfg["num_layers"]), moe=moe)
+
+
+def moe_config_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The model group's MoE keys as Megatron-Core TransformerConfig fields (they share its names; Megatron-Bridge's
+    GPTModelProvider and NeMo's GPTConfig are TransformerConfig subclasses, so theirs too); none for a dense model.
+    Unset keys keep Megatron-Core's defaults (top-2, aux-loss balancing, the allgather dispatcher)."""
+    if cfg.get("num_moe_experts") is None:
+        return {}
+    fields = {key: cfg[key] for key in MOE_KEYS if key in cfg}
+    if isinstance(fields.get("moe_layer_freq"), (list, tuple)):
+        fields["moe_layer_freq"] = [int(f) for f in fields["moe_layer_freq"]]
+    return fields
+
+
+def config_layout(config: Any) -> ModelLayout:
+    """The plan's view of a Megatron-Core TransformerConfig (or a framework's subclass of it: Megatron-Bridge's model
+    provider, NeMo's GPTConfig): its layers and the experts of its MoE layers."""
+    # (getattr with a default: a framework's own config, e.g. a stand-in for a dense TransformerConfig, may lack them)
+    moe = {key: getattr(config, key, default) for key, default in (
+        ("num_moe_experts", None), ("moe_layer_freq", 1), ("moe_shared_expert_intermediate_size", None))}
+    return layout_of({"num_layers": config.num_layers, **moe})
 
 
 def check_model_device(cfg: Mapping[str, Any], device: str) -> None:
@@ -197,6 +202,18 @@ def model_notices(cfg: Mapping[str, Any], *, device: str) -> list[str]:
         out.append("model.moe_grouped_gemm=true does nothing on the CPU: Megatron-Core's local layers run the experts "
                    "one after another (SequentialMLP); the grouped GEMM is Transformer Engine's, on the GPU")
     return out
+
+
+def read_model_conf(name: str, command: str, also: Iterable[str] = ()) -> dict:
+    """conf/model/NAME.yaml as a dict (its interpolations unresolved: the vocabulary comes from the data); an unknown
+    name is refused in one line with the choices (``also``: the command's own models first)."""
+    from omegaconf import OmegaConf
+
+    path = conf_dir() / "model" / f"{name}.yaml"
+    if not path.is_file():
+        choices = sorted(also) + sorted(p.stem for p in path.parent.glob("*.yaml"))
+        raise ValueError(f"{command}: {name!r} is not a model ({', '.join(choices)})")
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
 
 
 def pad_vocab_size(vocab_size: int, tensor_model_parallel_size: int = 1, multiple: int = VOCAB_MULTIPLE) -> int:

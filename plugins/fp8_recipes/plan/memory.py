@@ -16,8 +16,8 @@ with Transformer Engine's layers; the optimizer keys are the trainer's, `Optimiz
   distributed optimizer: 4 + 4 + 4 bytes by default; with the precision-aware optimizer the moments take their
   dtypes' bytes and fp32 main params of BF16 weights keep only their 16 low bits (Megatron-Core's
   ``store_param_remainders``: 2 bytes), fp16 main params 2 bytes; with ``fp8_param`` fp32 main params take 4 bytes;
-- FP8 weight copies (per-tensor FP8 recipes): Transformer Engine keeps each FP8 linear's weight quantized, rowwise
-  and columnwise: 2 bytes per linear parameter (with ``fp8_param`` these are the weights themselves);
+- FP8 weight copies: Transformer Engine keeps each FP8 linear's weight quantized, rowwise and columnwise: 2 bytes
+  per linear parameter, plus block or MXFP8 scales (with ``fp8_param`` these are the weights themselves);
 - activations: what the backward pass keeps per token and layer (Transformer Engine's fused attention keeps no
   s x s scores): the residual and norm inputs and outputs (h each), q/k/v (h + 2 x groups x head dim), the
   attention output (h), the MLP's fc1 output (2 x ffn for SwiGLU, ffn otherwise) and fc2's input (ffn), in BF16;
@@ -28,6 +28,17 @@ with Transformer Engine's layers; the optimizer keys are the trainer's, `Optimiz
 - logits: the last stage's [s, b, vocab / tp] logits in BF16, their fp32 copy in the fused cross-entropy and their
   BF16 gradient: 8 bytes per element (one micro-batch: the last stage runs each backward right after its forward).
 
+Mixture-of-Experts layers (``num_moe_experts``; ``moe_layer_freq`` says which layers): attention, norms, a router
+([experts, hidden], whole on every TP rank, BF16, never FP8) and an optional shared expert are counted like the
+dense parts; the routed experts are Megatron-Core's expert-parallel parameters: each rank holds experts / EP of
+them, each split over expert TP (``ParallelLayout.ep`` / ``etp``), with gradients in DDP's expert buffer and optimizer
+state sharded over the expert-data-parallel ranks (tp x cp x dp / (expert TP x EP), Megatron-Core's world /
+(expert TP x EP x PP)) instead of dp x cp. FP8 weight copies cover the experts and the shared expert. Activations
+per MoE layer: what :func:`_moe_layer_bytes` lists (the routed rows top-k x tokens, FP8 padding, router scores, the
+dispatch buffers of the one layer running), with balanced routing (a skewed step puts more rows on some ranks).
+``fp8_layers`` / ``fp8_weight_bytes`` take a recipe's first/last BF16 layers and weight scaling
+(:func:`fp8_layers_of`, :func:`fp8_weight_copy_bytes`; `fp8-recipes memory --recipe`).
+
 The first stage holds the embedding, the last the LM head (with tied embeddings and pp > 1, its own copy of the
 embedding) and the final norm, every stage num_layers / pp layers
 (the trainer splits layers evenly: it has no uneven-split keys). Checked against peaks measured on one H200
@@ -37,13 +48,14 @@ embedding) and the final norm, every stage num_layers / pp layers
 from __future__ import annotations
 
 from dataclasses import dataclass
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
-from fp8_recipes.plan.precision import ParallelLayout
+from fp8_recipes.plan.precision import ParallelLayout, moe_layer_pattern
+from fp8_recipes.recipe.schema import Recipe, Scaling
 
-__all__ = ["GIB", "LLAMA3", "MemoryEstimate", "OptimizerPrecision", "estimate_memory", "estimate_stages",
-           "format_estimate", "microbatches_in_flight", "parameter_counts"]
+__all__ = ["GIB", "LLAMA3", "MIXTRAL", "MemoryEstimate", "OptimizerPrecision", "estimate_memory", "estimate_stages",
+           "format_estimate", "fp8_layers_of", "fp8_weight_copy_bytes", "microbatches_in_flight", "parameter_counts"]
 
 GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -58,6 +70,13 @@ LLAMA3: dict[str, dict[str, Any]] = {
                     "num_attention_heads": 128},
 }
 """The published Llama 3 shapes (for `fp8-recipes memory` and docs/scale.md)."""
+MIXTRAL: dict[str, dict[str, Any]] = {
+    "mixtral-8x7b": {"normalization": "RMSNorm", "activation": "swiglu", "num_layers": 32, "hidden_size": 4096,
+                     "ffn_hidden_size": 14336, "num_attention_heads": 32, "num_query_groups": 8, "vocab_size": 32000,
+                     "share_embeddings_and_output_weights": False, "num_moe_experts": 8, "moe_router_topk": 2,
+                     "moe_ffn_hidden_size": 14336, "moe_layer_freq": 1},
+}
+"""The published Mixtral-8x7B shape (46.7 B parameters, 12.9 B active per token; docs/scale.md's MoE table)."""
 
 
 @dataclass(frozen=True)
@@ -123,8 +142,12 @@ class OptimizerPrecision:
 
 
 def parameter_counts(model: Mapping[str, Any]) -> dict[str, int]:
-    """Parameters of the embedding, the LM head (0 when tied), one transformer layer (of which in linears), the final
-    norm: for a Llama-style (RMSNorm, no biases) or GPT-style config of the `model` group."""
+    """Parameters of the embedding, the LM head (0 when tied), one dense transformer layer (of which in linears), the
+    final norm: for a Llama-style (RMSNorm, no biases) or GPT-style config of the `model` group. An MoE model also
+    has ``moe_layers`` (how many), ``experts`` (routed, per MoE layer), ``expert`` (one routed expert's two
+    linears), ``router`` (its [experts, hidden] weight), ``shared_expert`` (0 without one) and ``moe_layer`` (an MoE
+    layer without its routed experts: attention, norms, router, shared expert; ``moe_layer_linears`` of it in the
+    tensor-parallel linears)."""
     h, layers = int(model["hidden_size"]), int(model["num_layers"])
     heads = int(model["num_attention_heads"])
     groups = int(model.get("num_query_groups") or heads)
@@ -136,8 +159,19 @@ def parameter_counts(model: Mapping[str, Any]) -> dict[str, int]:
     linears = qkv + h * h + h * ffn * (2 if gated else 1) + ffn * h
     norms = 2 * h * (1 if model.get("normalization", "LayerNorm") == "RMSNorm" else 2)
     tied = bool(model.get("share_embeddings_and_output_weights", False))
-    return {"embedding": vocab * h, "output_layer": 0 if tied else vocab * h, "layer": linears + norms,
-            "layer_linears": linears, "final_norm": norms // 2, "layers": layers}
+    counts = {"embedding": vocab * h, "output_layer": 0 if tied else vocab * h, "layer": linears + norms,
+              "layer_linears": linears, "final_norm": norms // 2, "layers": layers}
+    if model.get("num_moe_experts") is not None:  # an MoE layer: attention, norms, router, experts (no dense MLP)
+        attention = qkv + h * h
+        expert_ffn = int(model.get("moe_ffn_hidden_size") or ffn)
+        shared = int(model.get("moe_shared_expert_intermediate_size") or 0)
+        experts = int(model["num_moe_experts"])
+        counts.update(moe_layers=len(moe_layer_pattern(model)), experts=experts, router=experts * h,
+                      expert=h * expert_ffn * (2 if gated else 1) + expert_ffn * h,
+                      shared_expert=h * shared * (2 if gated else 1) + shared * h,
+                      moe_layer_linears=attention + h * shared * (2 if gated else 1) + shared * h)
+        counts["moe_layer"] = counts["moe_layer_linears"] + norms + counts["router"]
+    return counts
 
 
 PARTS = ("weights", "grads", "optimizer", "fp8_weights", "activations", "logits")
@@ -157,6 +191,8 @@ class MemoryEstimate:
     """Transformer layers on this stage (all its virtual chunks)."""
     in_flight: float = 1.0
     """Micro-batches whose activations the stage holds at its peak, in whole-stage micro-batches."""
+    experts: tuple[tuple[str, float], ...] = ()
+    """MoE: the routed experts' share of each part, (part, bytes), and the dispatch buffers (in activations)."""
 
     @property
     def total(self) -> float:
@@ -187,29 +223,111 @@ def microbatches_in_flight(layout: ParallelLayout, stage: int, num_microbatches:
     return chunk_microbatches / vpp
 
 
-def _activation_bytes_per_token_layer(model: Mapping[str, Any], layout: ParallelLayout, *, fp8: bool,
-                                      sequence_parallel: bool) -> float:
+def _attention_bytes_per_token(model: Mapping[str, Any], layout: ParallelLayout, *, fp8: bool,
+                               sequence_parallel: bool) -> float:
+    """A layer's attention half per token: both residuals, the input norm's output, q/k/v, the attention output."""
     h = int(model["hidden_size"])
     heads = int(model["num_attention_heads"])
     groups = int(model.get("num_query_groups") or heads)
+    t = layout.tp
+    replicated = t if sequence_parallel else 1  # norm inputs/outputs: split over TP only with sequence parallelism
+    bf16 = 2 * (2 * h / replicated + h / replicated + (h + 2 * groups * (h // heads)) / t + h / t)
+    # FP8: the norm output kept as FP8 (1 byte instead of 2), an FP8 copy of the attention output
+    return bf16 - h / replicated + h / t if fp8 else bf16
+
+
+def _activation_bytes_per_token_layer(model: Mapping[str, Any], layout: ParallelLayout, *, fp8: bool,
+                                      sequence_parallel: bool) -> float:
+    """A dense layer per token: the attention half, the MLP's norm output, fc1's output and fc2's input."""
+    h = int(model["hidden_size"])
     ffn = int(model.get("ffn_hidden_size") or 4 * h)
     gated = model.get("activation", "gelu") == "swiglu"
     t = layout.tp
-    replicated = t if sequence_parallel else 1  # norm inputs/outputs: split over TP only with sequence parallelism
-    residual, norm_out = 2 * h / replicated, 2 * h / replicated  # two norms per layer: input and output of each
-    sharded = (h + 2 * groups * (h // heads)) / t + h / t + (2 if gated else 1) * ffn / t + ffn / t
-    bf16 = 2 * (residual + norm_out + sharded)
-    if not fp8:
-        return bf16
-    # FP8: the two norm outputs and fc2's input kept as FP8 (1 byte instead of 2), an FP8 copy of the attention output
-    return bf16 - norm_out - ffn / t + h / t
+    replicated = t if sequence_parallel else 1
+    mlp = 2 * (h / replicated + (2 if gated else 1) * ffn / t + ffn / t)
+    if fp8:  # the norm output and fc2's input kept as FP8
+        mlp -= h / replicated + ffn / t
+    return _attention_bytes_per_token(model, layout, fp8=fp8, sequence_parallel=sequence_parallel) + mlp
+
+
+FP8_ROWS_ALIGN = 16
+"""Rows per expert GEMM that TE's FP8 GEMMs need a multiple of (Megatron-Core's get_fp8_align_size; 32 under MXFP8,
+Blackwell only, not told apart here: a few rows per expert)."""
+
+
+@dataclass(frozen=True)
+class _MoELayerBytes:
+    saved: float
+    """What one MoE layer keeps for the backward pass of one micro-batch."""
+    experts: float
+    """Of which the routed experts' rows."""
+    dispatch: float
+    """Transient: one MoE layer's dispatch buffers."""
+
+
+def _moe_layer_bytes(model: Mapping[str, Any], layout: ParallelLayout, *, fp8: bool, sequence_parallel: bool,
+                     tokens: float) -> _MoELayerBytes:
+    """One MoE layer, one micro-batch of ``tokens`` tokens on this rank (after CP). The experts multiply the routed
+    copies of the tokens: each token goes to top-k experts; with balanced routing a rank's experts get top-k x its
+    tokens, all-gathered over the expert-TP ranks (each holding 1/TP of the sequence under sequence parallelism,
+    which Megatron-Core requires for MoE with TP). Per routed row the experts keep fc1's input (h), fc1's output
+    (2 x FFN for SwiGLU) and fc2's input (the router's probability applied in the activation), FP8 for the two
+    inputs under FP8. FP8 GEMMs need each expert's rows padded to a multiple of 16: up to 16 rows per local expert
+    (with moe_router_padding_for_quantization the router pads each expert's share of every sending rank, and the
+    padding rides through the dispatch). The router keeps its fp32 scores and probabilities (2 x 4 B per expert)
+    and the norm output (BF16, its input). A shared expert keeps what a dense MLP of its width keeps. Dispatch:
+    the permuted tokens sent and the experts' output before it is combined (two [rows, h] BF16 buffers; one
+    without EP or expert TP, where no all-to-all copies them)."""
+    h = int(model["hidden_size"])
+    gated = 2 if model.get("activation", "gelu") == "swiglu" else 1
+    ffn = int(model.get("moe_ffn_hidden_size") or model.get("ffn_hidden_size") or 4 * h)
+    shared = int(model.get("moe_shared_expert_intermediate_size") or 0)
+    experts, topk = int(model["num_moe_experts"]), int(model.get("moe_router_topk", 2))
+    t, etp = layout.tp, layout.expert_tp
+    replicated = t if sequence_parallel else 1
+    tokens_in = tokens / replicated  # the MoE layer's input on this rank
+    rows = tokens_in * topk * etp
+    router_pads = bool(model.get("moe_router_padding_for_quantization")) and fp8
+    pad = 0 if not fp8 else FP8_ROWS_ALIGN * (experts * etp if router_pads else experts // layout.ep)
+    row = 2 * (h + gated * ffn / etp + ffn / etp) - ((h + ffn / etp) if fp8 else 0)
+    routed = (rows + pad) * row
+    per_token = 2 * h / replicated + 8 * experts / replicated  # the norm output (router input), router scores
+    if shared:
+        per_token += 2 * (gated * shared / t + shared / t) - ((shared / t - h / replicated) if fp8 else 0)
+    saved = _attention_bytes_per_token(model, layout, fp8=fp8, sequence_parallel=sequence_parallel) * tokens \
+        + per_token * tokens + routed
+    buffers = 2 if layout.ep * etp > 1 else 1
+    dispatch = buffers * (rows + (FP8_ROWS_ALIGN * experts if router_pads else 0)) * h * 2
+    return _MoELayerBytes(saved=saved, experts=routed, dispatch=dispatch)
+
+
+def fp8_layers_of(recipe: Recipe, num_layers: int) -> frozenset[int]:
+    """The transformer layers whose linears a recipe runs in FP8 (its layers.bf16_first / bf16_last left out)."""
+    rules = recipe.layers
+    return frozenset(range(rules.bf16_first, num_layers - rules.bf16_last))
+
+
+def fp8_weight_copy_bytes(recipe: Recipe) -> float:
+    """Bytes per linear parameter of Transformer Engine's FP8 weight copies (rowwise + columnwise, 1 B each) under a
+    recipe's weight scaling, with their scales: per-tensor 2; 128x128 blocks + 2 fp32 scales per block; MXFP8 + 2
+    E8M0 scales per 32 elements."""
+    scaling = recipe.weights.scaling
+    if scaling is Scaling.MXFP8:
+        return 2 + 2 / 32
+    if scaling is Scaling.BLOCKWISE:
+        rows, cols = recipe.weights.block
+        return 2 + 2 * 4 / (rows * cols)
+    return 2.0
 
 
 def estimate_stages(model: Mapping[str, Any], layout: ParallelLayout, *, micro_batch_size: int, seq_length: int,
                     fp8: bool, distributed_optimizer: bool = True, sequence_parallel: bool | None = None,
                     recompute: str | None = None, num_microbatches: int | None = None,
-                    optimizer: OptimizerPrecision | None = None, fp8_param: bool = False) -> list[MemoryEstimate]:
-    """Bytes per GPU on each pipeline stage, first to last (see the module docstring)."""
+                    optimizer: OptimizerPrecision | None = None, fp8_param: bool = False,
+                    fp8_layers: Collection[int] | None = None, fp8_weight_bytes: float = 2.0) -> list[MemoryEstimate]:
+    """Bytes per GPU on each pipeline stage, first to last (see the module docstring). ``fp8_layers``: the layers
+    whose linears run FP8 (None: all, with ``fp8``); ``fp8_weight_bytes``: bytes per parameter of their FP8 weight
+    copies (:func:`fp8_weight_copy_bytes`)."""
     opt = optimizer or OptimizerPrecision()
     if fp8_param and not fp8:
         raise ValueError("fp8_param: FP8-stored weights need an FP8 recipe (--fp8)")
@@ -219,33 +337,73 @@ def estimate_stages(model: Mapping[str, Any], layout: ParallelLayout, *, micro_b
     counts = parameter_counts(model)
     layout.check(counts["layers"])
     sp = layout.tp > 1 if sequence_parallel is None else sequence_parallel
-    per_stage_layers = counts["layers"] // layout.pp
+    moe_layers = set(moe_layer_pattern(model))
+    if moe_layers:
+        layout.check_experts(counts["experts"])
+        if layout.tp > 1 and not sp:  # MoELayer.forward raises it in training
+            raise ValueError("sequence_parallel: Megatron-Core trains MoE layers with TP > 1 only with sequence "
+                             "parallelism (trainer.sequence_parallel=true)")
+    elif layout.ep > 1 or layout.etp:
+        raise ValueError("--layout: ep / etp split routed experts, and this model has none (num_moe_experts: null)")
+    fp8_on = set() if not fp8 else set(range(counts["layers"])) if fp8_layers is None else set(fp8_layers)
     tokens = micro_batch_size * seq_length / layout.cp  # per micro-batch, on this rank
-    per_layer = _activation_bytes_per_token_layer(model, layout, fp8=fp8, sequence_parallel=sp) * tokens
+    per_layer = {on: _activation_bytes_per_token_layer(model, layout, fp8=on, sequence_parallel=sp) * tokens
+                 for on in (False, True)}
+    per_moe_layer = {on: _moe_layer_bytes(model, layout, fp8=on, sequence_parallel=sp, tokens=tokens)
+                     for on in (False, True)} if moe_layers else {}
     h = int(model["hidden_size"])
     shards = layout.dp * layout.cp if distributed_optimizer else 1
+    expert_shards = layout.expert_dp if distributed_optimizer else 1
+    local_expert = counts.get("expert", 0) * counts.get("experts", 0) // layout.ep / layout.expert_tp
+
+    def state_bytes(params: float, fp8_stored: float) -> float:
+        return ((params - fp8_stored) * (opt.moment_bytes + opt.main_param_bytes(fp8_param=fp8_param))
+                + fp8_stored * (opt.moment_bytes + opt.main_param_bytes(fp8_param=True)))
+
+    stage_layers = {s: [] for s in range(layout.pp)}
+    for (stage, _), chunk in sorted(layout.chunk_layers(counts["layers"]).items()):
+        stage_layers[stage] += list(chunk)
     stages = []
     for stage in range(layout.pp):
         first, last = stage == 0, stage == layout.pp - 1
+        here = stage_layers[stage]
+        n = {(moe, on): sum(1 for i in here if (i in moe_layers) == moe and (i in fp8_on) == on)
+             for moe in (False, True) for on in (False, True)}
+        dense, moe = n[False, False] + n[False, True], n[True, False] + n[True, True]
         # tied embeddings: a last stage that is not the first keeps its own copy of the embedding for the LM head
         # (Megatron-Core's GPTModel allocates output_layer's weight there, synchronised with the first stage's)
         head = counts["output_layer"] if counts["output_layer"] or first else counts["embedding"]
-        params = (per_stage_layers * counts["layer"] + (counts["embedding"] if first else 0)
-                  + ((head + counts["final_norm"]) if last else 0)) / layout.tp
-        linears = per_stage_layers * counts["layer_linears"] / layout.tp
-        fp8_stored = linears if fp8_param else 0.0  # the FP8 layers' linear weights; norms, embedding, head stay BF16
-        state = ((params - fp8_stored) * (opt.moment_bytes + opt.main_param_bytes(fp8_param=fp8_param))
-                 + fp8_stored * (opt.moment_bytes + opt.main_param_bytes(fp8_param=True)))
+        params = (dense * counts["layer"] + moe * (counts.get("moe_layer", 0) - counts.get("router", 0))
+                  + (counts["embedding"] if first else 0) + ((head + counts["final_norm"]) if last else 0)) / layout.tp
+        params += moe * counts.get("router", 0)  # the router's weight is whole on every tensor-parallel rank
+        experts = moe * local_expert  # this rank's routed experts (1/EP of them, each 1/expert-TP)
+        fp8_linears = (n[False, True] * counts["layer_linears"]
+                       + n[True, True] * counts.get("moe_layer_linears", 0)) / layout.tp
+        fp8_experts = n[True, True] * local_expert
+        # the FP8 layers' linear weights stored as FP8; norms, router, embedding, head stay BF16
+        stored, stored_experts = (fp8_linears, fp8_experts) if fp8_param else (0.0, 0.0)
         flight = microbatches_in_flight(layout, stage, num_microbatches)
+        moe_acts = sum(n[True, on] * per_moe_layer[on].saved for on in (False, True)) if moe else 0.0
         if recompute == "full":
-            acts = flight * per_stage_layers * tokens * 2 * h / (layout.tp if sp else 1) + per_layer
+            largest = max([per_layer[on] for on in (False, True) if n[False, on]]
+                          + [per_moe_layer[on].saved for on in (False, True) if n[True, on]], default=0.0)
+            acts = flight * len(here) * tokens * 2 * h / (layout.tp if sp else 1) + largest
         else:
-            acts = flight * per_stage_layers * per_layer
+            acts = flight * (n[False, False] * per_layer[False] + n[False, True] * per_layer[True] + moe_acts)
+        dispatch = max((per_moe_layer[on].dispatch for on in (False, True) if n[True, on]), default=0.0)
         logits = 8 * tokens * int(model["vocab_size"]) / layout.tp if last else 0.0
-        stages.append(MemoryEstimate(weights=2 * (params - fp8_stored), grads=opt.grad_bytes * params,
-                                     optimizer=state / shards, fp8_weights=2 * linears if fp8 else 0.0,
-                                     activations=acts, logits=logits, stage=stage, layers=per_stage_layers,
-                                     in_flight=flight))
+        expert_state = state_bytes(experts, stored_experts) / expert_shards
+        expert_parts = () if not moe_layers else (
+            ("weights", 2 * (experts - stored_experts)), ("grads", opt.grad_bytes * experts),
+            ("optimizer", expert_state), ("fp8_weights", fp8_weight_bytes * fp8_experts),
+            ("activations", flight * sum(n[True, on] * per_moe_layer[on].experts for on in (False, True))),
+            ("dispatch", dispatch))
+        stages.append(MemoryEstimate(weights=2 * (params - stored) + 2 * (experts - stored_experts),
+                                     grads=opt.grad_bytes * params + opt.grad_bytes * experts,
+                                     optimizer=state_bytes(params, stored) / shards + expert_state,
+                                     fp8_weights=fp8_weight_bytes * (fp8_linears + fp8_experts),
+                                     activations=acts + dispatch, logits=logits, stage=stage, layers=len(here),
+                                     in_flight=flight, experts=expert_parts))
     return stages
 
 
@@ -257,15 +415,24 @@ def estimate_memory(model: Mapping[str, Any], layout: ParallelLayout, **kwargs: 
 
 def format_estimate(name: str, layout: ParallelLayout, estimate: MemoryEstimate, *, micro_batch_size: int,
                     seq_length: int, fp8: bool, distributed_optimizer: bool, fp8_param: bool = False,
-                    optimizer: OptimizerPrecision | None = None,
-                    stages: list[MemoryEstimate] | None = None) -> str:
+                    optimizer: OptimizerPrecision | None = None, stages: list[MemoryEstimate] | None = None,
+                    recipe: str | None = None) -> str:
     """The estimate as the lines `fp8-recipes memory` prints: the peak stage's parts, then one row per stage."""
     opt = optimizer or OptimizerPrecision()
-    precision = "BF16" if not fp8 else "FP8 (per-tensor scaling" + (", FP8-stored weights)" if fp8_param else ")")
+    scaling = f"recipe {recipe}" if recipe else "per-tensor scaling"
+    precision = "BF16" if not fp8 else f"FP8 ({scaling}" + (", FP8-stored weights)" if fp8_param else ")")
+    if recipe and not fp8:
+        precision = f"BF16 (recipe {recipe})"
     lines = [(f"{name}: {layout.describe()}, micro-batch {micro_batch_size}, seq {seq_length}, {precision}, "
               f"{'distributed' if distributed_optimizer else 'replicated'} optimizer ({opt.describe()}); "
               f"pipeline stage {estimate.stage}")]
     lines += [f"  {part:<12} {gib:8.1f} GiB" for part, gib in estimate.rows()]
+    if estimate.experts:
+        shares = dict(estimate.experts)
+        lines.append(f"  of which the routed experts (ep={layout.ep}, expert TP {layout.expert_tp}, optimizer "
+                     f"state sharded over expert DP {layout.expert_dp if distributed_optimizer else 1}): "
+                     + ", ".join(f"{part} {shares[part] / GIB:.1f}" for part in PARTS if part in shares)
+                     + f" GiB; activations include {shares['dispatch'] / GIB:.2f} GiB of dispatch buffers")
     if stages and len(stages) > 1:
         lines.append(f"  per stage, GiB ({len(stages)} stages; peak: stage {estimate.stage}):")
         lines.append(f"  {'stage':>5} {'layers':>6} {'in flight':>9} " + " ".join(f"{p:>11}" for p in PARTS)

@@ -22,11 +22,13 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cached_property
+from typing import Any
 
+from fp8_recipes.checks import ConfigError, is_int
 from fp8_recipes.plan.te import (
     Substitution, TERecipe, TEResolution, resolve_te, te_attention, te_recipe_for, te_stage_note,
 )
@@ -37,6 +39,7 @@ from fp8_recipes.recipe.schema import (
 __all__ = [
     "Execution", "Gemm", "GemmPlan", "Hardware", "ModelLayout", "ModulePlan", "MoEShape", "ParallelLayout",
     "PrecisionPlan", "StepPlan", "GEMM_OPERANDS", "ROUTER_REASON", "ROW_PARALLEL", "Substitution", "TERecipe",
+    "moe_layer_pattern",
 ]
 
 
@@ -137,6 +140,25 @@ class MoEShape:
     shared_experts: bool = False
 
 
+def moe_layer_pattern(cfg: Mapping[str, Any]) -> tuple[int, ...]:
+    """The MoE layers (global, 0-based) of a model config, as Megatron-Core reads ``moe_layer_freq``: an integer N puts
+    experts in every N-th layer from layer 0, a list of 0/1 (one per layer) names them. Empty for a dense model.
+    (Here, beside MoEShape, so that the plan and the memory estimator read a model config the same way.)"""
+    if cfg.get("num_moe_experts") is None:
+        return ()
+    n, freq = int(cfg["num_layers"]), cfg.get("moe_layer_freq", 1)
+    if is_int(freq) and freq >= 1:
+        return tuple(i for i in range(n) if i % freq == 0)
+    listed = isinstance(freq, Sequence) and not isinstance(freq, str)
+    if listed and len(freq) == n and all(is_int(f) and f in (0, 1) for f in freq):
+        if not any(freq):
+            raise ConfigError("model.moe_layer_freq: every layer is 0 (dense); put a 1 where a layer has experts, "
+                             "or set model.num_moe_experts=null")
+        return tuple(i for i, f in enumerate(freq) if f)
+    raise ConfigError(f"model.moe_layer_freq={freq!r}: give an integer >= 1 (experts in every N-th layer) or a list "
+                     f"of zeros and ones, one per layer (model.num_layers={n})")
+
+
 _DENSE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 
 
@@ -199,8 +221,13 @@ class ParallelLayout:
     vpp: int | None = None
     cp: int = 1
     dp: int = 1
+    ep: int = 1
+    """Expert parallel (MoE): each EP rank holds 1/EP of every MoE layer's routed experts. Carved out of the
+    tp x cp x dp ranks of a stage, as in Megatron-Core: it adds no GPUs."""
+    etp: int | None = None
+    """Expert tensor parallel: each routed expert split over this many ranks; None = tp (Megatron-Core's default)."""
 
-    KEYS = ("tp", "pp", "vpp", "cp", "dp")
+    KEYS = ("tp", "pp", "vpp", "cp", "dp", "ep", "etp")
 
     @classmethod
     def parse(cls, text: str) -> ParallelLayout:
@@ -238,9 +265,30 @@ class ParallelLayout:
         return {(stage, v): range((v * self.pp + stage) * per, (v * self.pp + stage + 1) * per)
                 for stage in range(self.pp) for v in range(vpp)}
 
+    @property
+    def expert_tp(self) -> int:
+        return self.etp or self.tp
+
+    @property
+    def expert_dp(self) -> int:
+        """The experts' data-parallel size: a stage's tp x cp x dp ranks over expert TP x EP (Megatron-Core's
+        expert-data-parallel group, world / (expert TP x EP x PP)), over which their optimizer state is sharded."""
+        return self.tp * self.cp * self.dp // (self.expert_tp * self.ep)
+
+    def check_experts(self, num_experts: int) -> None:
+        """ValueError unless the routed experts split evenly over EP and a stage's ranks over expert TP x EP."""
+        if num_experts % self.ep:
+            raise ValueError(f"--layout: ep={self.ep} does not divide the {num_experts} routed experts of each MoE "
+                             f"layer; pick a divisor of {num_experts}")
+        grid = self.expert_tp * self.ep
+        if (self.tp * self.cp * self.dp) % grid:
+            raise ValueError(f"--layout: expert TP x EP = {self.expert_tp} x {self.ep} does not divide a stage's "
+                             f"tp x cp x dp = {self.tp * self.cp * self.dp} ranks; raise dp or lower ep")
+
     def describe(self) -> str:
         vpp = f", vpp={self.vpp}" if self.vpp else ""
-        return f"tp={self.tp}, pp={self.pp}{vpp}, cp={self.cp}, dp={self.dp}: {self.gpus} GPUs"
+        experts = (f", ep={self.ep}" if self.ep > 1 else "") + (f", etp={self.etp}" if self.etp else "")
+        return f"tp={self.tp}, pp={self.pp}{vpp}, cp={self.cp}, dp={self.dp}{experts}: {self.gpus} GPUs"
 
 
 @dataclass(frozen=True)
