@@ -490,6 +490,9 @@ def _checked_run(cfg) -> _Run:
     one_cuda_connection(tcfg)
     hardware = Hardware.detect()  # (CUDA starts here on a GPU machine)
     with same_on_every_rank():
+        if tcfg.device == "gpu" and hardware.device != "cuda":  # (before the model's GPU-only keys are refused)
+            raise ConfigError("trainer.device=gpu: this machine has no CUDA GPU; train on the CPU with trainer=cpu (or "
+                             "trainer.device=auto)")
         check_model_device(cfg.model, hardware.device)
         # Fail on the recipe/hardware combination before any process group, data or model exists.
         with _recipe_keys():
@@ -513,9 +516,6 @@ def _decide_resume(run: _Run) -> None:
     from fp8_recipes.training.checkpoint import checkpoint_meta, find_resume, quick_damage  # torch (docstring)
 
     with same_on_every_rank():
-        if run.tcfg.device == "gpu" and run.hardware.device != "cuda":
-            raise ConfigError("trainer.device=gpu: this machine has no CUDA GPU; train on the CPU with trainer=cpu (or "
-                             "trainer.device=auto)")
         # A resume that cannot continue the run (another layout or global batch) is refused before anything is built.
         # Its files' contents are verified once the process group exists (each rank a share: _verify_resume).
         run.resume_from = find_resume(run.trainer.get("resume"), run.run_dir, damage=quick_damage, warn=False)
