@@ -87,7 +87,8 @@ def _share_cpu_threads(world_size: int) -> None:
 
 def init_distributed(backend: str | None = None, *, tensor_model_parallel_size: int = 1,
                      pipeline_model_parallel_size: int = 1, virtual_pipeline_model_parallel_size: int | None = None,
-                     context_parallel_size: int = 1, seed: int = 1234,
+                     context_parallel_size: int = 1, expert_model_parallel_size: int = 1,
+                     expert_tensor_parallel_size: int | None = None, seed: int = 1234,
                      timeout_minutes: int = 30) -> tuple[int, int, torch.device]:
     """Start torch.distributed and Megatron-Core's model-parallel groups; seed every RNG.
 
@@ -95,6 +96,8 @@ def init_distributed(backend: str | None = None, *, tensor_model_parallel_size: 
     (SLURM_PROCID/SLURM_STEP_NUM_TASKS/SLURM_LOCALID; MASTER_ADDR defaults to the step's first node,
     MASTER_PORT to one derived from the job id) and as a plain single process (world 1, a free port).
     ``backend`` defaults to NCCL when CUDA is available, else gloo (with the CPU shim installed).
+    ``expert_model_parallel_size`` / ``expert_tensor_parallel_size`` (MoE): Megatron-Core's expert grid, expert TP x
+    EP x expert DP x PP over the same ranks (expert TP null = the TP size).
     Returns (rank, world_size, device).
     """
     import torch.distributed as dist
@@ -138,16 +141,21 @@ def init_distributed(backend: str | None = None, *, tensor_model_parallel_size: 
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
-        context_parallel_size=context_parallel_size, distributed_timeout_minutes=timeout_minutes)
+        context_parallel_size=context_parallel_size, expert_model_parallel_size=expert_model_parallel_size,
+        expert_tensor_parallel_size=expert_tensor_parallel_size, distributed_timeout_minutes=timeout_minutes)
     # Same seed on every data-parallel rank: weights are initialised identically there without a broadcast;
     # tensor-parallel ranks get their own stream through the tracker (seed + 2718 + tp_rank).
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)  # the CPU shim's version when there is no CUDA
     if rank == 0:
-        logger.info("distributed: %s, backend %s, world %d, TP %d, PP %d%s, CP %d, device %s", launcher, backend,
+        experts = (f", EP {expert_model_parallel_size} x expert TP {parallel_state.get_expert_tensor_parallel_world_size()}"
+                   if expert_model_parallel_size > 1 or expert_tensor_parallel_size not in (None,
+                                                                                            tensor_model_parallel_size)
+                   else "")
+        logger.info("distributed: %s, backend %s, world %d, TP %d, PP %d%s, CP %d%s, device %s", launcher, backend,
                     world_size, tensor_model_parallel_size, pipeline_model_parallel_size,
                     f" x VPP {virtual_pipeline_model_parallel_size}" if virtual_pipeline_model_parallel_size else "",
-                    context_parallel_size, device)
+                    context_parallel_size, experts, device)
     return rank, world_size, device
 
 
@@ -343,6 +351,8 @@ def _transformer_config(cfg: dict, params_dtype: torch.dtype, device: torch.devi
         overlap_p2p_comm=bool(vpp),
         batch_p2p_comm=not vpp,
         context_parallel_size=parallel_state.get_context_parallel_world_size(),
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
         pipeline_dtype=params_dtype,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,

@@ -126,6 +126,17 @@ def _ranks() -> tuple[int, int, int]:
     return rank, 0, 0
 
 
+def _expert_rank() -> int | None:
+    """This rank's expert-parallel rank at EP > 1 (its payload holds its own experts: :func:`_shard_key`), else None."""
+    try:
+        from megatron.core import parallel_state as ps
+        if ps.model_parallel_is_initialized() and ps.get_expert_model_parallel_world_size() > 1:
+            return ps.get_expert_model_parallel_rank()
+    except ImportError:
+        pass
+    return None
+
+
 def _parallel_sizes() -> dict[str, Any]:
     """This run's parallel layout (data parallel = world, the rest 1, without Megatron's groups)."""
     dist = _dist()
@@ -137,11 +148,14 @@ def _parallel_sizes() -> dict[str, Any]:
                     "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
                     "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
                     "virtual_pipeline_model_parallel_size": ps.get_virtual_pipeline_model_parallel_world_size(),
-                    "context_parallel_size": ps.get_context_parallel_world_size()}
+                    "context_parallel_size": ps.get_context_parallel_world_size(),
+                    "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
+                    "expert_tensor_parallel_size": ps.get_expert_tensor_parallel_world_size()}
     except ImportError:
         pass
     return {"data_parallel_size": world, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
-            "virtual_pipeline_model_parallel_size": None, "context_parallel_size": 1}
+            "virtual_pipeline_model_parallel_size": None, "context_parallel_size": 1, "expert_model_parallel_size": 1,
+            "expert_tensor_parallel_size": 1}
 
 
 def _rng_state() -> dict[str, Any]:
@@ -166,9 +180,14 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _shard_key(tp_rank: int, pp_rank: int = 0) -> str:
-    """The top-level DCP key of one model shard's payload: its pipeline and tensor-parallel rank."""
-    return f"pp{pp_rank:02d}tp{tp_rank:02d}"
+def _shard_key(tp_rank: int, pp_rank: int = 0, ep_rank: int | None = None) -> str:
+    """The top-level DCP key of one model shard's payload: its pipeline and tensor-parallel rank, and at EP > 1 its
+    expert-parallel rank (``ppPPtpRRepEE``): the EP ranks of a shard hold other experts, so each offers its own key.
+    The lowest rank holding an ``epEE`` key, which DCP has write it, is expert-data-parallel rank 0 of that expert
+    shard (Megatron-Core's expert grid numbers expert TP, then EP, then expert DP): where the distributed optimizer
+    gathers the experts' parameter state. Its dense parameter state is gathered on data-parallel rank 0, which
+    holds EP rank 0's key."""
+    return f"pp{pp_rank:02d}tp{tp_rank:02d}" + (f"ep{ep_rank:02d}" if ep_rank is not None else "")
 
 
 def _split_tensors(obj: Any, path: tuple[str, ...], tensors: dict[str, torch.Tensor]) -> Any:
@@ -246,10 +265,10 @@ def _saved_payloads(step_dir: Path) -> dict[str, list[tuple[tuple, Any]]]:
 
 def read_checkpoint(step_dir: str | os.PathLike, tp_rank: int = 0,
                     map_location: str | torch.device = "cpu", pp_rank: int = 0,
-                    skip_optimizer: bool = False) -> dict[str, Any]:
-    """The payload :func:`save_checkpoint` wrote for the shard (``tp_rank``, ``pp_rank``) in ``step_dir`` (a
-    finished ``step_N`` dir): ``{"format_version", "step", "model" (a state dict per model chunk), "optimizer",
-    "scheduler", "precision", "rng", "extra"}``.
+                    skip_optimizer: bool = False, ep_rank: int | None = None) -> dict[str, Any]:
+    """The payload :func:`save_checkpoint` wrote for the shard (``tp_rank``, ``pp_rank``; ``ep_rank`` for a checkpoint
+    written at EP > 1) in ``step_dir`` (a finished ``step_N`` dir): ``{"format_version", "step", "model" (a state
+    dict per model chunk), "optimizer", "scheduler", "precision", "rng", "extra"}``.
 
     Reads in this process only (no process group needed, none used: each rank reads its own shard's payload).
     The template DCP loads into is built from the checkpoint's own metadata, since a fresh optimizer has no state.
@@ -261,14 +280,15 @@ def read_checkpoint(step_dir: str | os.PathLike, tp_rank: int = 0,
 
     step_dir = Path(step_dir)
     per_tp = _saved_payloads(step_dir)
-    key = _shard_key(tp_rank, pp_rank)
+    key = _shard_key(tp_rank, pp_rank, ep_rank)
     if key not in per_tp:
         if any(k.startswith("tp") for k in per_tp):
             raise ConfigError(f"{step_dir} is a format-2 checkpoint (the engine before Megatron-Core's), which this "
                              f"version cannot read; continue it with the fp8-recipes version that wrote it, or start "
                              f"a fresh run")
+        expert = f", expert-parallel rank {ep_rank}" if ep_rank is not None else ""
         raise FileNotFoundError(f"{step_dir} holds no state of pipeline rank {pp_rank}, tensor-parallel rank "
-                                f"{tp_rank} (it holds {', '.join(sorted(per_tp)) or 'none'}): was it written at "
+                                f"{tp_rank}{expert} (it holds {', '.join(sorted(per_tp)) or 'none'}): was it written at "
                                 "another layout?")
     template: dict[str, Any] = {"skeleton": None, "tensors": {}}  # None: replaced by the loaded bytes
     for path, storage in per_tp[key]:
@@ -313,7 +333,8 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, engine=None, model
         "rng": _rng_state(),
         "extra": extra or {},
     }
-    _agree(_attempt(_write_payload, tmp, _shard_key(tp_rank, pp_rank), payload), final, tmp, previous)
+    _agree(_attempt(_write_payload, tmp, _shard_key(tp_rank, pp_rank, _expert_rank()), payload), final, tmp,
+           previous)
     digests = _gather({name: _digest(tmp / name) for name in _own_files(tmp, rank)})  # each rank its own files
     failed = None
     if rank == 0:
@@ -637,7 +658,8 @@ def checkpoint_meta(step_dir: str | os.PathLike) -> dict[str, Any]:
 def resume_skip(step_dir: str | os.PathLike, *, global_batch_size: int, micro_batch_size: int,
                 tensor_model_parallel_size: int, pipeline_model_parallel_size: int = 1,
                 virtual_pipeline_model_parallel_size: int | None = None,
-                use_distributed_optimizer: bool | None = None) -> int:
+                use_distributed_optimizer: bool | None = None, expert_model_parallel_size: int = 1,
+                expert_tensor_parallel_size: int | None = None) -> int:
     """The global micro-batches a run resumed from ``step_dir`` skips (samples consumed / micro_batch_size), after
     refusing, as a one-line ValueError naming the key, what cannot continue that run: another tensor-parallel,
     pipeline or virtual-pipeline size of a checkpoint that cannot be resharded, another global batch size (a
@@ -645,8 +667,12 @@ def resume_skip(step_dir: str | os.PathLike, *, global_batch_size: int, micro_ba
     the plain and the distributed optimizer (their states differ). The
     data-parallel and context-parallel sizes may change, and so may the tensor, pipeline and virtual-pipeline sizes
     of a checkpoint that records its optimizer index (``reshardable`` in meta.json: :func:`load_checkpoint` reshards
-    it; check_model_matches refuses what cannot be)."""
+    it; check_model_matches refuses what cannot be). Experts are not resharded: another expert-parallel or expert
+    tensor-parallel size, or another tensor / pipeline layout of a checkpoint with expert parallelism, is refused."""
     meta = checkpoint_meta(step_dir)
+    _check_expert_layout(step_dir, meta, tensor_model_parallel_size, pipeline_model_parallel_size,
+                         virtual_pipeline_model_parallel_size, expert_model_parallel_size,
+                         expert_tensor_parallel_size or tensor_model_parallel_size)
     wanted = {"tensor_model_parallel_size": tensor_model_parallel_size,
               "pipeline_model_parallel_size": pipeline_model_parallel_size,
               "virtual_pipeline_model_parallel_size": virtual_pipeline_model_parallel_size}
@@ -674,6 +700,31 @@ def resume_skip(step_dir: str | os.PathLike, *, global_batch_size: int, micro_ba
                        "of this epoch; after it the order differs (each epoch drops its last partial micro-batch)",
                        mbs, micro_batch_size)
     return consumed // micro_batch_size
+
+
+def _check_expert_layout(step_dir: str | os.PathLike, meta: dict[str, Any], tp: int, pp: int, vpp: int | None,
+                         ep: int, etp: int) -> None:
+    """resume_skip's refusals for the experts' layout (training/reshard.py joins tensors over TP and PP, not over the
+    expert-parallel ranks, and cuts an expert's weights by TP, not by expert TP)."""
+    saved_tp = int(meta.get("tensor_model_parallel_size") or 1)
+    saved_ep = int(meta.get("expert_model_parallel_size") or 1)
+    saved_etp = int(meta.get("expert_tensor_parallel_size") or saved_tp)
+    refusal = "experts are not resharded across expert-parallel layouts yet"
+    for key, value, saved in (("expert_model_parallel_size", ep, saved_ep),
+                              ("expert_tensor_parallel_size", etp, saved_etp)):
+        involved = saved_ep > 1 or ep > 1 or saved_etp != saved_tp or etp != tp  # (a dense model: expert TP = TP)
+        if involved and value != saved:
+            raise ConfigError(f"trainer.{key}: {value} differs from the checkpoint's {saved} ({step_dir}; {refusal}; "
+                              f"resume with trainer.{key}={saved})")
+    if saved_ep > 1:
+        for key, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
+                           ("virtual_pipeline_model_parallel_size", vpp)):
+            saved = meta.get(key, {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}.get(key))
+            if saved != value:
+                shown = "null" if saved is None else saved
+                raise ConfigError(f"trainer.{key}: {'null' if value is None else value} differs from the "
+                                  f"checkpoint's {shown} ({step_dir} was written at trainer.expert_model_parallel_size="
+                                  f"{saved_ep}; {refusal}; resume with trainer.{key}={shown})")
 
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}  # trainer.params_dtype's names
@@ -743,7 +794,8 @@ def check_model_matches(step_dir: str | os.PathLike, models: list[torch.nn.Modul
         return
     _, tp_rank, pp_rank = _ranks()
     saved = {path[1]: tuple(storage.size) for path, storage in _saved_payloads(Path(step_dir)).get(
-        _shard_key(tp_rank, pp_rank), []) if path[0] == "tensors" and isinstance(storage, TensorStorageMetadata)}
+        _shard_key(tp_rank, pp_rank, _expert_rank()), []) if path[0] == "tensors"
+        and isinstance(storage, TensorStorageMetadata)}
     for i, chunk in enumerate(models):
         here = {f"model/{i}/{k}": tuple(v.shape) for k, v in _unwrap(chunk).state_dict().items()
                 if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
@@ -942,7 +994,7 @@ def load_checkpoint(path: str | os.PathLike, *, engine=None, models=None, precis
     chunks = engine.models if engine is not None else (models if isinstance(models, (list, tuple)) else [models])
     if _resharding(step_dir):
         return _load_resharded(step_dir, chunks, engine, precision, scheduler, map_location)
-    payload = read_checkpoint(step_dir, tp_rank, map_location, pp_rank=pp_rank)
+    payload = read_checkpoint(step_dir, tp_rank, map_location, pp_rank=pp_rank, ep_rank=_expert_rank())
     if payload.get("format_version") != FORMAT_VERSION:
         raise ConfigError(f"{step_dir}: format_version {payload.get('format_version')}, expected {FORMAT_VERSION}")
     if len(chunks) != len(payload["model"]):

@@ -432,7 +432,9 @@ class _Run:
         """The model-parallel sizes, as init_distributed and checkpoint.resume_skip take them."""
         return {"tensor_model_parallel_size": self.tcfg.tensor_model_parallel_size,
                 "pipeline_model_parallel_size": self.tcfg.pipeline_model_parallel_size,
-                "virtual_pipeline_model_parallel_size": self.tcfg.virtual_pipeline_model_parallel_size}
+                "virtual_pipeline_model_parallel_size": self.tcfg.virtual_pipeline_model_parallel_size,
+                "expert_model_parallel_size": self.tcfg.expert_model_parallel_size,
+                "expert_tensor_parallel_size": self.tcfg.expert_tensor_parallel_size}
 
 
 @dataclasses.dataclass
