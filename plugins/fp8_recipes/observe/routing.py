@@ -10,9 +10,12 @@
 experts by global number. Counted from what Megatron-Core hands each MoE layer's experts module (its
 ``tokens_per_expert`` argument: SequentialMLP's and TE's grouped experts' alike), summed over the step's
 micro-batches; training forwards only (evaluation runs without gradients) and once under activation recompute
-(Megatron-Core's first, gradient-free pass is not counted, its replay is). The counts are this rank's tokens: on
-several data-parallel ranks the first one's share of the batch, as for the numerics rows. Cost: one small integer
-tensor per MoE layer and micro-batch, copied to the host once per step.
+(Megatron-Core's first, gradient-free pass is not counted, its replay is). The counts are this rank's experts': on
+several data-parallel ranks the first one's share of the batch, as for the numerics rows. Under expert parallelism
+(EP > 1) each rank holds 1/EP of the experts, which receive the tokens of the EP group's ranks (Megatron-Core's
+dispatcher), so the counts are summed over the expert-parallel group once per step (``group``) and a row covers every
+expert: the tokens of that group's micro-batches. Cost: one small integer tensor per MoE layer and micro-batch,
+copied to the host once per step (and one all-reduce of [layers x experts] integers at EP > 1).
 """
 
 from __future__ import annotations
@@ -38,22 +41,24 @@ def routing_row(step: int, layer: int, tokens: list[int]) -> dict[str, Any]:
 class RoutingRecorder:
     """Counts the tokens per expert of this rank's MoE layers (forward pre-hooks on their experts modules)."""
 
-    def __init__(self, layers: dict[int, Any], experts: int, run_dir: str | Path, *, write: bool = True):
-        self.experts, self.write = experts, write
+    def __init__(self, layers: dict[int, Any], experts: int, run_dir: str | Path, *, write: bool = True,
+                 group: Any = None):
+        self.experts, self.write, self.group = experts, write, group
         self.path = Path(run_dir) / ROUTING
         self._counts: dict[int, torch.Tensor] = {}
         self._step: int | None = None
         self._hooks = [moe.experts.register_forward_pre_hook(self._hook(layer, moe)) for layer, moe in layers.items()]
 
     @classmethod
-    def attach(cls, layers: dict[int, torch.nn.Module], run_dir: str | Path, *,
-               write: bool = True) -> RoutingRecorder | None:
+    def attach(cls, layers: dict[int, torch.nn.Module], run_dir: str | Path, *, write: bool = True,
+               group: Any = None) -> RoutingRecorder | None:
         """A recorder on every MoE layer among ``layers`` (this rank's TransformerLayers by global number:
-        megatron/model.py's transformer_layers), or None when none is an MoE layer."""
+        megatron/model.py's transformer_layers), or None when none is an MoE layer. ``group``: the expert-parallel
+        group to sum the counts over at EP > 1 (every rank of it records and flushes; ``write`` picks the writer)."""
         moe = {n: layer.mlp for n, layer in layers.items() if hasattr(layer.mlp, "local_expert_indices")}
         if not moe:
             return None
-        return cls(moe, next(iter(moe.values())).config.num_moe_experts, run_dir, write=write)
+        return cls(moe, next(iter(moe.values())).config.num_moe_experts, run_dir, write=write, group=group)
 
     def _hook(self, layer: int, moe):
         indices = torch.tensor(list(moe.local_expert_indices), dtype=torch.long)
@@ -75,7 +80,11 @@ class RoutingRecorder:
     def flush(self) -> None:
         if self._step is None or not self._counts:
             return
-        rows = [routing_row(self._step + 1, layer, counts.tolist()) for layer, counts in sorted(self._counts.items())]
+        layers = sorted(self._counts)
+        counts = torch.stack([self._counts[layer] for layer in layers])
+        if self.group is not None:  # each EP rank counted its own experts (zeros elsewhere): one sum covers them all
+            torch.distributed.all_reduce(counts, group=self.group)
+        rows = [routing_row(self._step + 1, layer, row.tolist()) for layer, row in zip(layers, counts)]
         self._counts = {}
         if self.write:
             self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -575,8 +575,9 @@ def _current_format(step_dir: Path) -> Path:
 
 def intact_checkpoint(path: str | os.PathLike, key: str) -> Path:
     """:func:`resolve_checkpoint` for a command that reads one checkpoint (the HF export, an evaluation): a one-line
-    ConfigError naming ``key`` when there is none, it is of an earlier format, or :func:`quick_damage` finds it
-    damaged (a missing shard or index), before any of it is read."""
+    ConfigError naming ``key`` when there is none, it is of an earlier format, :func:`quick_damage` finds it
+    damaged (a missing shard or index), or it was written with expert parallelism (its experts are spread over the
+    EP ranks' payloads, which these readers do not join yet), before any of it is read."""
     try:
         step_dir = resolve_checkpoint(path)
     except FileNotFoundError as e:
@@ -586,6 +587,11 @@ def intact_checkpoint(path: str | os.PathLike, key: str) -> Path:
     problem = quick_damage(step_dir)
     if problem:
         raise ConfigError(f"{key}: {step_dir} is damaged: {problem}; name an intact step_N dir")
+    ep = int(checkpoint_meta(step_dir).get("expert_model_parallel_size") or 1)
+    if ep > 1:
+        raise ConfigError(f"{key}: {step_dir} was written at trainer.expert_model_parallel_size={ep}: its experts "
+                          f"are split over the expert-parallel ranks, which this reader does not join yet; read a "
+                          f"checkpoint trained at trainer.expert_model_parallel_size=1")
     return step_dir
 
 

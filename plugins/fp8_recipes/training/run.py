@@ -110,12 +110,16 @@ def _first_of_stage() -> bool:
 
 def _route(precision, chunks, run_dir: Path):
     """An MoE model's routing statistics (observe/routing.py), written by the first data-, tensor- and
-    context-parallel rank of each pipeline stage: (precision to train with, recorder or None)."""
+    context-parallel rank of each pipeline stage, its counts summed over the expert-parallel group at EP > 1:
+    (precision to train with, recorder or None)."""
+    from megatron.core import parallel_state as ps
+
     from fp8_recipes.megatron.model import transformer_layers  # torch and Megatron-Core (module docstring)
     from fp8_recipes.observe.recorder import ObservedPrecision
     from fp8_recipes.observe.routing import RoutingRecorder
 
-    routing = RoutingRecorder.attach(transformer_layers(chunks), run_dir, write=_first_of_stage())
+    group = ps.get_expert_model_parallel_group() if ps.get_expert_model_parallel_world_size() > 1 else None
+    routing = RoutingRecorder.attach(transformer_layers(chunks), run_dir, write=_first_of_stage(), group=group)
     return (precision, None) if routing is None else (ObservedPrecision(precision, routing), routing)
 
 
