@@ -416,8 +416,9 @@ def _seeded_gpt_model(config, spec, cfg: dict, vocab: int, init_seed: int | None
 
     if init_seed is not None or layer_init is not None:
         if hasattr(spec, "layer_specs"):  # an MoE model's block spec: one spec per layer of this stage
-            spec = dataclasses.replace(spec, layer_specs=[dataclasses.replace(s, module=_layout_seeded(s.module))
-                                                          for s in spec.layer_specs])
+            spec = dataclasses.replace(spec, layer_specs=[dataclasses.replace(
+                s, module=_layout_seeded(s.module), submodules=_layout_seeded_experts(s.submodules))
+                for s in spec.layer_specs])
         else:
             spec = dataclasses.replace(spec, module=_layout_seeded(spec.module))
     if init_seed is not None:
@@ -489,6 +490,59 @@ def _layout_seeded(layer_class: type) -> type:
 
     LayoutSeededLayer.__name__ = LayoutSeededLayer.__qualname__ = layer_class.__name__
     return LayoutSeededLayer
+
+
+def _layout_seeded_experts(layer_submodules):
+    """A layer spec's submodules with an MoE layer's SequentialMLP experts drawn as at EP = 1
+    (:func:`_layout_seeded_sequential_mlp`); anything else as it is."""
+    mlp = layer_submodules.mlp
+    moe = mlp.keywords.get("submodules") if isinstance(mlp, functools.partial) else getattr(mlp, "submodules", None)
+    experts = getattr(moe, "experts", None)
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    if not (isinstance(experts, functools.partial) and experts.func is SequentialMLP):
+        return layer_submodules
+    seeded = dataclasses.replace(moe, experts=functools.partial(_layout_seeded_sequential_mlp(), *experts.args,
+                                                                **experts.keywords))
+    mlp = (functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": seeded})
+           if isinstance(mlp, functools.partial) else dataclasses.replace(mlp, submodules=seeded))
+    return dataclasses.replace(layer_submodules, mlp=mlp)
+
+
+@functools.lru_cache(maxsize=None)
+def _layout_seeded_sequential_mlp() -> type:
+    """Megatron-Core's SequentialMLP whose experts get the weights they get at EP = 1. With CPU initialisation every
+    expert draws from the layer's stream in construction order, so at EP > 1 each EP rank's first local expert would
+    draw what expert 0 draws: EP rank 1's experts would start as copies of EP rank 0's (seen at EP=2: experts 2 and 3
+    equal to 0 and 1), and the shared expert after them from another place in the stream. The other EP ranks'
+    experts are drawn here too and dropped (the init's cost of EP = 1, one expert's memory at a time). On GPUs
+    Megatron-Core draws the experts from its expert-parallel RNG stream (seed + 1024 + 100 x EP rank): untouched."""
+    import copy
+
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    class LayoutSeededSequentialMLP(SequentialMLP):
+        def __init__(self, num_local_experts, config, submodules, pg_collection=None, name=None):
+            ep = getattr(pg_collection, "ep", None)
+            size, rank = (ep.size(), ep.rank()) if ep is not None else (1, 0)
+            drop = config.use_cpu_initialization and size > 1
+
+            def draw(experts: int) -> None:
+                mlp_config = copy.deepcopy(config)  # as SequentialMLP builds its experts
+                mlp_config.ffn_hidden_size = config.moe_ffn_hidden_size
+                for _ in range(experts):
+                    MLP(mlp_config, submodules, ffn_hidden_size=config.moe_ffn_hidden_size, is_expert=True,
+                        tp_group=pg_collection.expt_tp)
+
+            if drop:
+                draw(rank * num_local_experts)  # the lower EP ranks' experts
+            super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection, name=name)
+            if drop:
+                draw((size - rank - 1) * num_local_experts)  # the higher ones'
+
+    LayoutSeededSequentialMLP.__name__ = LayoutSeededSequentialMLP.__qualname__ = SequentialMLP.__name__
+    return LayoutSeededSequentialMLP
 
 
 def build_model_chunks(model_cfg: Any, **kwargs: Any) -> list[torch.nn.Module]:
