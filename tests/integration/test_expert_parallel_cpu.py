@@ -45,6 +45,8 @@ RUNS = {  # name: (recipe, processes, extra overrides); each chain runs its runs
     "blockwise-ep2": ("blockwise", 2, EP2),
     "blockwise-dp2": ("blockwise", 2, []),
     "delayed-pp2": ("delayed", 2, ["trainer.pipeline_model_parallel_size=2"]),
+    "delayed-etp2": ("delayed", 2, ["trainer.expert_tensor_parallel_size=2", f"trainer.save_interval={SAVED}",
+                                    "trainer.save_checkpoints=true"]),
     "delayed-ep2-edp2": ("delayed", 4, [*EP2, "trainer.global_batch_size=8"]),
 }
 RESUMED = "delayed-ep2-resumed"  # delayed-ep2's step-2 checkpoint continued to step 4, after it in its chain
@@ -84,7 +86,7 @@ def runs(tmp_path_factory, dataset, free_port) -> dict[str, dict]:  # noqa: F811
     specs[RESUMED] = [RESUMED, str(tmp / RESUMED / "dump"), _args("delayed", [*EP2, *DISTOPT, f"trainer.resume={saved}"],
                                                                   dataset, tmp / RESUMED / "run"), free_port()]
     chains = [(2, [specs[n] for n in ("delayed-ep2", RESUMED, "blockwise-ep2")]),
-              (2, [specs[n] for n in ("delayed-dp2", "blockwise-dp2", "delayed-pp2")]),
+              (2, [specs[n] for n in ("delayed-dp2", "blockwise-dp2", "delayed-pp2", "delayed-etp2")]),
               (4, [specs["delayed-ep2-edp2"]])]
     procs = []
     for c, (world, chain) in enumerate(chains):
@@ -231,3 +233,19 @@ def test_resume_at_another_expert_parallel_size_is_one_line(runs, dataset, tmp_p
                      f"experts are not resharded across expert-parallel layouts yet; resume with "
                      f"trainer.expert_model_parallel_size=2)"], lines
     assert not run_dir.exists()
+
+
+@pytest.mark.slow
+def test_expert_tensor_parallel(runs):
+    """Expert TP=2 at TP=1 (2 ranks: dense DP=2, expert DP=1): each rank holds half of every expert's FFN, so the
+    checkpoint keys each payload by its expert TP rank too (``pp00tp00et00``, ``et01``); data_tensor reduces the
+    experts' amaxes over expert TP x expert DP (a group Megatron-Core does not build: backends/groups.py), so both
+    ranks end with one set of scales; the losses are EP=1 x DP=2's within summation order (the experts' fc2 partial
+    sums all-reduced)."""
+    from fp8_recipes.training.checkpoint import _saved_payloads
+
+    r0, r1 = runs["delayed-etp2"]["ranks"]
+    assert r0["scales"] == r1["scales"] and r0["losses"] == r1["losses"]
+    assert _rel(r0["losses"], runs["delayed-dp2"]["ranks"][0]["losses"]) < LOSS_TOL
+    step_dir = runs["delayed-etp2"]["run_dir"] / "checkpoints" / f"step_{SAVED}"
+    assert sorted(_saved_payloads(step_dir)) == ["pp00tp00et00", "pp00tp00et01"]

@@ -126,15 +126,19 @@ def _ranks() -> tuple[int, int, int]:
     return rank, 0, 0
 
 
-def _expert_rank() -> int | None:
-    """This rank's expert-parallel rank at EP > 1 (its payload holds its own experts: :func:`_shard_key`), else None."""
+def _expert_ranks() -> dict[str, int | None]:
+    """This rank's ``ep_rank`` at EP > 1 and ``etp_rank`` where expert TP differs from TP, else None: the ranks that
+    set which experts, and which shard of them, its payload holds (:func:`_shard_key`)."""
     try:
         from megatron.core import parallel_state as ps
-        if ps.model_parallel_is_initialized() and ps.get_expert_model_parallel_world_size() > 1:
-            return ps.get_expert_model_parallel_rank()
+        if ps.model_parallel_is_initialized():
+            ep = ps.get_expert_model_parallel_world_size() > 1
+            etp = ps.get_expert_tensor_parallel_world_size() != ps.get_tensor_model_parallel_world_size()
+            return {"ep_rank": ps.get_expert_model_parallel_rank() if ep else None,
+                    "etp_rank": ps.get_expert_tensor_parallel_rank() if etp else None}
     except ImportError:
         pass
-    return None
+    return {"ep_rank": None, "etp_rank": None}
 
 
 def _parallel_sizes() -> dict[str, Any]:
@@ -180,14 +184,16 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _shard_key(tp_rank: int, pp_rank: int = 0, ep_rank: int | None = None) -> str:
+def _shard_key(tp_rank: int, pp_rank: int = 0, ep_rank: int | None = None, etp_rank: int | None = None) -> str:
     """The top-level DCP key of one model shard's payload: its pipeline and tensor-parallel rank, and at EP > 1 its
-    expert-parallel rank (``ppPPtpRRepEE``): the EP ranks of a shard hold other experts, so each offers its own key.
-    The lowest rank holding an ``epEE`` key, which DCP has write it, is expert-data-parallel rank 0 of that expert
-    shard (Megatron-Core's expert grid numbers expert TP, then EP, then expert DP): where the distributed optimizer
-    gathers the experts' parameter state. Its dense parameter state is gathered on data-parallel rank 0, which
-    holds EP rank 0's key."""
-    return f"pp{pp_rank:02d}tp{tp_rank:02d}" + (f"ep{ep_rank:02d}" if ep_rank is not None else "")
+    expert-parallel rank (``ppPPtpRRepEE``; ``etTT``, its expert TP rank, too where expert TP differs from TP): the
+    ranks of one ``ppPPtpRR`` shard hold other experts there, so each offers its own key, and DCP has the lowest rank
+    holding a key write it. That rank is data-parallel rank 0 of its dense shard (the lowest rank of its (PP, TP)) and
+    expert-data-parallel rank 0 of its expert shard (the lowest of its (PP, EP, expert TP)): where the distributed
+    optimizer gathers each part's parameter state (EP rank 1 of an EP=2 x DP=2 run writes the experts' and leaves the
+    dense part's to EP rank 0's payload)."""
+    return (f"pp{pp_rank:02d}tp{tp_rank:02d}" + (f"ep{ep_rank:02d}" if ep_rank is not None else "")
+            + (f"et{etp_rank:02d}" if etp_rank is not None else ""))
 
 
 def _split_tensors(obj: Any, path: tuple[str, ...], tensors: dict[str, torch.Tensor]) -> Any:
@@ -265,9 +271,10 @@ def _saved_payloads(step_dir: Path) -> dict[str, list[tuple[tuple, Any]]]:
 
 def read_checkpoint(step_dir: str | os.PathLike, tp_rank: int = 0,
                     map_location: str | torch.device = "cpu", pp_rank: int = 0,
-                    skip_optimizer: bool = False, ep_rank: int | None = None) -> dict[str, Any]:
+                    skip_optimizer: bool = False, ep_rank: int | None = None,
+                    etp_rank: int | None = None) -> dict[str, Any]:
     """The payload :func:`save_checkpoint` wrote for the shard (``tp_rank``, ``pp_rank``; ``ep_rank`` for a checkpoint
-    written at EP > 1) in ``step_dir`` (a finished ``step_N`` dir): ``{"format_version", "step", "model" (a state
+    written at EP > 1, ``etp_rank`` at an expert TP other than TP: :func:`_shard_key`) in ``step_dir`` (a finished ``step_N`` dir): ``{"format_version", "step", "model" (a state
     dict per model chunk), "optimizer", "scheduler", "precision", "rng", "extra"}``.
 
     Reads in this process only (no process group needed, none used: each rank reads its own shard's payload).
@@ -280,13 +287,14 @@ def read_checkpoint(step_dir: str | os.PathLike, tp_rank: int = 0,
 
     step_dir = Path(step_dir)
     per_tp = _saved_payloads(step_dir)
-    key = _shard_key(tp_rank, pp_rank, ep_rank)
+    key = _shard_key(tp_rank, pp_rank, ep_rank, etp_rank)
     if key not in per_tp:
         if any(k.startswith("tp") for k in per_tp):
             raise ConfigError(f"{step_dir} is a format-2 checkpoint (the engine before Megatron-Core's), which this "
                              f"version cannot read; continue it with the fp8-recipes version that wrote it, or start "
                              f"a fresh run")
-        expert = f", expert-parallel rank {ep_rank}" if ep_rank is not None else ""
+        expert = (f", expert-parallel rank {ep_rank}" if ep_rank is not None else "") + (
+            f", expert tensor-parallel rank {etp_rank}" if etp_rank is not None else "")
         raise FileNotFoundError(f"{step_dir} holds no state of pipeline rank {pp_rank}, tensor-parallel rank "
                                 f"{tp_rank}{expert} (it holds {', '.join(sorted(per_tp)) or 'none'}): was it written at "
                                 "another layout?")
@@ -333,7 +341,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, engine=None, model
         "rng": _rng_state(),
         "extra": extra or {},
     }
-    _agree(_attempt(_write_payload, tmp, _shard_key(tp_rank, pp_rank, _expert_rank()), payload), final, tmp,
+    _agree(_attempt(_write_payload, tmp, _shard_key(tp_rank, pp_rank, **_expert_ranks()), payload), final, tmp,
            previous)
     digests = _gather({name: _digest(tmp / name) for name in _own_files(tmp, rank)})  # each rank its own files
     failed = None
@@ -800,7 +808,7 @@ def check_model_matches(step_dir: str | os.PathLike, models: list[torch.nn.Modul
         return
     _, tp_rank, pp_rank = _ranks()
     saved = {path[1]: tuple(storage.size) for path, storage in _saved_payloads(Path(step_dir)).get(
-        _shard_key(tp_rank, pp_rank, _expert_rank()), []) if path[0] == "tensors"
+        _shard_key(tp_rank, pp_rank, **_expert_ranks()), []) if path[0] == "tensors"
         and isinstance(storage, TensorStorageMetadata)}
     for i, chunk in enumerate(models):
         here = {f"model/{i}/{k}": tuple(v.shape) for k, v in _unwrap(chunk).state_dict().items()
@@ -1000,7 +1008,7 @@ def load_checkpoint(path: str | os.PathLike, *, engine=None, models=None, precis
     chunks = engine.models if engine is not None else (models if isinstance(models, (list, tuple)) else [models])
     if _resharding(step_dir):
         return _load_resharded(step_dir, chunks, engine, precision, scheduler, map_location)
-    payload = read_checkpoint(step_dir, tp_rank, map_location, pp_rank=pp_rank, ep_rank=_expert_rank())
+    payload = read_checkpoint(step_dir, tp_rank, map_location, pp_rank=pp_rank, **_expert_ranks())
     if payload.get("format_version") != FORMAT_VERSION:
         raise ConfigError(f"{step_dir}: format_version {payload.get('format_version')}, expected {FORMAT_VERSION}")
     if len(chunks) != len(payload["model"]):
