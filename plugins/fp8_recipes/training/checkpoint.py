@@ -724,12 +724,6 @@ def _check_expert_layout(step_dir: str | os.PathLike, meta: dict[str, Any], tp: 
     saved_ep = int(meta.get("expert_model_parallel_size") or 1)
     saved_etp = int(meta.get("expert_tensor_parallel_size") or saved_tp)
     refusal = "experts are not resharded across expert-parallel layouts yet"
-    for key, value, saved in (("expert_model_parallel_size", ep, saved_ep),
-                              ("expert_tensor_parallel_size", etp, saved_etp)):
-        involved = saved_ep > 1 or ep > 1 or saved_etp != saved_tp or etp != tp  # (a dense model: expert TP = TP)
-        if involved and value != saved:
-            raise ConfigError(f"trainer.{key}: {value} differs from the checkpoint's {saved} ({step_dir}; {refusal}; "
-                              f"resume with trainer.{key}={saved})")
     if saved_ep > 1:
         for key, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
                            ("virtual_pipeline_model_parallel_size", vpp)):
@@ -739,6 +733,12 @@ def _check_expert_layout(step_dir: str | os.PathLike, meta: dict[str, Any], tp: 
                 raise ConfigError(f"trainer.{key}: {'null' if value is None else value} differs from the "
                                   f"checkpoint's {shown} ({step_dir} was written at trainer.expert_model_parallel_size="
                                   f"{saved_ep}; {refusal}; resume with trainer.{key}={shown})")
+    for key, value, saved in (("expert_model_parallel_size", ep, saved_ep),
+                              ("expert_tensor_parallel_size", etp, saved_etp)):
+        involved = saved_ep > 1 or ep > 1 or saved_etp != saved_tp or etp != tp  # (a dense model: expert TP = TP)
+        if involved and value != saved:
+            raise ConfigError(f"trainer.{key}: {value} differs from the checkpoint's {saved} ({step_dir}; {refusal}; "
+                              f"resume with trainer.{key}={saved})")
 
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}  # trainer.params_dtype's names
@@ -829,8 +829,12 @@ def _layout(meta: dict[str, Any]) -> tuple[int, int, int | None]:
 
 
 def _resharding(step_dir: str | os.PathLike) -> bool:
-    """Whether this run's tensor / pipeline layout differs from the checkpoint's."""
-    return _layout(checkpoint_meta(step_dir)) != _layout(_parallel_sizes())
+    """Whether this run's tensor / pipeline layout differs from the checkpoint's. An expert layout that cannot be
+    resharded is refused here too, in resume_skip's line, for callers that load without it (tools, tests)."""
+    meta, here = checkpoint_meta(step_dir), _parallel_sizes()
+    _check_expert_layout(step_dir, meta, *_layout(here), here["expert_model_parallel_size"],
+                         here["expert_tensor_parallel_size"])
+    return _layout(meta) != _layout(here)
 
 
 def _saved_model_shapes(per_shard: dict[str, list[tuple[tuple, Any]]], tp_rank: int,
