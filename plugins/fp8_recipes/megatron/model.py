@@ -160,10 +160,14 @@ def init_distributed(backend: str | None = None, *, tensor_model_parallel_size: 
 
 
 def destroy_distributed() -> None:
-    """Tear down Megatron-Core's groups and the default process group (safe to call twice)."""
+    """Tear down Megatron-Core's groups and the default process group (safe to call twice), and its MoE metrics
+    tracker: a process-wide record of the router's losses per layer, sized by the first MoE model's layer count, so a
+    later run in the same process with more layers (a test chain, compare_recipes) would index past it."""
     import torch.distributed as dist
     from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
+    destroy_moe_metrics_tracker()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
