@@ -90,8 +90,8 @@ def runs(tmp_path_factory, dataset, free_port) -> dict[str, dict]:  # noqa: F811
         specs[name] = [name, str(tmp / name / "dump"), _args(recipe, extra, dataset, tmp / name / "run"), free_port()]
     (tmp / RESUMED / "dump").mkdir(parents=True)
     saved = tmp / "delayed-ep2" / "run" / "checkpoints" / f"step_{SAVED}"
-    specs[RESUMED] = [RESUMED, str(tmp / RESUMED / "dump"), _args("delayed", [*EP2, *DISTOPT, f"trainer.resume={saved}"],
-                                                                  dataset, tmp / RESUMED / "run"), free_port()]
+    resumed = _args("delayed", [*EP2, *DISTOPT, f"trainer.resume={saved}"], dataset, tmp / RESUMED / "run")
+    specs[RESUMED] = [RESUMED, str(tmp / RESUMED / "dump"), resumed, free_port()]
     chains = [(2, [specs[n] for n in ("delayed-ep2", RESUMED, "blockwise-ep2")]),
               (2, [specs[n] for n in ("delayed-dp2", "blockwise-dp2", "delayed-pp2", "delayed-etp2")]),
               (4, [specs["delayed-ep2-edp2"], specs["delayed-ep2-pp2"]])]
@@ -232,7 +232,8 @@ def test_expert_and_pipeline_parallel(runs):
     step_dir = runs["delayed-ep2-pp2"]["run_dir"] / "checkpoints" / f"step_{SAVED}"
     assert sorted(_saved_payloads(step_dir)) == ["pp00tp00ep00", "pp00tp00ep01", "pp01tp00ep00", "pp01tp00ep01"]
     rows = read_jsonl(runs["delayed-ep2-pp2"]["run_dir"] / "routing.jsonl")
-    assert sorted((r["step"], r["layer"]) for r in rows) == [(s, layer) for s in range(1, STEPS + 1) for layer in (0, 2)]
+    assert sorted((r["step"], r["layer"]) for r in rows) == [(s, layer) for s in range(1, STEPS + 1)
+                                                              for layer in (0, 2)]
     assert all(sum(r["tokens"]) == 2 * 2 * 128 * 2 for r in rows), rows
 
 

@@ -148,10 +148,9 @@ def init_distributed(backend: str | None = None, *, tensor_model_parallel_size: 
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)  # the CPU shim's version when there is no CUDA
     if rank == 0:
-        experts = (f", EP {expert_model_parallel_size} x expert TP {parallel_state.get_expert_tensor_parallel_world_size()}"
-                   if expert_model_parallel_size > 1 or expert_tensor_parallel_size not in (None,
-                                                                                            tensor_model_parallel_size)
-                   else "")
+        expert_tp = parallel_state.get_expert_tensor_parallel_world_size()
+        experts = (f", EP {expert_model_parallel_size} x expert TP {expert_tp}"
+                   if expert_model_parallel_size > 1 or expert_tp != tensor_model_parallel_size else "")
         logger.info("distributed: %s, backend %s, world %d, TP %d, PP %d%s, CP %d%s, device %s", launcher, backend,
                     world_size, tensor_model_parallel_size, pipeline_model_parallel_size,
                     f" x VPP {virtual_pipeline_model_parallel_size}" if virtual_pipeline_model_parallel_size else "",

@@ -274,8 +274,9 @@ def read_checkpoint(step_dir: str | os.PathLike, tp_rank: int = 0,
                     skip_optimizer: bool = False, ep_rank: int | None = None,
                     etp_rank: int | None = None) -> dict[str, Any]:
     """The payload :func:`save_checkpoint` wrote for the shard (``tp_rank``, ``pp_rank``; ``ep_rank`` for a checkpoint
-    written at EP > 1, ``etp_rank`` at an expert TP other than TP: :func:`_shard_key`) in ``step_dir`` (a finished ``step_N`` dir): ``{"format_version", "step", "model" (a state
-    dict per model chunk), "optimizer", "scheduler", "precision", "rng", "extra"}``.
+    written at EP > 1, ``etp_rank`` at an expert TP other than TP: :func:`_shard_key`) in ``step_dir`` (a finished
+    ``step_N`` dir): ``{"format_version", "step", "model" (a state dict per model chunk), "optimizer", "scheduler",
+    "precision", "rng", "extra"}``.
 
     Reads in this process only (no process group needed, none used: each rank reads its own shard's payload).
     The template DCP loads into is built from the checkpoint's own metadata, since a fresh optimizer has no state.
@@ -296,8 +297,8 @@ def read_checkpoint(step_dir: str | os.PathLike, tp_rank: int = 0,
         expert = (f", expert-parallel rank {ep_rank}" if ep_rank is not None else "") + (
             f", expert tensor-parallel rank {etp_rank}" if etp_rank is not None else "")
         raise FileNotFoundError(f"{step_dir} holds no state of pipeline rank {pp_rank}, tensor-parallel rank "
-                                f"{tp_rank}{expert} (it holds {', '.join(sorted(per_tp)) or 'none'}): was it written at "
-                                "another layout?")
+                                f"{tp_rank}{expert} (it holds {', '.join(sorted(per_tp)) or 'none'}): was it written "
+                                "at another layout?")
     template: dict[str, Any] = {"skeleton": None, "tensors": {}}  # None: replaced by the loaded bytes
     for path, storage in per_tp[key]:
         if path[0] == "tensors" and isinstance(storage, TensorStorageMetadata) and (
