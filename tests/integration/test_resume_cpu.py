@@ -363,7 +363,8 @@ def test_two_ranks_train_on_the_one_rank_batches(dp_runs):
     assert (model["num_layers"], model["hidden_size"], meta.pop("params_dtype")) == (2, 128, "bf16"), model
     assert meta == {"step": DP_SAVED, "data_parallel_size": 2, "tensor_model_parallel_size": 1,
                     "pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": None,
-                    "context_parallel_size": 1, "use_distributed_optimizer": False, "reshardable": True,
+                    "context_parallel_size": 1, "expert_model_parallel_size": 1, "expert_tensor_parallel_size": 1,
+                    "use_distributed_optimizer": False, "reshardable": True,
                     "consumed_samples": DP_SAVED * 4, "global_batch_size": 4, "micro_batch_size": 2}
 
 

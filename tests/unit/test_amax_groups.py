@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from fp8_recipes.backends.groups import amax_reduction_group, te_amax_reduction_group
+from fp8_recipes.backends.groups import amax_reduction_group, expert_amax_reduction_group, te_amax_reduction_group
 from fp8_recipes.recipe.schema import AmaxReduction
 
 ps = pytest.importorskip("megatron.core.parallel_state")
@@ -100,3 +100,58 @@ def test_emulated_current_scaling_takes_each_ranks_own_amax(monkeypatch, recipe)
         assert len(calls) == sum(len(s.scalers) for s in states.values()) and max(calls) == float(x.abs().max())
     else:
         assert calls == []
+
+
+@pytest.mark.parametrize("kind, expert_tp, function", [
+    (AmaxReduction.DATA, 1, "get_expert_data_parallel_group"),
+    (AmaxReduction.TENSOR, 2, "get_expert_tensor_parallel_group"),
+    (AmaxReduction.DATA_TENSOR, 1, "get_expert_data_parallel_group"),
+])
+def test_an_experts_amaxes_are_reduced_over_the_ranks_holding_it(asked, monkeypatch, kind, expert_tp, function):
+    """A routed expert's group is Megatron-Core's expert grid's (expert TP x EP x expert DP x PP): at EP = 2 the
+    dense data-parallel ranks hold other experts, so the dense groups would mix two experts' amaxes."""
+    for name in ("get_expert_data_parallel_group", "get_expert_tensor_parallel_group"):
+        monkeypatch.setattr(ps, name, lambda name=name, **kwargs: asked.append((name, kwargs)) or name)
+    monkeypatch.setattr(ps, "get_expert_tensor_parallel_world_size", lambda: expert_tp)
+    assert expert_amax_reduction_group(kind) == function
+    assert [name for name, _ in asked] == [function]
+    assert expert_amax_reduction_group(AmaxReduction.NONE) is None
+
+
+def test_emulated_experts_reduce_over_their_own_group_and_skip_alone(monkeypatch):
+    """The emulated backend hands each delayed scaler its module's reducer: the experts' over the expert grid, the
+    rest over the recipe's group. An expert group of one rank (EP = 2 on two ranks) reduces nothing, so an expert
+    without tokens keeps its activations' and gradients' histories (``skip_unobserved``) while the dense modules
+    reduce over both ranks."""
+    import torch
+
+    from fp8_recipes.backends import emulated
+    from fp8_recipes.backends.emulated import EmulatedLinearState, EmulatedPrecision
+    from fp8_recipes.plan.precision import Hardware, ModelLayout, MoEShape, PrecisionPlan
+    from fp8_recipes.recipe.pack import load_recipe
+    from fp8_recipes.recipe.schema import Role
+
+    dense_calls = []
+
+    def dense(amax: torch.Tensor) -> torch.Tensor:
+        dense_calls.append(amax.clone())
+        return amax
+
+    monkeypatch.setattr(emulated, "_amax_reducer", lambda kind, expert=False: None if expert else dense)
+    layout = ModelLayout.gpt(1, moe=MoEShape(experts=4, layers=(0,)))
+    plan = PrecisionPlan(load_recipe("delayed"), layout, Hardware())
+    names = [n for n in layout.module_names if ModelLayout.expert_of(n) in (None, 2, 3)]  # EP rank 1's experts
+    states = {n: EmulatedLinearState(n) for n in names}
+    precision = EmulatedPrecision(plan, states)
+    precision.begin_step(10_000)
+    idle = states["decoder.layers.0.mlp.experts.local_experts.2.linear_fc1"]
+    for scaler in idle.scalers.values():
+        scaler.history[0] = 0.5  # (history[0]: the step's amax slot; a weight is quantized every step)
+    idle.scalers[Role.WEIGHTS].observed = True
+    before = {r: s.history.clone() for r, s in idle.scalers.items()}
+    precision.after_optimizer_step(10_000)
+    dense_scalers = sum(len(s.scalers) for n, s in states.items() if ModelLayout.expert_of(n) is None)
+    assert len(dense_calls) == dense_scalers  # the experts' amaxes were not reduced over the dense group
+    for role in (Role.ACTIVATIONS, Role.GRADIENTS):  # unobserved, reduced over no one: kept as it was
+        assert torch.equal(idle.scalers[role].history, before[role]), role
+    assert not torch.equal(idle.scalers[Role.WEIGHTS].history, before[Role.WEIGHTS])  # observed: rolled

@@ -426,3 +426,64 @@ def test_fp8_stored_weights_are_saved_as_their_bf16_values():
     plain = torch.ones(2)
     state = _plain_weights({"w": FP8Weight(), "b": plain, "_extra_state": None})
     assert torch.equal(state["w"], torch.full((2,), 0.5, dtype=torch.bfloat16)) and state["b"] is plain
+
+
+def _meta_only(tmp_path: Path, **meta) -> Path:
+    """A step dir with only the meta.json resume_skip reads (before any process group or model exists)."""
+    import json
+
+    step_dir = tmp_path / "checkpoints" / "step_4"
+    step_dir.mkdir(parents=True)
+    (step_dir / "meta.json").write_text(json.dumps({"step": 4, "global_batch_size": 4, "micro_batch_size": 2,
+                                                    "reshardable": True, **meta}))
+    return step_dir
+
+
+@pytest.mark.parametrize("saved, wanted, says", [
+    ({"expert_model_parallel_size": 2}, {"expert_model_parallel_size": 1},
+     "trainer.expert_model_parallel_size: 1 differs from the checkpoint's 2"),
+    ({"expert_model_parallel_size": 1, "expert_tensor_parallel_size": 2}, {"expert_model_parallel_size": 1},
+     "trainer.expert_tensor_parallel_size: 1 differs from the checkpoint's 2"),
+    ({"expert_model_parallel_size": 2}, {"expert_model_parallel_size": 2, "tensor_model_parallel_size": 2},
+     "trainer.tensor_model_parallel_size: 2 differs from the checkpoint's 1 (STEP was written at "
+     "trainer.expert_model_parallel_size=2; experts are not resharded"),
+    ({"expert_model_parallel_size": 2}, {"expert_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
+     "trainer.pipeline_model_parallel_size: 2 differs from the checkpoint's 1"),
+])
+def test_resume_refuses_what_would_reshard_experts(tmp_path, saved, wanted, says):
+    """Another EP or expert TP size, or another TP / PP layout of a checkpoint written at EP > 1: one line naming the
+    key and the checkpoint's value (training/reshard.py joins TP and PP shards, not the EP ranks' experts)."""
+    from fp8_recipes.training.checkpoint import resume_skip
+
+    step_dir = _meta_only(tmp_path, tensor_model_parallel_size=1, **saved)
+    with pytest.raises(ValueError) as e:
+        resume_skip(step_dir, global_batch_size=4, micro_batch_size=2,
+                    **{"tensor_model_parallel_size": 1, **wanted})
+    line = str(e.value)
+    assert "\n" not in line and line.startswith(says.replace("STEP", str(step_dir))), line
+    assert line.endswith(f"resume with {says.split(':')[0]}={says.split('checkpoint' + chr(39) + 's ')[1][0]})")
+
+
+def test_a_dense_checkpoint_still_reshards_across_tensor_parallel_sizes(tmp_path):
+    """A dense model's expert TP is its TP (meta.json records it so): TP 2 -> 1 is resharded, not refused as
+    another expert TP size."""
+    from fp8_recipes.training.checkpoint import resume_skip
+
+    step_dir = _meta_only(tmp_path, tensor_model_parallel_size=2, expert_model_parallel_size=1,
+                          expert_tensor_parallel_size=2)
+    assert resume_skip(step_dir, global_batch_size=4, micro_batch_size=2, tensor_model_parallel_size=1) == 8
+
+
+def test_export_and_evaluation_refuse_an_expert_parallel_checkpoint(tmp_path):
+    import json
+
+    from fp8_recipes.checks import ConfigError
+    from fp8_recipes.training.checkpoint import intact_checkpoint
+
+    model, _, _ = trained_model_and_optimizer()
+    step_dir = save_checkpoint(tmp_path, 1, models=model)
+    meta = json.loads((step_dir / "meta.json").read_text())
+    (step_dir / "meta.json").write_text(json.dumps({**meta, "expert_model_parallel_size": 2}))
+    with pytest.raises(ConfigError, match=r"^SOURCE: .* was written at trainer.expert_model_parallel_size=2: its "
+                                          r"experts are split over the expert-parallel ranks"):
+        intact_checkpoint(step_dir, "SOURCE")

@@ -31,10 +31,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from fp8_recipes.backends.groups import amax_reduction_group, max_reducer
+from fp8_recipes.backends.groups import amax_reduction_group, expert_amax_reduction_group, max_reducer
 from fp8_recipes.checks import ConfigError
 from fp8_recipes.numerics import DelayedScaler, block_for, dequantize, quantize
-from fp8_recipes.plan.precision import Gemm, ModulePlan, PrecisionPlan
+from fp8_recipes.plan.precision import Gemm, ModelLayout, ModulePlan, PrecisionPlan
 from fp8_recipes.recipe.schema import ROLES, AmaxReduction, Attention, Role, Scaling, TensorPolicy
 
 __all__ = [
@@ -192,9 +192,10 @@ def attention_fake_quant(state: EmulatedAttentionState, forward_tensor: str | No
     return _AttentionFakeQuant.apply(state, forward_tensor, backward_tensor, *hp)
 
 
-def _amax_reducer(kind: AmaxReduction) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """MAX all-reduce over the recipe's group, or None when there is nothing to reduce over."""
-    group = amax_reduction_group(kind)
+def _amax_reducer(kind: AmaxReduction, expert: bool = False) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """MAX all-reduce over the recipe's group (for a routed expert's GEMMs, over the ranks that hold the same
+    expert: backends/groups.py), or None when there is nothing to reduce over."""
+    group = expert_amax_reduction_group(kind) if expert else amax_reduction_group(kind)
     return None if group is None else max_reducer(group)
 
 
@@ -220,11 +221,18 @@ class EmulatedPrecision:
         # amax_reduction is delayed scaling's: current scaling takes each rank's own amax, as TE does (it reduces
         # one only for a sequence-parallel operand, over the TP ranks; no sequence parallelism on the CPU), so each
         # state's amax_reducers stay empty
-        reduce = _amax_reducer(plan.recipe.amax_reduction)
+        dense = _amax_reducer(plan.recipe.amax_reduction)
+        # (decided by the plan, the same on every rank: the expert group may be built here, by every rank at once)
+        expert = _amax_reducer(plan.recipe.amax_reduction, expert=True) if plan.layout.experts else None
+        # Each state's delayed amaxes are reduced over the ranks that hold its module: a routed expert's over the
+        # expert grid's group (at EP > 1 the dense data-parallel ranks hold other experts), the rest over the recipe's
+        self._reducers: dict[int, Callable[[torch.Tensor], torch.Tensor] | None] = {}
         for name, state in states.items():  # (a module's own policies: the recipe's, or its modules: override's)
             state.scalers = {r: DelayedScaler(p) for r, p in plan.module_policies(name).items()
                              if p.scaling is Scaling.DELAYED}
-        self._reduce = reduce
+            self._reducers[id(state)] = expert if ModelLayout.expert_of(name) is not None else dense
+        for state in self.attention.values():
+            self._reducers[id(state)] = dense
 
     def begin_step(self, step: int) -> str:
         step_plan = self.plan.at(step)
@@ -250,12 +258,14 @@ class EmulatedPrecision:
                 s.enabled = enabled
 
     def after_optimizer_step(self, step: int) -> None:
-        # (every rank of the reduction group holds the same modules: the same all-reduces in the same order)
+        # (every rank of a reduction group holds the same modules: the same all-reduces in the same order; an expert's
+        # group holds the same experts, a dense module's every rank of the stage)
         # An expert that got no token this step keeps its history and scale, as TE's GroupedLinear does on one GPU;
-        # with an amax reduction every rank updates (the same collectives on every rank of the group)
+        # with an amax reduction every rank of its group updates (the same collectives on every rank of the group)
         for state in self._all_states():
+            reduce = self._reducers[id(state)]
             for scaler in state.scalers.values():
-                scaler.update(self._reduce, skip_unobserved=self._reduce is None)
+                scaler.update(reduce, skip_unobserved=reduce is None)
 
     def skip_step(self, step: int) -> None:
         # The skipped step's amaxes (slot 0, maybe inf/NaN) never reach a scale: torch.maximum would keep a NaN

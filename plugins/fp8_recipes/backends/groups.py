@@ -12,7 +12,7 @@ from fp8_recipes.recipe.schema import AmaxReduction
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["amax_reduction_group", "max_reducer", "te_amax_reduction_group"]
+__all__ = ["amax_reduction_group", "expert_amax_reduction_group", "max_reducer", "te_amax_reduction_group"]
 
 
 def _megatron_group(kind: AmaxReduction) -> Any:
@@ -55,6 +55,59 @@ def te_amax_reduction_group(kind: AmaxReduction) -> Any:
     if kind is AmaxReduction.NONE or not dist.is_available() or not dist.is_initialized():
         return None
     return _megatron_group(kind)
+
+
+def _expert_megatron_group(kind: AmaxReduction) -> Any:
+    """The expert-grid twin of :func:`_megatron_group`: the ranks that hold the same routed experts. Megatron-Core lays
+    the experts out on a grid of their own (expert TP x EP x expert DP x PP, its context-parallel ranks folded into
+    expert DP), so the data-parallel ranks of a dense module hold other experts at EP > 1: reducing an expert's amax
+    over them would mix the amaxes of different experts (the same list position on each EP rank)."""
+    from megatron.core import parallel_state as ps
+
+    if kind is AmaxReduction.DATA:
+        return ps.get_expert_data_parallel_group()
+    if kind is AmaxReduction.TENSOR:
+        return ps.get_expert_tensor_parallel_group()
+    if ps.get_expert_tensor_parallel_world_size() == 1:  # data_tensor at expert TP 1: the expert-DP ranks
+        return ps.get_expert_data_parallel_group()
+    return _expert_tensor_and_data_group()
+
+
+_EXPERT_TP_DP: list[Any] = [None, None]  # (the expert-DP group it was built under, the expert TP x DP group)
+
+
+def _expert_tensor_and_data_group() -> Any:
+    """The expert TP x expert DP ranks of this rank's (EP rank, pipeline stage): Megatron-Core builds no such group, so
+    it is built here once per parallel state (every rank creates every group, in the same order: torch.distributed's
+    rule for new_group), from Megatron-Core's own expert rank grid."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    built_for = ps.get_expert_data_parallel_group()
+    if _EXPERT_TP_DP[0] is not built_for:
+        grid = ps.RankGenerator(tp=ps.get_expert_tensor_parallel_world_size(),
+                                ep=ps.get_expert_model_parallel_world_size(),
+                                dp=ps.get_expert_data_parallel_world_size(),
+                                pp=ps.get_pipeline_model_parallel_world_size(), cp=1, order="tp-cp-ep-dp-pp")
+        mine = None
+        for ranks in grid.get_ranks("tp-dp"):
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                mine = group
+        _EXPERT_TP_DP[:] = [built_for, mine]
+    return _EXPERT_TP_DP[1]
+
+
+def expert_amax_reduction_group(kind: AmaxReduction) -> Any:
+    """:func:`amax_reduction_group` for a routed expert's GEMMs: data -> Megatron-Core's expert-data-parallel group,
+    tensor -> its expert-tensor-parallel group, data_tensor -> both (the expert-DP group at expert TP 1); None when
+    there is nothing to reduce over. At EP = 1 and expert TP = TP these are the dense module's groups."""
+    import torch.distributed as dist
+
+    if kind is AmaxReduction.NONE or not dist.is_available() or not dist.is_initialized():
+        return None
+    group = _expert_megatron_group(kind)
+    return group if group is not None and dist.get_world_size(group) > 1 else None
 
 
 def max_reducer(group: Any) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -89,7 +89,8 @@ def _share_cpu_threads(world_size: int) -> None:
 
 def init_distributed(backend: str | None = None, *, tensor_model_parallel_size: int = 1,
                      pipeline_model_parallel_size: int = 1, virtual_pipeline_model_parallel_size: int | None = None,
-                     context_parallel_size: int = 1, seed: int = 1234,
+                     context_parallel_size: int = 1, expert_model_parallel_size: int = 1,
+                     expert_tensor_parallel_size: int | None = None, seed: int = 1234,
                      timeout_minutes: int = 30) -> tuple[int, int, torch.device]:
     """Start torch.distributed and Megatron-Core's model-parallel groups; seed every RNG.
 
@@ -97,6 +98,8 @@ def init_distributed(backend: str | None = None, *, tensor_model_parallel_size: 
     (SLURM_PROCID/SLURM_STEP_NUM_TASKS/SLURM_LOCALID; MASTER_ADDR defaults to the step's first node,
     MASTER_PORT to one derived from the job id) and as a plain single process (world 1, a free port).
     ``backend`` defaults to NCCL when CUDA is available, else gloo (with the CPU shim installed).
+    ``expert_model_parallel_size`` / ``expert_tensor_parallel_size`` (MoE): Megatron-Core's expert grid, expert TP x
+    EP x expert DP x PP over the same ranks (expert TP null = the TP size).
     Returns (rank, world_size, device).
     """
     import torch.distributed as dist
@@ -140,24 +143,32 @@ def init_distributed(backend: str | None = None, *, tensor_model_parallel_size: 
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
-        context_parallel_size=context_parallel_size, distributed_timeout_minutes=timeout_minutes)
+        context_parallel_size=context_parallel_size, expert_model_parallel_size=expert_model_parallel_size,
+        expert_tensor_parallel_size=expert_tensor_parallel_size, distributed_timeout_minutes=timeout_minutes)
     # Same seed on every data-parallel rank: weights are initialised identically there without a broadcast;
     # tensor-parallel ranks get their own stream through the tracker (seed + 2718 + tp_rank).
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)  # the CPU shim's version when there is no CUDA
     if rank == 0:
-        logger.info("distributed: %s, backend %s, world %d, TP %d, PP %d%s, CP %d, device %s", launcher, backend,
+        expert_tp = parallel_state.get_expert_tensor_parallel_world_size()
+        experts = (f", EP {expert_model_parallel_size} x expert TP {expert_tp}"
+                   if expert_model_parallel_size > 1 or expert_tp != tensor_model_parallel_size else "")
+        logger.info("distributed: %s, backend %s, world %d, TP %d, PP %d%s, CP %d%s, device %s", launcher, backend,
                     world_size, tensor_model_parallel_size, pipeline_model_parallel_size,
                     f" x VPP {virtual_pipeline_model_parallel_size}" if virtual_pipeline_model_parallel_size else "",
-                    context_parallel_size, device)
+                    context_parallel_size, experts, device)
     return rank, world_size, device
 
 
 def destroy_distributed() -> None:
-    """Tear down Megatron-Core's groups and the default process group (safe to call twice)."""
+    """Tear down Megatron-Core's groups and the default process group (safe to call twice), and its MoE metrics
+    tracker: a process-wide record of the router's losses per layer, sized by the first MoE model's layer count, so a
+    later run in the same process with more layers (a test chain, compare_recipes) would index past it."""
     import torch.distributed as dist
     from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
+    destroy_moe_metrics_tracker()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
@@ -345,6 +356,8 @@ def _transformer_config(cfg: dict, params_dtype: torch.dtype, device: torch.devi
         overlap_p2p_comm=bool(vpp),
         batch_p2p_comm=not vpp,
         context_parallel_size=parallel_state.get_context_parallel_world_size(),
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
         pipeline_dtype=params_dtype,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
@@ -401,8 +414,9 @@ def _seeded_gpt_model(config, spec, cfg: dict, vocab: int, init_seed: int | None
 
     if init_seed is not None or layer_init is not None:
         if hasattr(spec, "layer_specs"):  # an MoE model's block spec: one spec per layer of this stage
-            spec = dataclasses.replace(spec, layer_specs=[dataclasses.replace(s, module=_layout_seeded(s.module))
-                                                          for s in spec.layer_specs])
+            spec = dataclasses.replace(spec, layer_specs=[dataclasses.replace(
+                s, module=_layout_seeded(s.module), submodules=_layout_seeded_experts(s.submodules))
+                for s in spec.layer_specs])
         else:
             spec = dataclasses.replace(spec, module=_layout_seeded(spec.module))
     if init_seed is not None:
@@ -474,6 +488,59 @@ def _layout_seeded(layer_class: type) -> type:
 
     LayoutSeededLayer.__name__ = LayoutSeededLayer.__qualname__ = layer_class.__name__
     return LayoutSeededLayer
+
+
+def _layout_seeded_experts(layer_submodules):
+    """A layer spec's submodules with an MoE layer's SequentialMLP experts drawn as at EP = 1
+    (:func:`_layout_seeded_sequential_mlp`); anything else as it is."""
+    mlp = layer_submodules.mlp
+    moe = mlp.keywords.get("submodules") if isinstance(mlp, functools.partial) else getattr(mlp, "submodules", None)
+    experts = getattr(moe, "experts", None)
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    if not (isinstance(experts, functools.partial) and experts.func is SequentialMLP):
+        return layer_submodules
+    seeded = dataclasses.replace(moe, experts=functools.partial(_layout_seeded_sequential_mlp(), *experts.args,
+                                                                **experts.keywords))
+    mlp = (functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": seeded})
+           if isinstance(mlp, functools.partial) else dataclasses.replace(mlp, submodules=seeded))
+    return dataclasses.replace(layer_submodules, mlp=mlp)
+
+
+@functools.lru_cache(maxsize=None)
+def _layout_seeded_sequential_mlp() -> type:
+    """Megatron-Core's SequentialMLP whose experts get the weights they get at EP = 1. With CPU initialisation every
+    expert draws from the layer's stream in construction order, so at EP > 1 each EP rank's first local expert would
+    draw what expert 0 draws: EP rank 1's experts would start as copies of EP rank 0's (seen at EP=2: experts 2 and 3
+    equal to 0 and 1), and the shared expert after them from another place in the stream. The other EP ranks'
+    experts are drawn here too and dropped (the init's cost of EP = 1, one expert's memory at a time). On GPUs
+    Megatron-Core draws the experts from its expert-parallel RNG stream (seed + 1024 + 100 x EP rank): untouched."""
+    import copy
+
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    class LayoutSeededSequentialMLP(SequentialMLP):
+        def __init__(self, num_local_experts, config, submodules, pg_collection=None, name=None):
+            ep = getattr(pg_collection, "ep", None)
+            size, rank = (ep.size(), ep.rank()) if ep is not None else (1, 0)
+            drop = config.use_cpu_initialization and size > 1
+
+            def draw(experts: int) -> None:
+                mlp_config = copy.deepcopy(config)  # as SequentialMLP builds its experts
+                mlp_config.ffn_hidden_size = config.moe_ffn_hidden_size
+                for _ in range(experts):
+                    MLP(mlp_config, submodules, ffn_hidden_size=config.moe_ffn_hidden_size, is_expert=True,
+                        tp_group=pg_collection.expt_tp)
+
+            if drop:
+                draw(rank * num_local_experts)  # the lower EP ranks' experts
+            super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection, name=name)
+            if drop:
+                draw((size - rank - 1) * num_local_experts)  # the higher ones'
+
+    LayoutSeededSequentialMLP.__name__ = LayoutSeededSequentialMLP.__qualname__ = SequentialMLP.__name__
+    return LayoutSeededSequentialMLP
 
 
 def build_model_chunks(model_cfg: Any, **kwargs: Any) -> list[torch.nn.Module]:

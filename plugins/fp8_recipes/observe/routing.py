@@ -17,10 +17,13 @@ mean over the step's tokens of logsumexp(logits)^2 (``z_loss_func``), from the l
 Counted from what Megatron-Core hands each MoE layer's experts module (its
 ``tokens_per_expert`` argument: SequentialMLP's and TE's grouped experts' alike), summed over the step's
 micro-batches; training forwards only (evaluation runs without gradients) and once under activation recompute
-(Megatron-Core's first, gradient-free pass is not counted, its replay is). The counts are this rank's tokens: on
-several data-parallel ranks the first one's share of the batch, as for the numerics rows. Cost: one small integer
-tensor per MoE layer and micro-batch (copied to the host as Megatron-Core hands it); the weights and the z-loss
-are summed on the device and copied once per step.
+(Megatron-Core's first, gradient-free pass is not counted, its replay is). The counts are this rank's experts': on
+several data-parallel ranks the first one's share of the batch, as for the numerics rows. Under expert parallelism
+(EP > 1) each rank holds 1/EP of the experts, which receive the tokens of the EP group's ranks (Megatron-Core's
+dispatcher), so the counts, the summed weights and the z-loss sums are summed over the expert-parallel group once
+per step (``group``) and a row covers every expert: the tokens of that group's micro-batches. Cost: one small integer
+tensor per MoE layer and micro-batch (copied to the host as Megatron-Core hands it); the weights and the z-loss are
+summed on the device and copied once per step (with one all-reduce of [layers x (2 experts + 2)] numbers at EP > 1).
 """
 
 from __future__ import annotations
@@ -53,8 +56,9 @@ def routing_row(step: int, layer: int, tokens: list[int], weights: list[float] |
 class RoutingRecorder:
     """Counts the tokens per expert of this rank's MoE layers (forward pre-hooks on their experts modules)."""
 
-    def __init__(self, layers: dict[int, Any], experts: int, run_dir: str | Path, *, write: bool = True):
-        self.experts, self.write = experts, write
+    def __init__(self, layers: dict[int, Any], experts: int, run_dir: str | Path, *, write: bool = True,
+                 group: Any = None):
+        self.experts, self.write, self.group = experts, write, group
         self.path = Path(run_dir) / ROUTING
         self._counts: dict[int, torch.Tensor] = {}
         self._weights: dict[int, torch.Tensor] = {}  # layer -> per expert, the summed routing probabilities
@@ -67,14 +71,15 @@ class RoutingRecorder:
                 moe.router.routing = self._z_loss(layer, moe.router.routing)
 
     @classmethod
-    def attach(cls, layers: dict[int, torch.nn.Module], run_dir: str | Path, *,
-               write: bool = True) -> RoutingRecorder | None:
+    def attach(cls, layers: dict[int, torch.nn.Module], run_dir: str | Path, *, write: bool = True,
+               group: Any = None) -> RoutingRecorder | None:
         """A recorder on every MoE layer among ``layers`` (this rank's TransformerLayers by global number:
-        megatron/model.py's transformer_layers), or None when none is an MoE layer."""
+        megatron/model.py's transformer_layers), or None when none is an MoE layer. ``group``: the expert-parallel
+        group to sum the counts over at EP > 1 (every rank of it records and flushes; ``write`` picks the writer)."""
         moe = {n: layer.mlp for n, layer in layers.items() if hasattr(layer.mlp, "local_expert_indices")}
         if not moe:
             return None
-        return cls(moe, next(iter(moe.values())).config.num_moe_experts, run_dir, write=write)
+        return cls(moe, next(iter(moe.values())).config.num_moe_experts, run_dir, write=write, group=group)
 
     def _hook(self, layer: int, moe):
         indices = torch.tensor(list(moe.local_expert_indices), dtype=torch.long)
@@ -114,15 +119,37 @@ class RoutingRecorder:
         self.flush()
         self._step = step
 
+    def _summed_over_group(self, counts: torch.Tensor, weights: list, z: list) -> tuple:
+        """Counts, weights and z-loss sums summed over the expert-parallel group, in one all-reduce (every rank of it
+        flushes the same layers; float64 holds the counts exactly). A layer without weights here has none anywhere."""
+        import torch.distributed as dist
+
+        nccl = dist.get_backend(self.group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        e = self.experts
+        w = torch.stack([torch.zeros(e, dtype=torch.float64, device=device) if x is None else x.to(device)
+                         for x in weights])
+        zs = torch.stack([torch.zeros(2, dtype=torch.float64, device=device) if x is None else
+                          torch.stack([torch.as_tensor(x[0], dtype=torch.float64).to(device),
+                                       torch.tensor(float(x[1]), dtype=torch.float64, device=device)]) for x in z])
+        packed = torch.cat([counts.to(device, torch.float64), w, zs], dim=1)
+        dist.all_reduce(packed, group=self.group)
+        packed = packed.cpu()
+        return (packed[:, :e].round().long(), [None if x is None else packed[i, e:2 * e] for i, x in enumerate(weights)],
+                [None if x is None else (packed[i, 2 * e], int(packed[i, 2 * e + 1])) for i, x in enumerate(z)])
+
     def flush(self) -> None:
         if self._step is None or not self._counts:
             return
-        rows = []
-        for layer, counts in sorted(self._counts.items()):
-            weights, z = self._weights.get(layer), self._z.get(layer)
-            rows.append(routing_row(self._step + 1, layer, counts.tolist(),
-                                    None if weights is None else weights.tolist(),
-                                    None if z is None or not z[1] else float(z[0]) / z[1]))
+        layers = sorted(self._counts)
+        counts = torch.stack([self._counts[layer] for layer in layers])
+        weights = [self._weights.get(layer) for layer in layers]
+        z = [self._z.get(layer) for layer in layers]
+        if self.group is not None:  # each EP rank counted its own experts (zeros elsewhere): one sum covers them all
+            counts, weights, z = self._summed_over_group(counts, weights, z)
+        rows = [routing_row(self._step + 1, layer, row.tolist(), None if w is None else w.tolist(),
+                            None if zl is None or not zl[1] else float(zl[0]) / zl[1])
+                for layer, row, w, zl in zip(layers, counts, weights, z)]
         self._counts, self._weights, self._z = {}, {}, {}
         if self.write:
             self.path.parent.mkdir(parents=True, exist_ok=True)

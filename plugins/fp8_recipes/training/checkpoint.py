@@ -126,6 +126,21 @@ def _ranks() -> tuple[int, int, int]:
     return rank, 0, 0
 
 
+def _expert_ranks() -> dict[str, int | None]:
+    """This rank's ``ep_rank`` at EP > 1 and ``etp_rank`` where expert TP differs from TP, else None: the ranks that
+    set which experts, and which shard of them, its payload holds (:func:`_shard_key`)."""
+    try:
+        from megatron.core import parallel_state as ps
+        if ps.model_parallel_is_initialized():
+            ep = ps.get_expert_model_parallel_world_size() > 1
+            etp = ps.get_expert_tensor_parallel_world_size() != ps.get_tensor_model_parallel_world_size()
+            return {"ep_rank": ps.get_expert_model_parallel_rank() if ep else None,
+                    "etp_rank": ps.get_expert_tensor_parallel_rank() if etp else None}
+    except ImportError:
+        pass
+    return {"ep_rank": None, "etp_rank": None}
+
+
 def _parallel_sizes() -> dict[str, Any]:
     """This run's parallel layout (data parallel = world, the rest 1, without Megatron's groups)."""
     dist = _dist()
@@ -137,11 +152,14 @@ def _parallel_sizes() -> dict[str, Any]:
                     "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
                     "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
                     "virtual_pipeline_model_parallel_size": ps.get_virtual_pipeline_model_parallel_world_size(),
-                    "context_parallel_size": ps.get_context_parallel_world_size()}
+                    "context_parallel_size": ps.get_context_parallel_world_size(),
+                    "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
+                    "expert_tensor_parallel_size": ps.get_expert_tensor_parallel_world_size()}
     except ImportError:
         pass
     return {"data_parallel_size": world, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
-            "virtual_pipeline_model_parallel_size": None, "context_parallel_size": 1}
+            "virtual_pipeline_model_parallel_size": None, "context_parallel_size": 1, "expert_model_parallel_size": 1,
+            "expert_tensor_parallel_size": 1}
 
 
 def _rng_state() -> dict[str, Any]:
@@ -166,9 +184,16 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _shard_key(tp_rank: int, pp_rank: int = 0) -> str:
-    """The top-level DCP key of one model shard's payload: its pipeline and tensor-parallel rank."""
-    return f"pp{pp_rank:02d}tp{tp_rank:02d}"
+def _shard_key(tp_rank: int, pp_rank: int = 0, ep_rank: int | None = None, etp_rank: int | None = None) -> str:
+    """The top-level DCP key of one model shard's payload: its pipeline and tensor-parallel rank, and at EP > 1 its
+    expert-parallel rank (``ppPPtpRRepEE``; ``etTT``, its expert TP rank, too where expert TP differs from TP): the
+    ranks of one ``ppPPtpRR`` shard hold other experts there, so each offers its own key, and DCP has the lowest rank
+    holding a key write it. That rank is data-parallel rank 0 of its dense shard (the lowest rank of its (PP, TP)) and
+    expert-data-parallel rank 0 of its expert shard (the lowest of its (PP, EP, expert TP)): where the distributed
+    optimizer gathers each part's parameter state (EP rank 1 of an EP=2 x DP=2 run writes the experts' and leaves the
+    dense part's to EP rank 0's payload)."""
+    return (f"pp{pp_rank:02d}tp{tp_rank:02d}" + (f"ep{ep_rank:02d}" if ep_rank is not None else "")
+            + (f"et{etp_rank:02d}" if etp_rank is not None else ""))
 
 
 def _split_tensors(obj: Any, path: tuple[str, ...], tensors: dict[str, torch.Tensor]) -> Any:
@@ -246,10 +271,12 @@ def _saved_payloads(step_dir: Path) -> dict[str, list[tuple[tuple, Any]]]:
 
 def read_checkpoint(step_dir: str | os.PathLike, tp_rank: int = 0,
                     map_location: str | torch.device = "cpu", pp_rank: int = 0,
-                    skip_optimizer: bool = False) -> dict[str, Any]:
-    """The payload :func:`save_checkpoint` wrote for the shard (``tp_rank``, ``pp_rank``) in ``step_dir`` (a
-    finished ``step_N`` dir): ``{"format_version", "step", "model" (a state dict per model chunk), "optimizer",
-    "scheduler", "precision", "rng", "extra"}``.
+                    skip_optimizer: bool = False, ep_rank: int | None = None,
+                    etp_rank: int | None = None) -> dict[str, Any]:
+    """The payload :func:`save_checkpoint` wrote for the shard (``tp_rank``, ``pp_rank``; ``ep_rank`` for a checkpoint
+    written at EP > 1, ``etp_rank`` at an expert TP other than TP: :func:`_shard_key`) in ``step_dir`` (a finished
+    ``step_N`` dir): ``{"format_version", "step", "model" (a state dict per model chunk), "optimizer", "scheduler",
+    "precision", "rng", "extra"}``.
 
     Reads in this process only (no process group needed, none used: each rank reads its own shard's payload).
     The template DCP loads into is built from the checkpoint's own metadata, since a fresh optimizer has no state.
@@ -261,15 +288,17 @@ def read_checkpoint(step_dir: str | os.PathLike, tp_rank: int = 0,
 
     step_dir = Path(step_dir)
     per_tp = _saved_payloads(step_dir)
-    key = _shard_key(tp_rank, pp_rank)
+    key = _shard_key(tp_rank, pp_rank, ep_rank, etp_rank)
     if key not in per_tp:
         if any(k.startswith("tp") for k in per_tp):
             raise ConfigError(f"{step_dir} is a format-2 checkpoint (the engine before Megatron-Core's), which this "
                              f"version cannot read; continue it with the fp8-recipes version that wrote it, or start "
                              f"a fresh run")
+        expert = (f", expert-parallel rank {ep_rank}" if ep_rank is not None else "") + (
+            f", expert tensor-parallel rank {etp_rank}" if etp_rank is not None else "")
         raise FileNotFoundError(f"{step_dir} holds no state of pipeline rank {pp_rank}, tensor-parallel rank "
-                                f"{tp_rank} (it holds {', '.join(sorted(per_tp)) or 'none'}): was it written at "
-                                "another layout?")
+                                f"{tp_rank}{expert} (it holds {', '.join(sorted(per_tp)) or 'none'}): was it written "
+                                "at another layout?")
     template: dict[str, Any] = {"skeleton": None, "tensors": {}}  # None: replaced by the loaded bytes
     for path, storage in per_tp[key]:
         if path[0] == "tensors" and isinstance(storage, TensorStorageMetadata) and (
@@ -313,7 +342,8 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, engine=None, model
         "rng": _rng_state(),
         "extra": extra or {},
     }
-    _agree(_attempt(_write_payload, tmp, _shard_key(tp_rank, pp_rank), payload), final, tmp, previous)
+    _agree(_attempt(_write_payload, tmp, _shard_key(tp_rank, pp_rank, **_expert_ranks()), payload), final, tmp,
+           previous)
     digests = _gather({name: _digest(tmp / name) for name in _own_files(tmp, rank)})  # each rank its own files
     failed = None
     if rank == 0:
@@ -554,8 +584,9 @@ def _current_format(step_dir: Path) -> Path:
 
 def intact_checkpoint(path: str | os.PathLike, key: str) -> Path:
     """:func:`resolve_checkpoint` for a command that reads one checkpoint (the HF export, an evaluation): a one-line
-    ConfigError naming ``key`` when there is none, it is of an earlier format, or :func:`quick_damage` finds it
-    damaged (a missing shard or index), before any of it is read."""
+    ConfigError naming ``key`` when there is none, it is of an earlier format, :func:`quick_damage` finds it
+    damaged (a missing shard or index), or it was written with expert parallelism (its experts are spread over the
+    EP ranks' payloads, which these readers do not join yet), before any of it is read."""
     try:
         step_dir = resolve_checkpoint(path)
     except FileNotFoundError as e:
@@ -565,6 +596,11 @@ def intact_checkpoint(path: str | os.PathLike, key: str) -> Path:
     problem = quick_damage(step_dir)
     if problem:
         raise ConfigError(f"{key}: {step_dir} is damaged: {problem}; name an intact step_N dir")
+    ep = int(checkpoint_meta(step_dir).get("expert_model_parallel_size") or 1)
+    if ep > 1:
+        raise ConfigError(f"{key}: {step_dir} was written at trainer.expert_model_parallel_size={ep}: its experts "
+                          f"are split over the expert-parallel ranks, which this reader does not join yet; read a "
+                          f"checkpoint trained at trainer.expert_model_parallel_size=1")
     return step_dir
 
 
@@ -637,7 +673,8 @@ def checkpoint_meta(step_dir: str | os.PathLike) -> dict[str, Any]:
 def resume_skip(step_dir: str | os.PathLike, *, global_batch_size: int, micro_batch_size: int,
                 tensor_model_parallel_size: int, pipeline_model_parallel_size: int = 1,
                 virtual_pipeline_model_parallel_size: int | None = None,
-                use_distributed_optimizer: bool | None = None) -> int:
+                use_distributed_optimizer: bool | None = None, expert_model_parallel_size: int = 1,
+                expert_tensor_parallel_size: int | None = None) -> int:
     """The global micro-batches a run resumed from ``step_dir`` skips (samples consumed / micro_batch_size), after
     refusing, as a one-line ValueError naming the key, what cannot continue that run: another tensor-parallel,
     pipeline or virtual-pipeline size of a checkpoint that cannot be resharded, another global batch size (a
@@ -645,8 +682,12 @@ def resume_skip(step_dir: str | os.PathLike, *, global_batch_size: int, micro_ba
     the plain and the distributed optimizer (their states differ). The
     data-parallel and context-parallel sizes may change, and so may the tensor, pipeline and virtual-pipeline sizes
     of a checkpoint that records its optimizer index (``reshardable`` in meta.json: :func:`load_checkpoint` reshards
-    it; check_model_matches refuses what cannot be)."""
+    it; check_model_matches refuses what cannot be). Experts are not resharded: another expert-parallel or expert
+    tensor-parallel size, or another tensor / pipeline layout of a checkpoint with expert parallelism, is refused."""
     meta = checkpoint_meta(step_dir)
+    _check_expert_layout(step_dir, meta, tensor_model_parallel_size, pipeline_model_parallel_size,
+                         virtual_pipeline_model_parallel_size, expert_model_parallel_size,
+                         expert_tensor_parallel_size or tensor_model_parallel_size)
     wanted = {"tensor_model_parallel_size": tensor_model_parallel_size,
               "pipeline_model_parallel_size": pipeline_model_parallel_size,
               "virtual_pipeline_model_parallel_size": virtual_pipeline_model_parallel_size}
@@ -674,6 +715,31 @@ def resume_skip(step_dir: str | os.PathLike, *, global_batch_size: int, micro_ba
                        "of this epoch; after it the order differs (each epoch drops its last partial micro-batch)",
                        mbs, micro_batch_size)
     return consumed // micro_batch_size
+
+
+def _check_expert_layout(step_dir: str | os.PathLike, meta: dict[str, Any], tp: int, pp: int, vpp: int | None,
+                         ep: int, etp: int) -> None:
+    """resume_skip's refusals for the experts' layout (training/reshard.py joins tensors over TP and PP, not over the
+    expert-parallel ranks, and cuts an expert's weights by TP, not by expert TP)."""
+    saved_tp = int(meta.get("tensor_model_parallel_size") or 1)
+    saved_ep = int(meta.get("expert_model_parallel_size") or 1)
+    saved_etp = int(meta.get("expert_tensor_parallel_size") or saved_tp)
+    refusal = "experts are not resharded across expert-parallel layouts yet"
+    if saved_ep > 1:
+        for key, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
+                           ("virtual_pipeline_model_parallel_size", vpp)):
+            saved = meta.get(key, {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}.get(key))
+            if saved != value:
+                shown = "null" if saved is None else saved
+                raise ConfigError(f"trainer.{key}: {'null' if value is None else value} differs from the "
+                                  f"checkpoint's {shown} ({step_dir} was written at trainer.expert_model_parallel_size="
+                                  f"{saved_ep}; {refusal}; resume with trainer.{key}={shown})")
+    for key, value, saved in (("expert_model_parallel_size", ep, saved_ep),
+                              ("expert_tensor_parallel_size", etp, saved_etp)):
+        involved = saved_ep > 1 or ep > 1 or saved_etp != saved_tp or etp != tp  # (a dense model: expert TP = TP)
+        if involved and value != saved:
+            raise ConfigError(f"trainer.{key}: {value} differs from the checkpoint's {saved} ({step_dir}; {refusal}; "
+                              f"resume with trainer.{key}={saved})")
 
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}  # trainer.params_dtype's names
@@ -743,7 +809,8 @@ def check_model_matches(step_dir: str | os.PathLike, models: list[torch.nn.Modul
         return
     _, tp_rank, pp_rank = _ranks()
     saved = {path[1]: tuple(storage.size) for path, storage in _saved_payloads(Path(step_dir)).get(
-        _shard_key(tp_rank, pp_rank), []) if path[0] == "tensors" and isinstance(storage, TensorStorageMetadata)}
+        _shard_key(tp_rank, pp_rank, **_expert_ranks()), []) if path[0] == "tensors"
+        and isinstance(storage, TensorStorageMetadata)}
     for i, chunk in enumerate(models):
         here = {f"model/{i}/{k}": tuple(v.shape) for k, v in _unwrap(chunk).state_dict().items()
                 if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
@@ -763,8 +830,12 @@ def _layout(meta: dict[str, Any]) -> tuple[int, int, int | None]:
 
 
 def _resharding(step_dir: str | os.PathLike) -> bool:
-    """Whether this run's tensor / pipeline layout differs from the checkpoint's."""
-    return _layout(checkpoint_meta(step_dir)) != _layout(_parallel_sizes())
+    """Whether this run's tensor / pipeline layout differs from the checkpoint's. An expert layout that cannot be
+    resharded is refused here too, in resume_skip's line, for callers that load without it (tools, tests)."""
+    meta, here = checkpoint_meta(step_dir), _parallel_sizes()
+    _check_expert_layout(step_dir, meta, *_layout(here), here["expert_model_parallel_size"],
+                         here["expert_tensor_parallel_size"])
+    return _layout(meta) != _layout(here)
 
 
 def _saved_model_shapes(per_shard: dict[str, list[tuple[tuple, Any]]], tp_rank: int,
@@ -942,7 +1013,7 @@ def load_checkpoint(path: str | os.PathLike, *, engine=None, models=None, precis
     chunks = engine.models if engine is not None else (models if isinstance(models, (list, tuple)) else [models])
     if _resharding(step_dir):
         return _load_resharded(step_dir, chunks, engine, precision, scheduler, map_location)
-    payload = read_checkpoint(step_dir, tp_rank, map_location, pp_rank=pp_rank)
+    payload = read_checkpoint(step_dir, tp_rank, map_location, pp_rank=pp_rank, **_expert_ranks())
     if payload.get("format_version") != FORMAT_VERSION:
         raise ConfigError(f"{step_dir}: format_version {payload.get('format_version')}, expected {FORMAT_VERSION}")
     if len(chunks) != len(payload["model"]):

@@ -107,6 +107,11 @@ class TrainerConfig:
     """Model chunks per pipeline stage (interleaved 1F1B); null = one. Needs pipeline_model_parallel_size >= 2."""
     context_parallel_size: int = 1
     """Context parallel: each rank holds 1/CP of every sequence (Transformer Engine's attention; GPUs only)."""
+    expert_model_parallel_size: int = 1
+    """Expert parallel (MoE models): each EP rank holds 1/EP of every MoE layer's experts; carved out of the data-
+    parallel ranks, as in Megatron-LM (the experts' data parallel = world / (expert TP x EP x PP))."""
+    expert_tensor_parallel_size: int | None = None
+    """Tensor parallelism inside each expert (Megatron-Core's expert_tensor_parallel_size); null = the TP size."""
     sequence_parallel: bool = False
     """With TP > 1: norms, dropout and residuals on 1/TP of the sequence (Megatron's --sequence-parallel)."""
     use_distributed_optimizer: bool = False
@@ -168,8 +173,8 @@ class TrainerConfig:
 
     def validate(self) -> None:
         for key in ("max_steps", "micro_batch_size", "global_batch_size", "log_interval", "tensor_model_parallel_size",
-                    "pipeline_model_parallel_size", "context_parallel_size", "max_consecutive_skips",
-                    "fallback_bf16_steps"):
+                    "pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
+                    "max_consecutive_skips", "fallback_bf16_steps"):
             if not is_int(getattr(self, key)) or getattr(self, key) < 1:
                 raise ConfigError(f"trainer.{key}={getattr(self, key)!r}: must be an integer >= 1")
         samples = self.max_steps * self.global_batch_size
@@ -209,6 +214,10 @@ class TrainerConfig:
 
     def _validate_engine(self) -> None:
         """The parallel layout and Megatron-Core engine keys: the combinations Megatron-Core asserts on."""
+        etp = self.expert_tensor_parallel_size
+        if etp is not None and etp < 1:
+            raise ConfigError(f"trainer.expert_tensor_parallel_size={etp}: must be an integer >= 1 (null = the "
+                             f"tensor-parallel size)")
         vpp = self.virtual_pipeline_model_parallel_size
         if vpp is not None and (vpp < 2 or self.pipeline_model_parallel_size < 2):
             raise ConfigError(f"trainer.virtual_pipeline_model_parallel_size={vpp}: needs an integer >= 2 and "
@@ -260,6 +269,38 @@ class TrainerConfig:
     def model_parallel_size(self) -> int:
         """Ranks per model replica: tensor x pipeline x context parallel."""
         return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+
+    @property
+    def expert_tensor_parallel(self) -> int:
+        """The experts' tensor-parallel size: expert_tensor_parallel_size, or the TP size when null (Megatron-Core's
+        default)."""
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
+    def check_experts(self, model: Mapping[str, Any], world_size: int) -> None:
+        """Refuse in one line an expert-parallel layout Megatron-Core cannot build: expert parallelism of a dense model,
+        experts that do not split evenly over the EP ranks, ranks that do not split into expert TP x EP x PP."""
+        ep, etp, experts = self.expert_model_parallel_size, self.expert_tensor_parallel, model.get("num_moe_experts")
+        if experts is None:
+            for key, value, unset in (("expert_model_parallel_size", ep, 1),
+                                      ("expert_tensor_parallel_size", self.expert_tensor_parallel_size, None)):
+                if value != unset:
+                    raise ConfigError(f"trainer.{key}={value}: the model has no experts (model.num_moe_experts=null, a "
+                                     f"dense model); set trainer.{key}={'null' if unset is None else unset}, or pick "
+                                     f"an MoE model (e.g. model=tiny_moe)")
+            return
+        if experts % ep:
+            raise ConfigError(f"trainer.expert_model_parallel_size={ep} does not divide model.num_moe_experts="
+                             f"{experts}: each EP rank holds the same number of experts; pick a divisor of {experts}")
+        ffn = model.get("moe_ffn_hidden_size") or model.get("ffn_hidden_size") or 4 * int(model["hidden_size"])
+        if ffn % etp:
+            raise ConfigError(f"trainer.expert_tensor_parallel_size={etp} does not divide the experts' FFN width "
+                             f"(model.moe_ffn_hidden_size={ffn}); pick a divisor of it")
+        per_expert_grid = etp * ep * self.pipeline_model_parallel_size
+        if world_size % per_expert_grid:
+            raise ConfigError(f"trainer.expert_model_parallel_size: expert tensor parallel x EP x pipeline = {etp} x "
+                             f"{ep} x {self.pipeline_model_parallel_size} = {per_expert_grid} does not divide the "
+                             f"{world_size} launched processes; launch a multiple of {per_expert_grid} or lower "
+                             f"trainer.expert_model_parallel_size")
 
     def check_layout(self, world_size: int, num_layers: int) -> int:
         """The data-parallel size at ``world_size`` ranks, after refusing in one line a layout Megatron-Core cannot
@@ -437,6 +478,7 @@ def check_run_config(cfg: Any, world_size: int | None = None) -> TrainerConfig:
     model, data = container["model"], container["data"]
     check_model_cfg(model, vocab_may_be_unset=True, tensor_parallel=trainer.tensor_model_parallel_size)
     trainer.check_layout(world_size or launch_world_size(), int(model["num_layers"]))
+    trainer.check_experts(model, world_size or launch_world_size())
     trainer.check_sequence(int(model["seq_length"]))
     check_data_cfg(data)
     train_share, valid_share, _ = (float(w) for w in str(data.get("split", "98,1,1")).split(","))

@@ -110,12 +110,16 @@ def _first_of_stage() -> bool:
 
 def _route(precision, chunks, run_dir: Path):
     """An MoE model's routing statistics (observe/routing.py), written by the first data-, tensor- and
-    context-parallel rank of each pipeline stage: (precision to train with, recorder or None)."""
+    context-parallel rank of each pipeline stage, its counts summed over the expert-parallel group at EP > 1:
+    (precision to train with, recorder or None)."""
+    from megatron.core import parallel_state as ps
+
     from fp8_recipes.megatron.model import transformer_layers  # torch and Megatron-Core (module docstring)
     from fp8_recipes.observe.recorder import ObservedPrecision
     from fp8_recipes.observe.routing import RoutingRecorder
 
-    routing = RoutingRecorder.attach(transformer_layers(chunks), run_dir, write=_first_of_stage())
+    group = ps.get_expert_model_parallel_group() if ps.get_expert_model_parallel_world_size() > 1 else None
+    routing = RoutingRecorder.attach(transformer_layers(chunks), run_dir, write=_first_of_stage(), group=group)
     return (precision, None) if routing is None else (ObservedPrecision(precision, routing), routing)
 
 
@@ -279,6 +283,18 @@ def check_recompute(trainer, plan) -> None:
                            "trainer.recompute_granularity=null (or full), or recipe attention: bf16")])
 
 
+def check_expert_parallel_backend(trainer, plan) -> None:
+    """Expert parallelism with delayed scaling on the te backend: TE reduces a layer autocast's amaxes over one group
+    (the dense data-parallel ranks), which would merge different experts' amaxes at EP > 1 (the emulated backend
+    reduces each expert's over the ranks holding it); refused in one line until that is wired and measured on GPUs."""
+    ep = getattr(trainer, "expert_model_parallel_size", 1)
+    if ep > 1 and _delayed_on_te(plan) and plan.recipe.amax_reduction is not AmaxReduction.NONE:
+        raise ConfigError(f"trainer.expert_model_parallel_size={ep} with delayed scaling on Transformer Engine: its "
+                         f"amax reduction would merge different experts' amaxes (not wired for expert parallelism "
+                         f"yet); use tensorwise or blockwise scaling, +recipe.backend=emulated, or "
+                         f"trainer.expert_model_parallel_size=1")
+
+
 def check_grouped_experts(model, plan) -> None:
     """Model ``moe_grouped_gemm: true`` on the te backend: a layer's experts share one TE recipe at every stage (one
     GroupedLinear runs them), refused in one line before anything is built where the plan splits them."""
@@ -372,6 +388,7 @@ def check_plan(trainer, model, plan) -> str | None:
     (launch/job.py). Raises the one-line error; returns the shape warning of the emulated backend, or None."""
     check_engine_backend(trainer, plan.backend)
     check_grouped_experts(model, plan)
+    check_expert_parallel_backend(trainer, plan)
     check_sequence_parallel_amax(trainer, plan)
     check_recompute(trainer, plan)
     return check_fp8_shapes(trainer, model, plan)
@@ -432,7 +449,9 @@ class _Run:
         """The model-parallel sizes, as init_distributed and checkpoint.resume_skip take them."""
         return {"tensor_model_parallel_size": self.tcfg.tensor_model_parallel_size,
                 "pipeline_model_parallel_size": self.tcfg.pipeline_model_parallel_size,
-                "virtual_pipeline_model_parallel_size": self.tcfg.virtual_pipeline_model_parallel_size}
+                "virtual_pipeline_model_parallel_size": self.tcfg.virtual_pipeline_model_parallel_size,
+                "expert_model_parallel_size": self.tcfg.expert_model_parallel_size,
+                "expert_tensor_parallel_size": self.tcfg.expert_tensor_parallel_size}
 
 
 @dataclasses.dataclass
