@@ -408,10 +408,6 @@ def test_an_moe_job_carries_its_model_keys_and_is_checked_before_it_is_submitted
 def test_expert_parallelism_is_checked_at_the_jobs_world_size(tmp_path, monkeypatch, capsys):
     """trainer.expert_model_parallel_size goes to the job like any trainer key, and the launchers check it at the
     job's nodes x tasks per node (training/config.py's rules), not at the submitting host's one process."""
-    from fp8_recipes.training.config import TrainerConfig
-
-    if "expert_model_parallel_size" not in TrainerConfig.__dataclass_fields__:
-        pytest.skip("trainer.expert_model_parallel_size is not a trainer key in this checkout yet (issue 28, item 2)")
     base = ["+recipe=moe_delayed", "model=tiny_moe", "trainer.global_batch_size=32"]
     ok = tmp_path / "ok"
     assert make_sbatch_main([*base, "trainer.expert_model_parallel_size=2", "launcher.tasks_per_node=2",

@@ -286,3 +286,39 @@ def test_expert_parallel_delayed_scaling_on_te_is_refused_in_one_line():
     check_expert_parallel_backend(ep2, PrecisionPlan(load_recipe("tensorwise"), layout, hopper))
     emulated = Recipe.from_dict({**load_recipe_dict("delayed"), "backend": "emulated"})
     check_expert_parallel_backend(ep2, PrecisionPlan(emulated, layout, hopper))
+
+
+def test_routing_counts_leave_out_the_routers_fp8_padding():
+    import types
+
+    import torch
+
+    from fp8_recipes.observe.routing import _real_tokens
+
+    tokens = torch.tensor([16, 0, 32])  # padded to 16s: 5, 0 and 17 real tokens (probability > 0)
+    probs = torch.cat([torch.rand(5) + 0.1, torch.zeros(11), torch.rand(17) + 0.1, torch.zeros(15)])
+    padded = types.SimpleNamespace(token_dispatcher=types.SimpleNamespace(
+        config=types.SimpleNamespace(moe_router_padding_for_quantization=True)))
+    assert _real_tokens(padded, tokens, probs, 48).tolist() == [5, 0, 17]
+    plain = types.SimpleNamespace(token_dispatcher=types.SimpleNamespace(
+        config=types.SimpleNamespace(moe_router_padding_for_quantization=False)))
+    assert _real_tokens(plain, tokens, probs, 48) is tokens
+
+
+def test_moe_statistics_where_the_recorder_cannot_merge_experts_are_refused():
+    import types
+
+    from fp8_recipes.training.run import check_moe_statistics
+
+    debug = types.SimpleNamespace(enabled=True)
+    trainer = lambda **k: types.SimpleNamespace(**{"expert_model_parallel_size": 1,  # noqa: E731
+                                                   "expert_tensor_parallel": 1, "tensor_model_parallel_size": 1,
+                                                   "context_parallel_size": 1, **k})
+    check_moe_statistics(trainer(), MOE, debug)
+    check_moe_statistics(trainer(expert_model_parallel_size=2), DENSE, debug)
+    check_moe_statistics(trainer(expert_model_parallel_size=2), MOE, types.SimpleNamespace(enabled=False))
+    for change, key in (({"expert_model_parallel_size": 2}, "expert_model_parallel_size=2"),
+                        ({"tensor_model_parallel_size": 2}, "expert_tensor_parallel_size=1"),
+                        ({"context_parallel_size": 2}, "context_parallel_size=2")):
+        with pytest.raises(ConfigError, match=rf"^debug: numerics statistics of an MoE model at trainer\.{key} "):
+            check_moe_statistics(trainer(**change), MOE, debug)

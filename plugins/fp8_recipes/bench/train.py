@@ -164,7 +164,7 @@ def _decide(model_cfg: dict, label: str) -> _BenchConfig:
         return run
     # Timed in the recipe's final stage (after any BF16 warmup and staged enablement): its steady state.
     run.steady = max(recipe.schedule.role_start(r) for r in ROLES if recipe.policy(r).is_fp8)
-    # what the model's (first FP8) transformer-layer linears run: an MoE layer's experts, a dense layer's MLP
+    # what the first FP8 linear of a transformer layer runs (TE runs one recipe per layer and stage here)
     choice = next((m.te for m in plan.at(run.steady).modules.values() if m.layer is not None and m.te is not None),
                   None)
     run.describe = choice.describe() if choice is not None else "BF16"

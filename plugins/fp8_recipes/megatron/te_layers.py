@@ -208,6 +208,12 @@ def attach_te_backend(model: torch.nn.Module | list[torch.nn.Module], plan: Prec
     problem = plan.grouped_experts_problem(grouped) if grouped else None
     if problem is not None:
         raise ConfigError(f"te backend: {problem}")
+    from megatron.core import parallel_state as ps
+
+    ep = ps.get_expert_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+    problem = plan.expert_parallel_problem(ep)  # (the Bridge and NeMo callbacks attach here too)
+    if problem is not None:
+        raise ConfigError(f"te backend: {problem}")
     _pad_expert_tokens(gpts, plan, router_padding)
     te_linears = {n: m for n, m in linears.items() if isinstance(m, TransformerEngineBaseModule)}
     missing = [n for n in linears if plan.layout.layer_of(n) is not None and n not in te_linears]

@@ -209,7 +209,8 @@ def expert_proposals(causes: list[ExpertCause], recipe: Recipe) -> list[Proposal
         tensorwise = {**kept, **{role: {"scaling": str(Scaling.TENSORWISE), "format": str(p.format),
                                         "margin": p.margin} for role, p in policies.items()}}
         bf16 = {str(r): {"scaling": str(Scaling.NONE)} for r in ROLES}
-        where = c.text
+        # (a recipe with modules: runs on the emulated backend: Transformer Engine runs one recipe per layer here)
+        where = f"{c.text}; per-module policies run emulated, also on an FP8 GPU"
         if c.cause == "routing_shift":
             hist = min(policies.values(), key=lambda p: p.amax_history_len).amax_history_len
             short = SHORT_HISTORY if hist > SHORT_HISTORY else max(1, hist // 2)

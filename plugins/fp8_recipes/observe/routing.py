@@ -53,6 +53,20 @@ def routing_row(step: int, layer: int, tokens: list[int], weights: list[float] |
     return row
 
 
+def _real_tokens(moe, tokens: torch.Tensor, probs: Any, routed: int) -> torch.Tensor:
+    """The tokens each local expert really got: ``tokens``, less the rows the dispatcher padded the routing map with
+    (model ``moe_router_padding_for_quantization``: tokens routed to an expert with probability 0, to reach FP8's
+    multiple of 16), which are not the router's choice."""
+    config = getattr(getattr(moe, "token_dispatcher", None), "config", None)
+    if not getattr(config, "moe_router_padding_for_quantization", False) or not torch.is_tensor(probs) \
+            or probs.numel() != routed:
+        return tokens
+    owner = torch.arange(len(tokens), device=probs.device).repeat_interleave(tokens.to(probs.device),
+                                                                             output_size=routed)
+    chosen = (probs.detach().reshape(-1) > 0).long()
+    return torch.zeros(len(tokens), dtype=torch.long, device=probs.device).index_add_(0, owner, chosen).cpu()
+
+
 class RoutingRecorder:
     """Counts the tokens per expert of this rank's MoE layers (forward pre-hooks on their experts modules)."""
 
@@ -89,10 +103,10 @@ class RoutingRecorder:
                 return
             tokens = args[1]  # forward(permuted_hidden_states, tokens_per_expert, permuted_probs)
             tokens = torch.as_tensor(tokens).detach().to("cpu", torch.long)  # (a list on some dispatchers)
-            counts = self._counts.setdefault(layer, torch.zeros(self.experts, dtype=torch.long))
-            counts.index_add_(0, indices, tokens)
             probs = args[2] if len(args) > 2 else None  # permuted_probs: one per routed token, expert by expert
             routed = int(tokens.sum())  # (host counts: the output size below needs no device sync)
+            counts = self._counts.setdefault(layer, torch.zeros(self.experts, dtype=torch.long))
+            counts.index_add_(0, indices, _real_tokens(moe, tokens, probs, routed))
             if torch.is_tensor(probs) and probs.numel() == routed:  # summed on its device
                 owner = indices.to(probs.device).repeat_interleave(tokens.to(probs.device), output_size=routed)
                 weights = self._weights.get(layer)

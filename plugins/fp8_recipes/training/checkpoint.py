@@ -596,11 +596,17 @@ def intact_checkpoint(path: str | os.PathLike, key: str) -> Path:
     problem = quick_damage(step_dir)
     if problem:
         raise ConfigError(f"{key}: {step_dir} is damaged: {problem}; name an intact step_N dir")
-    ep = int(checkpoint_meta(step_dir).get("expert_model_parallel_size") or 1)
+    meta = checkpoint_meta(step_dir)
+    ep = int(meta.get("expert_model_parallel_size") or 1)
     if ep > 1:
         raise ConfigError(f"{key}: {step_dir} was written at trainer.expert_model_parallel_size={ep}: its experts "
                           f"are split over the expert-parallel ranks, which this reader does not join yet; read a "
                           f"checkpoint trained at trainer.expert_model_parallel_size=1")
+    etp, tp = meta.get("expert_tensor_parallel_size"), int(meta.get("tensor_model_parallel_size") or 1)
+    if etp is not None and int(etp) != tp:
+        raise ConfigError(f"{key}: {step_dir} was written at trainer.expert_tensor_parallel_size={etp} (tensor "
+                          f"parallel {tp}): its experts are split otherwise than the dense layers, which this reader "
+                          f"does not join yet; read a checkpoint trained with expert_tensor_parallel_size=null")
     return step_dir
 
 

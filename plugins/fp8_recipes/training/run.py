@@ -284,15 +284,29 @@ def check_recompute(trainer, plan) -> None:
 
 
 def check_expert_parallel_backend(trainer, plan) -> None:
-    """Expert parallelism with delayed scaling on the te backend: TE reduces a layer autocast's amaxes over one group
-    (the dense data-parallel ranks), which would merge different experts' amaxes at EP > 1 (the emulated backend
-    reduces each expert's over the ranks holding it); refused in one line until that is wired and measured on GPUs."""
-    ep = getattr(trainer, "expert_model_parallel_size", 1)
-    if ep > 1 and _delayed_on_te(plan) and plan.recipe.amax_reduction is not AmaxReduction.NONE:
-        raise ConfigError(f"trainer.expert_model_parallel_size={ep} with delayed scaling on Transformer Engine: its "
-                         f"amax reduction would merge different experts' amaxes (not wired for expert parallelism "
-                         f"yet); use tensorwise or blockwise scaling, +recipe.backend=emulated, or "
-                         f"trainer.expert_model_parallel_size=1")
+    """Expert parallelism the plan's backend cannot run (``PrecisionPlan.expert_parallel_problem``), refused in one
+    line before anything is built (megatron/te_layers.py checks it again at attach, for other entry points)."""
+    problem = plan.expert_parallel_problem(getattr(trainer, "expert_model_parallel_size", 1))
+    if problem is not None:
+        raise ConfigError(problem)
+
+
+def check_moe_statistics(trainer, model, debug) -> None:
+    """Numerics statistics (``debug``) of an MoE model where the recorder's shard groups (the dense tensor and
+    context ranks, which merge each operand's statistics and must observe the same operands) would hold different
+    experts or different tokens per expert: expert parallelism, an expert tensor-parallel size other than TP, and
+    context parallelism. Refused in one line until the recorder merges experts over the expert grid."""
+    if debug is None or not debug.enabled or model.get("num_moe_experts") is None:
+        return
+    for key, value, bad in (("expert_model_parallel_size", trainer.expert_model_parallel_size,
+                             trainer.expert_model_parallel_size > 1),
+                            ("expert_tensor_parallel_size", trainer.expert_tensor_parallel,
+                             trainer.expert_tensor_parallel != trainer.tensor_model_parallel_size),
+                            ("context_parallel_size", trainer.context_parallel_size, trainer.context_parallel_size > 1)):
+        if bad:
+            raise ConfigError(f"debug: numerics statistics of an MoE model at trainer.{key}={value} are not merged over "
+                             f"the ranks holding each expert yet; set debug.interval=0, or train at "
+                             f"trainer.{key}={'null' if key == 'expert_tensor_parallel_size' else 1}")
 
 
 def check_grouped_experts(model, plan) -> None:
@@ -506,6 +520,7 @@ def _checked_run(cfg) -> _Run:
         debug = resolve_debug(cfg)
         if debug is not None and debug.dump.steps:  # written at the first dump step, hours in: checked now
             check_writable_dir("debug.dump.dir", str(debug.dump.path(cfg.run_dir)))
+        check_moe_statistics(tcfg, cfg.model, debug)
     one_cuda_connection(tcfg)
     hardware = Hardware.detect()  # (CUDA starts here on a GPU machine)
     with same_on_every_rank():
@@ -563,13 +578,24 @@ def _warn_notices(run: _Run) -> None:
     fp8_modules = {name for first, _, _ in plan.stages(run.tcfg.max_steps)
                    for name, module in plan.at(first).modules.items() if module.any_fp8}
     start = int(run.saved["step"]) if run.saved is not None else 0
-    padding = run.cfg.model.get("moe_router_padding_for_quantization") and plan.te is None
     for line in [*model_notices(run.cfg.model, device=run.hardware.device),
-                 "model.moe_router_padding_for_quantization=true does nothing on the emulated backend (its GEMMs "
-                 "take any token count); it pads for Transformer Engine's FP8 GEMMs" if padding else None,
+                 _router_padding_notice(run.cfg.model, plan, fp8_modules),
                  *run_notices(run.tcfg, run.recipe, run.debug, start, fp8_modules), run.shape_warning]:
         if line:
             logger.warning(line)
+
+
+def _router_padding_notice(model, plan, fp8_modules: set[str]) -> str | None:
+    """model.moe_router_padding_for_quantization where nothing pads: the emulated backend, or no expert in FP8."""
+    if not model.get("moe_router_padding_for_quantization"):
+        return None
+    if plan.te is None:
+        return ("model.moe_router_padding_for_quantization=true does nothing on the emulated backend (its GEMMs take "
+                "any token count); it pads for Transformer Engine's FP8 GEMMs")
+    if not any(".local_experts." in name for name in fp8_modules):
+        return ("model.moe_router_padding_for_quantization=true does nothing: no expert runs FP8 in this run (the "
+                "dispatchers of FP8 experts' layers pad); set it false")
+    return None
 
 
 def _run_data(run: _Run) -> _RunData:
