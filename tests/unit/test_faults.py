@@ -125,7 +125,8 @@ def test_emulated_skip_step_forgets_the_steps_amaxes():
     state = EmulatedLinearState("layer")
     state.scalers = {Role.WEIGHTS: DelayedScaler(TensorPolicy(scaling=Scaling.DELAYED, amax_history_len=4))}
     precision = object.__new__(EmulatedPrecision)  # the attributes skip_step and the update use
-    precision.states, precision._reduce, precision.attention = {"layer": state}, None, {}
+    precision.states, precision.attention = {"layer": state}, {}
+    precision._reducers = {id(state): None}  # (no amax reduction: one rank)
     scaler = state.scalers[Role.WEIGHTS]
     scaler.observe(torch.tensor(2.0))
     precision.after_optimizer_step(0)
