@@ -143,11 +143,6 @@ def head_runs_fp8(plan: PrecisionPlan) -> bool:
         plan.at(first).modules["output_layer"].te is not None for first, _, _ in plan.stages())
 
 
-def _stage_choices(plan: PrecisionPlan, rows: tuple[str, ...]) -> list[list[TERecipe | None]]:
-    """Per stage of the plan, the TE recipe of each of ``rows``."""
-    return [[plan.at(first).modules[r].te for r in rows] for first, _, _ in plan.stages()]
-
-
 def _align(choice: TERecipe) -> int:
     """The token multiple TE's FP8 GEMMs need under ``choice``: 32 with an MXFP8 operand, else 16."""
     mxfp8 = choice.recipe is TERecipeKind.MXFP8 or any(
@@ -168,7 +163,7 @@ def _pad_expert_tokens(gpts: list[torch.nn.Module], plan: PrecisionPlan, router_
                 continue
             prefix = f"decoder.layers.{layer.layer_number - 1}.mlp.experts.local_experts."
             rows = [n for n in plan.layout.module_names if n.startswith(prefix)]
-            choices = {c for stage in _stage_choices(plan, tuple(rows)) for c in stage if c is not None}
+            choices = {c for _, stage in plan.te_choices(rows) for c in stage if c is not None}
             if not choices:
                 continue
             align = max(_align(c) for c in choices)

@@ -448,6 +448,10 @@ class PrecisionPlan:
                 f"amax reduction would merge different experts' amaxes (not wired for expert parallelism yet); use "
                 f"tensorwise or blockwise scaling, +recipe.backend=emulated, or trainer.expert_model_parallel_size=1")
 
+    def te_choices(self, names: Sequence[str]) -> list[tuple[int, list[TERecipe | None]]]:
+        """Per stage of the run, its first step and the TE recipe each of ``names`` runs under there (None: BF16)."""
+        return [(first, [self.at(first).modules[n].te for n in names]) for first, _, _ in self.stages()]
+
     def grouped_experts_problem(self, grouped: Mapping[str, tuple[str, ...]] | None = None) -> str | None:
         """Why Megatron-Core's grouped experts (model ``moe_grouped_gemm: true``: a layer's experts in one TE
         GroupedLinear per fc, under one autocast) cannot run this plan on the te backend, or None. ``grouped``: each
@@ -462,8 +466,7 @@ class PrecisionPlan:
                     by_fc.setdefault(_EXPERT_RE.sub(".experts.", name), []).append(name)
             grouped = {k: tuple(v) for k, v in by_fc.items()}
         for name, rows in grouped.items():
-            for first, _, _ in self.stages():
-                choices = [self.at(first).modules[r].te for r in rows]
+            for first, choices in self.te_choices(rows):
                 odd = next((r for r, c in zip(rows, choices) if c != choices[0]), None)
                 if odd is not None:
                     return (f"{odd} runs otherwise than {rows[0]} from step {first}, and model.moe_grouped_gemm=true "
