@@ -56,7 +56,8 @@ def routing_row(step: int, layer: int, tokens: list[int], weights: list[float] |
 def _real_tokens(moe, tokens: torch.Tensor, probs: Any, routed: int) -> torch.Tensor:
     """The tokens each local expert really got: ``tokens``, less the rows the dispatcher padded the routing map with
     (model ``moe_router_padding_for_quantization``: tokens routed to an expert with probability 0, to reach FP8's
-    multiple of 16), which are not the router's choice."""
+    multiple of 16), which are not the router's choice. Counted on the probabilities' device, so the step's hot path
+    waits for no copy to the host (the rows read them once per step)."""
     config = getattr(getattr(moe, "token_dispatcher", None), "config", None)
     if not getattr(config, "moe_router_padding_for_quantization", False) or not torch.is_tensor(probs) \
             or probs.numel() != routed:
@@ -64,7 +65,7 @@ def _real_tokens(moe, tokens: torch.Tensor, probs: Any, routed: int) -> torch.Te
     owner = torch.arange(len(tokens), device=probs.device).repeat_interleave(tokens.to(probs.device),
                                                                              output_size=routed)
     chosen = (probs.detach().reshape(-1) > 0).long()
-    return torch.zeros(len(tokens), dtype=torch.long, device=probs.device).index_add_(0, owner, chosen).cpu()
+    return torch.zeros(len(tokens), dtype=torch.long, device=probs.device).index_add_(0, owner, chosen)
 
 
 class RoutingRecorder:
@@ -105,8 +106,9 @@ class RoutingRecorder:
             tokens = torch.as_tensor(tokens).detach().to("cpu", torch.long)  # (a list on some dispatchers)
             probs = args[2] if len(args) > 2 else None  # permuted_probs: one per routed token, expert by expert
             routed = int(tokens.sum())  # (host counts: the output size below needs no device sync)
-            counts = self._counts.setdefault(layer, torch.zeros(self.experts, dtype=torch.long))
-            counts.index_add_(0, indices, _real_tokens(moe, tokens, probs, routed))
+            real = _real_tokens(moe, tokens, probs, routed)  # (on the probabilities' device when it is computed)
+            counts = self._counts.setdefault(layer, torch.zeros(self.experts, dtype=torch.long, device=real.device))
+            counts.index_add_(0, indices.to(real.device), real)
             if torch.is_tensor(probs) and probs.numel() == routed:  # summed on its device
                 owner = indices.to(probs.device).repeat_interleave(tokens.to(probs.device), output_size=routed)
                 weights = self._weights.get(layer)
