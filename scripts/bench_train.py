@@ -8,6 +8,8 @@
     python scripts/bench_train.py --models llama3_8b_16l --mbs 2 --seq 4096 --warmup 3 --steps 8 --out runs/train16
     python scripts/bench_train.py --models mixtral_8x7b_4l --mbs 1 --accum 8 --configs delayed delayed:raw \
         delayed+pad delayed+pad:raw bf16+nofuse
+    python scripts/bench_train.py --models mixtral_8x7b_4l --mbs 1 --accum 8 --engine --configs delayed \
+        delayed:raw bf16+nogaf delayed+nogaf
     python scripts/bench_train.py --plot-only runs/bench_train/bench_train.json
 
 Configs: bf16 (always first, the baseline), NAME (a recipe through this project's TE backend), NAME:raw (the
@@ -17,6 +19,8 @@ fp32 master weights in TE's FusedAdam, `masters` is that optimizer on BF16-store
 `moments16` its Adam moments in BF16; MoE models: `pad` pads each expert's tokens in the router,
 `nofuse` turns the fused token permutation off). --accum N: micro-batches per optimizer step.
 Same model, seed and random tokens; one GPU, plain fused torch AdamW (fp8param, masters: TE's FusedAdam).
+--engine: a step is scripts/train.py's instead (Megatron-Core's DDP with the TE wgrad GEMMs accumulating into its
+fp32 buffers, the distributed optimizer, the schedule; lever `nogaf` turns that accumulation fusion off).
 Prints tokens/s, the ratio to BF16, ours / raw and peak memory; writes bench_train.json and bench_train.png into --out. Needs a GPU with Transformer Engine.
 """
 
@@ -46,11 +50,13 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("runs/bench_train"))
     p.add_argument("--profile", action="store_true",
                    help="after timing, profile 2 steps per config: GPU time per kernel category (bench/profile.py)")
+    p.add_argument("--engine", action="store_true",
+                   help="time scripts/train.py's step: Megatron-Core DDP, distributed optimizer, schedule")
     p.add_argument("--plot-only", type=Path, metavar="JSON", help="redraw the table and PNG from a result file")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     try:
-        check_configs(args.configs)
+        check_configs(args.configs, engine=args.engine)
     except ValueError as e:
         sys.exit(f"error: {e}")
     if args.plot_only:
@@ -63,9 +69,12 @@ def main() -> None:
 
         quiet_third_party_logs()
         result = bench_train(args.models, args.configs, seq=args.seq, mbs=args.mbs, warmup=args.warmup,
-                             steps=args.steps, out_dir=args.out, profile=args.profile, accum=args.accum)
+                             steps=args.steps, out_dir=args.out, profile=args.profile, accum=args.accum,
+                             engine=args.engine)
     print(summarize(result)[0])
+    step = "the engine's step" if result.get("engine") else "plain AdamW"
     print(f"({result['device']}, seq {result['seq']}, mbs {result['mbs']} x {result.get('accum', 1)} micro-batches, "
+          f"{step}, "
           f"{result['steps']} timed steps after "
           f"{result['warmup']}; {result['seconds']:.0f}s; JSON and PNG in "
           f"{args.plot_only.parent if args.plot_only else args.out})")

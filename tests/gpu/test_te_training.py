@@ -93,14 +93,15 @@ def fixed_batches(batch_size=8, seq=128, vocab=4096, seed=0):
     return repeated_batch(batch_size, seq, vocab, seed)
 
 
-def build(recipe: dict, device, seed: int = 0, **model_cfg):
+def build(recipe: dict, device, seed: int = 0, overrides: dict | None = None, **model_cfg):
     from fp8_recipes.megatron.model import build_gpt_model, model_layout
     from fp8_recipes.megatron.te_layers import attach_te_backend
     from fp8_recipes.plan.precision import Hardware, PrecisionPlan
     from fp8_recipes.recipe.schema import Recipe
 
     torch.manual_seed(seed)
-    model = build_gpt_model({**TINY, **model_cfg}, use_te_spec=True, params_dtype=torch.bfloat16, device=device)
+    model = build_gpt_model({**TINY, **model_cfg}, use_te_spec=True, params_dtype=torch.bfloat16, device=device,
+                            config_overrides=overrides)
     plan = PrecisionPlan(Recipe.from_dict(recipe), model_layout(model), Hardware.detect())
     assert str(plan.backend) == "te", plan.backend_reason
     return model, attach_te_backend(model, plan)
@@ -177,6 +178,38 @@ def test_first_and_last_layers_run_bf16(scaling, megatron_gpu, tmp_path):
                 if want == FP8:  # one roll per step forward and backward (the outer autocast), not one per layer
                     assert recorded(t["amax_history_fwd"]) == [1020, 1021, 1022, 1023], name
                     assert recorded(t["amax_history_bwd"]) == [1020, 1021, 1022, 1023], name
+
+
+@pytest.mark.parametrize("head", ["bf16", "fp8"])
+def test_gradient_accumulation_fusion_gives_the_same_gradients(head, megatron_gpu, tmp_path):
+    """trainer.gradient_accumulation_fusion (on by default on TE): every TE module's wgrad GEMM accumulates into
+    DDP's fp32 main_grad; the plain LM head (no APEX) keeps its own wgrad; with tied embeddings the FP8 head's fused
+    wgrad and the embedding's gradient both arrive. Same gradients as unfused, to BF16's rounding of each wgrad."""
+    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+
+    from fp8_recipes.megatron.model import unwrap_model
+    from fp8_recipes.rundir import read_metrics
+
+    recipe = {"weights": "delayed", "activations": "delayed", "gradients": "delayed",
+              "layers": {"fp8_output_layer": head == "fp8"}}
+    norms, losses = {}, {}
+    for fused in (False, True):
+        model, precision = build(recipe, megatron_gpu[2], overrides={"gradient_accumulation_fusion": fused},
+                                 share_embeddings_and_output_weights=True)
+        te_modules = [m for m in model.modules()  # TE's linears (its attention has no wgrad)
+                      if isinstance(m, TransformerEngineBaseModule) and hasattr(m, "fuse_wgrad_accumulation")]
+        assert len(te_modules) == 16 and {m.fuse_wgrad_accumulation for m in te_modules} == {fused}
+        out_layer = unwrap_model(model).output_layer
+        if head == "fp8":
+            assert out_layer.te_linear.fuse_wgrad_accumulation == fused
+        else:
+            assert out_layer.gradient_accumulation_fusion is False  # Megatron-Core's own wgrad (APEX's otherwise)
+        run(model, precision, tmp_path / str(fused), 3, micro_batch_size=4, global_batch_size=8)  # 2 micro-batches
+        rows = read_metrics(tmp_path / str(fused), "train")
+        norms[fused], losses[fused] = [r["grad_norm"] for r in rows], [r["loss"] for r in rows]
+    assert losses[True][0] == losses[False][0]  # the same weights and batch before the first update
+    assert norms[True][0] == pytest.approx(norms[False][0], rel=1e-2), norms
+    assert losses[True] == pytest.approx(losses[False], rel=2e-2), losses
 
 
 def test_te_spec_model_has_the_plans_layout(megatron_gpu):

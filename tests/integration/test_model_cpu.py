@@ -302,3 +302,26 @@ def test_layer_init_context_wraps_each_layer_by_global_number(megatron_cpu, tiny
     build_gpt_model(tiny_model_cfg, device=megatron_cpu[2], layer_init=lambda layer: built.append(layer) or
                     contextlib.nullcontext())
     assert built[-int(tiny_model_cfg["num_layers"]):] == list(range(int(tiny_model_cfg["num_layers"])))
+
+
+def test_gradient_accumulation_fusion_keeps_megatron_linears_plain_without_apex(megatron_cpu, tiny_model_cfg):
+    # The TE backend's gradient_accumulation_fusion: TE modules fuse; Megatron-Core's own linears (the plain LM head)
+    # need APEX's kernel, which pip installs lack: they are built anyway and keep the plain wgrad.
+    import dataclasses
+
+    from megatron.core.tensor_parallel import layers
+
+    from fp8_recipes.megatron.model import _megatron_linears_without_apex
+
+    assert not layers._grad_accum_fusion_available  # (this venv has no APEX)
+    plain_model = build_gpt_model(tiny_model_cfg, device=megatron_cpu[2])
+    config = dataclasses.replace(unwrap_model(plain_model).config, gradient_accumulation_fusion=True)
+    with pytest.raises(RuntimeError, match="fused_weight_gradient_mlp_cuda"):  # Megatron-Core's own refusal
+        tensor_parallel.ColumnParallelLinear(8, 8, config=config, init_method=torch.nn.init.zeros_)
+    with _megatron_linears_without_apex(config) as built:
+        head = tensor_parallel.ColumnParallelLinear(8, 8, config=config, init_method=torch.nn.init.zeros_)
+        built.append(head)
+        assert head.gradient_accumulation_fusion
+    assert head.gradient_accumulation_fusion is False and not layers._grad_accum_fusion_available
+    with pytest.raises(ValueError, match="gradient_accumulation_fusion=True needs use_te_spec=True"):
+        build_gpt_model(tiny_model_cfg, device=megatron_cpu[2], config_overrides={"gradient_accumulation_fusion": True})

@@ -70,3 +70,13 @@ def test_moe_model_levers_and_moments16():
     with pytest.raises(ValueError, match=r"^--configs delayed\+moments16: moments16 is the fp8param / masters "):
         check_configs(["delayed+moments16"])
     assert with_levers(load_recipe("delayed"), ["pad", "nofuse"]) == load_recipe("delayed")  # model keys only
+
+
+def test_engine_step_levers():
+    check_configs(["bf16+nogaf", "delayed+nogaf", "delayed+nogaf:raw", "delayed+pad+nogaf"], engine=True)
+    assert with_levers(load_recipe("delayed"), ["nogaf"]) == load_recipe("delayed")  # the step's lever, not the recipe's
+    with pytest.raises(ValueError, match=r"^--configs delayed\+nogaf: nogaf: a lever of the engine's step; add "
+                                         r"--engine$"):
+        check_configs(["delayed+nogaf"])
+    with pytest.raises(ValueError, match=r"^--configs delayed\+fp8param: --engine runs the trainer's optimizer"):
+        check_configs(["delayed+fp8param"], engine=True)

@@ -81,3 +81,20 @@ def test_debug_settings_that_record_nothing():
     (line,) = run_notices(trainer, load_recipe("hybrid"), debug_config({"interval": 10, "end_step": 50}, None),
                           start=100)
     assert line.startswith("debug.end_step=50 is at or before the resumed step 100: no statistics are recorded")
+
+
+def test_gradient_accumulation_fusion_on_te_by_default_and_said_where_nothing_fuses():
+    import types
+
+    from fp8_recipes.plan.precision import Backend
+    from fp8_recipes.training.run import _wgrad_fusion_notice, engine_config_overrides
+
+    auto, off, on = (TrainerConfig.from_cfg({"gradient_accumulation_fusion": v}) for v in (None, False, True))
+    assert engine_config_overrides(auto, te=True)["gradient_accumulation_fusion"] is True
+    assert engine_config_overrides(off, te=True)["gradient_accumulation_fusion"] is False
+    assert "gradient_accumulation_fusion" not in engine_config_overrides(on, te=False)  # the local spec has none
+    emulated, te = types.SimpleNamespace(backend=Backend.EMULATED), types.SimpleNamespace(backend=Backend.TE)
+    line = _wgrad_fusion_notice(on, emulated)
+    assert line.startswith("trainer.gradient_accumulation_fusion=true does nothing on the emulated backend")
+    assert "\n" not in line
+    assert _wgrad_fusion_notice(auto, emulated) is None and _wgrad_fusion_notice(on, te) is None

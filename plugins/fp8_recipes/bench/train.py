@@ -23,12 +23,18 @@ Per model, configs run one after another on a freshly built model (same seed, sa
                      tokens to FP8's multiple, so the experts skip their own padding copies)
                nofuse  model moe_permute_fusion: false (Megatron-Core's unfused token permutation)
                router  model moe_router_fusion: true (TE's fused top-k and softmax in the router)
+  With --engine (on bf16 too):
+               nogaf  trainer.gradient_accumulation_fusion: false (each micro-batch's weight gradient computed
+                     apart and added to the fp32 buffer by DDP's hook, as Megatron-LM without APEX runs)
 Recipes with BF16 warmup or staged enablement are timed in their final stage (all roles FP8), the steady state.
 A step is ``accum`` micro-batches, each forward (per-token loss, mean) + backward, as a training step accumulates
 them (weights quantized once per step: TE's is_first_microbatch), then plain fused torch AdamW on the BF16 params
 (its moments BF16 like the params; no master weights, no DDP: the GEMMs dominate; levers fp8param and masters: TE's
 FusedAdam with fp32 master weights); tokens/s over ``steps`` timed steps after ``warmup``, peak memory from
-torch.cuda.max_memory_allocated.
+torch.cuda.max_memory_allocated. With ``engine`` (``--engine``) a step is instead scripts/train.py's: this project's
+engine (training/engine.py) at the GPU trainer's defaults: Megatron-Core's DDP (fp32 gradient buffers, the TE
+layers' weight-gradient GEMMs accumulating into them: gradient_accumulation_fusion), its distributed optimizer
+(fp32 master weights and moments, overlapped gradient reduction and parameter gather) and its schedule.
 """
 
 from __future__ import annotations
@@ -78,9 +84,13 @@ LEVERS = ("head", "attn", "fp8param", "masters", "moments16")
 MODEL_LEVERS = {"pad": {"moe_router_padding_for_quantization": True}, "nofuse": {"moe_permute_fusion": False},
                 "router": {"moe_router_fusion": True}}
 """Levers that are MoE model keys (bench config ``NAME+pad``, ``bf16+nofuse``)."""
+ENGINE_LEVERS = ("nogaf",)
+"""Levers of the engine's step (``--engine``; on bf16 too)."""
+OWN_OPTIMIZER = ("fp8param", "masters", "moments16")
+"""Levers that choose the benchmark's optimizer (the engine has its own)."""
 
 
-def check_configs(configs: list[str]) -> None:
+def check_configs(configs: list[str], engine: bool = False) -> None:
     """ValueError (one line, naming the config) for a config label bench_train cannot run, before anything runs."""
     for label in configs:
         name, _, mode = label.partition(":")
@@ -89,12 +99,18 @@ def check_configs(configs: list[str]) -> None:
             raise ValueError(f"--configs {label}: no recipe {name!r}; choose from {', '.join(recipe_names())}")
         if mode not in ("", "raw"):
             raise ValueError(f"--configs {label}: unknown mode {mode!r}; write NAME or NAME:raw")
-        bad = [lever for lever in levers if lever not in LEVERS and lever not in MODEL_LEVERS]
+        bad = [lever for lever in levers if lever not in (*LEVERS, *MODEL_LEVERS, *ENGINE_LEVERS)]
         if not bad and name == "bf16":
-            bad = [lever for lever in levers if lever not in MODEL_LEVERS]
+            bad = [lever for lever in levers if lever not in (*MODEL_LEVERS, *ENGINE_LEVERS)]
         if bad:
             raise ValueError(f"--configs {label}: unknown lever {bad[0]!r}; levers (on a recipe): {', '.join(LEVERS)}; "
                              f"model levers (MoE, on bf16 too): {', '.join(MODEL_LEVERS)}")
+        if engine and set(OWN_OPTIMIZER) & set(levers):
+            raise ValueError(f"--configs {label}: --engine runs the trainer's optimizer; drop the "
+                             f"{'/'.join(OWN_OPTIMIZER)} levers or --engine")
+        if not engine and set(ENGINE_LEVERS) & set(levers):
+            raise ValueError(f"--configs {label}: {'/'.join(ENGINE_LEVERS)}: a lever of the engine's step; add "
+                             f"--engine")
         if "moments16" in levers and not {"fp8param", "masters"} & set(levers):
             raise ValueError(f"--configs {label}: moments16 is the fp8param / masters optimizer's; add +fp8param or "
                              f"+masters")
@@ -102,6 +118,7 @@ def check_configs(configs: list[str]) -> None:
 
 def with_levers(recipe: Any, levers: list[str]) -> Any:
     """``recipe`` with the named speed levers on (bench config ``NAME+LEVER``)."""
+    levers = [lever for lever in levers if lever not in ENGINE_LEVERS]  # (the step's, not the recipe's)
     check_configs([f"{recipe.name}+{'+'.join(levers)}"] if levers else [])
     if "head" in levers:
         recipe = dataclasses.replace(recipe, layers=dataclasses.replace(recipe.layers, fp8_output_layer=True))
@@ -181,8 +198,9 @@ def _decide(model_cfg: dict, label: str) -> _BenchConfig:
     return run
 
 
-def _bench_model(model_cfg: dict, run: _BenchConfig, seed: int) -> tuple[torch.nn.Module, Any]:
-    """The TE-spec model, freshly seeded, and this project's backend on it (None for bf16 and NAME:raw)."""
+def _bench_model(model_cfg: dict, run: _BenchConfig, seed: int, engine: bool = False) -> tuple[torch.nn.Module, Any]:
+    """The TE-spec model, freshly seeded, and this project's backend on it (None for bf16 and NAME:raw); for the
+    engine's step with the trainer's gradient_accumulation_fusion (lever nogaf: off)."""
     # Megatron-Core here and in bench_train, not at import: --help, --plot-only and the config checks run without it
     from megatron.core import tensor_parallel
 
@@ -193,8 +211,10 @@ def _bench_model(model_cfg: dict, run: _BenchConfig, seed: int) -> tuple[torch.n
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.cuda.reset_peak_memory_stats()
     fp8_param = FP8ParamInit(run.plan) if run.ours and run.recipe.fp8_param else None
+    overrides = {**(run.overrides or {}), "gradient_accumulation_fusion": "nogaf" not in run.levers} if engine \
+        else run.overrides
     model = build_gpt_model(model_cfg, use_te_spec=True, params_dtype=torch.bfloat16, device="cuda",
-                            config_overrides=run.overrides, layer_init=fp8_param)
+                            config_overrides=overrides, layer_init=fp8_param)
     precision = None
     if run.ours:
         precision = attach_te_backend(model, PrecisionPlan(run.recipe, model_layout(model), Hardware.detect()),
@@ -230,6 +250,40 @@ def _step_function(model: torch.nn.Module, precision: Any, optimizer: torch.opti
     return one_step
 
 
+def _engine_step_function(model: torch.nn.Module, precision: Any, run: _BenchConfig, model_cfg: dict, *, seq: int,
+                          mbs: int, seed: int, accum: int) -> Callable[[int], torch.Tensor]:
+    """One training step of scripts/train.py's engine (training/engine.py at the GPU trainer's defaults) on
+    ``accum`` micro-batches of the same random tokens, numbered from the recipe's steady stage."""
+    import itertools
+
+    from fp8_recipes.training.config import TrainerConfig
+    from fp8_recipes.training.engine import build_engine
+
+    trainer = TrainerConfig.from_cfg({"micro_batch_size": mbs, "global_batch_size": mbs * accum, "lr": 1e-5,
+                                      "min_lr": 0.0, "use_distributed_optimizer": True, "overlap_grad_reduce": True,
+                                      "overlap_param_gather": True})
+    engine = build_engine([model], trainer, seq_length=seq, lr=trainer.lr, device=torch.device("cuda"))
+    vocab = int(model_cfg["vocab_size"])
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    batch = {"tokens": torch.randint(0, vocab, (mbs, seq), device="cuda", generator=g),
+             "labels": torch.randint(0, vocab, (mbs, seq), device="cuda", generator=g),
+             "loss_mask": torch.ones(mbs, seq, device="cuda"),
+             "position_ids": torch.arange(seq, device="cuda").expand(mbs, seq)}
+    steady = run.steady
+
+    def one_step(i: int) -> torch.Tensor:
+        if precision is not None:
+            precision.begin_step(steady + i)
+        result = engine.train_step(itertools.repeat(batch))  # (Megatron's schedule: set_is_first_microbatch)
+        if result.skipped:
+            raise RuntimeError(f"{run.label}: the engine skipped step {i} (loss {result.loss}, grad norm "
+                               f"{result.grad_norm})")
+        if precision is not None:
+            precision.after_optimizer_step(steady + i)
+        return torch.tensor(result.loss)
+    return one_step
+
+
 def _timed(one_step: Callable[[int], torch.Tensor], warmup: int, steps: int) -> tuple[float, torch.Tensor]:
     """Seconds of ``steps`` steps after ``warmup`` untimed ones (CUDA events), and the last step's loss."""
     for i in range(warmup):
@@ -245,16 +299,21 @@ def _timed(one_step: Callable[[int], torch.Tensor], warmup: int, steps: int) -> 
 
 
 def _run_config(model_cfg: dict, label: str, *, seq: int, mbs: int, warmup: int, steps: int, seed: int,
-                profile: bool = False, accum: int = 1) -> dict[str, Any]:
+                profile: bool = False, accum: int = 1, engine: bool = False) -> dict[str, Any]:
     levers = label.partition(":")[0].split("+")[1:]
     model_cfg = {**model_cfg, **{k: v for lever in levers for k, v in MODEL_LEVERS.get(lever, {}).items()}}
     run = _decide(model_cfg, label)
     if run.skipped is not None:
         return {"config": label, "skipped": run.skipped}
-    model, precision = _bench_model(model_cfg, run, seed)
+    model, precision = _bench_model(model_cfg, run, seed, engine)
     model.train()
-    optimizer = _optimizer(model, run.levers)
-    one_step = _step_function(model, precision, optimizer, run, model_cfg, seq=seq, mbs=mbs, seed=seed, accum=accum)
+    if engine:
+        optimizer = None
+        one_step = _engine_step_function(model, precision, run, model_cfg, seq=seq, mbs=mbs, seed=seed, accum=accum)
+    else:
+        optimizer = _optimizer(model, run.levers)
+        one_step = _step_function(model, precision, optimizer, run, model_cfg, seq=seq, mbs=mbs, seed=seed,
+                                  accum=accum)
     seconds, loss = _timed(one_step, warmup, steps)
     out = {"config": label, "te_recipe": run.describe, "megatron_fp8": run.overrides,
            "step_ms": 1000 * seconds / steps, "tokens_per_s": steps * accum * mbs * seq / seconds,
@@ -280,7 +339,7 @@ def _free() -> None:
 
 def bench_train(models: list[str], configs: list[str], *, seq: int = 4096, mbs: int = 2, warmup: int = 3,
                 steps: int = 8, seed: int = 1234, out_dir: Path | None = None, profile: bool = False,
-                accum: int = 1) -> dict[str, Any]:
+                accum: int = 1, engine: bool = False) -> dict[str, Any]:
     """Every config of every model; with ``out_dir`` the results so far are saved after each config (a run cut
     short by a time limit keeps what it measured)."""
     from fp8_recipes.megatron.model import destroy_distributed, init_distributed  # (see _run_config)
@@ -289,14 +348,16 @@ def bench_train(models: list[str], configs: list[str], *, seq: int = 4096, mbs: 
     t0 = time.perf_counter()
     results: list[dict] = []
     result = {"kind": "train", "device": torch.cuda.get_device_name(), "torch": torch.__version__, "seq": seq,
-              "mbs": mbs, "accum": accum, "warmup": warmup, "steps": steps, "seconds": 0.0, "rows": results}
+              "mbs": mbs, "accum": accum, "engine": engine, "warmup": warmup, "steps": steps, "seconds": 0.0,
+              "rows": results}
     try:
         for model_name in models:
             cfg = {**load_model_cfg(model_name), "seq_length": seq}
             for label in ["bf16"] + [c for c in configs if c != "bf16"]:
                 t = time.perf_counter()
                 row = {"model": model_name, **_run_config(cfg, label, seq=seq, mbs=mbs, warmup=warmup, steps=steps,
-                                                          seed=seed, profile=profile, accum=accum)}
+                                                          seed=seed, profile=profile, accum=accum,
+                                                          engine=engine)}
                 row["wall_s"] = time.perf_counter() - t
                 results.append(row)
                 done = (f"{row['tokens_per_s']:,.0f} tok/s, {row['peak_mem_gib']:.1f} GiB, loss {row['loss']:.3f}"

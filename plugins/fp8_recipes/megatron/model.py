@@ -255,7 +255,10 @@ def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_li
     ``use_te_spec=True`` (GPUs with Transformer Engine): linear_qkv / linear_fc1 become
     TELayerNormColumnParallelLinear (the input norm fused in, so the layer's own norms are IdentityOp) and
     linear_proj / linear_fc2 TERowParallelLinear, under the same names, so :func:`linear_module_names` and the
-    plan's layout are those of the local spec; the LM head stays a ColumnParallelLinear. ``config_overrides``
+    plan's layout are those of the local spec; the LM head stays a ColumnParallelLinear. With
+    ``gradient_accumulation_fusion: True`` among the overrides (TE spec only; the model must be wrapped in
+    Megatron-Core's DDP, which gives each weight its ``main_grad``) the TE modules' weight-gradient GEMMs accumulate
+    into ``main_grad``; without APEX Megatron-Core's own linears keep the plain wgrad. ``config_overrides``
     go into the TransformerConfig as they are (e.g. ``{"fp8": "hybrid", "fp8_recipe": "tensorwise"}`` for
     Megatron-Core's own FP8 path, which the benchmarks compare against, or the parallel layout:
     ``pipeline_model_parallel_size``, ``sequence_parallel``, ``recompute_granularity``, ...). ``pre_process`` /
@@ -275,9 +278,14 @@ def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_li
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
     vocab = _padded_vocab(cfg)
     config = _transformer_config(cfg, params_dtype, device, use_te_spec, config_overrides)
+    if config.gradient_accumulation_fusion and not use_te_spec:
+        raise ValueError("gradient_accumulation_fusion=True needs use_te_spec=True: the local spec's linears compute "
+                         "their own weight gradients")
     spec = _layer_spec(config, use_te_spec, column_linear, row_linear, core_attention, vp_stage)
-    model = _seeded_gpt_model(config, spec, cfg, vocab, init_seed, layer_init, pre_process=pre_process,
-                              post_process=post_process, vp_stage=vp_stage)
+    with _megatron_linears_without_apex(config) as built:
+        model = _seeded_gpt_model(config, spec, cfg, vocab, init_seed, layer_init, pre_process=pre_process,
+                                  post_process=post_process, vp_stage=vp_stage)
+        built.append(model)
     output_linear = output_linear or column_linear
     if output_linear is not None and post_process:
         replace_output_layer_class(model, output_linear)
@@ -285,6 +293,31 @@ def build_gpt_model(model_cfg: Any, *, column_linear: type | None = None, row_li
     if params_dtype == torch.bfloat16:
         model = Float16Module(config, model)
     return model
+
+
+@contextlib.contextmanager
+def _megatron_linears_without_apex(config):
+    """Build a model whose config has ``gradient_accumulation_fusion`` without APEX: the TE modules fuse (TE's wgrad
+    GEMM accumulates into the weight's ``main_grad``), Megatron-Core's own linears (the plain LM head) cannot, as
+    their fused wgrad is APEX's ``fused_weight_gradient_mlp_cuda``, which pip installs lack. Megatron-Core refuses
+    such a linear at construction (megatron-core 0.19.2: ``ColumnParallelLinear.__init__`` raises; its forward
+    reads ``self.gradient_accumulation_fusion``): it is built here, then set to the plain wgrad, which DDP's hook
+    adds to ``main_grad``. Yields the list the built model is to be appended to."""
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel import layers
+
+    if not config.gradient_accumulation_fusion or layers._grad_accum_fusion_available:
+        yield []
+        return
+    built: list[torch.nn.Module] = []
+    layers._grad_accum_fusion_available = True
+    try:
+        yield built
+    finally:
+        layers._grad_accum_fusion_available = False
+    plain = (tensor_parallel.ColumnParallelLinear, tensor_parallel.RowParallelLinear)
+    for linear in (m for model in built for m in model.modules() if isinstance(m, plain)):
+        linear.gradient_accumulation_fusion = False
 
 
 def _check_build_args(column_linear: type | None, row_linear: type | None, output_linear: type | None,
@@ -372,7 +405,8 @@ def _transformer_config(cfg: dict, params_dtype: torch.dtype, device: torch.devi
         bias_dropout_fusion=device.type == "cuda",
         apply_rope_fusion=device.type == "cuda" and use_te_spec,  # TE's fused RoPE
         cross_entropy_loss_fusion=device.type == "cuda",
-        gradient_accumulation_fusion=False,  # TE's fused wgrad into DDP's main_grad: not measured here yet
+        # TE's wgrad GEMMs into DDP's main_grad: the trainer's key (training/run.py) turns it on for the TE spec
+        gradient_accumulation_fusion=False,
     )
     fields.update(moe_config_fields(cfg))
     fields.update(config_overrides or {})

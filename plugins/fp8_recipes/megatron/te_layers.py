@@ -69,8 +69,10 @@ class TEOutputLayer(ColumnParallelLinear):
         if self.embedding_activation_buffer is not None or self.grad_output_buffer is not None:
             raise ConfigError("te backend: an FP8 LM head does not support defer_embedding_wgrad_compute; set "
                              "layers.fp8_output_layer: false")
+        # (gradient_accumulation_fusion: TE's wgrad GEMM accumulates into DDP's main_grad, as the layers' do)
         lin = te.Linear(self.input_size, self.output_size, bias=False, params_dtype=self.config.params_dtype,
                         parallel_mode="column", tp_group=self.tp_group, sequence_parallel=self.sequence_parallel,
+                        fuse_wgrad_accumulation=self.config.gradient_accumulation_fusion,
                         device="meta", name="output_layer")  # meta: its own weight is never allocated
         lin.is_first_microbatch = True  # quantize the weight on a step's first micro-batch, reuse it after
         self.__dict__["te_linear"] = lin  # not a submodule: its parameter is the head's (or embedding's)

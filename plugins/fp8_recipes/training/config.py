@@ -122,6 +122,10 @@ class TrainerConfig:
     """All-gather updated params during the next forward (needs use_distributed_optimizer, overlap_grad_reduce)."""
     grad_reduce_in_fp32: bool = True
     """Accumulate and reduce gradients in fp32 buffers (Megatron-LM's --accumulate-allreduce-grads-in-fp32)."""
+    gradient_accumulation_fusion: bool | None = None
+    """TE backend: the weight-gradient GEMMs accumulate straight into DDP's gradient buffer (Megatron-Core's
+    gradient_accumulation_fusion, Megatron-LM's default): no per-micro-batch gradient add. null = on wherever the TE
+    backend runs; false = off; true on the emulated backend (nothing to fuse) is said in one line."""
     use_precision_aware_optimizer: bool = False
     """Keep optimizer state in the dtypes below (Transformer Engine's FusedAdam; needs the distributed optimizer)."""
     exp_avg_dtype: str = "fp32"

@@ -162,9 +162,14 @@ ENGINE_CONFIG_KEYS = ("sequence_parallel", "recompute_granularity", "recompute_m
 parallel_state, set by init_distributed)."""
 
 
-def engine_config_overrides(trainer) -> dict:
-    """The TransformerConfig fields of a TrainerConfig (ENGINE_CONFIG_KEYS)."""
-    return {key: getattr(trainer, key) for key in ENGINE_CONFIG_KEYS}
+def engine_config_overrides(trainer, te: bool = False) -> dict:
+    """The TransformerConfig fields of a TrainerConfig (ENGINE_CONFIG_KEYS); on the TE backend (``te``) also
+    ``gradient_accumulation_fusion`` (on unless the trainer sets it false: the engine's DDP gives every weight its
+    ``main_grad``)."""
+    fields = {key: getattr(trainer, key) for key in ENGINE_CONFIG_KEYS}
+    if te:
+        fields["gradient_accumulation_fusion"] = trainer.gradient_accumulation_fusion is not False
+    return fields
 
 
 def attach_emulated(model_cfg: dict, recipe, hardware, params_dtype: torch.dtype, device: torch.device,
@@ -580,6 +585,7 @@ def _warn_notices(run: _Run) -> None:
     start = int(run.saved["step"]) if run.saved is not None else 0
     for line in [*model_notices(run.cfg.model, device=run.hardware.device),
                  _router_padding_notice(run.cfg.model, plan, fp8_modules),
+                 _wgrad_fusion_notice(run.tcfg, plan),
                  *run_notices(run.tcfg, run.recipe, run.debug, start, fp8_modules), run.shape_warning]:
         if line:
             logger.warning(line)
@@ -595,6 +601,14 @@ def _router_padding_notice(model, plan, fp8_modules: set[str]) -> str | None:
     if not any(".local_experts." in name for name in fp8_modules):
         return ("model.moe_router_padding_for_quantization=true does nothing: no expert runs FP8 in this run (the "
                 "dispatchers of FP8 experts' layers pad); set it false")
+    return None
+
+
+def _wgrad_fusion_notice(trainer, plan) -> str | None:
+    """trainer.gradient_accumulation_fusion=true where nothing fuses: the emulated backend."""
+    if trainer.gradient_accumulation_fusion and plan.backend is not Backend.TE:
+        return ("trainer.gradient_accumulation_fusion=true does nothing on the emulated backend (its linears compute "
+                "their own weight gradients); it fuses Transformer Engine's wgrad GEMMs; set it to null")
     return None
 
 
@@ -649,10 +663,11 @@ def _model_and_engine(run: _Run, data: _RunData):
         with same_on_every_rank():
             check_hf_init(hf_init_path(init_from), model_cfg)  # vocabulary and shape, before the model is built
     params_dtype = torch_dtype(str(run.trainer.params_dtype))
-    attach = attach_te if run.first_plan.backend is Backend.TE else attach_emulated
+    te = run.first_plan.backend is Backend.TE
+    attach = attach_te if te else attach_emulated
     # the same initial weights at any pipeline layout (megatron/model.py: build_gpt_model's init_seed)
     chunks, plan, precision = attach(model_cfg, run.recipe, run.hardware, params_dtype, run.device,
-                                     engine_config_overrides(run.tcfg), init_seed=run.tcfg.seed)
+                                     engine_config_overrides(run.tcfg, te), init_seed=run.tcfg.seed)
     if init_from:  # before the optimizer copies the parameters into its main params
         with same_on_every_rank():
             count = load_hf_weights(chunks, hf_init_path(init_from), model_cfg)
