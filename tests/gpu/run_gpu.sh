@@ -17,7 +17,11 @@
 #     bash tests/gpu/run_gpu.sh fp8param     # FP8 primary weights: their GPU tests (cap 240 s) + bench_train (cap 270 s)
 #     bash tests/gpu/run_gpu.sh handoff      # issue 16 on the H200: blockwise-trained Llama exported, run by transformers
 #     SEED=4321 NAME=cmp4321 bash tests/gpu/run_gpu.sh shootout   # gpt_125m shoot-out, 1000 steps, 4 runs at once
+#     MODEL=moe_small RECIPES="delayed tensorwise blockwise moe_blockwise" PARALLEL=5 PARITY=0 \
+#         bash tests/gpu/run_gpu.sh shootout  # the MoE shoot-out (issue 28)
 #     bash tests/gpu/run_gpu.sh moe          # MoE on TE: its GPU tests + bench_train on mixtral_8x7b_4l (caps 240 + 300 s)
+#         (ENGINE=1: bench_train --engine, scripts/train.py's step; TESTS: other test files or node ids)
+#     bash tests/gpu/run_gpu.sh moe-stats    # statistics overhead at interval 10 on moe_small's grouped experts
 #     bash tests/gpu/run_gpu.sh two          # two GPUs: scales across the amax group, safe at PP=2, bench_parallel
 #         (10 runs of ~40 s; a second call with LAYOUTS="1gpu dp2 tp2sp pp2 cp2" RECIPES="tensorwise" covers the rest)
 # BASELINE: a checkout of the engine before (git archive 107c97b plugins conf scripts recipes setup.cfg | tar -x -C .oldsrc)
@@ -69,9 +73,11 @@ handoff)
   ;;
 shootout)
   # One shoot-out of gpt_125m, 1000 steps (docs/benchmarks.md): RECIPES, SEED and EXTRA (more overrides) vary it.
-  stamp "compare_recipes: ${RECIPES:-fast delayed tensorwise} seed ${SEED:-1234} ${EXTRA:-}" | tee "$OUT/shootout.log"
-  timeout -s INT 580 "$PY" scripts/compare_recipes.py --recipes ${RECIPES:-fast delayed tensorwise} --parallel 4 \
-      --out "$OUT/${NAME:-cmp}" model=gpt_125m trainer=gpu trainer.max_steps=1000 trainer.micro_batch_size=8 \
+  stamp "compare_recipes: ${MODEL:-gpt_125m} ${RECIPES:-fast delayed tensorwise} seed ${SEED:-1234} ${EXTRA:-}" \
+      | tee "$OUT/shootout.log"
+  timeout -s INT ${SHOOT_CAP:-580} "$PY" scripts/compare_recipes.py --recipes ${RECIPES:-fast delayed tensorwise} \
+      --parallel ${PARALLEL:-4} $([ "${PARITY:-1}" = 0 ] && echo --no-parity) \
+      --out "$OUT/${NAME:-cmp}" model=${MODEL:-gpt_125m} trainer=gpu trainer.max_steps=1000 trainer.micro_batch_size=8 \
       trainer.global_batch_size=16 trainer.eval_interval=1000 trainer.eval_iters=16 trainer.seed=${SEED:-1234} \
       ${EXTRA:-} 2>&1 | grep -v -E "it/s\]|step/s" | tail -40 | tee -a "$OUT/shootout.log"
   ;;
@@ -120,17 +126,27 @@ moe)
   # Issue 28 on the H200: the TE backend on Megatron-Core's MoE layers (tests), then bench_train on 4 Mixtral-8x7B
   # layers (seq 4096, micro-batch 1, 8 micro-batches per step; CONFIGS, MODELS, PROFILE vary it)
   stamp "GPU tests: TE MoE (grouped and sequential experts) and GroupedLinear numerics" | tee "$OUT/tests.log"
-  [ -z "${SKIP_TESTS:-}" ] && timeout -s INT ${TEST_CAP:-240} "$PY" -m pytest tests/gpu/test_te_moe.py \
-      tests/gpu/test_te_grouped.py -q -p no:cacheprovider -o addopts="" -rfEs ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
-      | tee -a "$OUT/tests.log"
+  [ -z "${SKIP_TESTS:-}" ] && timeout -s INT ${TEST_CAP:-240} "$PY" -m pytest \
+      ${TESTS:-tests/gpu/test_te_moe.py tests/gpu/test_te_grouped.py} -q -p no:cacheprovider -o addopts="" -rfEs \
+      ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee -a "$OUT/tests.log"
   stamp "bench_train: ${MODELS:-mixtral_8x7b_4l}" | tee "$OUT/bench_train.log"
   timeout -s INT ${BENCH_CAP:-300} "$PY" scripts/bench_train.py --models ${MODELS:-mixtral_8x7b_4l} --seq 4096 --mbs 1 \
       --accum 8 --warmup 2 --steps ${STEPS:-4} --configs ${CONFIGS:-delayed delayed:raw tensorwise tensorwise:raw \
-      blockwise blockwise:raw} ${PROFILE:+--profile} --out "$OUT" 2>&1 | tee -a "$OUT/bench_train.log"
+      blockwise blockwise:raw} ${PROFILE:+--profile} ${ENGINE:+--engine} --out "$OUT" 2>&1 \
+      | tee -a "$OUT/bench_train.log"
   echo; stamp "summary"
   echo "GPU tests: $(grep -E ' in [0-9.]+s' "$OUT/tests.log" | tail -1)"
   grep -E '^(FAILED|ERROR) ' "$OUT/tests.log" | head -20
   [ -f "$OUT/bench_train.json" ] && "$PY" scripts/bench_train.py --plot-only "$OUT/bench_train.json"
+  ;;
+moe-stats)
+  # Issue 28, item 5: per-expert statistics every 10 steps on moe_small with TE's grouped experts (alltoall, fused
+  # permutation), against the same runs with statistics off (bench_stats: A/B, in-run and the recorder's own time)
+  stamp "bench_stats: moe_small, grouped experts, ${RECIPES:-tensorwise}" | tee "$OUT/bench_stats.log"
+  timeout -s INT ${STATS_CAP:-300} "$PY" scripts/bench_stats.py --recipes ${RECIPES:-tensorwise} \
+      --steps ${STEPS:-100} --repeats ${REPEATS:-2} --json "$OUT/bench_stats_moe.json" -- model=moe_small \
+      trainer=gpu model.moe_grouped_gemm=true model.moe_token_dispatcher_type=alltoall model.moe_permute_fusion=true \
+      trainer.micro_batch_size=8 trainer.global_batch_size=16 2>&1 | tee -a "$OUT/bench_stats.log"
   ;;
 moe-engine)
   # 4 Mixtral-8x7B layers trained by scripts/train.py on Megatron-Core's engine (distributed optimizer), TE backend:
