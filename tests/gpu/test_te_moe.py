@@ -37,7 +37,7 @@ def train(tmp_path, monkeypatch, recipe: str, *extra: str, steps: int = 8) -> tu
 
 
 @pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "sequential"])
-@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise", "moe_blockwise", "bf16"])
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise", "moe_blockwise", "moe_delayed", "bf16"])
 def test_moe_trains_on_te_as_planned(recipe, grouped, tmp_path, monkeypatch):
     summary, losses = train(tmp_path, monkeypatch, recipe, f"model.moe_grouped_gemm={str(grouped).lower()}")
     assert summary["backend"] == "te", summary
@@ -106,6 +106,35 @@ def test_grouped_experts_delayed_state_survives_a_checkpoint(megatron_gpu, tmp_p
     # quantized each step); the saved rows moved up by one
     weights = [3 * e + 1 for e in range(4)]
     assert torch.equal(now["amax_history_fwd"][-2, weights], saved["amax_history_fwd"][-1, weights])
+
+
+def test_module_policies_give_the_grouped_experts_their_own_delayed_state(megatron_gpu, tmp_path):
+    """moe_delayed on TE (per-module policies: the experts' linears under their own autocast inside the layer's):
+    the grouped experts keep 16-step amax histories, attention TE's 1024, each rolled once per step (both recipes'
+    states reduced and updated at the one outer autocast's exit), and the plan runs as planned."""
+    from fp8_recipes.backends.te import _delayed_tensors
+    from fp8_recipes.megatron.model import build_gpt_model, model_layout
+    from fp8_recipes.megatron.te_layers import attach_te_backend
+    from fp8_recipes.plan.precision import Hardware, PrecisionPlan
+    from fp8_recipes.recipe.pack import load_recipe
+    from test_te_training import TINY, recorded, recorded_any, run
+
+    moe = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=256, moe_layer_freq=2,
+               moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True, moe_permute_fusion=True,
+               moe_router_dtype="fp32")
+    torch.manual_seed(0)
+    model = build_gpt_model({**TINY, **moe}, use_te_spec=True, params_dtype=torch.bfloat16, device=megatron_gpu[2])
+    plan = PrecisionPlan(load_recipe("moe_delayed"), model_layout(model), Hardware.detect())
+    assert str(plan.backend) == "te" and not plan.substitutions, (plan.backend_reason, plan.substitutions)
+    precision = attach_te_backend(model, plan)
+    summary = run(model, precision, tmp_path, 4)
+    assert summary["nonfinite_loss_steps"] == 0 and sum(precision.mismatches.values()) == 0
+    experts = _delayed_tensors(precision.linears["decoder.layers.0.mlp.experts.linear_fc1"])
+    qkv = _delayed_tensors(precision.linears["decoder.layers.0.self_attention.linear_qkv"])
+    assert experts["amax_history_fwd"].shape[0] == 16 and qkv["amax_history_fwd"].shape[0] == 1024
+    assert recorded_any(experts["amax_history_fwd"]) == [12, 13, 14, 15]  # (every expert's weight, each step)
+    assert recorded(qkv["amax_history_fwd"]) == [1020, 1021, 1022, 1023]
+    assert recorded(qkv["amax_history_bwd"]) == [1020, 1021, 1022, 1023]
 
 
 def test_grouped_experts_compute_the_emulated_experts_product(megatron_gpu):

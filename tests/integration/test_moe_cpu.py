@@ -118,14 +118,14 @@ def test_train_script_trains_tiny_moe_with_hybrid(dataset, tmp_path):  # noqa: F
 
 
 def test_module_policies_give_the_experts_their_own_delayed_history(megatron_cpu):
-    """moe_delayed: the routed experts' activations and gradients keep 16 amaxes, everything else TE's 1024; the
+    """moe_delayed: the routed experts keep 16 amaxes, everything else TE's 1024; the
     model trains a step under it (the emulated backend quantizes each module with its own policies)."""
     model = build(emulated=True)
     precision = attach_emulated_backend(model, PrecisionPlan(load_recipe("moe_delayed"), model_layout(model)))
     lengths = {name: {str(r): len(s.history) for r, s in state.scalers.items()}
                for name, state in precision.states.items()}
     assert lengths["decoder.layers.1.mlp.experts.local_experts.0.linear_fc1"] == {
-        "weights": 1024, "activations": 16, "gradients": 16}
+        "weights": 16, "activations": 16, "gradients": 16}
     for name in ("decoder.layers.1.mlp.shared_experts.linear_fc2", "decoder.layers.1.self_attention.linear_qkv",
                  "decoder.layers.0.mlp.linear_fc1"):
         assert lengths[name] == {"weights": 1024, "activations": 1024, "gradients": 1024}, name

@@ -170,9 +170,9 @@ def test_the_doctor_names_each_expert_and_its_cause(runs, capsys, tmp_path):
     applied = [p for p in d.proposals if not p.alternative]
     assert [list(p.changes) for p in applied] == [["modules"], ["modules"]], applied
     entries = {pattern: roles for p in applied for pattern, roles in p.changes["modules"].items()}
-    assert entries[f"{SHIFTED}.*"] == {
+    assert entries[f"{SHIFTED}.*"] == {  # the weights too: TE keeps one delayed state for a module's input and weight
         role: {**load_recipe("delayed").policy(role).to_dict(), "amax_history_len": 16}
-        for role in ("activations", "gradients")}
+        for role in ("activations", "gradients", "weights")}
     assert {r: p["scaling"] for r, p in entries[f"{STARVED}.*"].items()} == {"activations": "tensorwise",
                                                                             "gradients": "tensorwise"}
     assert diagnose(load_run(runs["control"])).experts == []  # no plant: the routing rows explain no scale gap

@@ -79,11 +79,12 @@ def test_no_cause_without_a_lasting_gap_or_a_routing_change():
 
 def test_the_remedy_is_a_modules_entry_for_that_expert_in_front_of_the_recipes():
     stats = numerics({s: 0.001 for s in range(9, 33, 4)})
-    recipe = load_recipe("moe_delayed")  # "*.experts.*": activations and gradients with a 16-step history
+    recipe = load_recipe("moe_delayed")  # "*.experts.*": every role with a 16-step history
     (shift,) = expert_causes(find_problems(stats), stats, shifted())
     applied, *alternatives = expert_proposals([shift], recipe)
     entry = applied.changes["modules"]["decoder.layers.0.mlp.experts.local_experts.1.*"]
     assert entry["activations"]["amax_history_len"] == 8  # half of the 16 it already had
+    assert entry["weights"]["amax_history_len"] == 8  # (TE keeps one delayed state for a module's input and weight)
     assert entry["gradients"] == recipe.module_policy(EXPERT.format(1), "gradients").to_dict()  # kept as it was
     assert [a.alternative for a in alternatives] == [True, True]
     run = RunData(path=None, train=[], numerics=stats, recipe=recipe, summary={})

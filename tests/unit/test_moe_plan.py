@@ -201,15 +201,14 @@ def test_a_module_may_not_turn_fp8_a_role_the_recipe_keeps_bf16():
         Recipe.from_dict({**base, "modules": {"*experts*": {"gradients": {"scaling": "tensorwise"}}}})
 
 
-def test_module_policies_run_emulated_and_the_table_shows_them():
+def test_module_policies_show_in_the_table():
     from fp8_recipes.plan.precision import Hardware
 
     recipe = _with_modules({"*.experts.*": {"activations": {"scaling": "delayed", "amax_history_len": 16}},
                             "*nothing*": {"weights": "none"}})
-    hopper = PrecisionPlan(recipe, layout_of(MOE), Hardware.target((9, 0)))
-    assert hopper.backend == "emulated" and "per-module policies" in hopper.backend_reason
-    with pytest.raises(ValueError, match=r"^modules: per-module policies run on the emulated backend only"):
-        PrecisionPlan(Recipe.from_dict({**recipe.to_dict(), "backend": "te"}), layout_of(MOE), Hardware.target((9, 0)))
+    hopper = PrecisionPlan(recipe, layout_of(MOE), Hardware.target((9, 0)))  # (a pattern matching nothing: ignored)
+    assert hopper.backend == "te" and [s.key for s in hopper.substitutions] == [
+        "modules.*.experts.*.activations.amax_history_len"]
     text = format_plan(PrecisionPlan(recipe, layout_of(MOE)))
     assert "why BF16 / own policies (modules:)" in text
     assert ("0-3      mlp.experts[0-3] fc1+fc2      emulated  emulated  emulated  modules '*.experts.*': activations delayed "
@@ -221,7 +220,7 @@ def test_module_policies_run_emulated_and_the_table_shows_them():
 def test_moe_presets():
     delayed = PrecisionPlan(load_recipe("moe_delayed"), layout_of(MOE))
     expert = "decoder.layers.0.mlp.experts.local_experts.0.linear_fc2"
-    assert [delayed.module_policy(expert, r).amax_history_len for r in Role] == [1024, 16, 16]
+    assert [delayed.module_policy(expert, r).amax_history_len for r in Role] == [16, 16, 16]
     assert delayed.module_policy("decoder.layers.0.self_attention.linear_qkv", Role.GRADIENTS).amax_history_len == 1024
     assert delayed.module_override("decoder.layers.0.mlp.shared_experts.linear_fc1") is None
     blockwise = load_recipe("moe_blockwise")
@@ -229,6 +228,37 @@ def test_moe_presets():
                                                              "blockwise e4m3 1x128 pow2"]
     plan = PrecisionPlan(blockwise, layout_of(MOE)).at(0)
     assert plan.modules["output_layer"].bf16_reason and not plan.attention
+
+
+def test_module_policies_run_on_te_with_their_own_te_recipe():
+    """Per-module policies on the TE backend (H200): each ``modules:`` override is resolved as the recipe with its
+    policies; its modules run that TE recipe (the backend's per-module autocast), the others the recipe's."""
+    from fp8_recipes.plan.precision import Hardware
+    from fp8_recipes.recipe.schema import Backend, RecipeError
+
+    h200 = Hardware("cuda", (9, 0), "2.20.2", "NVIDIA H200")
+    plan = PrecisionPlan(load_recipe("moe_delayed"), layout_of(MOE), h200)
+    assert plan.backend is Backend.TE and plan.substitutions == ()
+    final = plan.at(10**6).modules
+    expert = final["decoder.layers.0.mlp.experts.local_experts.0.linear_fc2"]
+    assert expert.te.describe() == "DelayedScaling(fp8_format=HYBRID, margin=0, amax_history_len=16, amax_compute_algo=max)"
+    assert expert.override.startswith("modules '*.experts.*': weights delayed e4m3 hist 16")
+    for name in ("decoder.layers.0.self_attention.linear_qkv", "decoder.layers.0.mlp.shared_experts.linear_fc1"):
+        assert final[name].te.weights.amax_history_len == 1024 and final[name].override is None, name
+    assert plan.grouped_experts_problem() is None  # every expert the same: one GroupedLinear per fc runs them
+    assert "modules '*.experts.*'" in format_plan(plan)
+    # activations' history apart from the weights': TE keeps one delayed state for both (auto: the nearest)
+    uneven = {**load_recipe_dict("delayed"), "modules": {"*.experts.*": {"activations": {
+        "scaling": "delayed", "amax_history_len": 16}}}}
+    plan = PrecisionPlan(Recipe.from_dict(uneven), layout_of(MOE), h200)
+    assert plan.backend is Backend.TE
+    assert [s.key for s in plan.substitutions] == ["modules.*.experts.*.activations.amax_history_len"]
+    with pytest.raises(RecipeError, match=r"^modules\.\*\.experts\.\*\.activations\.amax_history_len: 16 cannot"):
+        PrecisionPlan(Recipe.from_dict({**uneven, "backend": "te"}), layout_of(MOE), h200)
+    # an override TE cannot run at all (BF16 weights with FP8 inputs): auto runs the whole plan emulated
+    odd = {**load_recipe_dict("tensorwise"), "modules": {"*.linear_proj": {"weights": {"scaling": "none"}}}}
+    plan = PrecisionPlan(Recipe.from_dict(odd), layout_of(MOE), h200)
+    assert plan.backend is Backend.EMULATED and "modules.*.linear_proj: weights.scaling: 'none'" in plan.backend_reason
 
 
 def test_routing_rows_say_the_imbalance_and_the_idle_experts():
@@ -322,3 +352,13 @@ def test_moe_statistics_where_the_recorder_cannot_merge_experts_are_refused():
                         ({"context_parallel_size": 2}, "context_parallel_size=2")):
         with pytest.raises(ConfigError, match=rf"^debug: numerics statistics of an MoE model at trainer\.{key} "):
             check_moe_statistics(trainer(**change), MOE, debug)
+
+
+def test_fp8_param_refuses_a_module_policy_inside_an_fp8_layer():
+    from fp8_recipes.plan.precision import Hardware
+
+    recipe = Recipe.from_dict({**load_recipe_dict("moe_delayed"), "fp8_param": True})
+    plan = PrecisionPlan(recipe, layout_of(MOE), Hardware("cuda", (9, 0), "2.20.2", "NVIDIA H200"))
+    line = plan.fp8_param_problem()
+    assert line.startswith("fp8_param: true quantizes each layer's weights under one TE recipe, and modules "
+                           "'*.experts.*'") and "set fp8_param: false" in line and "\n" not in line

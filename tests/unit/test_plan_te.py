@@ -29,6 +29,7 @@ EXPECTED = {
         "blockwise": ("Float8BlockScaling", "E4M3", ()),
         "moe_blockwise": ("Float8BlockScaling", "E4M3", ()),
         "delayed": ("DelayedScaling", "HYBRID", ()),
+        "moe_delayed": ("DelayedScaling", "HYBRID", ()),  # (a dense model: its experts' pattern matches nothing)
         "fast": ("DelayedScaling", "HYBRID", ()),
         "hybrid": ("Float8BlockScaling", "HYBRID", ("weights.scaling", "gradients.scaling")),
         "mxfp8": ("Float8BlockScaling", "E4M3", ("weights.scaling", "activations.scaling", "gradients.scaling")),
@@ -39,6 +40,7 @@ EXPECTED = {
         "blockwise": ("Float8BlockScaling", "E4M3", ()),
         "moe_blockwise": ("Float8BlockScaling", "E4M3", ()),
         "delayed": ("DelayedScaling", "HYBRID", ()),
+        "moe_delayed": ("DelayedScaling", "HYBRID", ()),  # (a dense model: its experts' pattern matches nothing)
         "fast": ("DelayedScaling", "HYBRID", ()),
         "hybrid": ("MXFP8BlockScaling", "HYBRID", ("activations.scaling", "gradients.scaling")),
         "mxfp8": ("MXFP8BlockScaling", "E4M3", ()),
@@ -65,16 +67,8 @@ def final(plan: PrecisionPlan):
 # Every shipped recipe on each GPU
 
 
-EMULATED_ONLY = {"moe_delayed"}
-"""Pack recipes with per-module policies (modules:), which run on the emulated backend only so far."""
-
-
 def test_the_expectations_cover_the_pack():
-    assert set(EXPECTED["H200"]) == set(EXPECTED["B200"]) == set(recipe_names()) - {"bf16"} - EMULATED_ONLY
-    for name in EMULATED_ONLY:
-        for hw in (H200, B200):
-            plan = plan_for(name, hw)
-            assert plan.backend is Backend.EMULATED and "per-module policies" in plan.backend_reason
+    assert set(EXPECTED["H200"]) == set(EXPECTED["B200"]) == set(recipe_names()) - {"bf16"}
 
 
 @pytest.mark.parametrize("gpu", sorted(HARDWARE))

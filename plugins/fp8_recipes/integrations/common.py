@@ -139,8 +139,8 @@ def _plan(recipe: Recipe, hw: Hardware, layout: ModelLayout) -> PrecisionPlan:
         raise _refuse("backend: 'emulated' runs in fp8-recipes' own training loop only; Megatron-Core (Bridge, NeMo) "
                       "runs FP8 through Transformer Engine: set backend: auto or te")
     if recipe.modules:
-        raise _refuse("modules: per-module policies run in fp8-recipes' own training loop (scripts/train.py, on the "
-                      "emulated backend) only so far; Megatron-Core runs one TE recipe per layer: remove modules:")
+        raise _refuse("modules: per-module policies run in fp8-recipes' own training loop (scripts/train.py) only so "
+                      "far, not through the Bridge / NeMo adapters: remove modules:")
     plan = PrecisionPlan(recipe, layout, hw)  # backend te: refuses a substitution in one line here
     if plan.te is None:
         why = plan.backend_reason.removeprefix("auto: the emulated backend runs the whole model as asked, ")

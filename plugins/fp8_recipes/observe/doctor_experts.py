@@ -209,14 +209,18 @@ def expert_proposals(causes: list[ExpertCause], recipe: Recipe) -> list[Proposal
         tensorwise = {**kept, **{role: {"scaling": str(Scaling.TENSORWISE), "format": str(p.format),
                                         "margin": p.margin} for role, p in policies.items()}}
         bf16 = {str(r): {"scaling": str(Scaling.NONE)} for r in ROLES}
-        # (a recipe with modules: runs on the emulated backend: Transformer Engine runs one recipe per layer here)
-        where = f"{c.text}; per-module policies run emulated, also on an FP8 GPU"
+        # (Transformer Engine runs a layer's grouped experts, moe_grouped_gemm, under one recipe: check_plan refuses)
+        where = (f"{c.text}; with model.moe_grouped_gemm=true on Transformer Engine a layer's experts share one "
+                 f"recipe: run it with moe_grouped_gemm=false there")
         if c.cause == "routing_shift":
             hist = min(policies.values(), key=lambda p: p.amax_history_len).amax_history_len
             short = SHORT_HISTORY if hist > SHORT_HISTORY else max(1, hist // 2)
+            weights = recipe.module_policy(module, "weights")
+            if "activations" in policies and weights.scaling is Scaling.DELAYED:
+                policies = {**policies, "weights": weights}  # TE: one delayed state for a module's input and weight
             shorter = {**kept, **{role: _role_dict(p, amax_history_len=short) for role, p in policies.items()}}
             out.append(Proposal({"modules": {c.pattern: shorter}},
-                                f"{', '.join(c.roles)} of layer {c.layer} expert {c.expert} with a {short}-step "
+                                f"{', '.join(policies)} of layer {c.layer} expert {c.expert} with a {short}-step "
                                 f"amax history (from {hist}): the amaxes of the tokens before the shift leave it "
                                 f"{short} steps after it; every other module as it was ({where})"))
             out.append(Proposal({"modules": {c.pattern: tensorwise}}, "or current scaling for them: no history to "

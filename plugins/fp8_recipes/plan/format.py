@@ -199,6 +199,8 @@ def format_plan(plan: PrecisionPlan, max_steps: int | None = None, parallel: Par
             te = next((m.te for m in step_plan.modules.values() if m.te is not None), None)
             runs = te.describe() if te is not None else "BF16"
             lines.append(f"  {'':<20} TE: {runs}" + (f" ({step_plan.note})" if step_plan.note else ""))
+            own = {m.override.split(":")[0]: m.te for m in step_plan.modules.values() if m.override and m.te != te}
+            lines += [f"  {'':<20} TE, {pattern}: {t.describe() if t else 'BF16'}" for pattern, t in own.items()]
     if sched.full_precision_eval_interval:
         lines.append(f"  full-precision evaluation every {sched.full_precision_eval_interval} steps")
 

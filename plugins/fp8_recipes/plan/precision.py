@@ -348,6 +348,8 @@ class PrecisionPlan:
         self.hardware = hardware or Hardware()
         self.te: TEResolution | None = None
         """The TE resolution (policies as TE runs them, substitutions) when the backend is te, else None."""
+        self._te_modules: dict[str, TEResolution] = {}
+        """On TE: each ``modules:`` override's resolution by pattern (the recipe with that override's policies)."""
         self.backend, self.backend_reason = self._resolve_backend()
         self._cache: dict[frozenset[Role], StepPlan] = {}
 
@@ -365,18 +367,13 @@ class PrecisionPlan:
             return Backend.TE, "no FP8 role: every GEMM runs BF16 in Transformer Engine's layers"
         if want is Backend.EMULATED:
             return Backend.EMULATED, "requested"
-        if self.recipe.modules:  # one TE recipe per layer today: per-module policies are the emulated backend's
-            if want is Backend.TE:
-                raise RecipeError(["modules: per-module policies run on the emulated backend only so far (the TE "
-                                   "backend runs one TE recipe per layer); set backend: emulated (or auto)"])
-            return Backend.EMULATED, "auto: per-module policies (modules:) run on the emulated backend only so far"
         if want is Backend.TE and not te_ready:
             raise RecipeError([f"backend: 'te' needs a CUDA GPU with FP8 (sm_89+) and Transformer Engine; this "
                                f"machine has {hw.describe()}; set backend: emulated (or auto)"])
         if not te_ready:
             return Backend.EMULATED, f"auto: {hw.describe()} has no Transformer Engine FP8 backend"
         resolution = resolve_te(self.recipe, hw.compute_capability, hw.name)
-        resolution = self._te_attention_substitution(resolution)
+        resolution = self._with_module_overrides(self._te_attention_substitution(resolution))
         if want is Backend.TE:
             refusal = resolution.refusal()
             if refusal:  # one line, before any model is built: the user asked for exactly this recipe on TE
@@ -402,6 +399,36 @@ class PrecisionPlan:
         return dataclasses.replace(resolution, substitutions=resolution.substitutions + (Substitution(
             "attention", "fp8", "FP8 attention", "BF16 attention", why,
             "give activations and gradients delayed scaling, or set attention: bf16"),))
+
+    def _with_module_overrides(self, resolution: TEResolution) -> TEResolution:
+        """The recipe's resolution with every ``modules:`` override resolved too (each as the recipe with that
+        override's policies; kept in ``_te_modules`` by pattern, the TE recipe of its modules): their substitutions
+        join the plan's under ``modules.PATTERN.`` keys, and an override TE cannot run at all makes the plan's (a
+        pattern that matches no module is only the plan's warning)."""
+        hw, subs = self.hardware, list(resolution.substitutions)
+        unsupported, fix = resolution.unsupported, resolution.unsupported_fix
+        for override in self.recipe.modules:
+            if override.pattern in self.unmatched_module_patterns:
+                continue  # (a warning in the plan)
+            variant = dataclasses.replace(self.recipe, modules=(), **{
+                str(r): override.policy(r) or self.recipe.policy(r) for r in ROLES})
+            own = self._te_modules[override.pattern] = resolve_te(variant, hw.compute_capability, hw.name)
+            subs += [dataclasses.replace(sub, key=f"modules.{override.pattern}.{sub.key}")
+                     for sub in own.substitutions]
+            if own.unsupported and not unsupported:
+                unsupported, fix = f"modules.{override.pattern}: {own.unsupported}", own.unsupported_fix
+        return dataclasses.replace(resolution, substitutions=tuple(subs), unsupported=unsupported,
+                                   unsupported_fix=fix)
+
+    @property
+    def te_resolutions(self) -> tuple[TEResolution, ...]:
+        """On TE: the recipe's resolution, then each ``modules:`` override's (empty on the emulated backend)."""
+        return (self.te, *self._te_modules.values()) if self.te is not None else ()
+
+    def _te_resolution(self, name: str) -> TEResolution:
+        """The TE resolution module ``name`` runs: its ``modules:`` override's, else the recipe's."""
+        override = self.module_override(name)
+        return self._te_modules[override.pattern] if override is not None else self.te
 
     def attention_layers(self, roles: frozenset[Role]) -> frozenset[int]:
         """Layers whose core attention runs FP8 while `roles` are on: with ``attention: fp8``, once activations and
@@ -442,7 +469,7 @@ class PrecisionPlan:
         if expert_parallel <= 1 or self.te is None or self.te.unsupported:
             return None
         if self.recipe.amax_reduction is AmaxReduction.NONE or not any(
-                p.scaling is Scaling.DELAYED for p in self.te.policies.values()):
+                p.scaling is Scaling.DELAYED for res in self.te_resolutions for p in res.policies.values()):
             return None
         return (f"trainer.expert_model_parallel_size={expert_parallel} with delayed scaling on Transformer Engine: its "
                 f"amax reduction would merge different experts' amaxes (not wired for expert parallelism yet); use "
@@ -490,6 +517,10 @@ class PrecisionPlan:
                 return (f"fp8_param: true stores each layer's weights in one precision, and {mp.bf16_reason} keeps "
                         f"{mp.name} BF16 inside FP8 layer {mp.layer}; match whole layers (e.g. "
                         f"'decoder.layers.{mp.layer}.*') or set fp8_param: false")
+            if mp.layer in layers and mp.te != layers[mp.layer]:
+                return (f"fp8_param: true quantizes each layer's weights under one TE recipe, and {mp.override} "
+                        f"gives {mp.name} another inside layer {mp.layer}; give the whole layer one policy or set "
+                        f"fp8_param: false")
         te = next(iter(layers.values()), None)
         if te is None:
             return None  # every layer BF16: nothing to store in FP8
@@ -554,10 +585,7 @@ class PrecisionPlan:
         if cached is None:
             attention = self.attention_layers(roles)
             if self.te is not None:
-                te = te_recipe_for(self.te, roles)
-                te_attn = dataclasses.replace(te, fp8_dpa=True) if te is not None and attention else te
-                modules = {n: self._te_module_plan(n, roles, te_attn if self.layout.layer_of(n) in attention else te)
-                           for n in self.layout.module_names}
+                modules = {n: self._te_module_plan(n, roles, attention) for n in self.layout.module_names}
                 note = te_stage_note(roles, self.roles_fp8_at(10**12))
             else:
                 modules, note = {n: self._module_plan(n, roles) for n in self.layout.module_names}, ""
@@ -590,17 +618,22 @@ class PrecisionPlan:
         note = f"modules '{override.pattern}': {override.describe()}" if override and reason is None else None
         return ModulePlan(name, self.layout.layer_of(name), reason, gemms, override=note)
 
-    def _te_module_plan(self, name: str, roles: frozenset[Role], te: TERecipe | None) -> ModulePlan:
-        """A module on the TE backend: the stage's TE recipe unless the module is kept BF16 (the LM head runs it
+    def _te_module_plan(self, name: str, roles: frozenset[Role], attention: frozenset[int]) -> ModulePlan:
+        """A module on the TE backend: the stage's TE recipe of its resolution (its ``modules:`` override's, else
+        the recipe's; FP8 attention in the ``attention`` layers) unless the module is kept BF16 (the LM head runs it
         through a te.Linear when ``fp8_output_layer`` is on: megatron/te_layers.py)."""
         reason = self.bf16_reason(name)
-        te = te if reason is None else None
+        te = te_recipe_for(self._te_resolution(name), roles) if reason is None else None
+        if te is not None and self.layout.layer_of(name) in attention:
+            te = dataclasses.replace(te, fp8_dpa=True)
+        override = self.module_override(name)
         gemms = {}
         for gemm, (a, b) in GEMM_OPERANDS.items():
             fp8 = te is not None and (gemm is Gemm.FPROP or not te.forward_only)
             ops = tuple((r, te.policy(r) if fp8 else None) for r in (a, b))
             gemms[gemm] = GemmPlan(gemm, Execution.FP8 if fp8 else Execution.BF16, ops)
-        return ModulePlan(name, self.layout.layer_of(name), reason, gemms, te)
+        note = f"modules '{override.pattern}': {override.describe()}" if override and reason is None else None
+        return ModulePlan(name, self.layout.layer_of(name), reason, gemms, te, override=note)
 
     def _execution(self, operands) -> Execution:
         if all(p is None for _, p in operands):

@@ -247,7 +247,8 @@ def _runs_on_te(plan) -> bool:
 
 def _delayed_on_te(plan) -> bool:
     """Whether Transformer Engine runs delayed scaling for some role of the plan."""
-    return _runs_on_te(plan) and any(p.scaling is Scaling.DELAYED for p in plan.te.policies.values())
+    return _runs_on_te(plan) and any(p.scaling is Scaling.DELAYED for res in plan.te_resolutions
+                                     for p in res.policies.values())
 
 
 def check_sequence_parallel_amax(trainer, plan) -> None:
