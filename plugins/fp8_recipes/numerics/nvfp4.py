@@ -1,0 +1,291 @@
+"""NVFP4 (E2M1 codes, E4M3 block scales, one FP32 scale per tensor) as Transformer Engine 2.20.2 computes it.
+
+Pure torch, any device. Bit-exact with TE's pure-PyTorch oracle, ``NVFP4QuantizerRef``
+(``transformer_engine.pytorch.custom_recipes.reference_nvfp4``; tests/gpu/test_nvfp4_ref.py compares on the H200),
+and with an independent float64 reference on the CPU (tests/unit/test_nvfp4.py). What TE does, and we do:
+
+* **Copies.** A tensor is viewed as 2-D (leading dims flattened). The rowwise copy quantizes x; the columnwise
+  copy quantizes x^T (TE's ``data_t``: what the wgrad GEMM reads, reducing over x's rows), with the RHT if enabled.
+  Each copy has its own global amax (the columnwise one taken after the RHT).
+* **Global scale.** amax = max |x| in float32 (NaN propagates, as torch.max). S_enc = 448 * 6 / amax (float32
+  division), at most float32 max; 1 where that is 0 (amax inf). amax 0 gives 1 in TE's kernels and float32 max in
+  the reference; no output differs (every code and block scale is 0 either way); we return the kernels' 1.
+* **Blocks.** 1x16 along the row, or 16x16 (2-D, for weights), zero-padded to whole blocks (zeros never raise an
+  amax). One E4M3 scale per 1x16 row segment: 16x16 blocks repeat theirs over their 16 rows (TE's reference keeps
+  the padded rows too; we crop them).
+* **Block scale.** E4M3 (round to nearest even) of min(block_amax * (S_enc * fp32(1/6)), float32 max) clamped to 448.
+  Encode multiplier min(1 / (float(scale) * (1 / S_enc)), float32 max): a block whose scale underflows to 0 gets
+  float32 max, so its (tiny) values saturate to ±6 codes that decode to 0.
+* **Codes.** x * multiplier clamped to ±6, rounded to E2M1 {0, .5, 1, 1.5, 2, 3, 4, 6} nearest-even (ties to the
+  even code). The sign bit is set for values < 0 only: -0.0 becomes code 0, a small negative that rounds to zero
+  code 8. Two codes per byte, element 2j in the low nibble (an odd width: TE's reference keeps c // 2 bytes and
+  drops the last element; we keep ceil(c / 2)). NaN anywhere makes amax NaN: every scale NaN, every code 0 (the
+  reference's behaviour; TE's CUDA kernels ignore NaN in the amax instead).
+* **RHT.** H = diag(s) H16 / 4: H16 the Sylvester Hadamard matrix, s = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1,
+  -1, 1, -1, -1) (TE's ``get_wgrad_sign_vector``; bit mask 0xD7E8 in its kernels), applied to each 16 consecutive
+  values along the last dim of x^T, x_16 @ H, on the columnwise copy only. TE's reference runs it as a torch
+  matmul in the input dtype (float32 accumulation, one rounding to the input dtype at the end), so its last bits
+  are cuBLAS's. We sum k = 0..15 in order in float32 and round once. Measured on the H200 (torch 2.11, CUDA 13):
+  float32 inputs match where cuBLAS sums in order, 6144 to 524288 blocks of 16 (another order below 6144 blocks,
+  and a few values differ at 2^20 blocks);
+  bf16 inputs match wherever the float32 sums are exact (e.g. randn, 16M values), while bf16 values spread over 60
+  binades differ in about 1 of 10^4 RHT'd values (the tensor cores' accumulation is no float32 sequence).
+* **Dequantize** (TE's dequantize kernel): e2m1 * (float(scale) * amax * fp32(1 / 2688)), cast to the dtype.
+* **Stochastic rounding** (TE: gradients; the reference has none). TE's kernels take 8 random bits per element
+  from Philox (``cvt.rs.satfinite.e2m1x4.f32``, or its software fallback): t = |x| + u * step with u = r / 256 and
+  step the grid spacing at |x|, then t floored onto the grid at t, at most 6, sign of x: up with probability
+  P(u >= 1 - f) for a value a fraction f of a step above its lower neighbour. With u on a 1/256 grid that is
+  floor(256 f) / 256: biased towards zero by up to 1/256 of a step. We round up where u < f (the same law, and
+  exact in float32: f is computed without rounding) with u a float32 uniform (24 bits) from the caller's
+  generator or seed: unbiased to 2^-24 of a step, deterministic given the seed; not TE's Philox stream.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fp8_recipes.numerics.formats import FLOAT32_MAX, fp8_to_float32
+
+__all__ = [
+    "E2M1_MAX", "NVFP4Quantized", "RHT_SIGNS", "apply_rht", "dequantize_nvfp4", "e2m1_codes", "e2m1_to_float32",
+    "fake_quant_nvfp4", "nvfp4_block_scales", "nvfp4_global_scale", "pack_e2m1", "quantize_nvfp4", "rht_matrix",
+    "unpack_e2m1",
+]
+
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+NVFP4_BLOCK = 16
+NVFP4_BLOCKS = ((1, NVFP4_BLOCK), (NVFP4_BLOCK, NVFP4_BLOCK))
+RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
+"""TE's wgrad sign vector: RHT row k of the Hadamard matrix is multiplied by RHT_SIGNS[k]."""
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+@dataclass
+class NVFP4Quantized:
+    """One NVFP4 copy (rowwise or columnwise) of a tensor, in TE's layout."""
+
+    codes: torch.Tensor
+    """uint8, (r, ceil(c / 2)): two E2M1 codes per byte, element 2j in the low nibble. (r, c) is the copy's 2-D
+    view: (rows, cols) of x rowwise, (cols, rows) columnwise (x^T)."""
+    block_scales: torch.Tensor
+    """torch.float8_e4m3fn, (r, ceil(c / 16)): one decode scale per 1x16 segment (repeated over 16 rows for 16x16
+    blocks). ``.view(torch.uint8)`` gives the bytes."""
+    global_amax: torch.Tensor
+    """float32 0-dim: max |value| of this copy (after the RHT for a transformed columnwise copy)."""
+    global_scale: torch.Tensor
+    """float32 0-dim: S_enc = 448 * 6 / global_amax (TE's global encode scale), 1 for amax 0 or inf."""
+    shape: torch.Size
+    """The original tensor's shape."""
+    dtype: torch.dtype
+    """The original tensor's dtype (what dequantize_nvfp4 returns)."""
+    block: tuple[int, int]
+    """(1, 16) or (16, 16), in the copy's 2-D view."""
+    columnwise: bool
+    rht: bool
+    """Whether the RHT was applied (columnwise copies only): dequantized values are then H-rotated."""
+
+
+def rht_matrix(device: torch.device | str | None = None) -> torch.Tensor:
+    """TE's RHT matrix diag(RHT_SIGNS) @ H16 / 4 in float32 (entries ±1/4; H H^T = I)."""
+    h = torch.ones(1, 1, dtype=torch.float32, device=device)
+    while h.shape[0] < NVFP4_BLOCK:  # Sylvester: [[H, H], [H, -H]]
+        h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)], dim=0)
+    signs = torch.tensor(RHT_SIGNS, dtype=torch.float32, device=device)
+    return signs[:, None] * h * 0.25
+
+
+def apply_rht(x: torch.Tensor) -> torch.Tensor:
+    """x_16 @ rht_matrix() for each 16 consecutive values along the last dim, in x's dtype: a float32 sum over
+    k = 0..15 in order, rounded once to x's dtype (see the module docstring for how that matches cuBLAS)."""
+    if x.shape[-1] % NVFP4_BLOCK:
+        raise ValueError(f"rht: the last dim ({x.shape[-1]}) must be a multiple of {NVFP4_BLOCK}")
+    h = rht_matrix(x.device)
+    blocks = x.reshape(-1, NVFP4_BLOCK).float()
+    out = torch.zeros_like(blocks)
+    for k in range(NVFP4_BLOCK):  # products are exact (x * ±1/4): only the order of the sums matters
+        out.addcmul_(blocks[:, k:k + 1], h[k])
+    return out.reshape(x.shape).to(x.dtype)
+
+
+def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
+    """S_enc = 448 * 6 / amax (float32), at most float32 max; 1 for amax 0 or inf; NaN for NaN (TE's reference)."""
+    amax = amax.float()
+    fp8_fp4_max = torch.full((), E4M3_MAX * E2M1_MAX, dtype=torch.float32, device=amax.device)
+    scale = torch.minimum(fp8_fp4_max / amax, _float32_max(amax))  # minimum keeps NaN, as the reference's torch.min
+    return torch.where((amax == 0) | (scale == 0), torch.ones_like(scale), scale)
+
+
+def nvfp4_block_scales(block_amax: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """E4M3 decode scale per block: block_amax * (S_enc * fp32(1/6)), at most float32 max, clamped to 448."""
+    fp4_max_inv = torch.reciprocal(torch.full((), E2M1_MAX, dtype=torch.float32, device=block_amax.device))
+    scale = torch.minimum(block_amax.float() * (global_scale * fp4_max_inv), _float32_max(block_amax))
+    # (scale >= 0 or NaN; abs makes a NaN +NaN, byte 0x7F, on every device: CUDA's canonical NaN is positive)
+    return scale.abs_().clamp_(max=E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def _encode_multiplier(block_scales: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """What each block's values are multiplied by before rounding: 1 / (scale * (1 / S_enc)), at most float32 max."""
+    global_decode = torch.reciprocal(global_scale)
+    return torch.minimum(torch.reciprocal(fp8_to_float32(block_scales) * global_decode), _float32_max(global_scale))
+
+
+def _float32_max(like: torch.Tensor) -> torch.Tensor:
+    return torch.full((), FLOAT32_MAX, dtype=torch.float32, device=like.device)
+
+
+def e2m1_codes(scaled: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """E2M1 codes (uint8, 0..15, unpacked) of float32 values already clamped to ±6: round to nearest even, or
+    stochastic rounding with one float32 uniform per element from `generator` (the tensor's device). NaN -> 0."""
+    a = scaled.abs().nan_to_num(nan=0.0)
+    region = _e2m1_region(a)
+    in_steps = a * _region_inv_step(region)  # exact (the step is a power of two); region r starts at code 2r
+    if generator is None:
+        mag = torch.round(in_steps)  # round() is half-to-even: ties go to the even code
+    else:
+        mag = torch.floor(in_steps)
+        fraction = in_steps - mag  # exact: the part of a step above the lower neighbour
+        u = torch.rand(a.shape, generator=generator, dtype=torch.float32, device=a.device)
+        mag += (u < fraction).float()  # up with probability fraction (TE: |x| + u * step reaches the upper one)
+    codes = (mag + 2 * region).clamp_(max=7).to(torch.uint8)
+    return codes | ((scaled < 0).to(torch.uint8) << 3)
+
+
+def _e2m1_region(a: torch.Tensor) -> torch.Tensor:
+    """0 below 2 (step 0.5), 1 in [2, 4) (step 1), 2 from 4 (step 2), as float32."""
+    return (a >= 2).float() + (a >= 4).float()
+
+
+def _region_inv_step(region: torch.Tensor) -> torch.Tensor:
+    return torch.where(region == 0, 2.0, torch.where(region == 1, 1.0, 0.5)).float()
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """(r, c) codes 0..15 -> (r, ceil(c / 2)) bytes, element 2j in the low nibble (TE's order)."""
+    if codes.shape[-1] % 2:
+        codes = torch.nn.functional.pad(codes, (0, 1))
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_e2m1(packed: torch.Tensor, cols: int | None = None) -> torch.Tensor:
+    """Inverse of pack_e2m1: (r, n) bytes -> (r, cols) codes (cols defaults to 2n)."""
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+    return codes if cols is None else codes[..., :cols]
+
+
+def e2m1_to_float32(codes: torch.Tensor) -> torch.Tensor:
+    """Values of unpacked E2M1 codes (0..15; code 8 is -0.0)."""
+    table = torch.tensor(_E2M1_VALUES + tuple(-v for v in _E2M1_VALUES), dtype=torch.float32, device=codes.device)
+    return torch.take(table, codes.to(torch.int64))
+
+
+def _rows_cols(shape) -> tuple[int, int]:
+    """The 2-D view: (leading dims flattened, last dim)."""
+    return (math.prod(shape[:-1]), shape[-1]) if len(shape) else (1, 1)
+
+
+def _check_block(block) -> tuple[int, int]:
+    block = tuple(block)
+    if block not in NVFP4_BLOCKS:
+        raise ValueError(f"block: {list(block)} is not an NVFP4 block; use [1, 16] or [16, 16] (2-D, for weights)")
+    return block
+
+
+def _padded_blocks(hp: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """Zero-pad a 2-D float32 tensor to whole blocks: rows to block[0], cols to 16."""
+    pr, pc = -hp.shape[0] % block[0], -hp.shape[1] % NVFP4_BLOCK
+    return torch.nn.functional.pad(hp, (0, pc, 0, pr)) if pr or pc else hp
+
+
+def _block_amax(padded: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """max |x| per 1x16 segment, (R, C / 16); a 16x16 block's amax repeated over its 16 rows. NaN propagates."""
+    r, c = padded.shape
+    if block[0] == 1:
+        return padded.reshape(r, c // NVFP4_BLOCK, NVFP4_BLOCK).abs().amax(dim=-1)
+    tiles = padded.reshape(r // NVFP4_BLOCK, NVFP4_BLOCK, c // NVFP4_BLOCK, NVFP4_BLOCK).abs().amax(dim=(1, 3))
+    return tiles.repeat_interleave(NVFP4_BLOCK, dim=0)
+
+
+def _sr_generator(device: torch.device, generator: torch.Generator | None, seed: int | None) -> torch.Generator:
+    if (generator is None) == (seed is None):
+        raise ValueError("stochastic_rounding: pass exactly one of generator= or seed= (never the global RNG, "
+                         "which a resumed run would not reproduce)")
+    if generator is None:
+        return torch.Generator(device=device).manual_seed(seed)
+    if generator.device.type != device.type:
+        raise ValueError(f"stochastic_rounding: the generator is on {generator.device}, the tensor on {device}; "
+                         "use a generator of the tensor's device")
+    return generator
+
+
+def quantize_nvfp4(
+    x: torch.Tensor,
+    *,
+    block: tuple[int, int] = (1, NVFP4_BLOCK),
+    columnwise: bool = False,
+    rht: bool = False,
+    stochastic_rounding: bool = False,
+    generator: torch.Generator | None = None,
+    seed: int | None = None,
+) -> NVFP4Quantized:
+    """Quantize one copy of `x` to NVFP4 as TE's NVFP4QuantizerRef does.
+
+    block: (1, 16), or (16, 16) for 2-D weight blocks. columnwise: quantize x^T (TE's columnwise copy, the wgrad
+    GEMM's operand) instead of x. rht: TE's ``with_rht``: the columnwise copy is transformed (x's rows must then be
+    a multiple of 16); the rowwise copy never is. stochastic_rounding: round the codes stochastically with
+    uniforms from `generator` (on x's device, advanced by one draw per padded element) or from a fresh generator
+    seeded with `seed`: derive the seed from (run seed, step, layer, role) and a resumed run rounds the same.
+    """
+    block = _check_block(block)
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):  # TE's reference's input types
+        raise ValueError(f"quantize_nvfp4: x is {x.dtype}; NVFP4 quantizes float32, bfloat16 or float16 tensors")
+    if not stochastic_rounding and (generator is not None or seed is not None):
+        raise ValueError("quantize_nvfp4: generator= / seed= are for stochastic_rounding=True only")
+    shape = x.shape
+    rows, cols = _rows_cols(shape)
+    x2d = x.detach().reshape(rows, cols)
+    if columnwise:
+        x2d = x2d.t()
+        if rht:
+            if rows % NVFP4_BLOCK:
+                raise ValueError(f"rht: the columnwise copy is transformed along x's rows, so they must be a multiple "
+                                 f"of {NVFP4_BLOCK}; x has shape {tuple(shape)} ({rows} rows)")
+            x2d = apply_rht(x2d.contiguous())  # in x's dtype, as TE's reference: its amax and codes see the rounding
+    hp = x2d.float()
+    r, c = hp.shape
+    amax = hp.abs().amax() if hp.numel() else torch.zeros((), dtype=torch.float32, device=hp.device)
+    global_scale = nvfp4_global_scale(amax)
+    padded = _padded_blocks(hp, block)
+    block_scales = nvfp4_block_scales(_block_amax(padded, block), global_scale)
+    multiplier = _encode_multiplier(block_scales, global_scale)
+    pr, pc = padded.shape
+    scaled = padded.reshape(pr, pc // NVFP4_BLOCK, NVFP4_BLOCK) * multiplier[..., None]
+    scaled = scaled.clamp_(-E2M1_MAX, E2M1_MAX).reshape(pr, pc)
+    gen = _sr_generator(hp.device, generator, seed) if stochastic_rounding else None
+    codes = e2m1_codes(scaled, gen)[:r, :c]
+    return NVFP4Quantized(codes=pack_e2m1(codes), block_scales=block_scales[:r], global_amax=amax,
+                          global_scale=global_scale, shape=shape, dtype=x.dtype, block=block, columnwise=columnwise,
+                          rht=rht and columnwise)
+
+
+def dequantize_nvfp4(q: NVFP4Quantized, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """codes * (block scale * global amax * fp32(1/2688)) as TE's dequantize kernel, in x's shape and `dtype`
+    (q.dtype by default). A columnwise copy is transposed back; with the RHT its values stay rotated (what the
+    wgrad GEMM multiplies: both operands rotated along the reduction dim, so the product is unchanged)."""
+    rows, cols = _rows_cols(q.shape)
+    r, c = (cols, rows) if q.columnwise else (rows, cols)
+    padded_cols = q.block_scales.shape[1] * NVFP4_BLOCK  # >= the 2 * ceil(c / 2) unpacked codes
+    values = e2m1_to_float32(unpack_e2m1(q.codes))
+    values = torch.nn.functional.pad(values, (0, padded_cols - values.shape[1]))
+    factor_inv = torch.reciprocal(torch.full((), E4M3_MAX * E2M1_MAX, dtype=torch.float32, device=values.device))
+    per_block = fp8_to_float32(q.block_scales) * q.global_amax * factor_inv
+    hp = (values.reshape(r, -1, NVFP4_BLOCK) * per_block[..., None]).reshape(r, padded_cols)[:, :c]
+    return (hp.t() if q.columnwise else hp).reshape(q.shape).to(dtype or q.dtype)
+
+
+def fake_quant_nvfp4(x: torch.Tensor, **kwargs) -> torch.Tensor:
+    """dequantize_nvfp4(quantize_nvfp4(x, **kwargs)): x as the NVFP4 GEMM sees it, in x's shape and dtype."""
+    return dequantize_nvfp4(quantize_nvfp4(x, **kwargs))
