@@ -87,7 +87,7 @@ def _cmd_memory(args) -> int:
     # this command's own (module docstring)
     from fp8_recipes.megatron.model_config import check_model_cfg
     from fp8_recipes.plan.memory import (LLAMA3, MIXTRAL, OptimizerPrecision, estimate_stages, format_estimate,
-                                         fp8_layers_of, fp8_weight_copy_bytes)
+                                         fp8_modules_of, fp8_weight_copy_bytes)
 
     layout = ParallelLayout.parse(args.layout)
     published = {**LLAMA3, **MIXTRAL}
@@ -104,12 +104,12 @@ def _cmd_memory(args) -> int:
         use_precision_aware_optimizer=args.precision_aware_optimizer or any(v != "fp32" for v in dtypes.values()),
         grad_reduce_in_fp32=not args.grad_reduce_in_bf16, **dtypes)
     fp8, fp8_param, per_recipe = args.fp8, args.fp8_param, {}
-    if args.recipe is not None:  # the recipe says FP8 or not, fp8_param, the FP8 layers and its weight copies
+    if args.recipe is not None:  # the recipe says FP8 or not, fp8_param, the FP8 linears and their weight copies
         if args.fp8 or args.fp8_param:
             raise ValueError("memory: --recipe says whether it is FP8 and stores FP8 weights; drop --fp8 / --fp8-param")
         recipe = load_recipe(args.recipe)
         fp8, fp8_param = recipe.is_fp8, recipe.fp8_param
-        per_recipe = {"fp8_layers": fp8_layers_of(recipe, int(model["num_layers"])),
+        per_recipe = {"fp8_modules": fp8_modules_of(recipe, model),
                       "fp8_weight_bytes": fp8_weight_copy_bytes(recipe)} if fp8 else {}
     common = {"micro_batch_size": args.mbs, "seq_length": args.seq, "fp8": fp8, "fp8_param": fp8_param,
               "distributed_optimizer": not args.replicated_optimizer, "optimizer": optimizer}

@@ -349,6 +349,61 @@ def test_a_recipe_sets_the_fp8_layers_and_the_weight_copies():
             < moe(ParallelLayout(), **long).activations)
 
 
+def test_fp8_copies_only_for_the_linears_the_plan_runs_in_fp8(tmp_path, capsys):
+    from fp8_recipes.plan.memory import fp8_modules_of
+    from fp8_recipes.recipe.pack import load_recipe_dict
+    from fp8_recipes.recipe.schema import Recipe
+
+    def modules_of(**changes) -> frozenset[str]:
+        return fp8_modules_of(Recipe.from_dict({**load_recipe_dict("tensorwise"), **changes}), SMALL_MOE)
+
+    every = moe(ParallelLayout(), fp8=True)
+    assert moe(ParallelLayout(), fp8=True, fp8_modules=modules_of()) == every  # every linear FP8: the default's
+    bf16_experts = moe(ParallelLayout(), fp8=True, fp8_modules=modules_of(layers={"bf16_modules": ["*experts*"]}))
+    assert bf16_experts.fp8_weights == 2 * (2 * 36_864 + 2 * MOE_LINEARS)  # the dense layers and MoE attention only
+    assert dict(bf16_experts.experts)["fp8_weights"] == 0 and bf16_experts.activations == every.activations
+    # expert 0 of each MoE layer BF16: EP rank 0 holds it; the estimate is rank 1's, with both of its experts FP8
+    one = modules_of(layers={"bf16_modules": ["*.local_experts.0.*"]})
+    assert dict(moe(ParallelLayout(ep=2, dp=2), fp8=True, fp8_modules=one).experts)["fp8_weights"] == 2 * 2 * 2 * EXPERT
+    assert dict(moe(ParallelLayout(), fp8=True, fp8_modules=one).experts)["fp8_weights"] == 2 * 2 * 3 * EXPERT
+    # a per-module policy that keeps the experts' weights BF16 leaves them no FP8 copy
+    no_weights = modules_of(modules={"*.experts.*": {"weights": "none"}})
+    assert dict(moe(ParallelLayout(), fp8=True, fp8_modules=no_weights).experts)["fp8_weights"] == 0
+    assert len(modules_of(layers={"fp8_output_layer": True}) - modules_of()) == 1  # the LM head's copy
+    recipe = tmp_path / "bf16_experts.yaml"
+    recipe.write_text("defaults: [delayed, _self_]\nname: bf16_experts\nlayers: {bf16_modules: ['*experts*']}\n")
+    for name in ("delayed", str(recipe)):
+        assert cli.main(["memory", "mixtral_8x7b_4l", "--seq", "4096", "--recipe", name]) == 0
+    delayed, kept = (float(re.search(r"^  fp8_weights +([\d.]+) GiB", out, re.M)[1])
+                     for out in capsys.readouterr().out.split("mixtral_8x7b_4l: ")[1:])
+    attention = 4096 * (6144 + 4096)  # qkv (GQA 32/8) and proj; 2 B per parameter, 4 layers
+    assert (delayed, kept) == (pytest.approx(2 * 4 * (8 * 3 * 4096 * 14336 + attention) / GIB, abs=0.05),
+                               pytest.approx(2 * 4 * attention / GIB, abs=0.05))
+
+
+def test_expert_tp_must_divide_the_experts_ffn_in_memory_and_training():
+    from fp8_recipes.plan.precision import TRAINER_WORDS
+    from fp8_recipes.training.config import TrainerConfig
+
+    with pytest.raises(ValueError, match=r"^--layout: etp=3 \(the experts' TP size\) does not divide the experts' "
+                                         r"FFN width \(model.moe_ffn_hidden_size=32\); set etp to a divisor of 32$"):
+        moe(ParallelLayout(etp=3, dp=3))
+    with pytest.raises(ValueError, match=r"^--layout: tp=3 \(the experts' TP size\) does not divide"):
+        ParallelLayout(tp=3).check_experts(4, 32)
+    ParallelLayout(tp=3, etp=1).check_experts(4, 32)
+    trainer = TrainerConfig.from_cfg({"expert_tensor_parallel_size": 3})
+    with pytest.raises(ValueError, match=r"^trainer\.expert_tensor_parallel_size=3 does not divide the experts' FFN "
+                                         r"width \(model.moe_ffn_hidden_size=32\); pick a divisor of it$"):
+        trainer.check_experts(SMALL_MOE, 3)
+    with pytest.raises(ValueError, match=r"^trainer\.expert_tensor_parallel_size=3 does not divide"):
+        ParallelLayout(etp=3, dp=3).check_experts(4, 32, TRAINER_WORDS)  # the trainer's check is this one
+    with pytest.raises(ValueError, match=r"^trainer\.expert_model_parallel_size: expert tensor parallel x EP x "
+                                         r"pipeline = 1 x 2 x 1 = 2 does not divide the 1 launched processes"):
+        TrainerConfig.from_cfg({"expert_model_parallel_size": 2}).check_experts(SMALL_MOE, 1)
+    with pytest.raises(ValueError, match=r"^trainer\.expert_tensor_parallel_size=1: the model has no experts"):
+        TrainerConfig.from_cfg({"expert_tensor_parallel_size": 1}).check_experts(SMALL, 1)
+
+
 def test_memory_command_estimates_an_moe_model(capsys):
     assert cli.main(["memory", "mixtral_8x7b_4l", "--seq", "4096", "--recipe", "delayed"]) == 0
     out = capsys.readouterr().out

@@ -36,8 +36,9 @@ state sharded over the expert-data-parallel ranks (tp x cp x dp / (expert TP x E
 (expert TP x EP x PP)) instead of dp x cp. FP8 weight copies cover the experts and the shared expert. Activations
 per MoE layer: what :func:`_moe_layer_bytes` lists (the routed rows top-k x tokens, FP8 padding, router scores, the
 dispatch buffers of the one layer running), with balanced routing (a skewed step puts more rows on some ranks).
-``fp8_layers`` / ``fp8_weight_bytes`` take a recipe's first/last BF16 layers and weight scaling
-(:func:`fp8_layers_of`, :func:`fp8_weight_copy_bytes`; `fp8-recipes memory --recipe`).
+``fp8_modules`` / ``fp8_weight_bytes`` take the linears a recipe's plan quantizes the weights of and its weight
+scaling (:func:`fp8_modules_of`, :func:`fp8_weight_copy_bytes`; `fp8-recipes memory --recipe`): FP8 copies only for
+those (bf16_modules, per-module policies and fp8_output_layer as the plan applies them).
 
 The first stage holds the embedding, the last the LM head (with tied embeddings and pp > 1, its own copy of the
 embedding) and the final norm, every stage num_layers / pp layers
@@ -47,15 +48,19 @@ embedding) and the final norm, every stage num_layers / pp layers
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from fp8_recipes.plan.precision import ParallelLayout, moe_layer_pattern
-from fp8_recipes.recipe.schema import Recipe, Scaling
+from fp8_recipes.plan.precision import (
+    Hardware, ModelLayout, MoEShape, ParallelLayout, PrecisionPlan, moe_layer_pattern,
+)
+from fp8_recipes.recipe.schema import Recipe, Role, Scaling
 
 __all__ = ["GIB", "LLAMA3", "MIXTRAL", "MemoryEstimate", "OptimizerPrecision", "estimate_memory", "estimate_stages",
-           "format_estimate", "fp8_layers_of", "fp8_weight_copy_bytes", "microbatches_in_flight", "parameter_counts"]
+           "format_estimate", "fp8_layers_of", "fp8_modules_of", "fp8_weight_copy_bytes", "linear_parameters",
+           "microbatches_in_flight", "parameter_counts"]
 
 GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -141,6 +146,26 @@ class OptimizerPrecision:
         return text + ("" if self.grad_reduce_in_fp32 else ", BF16 grads")
 
 
+def linear_parameters(model: Mapping[str, Any]) -> dict[str, int]:
+    """Parameters of each linear of a transformer layer, whole (before tensor parallelism), by its name inside the
+    layer as Megatron-Core (and ModelLayout.gpt) names it; a routed expert's two as ``mlp.experts.linear_fc1`` /
+    ``linear_fc2`` (one expert's), a shared expert's (when the model has one) as ``mlp.shared_experts.*``."""
+    h = int(model["hidden_size"])
+    heads = int(model["num_attention_heads"])
+    groups = int(model.get("num_query_groups") or heads)
+    ffn = int(model.get("ffn_hidden_size") or 4 * h)
+    gated = 2 if model.get("activation", "gelu") == "swiglu" else 1
+    widths = {"mlp": ffn}
+    if model.get("num_moe_experts") is not None:
+        widths["mlp.experts"] = int(model.get("moe_ffn_hidden_size") or ffn)
+        if int(model.get("moe_shared_expert_intermediate_size") or 0):
+            widths["mlp.shared_experts"] = int(model["moe_shared_expert_intermediate_size"])
+    out = {"self_attention.linear_qkv": h * (h + 2 * groups * (h // heads)), "self_attention.linear_proj": h * h}
+    for mlp, width in widths.items():
+        out[f"{mlp}.linear_fc1"], out[f"{mlp}.linear_fc2"] = h * width * gated, width * h
+    return out
+
+
 def parameter_counts(model: Mapping[str, Any]) -> dict[str, int]:
     """Parameters of the embedding, the LM head (0 when tied), one dense transformer layer (of which in linears), the
     final norm: for a Llama-style (RMSNorm, no biases) or GPT-style config of the `model` group. An MoE model also
@@ -149,27 +174,20 @@ def parameter_counts(model: Mapping[str, Any]) -> dict[str, int]:
     layer without its routed experts: attention, norms, router, shared expert; ``moe_layer_linears`` of it in the
     tensor-parallel linears)."""
     h, layers = int(model["hidden_size"]), int(model["num_layers"])
-    heads = int(model["num_attention_heads"])
-    groups = int(model.get("num_query_groups") or heads)
-    ffn = int(model.get("ffn_hidden_size") or 4 * h)
     vocab = int(model["vocab_size"])
-    head_dim = h // heads
-    gated = model.get("activation", "gelu") == "swiglu"
-    qkv = h * (h + 2 * groups * head_dim)
-    linears = qkv + h * h + h * ffn * (2 if gated else 1) + ffn * h
+    lin = linear_parameters(model)
+    attention = lin["self_attention.linear_qkv"] + lin["self_attention.linear_proj"]
+    linears = attention + lin["mlp.linear_fc1"] + lin["mlp.linear_fc2"]
     norms = 2 * h * (1 if model.get("normalization", "LayerNorm") == "RMSNorm" else 2)
     tied = bool(model.get("share_embeddings_and_output_weights", False))
     counts = {"embedding": vocab * h, "output_layer": 0 if tied else vocab * h, "layer": linears + norms,
               "layer_linears": linears, "final_norm": norms // 2, "layers": layers}
     if model.get("num_moe_experts") is not None:  # an MoE layer: attention, norms, router, experts (no dense MLP)
-        attention = qkv + h * h
-        expert_ffn = int(model.get("moe_ffn_hidden_size") or ffn)
-        shared = int(model.get("moe_shared_expert_intermediate_size") or 0)
+        shared = lin.get("mlp.shared_experts.linear_fc1", 0) + lin.get("mlp.shared_experts.linear_fc2", 0)
         experts = int(model["num_moe_experts"])
         counts.update(moe_layers=len(moe_layer_pattern(model)), experts=experts, router=experts * h,
-                      expert=h * expert_ffn * (2 if gated else 1) + expert_ffn * h,
-                      shared_expert=h * shared * (2 if gated else 1) + shared * h,
-                      moe_layer_linears=attention + h * shared * (2 if gated else 1) + shared * h)
+                      expert=lin["mlp.experts.linear_fc1"] + lin["mlp.experts.linear_fc2"], shared_expert=shared,
+                      moe_layer_linears=attention + shared)
         counts["moe_layer"] = counts["moe_layer_linears"] + norms + counts["router"]
     return counts
 
@@ -320,91 +338,218 @@ def fp8_weight_copy_bytes(recipe: Recipe) -> float:
     return 2.0
 
 
-def estimate_stages(model: Mapping[str, Any], layout: ParallelLayout, *, micro_batch_size: int, seq_length: int,
-                    fp8: bool, distributed_optimizer: bool = True, sequence_parallel: bool | None = None,
-                    recompute: str | None = None, num_microbatches: int | None = None,
-                    optimizer: OptimizerPrecision | None = None, fp8_param: bool = False,
-                    fp8_layers: Collection[int] | None = None, fp8_weight_bytes: float = 2.0) -> list[MemoryEstimate]:
-    """Bytes per GPU on each pipeline stage, first to last (see the module docstring). ``fp8_layers``: the layers
-    whose linears run FP8 (None: all, with ``fp8``); ``fp8_weight_bytes``: bytes per parameter of their FP8 weight
-    copies (:func:`fp8_weight_copy_bytes`)."""
-    opt = optimizer or OptimizerPrecision()
+def fp8_modules_of(recipe: Recipe, model: Mapping[str, Any]) -> frozenset[str]:
+    """The linears (ModelLayout.gpt's names, every routed expert's own) that Transformer Engine keeps an FP8 weight
+    copy of under a recipe: those whose weights the plan quantizes at its final stage (every FP8 role on), on the
+    H200 the estimate is checked on. The plan applies the recipe's bf16_first / bf16_last, its bf16_modules patterns
+    (e.g. '*experts*' keeps the experts BF16), its per-module policies (``modules:``) and fp8_output_layer (the LM
+    head), so the estimate charges FP8 copies where the run makes them."""
+    plan = PrecisionPlan(recipe, _model_layout(model), Hardware.target((9, 0)))
+    final = plan.at(plan.final_step())
+    return frozenset(name for name, module in final.modules.items()
+                     if any(role is Role.WEIGHTS and policy is not None
+                            for gemm in module.gemms.values() for role, policy in gemm.operands))
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What every pipeline stage's estimate shares (`estimate_stages`' inputs, checked, and what follows from them)."""
+
+    model: Mapping[str, Any]
+    layout: ParallelLayout
+    counts: dict[str, int]
+    opt: OptimizerPrecision
+    fp8_param: bool
+    fp8_weight_bytes: float
+    recompute: str | None
+    num_microbatches: int | None
+    sequence_parallel: bool
+    tokens: float
+    """Tokens of one micro-batch on this rank (after CP)."""
+    moe_layers: frozenset[int]
+    fp8_on: frozenset[int]
+    """The layers that run FP8: their activations kept as FP8 keeps them (the norm outputs, fc2's input, ...)."""
+    fp8_linears: tuple[tuple[int | None, int | None, int], ...]
+    """Each linear with an FP8 weight copy: (its layer, None for the LM head; the EP rank holding it, None for a
+    linear every EP rank has; its parameters before tensor parallelism)."""
+    per_layer: dict[bool, float]
+    """A dense layer's activations of one micro-batch, BF16 / FP8 (key: FP8)."""
+    per_moe_layer: dict[bool, _MoELayerBytes]
+    shards: int
+    """Ranks the distributed optimizer shards the dense parameters' state over."""
+    expert_shards: int
+
+    def state_bytes(self, params: float, fp8_stored: float) -> float:
+        """Optimizer state (main params and moments) of ``params``, ``fp8_stored`` of them stored as FP8."""
+        opt = self.opt
+        return ((params - fp8_stored) * (opt.moment_bytes + opt.main_param_bytes(fp8_param=self.fp8_param))
+                + fp8_stored * (opt.moment_bytes + opt.main_param_bytes(fp8_param=True)))
+
+
+def _check_estimate(model: Mapping[str, Any], layout: ParallelLayout, *, fp8: bool, fp8_param: bool,
+                    opt: OptimizerPrecision, distributed_optimizer: bool, sequence_parallel: bool) -> None:
+    """ValueError naming the key unless the engine trains this model at this layout and precision."""
     if fp8_param and not fp8:
         raise ValueError("fp8_param: FP8-stored weights need an FP8 recipe (--fp8)")
     if (fp8_param or opt.use_precision_aware_optimizer) and not distributed_optimizer:
         what = "fp8_param" if fp8_param else "trainer.use_precision_aware_optimizer"
         raise ValueError(f"{what}: needs the distributed optimizer (trainer.use_distributed_optimizer=true)")
-    counts = parameter_counts(model)
-    layout.check(counts["layers"])
-    sp = layout.tp > 1 if sequence_parallel is None else sequence_parallel
-    moe_layers = set(moe_layer_pattern(model))
-    if moe_layers:
-        layout.check_experts(counts["experts"])
-        if layout.tp > 1 and not sp:  # MoELayer.forward raises it in training
+    layout.check(int(model["num_layers"]))
+    if model.get("num_moe_experts") is None:
+        layout.check_experts(None)  # no ep / etp without routed experts
+    else:  # the trainer's rules, worded for --layout
+        h = int(model["hidden_size"])
+        expert_ffn = int(model.get("moe_ffn_hidden_size") or model.get("ffn_hidden_size") or 4 * h)
+        layout.check_experts(int(model["num_moe_experts"]), expert_ffn)
+        if layout.tp > 1 and not sequence_parallel:  # MoELayer.forward raises it in training
             raise ValueError("sequence_parallel: Megatron-Core trains MoE layers with TP > 1 only with sequence "
                              "parallelism (trainer.sequence_parallel=true)")
-    elif layout.ep > 1 or layout.etp:
-        raise ValueError("--layout: ep / etp split routed experts, and this model has none (num_moe_experts: null)")
-    fp8_on = set() if not fp8 else set(range(counts["layers"])) if fp8_layers is None else set(fp8_layers)
-    tokens = micro_batch_size * seq_length / layout.cp  # per micro-batch, on this rank
+
+
+def _fp8_linears(model: Mapping[str, Any], layout: ParallelLayout, fp8_modules: Collection[str]
+                 ) -> tuple[tuple[int | None, int | None, int], ...]:
+    """`_Run.fp8_linears` of the named linears (ModelLayout.gpt's names)."""
+    sizes = linear_parameters(model)
+    experts = int(model.get("num_moe_experts") or 0)
+    out = []
+    for name in fp8_modules:
+        layer, expert = ModelLayout.layer_of(name), ModelLayout.expert_of(name)
+        if layer is None:  # the LM head (fp8_output_layer): its [vocab, hidden] weight
+            out.append((None, None, int(model["vocab_size"]) * int(model["hidden_size"])))
+            continue
+        local = re.sub(r"^.*?\.layers\.\d+\.", "", re.sub(r"\.local_experts\.\d+", "", name))
+        rank = None if expert is None else expert // (experts // layout.ep)  # Megatron-Core's contiguous split
+        out.append((layer, rank, sizes[local]))
+    return tuple(out)
+
+
+def _model_layout(model: Mapping[str, Any]) -> ModelLayout:
+    """The plan's view of a model config, as megatron/model_config.py's layout_of (a floor above this one) gives it."""
+    layers = moe_layer_pattern(model)
+    shared = model.get("moe_shared_expert_intermediate_size") is not None
+    return ModelLayout.gpt(int(model["num_layers"]),
+                           moe=MoEShape(int(model["num_moe_experts"]), layers, shared) if layers else None)
+
+
+def _layer_modules(model: Mapping[str, Any], layers: Collection[int]) -> frozenset[str]:
+    """Every linear of ``layers`` (ModelLayout.gpt's names; no LM head)."""
+    return frozenset(n for n in _model_layout(model).module_names if ModelLayout.layer_of(n) in layers)
+
+
+def _run_of(model: Mapping[str, Any], layout: ParallelLayout, *, micro_batch_size: int, seq_length: int, fp8: bool,
+            distributed_optimizer: bool, sequence_parallel: bool | None, recompute: str | None,
+            num_microbatches: int | None, optimizer: OptimizerPrecision | None, fp8_param: bool,
+            fp8_layers: Collection[int] | None, fp8_modules: Collection[str] | None, fp8_weight_bytes: float) -> _Run:
+    """`estimate_stages`' inputs, checked, with what every stage shares."""
+    opt = optimizer or OptimizerPrecision()
+    sp = layout.tp > 1 if sequence_parallel is None else sequence_parallel
+    _check_estimate(model, layout, fp8=fp8, fp8_param=fp8_param, opt=opt, distributed_optimizer=distributed_optimizer,
+                    sequence_parallel=sp)
+    counts = parameter_counts(model)
+    moe_layers = frozenset(moe_layer_pattern(model))
+    if not fp8:
+        fp8_on, fp8_modules = frozenset(), frozenset()
+    elif fp8_layers is None and fp8_modules is not None:  # a layer runs FP8 when a linear of it does
+        fp8_on = frozenset(ModelLayout.layer_of(n) for n in fp8_modules) - {None}
+    else:
+        fp8_on = frozenset(range(counts["layers"]) if fp8_layers is None else fp8_layers)
+    if fp8_modules is None:
+        fp8_modules = _layer_modules(model, fp8_on)
+    tokens = micro_batch_size * seq_length / layout.cp
     per_layer = {on: _activation_bytes_per_token_layer(model, layout, fp8=on, sequence_parallel=sp) * tokens
                  for on in (False, True)}
     per_moe_layer = {on: _moe_layer_bytes(model, layout, fp8=on, sequence_parallel=sp, tokens=tokens)
                      for on in (False, True)} if moe_layers else {}
-    h = int(model["hidden_size"])
-    shards = layout.dp * layout.cp if distributed_optimizer else 1
-    expert_shards = layout.expert_dp if distributed_optimizer else 1
-    local_expert = counts.get("expert", 0) * counts.get("experts", 0) // layout.ep / layout.expert_tp
+    return _Run(model, layout, counts, opt, fp8_param, fp8_weight_bytes, recompute, num_microbatches, sp, tokens,
+                moe_layers, fp8_on, _fp8_linears(model, layout, fp8_modules), per_layer, per_moe_layer,
+                shards=layout.dp * layout.cp if distributed_optimizer else 1,
+                expert_shards=layout.expert_dp if distributed_optimizer else 1)
 
-    def state_bytes(params: float, fp8_stored: float) -> float:
-        return ((params - fp8_stored) * (opt.moment_bytes + opt.main_param_bytes(fp8_param=fp8_param))
-                + fp8_stored * (opt.moment_bytes + opt.main_param_bytes(fp8_param=True)))
 
-    stage_layers = {s: [] for s in range(layout.pp)}
-    for (stage, _), chunk in sorted(layout.chunk_layers(counts["layers"]).items()):
+def estimate_stages(model: Mapping[str, Any], layout: ParallelLayout, *, micro_batch_size: int, seq_length: int,
+                    fp8: bool, distributed_optimizer: bool = True, sequence_parallel: bool | None = None,
+                    recompute: str | None = None, num_microbatches: int | None = None,
+                    optimizer: OptimizerPrecision | None = None, fp8_param: bool = False,
+                    fp8_layers: Collection[int] | None = None, fp8_modules: Collection[str] | None = None,
+                    fp8_weight_bytes: float = 2.0) -> list[MemoryEstimate]:
+    """Bytes per GPU on each pipeline stage, first to last (see the module docstring). ``fp8_layers``: the layers
+    whose activations run FP8 (None: those of ``fp8_modules``, else all, with ``fp8``); ``fp8_modules``: the linears
+    with FP8 weight copies (ModelLayout.gpt's names, :func:`fp8_modules_of`; None: every linear of the FP8 layers);
+    ``fp8_weight_bytes``: bytes per parameter of the copies (:func:`fp8_weight_copy_bytes`)."""
+    run = _run_of(model, layout, micro_batch_size=micro_batch_size, seq_length=seq_length, fp8=fp8,
+                  distributed_optimizer=distributed_optimizer, sequence_parallel=sequence_parallel,
+                  recompute=recompute, num_microbatches=num_microbatches, optimizer=optimizer, fp8_param=fp8_param,
+                  fp8_layers=fp8_layers, fp8_modules=fp8_modules, fp8_weight_bytes=fp8_weight_bytes)
+    stage_layers: dict[int, list[int]] = {s: [] for s in range(layout.pp)}
+    for (stage, _), chunk in sorted(layout.chunk_layers(run.counts["layers"]).items()):
         stage_layers[stage] += list(chunk)
-    stages = []
-    for stage in range(layout.pp):
-        first, last = stage == 0, stage == layout.pp - 1
-        here = stage_layers[stage]
-        n = {(moe, on): sum(1 for i in here if (i in moe_layers) == moe and (i in fp8_on) == on)
-             for moe in (False, True) for on in (False, True)}
-        dense, moe = n[False, False] + n[False, True], n[True, False] + n[True, True]
-        # tied embeddings: a last stage that is not the first keeps its own copy of the embedding for the LM head
-        # (Megatron-Core's GPTModel allocates output_layer's weight there, synchronised with the first stage's)
-        head = counts["output_layer"] if counts["output_layer"] or first else counts["embedding"]
-        params = (dense * counts["layer"] + moe * (counts.get("moe_layer", 0) - counts.get("router", 0))
-                  + (counts["embedding"] if first else 0) + ((head + counts["final_norm"]) if last else 0)) / layout.tp
-        params += moe * counts.get("router", 0)  # the router's weight is whole on every tensor-parallel rank
-        experts = moe * local_expert  # this rank's routed experts (1/EP of them, each 1/expert-TP)
-        fp8_linears = (n[False, True] * counts["layer_linears"]
-                       + n[True, True] * counts.get("moe_layer_linears", 0)) / layout.tp
-        fp8_experts = n[True, True] * local_expert
-        # the FP8 layers' linear weights stored as FP8; norms, router, embedding, head stay BF16
-        stored, stored_experts = (fp8_linears, fp8_experts) if fp8_param else (0.0, 0.0)
-        flight = microbatches_in_flight(layout, stage, num_microbatches)
-        moe_acts = sum(n[True, on] * per_moe_layer[on].saved for on in (False, True)) if moe else 0.0
-        if recompute == "full":
-            largest = max([per_layer[on] for on in (False, True) if n[False, on]]
-                          + [per_moe_layer[on].saved for on in (False, True) if n[True, on]], default=0.0)
-            acts = flight * len(here) * tokens * 2 * h / (layout.tp if sp else 1) + largest
-        else:
-            acts = flight * (n[False, False] * per_layer[False] + n[False, True] * per_layer[True] + moe_acts)
-        dispatch = max((per_moe_layer[on].dispatch for on in (False, True) if n[True, on]), default=0.0)
-        logits = 8 * tokens * int(model["vocab_size"]) / layout.tp if last else 0.0
-        expert_state = state_bytes(experts, stored_experts) / expert_shards
-        expert_parts = () if not moe_layers else (
-            ("weights", 2 * (experts - stored_experts)), ("grads", opt.grad_bytes * experts),
-            ("optimizer", expert_state), ("fp8_weights", fp8_weight_bytes * fp8_experts),
-            ("activations", flight * sum(n[True, on] * per_moe_layer[on].experts for on in (False, True))),
-            ("dispatch", dispatch))
-        stages.append(MemoryEstimate(weights=2 * (params - stored) + 2 * (experts - stored_experts),
-                                     grads=opt.grad_bytes * params + opt.grad_bytes * experts,
-                                     optimizer=state_bytes(params, stored) / shards + expert_state,
-                                     fp8_weights=fp8_weight_bytes * (fp8_linears + fp8_experts),
-                                     activations=acts + dispatch, logits=logits, stage=stage, layers=len(here),
-                                     in_flight=flight, experts=expert_parts))
-    return stages
+    return [_stage_estimate(run, stage, stage_layers[stage]) for stage in range(layout.pp)]
+
+
+def _stage_fp8_copies(run: _Run, here: Collection[int], last: bool) -> tuple[float, float, float]:
+    """This rank's parameters with FP8 weight copies on a stage: (its layers' linears, the LM head's, its routed
+    experts' on the EP rank that holds the most of them), each over its tensor-parallel ranks."""
+    layers = head = 0
+    experts: dict[int, int] = {}
+    for layer, rank, params in run.fp8_linears:
+        if layer is None:
+            head += params if last else 0
+        elif layer in here and rank is None:
+            layers += params
+        elif layer in here:
+            experts[rank] = experts.get(rank, 0) + params
+    tp = run.layout.tp
+    return layers / tp, head / tp, max(experts.values(), default=0) / run.layout.expert_tp
+
+
+def _stage_activations(run: _Run, here: list[int], flight: float) -> tuple[float, float, float]:
+    """A stage's activations at its peak: (all, the routed experts' rows, the dispatch buffers), the buffers
+    included in all."""
+    n = {(moe, on): sum(1 for i in here if (i in run.moe_layers) == moe and (i in run.fp8_on) == on)
+         for moe in (False, True) for on in (False, True)}
+    per_layer, per_moe = run.per_layer, run.per_moe_layer
+    if run.recompute == "full":  # each layer's input kept, one layer's activations while it is recomputed
+        largest = max([per_layer[on] for on in (False, True) if n[False, on]]
+                      + [per_moe[on].saved for on in (False, True) if n[True, on]], default=0.0)
+        h = int(run.model["hidden_size"])
+        acts = flight * len(here) * run.tokens * 2 * h / (run.layout.tp if run.sequence_parallel else 1) + largest
+    else:
+        moe_acts = sum(n[True, on] * per_moe[on].saved for on in (False, True)) if per_moe else 0.0
+        acts = flight * (n[False, False] * per_layer[False] + n[False, True] * per_layer[True] + moe_acts)
+    dispatch = max((per_moe[on].dispatch for on in (False, True) if n[True, on]), default=0.0)
+    experts = flight * sum(n[True, on] * per_moe[on].experts for on in (False, True) if n[True, on])
+    return acts + dispatch, experts, dispatch
+
+
+def _stage_estimate(run: _Run, stage: int, here: list[int]) -> MemoryEstimate:
+    """One pipeline stage holding layers ``here``."""
+    counts, layout, grad_bytes = run.counts, run.layout, run.opt.grad_bytes
+    first, last = stage == 0, stage == layout.pp - 1
+    moe = sum(1 for i in here if i in run.moe_layers)
+    # tied embeddings: a last stage that is not the first keeps its own copy of the embedding for the LM head
+    # (Megatron-Core's GPTModel allocates output_layer's weight there, synchronised with the first stage's)
+    head = counts["output_layer"] if counts["output_layer"] or first else counts["embedding"]
+    params = ((len(here) - moe) * counts["layer"] + moe * (counts.get("moe_layer", 0) - counts.get("router", 0))
+              + (counts["embedding"] if first else 0) + ((head + counts["final_norm"]) if last else 0)) / layout.tp
+    params += moe * counts.get("router", 0)  # the router's weight is whole on every tensor-parallel rank
+    # this rank's routed experts (1/EP of them, each 1/expert-TP)
+    experts = moe * (counts.get("expert", 0) * counts.get("experts", 0) // layout.ep / layout.expert_tp)
+    fp8_linears, fp8_head, fp8_experts = _stage_fp8_copies(run, here, last)
+    # fp8_param: the FP8 layers' linear weights stored as FP8; norms, router, embedding, head stay BF16
+    stored, stored_experts = (fp8_linears, fp8_experts) if run.fp8_param else (0.0, 0.0)
+    flight = microbatches_in_flight(layout, stage, run.num_microbatches)
+    activations, expert_acts, dispatch = _stage_activations(run, here, flight)
+    expert_state = run.state_bytes(experts, stored_experts) / run.expert_shards
+    expert_parts = () if not run.moe_layers else (
+        ("weights", 2 * (experts - stored_experts)), ("grads", grad_bytes * experts), ("optimizer", expert_state),
+        ("fp8_weights", run.fp8_weight_bytes * fp8_experts), ("activations", expert_acts), ("dispatch", dispatch))
+    logits = 8 * run.tokens * int(run.model["vocab_size"]) / layout.tp if last else 0.0
+    return MemoryEstimate(weights=2 * (params - stored) + 2 * (experts - stored_experts),
+                          grads=grad_bytes * params + grad_bytes * experts,
+                          optimizer=run.state_bytes(params, stored) / run.shards + expert_state,
+                          fp8_weights=run.fp8_weight_bytes * (fp8_linears + fp8_head + fp8_experts),
+                          activations=activations, logits=logits, stage=stage, layers=len(here), in_flight=flight,
+                          experts=expert_parts)
 
 
 def estimate_memory(model: Mapping[str, Any], layout: ParallelLayout, **kwargs: Any) -> MemoryEstimate:

@@ -37,9 +37,9 @@ from fp8_recipes.recipe.schema import (
 )
 
 __all__ = [
-    "Execution", "Gemm", "GemmPlan", "Hardware", "ModelLayout", "ModulePlan", "MoEShape", "ParallelLayout",
-    "PrecisionPlan", "StepPlan", "GEMM_OPERANDS", "ROUTER_REASON", "ROW_PARALLEL", "Substitution", "TERecipe",
-    "moe_layer_pattern",
+    "Execution", "ExpertLayoutWords", "Gemm", "GemmPlan", "Hardware", "ModelLayout", "ModulePlan", "MoEShape",
+    "ParallelLayout", "PrecisionPlan", "StepPlan", "GEMM_OPERANDS", "LAYOUT_WORDS", "ROUTER_REASON", "ROW_PARALLEL",
+    "Substitution", "TERecipe", "TRAINER_WORDS", "moe_layer_pattern",
 ]
 
 
@@ -212,6 +212,54 @@ quantizes it, and DeepSeek-V3's FP8 training kept it in BF16 too."""
 
 
 @dataclass(frozen=True)
+class ExpertLayoutWords:
+    """How :meth:`ParallelLayout.check_experts` words a refusal, in the keys the user typed: str.format templates of
+    the sizes it names (ep, etp, experts, ffn, pp, stage_ranks, gpus, grid = etp x ep, grid_pp = grid x pp, etp_key;
+    dense: key, value, unset). :data:`LAYOUT_WORDS` (``--layout``), :data:`TRAINER_WORDS` (``trainer.*``)."""
+
+    ep_key: str
+    """The EP size's key, as the dense refusal names it."""
+    etp_key: str
+    """The expert TP size's key."""
+    tp_key: str
+    """The TP size's key: the experts' TP size while the expert TP size is unset."""
+    dense: str
+    """EP or expert TP set on a dense model."""
+    ep: str
+    """EP does not divide the routed experts."""
+    etp: str
+    """The experts' TP size does not divide their FFN width."""
+    grid: str
+    """Expert TP x EP does not divide a stage's ranks."""
+
+
+LAYOUT_WORDS = ExpertLayoutWords(
+    ep_key="ep", etp_key="etp", tp_key="tp",
+    dense="--layout: ep / etp split routed experts, and this model has none (num_moe_experts: null); drop "
+          "{key}={value}",
+    ep="--layout: ep={ep} does not divide the {experts} routed experts of each MoE layer; pick a divisor of {experts}",
+    etp="--layout: {etp_key}={etp} (the experts' TP size) does not divide the experts' FFN width "
+        "(model.moe_ffn_hidden_size={ffn}); set etp to a divisor of {ffn}",
+    grid="--layout: expert TP x EP = {etp} x {ep} does not divide a stage's tp x cp x dp = {stage_ranks} ranks; "
+         "raise dp or lower ep")
+"""`fp8-recipes memory` / `explain --layout`'s wording."""
+
+TRAINER_WORDS = ExpertLayoutWords(
+    ep_key="trainer.expert_model_parallel_size", etp_key="trainer.expert_tensor_parallel_size",
+    tp_key="trainer.tensor_model_parallel_size",
+    dense="{key}={value}: the model has no experts (model.num_moe_experts=null, a dense model); set {key}={unset}, or "
+          "pick an MoE model (e.g. model=tiny_moe)",
+    ep="trainer.expert_model_parallel_size={ep} does not divide model.num_moe_experts={experts}: each EP rank holds "
+       "the same number of experts; pick a divisor of {experts}",
+    etp="{etp_key}={etp} does not divide the experts' FFN width (model.moe_ffn_hidden_size={ffn}); pick a divisor "
+        "of it",
+    grid="trainer.expert_model_parallel_size: expert tensor parallel x EP x pipeline = {etp} x {ep} x {pp} = "
+         "{grid_pp} does not divide the {gpus} launched processes; launch a multiple of {grid_pp} or lower "
+         "trainer.expert_model_parallel_size")
+"""The trainer's wording (training/config.py ``TrainerConfig.check_experts``)."""
+
+
+@dataclass(frozen=True)
 class ParallelLayout:
     """How a run splits the model over GPUs (Megatron-Core's sizes): the plan's layer numbers are global, and this
     says which pipeline stage and virtual chunk holds which layers, as Megatron-Core places them."""
@@ -275,15 +323,29 @@ class ParallelLayout:
         expert-data-parallel group, world / (expert TP x EP x PP)), over which their optimizer state is sharded."""
         return self.tp * self.cp * self.dp // (self.expert_tp * self.ep)
 
-    def check_experts(self, num_experts: int) -> None:
-        """ValueError unless the routed experts split evenly over EP and a stage's ranks over expert TP x EP."""
+    def check_experts(self, num_experts: int | None, expert_ffn: int | None = None,
+                      words: ExpertLayoutWords = LAYOUT_WORDS) -> None:
+        """ConfigError (a ValueError) in the keys the user typed (`words`: --layout's, or :data:`TRAINER_WORDS`),
+        unless Megatron-Core can build these experts at this layout: EP or expert TP need routed experts
+        (``num_experts`` None: a dense model); EP divides the experts, expert TP their FFN width (``expert_ffn``, the
+        model's moe_ffn_hidden_size; None: not checked), expert TP x EP a stage's tp x cp x dp ranks (the launched
+        processes over expert TP x EP x PP, as training says it). The one home of these rules: `fp8-recipes
+        memory` / `explain` and the trainer's check_experts call it."""
+        sizes = {"ep": self.ep, "etp": self.expert_tp, "experts": num_experts, "ffn": expert_ffn, "pp": self.pp,
+                 "stage_ranks": self.tp * self.cp * self.dp, "gpus": self.gpus, "grid": self.expert_tp * self.ep,
+                 "grid_pp": self.expert_tp * self.ep * self.pp,
+                 "etp_key": words.etp_key if self.etp else words.tp_key}
+        if num_experts is None:
+            for key, value, unset in ((words.ep_key, self.ep, 1), (words.etp_key, self.etp, None)):
+                if value != unset:
+                    raise ConfigError(words.dense.format(key=key, value=value, unset=unset or "null"))
+            return
         if num_experts % self.ep:
-            raise ValueError(f"--layout: ep={self.ep} does not divide the {num_experts} routed experts of each MoE "
-                             f"layer; pick a divisor of {num_experts}")
-        grid = self.expert_tp * self.ep
-        if (self.tp * self.cp * self.dp) % grid:
-            raise ValueError(f"--layout: expert TP x EP = {self.expert_tp} x {self.ep} does not divide a stage's "
-                             f"tp x cp x dp = {self.tp * self.cp * self.dp} ranks; raise dp or lower ep")
+            raise ConfigError(words.ep.format(**sizes))
+        if expert_ffn is not None and expert_ffn % self.expert_tp:
+            raise ConfigError(words.etp.format(**sizes))
+        if sizes["stage_ranks"] % sizes["grid"]:
+            raise ConfigError(words.grid.format(**sizes))
 
     def describe(self) -> str:
         vpp = f", vpp={self.vpp}" if self.vpp else ""

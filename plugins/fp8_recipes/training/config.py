@@ -18,6 +18,7 @@ from typing import Any, Mapping
 from fp8_recipes.checks import ConfigError, check_keys, choice_error, did_you_mean, is_int, is_number
 from fp8_recipes.launcher import launch_world_size
 from fp8_recipes.megatron.model_config import check_model_cfg
+from fp8_recipes.plan.precision import TRAINER_WORDS, ParallelLayout
 
 __all__ = ["LRScaling", "TrainerConfig", "NONFINITE_ACTIONS", "check_model_cfg", "check_data_cfg",
            "check_writable_dir", "check_writable_file", "check_run_config"]
@@ -282,29 +283,16 @@ class TrainerConfig:
 
     def check_experts(self, model: Mapping[str, Any], world_size: int) -> None:
         """Refuse in one line an expert-parallel layout Megatron-Core cannot build: expert parallelism of a dense model,
-        experts that do not split evenly over the EP ranks, ranks that do not split into expert TP x EP x PP."""
-        ep, etp, experts = self.expert_model_parallel_size, self.expert_tensor_parallel, model.get("num_moe_experts")
-        if experts is None:
-            for key, value, unset in (("expert_model_parallel_size", ep, 1),
-                                      ("expert_tensor_parallel_size", self.expert_tensor_parallel_size, None)):
-                if value != unset:
-                    raise ConfigError(f"trainer.{key}={value}: the model has no experts (model.num_moe_experts=null, a "
-                                     f"dense model); set trainer.{key}={'null' if unset is None else unset}, or pick "
-                                     f"an MoE model (e.g. model=tiny_moe)")
-            return
-        if experts % ep:
-            raise ConfigError(f"trainer.expert_model_parallel_size={ep} does not divide model.num_moe_experts="
-                             f"{experts}: each EP rank holds the same number of experts; pick a divisor of {experts}")
-        ffn = model.get("moe_ffn_hidden_size") or model.get("ffn_hidden_size") or 4 * int(model["hidden_size"])
-        if ffn % etp:
-            raise ConfigError(f"trainer.expert_tensor_parallel_size={etp} does not divide the experts' FFN width "
-                             f"(model.moe_ffn_hidden_size={ffn}); pick a divisor of it")
-        per_expert_grid = etp * ep * self.pipeline_model_parallel_size
-        if world_size % per_expert_grid:
-            raise ConfigError(f"trainer.expert_model_parallel_size: expert tensor parallel x EP x pipeline = {etp} x "
-                             f"{ep} x {self.pipeline_model_parallel_size} = {per_expert_grid} does not divide the "
-                             f"{world_size} launched processes; launch a multiple of {per_expert_grid} or lower "
-                             f"trainer.expert_model_parallel_size")
+        experts that do not split evenly over the EP ranks or over expert TP, ranks that do not split into expert TP x
+        EP x PP (the rules' one home: ParallelLayout.check_experts). After check_layout (the ranks split into TP x PP x
+        CP)."""
+        experts = model.get("num_moe_experts")
+        ffn = None if experts is None else int(model.get("moe_ffn_hidden_size") or model.get("ffn_hidden_size")
+                                               or 4 * int(model["hidden_size"]))
+        layout = ParallelLayout(tp=self.tensor_model_parallel_size, pp=self.pipeline_model_parallel_size,
+                                cp=self.context_parallel_size, dp=world_size // self.model_parallel_size,
+                                ep=self.expert_model_parallel_size, etp=self.expert_tensor_parallel_size)
+        layout.check_experts(experts, ffn, TRAINER_WORDS)
 
     def check_layout(self, world_size: int, num_layers: int) -> int:
         """The data-parallel size at ``world_size`` ranks, after refusing in one line a layout Megatron-Core cannot
