@@ -291,14 +291,20 @@ def _check_operand(rec: TEQuantized, hp: torch.Tensor, policy: TensorPolicy, wha
 # The three operands of every expert GEMM
 
 
+SPLIT_OPERANDS = {"input": (K, "x", "activations"), "grad_output": (N, "dy", "gradients")}
+"""The split-quantized operands: the forward's input (K wide) and the backward's grad_output (N wide)."""
+
+
+@pytest.mark.parametrize("operand", sorted(SPLIT_OPERANDS))
 @pytest.mark.parametrize("kind", KINDS)
-def test_each_input_split_is_quantized_alone(monkeypatch, kind):
+def test_each_split_is_quantized_alone(monkeypatch, kind, operand):
+    width, attr, role = SPLIT_OPERANDS[operand]
     choice = _choice(kind)
     for s in _steps(monkeypatch, choice):
-        tensor, recs = s.split_call(K)
-        assert torch.equal(tensor, s.x), f"step {s.step}: the {K}-wide split quantization is not of the input"
+        tensor, recs = s.split_call(width)
+        assert torch.equal(tensor, getattr(s, attr)), f"step {s.step}: the {width}-wide split quantization: not {attr}"
         for e, (part, rec) in enumerate(zip(torch.split(tensor, s.splits), recs, strict=True)):
-            _check_operand(rec, part, choice.activations, s.what(kind, e, "input"))
+            _check_operand(rec, part, choice.policy(role), s.what(kind, e, operand))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -310,13 +316,3 @@ def test_each_expert_weight_is_quantized_alone(monkeypatch, kind):
         for e, (w, rec) in enumerate(s.cap.weights):
             assert torch.equal(w, getattr(s.module, f"weight{e}").detach()), f"step {s.step}: call {e} not weight{e}"
             _check_operand(rec, w, choice.weights, s.what(kind, e, "weight"))
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_each_grad_output_split_is_quantized_alone(monkeypatch, kind):
-    choice = _choice(kind)
-    for s in _steps(monkeypatch, choice):
-        tensor, recs = s.split_call(N)
-        assert torch.equal(tensor, s.dy), f"step {s.step}: the {N}-wide split quantization is not of dy"
-        for e, (part, rec) in enumerate(zip(torch.split(tensor, s.splits), recs, strict=True)):
-            _check_operand(rec, part, choice.gradients, s.what(kind, e, "grad_output"))
