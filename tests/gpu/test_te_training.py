@@ -193,7 +193,10 @@ def test_gradient_accumulation_fusion_gives_the_same_gradients(head, megatron_gp
     recipe = {"weights": "delayed", "activations": "delayed", "gradients": "delayed",
               "layers": {"fp8_output_layer": head == "fp8"}}
     norms, losses = {}, {}
+    from megatron.core import tensor_parallel
+
     for fused in (False, True):
+        tensor_parallel.model_parallel_cuda_manual_seed(0)  # (the TE layers' init draws from its CUDA stream)
         model, precision = build(recipe, megatron_gpu[2], overrides={"gradient_accumulation_fusion": fused},
                                  share_embeddings_and_output_weights=True)
         te_modules = [m for m in model.modules()  # TE's linears (its attention has no wgrad)

@@ -331,7 +331,7 @@ def test_gpu_and_setup_commands_name_what_exists(command):
             if "CONFIGS" in env:  # bench_train's configs (levers-bench)
                 from fp8_recipes.bench.train import check_configs
 
-                check_configs(env["CONFIGS"].split())
+                check_configs(env["CONFIGS"].split(), engine=bool(env.get("ENGINE")))
             if part[0] == "shootout":
                 _launcher_checked(["+launcher=slurm", "+recipe=fast", "model=gpt_125m", "trainer=gpu",
                                    *env.get("EXTRA", "").split()])

@@ -326,6 +326,43 @@ def _run_config(model_cfg: dict, label: str, *, seq: int, mbs: int, warmup: int,
     return out
 
 
+def _run_config_apart(model_cfg: dict, label: str, **kwargs: Any) -> dict[str, Any]:
+    """:func:`_run_config` in a fresh process (spawn). The engine's step needs it: Megatron-Core's DDP hangs its
+    gradient buffers on hooks of autograd nodes, which Python's gc does not reach, so an engine's ~100 GiB outlive
+    its config in this process (measured on the H200: the next 4-layer Mixtral config ran out of memory)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_config_process, args=(send, model_cfg, label, kwargs))
+    proc.start()
+    send.close()
+    try:
+        row = receive.recv()
+    except EOFError:
+        row = f"{label}: its benchmark process ended without a result"
+    proc.join()
+    if isinstance(row, str):
+        raise RuntimeError(f"{row} (exit code {proc.exitcode})")
+    return row
+
+
+def _config_process(send: Any, model_cfg: dict, label: str, kwargs: dict) -> None:
+    import traceback
+
+    from fp8_recipes.megatron.model import destroy_distributed, init_distributed
+    from fp8_recipes.training.run import quiet_third_party_logs
+
+    quiet_third_party_logs()
+    init_distributed(seed=kwargs["seed"])
+    try:
+        send.send(_run_config(model_cfg, label, **kwargs))
+    except BaseException:  # noqa: BLE001  (the parent raises it, with the child's traceback)
+        send.send(traceback.format_exc())
+    finally:
+        destroy_distributed()
+
+
 def _free() -> None:
     gc.collect()
     torch.cuda.empty_cache()
@@ -344,7 +381,9 @@ def bench_train(models: list[str], configs: list[str], *, seq: int = 4096, mbs: 
     short by a time limit keeps what it measured)."""
     from fp8_recipes.megatron.model import destroy_distributed, init_distributed  # (see _run_config)
 
-    init_distributed(seed=seed)
+    if not engine:  # (the engine's configs run each in its own process: _run_config_apart)
+        init_distributed(seed=seed)
+    run = _run_config_apart if engine else _run_config
     t0 = time.perf_counter()
     results: list[dict] = []
     result = {"kind": "train", "device": torch.cuda.get_device_name(), "torch": torch.__version__, "seq": seq,
@@ -355,9 +394,8 @@ def bench_train(models: list[str], configs: list[str], *, seq: int = 4096, mbs: 
             cfg = {**load_model_cfg(model_name), "seq_length": seq}
             for label in ["bf16"] + [c for c in configs if c != "bf16"]:
                 t = time.perf_counter()
-                row = {"model": model_name, **_run_config(cfg, label, seq=seq, mbs=mbs, warmup=warmup, steps=steps,
-                                                          seed=seed, profile=profile, accum=accum,
-                                                          engine=engine)}
+                row = {"model": model_name, **run(cfg, label, seq=seq, mbs=mbs, warmup=warmup, steps=steps,
+                                                  seed=seed, profile=profile, accum=accum, engine=engine)}
                 row["wall_s"] = time.perf_counter() - t
                 results.append(row)
                 done = (f"{row['tokens_per_s']:,.0f} tok/s, {row['peak_mem_gib']:.1f} GiB, loss {row['loss']:.3f}"
@@ -367,7 +405,8 @@ def bench_train(models: list[str], configs: list[str], *, seq: int = 4096, mbs: 
                 if out_dir is not None:
                     save(result, out_dir)
     finally:
-        destroy_distributed()
+        if not engine:
+            destroy_distributed()
     return result
 
 
