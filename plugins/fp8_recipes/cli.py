@@ -30,7 +30,7 @@ import yaml
 
 from fp8_recipes.megatron.model_config import layout_of, read_model_conf
 from fp8_recipes.observe.config import DebugConfig
-from fp8_recipes.plan.precision import Hardware, ModelLayout, ParallelLayout, PrecisionPlan
+from fp8_recipes.plan.precision import Hardware, ModelLayout, ParallelLayout, PrecisionPlan, expert_ffn_size
 from fp8_recipes.plan.format import format_plan
 from fp8_recipes.recipe.pack import load_recipe, load_recipe_dict, recipe_names
 
@@ -67,6 +67,7 @@ def _cmd_validate(args) -> int:
 
 def _cmd_explain(args) -> int:
     hardware = Hardware.detect() if args.detect else Hardware()
+    cfg = None
     if args.model is not None:  # the model's own layers and MoE layout (--layers, if given too, overrides its layers)
         cfg = read_model_conf(args.model, "explain --model")
         layout = layout_of({**cfg, "num_layers": args.layers or cfg["num_layers"]})
@@ -77,7 +78,7 @@ def _cmd_explain(args) -> int:
         parallel = ParallelLayout.parse(args.layout)
         parallel.check(layout.num_layers)
         if layout.experts:  # (ep / etp: how the routed experts split; the memory command says what it costs)
-            parallel.check_experts(layout.experts)
+            parallel.check_experts(layout.experts, expert_ffn_size(cfg) if cfg is not None else None)
     plan = PrecisionPlan(load_recipe(args.recipe), layout, hardware)
     print(format_plan(plan, max_steps=args.steps, parallel=parallel))
     return 0

@@ -241,5 +241,8 @@ def test_explain_a_conf_model_prints_its_experts_and_routers(capsys):
     assert rc != 0 and err.startswith("error: explain --model: 'tiny_mo' is not a model (") and "tiny_moe" in err
     rc, _, err = run_cli(capsys, "explain", "hybrid", "--model", "tiny_moe", "--layout", "ep=3,dp=3")
     assert rc == 1 and err.startswith("error: --layout: ep=3 does not divide the 4 routed experts")
+    rc, _, err = run_cli(capsys, "explain", "hybrid", "--model", "mixtral_8x7b_4l", "--layout", "etp=3,dp=3")
+    assert rc == 1 and err.startswith("error: --layout: etp=3 (the experts' TP size) does not divide the experts' "
+                                      "FFN width (model.moe_ffn_hidden_size=14336)")
     rc, out, err = run_cli(capsys, "memory", "tiny_moe", "--seq", "128")
     assert rc == 0 and "of which the routed experts" in out  # an MoE model's estimate (tests/unit/test_memory.py)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from fp8_recipes.checks import ConfigError, check_keys, choice_error, is_int, is_number
-from fp8_recipes.plan.precision import ModelLayout, MoEShape, moe_layer_pattern
+from fp8_recipes.plan.precision import ModelLayout, MoEShape, expert_ffn_size, moe_layer_pattern
 from fp8_recipes.recipe.pack import conf_dir
 
 __all__ = ["MODEL_CHOICES", "MODEL_MAX", "MODEL_OPTIONAL", "MODEL_REQUIRED", "MOE_KEYS", "VOCAB_MULTIPLE",
@@ -265,7 +265,7 @@ def _moe_shapes(cfg: Mapping[str, Any], tokens: int, sliced: int, tp: int, gated
     if cfg.get("num_moe_experts") is None:
         return {}
     hidden = int(cfg["hidden_size"])
-    ffn = int(cfg.get("moe_ffn_hidden_size") or cfg.get("ffn_hidden_size") or 4 * hidden)
+    ffn = expert_ffn_size(cfg)
     out = {"mlp.experts.linear_fc1": LinearShape(tokens, tokens, hidden, gated * ffn // tp),
            "mlp.experts.linear_fc2": LinearShape(tokens, tokens, ffn // tp, hidden)}
     shared = cfg.get("moe_shared_expert_intermediate_size")

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fp8_recipes.plan.precision import (
-    Hardware, ModelLayout, MoEShape, ParallelLayout, PrecisionPlan, moe_layer_pattern,
+    Hardware, ModelLayout, MoEShape, ParallelLayout, PrecisionPlan, expert_ffn_size, moe_layer_pattern,
 )
 from fp8_recipes.recipe.schema import Recipe, Role, Scaling
 
@@ -157,7 +157,7 @@ def linear_parameters(model: Mapping[str, Any]) -> dict[str, int]:
     gated = 2 if model.get("activation", "gelu") == "swiglu" else 1
     widths = {"mlp": ffn}
     if model.get("num_moe_experts") is not None:
-        widths["mlp.experts"] = int(model.get("moe_ffn_hidden_size") or ffn)
+        widths["mlp.experts"] = expert_ffn_size(model)
         if int(model.get("moe_shared_expert_intermediate_size") or 0):
             widths["mlp.shared_experts"] = int(model["moe_shared_expert_intermediate_size"])
     out = {"self_attention.linear_qkv": h * (h + 2 * groups * (h // heads)), "self_attention.linear_proj": h * h}
@@ -298,7 +298,7 @@ def _moe_layer_bytes(model: Mapping[str, Any], layout: ParallelLayout, *, fp8: b
     without EP or expert TP, where no all-to-all copies them)."""
     h = int(model["hidden_size"])
     gated = 2 if model.get("activation", "gelu") == "swiglu" else 1
-    ffn = int(model.get("moe_ffn_hidden_size") or model.get("ffn_hidden_size") or 4 * h)
+    ffn = expert_ffn_size(model)
     shared = int(model.get("moe_shared_expert_intermediate_size") or 0)
     experts, topk = int(model["num_moe_experts"]), int(model.get("moe_router_topk", 2))
     t, etp = layout.tp, layout.expert_tp
@@ -398,9 +398,7 @@ def _check_estimate(model: Mapping[str, Any], layout: ParallelLayout, *, fp8: bo
     if model.get("num_moe_experts") is None:
         layout.check_experts(None)  # no ep / etp without routed experts
     else:  # the trainer's rules, worded for --layout
-        h = int(model["hidden_size"])
-        expert_ffn = int(model.get("moe_ffn_hidden_size") or model.get("ffn_hidden_size") or 4 * h)
-        layout.check_experts(int(model["num_moe_experts"]), expert_ffn)
+        layout.check_experts(int(model["num_moe_experts"]), expert_ffn_size(model))
         if layout.tp > 1 and not sequence_parallel:  # MoELayer.forward raises it in training
             raise ValueError("sequence_parallel: Megatron-Core trains MoE layers with TP > 1 only with sequence "
                              "parallelism (trainer.sequence_parallel=true)")

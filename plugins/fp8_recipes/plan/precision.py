@@ -39,7 +39,7 @@ from fp8_recipes.recipe.schema import (
 __all__ = [
     "Execution", "ExpertLayoutWords", "Gemm", "GemmPlan", "Hardware", "ModelLayout", "ModulePlan", "MoEShape",
     "ParallelLayout", "PrecisionPlan", "StepPlan", "GEMM_OPERANDS", "LAYOUT_WORDS", "ROUTER_REASON", "ROW_PARALLEL",
-    "Substitution", "TERecipe", "TRAINER_WORDS", "moe_layer_pattern",
+    "Substitution", "TERecipe", "TRAINER_WORDS", "expert_ffn_size", "moe_layer_pattern",
 ]
 
 
@@ -138,6 +138,12 @@ class MoEShape:
     experts: int
     layers: tuple[int, ...]
     shared_experts: bool = False
+
+
+def expert_ffn_size(cfg: Mapping[str, Any]) -> int:
+    """A routed expert's FFN width, as Megatron-Core reads it: ``moe_ffn_hidden_size``, else the dense
+    ``ffn_hidden_size``, else 4 x hidden."""
+    return int(cfg.get("moe_ffn_hidden_size") or cfg.get("ffn_hidden_size") or 4 * int(cfg["hidden_size"]))
 
 
 def moe_layer_pattern(cfg: Mapping[str, Any]) -> tuple[int, ...]:

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 from fp8_recipes.checks import ConfigError, check_keys, choice_error, did_you_mean, is_int, is_number
 from fp8_recipes.launcher import launch_world_size
 from fp8_recipes.megatron.model_config import check_model_cfg
-from fp8_recipes.plan.precision import TRAINER_WORDS, ParallelLayout
+from fp8_recipes.plan.precision import TRAINER_WORDS, ParallelLayout, expert_ffn_size
 
 __all__ = ["LRScaling", "TrainerConfig", "NONFINITE_ACTIONS", "check_model_cfg", "check_data_cfg",
            "check_writable_dir", "check_writable_file", "check_run_config"]
@@ -287,8 +287,7 @@ class TrainerConfig:
         EP x PP (the rules' one home: ParallelLayout.check_experts). After check_layout (the ranks split into TP x PP x
         CP)."""
         experts = model.get("num_moe_experts")
-        ffn = None if experts is None else int(model.get("moe_ffn_hidden_size") or model.get("ffn_hidden_size")
-                                               or 4 * int(model["hidden_size"]))
+        ffn = None if experts is None else expert_ffn_size(model)
         layout = ParallelLayout(tp=self.tensor_model_parallel_size, pp=self.pipeline_model_parallel_size,
                                 cp=self.context_parallel_size, dp=world_size // self.model_parallel_size,
                                 ep=self.expert_model_parallel_size, etp=self.expert_tensor_parallel_size)
