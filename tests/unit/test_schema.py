@@ -76,6 +76,7 @@ def test_every_default():
         assert p.pow2_scales is False
         assert p.block == expected_block[role]
         assert p.mx_rounding is MxRounding.RCEIL
+        assert p.rht is False and p.stochastic_rounding is False
     assert not r.is_fp8
     assert Recipe.from_dict(None) == r
 
@@ -281,6 +282,38 @@ def test_tensor_policy_describe():
     assert r.weights.describe() == "mxfp8 e4m3 1x32 e8m0/rceil"
     assert r.activations.describe() == "blockwise e4m3 1x128 pow2"
     assert load_recipe("delayed").gradients.describe() == "delayed e5m2 hist 1024 max"
+
+
+def test_nvfp4_defaults_and_describe():
+    r = Recipe.from_dict({"weights": "nvfp4", "activations": "nvfp4", "gradients": "nvfp4"})
+    for role in Role:  # E2M1 codes in 1x16 blocks for every role (the paper's 16x16 weights: the nvfp4 preset)
+        p = r.policy(role)
+        assert (p.scaling, p.format, p.block, p.rht, p.stochastic_rounding) == \
+            (Scaling.NVFP4, Format.E2M1, (1, 16), False, False)
+        assert p.describe() == "nvfp4 e2m1 1x16" and p.is_fp8
+    full = Recipe.from_dict({"weights": {"scaling": "nvfp4", "block": [16, 16]},
+                             "activations": {"scaling": "nvfp4", "rht": True},
+                             "gradients": {"scaling": "nvfp4", "rht": True, "stochastic_rounding": True}})
+    assert [full.policy(x).describe() for x in Role] == ["nvfp4 e2m1 16x16", "nvfp4 e2m1 1x16 rht",
+                                                         "nvfp4 e2m1 1x16 rht sr"]
+    assert full.gradients.to_dict() == {"scaling": "nvfp4", "format": "e2m1", "block": [1, 16], "rht": True,
+                                        "stochastic_rounding": True}
+    assert Recipe.from_dict(full.to_dict()) == full
+    # NVFP4 beside FP8 roles, and settings of a BF16 role kept
+    mixed = Recipe.from_dict({"weights": "nvfp4", "activations": "blockwise",
+                              "gradients": {"scaling": "none", "format": "e2m1"}})
+    assert mixed.activations.format is Format.E4M3 and mixed.gradients.format is Format.E2M1
+
+
+def test_nvfp4_problems_are_one_line_each_naming_the_key():
+    with pytest.raises(RecipeError) as e:
+        Recipe.from_dict({"weights": {"scaling": "nvfp4", "rht": True, "margin": 1},
+                          "activations": {"scaling": "nvfp4", "block": [16, 16], "stochastic_rounding": True},
+                          "gradients": {"scaling": "mxfp8", "format": "e2m1"}})
+    assert [line.split(":")[0] for line in str(e.value).splitlines()] == [
+        "weights.rht", "weights.margin", "activations.block", "activations.stochastic_rounding", "gradients.format"]
+    assert all(("remove it" in line or "use [1, 16]" in line or "set scaling: nvfp4" in line)
+               for line in str(e.value).splitlines()), str(e.value)
 
 
 def test_attention_key():

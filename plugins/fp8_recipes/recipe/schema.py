@@ -34,11 +34,13 @@ class Scaling(StrEnum):
     TENSORWISE = "tensorwise"  # per-tensor current scaling: scale from this tensor's own amax
     BLOCKWISE = "blockwise"    # one scale per block of `block` elements (1x128, 128x128, ...)
     MXFP8 = "mxfp8"            # OCP MX: 32-element blocks along the reduction dim, E8M0 (power-of-two) scales
+    NVFP4 = "nvfp4"            # NVIDIA's 4-bit: E2M1 codes, an E4M3 scale per 16 values, one FP32 scale per tensor
 
 
 class Format(StrEnum):
     E4M3 = "e4m3"  # max 448, 3 mantissa bits: forward tensors
     E5M2 = "e5m2"  # max 57344, 2 mantissa bits: range for gradients
+    E2M1 = "e2m1"  # FP4, max 6, 1 mantissa bit: NVFP4's codes (scaling: nvfp4 only)
 
 
 class AmaxAlgo(StrEnum):
@@ -89,6 +91,8 @@ ROLES: tuple[Role, ...] = (Role.WEIGHTS, Role.ACTIVATIONS, Role.GRADIENTS)
 DEFAULT_FORMAT = {Role.WEIGHTS: Format.E4M3, Role.ACTIVATIONS: Format.E4M3, Role.GRADIENTS: Format.E5M2}
 DEFAULT_BLOCK = {Role.WEIGHTS: (128, 128), Role.ACTIVATIONS: (1, 128), Role.GRADIENTS: (1, 128)}
 MXFP8_BLOCK = 32
+NVFP4_BLOCK = (1, 16)    # NVFP4's block along the reduction dim (TE's NVFP4BlockScaling, NVIDIA's paper)
+NVFP4_WEIGHT_BLOCK = (16, 16)  # the 2-D block TE has for weights only (the same copy serves fprop and dgrad)
 MAX_MARGIN = 16  # 2^16 of headroom already wastes most of E4M3's range; more lets power-of-two scales reach 0
 MAX_HISTORY = 1 << 16     # amax_history_len: TE's default is 1024; a longer window is one nobody trains with
 MAX_BLOCK = 1 << 16       # a block side: no tensor dimension of a trained LLM is longer
@@ -140,6 +144,11 @@ class TensorPolicy:
     """Blockwise: block shape [rows, cols] of the tensor as the GEMM reads it (last dim = reduction dim)."""
     mx_rounding: MxRounding = MxRounding.RCEIL
     """MXFP8: how the E8M0 block exponent is chosen: rceil (NVIDIA hardware) | floor (OCP MX v1.0)."""
+    rht: bool = False
+    """NVFP4, activations and gradients: a 16x16 random Hadamard transform on the wgrad GEMM's copies (both
+    operands, along the tokens it sums over; TE's NVFP4BlockScaling ``disable_rht=False``)."""
+    stochastic_rounding: bool = False
+    """NVFP4, gradients: round the E2M1 codes stochastically (unbiased) instead of to nearest even."""
 
     @property
     def is_fp8(self) -> bool:
@@ -157,6 +166,8 @@ class TensorPolicy:
             return common + ("margin", "amax_epsilon", "pow2_scales")
         if self.scaling is Scaling.BLOCKWISE:
             return common + ("block", "margin", "amax_epsilon", "pow2_scales")
+        if self.scaling is Scaling.NVFP4:
+            return common + ("block", "rht", "stochastic_rounding")
         return common + ("mx_rounding",)
 
     def to_dict(self) -> dict[str, Any]:
@@ -171,8 +182,10 @@ class TensorPolicy:
         if not self.is_fp8:
             return "bf16"
         parts = [str(self.scaling), str(self.format)]
-        if self.scaling is Scaling.BLOCKWISE:
+        if self.scaling in (Scaling.BLOCKWISE, Scaling.NVFP4):
             parts.append(f"{self.block[0]}x{self.block[1]}")
+        if self.scaling is Scaling.NVFP4:
+            parts += ["rht"] * self.rht + ["sr"] * self.stochastic_rounding
         if self.scaling is Scaling.MXFP8:
             parts.append(f"1x{MXFP8_BLOCK} e8m0/{self.mx_rounding}")
         if self.scaling is Scaling.DELAYED:
@@ -180,9 +193,9 @@ class TensorPolicy:
             if self.amax_compute_algo is AmaxAlgo.PERCENTILE:
                 algo = f"p{self.percentile:g}"
             parts.append(f"hist {self.amax_history_len} {algo}")
-        if self.margin and self.scaling is not Scaling.MXFP8:
+        if self.margin and self.scaling not in (Scaling.MXFP8, Scaling.NVFP4):
             parts.append(f"margin {self.margin}")
-        if self.pow2_scales and self.scaling not in (Scaling.MXFP8,):
+        if self.pow2_scales and self.scaling not in (Scaling.MXFP8, Scaling.NVFP4):
             parts.append("pow2")
         return " ".join(parts)
 
@@ -369,7 +382,9 @@ class _RecipeReader(KeyReader):
         given = _given(raw, d)
         scaling = self.enum(f"{key}.scaling", given("scaling"), Scaling, d.scaling)
         kw: dict[str, Any] = {"scaling": scaling}
-        kw["format"] = self.enum(f"{key}.format", given("format"), Format, d.format)
+        nvfp4 = scaling is Scaling.NVFP4  # (derived defaults, once and visibly: E2M1 codes in 1x16 blocks)
+        format_default, block_default = (Format.E2M1, NVFP4_BLOCK) if nvfp4 else (d.format, d.block)
+        kw["format"] = self.enum(f"{key}.format", raw.get("format", format_default), Format, format_default)
         kw["margin"] = self.integer(f"{key}.margin", given("margin"), 0, d.margin, maximum=MAX_MARGIN)
         kw["amax_history_len"] = self.integer(f"{key}.amax_history_len", given("amax_history_len"), 1,
                                               d.amax_history_len, maximum=MAX_HISTORY)
@@ -386,9 +401,13 @@ class _RecipeReader(KeyReader):
             kw["pow2_scales"] = True
         # the NeMo blog's one block_size is for the blockwise roles only
         use_block_size = block_size is not None and scaling is Scaling.BLOCKWISE
-        block = raw.get("block", block_size if use_block_size else list(d.block))
-        kw["block"] = self.block(f"{key}.block", block, d.block)
+        block = raw.get("block", block_size if use_block_size else list(block_default))
+        kw["block"] = self.block(f"{key}.block", block, block_default)
         kw["mx_rounding"] = self.enum(f"{key}.mx_rounding", given("mx_rounding"), MxRounding, d.mx_rounding)
+        kw["rht"] = self.boolean(f"{key}.rht", given("rht"), d.rht)
+        kw["stochastic_rounding"] = self.boolean(f"{key}.stochastic_rounding", given("stochastic_rounding"),
+                                                 d.stochastic_rounding)
+        self.nvfp4_checks(key, role, kw)
         if scaling is Scaling.MXFP8 and "block" in raw and tuple(kw["block"]) not in ((1, MXFP8_BLOCK),):
             self.bad(f"{key}.block", f"{fmt(raw['block'])} cannot be set for mxfp8 (blocks are always 32 "
                                      f"elements along the reduction dim); use scaling: blockwise for other shapes")
@@ -405,6 +424,43 @@ class _RecipeReader(KeyReader):
                 self.bad(f"{key}.{k}", f"{fmt(raw[k])} does not apply to scaling: {scaling} (only to {users}); "
                                        f"remove it")
         return policy
+
+    def nvfp4_checks(self, key: str, role: Role, kw: Mapping[str, Any]) -> None:
+        """E2M1 goes with nvfp4 only; NVFP4 blocks are 1x16 (16x16 for weights); the RHT is for the wgrad GEMM's
+        operands (activations, gradients), stochastic rounding for gradients (TE's NVFP4BlockScaling)."""
+        scaling, element = kw["scaling"], kw["format"]
+        if scaling is not Scaling.NVFP4:
+            if element is Format.E2M1 and scaling is not Scaling.NONE:
+                self.bad(f"{key}.format", f"'e2m1' is NVFP4's 4-bit element format, not an FP8 one; set scaling: "
+                                          f"nvfp4, or format: e4m3 / e5m2 with scaling: {scaling}")
+            return
+        if element is not Format.E2M1:
+            self.bad(f"{key}.format", f"{fmt(str(element))} with scaling: nvfp4, which stores E2M1 codes (its block "
+                                      f"scales are E4M3); set format: e2m1 or remove it")
+        block = tuple(kw["block"])
+        if block not in (NVFP4_BLOCK, NVFP4_WEIGHT_BLOCK):
+            self.bad(f"{key}.block", f"{fmt(list(block))} is not an NVFP4 block; use [1, 16] (16 values along the "
+                                     f"reduction dim), or [16, 16] for weights")
+        elif block == NVFP4_WEIGHT_BLOCK and role is not Role.WEIGHTS:
+            self.bad(f"{key}.block", f"[16, 16] 2-D NVFP4 blocks are for weights only (TE quantizes {role} in 1x16 "
+                                     f"blocks along the reduction dim); use [1, 16]")
+        if kw["rht"] and role is Role.WEIGHTS:
+            self.bad(f"{key}.rht", "true, but the RHT rotates the wgrad GEMM's operands (activations and "
+                                   "gradients) and weights are not one of them; remove it")
+        if kw["stochastic_rounding"] and role is not Role.GRADIENTS:
+            self.bad(f"{key}.stochastic_rounding", f"true, but stochastic rounding is for gradients only ({role} "
+                                                   f"round to nearest even, as in NVIDIA's recipe); remove it")
+
+    def rht_pair_checks(self, r: Recipe) -> None:
+        """The RHT is undone by the product only when both wgrad operands are rotated: activations and gradients
+        ask for it together (TE has one switch, ``disable_rht``, for both)."""
+        for role, other in ((Role.ACTIVATIONS, Role.GRADIENTS), (Role.GRADIENTS, Role.ACTIVATIONS)):
+            p, q = r.policy(role), r.policy(other)
+            if p.scaling is Scaling.NVFP4 and p.rht and not (q.scaling is Scaling.NVFP4 and q.rht):
+                self.bad(f"{role}.rht", f"true without {other}.rht: the wgrad GEMM multiplies activations and "
+                                        f"gradients both rotated, so the rotation cancels; give {other} scaling: "
+                                        f"nvfp4 with rht: true, or set {role}.rht: false")
+                return
 
     def schedule(self, value: Any) -> Schedule:
         raw = self.mapping("schedule", value, {"bf16_warmup_steps", "enable", "full_precision_eval_interval"})
@@ -525,6 +581,7 @@ class _RecipeReader(KeyReader):
 
     def cross_checks(self, r: Recipe) -> None:
         s = r.schedule
+        self.rht_pair_checks(r)
         if r.attention is Attention.FP8:
             per_tensor = (Scaling.DELAYED, Scaling.TENSORWISE)
             off = next((role for role in (Role.ACTIVATIONS, Role.GRADIENTS)
