@@ -349,7 +349,7 @@ def test_te_recipe_kind_is_the_te_class_name():
     pol = TensorPolicy(scaling=Scaling.TENSORWISE)
     assert TERecipe("Float8CurrentScaling", pol, pol, pol).recipe is TERecipeKind.CURRENT  # a name is taken too
     assert [str(k) for k in TERecipeKind] == ["DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",
-                                              "MXFP8BlockScaling", "CustomRecipe"]
+                                              "MXFP8BlockScaling", "NVFP4BlockScaling", "CustomRecipe"]
     with pytest.raises(ValueError, match="Float8CurentScaling"):
         TERecipe("Float8CurentScaling", pol, pol, pol)
 

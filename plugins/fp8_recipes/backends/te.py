@@ -172,8 +172,11 @@ def te_recipe(choice: TERecipe, *, reduce_amax: bool = True) -> Any:
     """The TE recipe object for one TERecipe (every argument explicit: TE reads defaults from NVTE_* variables)."""
     from transformer_engine.common import recipe as R
 
-    fmt = R.Format[choice.fp8_format]
     override = "high_precision" if choice.forward_only else None
+    if choice.recipe is TERecipeKind.NVFP4:  # (the 4over6 and row-scaled variants are TE's post-training options)
+        return R.NVFP4BlockScaling(**choice.nvfp4_switches(), row_scaled_activation=False, nvfp4_4over6="none",
+                                   backward_override=override)
+    fmt = R.Format[choice.fp8_format]
     w, a, g = choice.weights, choice.activations, choice.gradients
     if choice.recipe is TERecipeKind.DELAYED:
         return R.DelayedScaling(fp8_format=fmt, margin=w.margin, amax_history_len=w.amax_history_len,
@@ -374,9 +377,9 @@ class TEPrecision:
         return self._off if choice is None else (True, self.te_recipe(choice), self._group)
 
     def _apply(self, sp: StepPlan) -> None:
-        """Derive every autocast of a stage from the plan: per layer the most common choice of its linears, per
-        linear an override where it differs, its own for a linear outside the layers (the LM head), and the outer
-        autocast when any choice has delayed state."""
+        """Derive every autocast of a stage from the plan: per layer its own TE recipe (``StepPlan.layers_te``), per
+        linear an override where it differs (a ``modules:`` policy, a BF16 pattern), its own for a linear outside the
+        layers (the LM head), and the outer autocast when any choice has delayed state."""
         choices = {n: sp.modules[self.rows[n][0]].te for n in self.linears}  # (a grouped linear's rows agree)
         by_layer: dict[int | None, list[str]] = defaultdict(list)
         for name in self.linears:
@@ -385,7 +388,7 @@ class TEPrecision:
             self._module_ctx[n] = self._ctx(choices[n])
         for i in self._layer_ctx:
             names = by_layer.get(i, [])
-            layer_choice = Counter(choices[n] for n in names).most_common(1)[0][0] if names else None
+            layer_choice = sp.layers_te.get(i)
             self._layer_choices[i] = layer_choice  # its attention runs under it (FP8 when its fp8_dpa is set)
             self._layer_ctx[i] = self._ctx(layer_choice)
             for n in names:

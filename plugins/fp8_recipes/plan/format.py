@@ -11,7 +11,7 @@ from __future__ import annotations
 from fp8_recipes.plan.precision import (
     ROUTER_REASON, Execution, Gemm, ModelLayout, ModulePlan, ParallelLayout, PrecisionPlan, StepPlan,
 )
-from fp8_recipes.recipe.schema import ROLES, Attention
+from fp8_recipes.recipe.schema import ROLES, Attention, Scaling
 
 __all__ = ["format_plan"]
 
@@ -190,6 +190,10 @@ def format_plan(plan: PrecisionPlan, max_steps: int | None = None, parallel: Par
         lines.append(f"  {role!s:<12} {p.describe():<40} {start}")
     if plan.te is not None:
         lines += _te_lines(plan)
+    elif any(r.policy(role).scaling is Scaling.NVFP4 for role in ROLES):
+        lines += ["", "note: nvfp4 operands are emulated as TE's NVFP4 GEMMs read them (bit-exact with its reference "
+                      "quantizer): 1x16 blocks along each GEMM's reduction dim (wgrad: the tokens), the RHT on both "
+                      "wgrad operands or neither, stochastic rounding seeded by (seed, step, module, GEMM)"]
     lines += ["", "stages"]
     for first, last, label in plan.stages(max_steps):
         span = f"{first}-{last}" if last is not None else f"{first}-"

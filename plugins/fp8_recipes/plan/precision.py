@@ -30,7 +30,7 @@ from typing import Any
 
 from fp8_recipes.checks import ConfigError, is_int
 from fp8_recipes.plan.te import (
-    Substitution, TERecipe, TEResolution, resolve_te, te_attention, te_recipe_for, te_stage_note,
+    Substitution, TERecipe, TEResolution, _delayed_key, resolve_te, te_attention, te_recipe_for, te_stage_note,
 )
 from fp8_recipes.recipe.schema import (
     ROLES, AmaxReduction, Attention, Backend, ModulePolicies, Recipe, RecipeError, Role, Scaling, TensorPolicy,
@@ -405,6 +405,11 @@ class StepPlan:
     attention: frozenset[int] = frozenset()
     """Layers whose core attention runs FP8 this step (recipe ``attention: fp8``): Q, K, V, the softmax output and
     the output with the activations' policy, their gradients with the gradients' policy."""
+    layers_te: dict[int, TERecipe | None] = field(default_factory=dict)
+    """Transformer Engine backend: each layer's own TE recipe this step (the recipe's, with ``fp8_dpa`` in the
+    ``attention`` layers; None in a ``bf16_first`` / ``bf16_last`` layer or a BF16 stage): the layer's autocast, under
+    which its core attention runs; a linear whose TE recipe differs (a ``modules:`` override, a BF16 pattern) runs
+    under its own inside it."""
 
 
 class PrecisionPlan:
@@ -416,7 +421,7 @@ class PrecisionPlan:
         self.hardware = hardware or Hardware()
         self.te: TEResolution | None = None
         """The TE resolution (policies as TE runs them, substitutions) when the backend is te, else None."""
-        self._te_modules: dict[str, TEResolution] = {}
+        self._te_modules: dict[str, TEResolution | None] = {}
         """On TE: each ``modules:`` override's resolution by pattern (the recipe with that override's policies)."""
         self.backend, self.backend_reason = self._resolve_backend()
         self._cache: dict[frozenset[Role], StepPlan] = {}
@@ -480,21 +485,46 @@ class PrecisionPlan:
                 continue  # (a warning in the plan)
             variant = dataclasses.replace(self.recipe, modules=(), **{
                 str(r): override.policy(r) or self.recipe.policy(r) for r in ROLES})
+            if not variant.is_fp8:  # BF16 modules, as a bf16_modules pattern makes them
+                self._te_modules[override.pattern] = None
+                continue
             own = self._te_modules[override.pattern] = resolve_te(variant, hw.compute_capability, hw.name)
             subs += [dataclasses.replace(sub, key=f"modules.{override.pattern}.{sub.key}")
                      for sub in own.substitutions]
             if own.unsupported and not unsupported:
                 unsupported, fix = f"modules.{override.pattern}: {own.unsupported}", own.unsupported_fix
+        if not unsupported:
+            unsupported, fix = self._indistinct_delayed(resolution)
         return dataclasses.replace(resolution, substitutions=tuple(subs), unsupported=unsupported,
                                    unsupported_fix=fix)
+
+    def _indistinct_delayed(self, resolution: TEResolution) -> tuple[str | None, str]:
+        """Two delayed-scaling resolutions (the recipe's, a ``modules:`` override's) that TE would take for one: it
+        keys its amax buffers by the recipe's text, which names margin, format and history length but not the amax
+        algorithm or the scale rule, so one of the two would update both's states."""
+        seen: dict[tuple, tuple[str, tuple]] = {}
+        named = [("the recipe", resolution)] + [(f"modules.{p}", r) for p, r in self._te_modules.items() if r]
+        for where, res in named:
+            pw, pg = res.policies[Role.WEIGHTS], res.policies[Role.GRADIENTS]
+            if pw.scaling is not Scaling.DELAYED:
+                continue
+            te_key = (pw.margin, pw.amax_history_len, pw.format, pg.format)
+            full = (_delayed_key(pw), _delayed_key(pg) if pg.scaling is Scaling.DELAYED else None)
+            other = seen.setdefault(te_key, (where, full))
+            if other[1] != full:
+                return (f"{where}: delayed scaling that differs from {other[0]}'s only in amax_compute_algo, "
+                        f"percentile or pow2_scales, which Transformer Engine keys together (one would update both)",
+                        "give it another margin or amax_history_len too, or set backend: emulated")
+        return None, ""
 
     @property
     def te_resolutions(self) -> tuple[TEResolution, ...]:
         """On TE: the recipe's resolution, then each ``modules:`` override's (empty on the emulated backend)."""
-        return (self.te, *self._te_modules.values()) if self.te is not None else ()
+        return (self.te, *(r for r in self._te_modules.values() if r is not None)) if self.te is not None else ()
 
-    def _te_resolution(self, name: str) -> TEResolution:
-        """The TE resolution module ``name`` runs: its ``modules:`` override's, else the recipe's."""
+    def _te_resolution(self, name: str) -> TEResolution | None:
+        """The TE resolution module ``name`` runs: its ``modules:`` override's (None: the override keeps every role
+        BF16), else the recipe's."""
         override = self.module_override(name)
         return self._te_modules[override.pattern] if override is not None else self.te
 
@@ -592,6 +622,11 @@ class PrecisionPlan:
         te = next(iter(layers.values()), None)
         if te is None:
             return None  # every layer BF16: nothing to store in FP8
+        odd = next((i for i, t in layers.items() if t.recipe is not te.recipe), None)
+        if odd is not None:
+            return (f"fp8_param: true hands Megatron-Core's optimizer one FP8 recipe for every FP8 weight, and layer "
+                    f"{odd} runs {layers[odd].recipe} where layer {next(iter(layers))} runs {te.recipe}; give the FP8 "
+                    f"layers one scaling kind or set fp8_param: false")
         if te.recipe not in _FP8_PARAM_RECIPES:
             return (f"fp8_param: true: the FP8 layers run {te.recipe} here, and Transformer Engine runs an FP8-stored "
                     f"weight only under the recipe class it was quantized with ({', '.join(_FP8_PARAM_RECIPES)}); give "
@@ -652,13 +687,15 @@ class PrecisionPlan:
         cached = self._cache.get(roles)
         if cached is None:
             attention = self.attention_layers(roles)
+            layers_te = {}
             if self.te is not None:
                 modules = {n: self._te_module_plan(n, roles, attention) for n in self.layout.module_names}
                 note = te_stage_note(roles, self.roles_fp8_at(10**12))
+                layers_te = {i: self._layer_te(i, roles, attention) for i in range(self.layout.num_layers)}
             else:
                 modules, note = {n: self._module_plan(n, roles) for n in self.layout.module_names}, ""
             cached = self._cache[roles] = StepPlan(step, self.stage_label(roles, step), roles, modules, note,
-                                                   attention)
+                                                   attention, layers_te)
         if cached.step != step:
             return dataclasses.replace(cached, step=step, stage=self.stage_label(roles, step))
         return cached
@@ -682,19 +719,30 @@ class PrecisionPlan:
         gemms = {}
         for gemm, (a, b) in GEMM_OPERANDS.items():
             ops = ((a, on[a]), (b, on[b]))
+            ops = _wgrad_rht(ops) if gemm is Gemm.WGRAD else ops
             gemms[gemm] = GemmPlan(gemm, self._execution(ops), ops)
         note = f"modules '{override.pattern}': {override.describe()}" if override and reason is None else None
         return ModulePlan(name, self.layout.layer_of(name), reason, gemms, override=note)
 
+    def _layer_te(self, layer: int, roles: frozenset[Role], attention: frozenset[int]) -> TERecipe | None:
+        rules = self.recipe.layers
+        if layer < rules.bf16_first or layer >= self.layout.num_layers - rules.bf16_last:
+            return None
+        te = te_recipe_for(self.te, roles)
+        return dataclasses.replace(te, fp8_dpa=True) if te is not None and layer in attention else te
+
     def _te_module_plan(self, name: str, roles: frozenset[Role], attention: frozenset[int]) -> ModulePlan:
         """A module on the TE backend: the stage's TE recipe of its resolution (its ``modules:`` override's, else
-        the recipe's; FP8 attention in the ``attention`` layers) unless the module is kept BF16 (the LM head runs it
-        through a te.Linear when ``fp8_output_layer`` is on: megatron/te_layers.py)."""
+        the recipe's and its layer's, :meth:`_layer_te`) unless the module is kept BF16 (the LM head runs it
+        through a te.Linear when ``fp8_output_layer`` is on: megatron/te_layers.py); an override whose every role is
+        BF16 is a BF16 module."""
         reason = self.bf16_reason(name)
-        te = te_recipe_for(self._te_resolution(name), roles) if reason is None else None
-        if te is not None and self.layout.layer_of(name) in attention:
-            te = dataclasses.replace(te, fp8_dpa=True)
         override = self.module_override(name)
+        resolution = self._te_resolution(name)
+        te = te_recipe_for(resolution, roles) if reason is None and resolution is not None else None
+        layer = self.layout.layer_of(name)
+        if te is not None and override is None and layer is not None:
+            te = self._layer_te(layer, roles, attention)  # (the same object: its layer's autocast runs it)
         gemms = {}
         for gemm, (a, b) in GEMM_OPERANDS.items():
             fp8 = te is not None and (gemm is Gemm.FPROP or not te.forward_only)
@@ -720,6 +768,14 @@ class PrecisionPlan:
             end = starts[i + 1] - 1 if i + 1 < len(starts) else (max_steps - 1 if max_steps else None)
             out.append((s, end, self.stage_label(self.roles_fp8_at(s), s)))
         return out
+
+
+def _wgrad_rht(operands):
+    """The wgrad GEMM's operands with the RHT where it cancels: on both, or (a stage or module that keeps one of
+    them BF16 or FP8) on neither; the RHT rotates only the columnwise copies wgrad reads."""
+    if all(p is not None and p.rht for _, p in operands):
+        return operands
+    return tuple((r, dataclasses.replace(p, rht=False) if p is not None and p.rht else p) for r, p in operands)
 
 
 _FP8_PARAM_RECIPES = ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling")

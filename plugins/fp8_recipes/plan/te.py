@@ -18,6 +18,10 @@ The rules (measured on an H200 or read in TE 2.20.2's source, see docs/facts.md)
   ``DelayedScaling``; a ``CustomRecipe`` whose factory returns ``DelayedScalingRequest`` quantizers does support it.
 - A GEMM runs FP8 only when both its operands are FP8, and TE has no "BF16 forward, FP8 backward": a stage runs
   FP8 only once weights and activations are both on (forward-only until gradients follow).
+- NVFP4 (``NVFP4BlockScaling``) needs sm_100+ (TE 2.20.2's ``check_nvfp4_support``: "Device compute capability 10.0
+  or higher required"; measured on the H200, issue 29) and quantizes every role in NVFP4: one switch each for the
+  RHT of the wgrad operands (``disable_rht``), stochastic rounding of gradients (``disable_stochastic_rounding``)
+  and 16x16 weight blocks (``disable_2d_quantization``). NVFP4 beside FP8 roles is no TE recipe (emulated only).
 
 Pure: imports only the schema. The plan calls it; ``backends/te.py`` turns a TERecipe into TE objects.
 """
@@ -60,6 +64,7 @@ class TERecipeKind(StrEnum):
     CURRENT = "Float8CurrentScaling"     # per-tensor scales from each tensor's own amax
     BLOCK = "Float8BlockScaling"         # 1x128 / 128x128 blocks, power-of-two scales by default
     MXFP8 = "MXFP8BlockScaling"          # 32-element blocks, E8M0 scales (sm_100)
+    NVFP4 = "NVFP4BlockScaling"          # E2M1 codes, E4M3 scales per 16 values, FP32 per tensor (sm_100)
     CUSTOM = "CustomRecipe"              # one quantizer per role from our factory: per-role mixes, options the
     #                                      named classes lack, delayed scaling with a forward-only stage
 
@@ -128,6 +133,13 @@ class TERecipe:
         """TE's recipe-wide format: HYBRID (E4M3 forward, E5M2 backward) unless the gradients are E4M3."""
         return "E4M3" if self.gradients.is_fp8 and self.gradients.format is Format.E4M3 else "HYBRID"
 
+    def nvfp4_switches(self) -> dict[str, bool]:
+        """NVFP4BlockScaling's switches, derived from the policies (the schema keeps activations' and gradients'
+        rht equal; NVFP4 activations and gradients have 1x16 blocks, only the weights' may be 16x16)."""
+        return {"disable_rht": not self.activations.rht,
+                "disable_stochastic_rounding": not (self.gradients.is_fp8 and self.gradients.stochastic_rounding),
+                "disable_2d_quantization": self.weights.block[0] == 1}
+
     @property
     def delayed(self) -> bool:
         """Carries delayed-scaling state (amax histories) that TE reduces and updates once per step."""
@@ -135,6 +147,8 @@ class TERecipe:
 
     def describe(self) -> str:
         args = [f"fp8_format={self.fp8_format}"]
+        if self.recipe is TERecipeKind.NVFP4:
+            args = [f"{k}={v}" for k, v in self.nvfp4_switches().items()]
         if self.recipe is TERecipeKind.DELAYED:
             args += _delayed_args(self.weights)
         elif self.recipe is TERecipeKind.BLOCK:
@@ -238,6 +252,8 @@ class _Resolver:
                 f"{off}.scaling: 'none' with {'+'.join(map(str, fp8))} FP8: Transformer Engine runs a GEMM in FP8 "
                 f"only when both its operands are FP8, and the backward only after an FP8 forward, so no GEMM of "
                 f"this recipe can"), unsupported_fix=f"give {off} a scaling, or set backend: emulated")
+        if any(self.eff[r].scaling is Scaling.NVFP4 for r in fp8):
+            return self.nvfp4(fp8)
         self.per_role_fixes(fp8)
         self.one_family(fp8)
         self.one_2d_block()
@@ -246,6 +262,25 @@ class _Resolver:
             return TEResolution(dict(self.eff), tuple(self.subs), unsupported=bad[0], unsupported_fix=bad[1])
         self.shared_delayed_state()
         return TEResolution(dict(self.eff), tuple(self.subs), notes=self.notes(), custom_delayed=self.custom_delayed())
+
+    def nvfp4(self, fp8: list[Role]) -> TEResolution:
+        """NVFP4BlockScaling on sm_100+ when every quantized role is NVFP4; else nothing TE runs (no substitution:
+        NVFP4 becoming FP8, or FP8 becoming NVFP4, is another recipe, not the nearest one)."""
+        nv = [r for r in fp8 if self.eff[r].scaling is Scaling.NVFP4]
+        if self.cc < (10, 0):
+            return TEResolution(dict(self.eff), unsupported=(
+                f"{nv[0]}.scaling: 'nvfp4': Transformer Engine's NVFP4 GEMMs need sm_100 (Blackwell); {self.where}"),
+                unsupported_fix="set backend: emulated (NVFP4 quantized as TE's reference quantizer does)")
+        other = next((r for r in fp8 if r not in nv), None)
+        if other is not None:
+            return TEResolution(dict(self.eff), unsupported=(
+                f"{other}.scaling: '{self.eff[other].scaling}' beside {'+'.join(map(str, nv))} nvfp4: Transformer "
+                f"Engine's NVFP4BlockScaling quantizes every role in NVFP4"),
+                unsupported_fix=f"give {other} scaling: nvfp4, or set backend: emulated (it runs any per-role mix)")
+        return TEResolution(dict(self.eff), notes=(
+            "NVFP4BlockScaling rounds gradients stochastically with TE's Philox stream: the emulated backend rounds "
+            "with the same law from its own seeded stream, so SR bits differ between the two",) if
+            self.eff[G].is_fp8 and self.eff[G].stochastic_rounding else ())
 
     def per_role_fixes(self, fp8: list[Role]) -> None:
         for r in fp8:
@@ -345,6 +380,8 @@ def resolve_te(recipe: Recipe, compute_capability: tuple[int, int] | None, devic
 def _builtin(pw: TensorPolicy, pa: TensorPolicy, pg: TensorPolicy, forward_only: bool, custom_delayed: bool
              ) -> TERecipeKind:
     kinds = {pw.scaling, pa.scaling} | ({pg.scaling} if pg.is_fp8 else set())
+    if kinds == {Scaling.NVFP4}:
+        return TERecipeKind.NVFP4
     if len(kinds) > 1 or pw.format is not Format.E4M3 or pa.format is not Format.E4M3:
         return TERecipeKind.CUSTOM  # a per-role mix within one family, or E5M2 forward tensors: a quantizer per role
     kind = kinds.pop()
