@@ -362,3 +362,37 @@ def test_fp8_param_refuses_a_module_policy_inside_an_fp8_layer():
     line = plan.fp8_param_problem()
     assert line.startswith("fp8_param: true quantizes each layer's weights under one TE recipe, and modules "
                            "'*.experts.*'") and "set fp8_param: false" in line and "\n" not in line
+
+
+def test_each_layer_runs_the_recipes_own_te_recipe_and_overrides_their_own():
+    """The layer's autocast (and its core attention) is the recipe's TE recipe, whatever its linears' overrides; an
+    override never carries FP8 attention; an all-BF16 override is BF16 modules; recipes TE cannot tell apart and
+    layers of two recipe classes under fp8_param are refused."""
+    from fp8_recipes.plan.precision import Hardware
+    from fp8_recipes.recipe.schema import Backend
+
+    h200 = Hardware("cuda", (9, 0), "2.20.2", "NVIDIA H200")
+    recipe = Recipe.from_dict({**load_recipe_dict("moe_delayed"), "attention": "fp8"})
+    final = PrecisionPlan(recipe, layout_of(MOE), h200).at(10**6)
+    layer = final.layers_te[1]
+    assert (layer.weights.amax_history_len, layer.fp8_dpa) == (1024, True)
+    assert final.modules["decoder.layers.1.self_attention.linear_qkv"].te == layer
+    expert = final.modules["decoder.layers.1.mlp.experts.local_experts.2.linear_fc1"].te
+    assert (expert.weights.amax_history_len, expert.fp8_dpa) == (16, False)
+    bf16 = {**load_recipe_dict("delayed"), "modules": {"*.experts.*": {r: {"scaling": "none"} for r in
+                                                                        ("weights", "activations", "gradients")}}}
+    plan = PrecisionPlan(Recipe.from_dict(bf16), layout_of(MOE), h200)
+    assert plan.backend is Backend.TE
+    assert plan.at(10**6).modules["decoder.layers.0.mlp.experts.local_experts.0.linear_fc2"].te is None
+    assert plan.at(10**6).modules["decoder.layers.0.self_attention.linear_proj"].te is not None
+    algo = {**load_recipe_dict("delayed"), "modules": {"*.experts.*": {r: {"scaling": "delayed",
+            "amax_compute_algo": "most_recent"} for r in ("weights", "activations", "gradients")}}}
+    plan = PrecisionPlan(Recipe.from_dict(algo), layout_of(MOE), h200)
+    assert plan.backend is Backend.EMULATED and "modules.*.experts.*: delayed scaling that differs from the " \
+        "recipe's only in amax_compute_algo" in plan.backend_reason
+    mixed = Recipe.from_dict({**load_recipe_dict("delayed"), "fp8_param": True,
+                              "modules": {"decoder.layers.3.*": {r: {"scaling": "tensorwise"} for r in
+                                                                 ("weights", "activations", "gradients")}}})
+    line = PrecisionPlan(mixed, layout_of(MOE), h200).fp8_param_problem()
+    assert line.startswith("fp8_param: true hands Megatron-Core's optimizer one FP8 recipe for every FP8 weight, "
+                           "and layer 3 runs Float8CurrentScaling where layer 0 runs DelayedScaling")

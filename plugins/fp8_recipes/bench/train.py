@@ -75,8 +75,8 @@ def raw_megatron_fp8(choice: Any, recipe: Any) -> dict | None:
     integrations/common.py), or None if no named Megatron-Core recipe is that one."""
     if choice is None or choice.forward_only or named_recipe_gaps(choice, recipe):
         return None
-    if recipe.layers.bf16_first or recipe.layers.bf16_last or recipe.layers.bf16_modules:
-        return None  # Megatron's first_last_layers_bf16 differs (and refuses delayed): compare plain recipes only
+    if recipe.layers.bf16_first or recipe.layers.bf16_last or recipe.layers.bf16_modules or recipe.modules:
+        return None  # Megatron's first_last_layers_bf16 differs (and refuses delayed), it has no per-module policies
     return te_recipe_fields(choice)
 
 
@@ -104,7 +104,8 @@ def check_configs(configs: list[str], engine: bool = False) -> None:
             bad = [lever for lever in levers if lever not in (*MODEL_LEVERS, *ENGINE_LEVERS)]
         if bad:
             raise ValueError(f"--configs {label}: unknown lever {bad[0]!r}; levers (on a recipe): {', '.join(LEVERS)}; "
-                             f"model levers (MoE, on bf16 too): {', '.join(MODEL_LEVERS)}")
+                             f"model levers (MoE, on bf16 too): {', '.join(MODEL_LEVERS)}; with --engine (on bf16 "
+                             f"too): {', '.join(ENGINE_LEVERS)}")
         if engine and set(OWN_OPTIMIZER) & set(levers):
             raise ValueError(f"--configs {label}: --engine runs the trainer's optimizer; drop the "
                              f"{'/'.join(OWN_OPTIMIZER)} levers or --engine")
@@ -181,9 +182,8 @@ def _decide(model_cfg: dict, label: str) -> _BenchConfig:
         return run
     # Timed in the recipe's final stage (after any BF16 warmup and staged enablement): its steady state.
     run.steady = max(recipe.schedule.role_start(r) for r in ROLES if recipe.policy(r).is_fp8)
-    # what the first FP8 linear of a transformer layer runs (TE runs one recipe per layer and stage here)
-    choice = next((m.te for m in plan.at(run.steady).modules.values() if m.layer is not None and m.te is not None),
-                  None)
+    # the recipe's own TE recipe in its first FP8 layer (the layer's autocast; modules: overrides run their own)
+    choice = next((te for te in plan.at(run.steady).layers_te.values() if te is not None), None)
     run.describe = choice.describe() if choice is not None else "BF16"
     if mode == "raw":
         run.overrides = raw_megatron_fp8(choice, recipe)

@@ -48,6 +48,8 @@ embedding) and the final norm, every stage num_layers / pp layers
 
 from __future__ import annotations
 
+import dataclasses
+
 import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -56,7 +58,7 @@ from typing import Any
 from fp8_recipes.plan.precision import (
     Hardware, ModelLayout, MoEShape, ParallelLayout, PrecisionPlan, expert_ffn_size, moe_layer_pattern,
 )
-from fp8_recipes.recipe.schema import Recipe, Role, Scaling
+from fp8_recipes.recipe.schema import Backend, Recipe, Role, Scaling
 
 __all__ = ["GIB", "LLAMA3", "MIXTRAL", "MemoryEstimate", "OptimizerPrecision", "estimate_memory", "estimate_stages",
            "format_estimate", "fp8_layers_of", "fp8_modules_of", "fp8_weight_copy_bytes", "linear_parameters",
@@ -344,7 +346,9 @@ def fp8_modules_of(recipe: Recipe, model: Mapping[str, Any]) -> frozenset[str]:
     H200 the estimate is checked on. The plan applies the recipe's bf16_first / bf16_last, its bf16_modules patterns
     (e.g. '*experts*' keeps the experts BF16), its per-module policies (``modules:``) and fp8_output_layer (the LM
     head), so the estimate charges FP8 copies where the run makes them."""
-    plan = PrecisionPlan(recipe, _model_layout(model), Hardware.target((9, 0)))
+    # (backend auto: a recipe asking for TE on a newer GPU is estimated as the H200 would run it, not refused)
+    plan = PrecisionPlan(dataclasses.replace(recipe, backend=Backend.AUTO), _model_layout(model),
+                         Hardware.target((9, 0)))
     final = plan.at(plan.final_step())
     return frozenset(name for name, module in final.modules.items()
                      if any(role is Role.WEIGHTS and policy is not None
