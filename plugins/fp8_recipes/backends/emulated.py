@@ -7,7 +7,11 @@ the GEMM's reduction dimension), and multiplies them in the layer's dtype:
     dgrad  dx = q(dy, gradients) @ q(w, weights, columnwise)   blocks along out_features
     wgrad  dw = q(dy, gradients, columnwise)^T @ q(x, activations, columnwise)   blocks along tokens
 
-so any per-role mix, any block shape and MXFP8 run on any device. Delayed scaling keeps one DelayedScaler per
+so any per-role mix, any block shape, MXFP8 and NVFP4 run on any device. NVFP4 operands are TE's NVFP4 GEMMs'
+(its reference quantizer, bit for bit): 1x16 blocks (16x16 weights) along each GEMM's reduction dim, the RHT on the
+two wgrad copies where the plan keeps it (along the tokens wgrad sums over: the rotation cancels in the product),
+and stochastic rounding of gradients seeded by (run seed, step, module, GEMM, micro-batch), so a resumed run
+draws the same numbers. Delayed scaling keeps one DelayedScaler per
 module and role; its scale is updated after each optimizer step, with the amax MAX-reduced over the recipe's
 ``amax_reduction`` group when distributed. Nothing here decides precision: :class:`EmulatedPrecision` hands each
 layer its :class:`~fp8_recipes.plan.precision.ModulePlan` for the step.
@@ -34,6 +38,7 @@ import torch
 from fp8_recipes.backends.groups import amax_reduction_group, expert_amax_reduction_group, max_reducer
 from fp8_recipes.checks import ConfigError
 from fp8_recipes.numerics import DelayedScaler, block_for, dequantize, quantize
+from fp8_recipes.numerics.nvfp4 import stochastic_rounding_seed
 from fp8_recipes.plan.precision import Gemm, ModelLayout, ModulePlan, PrecisionPlan
 from fp8_recipes.recipe.schema import ROLES, AmaxReduction, Attention, Role, Scaling, TensorPolicy
 
@@ -57,6 +62,14 @@ class EmulatedLinearState:
         # (and a resumed run stays bit-exact). The layer sets this from module.training at each forward.
         self.record_amax = True
         self.observer: Callable[..., None] | None = None  # statistics hook: (state, gemm, role, hp, fq)
+        # Where NVFP4's stochastic rounding draws come from: the run's seed and step (set by EmulatedPrecision),
+        # the backward pass of the step (micro-batches: one more each) and the GEMM
+        self.run_seed = 0
+        self.step = 0
+        self.backwards = 0
+
+    def sr_seed(self, gemm: Gemm) -> int:
+        return stochastic_rounding_seed(self.run_seed, self.step, self.name, gemm, self.backwards)
 
     def policy(self, gemm: Gemm, role: Role) -> TensorPolicy | None:
         if self.plan is None or not self.enabled:
@@ -66,7 +79,7 @@ class EmulatedLinearState:
     def reusable(self, earlier: Gemm, later: Gemm, role: Role, shape) -> bool:
         """Whether `later`'s columnwise copy of this role's operand equals `earlier`'s rowwise one."""
         p = self.policy(earlier, role)
-        return (p is not None and p == self.policy(later, role)
+        return (p is not None and p == self.policy(later, role) and not p.rht and not p.stochastic_rounding
                 and block_for(p, shape) == block_for(p, shape, columnwise=True))
 
     def reused(self, fq: torch.Tensor, hp: torch.Tensor, gemm: Gemm, role: Role) -> torch.Tensor:
@@ -81,7 +94,7 @@ class EmulatedLinearState:
             return t
         q = quantize(t, policy, columnwise=columnwise, scaler=self.scalers.get(role),
                      amax_reduce=self.amax_reducers.get(role) if policy.scaling is Scaling.TENSORWISE else None,
-                     record_amax=self.record_amax)
+                     record_amax=self.record_amax, seed=self.sr_seed(gemm) if policy.stochastic_rounding else None)
         out = dequantize(q)  # fake_quant(), keeping the scales for the observer
         if self.observer is not None:
             self.observer(self, gemm, role, t, out, q)
@@ -109,6 +122,7 @@ class _EmulatedGemm(torch.autograd.Function):
         x, w, xq_f, wq_f = ctx.saved_tensors
         keep_xq, keep_wq = ctx.kept
         state: EmulatedLinearState = ctx.state
+        state.backwards += 1  # (a micro-batch's stochastic rounding draws its own numbers)
         dx = dw = dyq = None
         dy2 = dy.reshape(-1, dy.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
@@ -203,12 +217,14 @@ class EmulatedPrecision:
     """Drives every emulated layer from the plan (the training loop's precision controller)."""
 
     def __init__(self, plan: PrecisionPlan, states: dict[str, EmulatedLinearState],
-                 attention: dict[int, EmulatedAttentionState] | None = None):
+                 attention: dict[int, EmulatedAttentionState] | None = None, seed: int = 0):
         unknown = set(states) - set(plan.layout.module_names)  # a pipeline stage holds a subset of the plan's
         if unknown:
             raise ValueError(f"emulated backend: the plan does not name these modules: {sorted(unknown)[:3]}")
         self.plan = plan
         self.states = states
+        for state in states.values():
+            state.run_seed = seed  # NVFP4 stochastic rounding: the run's seed (trainer.seed)
         self.attention = attention or {}
         """This rank's core attentions by global layer number (their scalers only with ``attention: fp8``)."""
         if plan.recipe.attention is Attention.FP8:
@@ -238,6 +254,7 @@ class EmulatedPrecision:
         step_plan = self.plan.at(step)
         for name, state in self.states.items():
             state.plan = step_plan.modules[name]
+            state.step, state.backwards = step, 0
         for layer, attention in self.attention.items():
             attention.fp8 = layer in step_plan.attention
         return step_plan.stage

@@ -109,10 +109,11 @@ class EmulatedDotProductAttention(DotProductAttention):
         return context
 
 
-def attach_emulated_backend(model: torch.nn.Module | list[torch.nn.Module], plan: PrecisionPlan) -> EmulatedPrecision:
+def attach_emulated_backend(model: torch.nn.Module | list[torch.nn.Module], plan: PrecisionPlan,
+                            seed: int = 0) -> EmulatedPrecision:
     """Give every emulated linear and core attention of `model` (a GPTModel or this rank's pipeline chunks) its
     state and return the controller that drives them. The plan is the whole model's; a pipeline stage runs its own
-    modules' part."""
+    modules' part. `seed`: the run's (NVFP4's stochastic rounding draws from it)."""
     states = {}
     for name, module in named_linear_modules(model):
         if not isinstance(module, _EmulatedGemmMixin):
@@ -132,4 +133,4 @@ def attach_emulated_backend(model: torch.nn.Module | list[torch.nn.Module], plan
             raise ValueError(f"emulated backend: attention: fp8, but layer {number}'s core attention is a "
                              f"{type(core).__name__}; build the model with "
                              f"build_gpt_model(core_attention=EmulatedDotProductAttention)")
-    return EmulatedPrecision(plan, states, attention)
+    return EmulatedPrecision(plan, states, attention, seed)

@@ -42,6 +42,7 @@ and with an independent float64 reference on the CPU (tests/unit/test_nvfp4.py).
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -52,7 +53,7 @@ from fp8_recipes.numerics.formats import FLOAT32_MAX, fp8_to_float32
 __all__ = [
     "E2M1_MAX", "NVFP4Quantized", "RHT_SIGNS", "apply_rht", "dequantize_nvfp4", "e2m1_codes", "e2m1_to_float32",
     "fake_quant_nvfp4", "nvfp4_block_scales", "nvfp4_global_scale", "pack_e2m1", "quantize_nvfp4", "rht_matrix",
-    "unpack_e2m1",
+    "stochastic_rounding_seed", "unpack_e2m1",
 ]
 
 E2M1_MAX = 6.0
@@ -207,6 +208,13 @@ def _block_amax(padded: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
         return padded.reshape(r, c // NVFP4_BLOCK, NVFP4_BLOCK).abs().amax(dim=-1)
     tiles = padded.reshape(r // NVFP4_BLOCK, NVFP4_BLOCK, c // NVFP4_BLOCK, NVFP4_BLOCK).abs().amax(dim=(1, 3))
     return tiles.repeat_interleave(NVFP4_BLOCK, dim=0)
+
+
+def stochastic_rounding_seed(*where: int | str) -> int:
+    """A 63-bit seed from where a tensor is rounded, e.g. (run seed, step, module, GEMM, micro-batch): the same
+    draws after a resume, independent ones elsewhere (BLAKE2b of the parts, not Python's salted hash)."""
+    digest = hashlib.blake2b("\x1f".join(map(str, where)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def _sr_generator(device: torch.device, generator: torch.Generator | None, seed: int | None) -> torch.Generator:

@@ -9,13 +9,16 @@ tensorwise  the whole tensor                    fp8_max / amax (TE's compute_sca
 delayed     the whole tensor                    from the amax history (:class:`DelayedScaler`)
 blockwise   ``policy.block`` (e.g. 1x128)       fp8_max / block amax, power of two by default
 mxfp8       1x32                                E8M0 exponent, rceil (NVIDIA) or floor (OCP MX v1.0)
+nvfp4       ``policy.block`` (1x16 or 16x16)    E4M3 per 16 values x FP32 per tensor (:mod:`.nvfp4`)
 ==========  =================================  =========================================================
 
 A tensor is viewed as 2-D: (all leading dims flattened, last dim). The last dim is the GEMM's reduction dim
 for the operand as it is laid out (rowwise usage). ``columnwise=True`` quantizes for the transposed usage (as
 TE's columnwise copy): the block is transposed, e.g. 1x128 becomes 128x1 and MXFP8's 1x32 becomes 32x1.
 Dimensions not divisible by the block are allowed: edge blocks are partial, which is the same as zero
-padding (zeros never raise an amax), and is what TE does.
+padding (zeros never raise an amax), and is what TE does. NVFP4 is :mod:`.nvfp4`'s (TE's reference quantizer):
+its columnwise copy is the RHT'd one when the policy asks (``rht``, the wgrad operands), and its stochastic rounding
+draws from ``seed``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from fp8_recipes.numerics.formats import FLOAT32_MAX, fp8_to_float32, to_fp8_saturated
+from fp8_recipes.numerics.nvfp4 import NVFP4Quantized, dequantize_nvfp4, quantize_nvfp4
 from fp8_recipes.numerics.scaling import (
     AmaxReduce, DelayedScaler, amax_to_e8m0, amax_to_scale, e8m0_to_multiplier, e8m0_to_scale_inv,
     nan_ignoring_amax,
@@ -65,7 +69,7 @@ def block_for(policy: TensorPolicy, shape: torch.Size | tuple[int, ...], columnw
         return (max(rows, 1), max(cols, 1))
     if policy.scaling is Scaling.MXFP8:
         block = (1, MXFP8_BLOCK)
-    elif policy.scaling is Scaling.BLOCKWISE:
+    elif policy.scaling in (Scaling.BLOCKWISE, Scaling.NVFP4):
         block = tuple(policy.block)
     else:
         raise ValueError(f"scaling: {policy.scaling!s} does not quantize")
@@ -130,16 +134,22 @@ def quantize(
     scaler: DelayedScaler | None = None,
     amax_reduce: AmaxReduce | None = None,
     record_amax: bool = True,
-) -> Quantized:
-    """Quantize `x` to FP8 as the hardware would under `policy`.
+    seed: int | None = None,
+) -> Quantized | NVFP4Quantized:
+    """Quantize `x` to FP8 (NVFP4 for ``scaling: nvfp4``) as the hardware would under `policy`.
 
     scaler: the delayed-scaling state (required for ``scaling: delayed``; it records this tensor's amax unless
     ``record_amax`` is False, e.g. for evaluation, which must not steer training's scales).
     amax_reduce: MAX-reduction of a per-tensor amax over a process group (tensorwise; TE reduces only
     per-tensor current-scaling amaxes, never block amaxes).
+    seed: NVFP4 with ``stochastic_rounding``: the draws' seed (required then; derive it from the run's seed and
+    where the tensor is, e.g. :func:`~fp8_recipes.numerics.nvfp4.stochastic_rounding_seed`).
     """
     if policy.scaling is Scaling.NONE:
         raise ValueError("quantize: policy.scaling is 'none'; nothing to quantize")
+    if policy.scaling is Scaling.NVFP4:  # (no amax history, no reduction: one global amax per copy, as TE's)
+        return quantize_nvfp4(x, block=policy.block, columnwise=columnwise, rht=policy.rht,
+                              stochastic_rounding=policy.stochastic_rounding, seed=seed)
     shape, dtype = x.shape, x.dtype
     rows, cols = _rows_cols(shape)
     hp_x = x.detach().reshape(rows, cols).float()
@@ -169,8 +179,10 @@ def quantize(
                      shape=shape, dtype=dtype, amax=amax, e8m0=e8m0)
 
 
-def dequantize(q: Quantized, dtype: torch.dtype | None = None) -> torch.Tensor:
+def dequantize(q: Quantized | NVFP4Quantized, dtype: torch.dtype | None = None) -> torch.Tensor:
     """codes * scale_inv per block (float32 multiply, TE's order), back in the original shape and dtype."""
+    if isinstance(q, NVFP4Quantized):
+        return dequantize_nvfp4(q, dtype)
     hp = _scale_blocks(fp8_to_float32(q.codes), q.scale_inv, q.block)
     return hp.reshape(q.shape).to(dtype or q.dtype)
 
@@ -183,9 +195,10 @@ def fake_quant(
     scaler: DelayedScaler | None = None,
     amax_reduce: AmaxReduce | None = None,
     record_amax: bool = True,
+    seed: int | None = None,
 ) -> torch.Tensor:
     """dequantize(quantize(x)): x as the FP8 GEMM sees it, in x's dtype. Identity for scaling 'none'."""
     if policy.scaling is Scaling.NONE:
         return x
     return dequantize(quantize(x, policy, columnwise=columnwise, scaler=scaler, amax_reduce=amax_reduce,
-                               record_amax=record_amax))
+                               record_amax=record_amax, seed=seed))
