@@ -93,7 +93,8 @@ def test_train_each_recipe(name, dataset, tmp_path, monkeypatch):
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS"):
         monkeypatch.delenv(var, raising=False)
-    num_layers = 3 if name == "safe" else 2  # safe keeps the first and the last layer BF16: leave one in FP8
+    # safe keeps the first and the last layer BF16, nvfp4 the last two: leave one in FP8
+    num_layers = 3 if name in ("safe", "nvfp4") else 2
     overrides = [f"+recipe={name}"] if name else []
     overrides += (SAFE_OVERRIDES if name == "safe" else []) + dataset + small_run(tmp_path, num_layers)
     cfg = compose_train(overrides)

@@ -40,7 +40,9 @@ EXPECTED = {
     "safe": (None, None),                                  # warmup + stages
     "moe_blockwise": (("e4m3", "blockwise"), ("e4m3", "blockwise")),
     "moe_delayed": ("refused", "refused"),                 # per-module policies: scripts/train.py's emulated backend
+    "nvfp4": ("refused", "refused"),                       # NVFP4: scripts/train.py's loop only
 }
+REFUSED = {"moe_delayed": "modules: per-module policies", "nvfp4": "weights.scaling: 'nvfp4' runs in fp8-recipes'"}
 
 
 def recipe(**kw) -> Recipe:
@@ -69,7 +71,7 @@ def test_pack_recipe_maps_or_is_refused_in_one_line(name, cc):
         for build in (megatron_fp8_fields, plugin_owned_plan):
             with pytest.raises(RecipeError) as e:
                 build(name, compute_capability=cc, num_layers=4)
-            assert "\n" not in str(e.value) and str(e.value).startswith("modules: per-module policies"), str(e.value)
+            assert "\n" not in str(e.value) and str(e.value).startswith(REFUSED[name]), str(e.value)
         return
     if expected is None:
         with pytest.raises(NeedsPluginOwned) as e:

@@ -37,6 +37,7 @@ EXPECTED = {
         "tensorwise": ("Float8CurrentScaling", "HYBRID", ()),
     },
     "B200": {
+        "nvfp4": ("NVFP4BlockScaling", "E4M3", ()),
         "blockwise": ("Float8BlockScaling", "E4M3", ()),
         "moe_blockwise": ("Float8BlockScaling", "E4M3", ()),
         "delayed": ("DelayedScaling", "HYBRID", ()),
@@ -49,6 +50,8 @@ EXPECTED = {
     },
 }
 HARDWARE = {"H200": H200, "B200": B200}
+EMULATED = {"H200": {"nvfp4": "weights.scaling: 'nvfp4': Transformer Engine's NVFP4 GEMMs need sm_100 (Blackwell)"}}
+"""Recipes whose plan runs the emulated backend on that GPU under ``auto``, and the reason's words."""
 
 
 def plan_for(recipe: Recipe | str | dict, hardware: Hardware = H200, layout: ModelLayout = LAYOUT) -> PrecisionPlan:
@@ -68,11 +71,21 @@ def final(plan: PrecisionPlan):
 
 
 def test_the_expectations_cover_the_pack():
-    assert set(EXPECTED["H200"]) == set(EXPECTED["B200"]) == set(recipe_names()) - {"bf16"}
+    for gpu in HARDWARE:
+        assert set(EXPECTED[gpu]) | set(EMULATED.get(gpu, ())) == set(recipe_names()) - {"bf16"}
+        assert not set(EXPECTED[gpu]) & set(EMULATED.get(gpu, ()))
 
 
-@pytest.mark.parametrize("gpu", sorted(HARDWARE))
-@pytest.mark.parametrize("name", sorted(EXPECTED["H200"]))
+@pytest.mark.parametrize("gpu,name", [(gpu, name) for gpu in HARDWARE for name in sorted(EMULATED.get(gpu, ()))])
+def test_recipes_te_cannot_run_here_run_emulated_with_the_reason(gpu, name):
+    plan = plan_for(name, HARDWARE[gpu])
+    assert plan.backend is Backend.EMULATED and plan.te is None
+    assert EMULATED[gpu][name] in plan.backend_reason and "\n" not in plan.backend_reason
+    assert {g.execution for m in final(plan).modules.values() for g in m.gemms.values()} <= {Execution.EMULATED,
+                                                                                             Execution.BF16}
+
+
+@pytest.mark.parametrize("gpu,name", [(gpu, name) for gpu in HARDWARE for name in sorted(EXPECTED[gpu])])
 def test_every_recipe_every_module_every_gemm(gpu, name):
     recipe_cls, fmt, subs = EXPECTED[gpu][name]
     plan = plan_for(name, HARDWARE[gpu])

@@ -16,11 +16,11 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 
 from fp8_recipes.recipe.pack import conf_dir, load_recipe, load_recipe_dict, recipe_names, recipes_dir
-from fp8_recipes.recipe.schema import AmaxAlgo, Format, Recipe, Role, Scaling
+from fp8_recipes.recipe.schema import AmaxAlgo, Format, Recipe, RecipeError, Role, Scaling
 
 PACK = recipe_names()
-EXPECTED_PACK = {"bf16", "blockwise", "delayed", "fast", "hybrid", "moe_blockwise", "moe_delayed", "mxfp8", "safe",
-                 "tensorwise"}
+EXPECTED_PACK = {"bf16", "blockwise", "delayed", "fast", "hybrid", "moe_blockwise", "moe_delayed", "mxfp8", "nvfp4",
+                 "safe", "tensorwise"}
 TRAIN_GROUPS = re.compile(r"\b(model|data|trainer)/")
 
 
@@ -164,6 +164,16 @@ def test_mxfp8_facts():
         assert p.scaling is Scaling.MXFP8 and p.format is Format.E4M3 and p.block == (1, 32)
 
 
+def test_nvfp4_facts():  # NVIDIA's NVFP4 paper (arXiv 2509.25149), as issue 29 sums it up
+    r = load_recipe("nvfp4")
+    assert all(r.policy(role).scaling is Scaling.NVFP4 and r.policy(role).format is Format.E2M1 for role in Role)
+    assert (r.weights.block, r.activations.block, r.gradients.block) == ((16, 16), (1, 16), (1, 16))
+    assert (r.weights.rht, r.activations.rht, r.gradients.rht) == (False, True, True)  # the wgrad GEMM's inputs
+    assert [r.policy(role).stochastic_rounding for role in Role] == [False, False, True]  # gradients only
+    assert r.layers.bf16_last == 2 and r.layers.bf16_first == 0  # ~15% of gpt_125m's 12 layers, the last ones
+    assert not r.layers.fp8_output_layer and r.attention == "bf16"  # LM head and attention BF16 (embeddings: never)
+
+
 def test_tensorwise_and_hybrid_facts():
     t = load_recipe("tensorwise")
     assert all(t.policy(role).scaling is Scaling.TENSORWISE for role in Role)
@@ -236,8 +246,16 @@ def restated_keys(name: str) -> list[str]:
     full = Recipe.from_dict(_merge(base, raw))
     assert full == load_recipe(name)
     return [".".join(path) for path in _leaves(raw)
-            if path not in (("name",), ("description",))
-            and Recipe.from_dict(_merge(base, _without(raw, path))) == full]
+            if path not in (("name",), ("description",)) and _resolved(_merge(base, _without(raw, path))) == full]
+
+
+def _resolved(data: dict) -> Recipe | None:
+    """The recipe of `data`, or None where it is no recipe (a key that others need, e.g. activations.rht beside
+    gradients.rht, is no restated one)."""
+    try:
+        return Recipe.from_dict(data)
+    except RecipeError:
+        return None
 
 
 @pytest.mark.parametrize("name", [

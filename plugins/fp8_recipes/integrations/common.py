@@ -141,6 +141,10 @@ def _plan(recipe: Recipe, hw: Hardware, layout: ModelLayout) -> PrecisionPlan:
     if recipe.modules:
         raise _refuse("modules: per-module policies run in fp8-recipes' own training loop (scripts/train.py) only so "
                       "far, not through the Bridge / NeMo adapters: remove modules:")
+    nvfp4 = next((r for r in ROLES if recipe.policy(r).scaling is Scaling.NVFP4), None)
+    if nvfp4 is not None:  # (Megatron-Core 0.19's fp4_recipe builds NVFP4BlockScaling with its defaults only)
+        raise _refuse(f"{nvfp4}.scaling: 'nvfp4' runs in fp8-recipes' own training loop (scripts/train.py) only so "
+                      f"far, not through the Bridge / NeMo adapters; train it with scripts/train.py")
     plan = PrecisionPlan(recipe, layout, hw)  # backend te: refuses a substitution in one line here
     if plan.te is None:
         why = plan.backend_reason.removeprefix("auto: the emulated backend runs the whole model as asked, ")

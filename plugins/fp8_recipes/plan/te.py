@@ -130,7 +130,10 @@ class TERecipe:
 
     @property
     def fp8_format(self) -> str:
-        """TE's recipe-wide format: HYBRID (E4M3 forward, E5M2 backward) unless the gradients are E4M3."""
+        """TE's recipe-wide format: HYBRID (E4M3 forward, E5M2 backward) unless the gradients are E4M3 (NVFP4:
+        E4M3, the format of its block scales, the only one NVFP4BlockScaling takes)."""
+        if self.recipe is TERecipeKind.NVFP4:
+            return "E4M3"
         return "E4M3" if self.gradients.is_fp8 and self.gradients.format is Format.E4M3 else "HYBRID"
 
     def nvfp4_switches(self) -> dict[str, bool]:
