@@ -13,7 +13,7 @@ from fp8_recipes.plan.format import format_plan
 from fp8_recipes.plan.precision import ModelLayout, PrecisionPlan
 from fp8_recipes.recipe.schema import Recipe
 from fp8_recipes.rundir import read_metrics
-from tests.integration.test_train_cpu import assert_learns, compose_train, dataset, small_run  # noqa: F401
+from test_train_cpu import assert_learns, compose_train, dataset, small_run  # noqa: F401  (the shared dataset)
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
