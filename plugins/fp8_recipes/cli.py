@@ -88,7 +88,7 @@ def _cmd_memory(args) -> int:
     # this command's own (module docstring)
     from fp8_recipes.megatron.model_config import check_model_cfg
     from fp8_recipes.plan.memory import (LLAMA3, MIXTRAL, OptimizerPrecision, estimate_stages, format_estimate,
-                                         fp8_modules_of, fp8_weight_copy_bytes)
+                                         fp8_modules_of, operand_storage_of)
 
     layout = ParallelLayout.parse(args.layout)
     published = {**LLAMA3, **MIXTRAL}
@@ -105,18 +105,21 @@ def _cmd_memory(args) -> int:
         use_precision_aware_optimizer=args.precision_aware_optimizer or any(v != "fp32" for v in dtypes.values()),
         grad_reduce_in_fp32=not args.grad_reduce_in_bf16, **dtypes)
     fp8, fp8_param, per_recipe = args.fp8, args.fp8_param, {}
+    if args.emulated and args.recipe is None:
+        raise ValueError("memory: --emulated estimates a recipe's run on the emulated backend; give --recipe NAME")
     if args.recipe is not None:  # the recipe says FP8 or not, fp8_param, the FP8 linears and their weight copies
         if args.fp8 or args.fp8_param:
             raise ValueError("memory: --recipe says whether it is FP8 and stores FP8 weights; drop --fp8 / --fp8-param")
         recipe = load_recipe(args.recipe)
         fp8, fp8_param = recipe.is_fp8, recipe.fp8_param
         per_recipe = {"fp8_modules": fp8_modules_of(recipe, model),
-                      "fp8_weight_bytes": fp8_weight_copy_bytes(recipe)} if fp8 else {}
+                      "storage": operand_storage_of(recipe, emulated=args.emulated)} if fp8 else {}
     common = {"micro_batch_size": args.mbs, "seq_length": args.seq, "fp8": fp8, "fp8_param": fp8_param,
               "distributed_optimizer": not args.replicated_optimizer, "optimizer": optimizer}
     stages = estimate_stages(model, layout, num_microbatches=args.microbatches, **common, **per_recipe)
     peak = max(stages, key=lambda s: s.total)
-    print(format_estimate(args.model, layout, peak, stages=stages, recipe=args.recipe, **common))
+    print(format_estimate(args.model, layout, peak, stages=stages, recipe=args.recipe,
+                          storage=per_recipe.get("storage"), **common))
     return 0
 
 
@@ -197,7 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seq", type=int, default=8192, help="sequence length (default 8192)")
     m.add_argument("--fp8", action="store_true", help="an FP8 recipe with per-tensor scaling (FP8 weight copies)")
     m.add_argument("--recipe", metavar="NAME|FILE", default=None, help="a recipe instead of --fp8: FP8 or not, its "
-                   "fp8_param, its first/last BF16 layers and its weight scaling's FP8 copies")
+                   "fp8_param, its first/last BF16 layers and its roles' FP8 / NVFP4 storage (TE's)")
+    m.add_argument("--emulated", action="store_true", help="with --recipe: what the emulated backend holds "
+                   "(dequantized BF16 copies: NVFP4 on Hopper) instead of Transformer Engine's storage")
     m.add_argument("--replicated-optimizer", action="store_true", help="without the distributed optimizer")
     m.add_argument("--fp8-param", action="store_true", help="FP8 layers' weights stored in FP8 (recipe fp8_param)")
     m.add_argument("--precision-aware-optimizer", action="store_true",

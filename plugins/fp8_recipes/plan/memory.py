@@ -17,11 +17,13 @@ with Transformer Engine's layers; the optimizer keys are the trainer's, `Optimiz
   dtypes' bytes and fp32 main params of BF16 weights keep only their 16 low bits (Megatron-Core's
   ``store_param_remainders``: 2 bytes), fp16 main params 2 bytes; with ``fp8_param`` fp32 main params take 4 bytes;
 - FP8 weight copies: Transformer Engine keeps each FP8 linear's weight quantized, rowwise and columnwise: 2 bytes
-  per linear parameter, plus block or MXFP8 scales (with ``fp8_param`` these are the weights themselves);
+  per linear parameter, plus block or MXFP8 scales (with ``fp8_param`` these are the weights themselves); NVFP4
+  weights 2 x (0.5 + 1/16) bytes (E2M1 codes two a byte, an E4M3 scale per 16 values, in each copy);
 - activations: what the backward pass keeps per token and layer (Transformer Engine's fused attention keeps no
   s x s scores): the residual and norm inputs and outputs (h each), q/k/v (h + 2 x groups x head dim), the
   attention output (h), the MLP's fc1 output (2 x ffn for SwiGLU, ffn otherwise) and fc2's input (ffn), in BF16;
-  under FP8 the norm outputs and fc2's input are kept as FP8 (1 byte) and the attention output gets an FP8 copy.
+  under FP8 the norm outputs and fc2's input are kept as FP8 (1 byte) and the attention output gets an FP8 copy;
+  under NVFP4 activations those copies are TE's columnwise NVFP4 ones (0.5 + 1/16 byte per element).
   Tensor parallelism divides the sharded ones, sequence parallelism the rest, context parallelism all. Each stage
   holds the activations of the micro-batches in flight at its peak (`microbatches_in_flight`, from Megatron-Core's
   schedules); full recompute keeps only each layer's input, plus one layer's activations while it is recomputed;
@@ -36,9 +38,17 @@ state sharded over the expert-data-parallel ranks (tp x cp x dp / (expert TP x E
 (expert TP x EP x PP)) instead of dp x cp. FP8 weight copies cover the experts and the shared expert. Activations
 per MoE layer: what :func:`_moe_layer_bytes` lists (the routed rows top-k x tokens, FP8 padding, router scores, the
 dispatch buffers of the one layer running), with balanced routing (a skewed step puts more rows on some ranks).
-``fp8_modules`` / ``fp8_weight_bytes`` take the linears a recipe's plan quantizes the weights of and its weight
-scaling (:func:`fp8_modules_of`, :func:`fp8_weight_copy_bytes`; `fp8-recipes memory --recipe`): FP8 copies only for
-those (bf16_modules, per-module policies and fp8_output_layer as the plan applies them).
+``fp8_modules`` / ``storage`` take the linears a recipe's plan quantizes the weights of and what its run keeps of
+the quantized operands, per role (:func:`fp8_modules_of`, :func:`operand_storage_of`; `fp8-recipes memory --recipe`):
+FP8 copies only for those (bf16_modules, per-module policies and fp8_output_layer as the plan applies them), their
+bytes the weights role's, the saved activations' the activations role's (a mix such as NVFP4 weights with FP8
+activations is counted role by role). ``storage`` says which runtime it counts: Transformer Engine's (NVFP4 packed,
+as TE stores it on sm_100 and newer; the scale tensors' padding to multiples of 128 x 4 and the fp32 amaxes left
+out) or, with ``emulated`` (`--emulated`), what the emulated backend holds, as NVFP4 runs on Hopper: no cached
+weight copies; each forward saves its input in BF16 and, where the backward reuses fprop's dequantized copy (a
+square block: 16x16 NVFP4 or 128x128 weights; a per-tensor scale on a square weight shard), that BF16 copy too, per
+micro-batch in flight (counted in fp8_weights for weights); the rest of the layer as with TE's layers (the emulated
+backend's unfused local attention, which keeps s x s scores, is not modelled).
 
 The first stage holds the embedding, the last the LM head (with tied embeddings and pp > 1, its own copy of the
 embedding) and the final norm, every stage num_layers / pp layers
@@ -58,11 +68,11 @@ from typing import Any
 from fp8_recipes.plan.precision import (
     Hardware, ModelLayout, MoEShape, ParallelLayout, PrecisionPlan, expert_ffn_size, moe_layer_pattern,
 )
-from fp8_recipes.recipe.schema import Backend, Recipe, Role, Scaling
+from fp8_recipes.recipe.schema import ROLES, Backend, Recipe, Role, Scaling, TensorPolicy
 
-__all__ = ["GIB", "LLAMA3", "MIXTRAL", "MemoryEstimate", "OptimizerPrecision", "estimate_memory", "estimate_stages",
-           "format_estimate", "fp8_layers_of", "fp8_modules_of", "fp8_weight_copy_bytes", "linear_parameters",
-           "microbatches_in_flight", "parameter_counts"]
+__all__ = ["GIB", "LLAMA3", "MIXTRAL", "MemoryEstimate", "OperandStorage", "OptimizerPrecision", "estimate_memory",
+           "estimate_stages", "format_estimate", "fp8_layers_of", "fp8_modules_of", "fp8_weight_copy_bytes",
+           "linear_parameters", "microbatches_in_flight", "operand_storage_of", "parameter_counts"]
 
 GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -243,21 +253,34 @@ def microbatches_in_flight(layout: ParallelLayout, stage: int, num_microbatches:
     return chunk_microbatches / vpp
 
 
-def _attention_bytes_per_token(model: Mapping[str, Any], layout: ParallelLayout, *, fp8: bool,
+def _input_delta(storage: OperandStorage | None) -> tuple[float, float]:
+    """What a quantized layer keeps of a linear's input beyond the BF16 estimate, bytes per element: (for an input
+    the BF16 estimate counts once, the norm outputs and fc2's, fc1's of the routed rows; for one kept in BF16
+    anyway, the attention output). TE keeps only the quantized copy (FP8 1 byte, NVFP4 0.5 + 1/16); the emulated
+    backend the input in the layer's dtype and, where wgrad reuses fprop's copy, that copy too. None: a BF16 layer."""
+    if storage is None:
+        return 0.0, 0.0
+    copy = storage.saved_inputs
+    return copy - (0 if storage.keeps_inputs else 2), copy
+
+
+def _attention_bytes_per_token(model: Mapping[str, Any], layout: ParallelLayout, *, storage: OperandStorage | None,
                                sequence_parallel: bool) -> float:
-    """A layer's attention half per token: both residuals, the input norm's output, q/k/v, the attention output."""
+    """A layer's attention half per token: both residuals, the input norm's output, q/k/v, the attention output
+    (``storage``: what the quantized layer keeps of its linears' inputs, None: BF16)."""
     h = int(model["hidden_size"])
     heads = int(model["num_attention_heads"])
     groups = int(model.get("num_query_groups") or heads)
     t = layout.tp
     replicated = t if sequence_parallel else 1  # norm inputs/outputs: split over TP only with sequence parallelism
     bf16 = 2 * (2 * h / replicated + h / replicated + (h + 2 * groups * (h // heads)) / t + h / t)
-    # FP8: the norm output kept as FP8 (1 byte instead of 2), an FP8 copy of the attention output
-    return bf16 - h / replicated + h / t if fp8 else bf16
+    # quantized (TE FP8): the norm output kept as FP8 (1 byte instead of 2), an FP8 copy of the attention output
+    once, kept = _input_delta(storage)
+    return bf16 + once * h / replicated + kept * h / t
 
 
-def _activation_bytes_per_token_layer(model: Mapping[str, Any], layout: ParallelLayout, *, fp8: bool,
-                                      sequence_parallel: bool) -> float:
+def _activation_bytes_per_token_layer(model: Mapping[str, Any], layout: ParallelLayout, *,
+                                      storage: OperandStorage | None, sequence_parallel: bool) -> float:
     """A dense layer per token: the attention half, the MLP's norm output, fc1's output and fc2's input."""
     h = int(model["hidden_size"])
     ffn = int(model.get("ffn_hidden_size") or 4 * h)
@@ -265,9 +288,8 @@ def _activation_bytes_per_token_layer(model: Mapping[str, Any], layout: Parallel
     t = layout.tp
     replicated = t if sequence_parallel else 1
     mlp = 2 * (h / replicated + (2 if gated else 1) * ffn / t + ffn / t)
-    if fp8:  # the norm output and fc2's input kept as FP8
-        mlp -= h / replicated + ffn / t
-    return _attention_bytes_per_token(model, layout, fp8=fp8, sequence_parallel=sequence_parallel) + mlp
+    mlp += _input_delta(storage)[0] * (h / replicated + ffn / t)  # the norm output and fc2's input (TE FP8: 1 B)
+    return _attention_bytes_per_token(model, layout, storage=storage, sequence_parallel=sequence_parallel) + mlp
 
 
 FP8_ROWS_ALIGN = 16
@@ -285,14 +307,15 @@ class _MoELayerBytes:
     """Transient: one MoE layer's dispatch buffers."""
 
 
-def _moe_layer_bytes(model: Mapping[str, Any], layout: ParallelLayout, *, fp8: bool, sequence_parallel: bool,
-                     tokens: float) -> _MoELayerBytes:
+def _moe_layer_bytes(model: Mapping[str, Any], layout: ParallelLayout, *, storage: OperandStorage | None,
+                     sequence_parallel: bool, tokens: float) -> _MoELayerBytes:
     """One MoE layer, one micro-batch of ``tokens`` tokens on this rank (after CP). The experts multiply the routed
     copies of the tokens: each token goes to top-k experts; with balanced routing a rank's experts get top-k x its
     tokens, all-gathered over the expert-TP ranks (each holding 1/TP of the sequence under sequence parallelism,
     which Megatron-Core requires for MoE with TP). Per routed row the experts keep fc1's input (h), fc1's output
     (2 x FFN for SwiGLU) and fc2's input (the router's probability applied in the activation), FP8 for the two
-    inputs under FP8. FP8 GEMMs need each expert's rows padded to a multiple of 16: up to 16 rows per local expert
+    inputs under FP8 (``storage``: what a quantized layer keeps of its linears' inputs; None: BF16). TE's FP8 GEMMs
+    need each expert's rows padded to a multiple of 16 (NVFP4's 32): up to that many rows per local expert
     (with moe_router_padding_for_quantization the router pads each expert's share of every sending rank, and the
     padding rides through the dispatch). The router keeps its fp32 scores and probabilities (2 x 4 B per expert)
     and the norm output (BF16, its input). A shared expert keeps what a dense MLP of its width keeps. Dispatch:
@@ -307,17 +330,19 @@ def _moe_layer_bytes(model: Mapping[str, Any], layout: ParallelLayout, *, fp8: b
     replicated = t if sequence_parallel else 1
     tokens_in = tokens / replicated  # the MoE layer's input on this rank
     rows = tokens_in * topk * etp
-    router_pads = bool(model.get("moe_router_padding_for_quantization")) and fp8
-    pad = 0 if not fp8 else FP8_ROWS_ALIGN * (experts * etp if router_pads else experts // layout.ep)
-    row = 2 * (h + gated * ffn / etp + ffn / etp) - ((h + ffn / etp) if fp8 else 0)
+    align = storage.rows_align if storage is not None else 0
+    router_pads = bool(model.get("moe_router_padding_for_quantization")) and align > 0
+    pad = align * (experts * etp if router_pads else experts // layout.ep)
+    once, kept = _input_delta(storage)  # (TE FP8: fc1's and fc2's inputs in 1 B, the shared fc1's an FP8 copy)
+    row = 2 * (h + gated * ffn / etp + ffn / etp) + once * (h + ffn / etp)
     routed = (rows + pad) * row
     per_token = 2 * h / replicated + 8 * experts / replicated  # the norm output (router input), router scores
     if shared:
-        per_token += 2 * (gated * shared / t + shared / t) - ((shared / t - h / replicated) if fp8 else 0)
-    saved = _attention_bytes_per_token(model, layout, fp8=fp8, sequence_parallel=sequence_parallel) * tokens \
-        + per_token * tokens + routed
+        per_token += 2 * (gated * shared / t + shared / t) + once * shared / t + kept * h / replicated
+    saved = _attention_bytes_per_token(model, layout, storage=storage, sequence_parallel=sequence_parallel) \
+        * tokens + per_token * tokens + routed
     buffers = 2 if layout.ep * etp > 1 else 1
-    dispatch = buffers * (rows + (FP8_ROWS_ALIGN * experts if router_pads else 0)) * h * 2
+    dispatch = buffers * (rows + (align * experts if router_pads else 0)) * h * 2
     return _MoELayerBytes(saved=saved, experts=routed, dispatch=dispatch)
 
 
@@ -328,16 +353,108 @@ def fp8_layers_of(recipe: Recipe, num_layers: int) -> frozenset[int]:
 
 
 def fp8_weight_copy_bytes(recipe: Recipe) -> float:
-    """Bytes per linear parameter of Transformer Engine's FP8 weight copies (rowwise + columnwise, 1 B each) under a
+    """Bytes per linear parameter of Transformer Engine's quantized weight copies (rowwise + columnwise) under a
     recipe's weight scaling, with their scales: per-tensor 2; 128x128 blocks + 2 fp32 scales per block; MXFP8 + 2
-    E8M0 scales per 32 elements."""
+    E8M0 scales per 32 elements; NVFP4 2 x (0.5 + 1 / 16): two E2M1 codes a byte and one E4M3 scale per 16 values in
+    each copy, 16x16 weight blocks too (TE's scale tensor has the 1x16 shape: a 16x16 block's scale repeated over
+    its 16 rows). The per-tensor fp32 amaxes and the scale tensors' padding to 128 x 4 are left out."""
     scaling = recipe.weights.scaling
+    if scaling is Scaling.NVFP4:
+        return 2 * NVFP4_BYTES
     if scaling is Scaling.MXFP8:
         return 2 + 2 / 32
     if scaling is Scaling.BLOCKWISE:
         rows, cols = recipe.weights.block
         return 2 + 2 * 4 / (rows * cols)
     return 2.0
+
+
+NVFP4_BYTES = 0.5 + 1 / 16
+"""One NVFP4 copy, bytes per element: E2M1 codes two a byte, one E4M3 block scale per 16 values."""
+NVFP4_ROWS_ALIGN = 32
+"""Rows per expert GEMM that TE's NVFP4 GEMMs need a multiple of (Megatron-Core's get_fp4_align_size)."""
+
+
+@dataclass(frozen=True)
+class OperandStorage:
+    """What a run keeps of its quantized GEMM operands, per role (:func:`operand_storage_of`). The default is
+    Transformer Engine under per-tensor FP8 (``--fp8``). Gradients add nothing that lasts: each backward GEMM
+    quantizes them and frees the copies."""
+
+    weight_copies: float = 2.0
+    """Bytes per parameter of each quantized linear's persistent weight copies (:func:`fp8_weight_copy_bytes`;
+    with ``fp8_param`` the weights themselves); 0 on the emulated backend, which caches none."""
+    saved_weights: float = 0.0
+    """Bytes per parameter that each forward saves for its backward, per micro-batch in flight: the emulated
+    backend's dequantized weight, where dgrad reuses fprop's copy (see ``saved_weights_square_only``)."""
+    saved_weights_square_only: bool = False
+    """Only for square weight shards (a per-tensor scale reads the same both ways on a square tensor only)."""
+    saved_inputs: float = 1.0
+    """Bytes per element of the copy of each quantized linear's input kept for the wgrad GEMM: TE's FP8 copy 1,
+    its NVFP4 columnwise copy 0.5 + 1/16; the emulated backend's dequantized copy (2) where wgrad reuses fprop's,
+    else 0; 0 with BF16 activations."""
+    keeps_inputs: bool = False
+    """Whether the input itself stays too, in the layer's dtype (the emulated backend, or BF16 activations)."""
+    rows_align: int = FP8_ROWS_ALIGN
+    """Rows each routed expert's GEMM is padded to a multiple of (0: no padding, the emulated backend)."""
+    weight_format: str = "fp8"
+    """fp8 | nvfp4 | none: the weights role (``fp8_param`` stores FP8 weights only)."""
+    backend: str = "te"
+    """te: Transformer Engine's storage (NVFP4 packed: sm_100 and newer); emulated: what the emulated backend
+    (any device, Hopper's NVFP4) holds."""
+    label: str = "FP8"
+    """The quantized formats, for the printout: FP8 | NVFP4 | NVFP4 + FP8."""
+    note: str = ""
+    """One line for the printout: a caveat (e.g. a per-role mix that Transformer Engine cannot run)."""
+
+    def describe(self) -> str:
+        """Which storage the estimate counts ('' for TE's FP8, the estimator's default)."""
+        if self.backend == "emulated":
+            return "as the emulated backend holds it: dequantized BF16 copies, no cached weight copies"
+        if "NVFP4" in self.label:
+            return "NVFP4 as Transformer Engine stores it on sm_100+: packed E2M1 + E4M3 scales per 16"
+        return ""
+
+
+TE_FP8 = OperandStorage()
+
+
+def _emulated_reuse(policy: TensorPolicy) -> str:
+    """Whether the emulated backend keeps fprop's dequantized copy of an operand for a backward GEMM (its
+    ``reusable``: the same block rowwise and columnwise, no RHT, no stochastic rounding): "all" (a square block),
+    "square" (a per-tensor scale: square tensors only), "" (never: 1xN blocks, MXFP8, NVFP4 1x16)."""
+    if policy.scaling is Scaling.NONE or policy.rht or policy.stochastic_rounding:
+        return ""
+    if policy.scaling in (Scaling.TENSORWISE, Scaling.DELAYED):
+        return "square"
+    if policy.scaling in (Scaling.BLOCKWISE, Scaling.NVFP4) and policy.block[0] == policy.block[1]:
+        return "all"
+    return ""
+
+
+def operand_storage_of(recipe: Recipe, *, emulated: bool = False) -> OperandStorage:
+    """What a recipe's run keeps of its quantized operands, per role: Transformer Engine's storage (FP8 and NVFP4
+    copies as TE lays them out; NVFP4 needs sm_100) or, ``emulated``, what the emulated backend holds. A recipe
+    mixing NVFP4 with FP8 roles gets TE's per-role bytes and a note: TE runs no such mix, the emulated backend does."""
+    weights, activations = recipe.policy(Role.WEIGHTS), recipe.policy(Role.ACTIVATIONS)
+    fmt = "none" if not weights.is_fp8 else "nvfp4" if weights.scaling is Scaling.NVFP4 else "fp8"
+    kinds = {recipe.policy(r).scaling is Scaling.NVFP4 for r in ROLES if recipe.policy(r).is_fp8}
+    label = {frozenset({True}): "NVFP4", frozenset({True, False}): "NVFP4 + FP8"}.get(frozenset(kinds), "FP8")
+    if emulated:
+        w_reuse, x_reuse = _emulated_reuse(weights), _emulated_reuse(activations)
+        return OperandStorage(weight_copies=0.0, saved_weights=2.0 if w_reuse else 0.0,
+                              saved_weights_square_only=w_reuse == "square",
+                              saved_inputs=2.0 if x_reuse == "all" else 0.0, keeps_inputs=True, rows_align=0,
+                              weight_format=fmt, backend="emulated", label=label)
+    nvfp4 = True in kinds
+    note = ""
+    if label == "NVFP4 + FP8":
+        note = ("Transformer Engine runs no recipe mixing NVFP4 with FP8 roles (the emulated backend runs it: "
+                "--emulated estimates what that holds); these are TE's bytes per role")
+    x_bytes = 0.0 if not activations.is_fp8 else NVFP4_BYTES if activations.scaling is Scaling.NVFP4 else 1.0
+    return OperandStorage(weight_copies=fp8_weight_copy_bytes(recipe), saved_inputs=x_bytes,
+                          keeps_inputs=not activations.is_fp8, rows_align=NVFP4_ROWS_ALIGN if nvfp4 else FP8_ROWS_ALIGN,
+                          weight_format=fmt, label=label, note=note)
 
 
 def fp8_modules_of(recipe: Recipe, model: Mapping[str, Any]) -> frozenset[str]:
@@ -364,7 +481,7 @@ class _Run:
     counts: dict[str, int]
     opt: OptimizerPrecision
     fp8_param: bool
-    fp8_weight_bytes: float
+    storage: OperandStorage
     recompute: str | None
     num_microbatches: int | None
     sequence_parallel: bool
@@ -373,9 +490,9 @@ class _Run:
     moe_layers: frozenset[int]
     fp8_on: frozenset[int]
     """The layers that run FP8: their activations kept as FP8 keeps them (the norm outputs, fc2's input, ...)."""
-    fp8_linears: tuple[tuple[int | None, int | None, int], ...]
-    """Each linear with an FP8 weight copy: (its layer, None for the LM head; the EP rank holding it, None for a
-    linear every EP rank has; its parameters before tensor parallelism)."""
+    fp8_linears: tuple[tuple[int | None, int | None, int, bool], ...]
+    """Each linear with a quantized weight: (its layer, None for the LM head; the EP rank holding it, None for a
+    linear every EP rank has; its parameters before tensor parallelism; whether its weight shard is square)."""
     per_layer: dict[bool, float]
     """A dense layer's activations of one micro-batch, BF16 / FP8 (key: FP8)."""
     per_moe_layer: dict[bool, _MoELayerBytes]
@@ -391,10 +508,17 @@ class _Run:
 
 
 def _check_estimate(model: Mapping[str, Any], layout: ParallelLayout, *, fp8: bool, fp8_param: bool,
-                    opt: OptimizerPrecision, distributed_optimizer: bool, sequence_parallel: bool) -> None:
+                    opt: OptimizerPrecision, distributed_optimizer: bool, sequence_parallel: bool,
+                    storage: OperandStorage) -> None:
     """ValueError naming the key unless the engine trains this model at this layout and precision."""
     if fp8_param and not fp8:
         raise ValueError("fp8_param: FP8-stored weights need an FP8 recipe (--fp8)")
+    if fp8_param and storage.backend == "emulated":  # the plan's fp8_param_problem, in the estimator's words
+        raise ValueError("fp8_param: true needs the te backend (Transformer Engine keeps the weights as FP8 "
+                         "tensors), and this estimates the emulated one; set fp8_param: false or drop --emulated")
+    if fp8_param and storage.weight_format == "nvfp4":
+        raise ValueError("fp8_param: true with weights.scaling: nvfp4: Transformer Engine 2.20 stores FP8 weights "
+                         "only (delayed, tensorwise, blockwise, mxfp8), not NVFP4 ones; set fp8_param: false")
     if (fp8_param or opt.use_precision_aware_optimizer) and not distributed_optimizer:
         what = "fp8_param" if fp8_param else "trainer.use_precision_aware_optimizer"
         raise ValueError(f"{what}: needs the distributed optimizer (trainer.use_distributed_optimizer=true)")
@@ -409,19 +533,24 @@ def _check_estimate(model: Mapping[str, Any], layout: ParallelLayout, *, fp8: bo
 
 
 def _fp8_linears(model: Mapping[str, Any], layout: ParallelLayout, fp8_modules: Collection[str]
-                 ) -> tuple[tuple[int | None, int | None, int], ...]:
+                 ) -> tuple[tuple[int | None, int | None, int, bool], ...]:
     """`_Run.fp8_linears` of the named linears (ModelLayout.gpt's names)."""
     sizes = linear_parameters(model)
+    h = int(model["hidden_size"])
     experts = int(model.get("num_moe_experts") or 0)
     out = []
     for name in fp8_modules:
         layer, expert = ModelLayout.layer_of(name), ModelLayout.expert_of(name)
-        if layer is None:  # the LM head (fp8_output_layer): its [vocab, hidden] weight
-            out.append((None, None, int(model["vocab_size"]) * int(model["hidden_size"])))
+        if layer is None:  # the LM head (fp8_output_layer): its [vocab, hidden] weight, column-parallel
+            out.append((None, None, int(model["vocab_size"]) * h, int(model["vocab_size"]) == h * layout.tp))
             continue
         local = re.sub(r"^.*?\.layers\.\d+\.", "", re.sub(r"\.local_experts\.\d+", "", name))
         rank = None if expert is None else expert // (experts // layout.ep)  # Megatron-Core's contiguous split
-        out.append((layer, rank, sizes[local]))
+        tp = layout.tp if expert is None else layout.expert_tp
+        # [out, in]: qkv and fc1 column-parallel (out / TP), proj and fc2 row-parallel (in / TP); h on one side
+        other = sizes[local] // h
+        column = local.endswith(("linear_qkv", "linear_fc1"))
+        out.append((layer, rank, sizes[local], other == h * tp if column else h == other // tp))
     return tuple(out)
 
 
@@ -441,12 +570,14 @@ def _layer_modules(model: Mapping[str, Any], layers: Collection[int]) -> frozens
 def _run_of(model: Mapping[str, Any], layout: ParallelLayout, *, micro_batch_size: int, seq_length: int, fp8: bool,
             distributed_optimizer: bool, sequence_parallel: bool | None, recompute: str | None,
             num_microbatches: int | None, optimizer: OptimizerPrecision | None, fp8_param: bool,
-            fp8_layers: Collection[int] | None, fp8_modules: Collection[str] | None, fp8_weight_bytes: float) -> _Run:
+            fp8_layers: Collection[int] | None, fp8_modules: Collection[str] | None,
+            storage: OperandStorage | None) -> _Run:
     """`estimate_stages`' inputs, checked, with what every stage shares."""
     opt = optimizer or OptimizerPrecision()
+    storage = storage or TE_FP8
     sp = layout.tp > 1 if sequence_parallel is None else sequence_parallel
     _check_estimate(model, layout, fp8=fp8, fp8_param=fp8_param, opt=opt, distributed_optimizer=distributed_optimizer,
-                    sequence_parallel=sp)
+                    sequence_parallel=sp, storage=storage)
     counts = parameter_counts(model)
     moe_layers = frozenset(moe_layer_pattern(model))
     if not fp8:
@@ -458,11 +589,12 @@ def _run_of(model: Mapping[str, Any], layout: ParallelLayout, *, micro_batch_siz
     if fp8_modules is None:
         fp8_modules = _layer_modules(model, fp8_on)
     tokens = micro_batch_size * seq_length / layout.cp
-    per_layer = {on: _activation_bytes_per_token_layer(model, layout, fp8=on, sequence_parallel=sp) * tokens
+    kept = {False: None, True: storage}  # what a BF16 / a quantized layer keeps of its linears' inputs
+    per_layer = {on: _activation_bytes_per_token_layer(model, layout, storage=kept[on], sequence_parallel=sp) * tokens
                  for on in (False, True)}
-    per_moe_layer = {on: _moe_layer_bytes(model, layout, fp8=on, sequence_parallel=sp, tokens=tokens)
+    per_moe_layer = {on: _moe_layer_bytes(model, layout, storage=kept[on], sequence_parallel=sp, tokens=tokens)
                      for on in (False, True)} if moe_layers else {}
-    return _Run(model, layout, counts, opt, fp8_param, fp8_weight_bytes, recompute, num_microbatches, sp, tokens,
+    return _Run(model, layout, counts, opt, fp8_param, storage, recompute, num_microbatches, sp, tokens,
                 moe_layers, fp8_on, _fp8_linears(model, layout, fp8_modules), per_layer, per_moe_layer,
                 shards=layout.dp * layout.cp if distributed_optimizer else 1,
                 expert_shards=layout.expert_dp if distributed_optimizer else 1)
@@ -473,27 +605,33 @@ def estimate_stages(model: Mapping[str, Any], layout: ParallelLayout, *, micro_b
                     recompute: str | None = None, num_microbatches: int | None = None,
                     optimizer: OptimizerPrecision | None = None, fp8_param: bool = False,
                     fp8_layers: Collection[int] | None = None, fp8_modules: Collection[str] | None = None,
-                    fp8_weight_bytes: float = 2.0) -> list[MemoryEstimate]:
+                    storage: OperandStorage | None = None) -> list[MemoryEstimate]:
     """Bytes per GPU on each pipeline stage, first to last (see the module docstring). ``fp8_layers``: the layers
     whose activations run FP8 (None: those of ``fp8_modules``, else all, with ``fp8``); ``fp8_modules``: the linears
     with FP8 weight copies (ModelLayout.gpt's names, :func:`fp8_modules_of`; None: every linear of the FP8 layers);
-    ``fp8_weight_bytes``: bytes per parameter of the copies (:func:`fp8_weight_copy_bytes`)."""
+    ``storage``: what the run keeps of the quantized operands, per role (:func:`operand_storage_of`; None:
+    Transformer Engine's per-tensor FP8)."""
     run = _run_of(model, layout, micro_batch_size=micro_batch_size, seq_length=seq_length, fp8=fp8,
                   distributed_optimizer=distributed_optimizer, sequence_parallel=sequence_parallel,
                   recompute=recompute, num_microbatches=num_microbatches, optimizer=optimizer, fp8_param=fp8_param,
-                  fp8_layers=fp8_layers, fp8_modules=fp8_modules, fp8_weight_bytes=fp8_weight_bytes)
+                  fp8_layers=fp8_layers, fp8_modules=fp8_modules, storage=storage)
     stage_layers: dict[int, list[int]] = {s: [] for s in range(layout.pp)}
     for (stage, _), chunk in sorted(layout.chunk_layers(run.counts["layers"]).items()):
         stage_layers[stage] += list(chunk)
     return [_stage_estimate(run, stage, stage_layers[stage]) for stage in range(layout.pp)]
 
 
-def _stage_fp8_copies(run: _Run, here: Collection[int], last: bool) -> tuple[float, float, float]:
+def _stage_fp8_copies(run: _Run, here: Collection[int], last: bool, *, saved: bool = False
+                      ) -> tuple[float, float, float]:
     """This rank's parameters with FP8 weight copies on a stage: (its layers' linears, the LM head's, its routed
-    experts' on the EP rank that holds the most of them), each over its tensor-parallel ranks."""
+    experts' on the EP rank that holds the most of them), each over its tensor-parallel ranks. ``saved``: only
+    those whose forward saves a dequantized copy for the backward (the emulated backend's)."""
     layers = head = 0
     experts: dict[int, int] = {}
-    for layer, rank, params in run.fp8_linears:
+    square_only = run.storage.saved_weights_square_only
+    for layer, rank, params, square in run.fp8_linears:
+        if saved and (not run.storage.saved_weights or (square_only and not square)):
+            continue
         if layer is None:
             head += params if last else 0
         elif layer in here and rank is None:
@@ -502,6 +640,22 @@ def _stage_fp8_copies(run: _Run, here: Collection[int], last: bool) -> tuple[flo
             experts[rank] = experts.get(rank, 0) + params
     tp = run.layout.tp
     return layers / tp, head / tp, max(experts.values(), default=0) / run.layout.expert_tp
+
+
+def _saved_weight_copies(run: _Run, here: list[int], last: bool, flight: float) -> tuple[float, float]:
+    """Bytes of the dequantized weights the stage's forwards save for their backward (the emulated backend), all
+    and the routed experts': per micro-batch in flight; with full recompute, those of the one layer recomputed (the
+    largest; the LM head's beside it)."""
+    if not run.storage.saved_weights:
+        return 0.0, 0.0
+    per_byte = run.storage.saved_weights
+    if run.recompute == "full":
+        one = [_stage_fp8_copies(run, [i], False, saved=True) for i in here]
+        dense, experts = max(((d + e, e) for d, _, e in one), default=(0.0, 0.0))
+        head = _stage_fp8_copies(run, (), last, saved=True)[1]
+        return per_byte * (dense + head), per_byte * experts
+    layers, head, experts = _stage_fp8_copies(run, here, last, saved=True)
+    return per_byte * flight * (layers + head + experts), per_byte * flight * experts
 
 
 def _stage_activations(run: _Run, here: list[int], flight: float) -> tuple[float, float, float]:
@@ -537,19 +691,22 @@ def _stage_estimate(run: _Run, stage: int, here: list[int]) -> MemoryEstimate:
     # this rank's routed experts (1/EP of them, each 1/expert-TP)
     experts = moe * (counts.get("expert", 0) * counts.get("experts", 0) // layout.ep / layout.expert_tp)
     fp8_linears, fp8_head, fp8_experts = _stage_fp8_copies(run, here, last)
+    copy_bytes = run.storage.weight_copies
     # fp8_param: the FP8 layers' linear weights stored as FP8; norms, router, embedding, head stay BF16
     stored, stored_experts = (fp8_linears, fp8_experts) if run.fp8_param else (0.0, 0.0)
     flight = microbatches_in_flight(layout, stage, run.num_microbatches)
     activations, expert_acts, dispatch = _stage_activations(run, here, flight)
+    saved_copies, saved_expert_copies = _saved_weight_copies(run, here, last, flight)
     expert_state = run.state_bytes(experts, stored_experts) / run.expert_shards
     expert_parts = () if not run.moe_layers else (
         ("weights", 2 * (experts - stored_experts)), ("grads", grad_bytes * experts), ("optimizer", expert_state),
-        ("fp8_weights", run.fp8_weight_bytes * fp8_experts), ("activations", expert_acts), ("dispatch", dispatch))
+        ("fp8_weights", copy_bytes * fp8_experts + saved_expert_copies), ("activations", expert_acts),
+        ("dispatch", dispatch))
     logits = 8 * run.tokens * int(run.model["vocab_size"]) / layout.tp if last else 0.0
     return MemoryEstimate(weights=2 * (params - stored) + 2 * (experts - stored_experts),
                           grads=grad_bytes * params + grad_bytes * experts,
                           optimizer=run.state_bytes(params, stored) / run.shards + expert_state,
-                          fp8_weights=run.fp8_weight_bytes * (fp8_linears + fp8_head + fp8_experts),
+                          fp8_weights=copy_bytes * (fp8_linears + fp8_head + fp8_experts) + saved_copies,
                           activations=activations, logits=logits, stage=stage, layers=len(here), in_flight=flight,
                           experts=expert_parts)
 
@@ -563,16 +720,19 @@ def estimate_memory(model: Mapping[str, Any], layout: ParallelLayout, **kwargs: 
 def format_estimate(name: str, layout: ParallelLayout, estimate: MemoryEstimate, *, micro_batch_size: int,
                     seq_length: int, fp8: bool, distributed_optimizer: bool, fp8_param: bool = False,
                     optimizer: OptimizerPrecision | None = None, stages: list[MemoryEstimate] | None = None,
-                    recipe: str | None = None) -> str:
+                    recipe: str | None = None, storage: OperandStorage | None = None) -> str:
     """The estimate as the lines `fp8-recipes memory` prints: the peak stage's parts, then one row per stage."""
     opt = optimizer or OptimizerPrecision()
+    storage = storage or TE_FP8
     scaling = f"recipe {recipe}" if recipe else "per-tensor scaling"
-    precision = "BF16" if not fp8 else f"FP8 ({scaling}" + (", FP8-stored weights)" if fp8_param else ")")
+    scaling += f"; {storage.describe()}" if storage.describe() else ""
+    precision = "BF16" if not fp8 else f"{storage.label} ({scaling}" + (", FP8-stored weights)" if fp8_param else ")")
     if recipe and not fp8:
         precision = f"BF16 (recipe {recipe})"
     lines = [(f"{name}: {layout.describe()}, micro-batch {micro_batch_size}, seq {seq_length}, {precision}, "
               f"{'distributed' if distributed_optimizer else 'replicated'} optimizer ({opt.describe()}); "
               f"pipeline stage {estimate.stage}")]
+    lines += [f"  note: {storage.note}"] if fp8 and storage.note else []
     lines += [f"  {part:<12} {gib:8.1f} GiB" for part, gib in estimate.rows()]
     if estimate.experts:
         shares = dict(estimate.experts)
