@@ -224,7 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(fn=_cmd_doctor)
     h = sub.add_parser("heatmap", help="an MoE run's experts x steps heat map (PNG; routing.jsonl, numerics.jsonl)")
     h.add_argument("run_dir", metavar="RUN_DIR", help="a scripts/train.py run directory of an MoE model")
-    h.add_argument("--stat", default="scale_gap", choices=["tokens", "weight", "underflow_pct", "scale_gap"],
+    h.add_argument("--stat", default="scale_gap", choices=["tokens", "weight", "underflow_pct",
+                                                             "block_underflow_pct", "scale_gap"],
                    help="tokens / mean routing weight per expert (every step), or its linears' worst underflow %% "
                    "or |log2(delayed / current scale)| (statistics steps; default scale_gap)")
     h.add_argument("--role", default="activations", choices=["activations", "weights", "gradients"],

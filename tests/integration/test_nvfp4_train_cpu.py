@@ -61,14 +61,3 @@ def test_train_nvfp4(roles, copies, dataset, tmp_path, monkeypatch):  # noqa: F8
     plan_txt = (tmp_path / "plan.txt").read_text()
     assert plan_txt == format_plan(PrecisionPlan(recipe, ModelLayout.gpt(2)), max_steps=STEPS) + "\n"
     assert "emulated" in plan_txt and "note: nvfp4 operands are emulated" in plan_txt
-
-
-def test_statistics_of_nvfp4_operands_are_refused_in_one_line_before_training(dataset, tmp_path):  # noqa: F811
-    from fp8_recipes.training.run import run_training
-
-    overrides = ["+recipe=bf16", "+recipe.gradients.scaling=nvfp4", "++debug.interval=1"]
-    with pytest.raises(ValueError) as e:
-        run_training(compose_train(overrides + dataset + small_run(tmp_path, 2, STEPS)))
-    assert str(e.value).startswith("debug: numerics statistics and dumps do not measure NVFP4 operands yet "
-                                   "(gradients.scaling: nvfp4)") and "\n" not in str(e.value)
-    assert not (tmp_path / "metrics.jsonl").exists()

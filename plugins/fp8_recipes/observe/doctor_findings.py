@@ -2,10 +2,10 @@
 
     findings = find_problems(read_numerics(run_dir))   # worst module first; each: module, role, gemm, kind, value, step
 
-A finding is one statistic of one (module, role) beyond its limit (:data:`LIMITS`), worst over the recorded steps
-and GEMMs, with the step it happened at; the first row of a delayed operand is skipped (empty history, scale 1, as
-in Transformer Engine). Severity = value / limit (log scale for ratios); a module's score is the sum of its
-findings'. Pure functions over plain rows (no torch); :mod:`fp8_recipes.observe.doctor` turns them into proposals.
+A finding is one statistic of one (module, role) beyond its limit (:data:`LIMITS`; NVFP4 operands:
+:data:`NVFP4_LIMITS`), worst over the recorded steps and GEMMs, with the step it happened at; the first row of a
+delayed operand is skipped (empty history, scale 1, as in Transformer Engine). Severity = value / limit (log scale
+for ratios); a module's score is the sum of its findings'. Pure functions over plain rows (no torch); :mod:`fp8_recipes.observe.doctor` turns them into proposals.
 """
 
 from __future__ import annotations
@@ -16,11 +16,21 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Finding", "LIMITS", "SCALE_RATIO_HIGH", "SUPPORTING", "find_problems", "module_scores"]
+__all__ = ["Finding", "LIMITS", "NVFP4_LIMITS", "SCALE_RATIO_HIGH", "SUPPORTING", "find_problems", "module_scores"]
 
 LIMITS = {"underflow_pct": 1.0, "saturation_pct": 1.0, "cosine_drop": 0.01, "scale_gap": 64.0, "mse_jump": 100.0}
 """A finding: underflow or saturation >= 1 %, cosine <= 0.99, delayed/current scale ratio below 1/64 or above
 4 (:data:`SCALE_RATIO_HIGH`), MSE / amax^2 100x its own median over the run's steps."""
+NVFP4_LIMITS = {"underflow_pct": 40.0, "cosine_drop": 0.02, "block_underflow_pct": 5.0, "block_saturation_pct": 1.0}
+"""An NVFP4 operand's limits (rows whose policy is ``nvfp4 ...``; the others as LIMITS): 40 % of its values flushed to
+zero, cosine <= 0.98, 5 % of its non-zero blocks with an E4M3 scale of 0, 1 % with one clamped at 448. E2M1 has
+codes from 0.5 to 6 per block, so a healthy NVFP4 tensor flushes what is below 1/24 of its block's largest: on the
+tiny CPU model the paper's recipe flushes 6-10 % of most operands and 20-30 % of the fc2 inputs (GeLU outputs) and
+fc1 gradients, every cosine is 0.988 or more, and at most 0.7 % of a tensor's blocks underflow (docs/nvfp4.md)."""
+_PCT_KINDS = {"underflow_pct": ("underflow", "underflow"), "saturation_pct": ("saturation", "clipping"),
+              "block_underflow_pct": ("block scales flushed to 0", "scale_underflow"),
+              "block_saturation_pct": ("block scales clamped at 448", "clipping")}
+"""Share statistics -> (their words in a finding, their effect); the block ones are NVFP4's."""
 SUPPORTING = ("mse_jump",)
 """Kinds that add to a module's score but never name it for BF16 on their own."""
 SCALE_RATIO_HIGH = 4.0
@@ -32,7 +42,8 @@ class Finding:
     role: str
     gemm: str
     kind: str
-    """underflow_pct | saturation_pct | cosine_drop | scale_gap | mse_jump."""
+    """underflow_pct | saturation_pct | cosine_drop | scale_gap | mse_jump; NVFP4 also block_underflow_pct |
+    block_saturation_pct."""
     value: float
     step: int
     text: str
@@ -40,7 +51,8 @@ class Finding:
     """value / its limit (log scale for ratios): what orders findings."""
     policy: str = ""
     effect: str = ""
-    """What the finding does to the values: underflow (lost to zero) | clipping | precision | "" (supporting)."""
+    """What the finding does to the values: underflow (lost to zero) | clipping | precision | scale_underflow (NVFP4:
+    whole blocks lost to a zero E4M3 scale) | "" (supporting)."""
     share: float = 0.0
     """The fraction of the (module, role)'s recorded rows beyond the limit: 1/N is one bad step, near 1 lasting."""
 
@@ -77,18 +89,21 @@ def _findings_for(module: str, role: str, rows: list[dict[str, Any]]) -> list[Fi
         out.append(Finding(module, role, str(row.get("gemm", "?")), kind, value, int(row.get("step", 0)), text,
                            severity, str(row.get("policy", "")), effect, beyond / len(rows)))
 
-    for kind in ("underflow_pct", "saturation_pct"):
-        w = _worst(rows, kind)
-        if w and w[0] >= LIMITS[kind]:
-            steps = sum(1 for r in rows if (r.get(kind) or 0) >= LIMITS[kind])
-            add(kind, w[0], w[1], f"{kind.split('_')[0]} {w[0]:.2f}% (step {w[1]['step']}; {steps} rows >= "
-                                  f"{LIMITS[kind]:g}%)", w[0] / LIMITS[kind],
-                "underflow" if kind == "underflow_pct" else "clipping", steps)
+    nvfp4 = bool(rows) and str(rows[0].get("policy", "")).startswith("nvfp4")
+    limits = {**LIMITS, **NVFP4_LIMITS} if nvfp4 else LIMITS
+    for kind, (label, effect) in _PCT_KINDS.items():
+        w = _worst(rows, kind) if kind in limits else None
+        if w and w[0] >= limits[kind]:
+            steps = sum(1 for r in rows if (r.get(kind) or 0) >= limits[kind])
+            label = "flushed to zero" if nvfp4 and kind == "underflow_pct" else label
+            add(kind, w[0], w[1], f"{label} {w[0]:.2f}% (step {w[1]['step']}; {steps} rows >= {limits[kind]:g}%)",
+                w[0] / limits[kind], effect, steps)
     w = _worst(rows, "cosine", min)
-    if w and 1 - w[0] >= LIMITS["cosine_drop"]:
-        low = sum(1 for r in rows if isinstance(r.get("cosine"), (int, float)) and 1 - r["cosine"] >= LIMITS["cosine_drop"])
+    if w and 1 - w[0] >= limits["cosine_drop"]:
+        low = sum(1 for r in rows
+                  if isinstance(r.get("cosine"), (int, float)) and 1 - r["cosine"] >= limits["cosine_drop"])
         add("cosine_drop", 1 - w[0], w[1], f"cosine {w[0]:.4f} (step {w[1]['step']})",
-            (1 - w[0]) / LIMITS["cosine_drop"], "precision", low)
+            (1 - w[0]) / limits["cosine_drop"], "precision", low)
     lo, hi = _worst(rows, "scale_ratio", min), _worst(rows, "scale_ratio", max)
     if lo and 0 < lo[0] <= 1 / LIMITS["scale_gap"]:
         after = sum(1 for r in rows if 0 < (r.get("scale_ratio") or 1) <= 1 / LIMITS["scale_gap"])

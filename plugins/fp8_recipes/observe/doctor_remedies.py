@@ -9,8 +9,8 @@ the recipe's own setting explains the evidence (a margin that shrinks every valu
 which comes before a new scaling mode); the best is applied by ``--write``, the others are printed as
 alternatives. Putting a handful of modules in BF16 would leave every other linear as it was. A problem in a few
 modules gets BF16 for those modules (or the whole first/last layer), and under delayed scaling the switch to
-current scaling, which keeps one module's outlier from lasting in its amax history. Pure functions over plain
-rows (no torch).
+current scaling, which keeps one module's outlier from lasting in its amax history. An NVFP4 role has remedies of
+its own (:mod:`~fp8_recipes.observe.doctor_nvfp4`). Pure functions over plain rows (no torch).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fp8_recipes.observe.doctor_findings import SCALE_RATIO_HIGH, SUPPORTING, Finding, module_scores
+from fp8_recipes.observe.doctor_nvfp4 import nvfp4_remedies
 from fp8_recipes.recipe.schema import DEFAULT_BLOCK, ROLES, Format, MxRounding, Recipe, Role, Scaling, TensorPolicy
 
 __all__ = ["ROLE_WIDE", "Proposal", "propose", "role_extent", "warmup_proposal"]
@@ -211,7 +212,7 @@ def propose(findings: list[Finding], recipe: Recipe | None, numerics: list[dict[
     its change covers them. An unknown recipe (None) has no role setting to change: the layer fallbacks only."""
     recipe = recipe if recipe is not None else Recipe()  # every role BF16 and no layer rules: nothing to change
     extent = role_extent(findings, numerics)
-    out = []
+    out, covered = [], set()
     weight = {r: sum(f.severity for f in findings if f.role == r and f.kind not in SUPPORTING) for r in map(str, ROLES)}
     for role in sorted(map(str, ROLES), key=lambda r: -weight[r]):  # the worst evidence first, role-wide or not
         policy = recipe.policy(role)
@@ -219,12 +220,17 @@ def propose(findings: list[Finding], recipe: Recipe | None, numerics: list[dict[
         if not mine:
             continue
         flagged, quantized = extent[role]
-        if _is_role_wide(flagged, quantized):
+        if policy.scaling is Scaling.NVFP4:  # its own remedies (the last layers, the RHT, FP8 for this role)
+            remedies, done = nvfp4_remedies(role, recipe, [f for f in mine if f.share >= LASTING], flagged,
+                                            quantized, _is_role_wide(flagged, quantized))
+            out += [Proposal(*r) for r in remedies if r.changes not in [q.changes for q in out]]  # (roles may agree)
+            covered |= {role} if done else set()
+        elif _is_role_wide(flagged, quantized):
             out += _role_wide(role, policy, [f for f in mine if f.share >= LASTING], flagged, quantized)
         else:
             out += _local_role(role, policy, mine)
-    wide_roles = {r for r in extent if _is_role_wide(*extent[r])}
-    kept = [f for f in findings if f.role not in wide_roles]
+    wide_roles = {r for r in extent if _is_role_wide(*extent[r]) and recipe.policy(r).scaling is not Scaling.NVFP4}
+    kept = [f for f in findings if f.role not in wide_roles | covered]
     return out + _layer_proposals(kept, recipe, numerics)
 
 

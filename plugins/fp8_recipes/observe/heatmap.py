@@ -6,13 +6,14 @@
 The expert view has one row per routed expert (``L<layer> E<expert>``, layers then experts in order) and one column
 per recorded step, from the run's numerics.jsonl and routing.jsonl (:data:`EXPERT_STATS`):
 
-==============  =======================================================================================
-tokens          the tokens the expert received that step (routing.jsonl; every training step)
-weight          their mean routing weight (routing.jsonl)
-underflow_pct   % of its non-zero values lost to zero, worst of its two linears, for `role` (numerics)
-scale_gap       how far its delayed scale is from the current one, |log2(delayed / current)|, worst of its
-                linears and GEMMs for `role` (numerics; 0 = the scale current scaling would pick; 6 = 64x)
-==============  =======================================================================================
+=================== =======================================================================================
+tokens              the tokens the expert received that step (routing.jsonl; every training step)
+weight              their mean routing weight (routing.jsonl)
+underflow_pct       % of its non-zero values lost to zero, worst of its two linears, for `role` (numerics)
+block_underflow_pct NVFP4: % of its non-zero 16-value blocks whose E4M3 scale is 0, worst of its linears
+scale_gap           how far its delayed scale is from the current one, |log2(delayed / current)|, worst of its
+                    linears and GEMMs for `role` (numerics; 0 = the scale current scaling would pick; 6 = 64x)
+=================== =======================================================================================
 
 A blank cell is a step without a value: an expert with no token (no activation or gradient row), a step without
 statistics, a scale gap under current scaling (there is none) or a delayed operand's first row (its scale is 1
@@ -31,8 +32,12 @@ from typing import Any
 __all__ = ["EXPERT_STATS", "expert_grid", "expert_heatmap", "plot_heatmap"]
 
 EXPERT_STATS = {"tokens": "tokens", "weight": "mean routing weight", "underflow_pct": "%",
-                "scale_gap": "|log2(delayed / current scale)|"}
+                "block_underflow_pct": "% of blocks", "scale_gap": "|log2(delayed / current scale)|"}
 """The expert view's statistics -> the colour bar's label."""
+
+
+_NUMERICS = ("underflow_pct", "block_underflow_pct", "scale_gap")
+"""The statistics from numerics.jsonl (the others from routing.jsonl)."""
 
 
 def plot_heatmap(heat: dict[str, dict[int, float]], path: Path, what: str = "underflow % of fprop activations",
@@ -78,12 +83,12 @@ def expert_grid(numerics: list[dict[str, Any]], routing: list[dict[str, Any]], s
         raise ValueError(f"--stat: {stat!r} is not one of {' | '.join(EXPERT_STATS)}")
     grid: dict[tuple[int, int], dict[int, float]] = defaultdict(dict)
     for r in routing:
-        values = r.get("tokens") if stat in ("tokens", "scale_gap", "underflow_pct") else r.get("weight")
+        values = r.get("weight") if stat == "weight" else r.get("tokens")
         for e, v in enumerate(values or []):
             cell = grid[(int(r["layer"]), e)]
             if stat in ("tokens", "weight") and v is not None:
                 cell[int(r["step"])] = float(v)
-    if stat in ("underflow_pct", "scale_gap"):
+    if stat in _NUMERICS:
         # the doctor's rows: a delayed operand's first row (scale 1 from an empty history, as TE) says nothing
         kept = [r for (module, r_role), rows in _usable_rows(numerics).items()
                 if r_role == role and expert_of(module) is not None for r in rows]
@@ -93,7 +98,7 @@ def expert_grid(numerics: list[dict[str, Any]], routing: list[dict[str, Any]], s
                 ratio = r.get("scale_ratio")
                 value = abs(math.log2(ratio)) if isinstance(ratio, (int, float)) and ratio > 0 else None
             else:
-                value = r.get("underflow_pct")
+                value = r.get(stat)
             if isinstance(value, (int, float)) and math.isfinite(value):
                 cell = grid[(who[1], who[2])]
                 step = int(r["step"])
@@ -113,8 +118,8 @@ def expert_heatmap(run_dir: str | os.PathLike, stat: str = "scale_gap", role: st
     if not (run_dir / ROUTING).is_file():
         raise ValueError(f"RUN_DIR: '{run_dir}' has no {ROUTING} (the heat map by expert needs an MoE run, e.g. "
                          f"model=tiny_moe)")
-    numerics = read_numerics(run_dir) if stat in ("underflow_pct", "scale_gap") else []
-    if stat in ("underflow_pct", "scale_gap") and not numerics:
+    numerics = read_numerics(run_dir) if stat in _NUMERICS else []
+    if stat in _NUMERICS and not numerics:
         raise ValueError(f"--stat {stat}: '{run_dir}' has no numerics.jsonl (train with ++debug.interval=N), or "
                          f"plot --stat tokens")
     grid = expert_grid(numerics, read_jsonl(run_dir / ROUTING), stat, role)

@@ -9,9 +9,11 @@
 
 Outputs in the run directory: ``numerics.jsonl`` (one row per step, module, GEMM and operand role, keys of
 :data:`~fp8_recipes.observe.stats.STAT_KEYS`), TensorBoard scalars ``numerics/<module>/<gemm>/<role>/<stat>`` in
-``tb/`` (a few stats: underflow_pct, saturation_pct, cosine, scale_ratio; each role as its first GEMM reads it),
+``tb/`` (a few stats: underflow_pct, saturation_pct, cosine, scale_ratio, NVFP4's block_underflow_pct and
+block_saturation_pct; each role as its first GEMM reads it),
 ``numerics_underflow.png`` (modules x steps, underflow % of the fprop activations), and ``dumps/step_N/<module>.<gemm>.<role>.<k>.pt``
-(read them with :func:`load_dump`).
+(read them with :func:`load_dump`). NVFP4 operands have the same rows, measured on the copy the GEMM reads, with
+two more keys (their block scales: ``observe/stats_nvfp4.py``), and dumps of their E2M1 codes and scales.
 
 Cost: nothing when the run has no ``debug`` section (no recorder exists); with one, an observer is set only on the
 modules a due step watches and cleared otherwise, so steps between intervals run the backend's plain path. Within a
@@ -54,7 +56,7 @@ import torch
 
 from fp8_recipes.observe.config import DebugConfig
 from fp8_recipes.observe.heatmap import plot_heatmap
-from fp8_recipes.numerics import Quantized, block_for, dequantize, quantize
+from fp8_recipes.numerics import NVFP4Quantized, Quantized, block_for, dequantize, quantize
 from fp8_recipes.observe.stats import COLUMNWISE, OperandStats, measure, rows as stats_rows
 from fp8_recipes.plan.precision import ROW_PARALLEL, Gemm
 from fp8_recipes.rundir import TENSORBOARD, jsonable, numerics_name
@@ -64,7 +66,7 @@ __all__ = ["NumericsRecorder", "ObservedPrecision", "ShardGroups", "load_dump"]
 
 logger = logging.getLogger(__name__)
 
-TB_STATS = ("underflow_pct", "saturation_pct", "cosine", "scale_ratio")
+TB_STATS = ("underflow_pct", "saturation_pct", "cosine", "scale_ratio", "block_underflow_pct", "block_saturation_pct")
 """The statistics also written to TensorBoard (all of them are in numerics.jsonl), one event per step."""
 TB_OPERANDS = frozenset({("fprop", "activations"), ("fprop", "weights"), ("dgrad", "gradients")})
 """Each role once in TensorBoard, as its first GEMM reads it (the other GEMM's copy is the same tensor along the
@@ -102,7 +104,7 @@ def _on_host(stats: list[OperandStats]) -> list[OperandStats]:
     scales stands for them). Packed buffers stay behind (merge() drops them)."""
     if not stats:
         return []
-    sums = torch.stack([s.sums.reshape(-1).double() for s in stats]).cpu()
+    sums = torch.cat([s.sums.reshape(-1).double() for s in stats]).cpu().split([s.sums.numel() for s in stats])
     extremes = torch.stack([torch.stack([s.amax.reshape(()).float(), s.min_nonzero.reshape(()).float()])
                             for s in stats]).cpu()
     kept = [[] if s.scale_hist is not None else s.scales for s in stats]
@@ -204,7 +206,7 @@ class NumericsRecorder:
             else:
                 self._pending[key] = s
         if dump:
-            self._dump(key, hp_x, policy, columnwise, scaler, reduce)
+            self._dump(key, hp_x, policy, columnwise, scaler, reduce, quantized)
         if limit:
             expected = self._expected.get(name)
             if expected is None:
@@ -338,9 +340,14 @@ class NumericsRecorder:
             except Exception as e:  # noqa: BLE001 - a plot must never fail a finished run
                 logger.warning("numerics heat map failed: %s: %s", type(e).__name__, e)
 
-    def _dump(self, key, hp_x, policy, columnwise, scaler, reduce) -> None:
-        # the quantization the GEMM used, again: delayed reads the same scale and records nothing
-        q = quantize(hp_x, policy, columnwise=columnwise, scaler=scaler, amax_reduce=reduce, record_amax=False)
+    def _dump(self, key, hp_x, policy, columnwise, scaler, reduce, quantized=None) -> None:
+        if isinstance(quantized, NVFP4Quantized):  # the copy the GEMM read (its stochastic rounding's codes)
+            q = quantized
+        else:  # the quantization the GEMM used, again: delayed reads the same scale and records nothing (NVFP4:
+            # a reused copy, never stochastically rounded; a backend that keeps its copies: draws of seed 0)
+            seed = 0 if policy.stochastic_rounding else None
+            q = quantize(hp_x, policy, columnwise=columnwise, scaler=scaler, amax_reduce=reduce, record_amax=False,
+                         seed=seed)
         index = self._count[key] - 1  # this quantization's number in the step (counted in _observe)
         if not self.write:
             return
@@ -350,12 +357,19 @@ class NumericsRecorder:
         torch.save({
             "step": self.step, "module": module, "gemm": gemm, "role": role, "micro_batch": index,
             "columnwise": columnwise, "policy": policy.to_dict(),
-            "hp": hp_x.detach().cpu().clone(),
-            "fp8_codes": q.codes.view(torch.uint8).cpu().clone(),
-            "fp8_dtype": str(q.codes.dtype).removeprefix("torch."),
-            "scale": q.scale.cpu(), "scale_inv": q.scale_inv.cpu(), "block": list(q.block),
-            "amax": q.amax.cpu(), "e8m0": q.e8m0.cpu() if q.e8m0 is not None else None,
+            "hp": hp_x.detach().cpu().clone(), **(_nvfp4_fields(q) if isinstance(q, NVFP4Quantized) else {
+                "fp8_codes": q.codes.view(torch.uint8).cpu().clone(),
+                "fp8_dtype": str(q.codes.dtype).removeprefix("torch."),
+                "scale": q.scale.cpu(), "scale_inv": q.scale_inv.cpu(), "block": list(q.block),
+                "amax": q.amax.cpu(), "e8m0": q.e8m0.cpu() if q.e8m0 is not None else None}),
         }, out_dir / f"{module}.{gemm}.{role}.{index}.pt")
+
+
+def _nvfp4_fields(q: NVFP4Quantized) -> dict[str, Any]:
+    """An NVFP4 copy in a dump: packed E2M1 codes, E4M3 block scales as bytes, the global amax and scale."""
+    return {"nvfp4_codes": q.codes.cpu().clone(), "block_scales": q.block_scales.view(torch.uint8).cpu().clone(),
+            "global_amax": q.global_amax.cpu(), "global_scale": q.global_scale.cpu(), "block": list(q.block),
+            "rht": q.rht}
 
 
 class ObservedPrecision:
@@ -396,14 +410,31 @@ class ObservedPrecision:
 def load_dump(path: str | os.PathLike) -> dict[str, Any]:
     """A dump as a dict: ``hp`` (the operand in its dtype), ``fp8_codes`` (uint8), ``fp8`` (the same bits as the
     FP8 dtype), ``scale``/``scale_inv`` per block, ``block``, ``policy`` (dict), ``step``/``module``/``gemm``/
-    ``role``/``micro_batch``/``columnwise``, and ``dequantized``: codes x scale_inv, what the GEMM read."""
+    ``role``/``micro_batch``/``columnwise``, and ``dequantized``: codes x scale_inv, what the GEMM read. An NVFP4
+    operand's dump holds its E2M1 codes and two-level scales instead (:func:`_load_nvfp4`)."""
     d = torch.load(path, map_location="cpu", weights_only=True)
+    if "nvfp4_codes" in d:
+        return _load_nvfp4(d)
     fp8_dtype = getattr(torch, d["fp8_dtype"])
     d["fp8"] = d["fp8_codes"].view(fp8_dtype)
     hp = d["hp"]
     q = Quantized(codes=d["fp8"], scale=d["scale"], scale_inv=d["scale_inv"], block=tuple(d["block"]),
                   format=Format(d["policy"]["format"]), shape=hp.shape, dtype=hp.dtype, amax=d["amax"],
                   e8m0=d["e8m0"])
+    d["dequantized"] = dequantize(q)
+    return d
+
+
+def _load_nvfp4(d: dict[str, Any]) -> dict[str, Any]:
+    """load_dump of an NVFP4 operand: ``nvfp4_codes`` (uint8, two E2M1 codes a byte, element 2j in the low nibble,
+    the copy's 2-D layout: x^T for a columnwise copy), ``block_scales`` (uint8 bytes of the E4M3 scales; ``fp8``:
+    the same as float8_e4m3fn), ``global_amax``, ``global_scale``, ``rht`` and ``dequantized`` (x's shape; an RHT
+    copy's values stay rotated, as the wgrad GEMM reads them)."""
+    hp = d["hp"]
+    d["fp8"] = d["block_scales"].view(torch.float8_e4m3fn)
+    q = NVFP4Quantized(codes=d["nvfp4_codes"], block_scales=d["fp8"], global_amax=d["global_amax"],
+                       global_scale=d["global_scale"], shape=hp.shape, dtype=hp.dtype, block=tuple(d["block"]),
+                       columnwise=d["columnwise"], rht=d["rht"])
     d["dequantized"] = dequantize(q)
     return d
 

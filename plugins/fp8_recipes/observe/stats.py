@@ -30,7 +30,10 @@ from |x| with NaN zeroed and clipped elements are counted unconditionally (:data
 sync is free, it branches (NaN pass and element-wise clip count only when needed). Both give the same numbers.
 Pure torch (plus our numerics), except :func:`measure_fused`: for an operand handed over without its FP8 copy
 (the TE backend's), on CUDA, quantization and statistics are one Triton kernel (observe/stats_kernels.py) with the
-same numbers; elsewhere the numerics core quantizes and the torch path measures.
+same numbers; elsewhere the numerics core quantizes and the torch path measures. NVFP4 operands (``scaling:
+nvfp4``) are measured by :mod:`~fp8_recipes.observe.stats_nvfp4` on the copy the GEMM reads, with the same keys
+(underflow_pct: the share flushed to zero; saturation_pct: clipped at E2M1's ±6) plus block_underflow_pct and
+block_saturation_pct (their E4M3 block scales flushed to 0, clamped at 448).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from fp8_recipes.numerics.formats import FLOAT32_MAX
 # quantize's own block-scale rule and block multiply, fed the |x| computed here (no second float copy, no cast)
 from fp8_recipes.numerics.quantize import _block_scales, _rows_cols, _scale_blocks, block_for, block_scale_for_inf
 from fp8_recipes.numerics.scaling import AmaxReduce
+from fp8_recipes.observe.stats_nvfp4 import BLOCK_SUMS, nvfp4_sums
 from fp8_recipes.recipe.schema import MxRounding, Scaling, TensorPolicy
 
 logger = logging.getLogger(__name__)
@@ -67,8 +71,8 @@ COLUMNWISE: dict[tuple[str, str], bool] = {
 }
 
 STAT_KEYS = ("numel", "amax", "min_nonzero", "underflow_pct", "saturation_pct", "mse", "cosine", "scale",
-             "scale_min", "scale_median", "scale_ratio")
-"""Every key a row may hold (a key that does not apply to the policy is absent)."""
+             "scale_min", "scale_median", "scale_ratio", "block_underflow_pct", "block_saturation_pct")
+"""Every key a row may hold (a key that does not apply to the policy is absent; the last two: NVFP4 only)."""
 
 _SUMS = ("numel", "nonzero", "underflow", "saturated", "sq_err", "dot", "hp_sq", "fq_sq")
 
@@ -90,7 +94,8 @@ class OperandStats:
 
     policy: TensorPolicy
     sums: torch.Tensor
-    """float64 (8,): numel, nonzero, underflow, saturated, sum sq err, <x,fq>, |x|^2, |fq|^2."""
+    """float64 (8,): numel, nonzero, underflow, saturated, sum sq err, <x,fq>, |x|^2, |fq|^2; NVFP4: (12,), the
+    block counts of stats_nvfp4.BLOCK_SUMS after them."""
     amax: torch.Tensor
     min_nonzero: torch.Tensor
     """inf when every element is zero."""
@@ -167,16 +172,17 @@ def rows(stats: list[OperandStats]) -> list[dict[str, float | int | None]]:
         if hists:
             pieces.append(_hist_summary(torch.stack(hists)).reshape(-1))
         values = torch.cat([sums, torch.cat([t.to(device) for t in pieces]).double()]).tolist()  # the one sync
-        sums_v, rest = values[:len(_SUMS) * len(idx)], values[len(_SUMS) * len(idx):]
-        pos, from_hist = 0, len(rest) - 2 * len(hists)
-        for k, (i, n) in enumerate(zip(idx, lengths)):
+        sums_v, rest = values[:sums.numel()], values[sums.numel():]
+        pos, from_hist, at = 0, len(rest) - 2 * len(hists), 0
+        for i, n in zip(idx, lengths):
             if n == _FROM_HIST:
                 summary, pos = rest[pos:pos + 2] + rest[from_hist:from_hist + 2], pos + 2
                 from_hist += 2
             else:
                 summary, pos = rest[pos:pos + 2 + n], pos + 2 + n
-            out[i] = _row(stats[i].policy, sums_v[k * len(_SUMS):(k + 1) * len(_SUMS)], summary[0], summary[1],
-                          summary[2:])
+            width = stats[i].sums.numel()  # (NVFP4's hold block counts too)
+            out[i] = _row(stats[i].policy, sums_v[at:at + width], summary[0], summary[1], summary[2:])
+            at += width
     return out  # type: ignore[return-value]
 
 
@@ -212,7 +218,7 @@ def _hist_summary(hists: torch.Tensor) -> torch.Tensor:
 def _row(policy: TensorPolicy, sums_list: list[float], amax: float, min_nz: float,
          scale_summary: list[float]) -> dict[str, float | int | None]:
     """A row from host numbers: `scale_summary` is [] (no scales), [median] (per tensor) or [min, median]."""
-    sums = dict(zip(_SUMS, sums_list))
+    sums = dict(zip(_SUMS + BLOCK_SUMS, sums_list))
     numel = int(sums["numel"])
     norm = math.sqrt(sums["hp_sq"] * sums["fq_sq"])
     if norm > 0:
@@ -228,6 +234,9 @@ def _row(policy: TensorPolicy, sums_list: list[float], amax: float, min_nz: floa
         "mse": sums["sq_err"] / max(numel, 1),
         "cosine": cosine,
     }
+    if "blocks" in sums:  # NVFP4 (observe/stats_nvfp4.py): its 16-value blocks' E4M3 scales
+        out["block_underflow_pct"] = 100.0 * sums["underflow_blocks"] / max(sums["nonzero_blocks"], 1.0)
+        out["block_saturation_pct"] = 100.0 * sums["saturated_blocks"] / max(sums["blocks"], 1.0)
     per_tensor = policy.scaling in (Scaling.TENSORWISE, Scaling.DELAYED)
     if scale_summary and per_tensor:
         out["scale"] = scale_summary[0]
@@ -274,6 +283,8 @@ def measure(
     """
     if not policy.is_fp8:
         raise ValueError("measure: policy.scaling is 'none'; there is no quantization to measure")
+    if policy.scaling is Scaling.NVFP4:  # E2M1 codes and two-level scales: statistics of their own (torch only)
+        return OperandStats(policy, *nvfp4_sums(hp_x, fq_x, policy, columnwise=columnwise, quantized=quantized))
     if fq_x is None:
         if amax_reduce is None and fused(hp_x, policy, columnwise):
             try:
@@ -393,7 +404,7 @@ def fused(hp_x: torch.Tensor, policy: TensorPolicy, columnwise: bool = False) ->
     interpreter), and in either case Triton present, the kernel not failed before (:data:`FUSED_ERROR`) and a
     block whose sides are powers of two."""
     want = FUSED if FUSED is not None else (hp_x.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
-    if not (want and _triton()) or FUSED_ERROR is not None or hp_x.numel() == 0:
+    if not (want and _triton()) or FUSED_ERROR is not None or hp_x.numel() == 0 or policy.scaling is Scaling.NVFP4:
         return False
     if policy.scaling in (Scaling.TENSORWISE, Scaling.DELAYED):
         return True

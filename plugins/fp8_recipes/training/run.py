@@ -315,19 +315,6 @@ def check_moe_statistics(trainer, model, debug) -> None:
                              f"trainer.{key}={'null' if key == 'expert_tensor_parallel_size' else 1}")
 
 
-def check_nvfp4_statistics(recipe, debug) -> None:
-    """Numerics statistics and dumps (``debug``) measure FP8 operands only so far: an NVFP4 role is refused in one
-    line before anything is built (their E2M1 and two-level scales are another set of statistics)."""
-    if debug is None or not debug.enabled:
-        return
-    policies = [(str(r), recipe.policy(r)) for r in Role] + [
-        (f"modules.{m.pattern}.{r}", p) for m in recipe.modules for r, p in m.policies]
-    key = next((k for k, p in policies if p.scaling is Scaling.NVFP4), None)
-    if key is not None:
-        raise ConfigError(f"debug: numerics statistics and dumps do not measure NVFP4 operands yet ({key}.scaling: "
-                          f"nvfp4); set debug=null, or give {key} an FP8 scaling")
-
-
 def check_grouped_experts(model, plan) -> None:
     """Model ``moe_grouped_gemm: true`` on the te backend: a layer's experts share one TE recipe at every stage (one
     GroupedLinear runs them), refused in one line before anything is built where the plan splits them."""
@@ -540,7 +527,6 @@ def _checked_run(cfg) -> _Run:
         if debug is not None and debug.dump.steps:  # written at the first dump step, hours in: checked now
             check_writable_dir("debug.dump.dir", str(debug.dump.path(cfg.run_dir)))
         check_moe_statistics(tcfg, cfg.model, debug)
-        check_nvfp4_statistics(recipe, debug)
     one_cuda_connection(tcfg)
     hardware = Hardware.detect()  # (CUDA starts here on a GPU machine)
     with same_on_every_rank():
