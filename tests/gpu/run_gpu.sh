@@ -22,6 +22,7 @@
 #     bash tests/gpu/run_gpu.sh moe          # MoE on TE: its GPU tests + bench_train on mixtral_8x7b_4l (caps 240 + 300 s)
 #         (ENGINE=1: bench_train --engine, scripts/train.py's step; TESTS: other test files or node ids)
 #     bash tests/gpu/run_gpu.sh moe-stats    # statistics overhead at interval 10 on moe_small's grouped experts
+#     bash tests/gpu/run_gpu.sh nvfp4        # issue 29: NVFP4 vs TE's reference + emulated nvfp4 / mxfp8 vs BF16 step time
 #     bash tests/gpu/run_gpu.sh two          # two GPUs: scales across the amax group, safe at PP=2, bench_parallel
 #         (10 runs of ~40 s; a second call with LAYOUTS="1gpu dp2 tp2sp pp2 cp2" RECIPES="tensorwise" covers the rest)
 # BASELINE: a checkout of the engine before (git archive 107c97b plugins conf scripts recipes setup.cfg | tar -x -C .oldsrc)
@@ -160,6 +161,26 @@ moe-engine)
     "$PY" -c "import json,sys; s=json.load(open('$OUT/engine-$recipe/summary.json')); print('$recipe peak GiB', \
         round(s['peak_memory_bytes']/2**30, 2), 'loss', s.get('final_loss'), 'te', s.get('te_execution'))" \
         2>&1 | tee -a "$OUT/engine.log"
+  done
+  ;;
+nvfp4)
+  # Issue 29 on the H200: our NVFP4 bits against TE's reference quantizer, then the emulated recipes' step time
+  # beside BF16 on gpt_125m (scripts/train.py, backend auto: emulated on Hopper; tokens/s median of the run)
+  stamp "GPU tests: tests/gpu/test_nvfp4_ref.py" | tee "$OUT/nvfp4.log"
+  timeout -s INT 150 "$PY" -m pytest tests/gpu/test_nvfp4_ref.py -q -p no:cacheprovider -o addopts="" -rfEs 2>&1 \
+      | tail -15 | tee -a "$OUT/nvfp4.log"
+  for recipe in ${RECIPES:-bf16 nvfp4 mxfp8}; do
+    stamp "scripts/train.py +recipe=$recipe model=gpt_125m trainer=gpu (${STEPS:-40} steps)" | tee -a "$OUT/nvfp4.log"
+    timeout -s INT ${TRAIN_CAP:-120} "$PY" scripts/train.py +recipe=$recipe model=gpt_125m trainer=gpu \
+        trainer.max_steps=${STEPS:-40} trainer.micro_batch_size=8 trainer.global_batch_size=16 trainer.warmup_steps=2 \
+        trainer.eval_interval=0 trainer.save_checkpoints=false run_dir="$OUT/nvfp4-$recipe" 2>&1 \
+        | grep -v -E "it/s\]|step/s" | tail -4 | tee -a "$OUT/nvfp4.log"
+  done
+  echo; stamp "summary"
+  grep -E " passed| failed|^FAILED" "$OUT/nvfp4.log" | head
+  for recipe in ${RECIPES:-bf16 nvfp4 mxfp8}; do
+    "$PY" -c "import json; s=json.load(open('$OUT/nvfp4-$recipe/summary.json')); print('$recipe', 'tok/s', \
+        round(s.get('tokens_per_s_median') or 0), 'loss', s.get('final_loss'), 'backend', s.get('backend'))" 2>&1 | tail -1
   done
   ;;
 all) ;;
