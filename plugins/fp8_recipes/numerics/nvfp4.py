@@ -52,8 +52,8 @@ from fp8_recipes.numerics.formats import FLOAT32_MAX, fp8_to_float32
 
 __all__ = [
     "E2M1_MAX", "NVFP4Quantized", "RHT_SIGNS", "apply_rht", "dequantize_nvfp4", "e2m1_codes", "e2m1_to_float32",
-    "fake_quant_nvfp4", "nvfp4_block_scales", "nvfp4_global_scale", "pack_e2m1", "quantize_nvfp4", "rht_matrix",
-    "stochastic_rounding_seed", "unpack_e2m1",
+    "fake_quant_nvfp4", "nvfp4_block_scales", "nvfp4_copy_2d", "nvfp4_global_scale", "pack_e2m1", "quantize_nvfp4",
+    "rht_matrix", "stochastic_rounding_seed", "unpack_e2m1",
 ]
 
 E2M1_MAX = 6.0
@@ -229,6 +229,19 @@ def _sr_generator(device: torch.device, generator: torch.Generator | None, seed:
     return generator
 
 
+def nvfp4_copy_2d(x: torch.Tensor, *, columnwise: bool, rht: bool) -> torch.Tensor:
+    """The 2-D values one copy of `x` quantizes, in x's dtype: x (leading dims flattened), or x^T for the columnwise
+    copy, H-rotated there with `rht` (in x's dtype, as TE's reference: its amax and codes see the rounding)."""
+    rows, cols = _rows_cols(x.shape)
+    x2d = x.detach().reshape(rows, cols)
+    if not columnwise:
+        return x2d
+    if rht and rows % NVFP4_BLOCK:
+        raise ValueError(f"rht: the columnwise copy is transformed along x's rows, so they must be a multiple "
+                         f"of {NVFP4_BLOCK}; x has shape {tuple(x.shape)} ({rows} rows)")
+    return apply_rht(x2d.t().contiguous()) if rht else x2d.t()
+
+
 def quantize_nvfp4(
     x: torch.Tensor,
     *,
@@ -253,16 +266,7 @@ def quantize_nvfp4(
     if not stochastic_rounding and (generator is not None or seed is not None):
         raise ValueError("quantize_nvfp4: generator= / seed= are for stochastic_rounding=True only")
     shape = x.shape
-    rows, cols = _rows_cols(shape)
-    x2d = x.detach().reshape(rows, cols)
-    if columnwise:
-        x2d = x2d.t()
-        if rht:
-            if rows % NVFP4_BLOCK:
-                raise ValueError(f"rht: the columnwise copy is transformed along x's rows, so they must be a multiple "
-                                 f"of {NVFP4_BLOCK}; x has shape {tuple(shape)} ({rows} rows)")
-            x2d = apply_rht(x2d.contiguous())  # in x's dtype, as TE's reference: its amax and codes see the rounding
-    hp = x2d.float()
+    hp = nvfp4_copy_2d(x, columnwise=columnwise, rht=rht).float()
     r, c = hp.shape
     amax = hp.abs().amax() if hp.numel() else torch.zeros((), dtype=torch.float32, device=hp.device)
     global_scale = nvfp4_global_scale(amax)

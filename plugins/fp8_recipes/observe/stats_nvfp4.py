@@ -38,7 +38,7 @@ import torch
 
 from fp8_recipes.numerics.formats import fp8_to_float32
 from fp8_recipes.numerics.nvfp4 import (
-    E2M1_MAX, E4M3_MAX, NVFP4_BLOCK, NVFP4Quantized, apply_rht, dequantize_nvfp4, quantize_nvfp4,
+    E2M1_MAX, E4M3_MAX, NVFP4_BLOCK, NVFP4Quantized, dequantize_nvfp4, nvfp4_copy_2d, quantize_nvfp4,
 )
 # the quantizer's own block maxima and encode multiplier, fed the copy measured here
 from fp8_recipes.numerics.nvfp4 import _block_amax, _encode_multiplier, _padded_blocks, _rows_cols
@@ -57,12 +57,7 @@ E4M3_CLIP = E4M3_MAX + 16.0
 def nvfp4_copy(hp_x: torch.Tensor, policy: TensorPolicy, columnwise: bool) -> torch.Tensor:
     """The float32 2-D values the copy quantizes: x (rows, cols), or x^T, H-rotated with ``rht`` (in x's dtype,
     as quantize_nvfp4 does)."""
-    x2d = hp_x.detach().reshape(_rows_cols(hp_x.shape))
-    if columnwise:
-        x2d = x2d.t()
-        if policy.rht:
-            x2d = apply_rht(x2d.contiguous())
-    return x2d.float()
+    return nvfp4_copy_2d(hp_x, columnwise=columnwise, rht=policy.rht).float()
 
 
 def _quantized(hp_x, policy, columnwise, stochastic: bool, seed: int) -> NVFP4Quantized:
