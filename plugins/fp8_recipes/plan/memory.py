@@ -46,7 +46,7 @@ activations is counted role by role). ``storage`` says which runtime it counts: 
 as TE stores it on sm_100 and newer; the scale tensors' padding to multiples of 128 x 4 and the fp32 amaxes left
 out) or, with ``emulated`` (`--emulated`), what the emulated backend holds, as NVFP4 runs on Hopper: no cached
 weight copies; each forward saves its input in BF16 and, where the backward reuses fprop's dequantized copy (a
-square block: 16x16 NVFP4 or 128x128 weights; a per-tensor scale on a square weight shard), that BF16 copy too, per
+per-tensor scale or a square block: 16x16 NVFP4 or 128x128 weights), that BF16 copy too, per
 micro-batch in flight (counted in fp8_weights for weights); the rest of the layer as with TE's layers (the emulated
 backend's unfused local attention, which keeps s x s scores, is not modelled).
 
@@ -386,9 +386,7 @@ class OperandStorage:
     with ``fp8_param`` the weights themselves); 0 on the emulated backend, which caches none."""
     saved_weights: float = 0.0
     """Bytes per parameter that each forward saves for its backward, per micro-batch in flight: the emulated
-    backend's dequantized weight, where dgrad reuses fprop's copy (see ``saved_weights_square_only``)."""
-    saved_weights_square_only: bool = False
-    """Only for square weight shards (a per-tensor scale reads the same both ways on a square tensor only)."""
+    backend's dequantized weight, where dgrad reuses fprop's copy."""
     saved_inputs: float = 1.0
     """Bytes per element of the copy of each quantized linear's input kept for the wgrad GEMM: TE's FP8 copy 1,
     its NVFP4 columnwise copy 0.5 + 1/16; the emulated backend's dequantized copy (2) where wgrad reuses fprop's,
@@ -419,17 +417,15 @@ class OperandStorage:
 TE_FP8 = OperandStorage()
 
 
-def _emulated_reuse(policy: TensorPolicy) -> str:
+def _emulated_reuses(policy: TensorPolicy) -> bool:
     """Whether the emulated backend keeps fprop's dequantized copy of an operand for a backward GEMM (its
-    ``reusable``: the same block rowwise and columnwise, no RHT, no stochastic rounding): "all" (a square block),
-    "square" (a per-tensor scale: square tensors only), "" (never: 1xN blocks, MXFP8, NVFP4 1x16)."""
+    ``reusable``: the same block rowwise and columnwise, no RHT, no stochastic rounding): a per-tensor scale or a
+    square block (16x16 NVFP4, 128x128 blockwise); never 1xN blocks, MXFP8 or NVFP4's 1x16."""
     if policy.scaling is Scaling.NONE or policy.rht or policy.stochastic_rounding:
-        return ""
+        return False
     if policy.scaling in (Scaling.TENSORWISE, Scaling.DELAYED):
-        return "square"
-    if policy.scaling in (Scaling.BLOCKWISE, Scaling.NVFP4) and policy.block[0] == policy.block[1]:
-        return "all"
-    return ""
+        return True
+    return policy.scaling in (Scaling.BLOCKWISE, Scaling.NVFP4) and policy.block[0] == policy.block[1]
 
 
 def operand_storage_of(recipe: Recipe, *, emulated: bool = False) -> OperandStorage:
@@ -441,10 +437,8 @@ def operand_storage_of(recipe: Recipe, *, emulated: bool = False) -> OperandStor
     kinds = {recipe.policy(r).scaling is Scaling.NVFP4 for r in ROLES if recipe.policy(r).is_fp8}
     label = {frozenset({True}): "NVFP4", frozenset({True, False}): "NVFP4 + FP8"}.get(frozenset(kinds), "FP8")
     if emulated:
-        w_reuse, x_reuse = _emulated_reuse(weights), _emulated_reuse(activations)
-        return OperandStorage(weight_copies=0.0, saved_weights=2.0 if w_reuse else 0.0,
-                              saved_weights_square_only=w_reuse == "square",
-                              saved_inputs=2.0 if x_reuse == "all" else 0.0, keeps_inputs=True, rows_align=0,
+        return OperandStorage(weight_copies=0.0, saved_weights=2.0 if _emulated_reuses(weights) else 0.0,
+                              saved_inputs=2.0 if _emulated_reuses(activations) else 0.0, keeps_inputs=True, rows_align=0,
                               weight_format=fmt, backend="emulated", label=label)
     nvfp4 = True in kinds
     note = ""
@@ -490,9 +484,9 @@ class _Run:
     moe_layers: frozenset[int]
     fp8_on: frozenset[int]
     """The layers that run FP8: their activations kept as FP8 keeps them (the norm outputs, fc2's input, ...)."""
-    fp8_linears: tuple[tuple[int | None, int | None, int, bool], ...]
+    fp8_linears: tuple[tuple[int | None, int | None, int], ...]
     """Each linear with a quantized weight: (its layer, None for the LM head; the EP rank holding it, None for a
-    linear every EP rank has; its parameters before tensor parallelism; whether its weight shard is square)."""
+    linear every EP rank has; its parameters before tensor parallelism)."""
     per_layer: dict[bool, float]
     """A dense layer's activations of one micro-batch, BF16 / FP8 (key: FP8)."""
     per_moe_layer: dict[bool, _MoELayerBytes]
@@ -533,24 +527,19 @@ def _check_estimate(model: Mapping[str, Any], layout: ParallelLayout, *, fp8: bo
 
 
 def _fp8_linears(model: Mapping[str, Any], layout: ParallelLayout, fp8_modules: Collection[str]
-                 ) -> tuple[tuple[int | None, int | None, int, bool], ...]:
+                 ) -> tuple[tuple[int | None, int | None, int], ...]:
     """`_Run.fp8_linears` of the named linears (ModelLayout.gpt's names)."""
     sizes = linear_parameters(model)
-    h = int(model["hidden_size"])
     experts = int(model.get("num_moe_experts") or 0)
     out = []
     for name in fp8_modules:
         layer, expert = ModelLayout.layer_of(name), ModelLayout.expert_of(name)
-        if layer is None:  # the LM head (fp8_output_layer): its [vocab, hidden] weight, column-parallel
-            out.append((None, None, int(model["vocab_size"]) * h, int(model["vocab_size"]) == h * layout.tp))
+        if layer is None:  # the LM head (fp8_output_layer): its [vocab, hidden] weight
+            out.append((None, None, int(model["vocab_size"]) * int(model["hidden_size"])))
             continue
         local = re.sub(r"^.*?\.layers\.\d+\.", "", re.sub(r"\.local_experts\.\d+", "", name))
         rank = None if expert is None else expert // (experts // layout.ep)  # Megatron-Core's contiguous split
-        tp = layout.tp if expert is None else layout.expert_tp
-        # [out, in]: qkv and fc1 column-parallel (out / TP), proj and fc2 row-parallel (in / TP); h on one side
-        other = sizes[local] // h
-        column = local.endswith(("linear_qkv", "linear_fc1"))
-        out.append((layer, rank, sizes[local], other == h * tp if column else h == other // tp))
+        out.append((layer, rank, sizes[local]))
     return tuple(out)
 
 
@@ -628,10 +617,9 @@ def _stage_fp8_copies(run: _Run, here: Collection[int], last: bool, *, saved: bo
     those whose forward saves a dequantized copy for the backward (the emulated backend's)."""
     layers = head = 0
     experts: dict[int, int] = {}
-    square_only = run.storage.saved_weights_square_only
-    for layer, rank, params, square in run.fp8_linears:
-        if saved and (not run.storage.saved_weights or (square_only and not square)):
-            continue
+    if saved and not run.storage.saved_weights:
+        return 0.0, 0.0, 0.0
+    for layer, rank, params in run.fp8_linears:
         if layer is None:
             head += params if last else 0
         elif layer in here and rank is None:
