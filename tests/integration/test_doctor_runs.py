@@ -178,7 +178,9 @@ def test_healthy_and_bf16_runs_are_quiet(runs, capsys, tmp_path):
     amplify it on this model (docs/doctor.md), which the doctor reports as spikes; seeds 1 and 2 have none. Step 33
     is that BF16 run's largest excursion of its own in both metrics (1.18x its running loss median, 3.2x in grad
     norm; the next: 1.15x and 2.8x). So a healthy run is never worse than its baseline, proposes nothing, and any
-    spike it has falls on one of its baseline's three hardest batches (one step either side)."""
+    spike it has falls on one of its baseline's three hardest batches (one step either side). On CI's 2-core
+    machine (2026-12-04) seed 1234 spikes at steps 23, 33 and 38, and step 33 leaves 1.16 % of layer 0's QKV
+    gradients at zero (0 % in every other recorded step): the spike's consequence, noted and not proposed."""
     for seed in SEEDS:
         rc, out, err = doctor(capsys, runs[f"base{seed}"])
         assert (rc, err) == (0, "") and "verdict   healthy" in out and "proposals" not in out, out

@@ -282,6 +282,35 @@ def test_saturation_under_tensorwise_proposes_a_margin_and_first_layer_bf16(tmp_
     assert recipe.activations.margin == 1 and recipe.layers.bf16_first == 1 and recipe.layers.bf16_modules == ()
 
 
+def test_a_spikes_own_one_step_underflow_is_noted_not_proposed(tmp_path):
+    """A hard batch at step 25 (stats every 4 steps from 1, and at 25): its large gradients set that step's
+    current scale and 1.2 % of one linear's gradients fall to zero there. That is the spike's consequence: noted,
+    nothing proposed. The same one-step underflow at a quiet step, or a lasting one, still names the module."""
+    losses, norms = smooth_losses(), grad_norms()
+    losses[SPIKE_AT - 1] += 2.0
+    norms[SPIKE_AT - 1] *= 12.0
+
+    def underflow_at(steps):
+        def poison(row):
+            if row["module"] == TARGET and row["role"] == "gradients" and row["step"] in steps:
+                row.update(underflow_pct=1.2)
+        return poison
+
+    def run(name, steps):
+        rows = numerics([*range(1, STEPS + 1, 4), SPIKE_AT], scaling="tensorwise", poison=underflow_at(steps))
+        return diagnose(load_run(write_run(tmp_path / name, losses, norms, recipe="tensorwise", rows=rows)))
+
+    at_spike = run("at_spike", {SPIKE_AT})
+    assert at_spike.verdict == "spikes" and at_spike.findings[0].module == TARGET  # still listed
+    assert at_spike.proposals == [], at_spike.proposals
+    assert any(f"{TARGET} gradients: underflow 1.20% at the spike of step {SPIKE_AT} only" in n
+               for n in at_spike.notes), at_spike.notes
+    for name, steps in (("quiet", {9}), ("lasting", {SPIKE_AT, *range(29, STEPS + 1, 4)})):
+        d = run(name, steps)
+        assert d.verdict == "spikes" and any(TARGET in p.changes.get("layers.bf16_modules", ()) for p in
+                                             d.proposals), (name, d.proposals)
+
+
 def test_bad_inputs_end_in_one_line_exit_2(tmp_path, capsys):
     rc, out, err = doctor(capsys, tmp_path / "missing")
     assert rc == 2 and out == "" and err.count("\n") == 1 and err.startswith("error: RUN_DIR: ")

@@ -40,7 +40,9 @@ proposals come from the statistics up to the onset.
 
 Findings come from numerics.jsonl (``debug.interval > 0``, :mod:`~fp8_recipes.observe.doctor_findings`); each
 names a module and role and the worst value with its step; :mod:`~fp8_recipes.observe.doctor_remedies` turns
-them into changes that fit their extent. Pure functions over plain rows (no torch).
+them into changes that fit their extent. A one-step underflow recorded at a spike is left out of the proposals
+(:func:`_spike_consequences`): the spike's large values set that step's scale, and lost small values raise neither
+the loss nor the gradient norm. Pure functions over plain rows (no torch).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from typing import Any
 from fp8_recipes.observe.doctor_experts import ExpertCause, expert_causes, expert_of, expert_proposals
 from fp8_recipes.observe.doctor_findings import Finding, find_problems
 from fp8_recipes.observe.doctor_gap import LossGap, loss_gap, missing_steps
-from fp8_recipes.observe.doctor_remedies import Proposal, propose, warmup_proposal
+from fp8_recipes.observe.doctor_remedies import LASTING, Proposal, propose, warmup_proposal
 from fp8_recipes.recipe.schema import Recipe
 
 __all__ = ["Diagnosis", "DoctorInputError", "LossGap", "Proposal", "RunData", "Spike", "detect_spikes", "diagnose"]
@@ -280,6 +282,15 @@ def _match_baseline(spikes: list[Spike], baseline: RunData) -> tuple[list[Spike]
     return kept, shared
 
 
+def _spike_consequences(findings: list[Finding], spikes: list[Spike]) -> list[Finding]:
+    """The one-step underflows recorded at a spike (its steps, or MATCH_STEPS after): the spike's large gradients or
+    activations set that step's scale, so its small values fall below FP8's smallest step. Lost small values cannot
+    raise a loss or a gradient norm: a consequence of the spike, never its cause (a cause clips, or lasts)."""
+    def at_spike(step: int) -> bool:
+        return any(s.start <= step <= s.start + s.length - 1 + MATCH_STEPS for s in spikes)
+    return [f for f in findings if f.effect == "underflow" and f.share < LASTING and at_spike(f.step)]
+
+
 def _first_recorded(numerics: list[dict[str, Any]], step: int) -> int:
     """The first step with statistics at or after `step` (what the numerics saw of the onset)."""
     return min((int(r.get("step", 0)) for r in numerics if int(r.get("step", 0)) >= step), default=step)
@@ -360,6 +371,10 @@ def diagnose(run: RunData, baseline: RunData | None = None, seeds: Sequence[RunD
         experts = expert_causes(causes, run.numerics, run.routing) if div else d.experts
         mine = {c.prefix for c in experts}  # those experts' findings get their own remedy, not a role's
         causes = [f for f in causes if (expert_of(f.module) or ("",))[0] not in mine]
+        after = _spike_consequences(causes, d.spikes + d.shared)
+        causes = [f for f in causes if f not in after]
+        d.notes += [f"{f.module} {f.role}: {f.text.split(' (')[0]} at the spike of step {f.step} only: the "
+                    f"spike's consequence, not a cause (no change proposed for it)" for f in after]
         d.proposals = (expert_proposals(experts, run.recipe) if run.recipe is not None else []) + propose(
             causes, run.recipe, run.numerics)
     if (blind or early) and run.recipe is not None:
