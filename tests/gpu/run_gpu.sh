@@ -164,24 +164,53 @@ moe-engine)
   done
   ;;
 nvfp4)
-  # Issue 29 on the H200: our NVFP4 bits against TE's reference quantizer, then the emulated recipes' step time
-  # beside BF16 on gpt_125m (scripts/train.py, backend auto: emulated on Hopper; tokens/s median of the run)
-  stamp "GPU tests: tests/gpu/test_nvfp4_ref.py" | tee "$OUT/nvfp4.log"
-  timeout -s INT 150 "$PY" -m pytest tests/gpu/test_nvfp4_ref.py -q -p no:cacheprovider -o addopts="" -rfEs 2>&1 \
-      | tail -15 | tee -a "$OUT/nvfp4.log"
-  for recipe in ${RECIPES:-bf16 nvfp4 mxfp8}; do
-    stamp "scripts/train.py +recipe=$recipe model=gpt_125m trainer=gpu (${STEPS:-40} steps)" | tee -a "$OUT/nvfp4.log"
-    timeout -s INT ${TRAIN_CAP:-120} "$PY" scripts/train.py +recipe=$recipe model=gpt_125m trainer=gpu \
+  # Issue 29 on the H200: our NVFP4 bits against TE's reference quantizer (and the compiled fake-quantize against
+  # the eager one), the emulated backend's TE attention, a fake-quantize micro-benchmark, then step times beside
+  # BF16 on gpt_125m (scripts/train.py, backend auto: emulated on Hopper; tokens/s median of the run). RECIPES
+  # items are NAME or NAME,OVERRIDE (e.g. tensorwise,++recipe.backend=emulated: the emulated backend's own cost).
+  # BENCH_MODELS (e.g. llama3_8b_16l): then scripts/bench_train.py bf16 vs nvfp4 (emulated) on those models.
+  stamp "GPU tests: test_nvfp4_ref.py, the emulated backend's attention" | tee "$OUT/nvfp4.log"
+  timeout -s INT ${TEST_CAP:-240} "$PY" -m pytest tests/gpu/test_nvfp4_ref.py \
+      "tests/gpu/test_te_training.py::test_emulated_runs_on_the_gpu_take_tes_fused_attention_where_it_is_bf16" \
+      "tests/gpu/test_te_training.py::test_nvfp4_trains_emulated_on_hopper" -q -p no:cacheprovider -o addopts="" \
+      -rfEs 2>&1 | tail -15 | tee -a "$OUT/nvfp4.log"
+  stamp "fake_quant_nvfp4: eager quantize+dequantize vs compiled (ms, bf16)" | tee -a "$OUT/nvfp4.log"
+  "$PY" - <<'PY' 2>&1 | tail -8 | tee -a "$OUT/nvfp4.log"
+import torch
+from fp8_recipes.numerics import dequantize_nvfp4, fake_quant_nvfp4, quantize_nvfp4
+def ms(f, n=20):
+    f(); f(); torch.cuda.synchronize(); a, b = torch.cuda.Event(True), torch.cuda.Event(True); a.record()
+    for _ in range(n): f()
+    b.record(); b.synchronize(); return a.elapsed_time(b) / n
+for shape in ((8192, 768), (8192, 4096)):
+    x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+    for kw in (dict(), dict(columnwise=True, rht=True), dict(stochastic_rounding=True, seed=1), dict(block=(16, 16))):
+        e = ms(lambda: dequantize_nvfp4(quantize_nvfp4(x, **kw))); c = ms(lambda: fake_quant_nvfp4(x, **kw))
+        print(f"{shape} {kw}: eager {e:.3f} compiled {c:.3f} ({e / c:.1f}x); a bf16 copy {ms(lambda: x.clone()):.3f}")
+PY
+  for spec in ${RECIPES:-bf16 nvfp4 tensorwise,++recipe.backend=emulated}; do
+    recipe=${spec%%,*}; extra=; [ "$spec" != "$recipe" ] && extra=${spec#*,}
+    name=$recipe${extra:+-emulated}
+    stamp "scripts/train.py +recipe=$recipe $extra model=gpt_125m trainer=gpu (${STEPS:-40} steps)" | tee -a "$OUT/nvfp4.log"
+    timeout -s INT ${TRAIN_CAP:-120} "$PY" scripts/train.py +recipe=$recipe $extra model=gpt_125m trainer=gpu \
         trainer.max_steps=${STEPS:-40} trainer.micro_batch_size=8 trainer.global_batch_size=16 trainer.warmup_steps=2 \
-        trainer.eval_interval=0 trainer.save_checkpoints=false run_dir="$OUT/nvfp4-$recipe" 2>&1 \
+        trainer.eval_interval=0 trainer.save_checkpoints=false run_dir="$OUT/nvfp4-$name" 2>&1 \
         | grep -v -E "it/s\]|step/s" | tail -4 | tee -a "$OUT/nvfp4.log"
   done
+  if [ -n "${BENCH_MODELS:-}" ]; then
+    stamp "scripts/bench_train.py --models $BENCH_MODELS --configs bf16 nvfp4" | tee -a "$OUT/nvfp4.log"
+    timeout -s INT ${BENCH_CAP:-300} "$PY" scripts/bench_train.py --models $BENCH_MODELS --seq 4096 --mbs 2 \
+        --warmup 3 --steps ${BENCH_STEPS:-8} --configs bf16 nvfp4 --out "$OUT/bench_nvfp4" 2>&1 | tail -12 \
+        | tee -a "$OUT/nvfp4.log"
+  fi
   echo; stamp "summary"
-  grep -E " passed| failed|^FAILED" "$OUT/nvfp4.log" | head
-  for recipe in ${RECIPES:-bf16 nvfp4 mxfp8}; do
-    "$PY" -c "import json; s=json.load(open('$OUT/nvfp4-$recipe/summary.json')); print('$recipe', 'tok/s', \
+  grep -E " passed| failed|^FAILED|compiled" "$OUT/nvfp4.log" | head -20
+  for spec in ${RECIPES:-bf16 nvfp4 tensorwise,++recipe.backend=emulated}; do
+    recipe=${spec%%,*}; extra=; [ "$spec" != "$recipe" ] && extra=${spec#*,}; name=$recipe${extra:+-emulated}
+    "$PY" -c "import json; s=json.load(open('$OUT/nvfp4-$name/summary.json')); print('$name', 'tok/s', \
         round(s.get('tokens_per_s_median') or 0), 'loss', s.get('final_loss'), 'backend', s.get('backend'))" 2>&1 | tail -1
   done
+  [ -n "${BENCH_MODELS:-}" ] && grep -E "x BF16|tok/s|nvfp4|bf16" "$OUT/nvfp4.log" | tail -6
   ;;
 all) ;;
 *) echo "run_gpu.sh: unknown part '$1' (all | engine | engine-bench | two | moe | ...)" >&2; exit 2 ;;

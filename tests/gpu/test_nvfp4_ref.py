@@ -147,3 +147,21 @@ def test_stochastic_rounding_on_cuda_is_seeded_and_unbiased():
     assert not torch.equal(a.codes, quantize_nvfp4(x, stochastic_rounding=True, seed=6).codes)
     mean = dequantize_nvfp4(a).double()[1:, 1:15].mean(dim=0)
     assert torch.all((mean - vs.double()).abs() < 5 * 0.5 / math.sqrt(65535))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_compiled_fake_quant_is_the_eager_quantizer_bit_for_bit(kind, dtype):
+    """fake_quant_nvfp4 on CUDA runs its RHT and values passes torch.compile'd: the same bits as the eager
+    quantizer's codes decoded (which the tests above hold to TE's reference), every copy, shapes of a training
+    step (several, so the compiled graphs recompile and go dynamic), stochastic rounding with one seed."""
+    from fp8_recipes.numerics import fake_quant_nvfp4, nvfp4
+
+    for shape in ((256, 384), (8192, 768), (2, 1024, 2304), (768, 3072)):
+        x = edge_tensor(kind, dtype, shape, SEED).cuda()
+        for block in BLOCKS:
+            for columnwise, rht, sr in ((False, False, False), (True, True, False), (True, False, False),
+                                        (False, False, True), (True, True, True)):
+                kw = dict(block=block, columnwise=columnwise, rht=rht, stochastic_rounding=sr, seed=3 if sr else None)
+                assert_same(dequantize_nvfp4(quantize_nvfp4(x, **kw)), fake_quant_nvfp4(x, **kw), f"{shape} {kw}")
+    assert nvfp4._COMPILED.get("values") not in (None, False) and nvfp4._COMPILED.get("rht") not in (None, False)

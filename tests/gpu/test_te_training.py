@@ -70,6 +70,35 @@ def test_nvfp4_trains_emulated_on_hopper(data_dir, tmp_path, monkeypatch):
     assert "nvfp4" in (tmp_path / "run" / "plan.txt").read_text()
 
 
+def test_emulated_runs_on_the_gpu_take_tes_fused_attention_where_it_is_bf16(megatron_gpu):
+    """The emulated backend on CUDA builds TE's TEDotProductAttention for BF16 attention (the fused kernels the TE
+    backend runs) and Megatron-Core's local one, with the FP8 quantization points, for ``attention: fp8``; both
+    train a step: forward, backward, finite loss and gradients on every linear."""
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+    from fp8_recipes.megatron.emulated_layers import EmulatedDotProductAttention
+    from fp8_recipes.plan.precision import Hardware
+    from fp8_recipes.recipe.pack import load_recipe
+    from fp8_recipes.recipe.schema import Recipe
+    from fp8_recipes.training.run import attach_emulated
+
+    dev = megatron_gpu[2]
+    fp8_attention = Recipe.from_dict({**load_recipe("delayed").to_dict(), "backend": "emulated", "attention": "fp8"})
+    for recipe, core in ((load_recipe("nvfp4"), TEDotProductAttention), (fp8_attention, EmulatedDotProductAttention)):
+        chunks, plan, prec = attach_emulated(TINY, recipe, Hardware.detect(), torch.bfloat16, dev)
+        model = chunks[0]
+        assert plan.backend.value == "emulated"
+        cores = [layer.self_attention.core_attention for layer in model.module.decoder.layers]
+        assert all(type(c) is core for c in cores), (recipe.name, [type(c).__name__ for c in cores])
+        prec.begin_step(1)
+        tokens = torch.randint(0, TINY["vocab_size"], (2, TINY["seq_length"]), device=dev)
+        position_ids = torch.arange(TINY["seq_length"], device=dev).expand(2, -1)
+        loss = model(tokens, position_ids, None, labels=tokens).float().mean()
+        loss.backward()
+        grads = [p.grad for n, p in model.named_parameters() if "linear" in n]
+        assert torch.isfinite(loss) and grads and all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
 @pytest.mark.parametrize("name", [n for n in recipe_names() if n not in SM100_ONLY])
 def test_every_recipe_trains_on_te(name, data_dir, tmp_path, monkeypatch):
     from fp8_recipes.rundir import read_metrics

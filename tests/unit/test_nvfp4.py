@@ -202,6 +202,28 @@ def test_partial_blocks_and_odd_shapes_match_reference(shape, block):
         assert_matches_reference(x, block, columnwise, rht=False)
 
 
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_fake_quant_is_quantize_then_dequantize_bit_for_bit(kind, dtype, block):
+    """fake_quant_nvfp4 (no codes: steps x step size x decode factor, the amax from the block amaxes) against the
+    quantizer's codes decoded, every edge kind, both copies, RHT or not, stochastic rounding with one seed."""
+    x = edge_tensor(kind, dtype)
+    for columnwise, rht, sr in ((False, False, False), (True, False, False), (True, True, False),
+                                (False, False, True), (True, True, True)):
+        kw = dict(block=block, columnwise=columnwise, rht=rht, stochastic_rounding=sr, seed=7 if sr else None)
+        assert same_bits(fake_quant_nvfp4(x, **kw), dequantize_nvfp4(quantize_nvfp4(x, **kw))), (kind, kw)
+
+
+@pytest.mark.parametrize("shape", [(7, 30), (17, 18), (2, 3, 40), (1, 16), (33, 5), (0, 16)])
+def test_fake_quant_pads_and_crops_as_the_quantizer(shape):
+    x = edge_tensor("normal", torch.bfloat16, shape) if math.prod(shape) else torch.zeros(shape)
+    for block in BLOCKS:
+        for columnwise in (False, True):
+            kw = dict(block=block, columnwise=columnwise)
+            assert same_bits(fake_quant_nvfp4(x, **kw), dequantize_nvfp4(quantize_nvfp4(x, **kw))), (shape, kw)
+
+
 def test_rht_on_3d_input_matches_reference():
     x = edge_tensor("normal", torch.float32, (2, 16, 48))
     assert_matches_reference(x, (1, 16), columnwise=True, rht=True)

@@ -37,7 +37,7 @@ import torch
 
 from fp8_recipes.backends.groups import amax_reduction_group, expert_amax_reduction_group, max_reducer
 from fp8_recipes.checks import ConfigError
-from fp8_recipes.numerics import DelayedScaler, block_for, dequantize, quantize
+from fp8_recipes.numerics import DelayedScaler, block_for, dequantize, fake_quant, quantize
 from fp8_recipes.numerics.nvfp4 import stochastic_rounding_seed
 from fp8_recipes.plan.precision import Gemm, ModelLayout, ModulePlan, PrecisionPlan
 from fp8_recipes.recipe.schema import ROLES, AmaxReduction, Attention, Role, Scaling, TensorPolicy
@@ -92,12 +92,15 @@ class EmulatedLinearState:
         policy = self.policy(gemm, role)
         if policy is None:
             return t
+        amax_reduce = self.amax_reducers.get(role) if policy.scaling is Scaling.TENSORWISE else None
+        seed = self.sr_seed(gemm) if policy.stochastic_rounding else None
+        if self.observer is None:  # the values alone (NVFP4: without its codes, compiled on a GPU)
+            return fake_quant(t, policy, columnwise=columnwise, scaler=self.scalers.get(role),
+                              amax_reduce=amax_reduce, record_amax=self.record_amax, seed=seed)
         q = quantize(t, policy, columnwise=columnwise, scaler=self.scalers.get(role),
-                     amax_reduce=self.amax_reducers.get(role) if policy.scaling is Scaling.TENSORWISE else None,
-                     record_amax=self.record_amax, seed=self.sr_seed(gemm) if policy.stochastic_rounding else None)
+                     amax_reduce=amax_reduce, record_amax=self.record_amax, seed=seed)
         out = dequantize(q)  # fake_quant(), keeping the scales for the observer
-        if self.observer is not None:
-            self.observer(self, gemm, role, t, out, q)
+        self.observer(self, gemm, role, t, out, q)
         return out
 
 

@@ -3,7 +3,9 @@ backend against Megatron-Core's own FP8 path at the same recipe, measured side b
 
 Per model, configs run one after another on a freshly built model (same seed, same random tokens):
   bf16         the TE-spec model without any FP8 autocast
-  NAME         this project's TE backend: the plan of recipe NAME (attach_te_backend, counters off)
+  NAME         this project's TE backend: the plan of recipe NAME (attach_te_backend, counters off); a plan
+               on the emulated backend (nvfp4 on Hopper) runs it as scripts/train.py does (attach_emulated:
+               Megatron-Core's local spec, fake-quantized GEMMs, TE's fused attention; not with --engine)
   NAME:raw     Megatron-Core's own path: TransformerConfig(fp8=..., fp8_recipe=...) with the TE recipe the plan
                chose (delayed: the same margin / history / algorithm), Megatron's get_fp8_context per layer,
                set_is_first_microbatch() each step as its schedules do
@@ -54,7 +56,7 @@ from fp8_recipes.integrations.common import named_recipe_gaps, te_recipe_fields
 from fp8_recipes.megatron.model_config import layout_of
 from fp8_recipes.plan.precision import Hardware, PrecisionPlan
 from fp8_recipes.recipe.pack import conf_dir, load_recipe, recipe_names
-from fp8_recipes.recipe.schema import ROLES, Recipe
+from fp8_recipes.recipe.schema import ROLES, Backend, Recipe
 
 __all__ = ["bench_train", "check_configs", "load_model_cfg", "summarize", "with_levers"]
 
@@ -157,6 +159,8 @@ class _BenchConfig:
     describe: str = "BF16"
     steady: int = 0
     skipped: str | None = None
+    emulated: bool = False
+    """The plan runs on the emulated backend (Megatron-Core's local spec, fake-quantized GEMMs, TE's attention)."""
 
     @property
     def ours(self) -> bool:
@@ -164,7 +168,7 @@ class _BenchConfig:
         return self.name != "bf16" and self.mode != "raw"
 
 
-def _decide(model_cfg: dict, label: str) -> _BenchConfig:
+def _decide(model_cfg: dict, label: str, engine: bool = False) -> _BenchConfig:
     """What a config label runs, decided on the plan before any model is built."""
     name, _, mode = label.partition(":")
     name, *levers = name.split("+")
@@ -177,11 +181,16 @@ def _decide(model_cfg: dict, label: str) -> _BenchConfig:
                        f"{name}:raw")
         return run
     run.plan = plan = PrecisionPlan(recipe, layout_of(model_cfg), Hardware.detect())
-    if plan.te is None:
-        run.skipped = f"no TE plan ({plan.backend_reason})"
-        return run
     # Timed in the recipe's final stage (after any BF16 warmup and staged enablement): its steady state.
     run.steady = max(recipe.schedule.role_start(r) for r in ROLES if recipe.policy(r).is_fp8)
+    if plan.te is None:  # the emulated backend (e.g. nvfp4 on Hopper): what scripts/train.py runs there
+        run.emulated = plan.backend is Backend.EMULATED
+        run.describe = f"emulated ({plan.backend_reason})"
+        if not run.emulated or mode == "raw" or engine:
+            run.skipped = (f"no TE plan ({plan.backend_reason})" if not run.emulated else
+                           "Megatron-Core has no emulated path" if mode == "raw" else
+                           "--engine times TE-spec models only; the emulated backend runs the local spec")
+        return run
     # the recipe's own TE recipe in its first FP8 layer (the layer's autocast; modules: overrides run their own)
     choice = next((te for te in plan.at(run.steady).layers_te.values() if te is not None), None)
     run.describe = choice.describe() if choice is not None else "BF16"
@@ -210,6 +219,12 @@ def _bench_model(model_cfg: dict, run: _BenchConfig, seed: int, engine: bool = F
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.cuda.reset_peak_memory_stats()
+    if run.emulated:
+        from fp8_recipes.training.run import attach_emulated
+
+        chunks, _, precision = attach_emulated(model_cfg, run.recipe, Hardware.detect(), torch.bfloat16,
+                                               torch.device("cuda"), config_overrides=run.overrides)
+        return chunks[0], precision
     fp8_param = FP8ParamInit(run.plan) if run.ours and run.recipe.fp8_param else None
     overrides = {**(run.overrides or {}), "gradient_accumulation_fusion": "nogaf" not in run.levers} if engine \
         else run.overrides
@@ -302,7 +317,7 @@ def _run_config(model_cfg: dict, label: str, *, seq: int, mbs: int, warmup: int,
                 profile: bool = False, accum: int = 1, engine: bool = False) -> dict[str, Any]:
     levers = label.partition(":")[0].split("+")[1:]
     model_cfg = {**model_cfg, **{k: v for lever in levers for k, v in MODEL_LEVERS.get(lever, {}).items()}}
-    run = _decide(model_cfg, label)
+    run = _decide(model_cfg, label, engine)
     if run.skipped is not None:
         return {"config": label, "skipped": run.skipped}
     model, precision = _bench_model(model_cfg, run, seed, engine)

@@ -332,15 +332,28 @@ def _check_build_args(column_linear: type | None, row_linear: type | None, outpu
     if core_attention is not None:
         from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-        if not (isinstance(core_attention, type) and issubclass(core_attention, DotProductAttention)):
+        allowed = (DotProductAttention, *_te_core_attention())
+        if not (isinstance(core_attention, type) and issubclass(core_attention, allowed)):
             raise ValueError(f"core_attention={core_attention!r} must be a subclass of "
-                             f"megatron.core.transformer.dot_product_attention.DotProductAttention")
+                             f"megatron.core.transformer.dot_product_attention.DotProductAttention (or, with "
+                             f"Transformer Engine, megatron.core.extensions.transformer_engine.TEDotProductAttention)")
     if params_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"params_dtype={params_dtype}: use torch.float32 or torch.bfloat16")
     if use_te_spec and (column_linear or row_linear or core_attention):
         raise ValueError("column_linear/row_linear/core_attention apply to the local spec only: the TE spec fuses "
                          "the norm into linear_qkv/linear_fc1 (TELayerNormColumnParallelLinear) and builds TE's "
                          "attention; set use_te_spec=False")
+
+
+def _te_core_attention() -> tuple[type, ...]:
+    """(TEDotProductAttention,) where Transformer Engine imports, else ()."""
+    from fp8_recipes.backends.te import te_available
+
+    if not te_available():
+        return ()
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+    return (TEDotProductAttention,)
 
 
 def _padded_vocab(cfg: dict) -> int:

@@ -43,6 +43,7 @@ and with an independent float64 reference on the CPU (tests/unit/test_nvfp4.py).
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 from dataclasses import dataclass
 
@@ -55,6 +56,8 @@ __all__ = [
     "fake_quant_nvfp4", "nvfp4_block_scales", "nvfp4_copy_2d", "nvfp4_global_scale", "pack_e2m1", "quantize_nvfp4",
     "rht_matrix", "stochastic_rounding_seed", "unpack_e2m1",
 ]
+
+logger = logging.getLogger(__name__)
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -229,7 +232,7 @@ def _sr_generator(device: torch.device, generator: torch.Generator | None, seed:
     return generator
 
 
-def nvfp4_copy_2d(x: torch.Tensor, *, columnwise: bool, rht: bool) -> torch.Tensor:
+def nvfp4_copy_2d(x: torch.Tensor, *, columnwise: bool, rht: bool, rotate=apply_rht) -> torch.Tensor:
     """The 2-D values one copy of `x` quantizes, in x's dtype: x (leading dims flattened), or x^T for the columnwise
     copy, H-rotated there with `rht` (in x's dtype, as TE's reference: its amax and codes see the rounding)."""
     rows, cols = _rows_cols(x.shape)
@@ -239,7 +242,7 @@ def nvfp4_copy_2d(x: torch.Tensor, *, columnwise: bool, rht: bool) -> torch.Tens
     if rht and rows % NVFP4_BLOCK:
         raise ValueError(f"rht: the columnwise copy is transformed along x's rows, so they must be a multiple "
                          f"of {NVFP4_BLOCK}; x has shape {tuple(x.shape)} ({rows} rows)")
-    return apply_rht(x2d.t().contiguous()) if rht else x2d.t()
+    return rotate(x2d.t().contiguous()) if rht else x2d.t()
 
 
 def quantize_nvfp4(
@@ -294,10 +297,93 @@ def dequantize_nvfp4(q: NVFP4Quantized, dtype: torch.dtype | None = None) -> tor
     values = torch.nn.functional.pad(values, (0, padded_cols - values.shape[1]))
     factor_inv = torch.reciprocal(torch.full((), E4M3_MAX * E2M1_MAX, dtype=torch.float32, device=values.device))
     per_block = fp8_to_float32(q.block_scales) * q.global_amax * factor_inv
-    hp = (values.reshape(r, -1, NVFP4_BLOCK) * per_block[..., None]).reshape(r, padded_cols)[:, :c]
+    blocks = values.reshape(r, padded_cols // NVFP4_BLOCK, NVFP4_BLOCK)  # (explicit sizes: r may be 0)
+    hp = (blocks * per_block[..., None]).reshape(r, padded_cols)[:, :c]
     return (hp.t() if q.columnwise else hp).reshape(q.shape).to(dtype or q.dtype)
 
 
-def fake_quant_nvfp4(x: torch.Tensor, **kwargs) -> torch.Tensor:
-    """dequantize_nvfp4(quantize_nvfp4(x, **kwargs)): x as the NVFP4 GEMM sees it, in x's shape and dtype."""
-    return dequantize_nvfp4(quantize_nvfp4(x, **kwargs))
+def fake_quant_nvfp4(
+    x: torch.Tensor,
+    *,
+    block: tuple[int, int] = (1, NVFP4_BLOCK),
+    columnwise: bool = False,
+    rht: bool = False,
+    stochastic_rounding: bool = False,
+    generator: torch.Generator | None = None,
+    seed: int | None = None,
+) -> torch.Tensor:
+    """dequantize_nvfp4(quantize_nvfp4(x, ...)) bit for bit (tests/unit/test_nvfp4.py; compiled on the H200:
+    tests/gpu/test_nvfp4_ref.py), without the codes: x as the NVFP4 GEMM sees it, in x's shape and dtype.
+
+    The scales are the quantizer's (the same functions, on tensors 16x smaller than x); a value's E2M1 magnitude is
+    its rounded count of grid steps times the step, which is what the code decodes to, times the block's decode
+    factor. The global amax is the largest block amax (the same number: blocks cover x, padding adds zeros). On a
+    GPU the two passes over x's size, the RHT and the values, are torch.compile'd (no division in either: float32
+    products and in-order sums, as the eager ones); anywhere else, and if compiling fails, they run eagerly."""
+    block = _check_block(block)
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"fake_quant_nvfp4: x is {x.dtype}; NVFP4 quantizes float32, bfloat16 or float16 tensors")
+    if not stochastic_rounding and (generator is not None or seed is not None):
+        raise ValueError("fake_quant_nvfp4: generator= / seed= are for stochastic_rounding=True only")
+    hp = nvfp4_copy_2d(x, columnwise=columnwise, rht=rht, rotate=_kernel("rht", x.device)).float()
+    r, c = hp.shape
+    padded = _padded_blocks(hp, block)
+    block_amax = _block_amax(padded, block)
+    amax = block_amax.amax() if hp.numel() else torch.zeros((), dtype=torch.float32, device=hp.device)
+    global_scale = nvfp4_global_scale(amax)
+    block_scales = nvfp4_block_scales(block_amax, global_scale)
+    multiplier = _encode_multiplier(block_scales, global_scale)
+    factor_inv = torch.reciprocal(torch.full((), E4M3_MAX * E2M1_MAX, dtype=torch.float32, device=hp.device))
+    decode = fp8_to_float32(block_scales) * amax * factor_inv  # dequantize_nvfp4's per-block factor
+    pr, pc = padded.shape
+    u = None
+    if stochastic_rounding:
+        gen = _sr_generator(hp.device, generator, seed)
+        u = torch.rand((pr, pc), generator=gen, dtype=torch.float32, device=hp.device)  # e2m1_codes' draws
+        u = u.reshape(pr, pc // NVFP4_BLOCK, NVFP4_BLOCK)
+    values = _kernel("values", x.device)(padded.reshape(pr, pc // NVFP4_BLOCK, NVFP4_BLOCK), multiplier, decode,
+                                         u, x.dtype)
+    values = values.reshape(pr, pc)[:r, :c]
+    return (values.t() if columnwise else values).reshape(x.shape)
+
+
+def _dequantized_values(blocks: torch.Tensor, multiplier: torch.Tensor, decode: torch.Tensor,
+                        u: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """(R, C/16, 16) float32 values -> their NVFP4 values in `dtype`: e2m1_codes' rounding (nearest even, or up
+    where u < the fraction of a step) as steps x the step size, signed, times the block's decode factor."""
+    scaled = (blocks * multiplier[..., None]).clamp(-E2M1_MAX, E2M1_MAX)
+    a = scaled.abs().nan_to_num(nan=0.0)
+    region = _e2m1_region(a)
+    in_steps = a * _region_inv_step(region)
+    if u is None:
+        mag = torch.round(in_steps)
+    else:
+        mag = torch.floor(in_steps)
+        mag = mag + (u < in_steps - mag).float()
+    step = torch.where(region == 0, 0.5, torch.where(region == 1, 1.0, 2.0))
+    value = mag * step  # what the code decodes to: region r's codes start at 2r steps of its step size
+    signed = torch.where(scaled < 0, -value, value)  # -0.0 for a small negative, as code 8 decodes
+    return (signed * decode[..., None]).to(dtype)
+
+
+_EAGER = {"rht": apply_rht, "values": _dequantized_values}
+_COMPILED: dict[str, object] = {}
+
+
+def _kernel(name: str, device: torch.device):
+    """The eager function `name`, or on CUDA its torch.compile'd form (compiled at its first call per shape; a
+    failure to compile logs one warning and leaves the eager one for the rest of the run)."""
+    if device.type != "cuda" or _COMPILED.get(name) is False:
+        return _EAGER[name]
+    if name not in _COMPILED:
+        _COMPILED[name] = torch.compile(_EAGER[name], dynamic=None)
+
+    def call(*args):
+        try:
+            return _COMPILED[name](*args)
+        except Exception as e:  # noqa: BLE001 - no Triton, an inductor bug: the eager form computes the same
+            logger.warning("warning: NVFP4 %s: torch.compile failed (%s); running it eagerly", name,
+                           str(e).splitlines()[0] if str(e) else type(e).__name__)
+            _COMPILED[name] = False
+            return _EAGER[name](*args)
+    return call

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from fp8_recipes.numerics.formats import FLOAT32_MAX, fp8_to_float32, to_fp8_saturated
-from fp8_recipes.numerics.nvfp4 import NVFP4Quantized, dequantize_nvfp4, quantize_nvfp4
+from fp8_recipes.numerics.nvfp4 import NVFP4Quantized, dequantize_nvfp4, fake_quant_nvfp4, quantize_nvfp4
 from fp8_recipes.numerics.scaling import (
     AmaxReduce, DelayedScaler, amax_to_e8m0, amax_to_scale, e8m0_to_multiplier, e8m0_to_scale_inv,
     nan_ignoring_amax,
@@ -200,5 +200,8 @@ def fake_quant(
     """dequantize(quantize(x)): x as the FP8 GEMM sees it, in x's dtype. Identity for scaling 'none'."""
     if policy.scaling is Scaling.NONE:
         return x
+    if policy.scaling is Scaling.NVFP4:  # the same values without the packed codes (compiled on a GPU)
+        return fake_quant_nvfp4(x, block=policy.block, columnwise=columnwise, rht=policy.rht,
+                                stochastic_rounding=policy.stochastic_rounding, seed=seed)
     return dequantize(quantize(x, policy, columnwise=columnwise, scaler=scaler, amax_reduce=amax_reduce,
                                record_amax=record_amax, seed=seed))

@@ -48,7 +48,8 @@ out) or, with ``emulated`` (`--emulated`), what the emulated backend holds, as N
 weight copies; each forward saves its input in BF16 and, where the backward reuses fprop's dequantized copy (a
 per-tensor scale or a square block: 16x16 NVFP4 or 128x128 weights), that BF16 copy too, per
 micro-batch in flight (counted in fp8_weights for weights); the rest of the layer as with TE's layers (the emulated
-backend's unfused local attention, which keeps s x s scores, is not modelled).
+backend's local attention on the CPU or for ``attention: fp8``, which keeps s x s scores, is not modelled; on a
+GPU with TE its BF16 attention is TE's fused one).
 
 The first stage holds the embedding, the last the LM head (with tied embeddings and pp > 1, its own copy of the
 embedding) and the final norm, every stage num_layers / pp layers

@@ -184,10 +184,25 @@ def attach_emulated(model_cfg: dict, recipe, hardware, params_dtype: torch.dtype
 
     chunks = build_model_chunks(model_cfg, params_dtype=params_dtype, device=device,
                                 column_linear=EmulatedColumnParallelLinear, row_linear=EmulatedRowParallelLinear,
-                                core_attention=EmulatedDotProductAttention, config_overrides=config_overrides,
-                                init_seed=init_seed)
+                                core_attention=_core_attention(recipe, device, EmulatedDotProductAttention),
+                                config_overrides=config_overrides, init_seed=init_seed)
     plan = PrecisionPlan(recipe, model_layout(chunks), hardware)
     return chunks, plan, attach_emulated_backend(chunks, plan, seed=init_seed or 0)
+
+
+def _core_attention(recipe, device: torch.device, emulated: type) -> type:
+    """The emulated backend's core attention: `emulated` (Megatron-Core's local, unfused softmax(Q K^T) V, with
+    FP8 attention's quantization points) on the CPU, without TE, or when the recipe runs attention in FP8; else
+    TE's fused attention (TEDotProductAttention: flash or cuDNN kernels, BF16, as the TE backend's runs use)."""
+    import torch
+
+    from fp8_recipes.backends.te import te_available
+
+    if recipe.attention is Attention.FP8 or torch.device(device).type != "cuda" or not te_available():
+        return emulated
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+    return TEDotProductAttention
 
 
 def attach_te(model_cfg: dict, recipe, hardware, params_dtype: torch.dtype, device: torch.device,
