@@ -355,3 +355,18 @@ def test_the_readers_defaults_are_the_dataclasses():
         for scaling in ("delayed", "tensorwise"):
             read = Recipe.from_dict({str(role): scaling}).policy(role)
             assert read == dataclasses.replace(default_policy(role), scaling=Scaling(scaling))
+
+
+@pytest.mark.parametrize("fields", [
+    {"scaling": "tensorwise"}, {"scaling": "delayed"}, {"scaling": "mxfp8"}, {"scaling": "blockwise"},
+    {"scaling": "blockwise", "block": (128, 128)}, {"scaling": "nvfp4", "block": (1, 16)},
+    {"scaling": "nvfp4", "block": (16, 16)}, {"scaling": "nvfp4", "block": (16, 16), "rht": True},
+    {"scaling": "nvfp4", "block": (16, 16), "stochastic_rounding": True}, {"scaling": "none"}])
+def test_one_copy_both_ways_is_the_quantizers_block_rule(fields):
+    """The torch-free rule (the memory estimator's and the emulated backend's) against the quantizer's blocks: the
+    same block rowwise and columnwise at any shape, and neither the RHT nor stochastic rounding."""
+    from fp8_recipes.numerics import block_for
+
+    p = TensorPolicy(**{**fields, "scaling": Scaling(fields["scaling"])})
+    same = p.is_fp8 and all(block_for(p, s) == block_for(p, s, columnwise=True) for s in ((4096, 768), (96, 96)))
+    assert p.one_copy_both_ways == (same and not p.rht and not p.stochastic_rounding), p.describe()

@@ -37,7 +37,7 @@ import torch
 
 from fp8_recipes.backends.groups import amax_reduction_group, expert_amax_reduction_group, max_reducer
 from fp8_recipes.checks import ConfigError
-from fp8_recipes.numerics import DelayedScaler, block_for, dequantize, fake_quant, quantize
+from fp8_recipes.numerics import DelayedScaler, dequantize, fake_quant, quantize
 from fp8_recipes.numerics.nvfp4 import stochastic_rounding_seed
 from fp8_recipes.plan.precision import Gemm, ModelLayout, ModulePlan, PrecisionPlan
 from fp8_recipes.recipe.schema import ROLES, AmaxReduction, Attention, Role, Scaling, TensorPolicy
@@ -76,11 +76,10 @@ class EmulatedLinearState:
             return None
         return self.plan.gemms[gemm].policy(role)
 
-    def reusable(self, earlier: Gemm, later: Gemm, role: Role, shape) -> bool:
+    def reusable(self, earlier: Gemm, later: Gemm, role: Role) -> bool:
         """Whether `later`'s columnwise copy of this role's operand equals `earlier`'s rowwise one."""
         p = self.policy(earlier, role)
-        return (p is not None and p == self.policy(later, role) and not p.rht and not p.stochastic_rounding
-                and block_for(p, shape) == block_for(p, shape, columnwise=True))
+        return p is not None and p == self.policy(later, role) and p.one_copy_both_ways
 
     def reused(self, fq: torch.Tensor, hp: torch.Tensor, gemm: Gemm, role: Role) -> torch.Tensor:
         """An earlier GEMM's copy, reused by `gemm` (the observer still sees it as this GEMM's operand)."""
@@ -114,8 +113,8 @@ class _EmulatedGemm(torch.autograd.Function):
         ctx.state = state
         xq = state.quantized(x, Gemm.FPROP, Role.ACTIVATIONS, columnwise=False)
         wq = state.quantized(w, Gemm.FPROP, Role.WEIGHTS, columnwise=False)
-        keep_xq = state.reusable(Gemm.FPROP, Gemm.WGRAD, Role.ACTIVATIONS, x.shape)
-        keep_wq = state.reusable(Gemm.FPROP, Gemm.DGRAD, Role.WEIGHTS, w.shape)
+        keep_xq = state.reusable(Gemm.FPROP, Gemm.WGRAD, Role.ACTIVATIONS)
+        keep_wq = state.reusable(Gemm.FPROP, Gemm.DGRAD, Role.WEIGHTS)
         ctx.kept = (keep_xq, keep_wq)
         ctx.save_for_backward(x, w, xq if keep_xq else None, wq if keep_wq else None)
         return torch.matmul(xq, wq.t())
@@ -135,7 +134,7 @@ class _EmulatedGemm(torch.autograd.Function):
                 state.quantized(w, Gemm.DGRAD, Role.WEIGHTS, columnwise=True)
             dx = torch.matmul(dyq, wq).reshape(*dy.shape[:-1], w.shape[1])
         if ctx.needs_input_grad[1]:
-            if dyq is not None and state.reusable(Gemm.DGRAD, Gemm.WGRAD, Role.GRADIENTS, dy2.shape):
+            if dyq is not None and state.reusable(Gemm.DGRAD, Gemm.WGRAD, Role.GRADIENTS):
                 dyq_w = state.reused(dyq, dy2, Gemm.WGRAD, Role.GRADIENTS)
             else:
                 dyq_w = state.quantized(dy2, Gemm.WGRAD, Role.GRADIENTS, columnwise=True)

@@ -418,17 +418,6 @@ class OperandStorage:
 TE_FP8 = OperandStorage()
 
 
-def _emulated_reuses(policy: TensorPolicy) -> bool:
-    """Whether the emulated backend keeps fprop's dequantized copy of an operand for a backward GEMM (its
-    ``reusable``: the same block rowwise and columnwise, no RHT, no stochastic rounding): a per-tensor scale or a
-    square block (16x16 NVFP4, 128x128 blockwise); never 1xN blocks, MXFP8 or NVFP4's 1x16."""
-    if policy.scaling is Scaling.NONE or policy.rht or policy.stochastic_rounding:
-        return False
-    if policy.scaling in (Scaling.TENSORWISE, Scaling.DELAYED):
-        return True
-    return policy.scaling in (Scaling.BLOCKWISE, Scaling.NVFP4) and policy.block[0] == policy.block[1]
-
-
 def operand_storage_of(recipe: Recipe, *, emulated: bool = False) -> OperandStorage:
     """What a recipe's run keeps of its quantized operands, per role: Transformer Engine's storage (FP8 and NVFP4
     copies as TE lays them out; NVFP4 needs sm_100) or, ``emulated``, what the emulated backend holds. A recipe
@@ -438,8 +427,8 @@ def operand_storage_of(recipe: Recipe, *, emulated: bool = False) -> OperandStor
     kinds = {recipe.policy(r).scaling is Scaling.NVFP4 for r in ROLES if recipe.policy(r).is_fp8}
     label = {frozenset({True}): "NVFP4", frozenset({True, False}): "NVFP4 + FP8"}.get(frozenset(kinds), "FP8")
     if emulated:
-        return OperandStorage(weight_copies=0.0, saved_weights=2.0 if _emulated_reuses(weights) else 0.0,
-                              saved_inputs=2.0 if _emulated_reuses(activations) else 0.0, keeps_inputs=True, rows_align=0,
+        return OperandStorage(weight_copies=0.0, saved_weights=2.0 if weights.one_copy_both_ways else 0.0,
+                              saved_inputs=2.0 if activations.one_copy_both_ways else 0.0, keeps_inputs=True, rows_align=0,
                               weight_format=fmt, backend="emulated", label=label)
     nvfp4 = True in kinds
     note = ""

@@ -154,6 +154,17 @@ class TensorPolicy:
     def is_fp8(self) -> bool:
         return self.scaling is not Scaling.NONE
 
+    @property
+    def one_copy_both_ways(self) -> bool:
+        """Whether one quantized copy reads the same along either dim, so a backward GEMM can reuse the forward's:
+        a per-tensor scale or a square block (16x16 NVFP4, 128x128 blockwise), never 1xN blocks or MXFP8's 1x32,
+        and never with the RHT or stochastic rounding (each copy gets its own)."""
+        if self.scaling is Scaling.NONE or self.rht or self.stochastic_rounding:
+            return False
+        if self.scaling in (Scaling.TENSORWISE, Scaling.DELAYED):
+            return True
+        return self.scaling in (Scaling.BLOCKWISE, Scaling.NVFP4) and self.block[0] == self.block[1]
+
     def relevant_fields(self) -> tuple[str, ...]:
         """The fields that mean something for this scaling mode (what `show` prints)."""
         if self.scaling is Scaling.NONE:
