@@ -442,3 +442,37 @@ def test_fp8_lm_head_with_tied_embeddings(megatron_cpu):
     assert not torch.equal(logits, logits_bf16)
     key = next(n for n in grads if n.endswith("word_embeddings.weight"))
     assert grads[key].abs().sum() > 0 and not torch.equal(grads[key], grads_bf16[key])
+
+
+def test_replan_carries_resizes_and_drops_the_delayed_state():
+    """A plan changed between steps (the autopilot's): fc1's activations move to a 4-step history (the 3 newest
+    amaxes kept and the scale taken from them, so an older, larger amax no longer sets it), fc2's gradients to
+    tensorwise (their scaler dropped); every other scaler is the same object, history and scale untouched."""
+    names = ("decoder.layers.0.mlp.linear_fc1", "decoder.layers.0.mlp.linear_fc2")
+    layout, base = ModelLayout(1, names), recipe_from("delayed")
+    states = {n: EmulatedLinearState(n) for n in names}
+    prec = EmulatedPrecision(PrecisionPlan(base, layout), states)
+    for state in states.values():
+        for scaler in state.scalers.values():
+            n = scaler.history.numel()
+            scaler.history.copy_(torch.linspace(1.0, 2.0, n))
+            scaler.history[n // 2] = 100.0  # an old outlier, far outside a 4-step window
+            scaler.history[0] = 0.0
+            scaler.scale = torch.tensor(448.0 / 100.0)
+    before = {(n, r): s for n, st in states.items() for r, s in st.scalers.items()}
+    old_fc1 = before[(names[0], A)].history.clone()
+    short = {**base.policy(A).to_dict(), "amax_history_len": 4}
+    patched = Recipe.from_dict({**base.to_dict(), "modules": {
+        names[0]: {"activations": short},
+        names[1]: {"gradients": {"scaling": "tensorwise", "format": "e5m2"}}}})
+    prec.replan(PrecisionPlan(patched, layout))
+    fc1 = states[names[0]].scalers[A]
+    assert fc1.history.numel() == 4 and torch.equal(fc1.history[1:], old_fc1[-3:]) and fc1.history[0] == 0
+    assert torch.isclose(fc1.scale, torch.tensor(448.0 / 2.0))  # max of the kept amaxes (2.0), not the outlier
+    assert G not in states[names[1]].scalers
+    kept = {k: s for k, s in before.items() if k not in ((names[0], A), (names[1], G))}
+    assert all(states[n].scalers[r] is s for (n, r), s in kept.items()) and kept
+    prec.begin_step(3)
+    assert states[names[1]].plan.gemms[DGRAD].policy(G).scaling is Scaling.TENSORWISE
+    with pytest.raises(ValueError, match="same model layout"):
+        prec.replan(PrecisionPlan(patched, ModelLayout(1, names[:1])))

@@ -229,12 +229,7 @@ class EmulatedPrecision:
             state.run_seed = seed  # NVFP4 stochastic rounding: the run's seed (trainer.seed)
         self.attention = attention or {}
         """This rank's core attentions by global layer number (their scalers only with ``attention: fp8``)."""
-        if plan.recipe.attention is Attention.FP8:
-            forward, backward = plan.recipe.policy(Role.ACTIVATIONS), plan.recipe.policy(Role.GRADIENTS)
-            for state in self.attention.values():
-                state.policies = {t: forward if t in _FORWARD_TENSORS else backward for t in ATTENTION_TENSORS}
-                state.scalers = {t: DelayedScaler(p) for t, p in state.policies.items()
-                                 if p.scaling is Scaling.DELAYED}
+        self._attention_policies()
         self.full_precision_eval_interval = plan.recipe.schedule.full_precision_eval_interval
         # amax_reduction is delayed scaling's: current scaling takes each rank's own amax, as TE does (it reduces
         # one only for a sequence-parallel operand, over the TP ranks; no sequence parallelism on the CPU), so each
@@ -251,6 +246,30 @@ class EmulatedPrecision:
             self._reducers[id(state)] = expert if ModelLayout.expert_of(name) is not None else dense
         for state in self.attention.values():
             self._reducers[id(state)] = dense
+
+    def _attention_policies(self) -> None:
+        """The core attentions' policies and delayed scalers from the recipe (``attention: fp8``): the forward
+        tensors with the activations' policy, the backward ones with the gradients'; a scaler kept where its policy
+        is unchanged, resized where only its delayed settings changed."""
+        recipe = self.plan.recipe
+        if recipe.attention is not Attention.FP8:
+            return
+        forward, backward = recipe.policy(Role.ACTIVATIONS), recipe.policy(Role.GRADIENTS)
+        for state in self.attention.values():
+            state.policies = {t: forward if t in _FORWARD_TENSORS else backward for t in ATTENTION_TENSORS}
+            state.scalers = _carried_scalers(state.scalers, state.policies)
+
+    def replan(self, plan: PrecisionPlan) -> None:
+        """Run `plan` from the next begin_step on (the autopilot changed the recipe between steps; the same model
+        layout): each module's delayed state carried where its policy is unchanged, resized where only the history
+        or another delayed setting changed (:meth:`DelayedScaler.resized`), new for a role that turns delayed,
+        dropped for one that stops being delayed."""
+        if plan.layout.module_names != self.plan.layout.module_names:
+            raise ValueError("emulated backend: replan needs a plan of the same model layout")
+        self.plan = plan
+        for name, state in self.states.items():
+            state.scalers = _carried_scalers(state.scalers, plan.module_policies(name))
+        self._attention_policies()
 
     def begin_step(self, step: int) -> str:
         step_plan = self.plan.at(step)
@@ -322,6 +341,18 @@ class EmulatedPrecision:
                 scaler = by_name[name].scalers.get(tensor) if name in by_name else None
                 if scaler is not None:
                     _load_scaler(f"{name} {tensor}", scaler, sd)
+
+
+def _carried_scalers(old: dict, policies: dict) -> dict:
+    """{key: DelayedScaler} for the delayed ones of `policies`, from the `old` scalers where they exist."""
+    out = {}
+    for key, policy in policies.items():
+        if policy.scaling is not Scaling.DELAYED:
+            continue
+        before = old.get(key)
+        out[key] = (before if before is not None and before.policy == policy else
+                    before.resized(policy) if before is not None else DelayedScaler(policy))
+    return out
 
 
 def _load_scaler(where: str, scaler, state: dict) -> None:

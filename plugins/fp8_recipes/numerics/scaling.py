@@ -172,6 +172,21 @@ class DelayedScaler:
             self.history.copy_(torch.roll(self.history, -1, 0))
         self.history[0] = 0.0
 
+    def resized(self, policy: TensorPolicy) -> DelayedScaler:
+        """This state under another delayed `policy` (a run's plan changed between steps, e.g. a shorter history):
+        the most recent ``policy.amax_history_len - 1`` amaxes and slot 0 kept (zeros where the history grows), and
+        the scale taken again from the kept history with the new policy's rules, so an amax that fell out of the
+        window no longer sets it (a history of zeros keeps the scale, as an update would)."""
+        new = DelayedScaler(policy, self.history.device)
+        keep = min(policy.amax_history_len, self.history.numel()) - 1
+        new.history[0] = self.history[0]
+        if keep > 0:
+            new.history[-keep:] = self.history[-keep:]
+        new.observed = self.observed
+        new.scale = delayed_scale_update(new.history_amax(), self.scale, fp8_spec(policy.format).max, policy.margin,
+                                         policy.pow2_scales)
+        return new
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"history": self.history.clone(), "scale": self.scale.clone()}
 
