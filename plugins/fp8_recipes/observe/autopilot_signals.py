@@ -1,0 +1,152 @@
+"""The autopilot's signals: what one statistics step's numerics rows say about each (module, role).
+
+    readings = read_rows(rows, config, fresh)     # (module, role) -> Reading: flagged?, calm?, cause, evidence
+    spike = spiking(history, loss, "loss")         # the doctor's spike rule against a running median
+
+A row is flagged by any signal at or beyond its limit (:class:`~fp8_recipes.observe.autopilot_config.AutopilotLimits`,
+the doctor's): non-finite values, saturation, a delayed scale >= 4x the current one (:data:`SCALE_RATIO_HIGH`) --
+all *clipping* --; a delayed scale <= 1/scale_gap of the current one (*stale*: the history remembers larger
+values); underflow (*underflow*); a cosine drop (*precision*). A (module, role) is flagged when any of its rows
+(any GEMM) is, and put down to the first of these causes; it is calm when every row's every signal is below
+``calm_fraction`` of its limit (the scale ratio within scale_gap^f below and 4^f above). Pure functions over plain
+rows (no torch).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fp8_recipes.observe.autopilot_config import AutopilotConfig, AutopilotLimits
+from fp8_recipes.observe.doctor import SETTLE, SPIKE_RULES, WINDOW
+from fp8_recipes.observe.doctor_findings import SCALE_RATIO_HIGH
+from fp8_recipes.recipe.schema import ROLES
+
+__all__ = ["CAUSES", "Reading", "calm_row", "culprit", "number", "read_rows", "row_signals", "spiking"]
+
+_ROLES = frozenset(str(r) for r in ROLES)
+
+CAUSES = ("clipping", "stale", "underflow", "precision")
+"""What a flagged reading is put down to, in the order a reading's cause is chosen."""
+NONFINITE_SEVERITY = 1e9
+"""The severity of a non-finite value: above any finite signal's, and finite, so the state stays strict JSON."""
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One (module, role) at one statistics step, from its rows (every GEMM)."""
+
+    flagged: bool
+    calm: bool
+    cause: str = ""
+    """clipping | stale | underflow | precision (flagged only)."""
+    evidence: str = ""
+    """The worst signal beyond its limit, e.g. ``underflow 8.00% (fprop)``."""
+    severity: float = 0.0
+    """The worst signal / its limit (ratios: log scale), what orders the candidates."""
+
+
+def number(value: Any) -> float | None:
+    """A row's number (JSON may carry "nan" / "inf" as strings), None when absent or not a number."""
+    if isinstance(value, bool) or value is None:
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _delayed_ratio(row: Mapping[str, Any]) -> float | None:
+    """A delayed operand's scale / the current scale (None for the other policies, which have no history)."""
+    return number(row.get("scale_ratio")) if str(row.get("policy", "")).startswith("delayed") else None
+
+
+def row_signals(row: Mapping[str, Any], limits: AutopilotLimits) -> list[tuple[str, float, str]]:
+    """(cause, severity, evidence) of each signal of one row beyond its limit."""
+    gemm, out = row.get("gemm", "?"), []
+    values = {k: number(row.get(k)) for k in ("amax", "mse", "cosine", "scale", "underflow_pct", "saturation_pct")}
+    if any(v is not None and not math.isfinite(v) for v in values.values()):
+        out.append(("clipping", NONFINITE_SEVERITY, f"non-finite values ({gemm})"))
+    sat, under, cos = values["saturation_pct"], values["underflow_pct"], values["cosine"]
+    if sat is not None and sat >= limits.saturation_pct:
+        out.append(("clipping", sat / limits.saturation_pct, f"saturation {sat:.2f}% ({gemm})"))
+    ratio = _delayed_ratio(row)
+    if ratio is not None and ratio >= SCALE_RATIO_HIGH:
+        out.append(("clipping", math.log(ratio) / math.log(SCALE_RATIO_HIGH), f"delayed/current scale {ratio:.3g}x "
+                                                                              f"({gemm}): clips"))
+    if ratio is not None and 0 < ratio <= 1 / limits.scale_gap:
+        out.append(("stale", math.log(1 / ratio) / math.log(limits.scale_gap), f"delayed/current scale {ratio:.2g}x "
+                                                                              f"({gemm}): a stale history"))
+    if under is not None and under >= limits.underflow_pct:
+        out.append(("underflow", under / limits.underflow_pct, f"underflow {under:.2f}% ({gemm})"))
+    if cos is not None and 1 - cos >= limits.cosine_drop:
+        out.append(("precision", (1 - cos) / limits.cosine_drop, f"cosine {cos:.4f} ({gemm})"))
+    return out
+
+
+def calm_row(row: Mapping[str, Any], limits: AutopilotLimits, f: float) -> bool:
+    """Every signal below `f` of its limit (the scale ratio within gap^f below and 4^f above)."""
+    sat, under, cos = (number(row.get(k)) for k in ("saturation_pct", "underflow_pct", "cosine"))
+    ratio = _delayed_ratio(row)
+    return ((sat is None or sat < f * limits.saturation_pct) and (under is None or under < f * limits.underflow_pct)
+            and (cos is None or 1 - cos < f * limits.cosine_drop)
+            and (ratio is None or limits.scale_gap ** -f < ratio < SCALE_RATIO_HIGH ** f))
+
+
+def read_rows(rows: Iterable[Mapping[str, Any]], config: AutopilotConfig,
+              fresh: Callable[[str, str], bool] = lambda m, r: False) -> dict[tuple[str, str], Reading]:
+    """(module, role) -> its Reading at one statistics step. ``fresh(module, role)``: its delayed rows with scale 1
+    are skipped (an empty history). NVFP4 rows and unknown roles are left out."""
+    by_key: dict[tuple[str, str], list[Mapping[str, Any]]] = defaultdict(list)
+    for row in rows:
+        module, role, policy = str(row.get("module", "?")), str(row.get("role", "?")), str(row.get("policy", ""))
+        if role not in _ROLES or policy.startswith("nvfp4"):
+            continue
+        if policy.startswith("delayed") and number(row.get("scale")) == 1.0 and fresh(module, role):
+            continue
+        by_key[(module, role)].append(row)
+    out = {}
+    for key, rs in by_key.items():
+        signals = sorted((s for r in rs for s in row_signals(r, config.limits)), key=lambda s: CAUSES.index(s[0]))
+        calm = all(calm_row(r, config.limits, config.calm_fraction) for r in rs)
+        if signals:
+            cause = signals[0][0]
+            worst = max((s for s in signals if s[0] == cause), key=lambda s: s[1])
+            out[key] = Reading(True, False, cause, worst[2], max(s[1] for s in signals))
+        else:
+            out[key] = Reading(False, calm)
+    return out
+
+
+def spiking(history: list[float], value: float | None, metric: str) -> bool:
+    """The doctor's spike rule (doctor.SPIKE_RULES) against the running median of `history`; an accepted value
+    joins it (the last WINDOW kept)."""
+    if value is None:
+        return False
+    rel, z = SPIKE_RULES[metric]
+    if len(history) >= SETTLE:
+        med = statistics.median(history)
+        sigma = 1.4826 * statistics.median(abs(h - med) for h in history)
+        if not math.isfinite(value) or value > med + max(rel * abs(med), z * sigma):
+            return True
+    if math.isfinite(value):
+        history.append(float(value))
+        del history[:-WINDOW]
+    return not math.isfinite(value)
+
+
+def culprit(rows: list[Mapping[str, Any]], config: AutopilotConfig) -> tuple[str, str, str] | None:
+    """(module, role, evidence) of the row with the worst non-finite or saturated values, None when none has."""
+    worst = None
+    for row in rows:
+        role = str(row.get("role", "?"))
+        if role not in _ROLES:
+            continue
+        for cause, severity, evidence in row_signals(row, config.limits):
+            if cause == "clipping" and (worst is None or severity > worst[0]):
+                worst = (severity, str(row.get("module", "?")), role, evidence)
+    return None if worst is None else worst[1:]

@@ -1,0 +1,393 @@
+"""The autopilot's config and decisions on constructed statistics: numerics rows shaped like a real run's, written
+for the policy each module runs under in the autopilot's current recipe (a module it put in BF16 stops reporting,
+a module it moved to current scaling reports tensorwise rows), with failures planted per module and role.
+
+Each rule acts on its planted failure and on nothing else; hysteresis, cool-down, caps, dry run, role-wide
+actions, re-promotion, the recovery and a checkpoint round trip mid-streak are checked on the same rows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fp8_recipes.observe.autopilot import Action, Autopilot, AutopilotState, apply
+from fp8_recipes.observe.autopilot_actions import is_bf16_module
+from fp8_recipes.observe.autopilot_config import ACTION_KINDS, AutopilotConfig, autopilot_config
+from fp8_recipes.observe.doctor_findings import LIMITS
+from fp8_recipes.recipe.pack import load_recipe
+from fp8_recipes.recipe.schema import Format, Recipe, RecipeError, Role, Scaling
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYERS = 4
+LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+MODULES = [f"decoder.layers.{layer}.{linear}" for layer in range(LAYERS) for linear in LINEARS]
+TARGET = "decoder.layers.2.mlp.linear_fc2"
+OTHER = "decoder.layers.1.self_attention.linear_qkv"
+OPERANDS = (("fprop", "activations"), ("fprop", "weights"), ("dgrad", "gradients"))
+INTERVAL = 10
+CONFIG = AutopilotConfig(enabled=True, interval=INTERVAL)  # patience 3, cool-down 50 steps, calm 10
+TENSORWISE_E4M3_GRADS = {"name": "tw43", "weights": "tensorwise", "activations": "tensorwise",
+                         "gradients": {"scaling": "tensorwise", "format": "e4m3"}}
+
+
+def stat_steps(first: int, count: int) -> list[int]:
+    """`count` statistics steps from `first` on, every INTERVAL steps (1, 11, 21, ... as debug.interval gives)."""
+    return [first + INTERVAL * i for i in range(count)]
+
+
+def healthy_row(step: int, module: str, gemm: str, role: str, policy: str) -> dict:
+    row = {"step": step, "module": module, "gemm": gemm, "role": role, "policy": policy, "numel": 65536,
+           "amax": 1.0, "min_nonzero": 1e-6, "underflow_pct": 0.05, "saturation_pct": 0.0, "mse": 1e-6,
+           "cosine": 0.9996, "scale": 400.0}
+    if policy.startswith("delayed"):
+        row["scale_ratio"] = 0.9 if role != "gradients" else 0.2
+        if step == 1:
+            row.update(scale=1.0, scale_ratio=0.002, underflow_pct=40.0)  # empty history: skipped
+    if policy.startswith("nvfp4"):
+        row.update(underflow_pct=25.0, cosine=0.989)  # what a healthy NVFP4 operand shows (beyond the FP8 limits)
+    return row
+
+
+def numerics(step: int, recipe: Recipe, poison=None, modules=MODULES) -> list[dict]:
+    """One statistics step's rows: every module and role that runs FP8 under `recipe`, then `poison(row)`."""
+    rows = []
+    for module in modules:
+        if is_bf16_module(recipe, module):
+            continue
+        for gemm, role in OPERANDS:
+            policy = recipe.module_policy(module, role)
+            if policy.is_fp8:
+                row = healthy_row(step, module, gemm, role, policy.describe())
+                if poison is not None:
+                    poison(row)
+                rows.append(row)
+    return rows
+
+
+def run(pilot: Autopilot, steps, poison=None, **kw) -> list[Action]:
+    """Feed the rows of each step (under the recipe the autopilot has at that step); every action returned."""
+    out = []
+    for step in steps:
+        out += pilot.observe(step, numerics(step, pilot.recipe, poison), **kw)
+    return out
+
+
+def planted(module: str = TARGET, role: str = "activations", scaling: str | None = None, start: int = 11, **values):
+    """A poison: from step `start` on, `module`'s `role` rows (under `scaling`, if given) get `values`."""
+    def poison(row: dict) -> None:
+        if (row["module"] == module or module == "*") and row["role"] == role and row["step"] >= start and (
+                scaling is None or row["policy"].startswith(scaling)):
+            row.update(values)
+    return poison
+
+
+STALE = dict(underflow_pct=8.0, scale_ratio=0.001)  # a history that remembers 1000x larger values
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Config
+
+
+def test_off_by_default_and_when_off_does_nothing():
+    assert AutopilotConfig().enabled is False and autopilot_config(None).enabled is False
+    assert yaml.safe_load((ROOT / "conf" / "autopilot" / "off.yaml").read_text()) == {"enabled": False}
+    pilot = Autopilot(autopilot_config(None), load_recipe("delayed"))
+    assert run(pilot, stat_steps(1, 20), planted(**STALE)) == []
+    assert pilot.recipe == load_recipe("delayed") and pilot.state_dict() == AutopilotState().to_dict()
+
+
+def test_defaults_are_the_doctors_limits():
+    limits = AutopilotConfig().limits
+    assert (limits.underflow_pct, limits.saturation_pct, limits.cosine_drop, limits.scale_gap) == (
+        LIMITS["underflow_pct"], LIMITS["saturation_pct"], LIMITS["cosine_drop"], LIMITS["scale_gap"])
+
+
+def test_every_bad_key_in_one_error():
+    with pytest.raises(RecipeError) as e:
+        autopilot_config({"enabled": True, "interval": 0, "patience": 0, "history_factor": 1.5, "calm_fraction": 1.0,
+                          "actions": ["to_current", "to_fp4"], "limits": {"underflow_pct": -1, "cosine": 0.1},
+                          "max_actions": "many", "colldown_steps": 5})
+    lines = str(e.value).splitlines()
+    expected = ["autopilot.interval: 0 with enabled: true", "autopilot.patience: 0 is out of range",
+                "autopilot.history_factor: 1.5 is out of range", "autopilot.calm_fraction: 1.0 is out of range",
+                "autopilot.actions[1]: 'to_fp4' is not one of", "autopilot.limits.underflow_pct: -1 is out of range",
+                "autopilot.limits.cosine: unknown key (did you mean 'cosine_drop'?)",
+                "autopilot.max_actions: 'many' is not an integer",
+                "autopilot.colldown_steps: unknown key (did you mean 'cooldown_steps'?)"]
+    for want in expected:
+        assert any(line.startswith(want) for line in lines), (want, lines)
+    assert len(lines) == len(expected)
+
+
+def test_interval_zero_is_fine_when_off_and_actions_keep_their_order():
+    assert autopilot_config({"interval": 0}).interval == 0
+    cfg = autopilot_config({"enabled": True, "actions": ["to_bf16", "shorten_history"]})
+    assert cfg.actions == ("shorten_history", "to_bf16")
+    with pytest.raises(RecipeError, match=r"^autopilot\.actions: \[\] is not a non-empty list"):
+        autopilot_config({"enabled": True, "actions": []})
+
+
+def test_shipped_presets_validate():
+    on = autopilot_config(yaml.safe_load((ROOT / "conf" / "autopilot" / "on.yaml").read_text()))
+    assert on.enabled and not on.dry_run and on.actions == ACTION_KINDS
+    assert on.due(1) and on.due(11) and not on.due(10)
+    assert dataclass_fields(on) == dataclass_fields(AutopilotConfig(enabled=True))  # the preset states the defaults
+
+
+def test_on_preset_composes_through_hydra():
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(str(ROOT / "conf"), version_base=None):
+        cfg = compose("train", overrides=["+autopilot=on", "++autopilot.dry_run=true"])
+    assert autopilot_config(dict(cfg.autopilot)).dry_run is True
+
+
+def dataclass_fields(cfg: AutopilotConfig) -> dict:
+    return {k: getattr(cfg, k) for k in AutopilotConfig.__dataclass_fields__}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Healthy runs and hysteresis
+
+
+@pytest.mark.parametrize("name", ["delayed", "tensorwise", "hybrid", "moe_delayed", "nvfp4"])
+def test_healthy_rows_never_act(name):
+    pilot = Autopilot(CONFIG, load_recipe(name))
+    losses = [3.0 + 3.0 * math.exp(-i / 8) + 0.05 * math.sin(1.7 * i) for i in range(60)]
+    actions = []
+    for i, step in enumerate(stat_steps(1, 60)):
+        actions += pilot.observe(step, numerics(step, pilot.recipe), loss=losses[i], grad_norm=1.0 + 0.1 * (i % 3))
+    assert actions == [] and pilot.recipe == load_recipe(name)
+    assert pilot.on_nonfinite(600, 1) is None  # one non-finite step is the trainer's to skip
+
+
+def test_one_flagged_step_does_nothing_patience_in_a_row_acts():
+    pilot = Autopilot(CONFIG, load_recipe("delayed"))
+    blip = planted(start=11, **STALE)
+    assert pilot.observe(11, numerics(11, pilot.recipe, blip)) == []
+    assert run(pilot, stat_steps(21, 5)) == []                          # healthy again: the streak is over
+    assert run(pilot, stat_steps(71, 2), planted(start=71, **STALE)) == []  # two in a row: not yet
+    (action,) = run(pilot, [91], planted(start=91, **STALE))           # the third in a row acts
+    assert (action.step, action.module, action.role, action.kind) == (91, TARGET, "activations", "shorten_history")
+    assert "steps 71, 81, 91" in action.reason and "scale 0.001x" in action.reason
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The rules
+
+
+def test_stale_history_is_shortened_then_current_scaling():
+    pilot = Autopilot(CONFIG, load_recipe("delayed"))
+    actions = run(pilot, stat_steps(1, 20), planted(scaling="delayed", **STALE))
+    assert [(a.step, a.kind) for a in actions] == [(31, "shorten_history"), (81, "to_current")]
+    assert actions[0].before == "delayed e4m3 hist 1024 max" and actions[0].after == "delayed e4m3 hist 686 max"
+    assert actions[0].changes == {"modules": {TARGET: {"activations": {
+        "scaling": "delayed", "format": "e4m3", "margin": 0, "amax_history_len": 686, "amax_compute_algo": "max",
+        "pow2_scales": False}}}}
+    assert "still after shorten_history" in actions[1].reason and actions[1].after == "tensorwise e4m3"
+    r = pilot.recipe
+    assert r.module_policy(TARGET, "activations").scaling is Scaling.TENSORWISE
+    assert r.module_policy(TARGET, "weights") == r.weights and r.module_policy(OTHER, "activations") == r.activations
+    assert r == apply(load_recipe("delayed"), actions) == Recipe.from_dict(r.to_dict())
+
+
+def test_a_short_history_goes_to_current_scaling_at_once():
+    recipe = Recipe.from_dict({"name": "short", "weights": "delayed",
+                               "activations": {"scaling": "delayed", "amax_history_len": 16}, "gradients": "delayed"})
+    (action,) = run(Autopilot(CONFIG, recipe), stat_steps(1, 4), planted(**STALE))
+    assert action.kind == "to_current" and action.before == "delayed e4m3 hist 16 max"
+
+
+def test_clipping_under_delayed_goes_to_current_scaling():
+    clip = planted(role="gradients", scaling="delayed", saturation_pct=6.0, scale_ratio=9.0)
+    pilot = Autopilot(CONFIG, load_recipe("delayed"))
+    (action,) = run(pilot, stat_steps(1, 12), clip)
+    assert (action.kind, action.role, action.after) == ("to_current", "gradients", "tensorwise e5m2")
+    assert pilot.recipe.module_policy(TARGET, Role.GRADIENTS).format is Format.E5M2  # format and margin kept
+
+
+def test_e4m3_gradients_underflowing_go_to_e5m2_then_bf16():
+    pilot = Autopilot(CONFIG, Recipe.from_dict(TENSORWISE_E4M3_GRADS))
+    actions = run(pilot, stat_steps(1, 12), planted(role="gradients", underflow_pct=5.0))
+    assert [(a.step, a.kind) for a in actions] == [(31, "to_e5m2"), (81, "to_bf16")]
+    assert actions[1].changes == {"layers.bf16_modules": [TARGET]} and actions[1].after == "bf16"
+    assert pilot.recipe.layers.bf16_modules == (TARGET,)
+    assert pilot.recipe.module_policy(TARGET, "gradients").format is Format.E5M2  # the policy kept for re-promotion
+
+
+def test_a_cosine_drop_demotes_and_calm_repromotes_once():
+    pilot = Autopilot(CONFIG, load_recipe("tensorwise"))
+    actions = run(pilot, stat_steps(1, 3), planted(start=1, cosine=0.95))
+    assert [(a.step, a.kind, a.changes) for a in actions] == [(21, "to_bf16", {"layers.bf16_modules": [TARGET]})]
+    # BF16 from step 22: the module reports nothing; calm counts from the end of the cool-down (step 71), and a
+    # grad-norm spike at step 121 starts it again
+    norms = {s: (50.0 if s == 121 else 1.0) for s in stat_steps(31, 30)}
+    back = []
+    for step in stat_steps(31, 30):
+        back += pilot.observe(step, numerics(step, pilot.recipe), grad_norm=norms[step])
+    assert [(a.step, a.kind, a.before, a.after) for a in back] == [(221, "repromote", "bf16", "tensorwise e4m3")]
+    assert pilot.recipe == load_recipe("tensorwise")
+    # the trouble again: demoted again, and for good
+    again = run(pilot, stat_steps(331, 30), planted(start=331, cosine=0.95))
+    assert [a.kind for a in again] == ["to_bf16"] and pilot.recipe.layers.bf16_modules == (TARGET,)
+
+
+def test_allowed_actions_and_the_callers_veto_pick_the_next_remedy():
+    only_bf16 = AutopilotConfig(enabled=True, actions=("to_bf16",))
+    (action,) = run(Autopilot(only_bf16, load_recipe("delayed")), stat_steps(1, 4), planted(**STALE))
+    assert action.kind == "to_bf16"
+
+    def refuse_history(recipe: Recipe) -> str | None:  # e.g. the run's plan check: None = it can run this recipe
+        return "no" if recipe.module_policy(TARGET, "activations").amax_history_len < 1024 else None
+
+    (action,) = run(Autopilot(CONFIG, load_recipe("delayed"), accept=refuse_history), stat_steps(1, 4),
+                    planted(**STALE))
+    assert action.kind == "to_current"
+    none = AutopilotConfig(enabled=True, actions=("to_e5m2",))
+    assert run(Autopilot(none, load_recipe("delayed")), stat_steps(1, 10), planted(**STALE)) == []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Role-wide, cool-down, caps, dry run
+
+
+def test_a_role_flagged_in_half_the_modules_gets_one_role_wide_action():
+    half = set(MODULES[::2])  # 8 of 16
+
+    def poison(row):
+        if row["module"] in half and row["role"] == "gradients" and row["policy"] == "tensorwise e4m3":
+            row["underflow_pct"] = 3.0  # (E5M2 has the range: fixed by the action)
+
+    pilot = Autopilot(CONFIG, Recipe.from_dict(TENSORWISE_E4M3_GRADS))
+    actions = run(pilot, stat_steps(1, 12), poison)
+    assert [(a.module, a.role, a.kind) for a in actions] == [("*", "gradients", "to_e5m2")]
+    assert actions[0].changes == {"gradients.format": "e5m2"} and "8 of 16 gradients linears" in actions[0].reason
+    assert pilot.recipe.gradients.format is Format.E5M2 and pilot.recipe.modules == ()
+    # seven modules are not half: one action per module, the worst first, one per statistics step
+    def seven(row):  # the later the module, the worse
+        if MODULES.index(row["module"]) < 7 and row["role"] == "gradients" and row["step"] >= 11:
+            row["underflow_pct"] = 3.0 + MODULES.index(row["module"])
+
+    pilot = Autopilot(CONFIG, Recipe.from_dict(TENSORWISE_E4M3_GRADS))
+    actions = run(pilot, stat_steps(1, 5), seven)
+    assert [(a.step, a.module) for a in actions] == [(31, MODULES[6]), (41, MODULES[5])]
+    # no valid role-wide remedy (safe enables weights at step 100: they cannot all be BF16): one module at a time,
+    # the worst first, then by name
+    def half_weights(row):
+        if row["module"] in half and row["role"] == "weights":
+            row["cosine"] = 0.9
+
+    pilot = Autopilot(CONFIG, load_recipe("safe"))
+    actions = run(pilot, stat_steps(1, 4), half_weights)
+    assert [(a.step, a.module, a.kind) for a in actions] == [(21, MODULES[2], "to_bf16"), (31, MODULES[0], "to_bf16")]
+
+
+def test_role_wide_to_bf16_keeps_module_entries_valid_and_comes_back():
+    recipe = load_recipe("moe_delayed")  # modules: "*.experts.*" with its own delayed policies
+    pilot = Autopilot(AutopilotConfig(enabled=True, actions=("to_bf16", "repromote")), recipe)
+    actions = run(pilot, stat_steps(1, 4), planted(module="*", role="weights", cosine=0.9))
+    assert [(a.module, a.role, a.kind) for a in actions] == [("*", "weights", "to_bf16")]
+    assert pilot.recipe.weights.scaling is Scaling.NONE
+    assert pilot.recipe.module_policy("decoder.layers.0.mlp.experts.local_experts.1.linear_fc1", "weights").scaling \
+        is Scaling.NONE
+    back = run(pilot, stat_steps(41, 16))
+    assert [a.kind for a in back] == ["repromote"] and pilot.recipe == recipe
+
+
+def test_cooldown_holds_the_next_action():
+    cfg = AutopilotConfig(enabled=True, cooldown_steps=100)
+    actions = run(Autopilot(cfg, load_recipe("delayed")), stat_steps(1, 20), planted(scaling="delayed", **STALE))
+    assert [(a.step, a.kind) for a in actions] == [(31, "shorten_history"), (131, "to_current")]
+
+
+def test_caps_per_step_and_in_total():
+    cosine = {TARGET: 0.8, OTHER: 0.9}  # TARGET the worse: it goes first
+
+    def both(row):
+        if row["module"] in cosine and row["role"] == "weights":
+            row["cosine"] = cosine[row["module"]]
+
+    pilot = Autopilot(CONFIG, load_recipe("tensorwise"))
+    assert [(a.step, a.module) for a in run(pilot, stat_steps(1, 5), both)] == [(21, TARGET), (31, OTHER)]
+    pilot = Autopilot(AutopilotConfig(enabled=True, max_actions=1), load_recipe("tensorwise"))
+    actions = run(pilot, stat_steps(1, 30), both)
+    assert [a.kind for a in actions] == ["to_bf16", "cap_reached"] and actions[1].changes == {}
+    assert "max_actions=1 reached" in actions[1].reason
+    assert pilot.recipe.layers.bf16_modules == (TARGET,)
+
+
+def test_dry_run_changes_nothing():
+    pilot = Autopilot(AutopilotConfig(enabled=True, dry_run=True), load_recipe("delayed"))
+    actions = run(pilot, stat_steps(1, 20), planted(scaling="delayed", **STALE))
+    # said once per cool-down, never escalated: nothing was applied
+    assert [(a.step, a.kind, a.dry) for a in actions] == [(s, "shorten_history", True) for s in (31, 81, 131, 181)]
+    assert pilot.recipe == load_recipe("delayed") and pilot.actions == []
+    assert apply(load_recipe("delayed"), actions) == load_recipe("delayed")  # dry actions are never applied
+    assert "(dry run)" in actions[0].line()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checkpoints, apply(), recovery
+
+
+def test_state_round_trip_mid_streak_gives_the_same_future():
+    poison = planted(scaling="delayed", **STALE)
+    a = Autopilot(CONFIG, load_recipe("delayed"))
+    first = run(a, stat_steps(1, 6), poison, loss=3.0, grad_norm=1.0)  # shortened at 31, flagged at 41 and 51
+    assert [x.kind for x in first] == ["shorten_history"] and a.state.tracks[f"{TARGET}|activations"].flagged == 2
+    state = json.loads(json.dumps(a.state_dict()))
+    b = Autopilot.from_state_dict(CONFIG, load_recipe("delayed"), state)
+    assert b.recipe == a.recipe and b.state_dict() == a.state_dict()
+    future = stat_steps(61, 30)
+    got_a, got_b = run(a, future, poison, loss=3.0, grad_norm=1.0), run(b, future, poison, loss=3.0, grad_norm=1.0)
+    assert [x.to_dict() for x in got_a] == [x.to_dict() for x in got_b] and [x.kind for x in got_a] == ["to_current"]
+    assert a.state_dict() == b.state_dict()
+
+
+def test_apply_validates_and_gives_the_new_module_policy():
+    recipe = load_recipe("moe_delayed")
+    expert = "decoder.layers.0.mlp.experts.local_experts.3.linear_fc2"
+    pilot = Autopilot(CONFIG, recipe)
+
+    def rows(step):  # one expert's rows (under its current policies), its delayed activations' scale stale
+        out = [healthy_row(step, expert, g, r, pilot.recipe.module_policy(expert, r).describe()) for g, r in OPERANDS]
+        return [row | ({"scale_ratio": 0.001} if row["role"] == "activations" and step > 1 and "scale_ratio" in row
+                       else {}) for row in out]
+
+    actions = [a for step in stat_steps(1, 4) for a in pilot.observe(step, rows(step))]
+    assert [(a.module, a.kind) for a in actions] == [(expert, "to_current")]  # a 16-step history: not shortened
+    new = apply(recipe, actions)
+    assert new == pilot.recipe and new.module_policy(expert, "activations").scaling is Scaling.TENSORWISE
+    assert new.module_policy(expert, "weights") == recipe.module_policy(expert, "weights")  # its entry's, not 1024
+    assert new.module_policy(expert, "weights").amax_history_len == 16
+    assert new.module_policy("decoder.layers.0.mlp.experts.local_experts.2.linear_fc2", "activations") == \
+        recipe.module_policy(expert, "activations")
+    assert [m.pattern for m in new.modules] == [expert, "*.experts.*"]  # the new entry first: it wins
+    bad = Action(1, "*", "gradients", "to_bf16", "", "", "", changes={"gradients.scaling": "none"})
+    with pytest.raises(RecipeError, match="autopilot: schedule.enable.gradients"):
+        apply(load_recipe("safe"), [bad])  # safe enables gradients at step 300: not valid with gradients BF16
+
+
+def test_nonfinite_streak_recovers():
+    pilot = Autopilot(CONFIG, load_recipe("moe_delayed"))
+    assert pilot.on_nonfinite(40, 2) is None
+    action = pilot.on_nonfinite(40, 3)
+    assert (action.module, action.role, action.kind, action.recovery) == ("*", "*", "shorten_history", True)
+    r = pilot.recipe
+    assert [r.policy(role).amax_history_len for role in ("weights", "activations", "gradients")] == [686] * 3
+    assert r.module_policy("decoder.layers.0.mlp.experts.local_experts.0.linear_fc1", "gradients").amax_history_len \
+        == 10
+    rows = numerics(41, r, planted(role="gradients", amax=math.inf, saturation_pct=0.5))
+    action = pilot.on_nonfinite(45, 3, rows)
+    assert (action.module, action.kind, action.changes) == (TARGET, "to_bf16", {"layers.bf16_modules": [TARGET]})
+    assert "non-finite values" in action.reason
+    pilot.observe(51, rows)  # a non-finite row in the tracks: the state stays strict JSON
+    assert json.loads(json.dumps(pilot.state_dict(), allow_nan=False)) == pilot.state_dict()
+    assert Autopilot(CONFIG, load_recipe("tensorwise")).on_nonfinite(40, 5) is None  # nothing delayed, no culprit
+    one = Recipe.from_dict({"name": "h1", "weights": {"scaling": "delayed", "amax_history_len": 1}})
+    assert Autopilot(CONFIG, one).on_nonfinite(40, 5) is None  # a history of 1 cannot be shortened
