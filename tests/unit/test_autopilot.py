@@ -143,7 +143,7 @@ def test_on_preset_composes_through_hydra():
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(str(ROOT / "conf"), version_base=None):
-        cfg = compose("train", overrides=["+autopilot=on", "++autopilot.dry_run=true"])
+        cfg = compose("train", overrides=["autopilot=on", "++autopilot.dry_run=true"])
     assert autopilot_config(dict(cfg.autopilot)).dry_run is True
 
 
@@ -185,9 +185,10 @@ def test_stale_history_is_shortened_then_current_scaling():
     pilot = Autopilot(CONFIG, load_recipe("delayed"))
     actions = run(pilot, stat_steps(1, 20), planted(scaling="delayed", **STALE))
     assert [(a.step, a.kind) for a in actions] == [(31, "shorten_history"), (81, "to_current")]
-    assert actions[0].before == "delayed e4m3 hist 1024 max" and actions[0].after == "delayed e4m3 hist 686 max"
+    # flagged at 11, 21, 31: a window of the 21 steps since (not 2/3 of 1024, which still holds the stale amax)
+    assert actions[0].before == "delayed e4m3 hist 1024 max" and actions[0].after == "delayed e4m3 hist 21 max"
     assert actions[0].changes == {"modules": {TARGET: {"activations": {
-        "scaling": "delayed", "format": "e4m3", "margin": 0, "amax_history_len": 686, "amax_compute_algo": "max",
+        "scaling": "delayed", "format": "e4m3", "margin": 0, "amax_history_len": 21, "amax_compute_algo": "max",
         "pow2_scales": False}}}}
     assert "still after shorten_history" in actions[1].reason and actions[1].after == "tensorwise e4m3"
     r = pilot.recipe
@@ -391,3 +392,30 @@ def test_nonfinite_streak_recovers():
     assert Autopilot(CONFIG, load_recipe("tensorwise")).on_nonfinite(40, 5) is None  # nothing delayed, no culprit
     one = Recipe.from_dict({"name": "h1", "weights": {"scaling": "delayed", "amax_history_len": 1}})
     assert Autopilot(CONFIG, one).on_nonfinite(40, 5) is None  # a history of 1 cannot be shortened
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The run's wiring (training/autopilot.py)
+
+
+def test_the_run_records_statistics_for_the_autopilot_and_refuses_te(caplog):
+    from fp8_recipes.checks import ConfigError
+    from fp8_recipes.observe.config import debug_config
+    from fp8_recipes.plan.precision import Hardware, ModelLayout, PrecisionPlan
+    from fp8_recipes.training.autopilot import check_autopilot, statistics_for
+
+    on, off = autopilot_config({"enabled": True, "interval": 6}), autopilot_config(None)
+    quiet = debug_config(None, None)
+    assert statistics_for(off, quiet) is quiet and not quiet.enabled
+    forced = statistics_for(on, quiet)  # every module and role, at the autopilot's steps
+    assert forced.interval == 6 and [s for s in range(1, 20) if forced.stats_due(s)] == [1, 7, 13, 19]
+    mine = debug_config(None, {"interval": 4})
+    with caplog.at_level("WARNING"):
+        assert statistics_for(on, mine) is mine
+    assert "autopilot.interval=6 does nothing" in caplog.text
+    emulated = PrecisionPlan(load_recipe("delayed"), ModelLayout.gpt(2), Hardware())
+    check_autopilot(on, emulated)
+    te = PrecisionPlan(load_recipe("delayed"), ModelLayout.gpt(2), Hardware.target((9, 0)))
+    check_autopilot(off, te)
+    with pytest.raises(ConfigError, match=r"^autopilot.enabled: .*emulated backend only"):
+        check_autopilot(on, te)

@@ -20,7 +20,8 @@ cause (the first that fits: clipping, stale scale, underflow, cosine), the first
 recipe valid (and that the caller's ``accept`` takes):
 
 - delayed and clipping: to_current, else to_bf16;
-- delayed with a stale scale: shorten_history (the amax history x ``history_factor``, 0.67), unless the history is
+- delayed with a stale scale: shorten_history (the amax history x ``history_factor``, 0.67, and at most the steps
+  since the streak's first flagged step, so the amax that made it stale leaves the window), unless the history is
   <= 16 (:data:`SHORT_HISTORY`) or was shortened before; then to_current, then to_bf16;
 - gradients in E4M3 underflowing (current scaling, or delayed without a stale scale): to_e5m2, else to_bf16;
 - anything else (a cosine drop, clipping under current scaling): to_bf16, the module in ``layers.bf16_modules``;
@@ -222,12 +223,17 @@ class Autopilot:
         return wide
 
     def _count_calm(self, readings: Mapping[tuple[str, str], Reading], step: int, spike: bool) -> None:
-        """A demoted track's calm streak, after its cool-down: its rows (if any still come) calm, and no spike."""
+        """A demoted track's calm streak, after its cool-down: its rows calm, and no spike. A module in BF16 has no
+        FP8 rows of its own: its role's rows in the modules still FP8 stand in for it (a role still near its limits
+        there would put it back into the trouble it left: measured on the tiny CPU model, E4M3 gradients with
+        margin 16 re-promoted blindly were demoted again 4 steps later)."""
         for key, t in self.state.tracks.items():
             if not t.demoted or step < t.cooldown_until:
                 continue
             module, role = key.rsplit("|", 1)
             mine = [r for (m, ro), r in readings.items() if ro == role and (module == WIDE or m == module)]
+            if not mine:
+                mine = [r for (_, ro), r in readings.items() if ro == role]
             t.calm = t.calm + 1 if not spike and all(r.calm for r in mine) else 0
 
     def _candidates(self, step: int, readings: Mapping[tuple[str, str], Reading], wide: set[str]):
@@ -282,19 +288,25 @@ class Autopilot:
         for kind in remedies(t.cause, role, policy, t.done):
             if not self.config.allows(kind):
                 continue
-            changes, after = self._changes(kind, module, role, policy)
+            # (a stale scale: the window shortened to the steps since the streak began, which drops the amax
+            # that made it stale; the streak's first flagged step already had it)
+            within = step - t.steps[0] + 1 if t.cause == "stale" and t.steps else None
+            changes, after = self._changes(kind, module, role, policy, within)
             action = Action(step, module, role, kind, policy.describe(), after, reason, False, changes or {})
             if changes and self._trial(action) is not None:
                 return dataclasses.replace(action, dry=self.config.dry_run)
         return None
 
-    def _changes(self, kind: str, module: str, role: str, policy: TensorPolicy) -> tuple[dict[str, Any] | None, str]:
-        """The recipe changes of `kind` on (module, role) and the policy after it; None when it changes nothing."""
+    def _changes(self, kind: str, module: str, role: str, policy: TensorPolicy,
+                 within: int | None = None) -> tuple[dict[str, Any] | None, str]:
+        """The recipe changes of `kind` on (module, role) and the policy after it; None when it changes nothing.
+        `within`: shorten_history keeps at most that many steps."""
         if kind == "to_bf16":
             if module == WIDE:
                 return role_changes(self.recipe, [role], to_bf16), "bf16"
             return demote_changes(self.recipe, module), "bf16"
-        transform = {"shorten_history": lambda p: shortened(p, self.config.history_factor), "to_current": to_current,
+        transform = {"shorten_history": lambda p: shortened(p, self.config.history_factor, within),
+                     "to_current": to_current,
                      "to_e5m2": to_e5m2}[kind]
         new = transform(policy)
         if new == policy:

@@ -76,11 +76,13 @@ class Action:
 # Policy transforms: a policy they do not apply to comes back unchanged
 
 
-def shortened(policy: TensorPolicy, factor: float) -> TensorPolicy:
-    """A delayed policy's amax history, `factor` of its length (at least 1)."""
+def shortened(policy: TensorPolicy, factor: float, within: int | None = None) -> TensorPolicy:
+    """A delayed policy's amax history, `factor` of its length, and at most `within` steps (the steps since its
+    scale went stale: a window that still holds the stale amax would not change the scale); at least 1."""
     if policy.scaling is not Scaling.DELAYED:
         return policy
-    return dataclasses.replace(policy, amax_history_len=max(1, int(policy.amax_history_len * factor)))
+    length = int(policy.amax_history_len * factor)
+    return dataclasses.replace(policy, amax_history_len=max(1, min(length, within or length)))
 
 
 def to_current(policy: TensorPolicy) -> TensorPolicy:

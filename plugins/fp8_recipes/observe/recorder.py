@@ -142,6 +142,7 @@ class NumericsRecorder:
         self._expected: dict[str, tuple[tuple[str, str, str], ...]] = {}  # module -> its operands due this step
         self._last: dict[tuple[str, str], tuple] = {}  # (module, role) -> the last measured copy (see _measure)
         self._heat: dict[str, dict[int, float]] = {}  # module -> step -> underflow % (fprop activations)
+        self._rows: list[dict[str, Any]] = []  # the last written step's rows, until take_rows()
         self._file = None
         self._tb = None
         self.seconds = 0.0
@@ -262,6 +263,11 @@ class NumericsRecorder:
             self.seconds += spent
             self.write_seconds += spent
 
+    def take_rows(self) -> list[dict[str, Any]]:
+        """The rows of the last step written (flush), on every rank, once: then [] until the next step's."""
+        rows, self._rows = self._rows, []
+        return rows
+
     def _merge_shards(self, pending: dict[tuple[str, str, str], OperandStats]) -> None:
         """Fold the other ranks' parts of each split operand into its statistics, group by group, as micro-batches
         of a step are folded (sums added, amax the max, scales pooled). Every rank of a group has the same pending
@@ -295,6 +301,7 @@ class NumericsRecorder:
             rows.append(row)
             if gemm == "fprop" and role == "activations":
                 self._heat.setdefault(module, {})[self.step] = row["underflow_pct"]
+        self._rows = rows  # (every rank's: the autopilot reads them, take_rows)
         if not self.write:
             return
         self._open()

@@ -417,7 +417,7 @@ def check_data_cfg(cfg: Mapping[str, Any]) -> None:
 # ----------------------------------------------------------------------------------------------------------
 # the whole run
 
-RUN_KEYS = {"model", "data", "trainer", "run_dir", "recipe", "debug"}
+RUN_KEYS = {"model", "data", "trainer", "run_dir", "recipe", "debug", "autopilot"}
 """Top-level keys of conf/train.yaml; a module adding a group extends this set."""
 
 

@@ -182,6 +182,18 @@ def _run_step(engine: Engine, batches: Any, precision: Precision, schedule: LRSc
     return result, "bf16 fallback" if in_fallback else stage, time.perf_counter() - t0
 
 
+def _autopilot_duties(precision: Precision, done: int, result: StepResult, log: StepLog) -> None:
+    """With the autopilot on (training/autopilot.py): tell it the step's loss and gradient norm, and log what it
+    did since the last step (a ``kind: autopilot`` metrics row, and a console / train.log line, each)."""
+    if not hasattr(precision, "step_result"):
+        return
+    precision.step_result(done, result.loss, result.grad_norm)
+    for event in precision.drain_events():
+        log.writer.log(event.row)
+        if log.rank == 0:
+            logger.info("%s", event.line)
+
+
 def _warn_preempted(state: LoopState, cfg: TrainerConfig, run_dir: Path) -> None:
     logger.warning("preempted by %s after step %d: %s", state.preempted["signal"], state.done,
                    f"checkpoint {run_dir / 'checkpoints' / f'step_{state.done}'}; continue with trainer.resume=auto"
@@ -306,6 +318,7 @@ def train(engine: Engine, batches_train: Iterator[Mapping[str, Any]] | list[Iter
             log.step(state, result, lr=lr, step_time=step_time, skipped_steps=faults.skipped_steps)
             for note in verdict.notes:
                 log.note(note)
+            _autopilot_duties(precision, step + 1, result, log)
             if verdict.stop is not None:
                 state.stop = verdict.stop
                 break

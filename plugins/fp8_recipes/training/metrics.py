@@ -54,6 +54,8 @@ class MetricsWriter:
             for key, value in row.items():
                 if key not in ("step", "kind") and isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._tb.add_scalar(f"{kind}/{key}", value, row["step"])
+            if isinstance(row.get("text"), str):  # a row's one line, e.g. an autopilot action
+                self._tb.add_text(f"{kind}/text", row["text"], row["step"])
             stage = row.get("stage")
             if isinstance(stage, str) and stage and stage != self._stage.get(kind):
                 self._tb.add_text(f"{kind}/stage", stage, row["step"])

@@ -35,6 +35,7 @@ from fp8_recipes.plan.te import TE_FP8_ALIGN, te_fp8_shape_problem
 from fp8_recipes.recipe.pack import EMPTY_RECIPE, load_recipe
 from fp8_recipes.rundir import PLAN, RECIPE, check_run_dir, claim, drop_rows_after, release, write_text
 from fp8_recipes.recipe.schema import AmaxReduction, Attention, Backend, RecipeError, Role, Scaling
+from fp8_recipes.training.autopilot import AutopilotPrecision, check_autopilot, resolve_autopilot, statistics_for
 from fp8_recipes.training.config import check_run_config, check_writable_dir
 from fp8_recipes.training.errors import CheckpointWriteError, NonFiniteStop
 from fp8_recipes.training.notices import run_notices
@@ -462,6 +463,8 @@ class _Run:
     first_plan: PrecisionPlan
     """The plan on the whole model's layout, made before anything is built (its checks refuse early)."""
     shape_warning: str | None
+    autopilot: Any = None
+    """The typed ``autopilot:`` section (training/autopilot.py)."""
     resume_from: Path | None = None
     skip: int = 0
     """Micro-batches of the training stream the checkpoint consumed (checkpoint.resume_skip)."""
@@ -538,7 +541,8 @@ def _checked_run(cfg) -> _Run:
     with same_on_every_rank():
         tcfg = check_run_config(cfg)  # trainer, model, data, run_dir: before anything is built (and torch loads)
         recipe = resolve_recipe(cfg)
-        debug = resolve_debug(cfg)
+        autopilot = resolve_autopilot(cfg)
+        debug = statistics_for(autopilot, resolve_debug(cfg))  # (the autopilot reads the statistics steps)
         if debug is not None and debug.dump.steps:  # written at the first dump step, hours in: checked now
             check_writable_dir("debug.dump.dir", str(debug.dump.path(cfg.run_dir)))
         check_moe_statistics(tcfg, cfg.model, debug)
@@ -553,8 +557,9 @@ def _checked_run(cfg) -> _Run:
         with _recipe_keys():
             first_plan = PrecisionPlan(recipe, layout_of(cfg.model), hardware)
         check_fp8_param(tcfg, first_plan)
+        check_autopilot(autopilot, first_plan)
         shape_warning = check_plan(tcfg, cfg.model, first_plan)
-    return _Run(cfg, tcfg, recipe, debug, hardware, first_plan, shape_warning)
+    return _Run(cfg, tcfg, recipe, debug, hardware, first_plan, shape_warning, autopilot=autopilot)
 
 
 def _resume_skip(run: _Run, step_dir: Path | None) -> int:
@@ -737,6 +742,9 @@ def _train(run: _Run, engine, plan, precision, data: _RunData, on_ready: Callabl
     recipe = run.recipe
     precision, recorder = _observe(precision, run.debug, run.run_dir, run.rank, plan.backend,
                                    run.tcfg.sequence_parallel)
+    if run.autopilot is not None and run.autopilot.enabled:  # (statistics_for made sure the recorder exists)
+        precision = AutopilotPrecision(precision, recorder, plan, run.autopilot, run.run_dir, rank=run.rank,
+                                       max_steps=int(run.trainer.max_steps))
     precision, routing = _route(precision, engine.chunks, run.run_dir)
     failed = True
     try:

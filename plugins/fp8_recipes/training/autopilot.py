@@ -1,0 +1,209 @@
+"""The autopilot in a training run: the numerics rows of each statistics step go to the decision core
+(observe/autopilot.py), and its actions change the plan the backend runs from the next step on.
+
+    autopilot = resolve_autopilot(cfg)                        # the typed ``autopilot:`` section (off by default)
+    debug = statistics_for(autopilot, debug)                  # statistics at its interval when ``debug`` is off
+    precision = AutopilotPrecision(precision, recorder, plan, autopilot, run_dir, rank=rank)
+    ... train: the loop tells it each step's result (step_result) and logs what it drained (drain_events) ...
+
+At each step's start, before the backend applies the step's plan: the recorder's rows of the step just finished
+(every rank's, all-gathered in rank order, so every rank reads the same rows and decides the same: the data-,
+tensor- and context-parallel ranks' worst values count, each pipeline stage's rows name its own modules, and all
+stages agree on the one plan), that step's loss and gradient norm, go to :meth:`Autopilot.observe`. An applied
+action rebuilds the plan from the patched recipe and hands it to the backend (``replan``: the emulated backend's
+delayed state carried or resized); the plan is printed again at the end of plan.txt. A streak of
+``nonfinite_streak`` skipped steps (the engine skipped them: weights, optimizer and LR schedule are still the last
+good step's) takes the recovery action at once. Every action, dry or not, becomes a ``kind: autopilot`` row in
+metrics.jsonl (TensorBoard text ``autopilot/text``), a console and train.log line; the decision state goes into
+the checkpoints (``autopilot`` beside the backend's scaling state), so a resumed run replays the applied actions
+onto its recipe before the scaling state loads, and continues with the same plan and the same pending re-promotions.
+
+Runs on the emulated backend: the TE backend's per-layer autocast would need its FP8 state moved between recipes,
+which is not built or measured yet (refused in one line, :func:`check_autopilot`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+from fp8_recipes.checks import ConfigError
+from fp8_recipes.observe.autopilot import Action, Autopilot
+from fp8_recipes.observe.autopilot_config import AutopilotConfig, autopilot_config
+from fp8_recipes.observe.config import DebugConfig
+from fp8_recipes.plan.format import format_plan
+from fp8_recipes.plan.precision import PrecisionPlan
+from fp8_recipes.recipe.schema import Backend, RecipeError
+from fp8_recipes.rundir import PLAN
+
+__all__ = ["AutopilotPrecision", "check_autopilot", "resolve_autopilot", "statistics_for"]
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_autopilot(cfg) -> AutopilotConfig:
+    """The run config's ``autopilot`` section (absent or ``enabled: false``: off)."""
+    from omegaconf import OmegaConf
+
+    node = cfg.get("autopilot") if hasattr(cfg, "get") else None
+    return autopilot_config(OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node)
+
+
+def statistics_for(autopilot: AutopilotConfig, debug: DebugConfig) -> DebugConfig:
+    """The statistics the run records: ``debug``'s, or with the autopilot on and ``debug.interval`` 0, every
+    module's and role's at the autopilot's interval (steps 1, 1 + interval, ...). With both set the autopilot reads
+    debug's statistics steps, and a different ``autopilot.interval`` gets a warning (it would do nothing)."""
+    if not autopilot.enabled:
+        return debug
+    if debug.interval == 0:
+        return dataclasses.replace(debug, interval=autopilot.interval, start_step=1, end_step=None)
+    if debug.interval != autopilot.interval:
+        logger.warning("autopilot.interval=%d does nothing: the autopilot reads the numerics statistics steps, "
+                       "every %d (debug.interval); set one of them to the other", autopilot.interval, debug.interval)
+    return debug
+
+
+def check_autopilot(autopilot: AutopilotConfig, plan: PrecisionPlan) -> None:
+    """ConfigError (one line) for a run the autopilot cannot drive."""
+    if autopilot.enabled and plan.backend is not Backend.EMULATED:
+        raise ConfigError(f"autopilot.enabled: the autopilot drives the emulated backend only so far (this run plans "
+                          f"{plan.backend}: moving TE's per-layer FP8 state between recipes is not built yet); set "
+                          f"recipe.backend=emulated, or autopilot=off")
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """What the loop logs of one action: its metrics.jsonl row and its console line."""
+
+    row: dict[str, Any]
+    line: str
+
+
+class AutopilotPrecision:
+    """A precision controller (training/precision.py) that lets the autopilot change the plan between steps;
+    everything else is the wrapped one (ObservedPrecision over the backend, with the numerics recorder)."""
+
+    def __init__(self, inner, recorder, plan: PrecisionPlan, config: AutopilotConfig, run_dir: str | Path, *,
+                 rank: int = 0, max_steps: int | None = None):
+        self._inner, self.recorder, self.plan, self.config = inner, recorder, plan, config
+        self.run_dir, self.rank, self.max_steps = Path(run_dir), rank, max_steps
+        self.base_recipe = plan.recipe
+        self.pilot = Autopilot(config, plan.recipe, accept=self._accept)
+        self.full_precision_eval_interval = inner.full_precision_eval_interval
+        self.events: list[Event] = []
+        self._result: tuple[int, float | None, float | None] | None = None  # (step, loss, grad norm)
+        self._rows: list[dict[str, Any]] = []  # the last statistics step's rows (a recovery reads them)
+        self._streak = 0
+        self._resumed = False
+
+    # -- the loop's calls ---------------------------------------------------------------------------------------
+    def begin_step(self, step: int) -> str:
+        """Decide on the step just finished (``step`` completed ones), then run the (maybe new) plan's step."""
+        self.recorder.flush()
+        done = step  # metrics.jsonl counts completed steps: the rows are of step `done`
+        if self._resumed:  # plan.txt was written again from the recipe once the checkpoint loaded
+            self._append_plan(done, self.pilot.actions, "resumed with")
+            self._resumed = False
+        rows = self.recorder.take_rows()
+        if done > 0 and self.recorder.config.stats_due(done):  # (the same steps on every rank: gathered there)
+            rows = self._rows = _gathered(rows)
+            loss, grad_norm = self._result[1:] if self._result and self._result[0] == done else (None, None)
+            self._take(self.pilot.observe(done, rows, loss=loss, grad_norm=grad_norm), done)
+        return self._inner.begin_step(step)
+
+    def step_result(self, step: int, loss: float | None, grad_norm: float | None) -> None:
+        """The loop: step `step` (1-based) ended with this loss and gradient norm (the same on every rank)."""
+        self._result = (step, loss, grad_norm)
+
+    def after_optimizer_step(self, step: int) -> None:
+        self._streak = 0
+        self._inner.after_optimizer_step(step)
+
+    def skip_step(self, step: int) -> None:
+        self._inner.skip_step(step)
+        self._streak += 1
+        if self._streak >= self.config.nonfinite_streak:
+            action = self.pilot.on_nonfinite(step + 1, self._streak, self._rows)
+            if action is not None:
+                self._streak = 0
+                self._take([action], step + 1)
+
+    def drain_events(self) -> list[Event]:
+        """The actions since the last call, for the loop to log (rank 0 writes them)."""
+        events, self.events = self.events, []
+        return events
+
+    def high_precision(self):
+        return self._inner.high_precision()
+
+    # -- checkpoints --------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {**self._inner.state_dict(), "autopilot": self.pilot.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The decision state first (its applied actions replayed onto the run's recipe, the backend replanned), so
+        the scaling state of the checkpoint finds the histories it was saved with."""
+        state = dict(state)
+        saved = state.pop("autopilot", None)
+        if saved is not None:
+            try:
+                self.pilot = Autopilot.from_state_dict(self.config, self.base_recipe, saved, accept=self._accept)
+            except (RecipeError, KeyError, TypeError, ValueError) as e:
+                raise ConfigError(f"resume: the checkpoint's autopilot state does not apply to this recipe "
+                                  f"({str(e).splitlines()[0]}); resume with the recipe it was written with, or "
+                                  f"autopilot=off") from None
+            self._replan()
+            self._resumed = bool([a for a in self.pilot.actions if not a.dry and a.changes])
+        self._inner.load_state_dict(state)
+
+    def __getattr__(self, name: str):  # plan-independent attributes of the backend: states, scales() ...
+        if name == "_inner":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+    # -- inside ---------------------------------------------------------------------------------------------------
+    def _accept(self, recipe) -> str | None:
+        """The autopilot's veto: a recipe the backend cannot plan (its one-line reason)."""
+        try:
+            PrecisionPlan(recipe, self.plan.layout, self.plan.hardware)
+        except (RecipeError, ConfigError, ValueError) as e:
+            return str(e).splitlines()[0]
+        return None
+
+    def _take(self, actions: list[Action], step: int) -> None:
+        """Log `actions`; replan when one of them changed the recipe."""
+        for a in actions:
+            row = {"kind": "autopilot", "step": a.step, "action": a.kind,
+                   **{k: v for k, v in a.to_dict().items() if k not in ("kind", "step")}, "text": a.line()}
+            self.events.append(Event(row, a.line()))
+        if any(not a.dry and a.changes for a in actions):
+            self._replan()
+            self._append_plan(step, actions, "the autopilot's plan after")
+
+    def _append_plan(self, step: int, actions: list[Action], words: str) -> None:
+        """plan.txt (rank 0): the actions, then the plan the run follows from step ``step + 1``."""
+        applied = [a for a in actions if not a.dry and a.changes]
+        if self.rank != 0 or not applied:
+            return
+        head = "\n".join(f"# {a.line()}" for a in applied)
+        text = f"\n# from step {step + 1}, {words}:\n{head}\n{format_plan(self.plan, self.max_steps)}\n"
+        with open(self.run_dir / PLAN, "a") as f:
+            f.write(text)
+
+    def _replan(self) -> None:
+        self.plan = PrecisionPlan(self.pilot.recipe, self.plan.layout, self.plan.hardware)
+        self._inner.replan(self.plan)
+
+
+def _gathered(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every rank's rows of the step, in rank order (the same list on every rank); this rank's alone without a
+    process group. Called by every rank at the same steps (the statistics steps are the config's)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return rows
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, rows)
+    return [r for theirs in everyone for r in theirs]

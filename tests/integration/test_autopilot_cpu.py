@@ -1,0 +1,115 @@
+"""The autopilot on real CPU runs (scripts/train.py, the tiny 2-layer model, 40 steps), with the doctor's planted
+failures (tests/integration/test_doctor_runs.py's hook):
+
+- a stale delayed history in one layer (an amax of 1e6 recorded in ``decoder.layers.0.mlp.linear_fc2``'s activation
+  history at step 4): its activations underflow for the rest of the run and the loss ends ~5 % above BF16's;
+- E4M3 gradients with a margin of 16: every linear's gradients underflow, the loss ends ~10 % above BF16's.
+
+With ``autopilot=on`` (statistics every 2 steps, patience 2, cool-down 4: the shipped preset's rules on a run 40
+steps long) the loss gap to the BF16 run closes by at least 80 % with at most 3 actions, each one a ``kind:
+autopilot`` row in metrics.jsonl, a console line and a plan appended to plan.txt. Measured (seed 1234, 2 cores,
+2026-12-04): stale 4.72 % -> 0.30 % smoothed gap (one action: the history shortened to the 3 steps since it went
+stale), margin 10.44 % -> -0.16 % (gradients to E5M2 role-wide, then the two QKV gradients to BF16). The shipped
+recipes' healthy runs take no action; a dry run logs the same first action and trains bit for bit as without it; a
+run resumed from a checkpoint taken after an action continues with the same plan, bit for bit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fp8_recipes.observe.doctor import diagnose
+from fp8_recipes.observe.doctor_report import load_run
+from fp8_recipes.rundir import read_metrics
+from test_doctor_runs import FAULT_HOOK, STALE, train_planted
+from test_train_cpu import dataset, small_run  # noqa: F401  (the shared tiny dataset fixture)
+
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+STEPS = 40
+PILOT = ["autopilot=on", "++autopilot.interval=2", "++autopilot.patience=2", "++autopilot.cooldown_steps=4"]
+STALE_AT = {"FP8_TEST_STALE_AMAX": f"{STALE}:3:1e6"}
+MARGIN = ["+recipe=tensorwise", "++recipe.gradients.format=e4m3", "++recipe.gradients.margin=16"]
+PLANS = {
+    "base": ([], {}),
+    "stale": (["+recipe=delayed"], STALE_AT),
+    "stale_pilot": (["+recipe=delayed", *PILOT, "trainer.save_checkpoints=true", "trainer.save_interval=10"],
+                    STALE_AT),
+    "stale_dry": (["+recipe=delayed", *PILOT, "++autopilot.dry_run=true"], STALE_AT),
+    "margin": (MARGIN, {}),
+    "margin_pilot": ([*MARGIN, *PILOT], {}),
+    **{f"healthy_{r}": ([f"+recipe={r}", *PILOT], {}) for r in ("hybrid", "delayed", "tensorwise", "blockwise")},
+}
+
+
+def _args(dataset):  # noqa: F811
+    return lambda run_dir: [*dataset, *small_run(run_dir, steps=STEPS), "trainer.eval_interval=40",
+                            "trainer.eval_iters=2"]
+
+
+@pytest.fixture(scope="module")
+def runs(dataset, tmp_path_factory) -> dict[str, Path]:  # noqa: F811
+    return train_planted(tmp_path_factory.mktemp("autopilot"), PLANS, FAULT_HOOK, _args(dataset))
+
+
+def actions(run: Path) -> list[dict]:
+    return [r for r in read_metrics(run) if r.get("kind") == "autopilot"]
+
+
+def gap(run: Path, base: Path) -> float:
+    return diagnose(load_run(run), load_run(base)).gap.measure("smoothed").gap
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("planted", ["stale", "margin"])
+def test_the_autopilot_closes_a_planted_gap_with_at_most_3_actions(runs, planted):
+    without, with_pilot = gap(runs[planted], runs["base"]), gap(runs[f"{planted}_pilot"], runs["base"])
+    taken = actions(runs[f"{planted}_pilot"])
+    assert without > 0.03 and with_pilot < 0.2 * without, (without, with_pilot, taken)
+    assert 1 <= len(taken) <= 3 and not any(a["dry"] for a in taken), taken
+    plan = (runs[f"{planted}_pilot"] / "plan.txt").read_text()
+    assert plan.count("the autopilot's plan after") == len(taken) and taken[0]["text"] in plan
+    if planted == "stale":  # the window shortened past the stale amax: current scaling was not needed
+        assert [(a["action"], a["module"], a["role"]) for a in taken] == [
+            ("shorten_history", STALE, "activations")], taken
+        assert int(taken[0]["after"].split("hist ")[1].split()[0]) < taken[0]["step"] - 3
+    else:  # role-wide first
+        assert (taken[0]["action"], taken[0]["module"], taken[0]["role"]) == ("to_e5m2", "*", "gradients"), taken
+
+
+@pytest.mark.slow
+def test_healthy_runs_take_no_action(runs):
+    for name in (n for n in runs if n.startswith("healthy_")):
+        assert actions(runs[name]) == [], (name, actions(runs[name]))
+        assert "autopilot" not in (runs[name] / "plan.txt").read_text()
+
+
+@pytest.mark.slow
+def test_a_dry_run_logs_and_changes_nothing(runs):
+    dry, real = actions(runs["stale_dry"]), actions(runs["stale_pilot"])
+    assert dry and all(a["dry"] for a in dry) and "(dry run)" in dry[0]["text"]
+    assert (dry[0]["step"], dry[0]["action"], dry[0]["module"]) == (real[0]["step"], real[0]["action"],
+                                                                    real[0]["module"])
+    losses = lambda name: [r["loss"] for r in read_metrics(runs[name], "train")]  # noqa: E731
+    assert losses("stale_dry") == losses("stale")  # bit for bit: nothing applied
+
+
+@pytest.mark.slow
+def test_a_resumed_run_continues_with_the_autopilots_plan(runs, dataset, tmp_path):  # noqa: F811
+    """stale_pilot shortened the history at step 7 and checkpointed at 10: resumed from there (without the plant,
+    which fired at step 4), steps 11-40 give the same losses, and its plan.txt ends with the resumed plan."""
+    first = runs["stale_pilot"]
+    assert actions(first) and actions(first)[0]["step"] < 10
+    again = tmp_path / "resumed"
+    resumed = train_planted(tmp_path, {"resumed": (
+        ["+recipe=delayed", *PILOT, f"trainer.resume={first / 'checkpoints' / 'step_10'}"], {})}, FAULT_HOOK,
+        _args(dataset))["resumed"]
+    assert resumed == again
+    theirs = {r["step"]: r["loss"] for r in read_metrics(first, "train") if r["step"] > 10}
+    mine = {r["step"]: r["loss"] for r in read_metrics(again, "train")}
+    assert mine == theirs
+    plan = (again / "plan.txt").read_text()
+    assert "resumed with" in plan and actions(first)[0]["after"] in plan
