@@ -16,6 +16,10 @@ run resumed from a checkpoint taken after an action continues with the same plan
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +33,7 @@ from test_train_cpu import dataset, small_run  # noqa: F401  (the shared tiny da
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = 40
 PILOT = ["autopilot=on", "++autopilot.interval=2", "++autopilot.patience=2", "++autopilot.cooldown_steps=4"]
 STALE_AT = {"FP8_TEST_STALE_AMAX": f"{STALE}:3:1e6"}
@@ -113,3 +118,54 @@ def test_a_resumed_run_continues_with_the_autopilots_plan(runs, dataset, tmp_pat
     assert mine == theirs
     plan = (again / "plan.txt").read_text()
     assert "resumed with" in plan and actions(first)[0]["after"] in plan
+
+
+# After training, each rank writes its autopilot's state and its final scales (a sitecustomize beside the planting
+# hook: run_training imports `train` from the loop module when it runs, so patching the module suffices).
+RANK_HOOK = FAULT_HOOK + r'''
+if os.environ.get("FP8_TEST_AUTOPILOT_DUMP") and os.environ.get("RANK") is not None:
+    import json
+    from fp8_recipes.training import loop as _loop
+
+    _inner_train = _loop.train
+
+    def _train(*args, **kwargs):
+        summary = _inner_train(*args, **kwargs)
+        precision, rank = kwargs["precision"] if "precision" in kwargs else args[4], kwargs.get("rank", 0)
+        out = {"autopilot": precision.pilot.state_dict(), "scales": precision.scales(),
+               "plan": precision.plan.recipe.to_dict()}
+        with open(os.path.join(os.environ["FP8_TEST_AUTOPILOT_DUMP"], f"rank{rank}.json"), "w") as f:
+            json.dump(out, f)
+        return summary
+
+    _loop.train = _train
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["dp2", "pp2"])
+def test_every_rank_takes_the_same_actions(layout, dataset, tmp_path):  # noqa: F811
+    """Two gloo ranks (torchrun), the stale history planted on both: data-parallel ranks see other batches (other
+    rows), pipeline stages other layers (stage 1 has no row of layer 0, where the plant is); the rows are
+    all-gathered, so both ranks take the same actions, end with the same recipe and (DP) the same scales."""
+    hook, dump = tmp_path / "hook", tmp_path / "dump"
+    hook.mkdir()
+    dump.mkdir()
+    (hook / "sitecustomize.py").write_text(RANK_HOOK)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "OMP_NUM_THREADS")}
+    env.update(PYTHONPATH=os.pathsep.join([str(hook), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+               FP8_TEST_AUTOPILOT_DUMP=str(dump), OMP_NUM_THREADS="1", **STALE_AT)
+    parallel = (["trainer.micro_batch_size=2"] if layout == "dp2" else
+                ["trainer.pipeline_model_parallel_size=2", "trainer.global_batch_size=8"])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "scripts/train.py",
+           *_args(dataset)(tmp_path / "run"), "+recipe=delayed", *PILOT, *parallel]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    r0, r1 = (json.loads((dump / f"rank{i}.json").read_text()) for i in (0, 1))
+    assert r0["autopilot"] == r1["autopilot"] and r0["plan"] == r1["plan"]
+    assert r0["autopilot"]["applied"] and STALE in r0["plan"]["modules"], r0["autopilot"]  # acted on, on both
+    rows = actions(tmp_path / "run")
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "autopilot step" in line]
+    assert rows and rows[0]["module"] == STALE and len(lines) == len(rows), (rows, lines)
+    if layout == "dp2":
+        assert r0["scales"] == r1["scales"]
