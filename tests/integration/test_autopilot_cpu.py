@@ -77,7 +77,13 @@ def test_the_autopilot_closes_a_planted_gap_with_at_most_3_actions(runs, planted
     assert 1 <= len(taken) <= 3 and not any(a["dry"] for a in taken), taken
     plan = (runs[f"{planted}_pilot"] / "plan.txt").read_text()
     assert plan.count("the autopilot's plan after") == len(taken) and taken[0]["text"] in plan
+    report = subprocess.run([sys.executable, "-m", "fp8_recipes.cli", "doctor", str(runs[f"{planted}_pilot"]),
+                             "--baseline", str(runs["base"])], cwd=ROOT, capture_output=True, text=True)
+    said = report.stdout.split("autopilot actions (metrics.jsonl)\n")[1].split("\n\n")[0].splitlines()
+    assert len(said) == len(taken) and all(f"step {a['step']}: {a['action']}" in line for a, line in
+                                           zip(taken, said)), report.stdout  # the doctor reads what it did
     if planted == "stale":  # the window shortened past the stale amax: current scaling was not needed
+        assert "held: no finding" in said[0], said
         assert [(a["action"], a["module"], a["role"]) for a in taken] == [
             ("shorten_history", STALE, "activations")], taken
         assert int(taken[0]["after"].split("hist ")[1].split()[0]) < taken[0]["step"] - 3

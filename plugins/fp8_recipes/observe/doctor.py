@@ -98,6 +98,8 @@ class RunData:
     """Why recipe.yaml did not validate (its first problem), empty when it did or is absent."""
     routing: list[dict[str, Any]] = field(default_factory=list)
     """routing.jsonl rows of an MoE run (tokens and mean routing weight per expert, per step and MoE layer)."""
+    autopilot: list[dict[str, Any]] = field(default_factory=list)
+    """metrics.jsonl rows of kind "autopilot" (a run with ``autopilot=on``: its actions, in order)."""
 
 
 @dataclass(frozen=True)

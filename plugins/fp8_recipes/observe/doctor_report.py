@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from fp8_recipes.observe.doctor_autopilot import action_outcomes
 from fp8_recipes.observe.doctor import Diagnosis, DoctorInputError, Finding, RunData
 from fp8_recipes.observe.doctor_experts import describe_modules
 from fp8_recipes.rundir import (
@@ -69,7 +70,9 @@ def load_run(run_dir: str | Path, key: str = "RUN_DIR") -> RunData:
         except RecipeError as e:
             problem = e.problems[0] + (f"; +{len(e.problems) - 1} more" if len(e.problems) > 1 else "")
     summary = read_summary(path)  # {} for a run killed while writing it: the metrics rows say enough
-    return RunData(path, train, numerics, recipe, summary, evals, recipe_problem=problem, routing=routing)
+    autopilot = [r for r in rows if r.get("kind") == "autopilot"]
+    return RunData(path, train, numerics, recipe, summary, evals, recipe_problem=problem, routing=routing,
+                   autopilot=autopilot)
 
 
 def patched_recipe(d: Diagnosis) -> dict[str, Any] | None:
@@ -160,6 +163,9 @@ def format_report(d: Diagnosis, max_findings: int = 8) -> str:
             + [[str(c.layer), str(c.expert), c.cause, str(c.step), ",".join(c.roles),
                 f"{c.evidence}; {c.worst.module.rsplit('.', 1)[-1]} {c.worst.gemm}: {c.worst.text}"]
                for c in d.experts])
+    if run.autopilot:  # what the run's autopilot changed, and whether it held (observe/doctor_autopilot.py)
+        lines += ["", "autopilot actions (metrics.jsonl)"] + [
+            f"  {line}" for line in action_outcomes(run.autopilot, run.numerics)]
     if d.proposals:
         lines += ["", "proposals (* = applied by --write)"]
         for p in d.proposals:
