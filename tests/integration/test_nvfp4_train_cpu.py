@@ -40,13 +40,16 @@ def test_train_nvfp4(roles, copies, dataset, tmp_path, monkeypatch):  # noqa: F8
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS"):
         monkeypatch.delenv(var, raising=False)
     seen = set()
-    real = quantize_module.quantize_nvfp4
 
-    def recording(x, **kw):
-        seen.add((kw["block"], kw["columnwise"], kw["rht"] and kw["columnwise"], kw["stochastic_rounding"]))
-        return real(x, **kw)
+    def recording(real):
+        def quantizer(x, **kw):
+            seen.add((kw["block"], kw["columnwise"], kw["rht"] and kw["columnwise"], kw["stochastic_rounding"]))
+            return real(x, **kw)
+        return quantizer
 
-    monkeypatch.setattr(quantize_module, "quantize_nvfp4", recording)
+    # (training makes its copies with fake_quant_nvfp4; statistics steps, none here, with quantize_nvfp4)
+    for name in ("quantize_nvfp4", "fake_quant_nvfp4"):
+        monkeypatch.setattr(quantize_module, name, recording(getattr(quantize_module, name)))
     overrides = ["+recipe=bf16", "recipe.name=nvfp4_test", "+recipe.backend=emulated"]
     overrides += [f"+recipe.{r}.scaling={roles[r]}" for r in ROLES] + roles.get("extra", [])
     cfg = compose_train(overrides + dataset + small_run(tmp_path, 2, STEPS))
