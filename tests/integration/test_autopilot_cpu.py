@@ -41,7 +41,7 @@ MARGIN = ["+recipe=tensorwise", "++recipe.gradients.format=e4m3", "++recipe.grad
 PLANS = {
     "base": ([], {}),
     "stale": (["+recipe=delayed"], STALE_AT),
-    "stale_pilot": (["+recipe=delayed", *PILOT, "trainer.save_checkpoints=true", "trainer.save_interval=10"],
+    "stale_pilot": (["+recipe=delayed", *PILOT, "trainer.save_checkpoints=true", "trainer.save_interval=7"],
                     STALE_AT),
     "stale_dry": (["+recipe=delayed", *PILOT, "++autopilot.dry_run=true"], STALE_AT),
     "margin": (MARGIN, {}),
@@ -110,20 +110,26 @@ def test_a_dry_run_logs_and_changes_nothing(runs):
 
 @pytest.mark.slow
 def test_a_resumed_run_continues_with_the_autopilots_plan(runs, dataset, tmp_path):  # noqa: F811
-    """stale_pilot shortened the history at step 7 and checkpointed at 10: resumed from there (without the plant,
-    which fired at step 4), steps 11-40 give the same losses, and its plan.txt ends with the resumed plan."""
+    """stale_pilot shortened the history at step 7, a statistics step, and checkpointed that step (after its
+    decision): resumed from there (without the plant, which fired at step 4), steps 8-40 give the same losses, and
+    its plan.txt ends with the resumed plan. The checkpoint read by scripts/eval_checkpoint.py (no autopilot there)
+    runs the plan the action made, and says so."""
     first = runs["stale_pilot"]
-    assert actions(first) and actions(first)[0]["step"] < 10
+    assert actions(first) and actions(first)[0]["step"] == 7
     again = tmp_path / "resumed"
     resumed = train_planted(tmp_path, {"resumed": (
-        ["+recipe=delayed", *PILOT, f"trainer.resume={first / 'checkpoints' / 'step_10'}"], {})}, FAULT_HOOK,
+        ["+recipe=delayed", *PILOT, f"trainer.resume={first / 'checkpoints' / 'step_7'}"], {})}, FAULT_HOOK,
         _args(dataset))["resumed"]
     assert resumed == again
-    theirs = {r["step"]: r["loss"] for r in read_metrics(first, "train") if r["step"] > 10}
+    theirs = {r["step"]: r["loss"] for r in read_metrics(first, "train") if r["step"] > 7}
     mine = {r["step"]: r["loss"] for r in read_metrics(again, "train")}
     assert mine == theirs
     plan = (again / "plan.txt").read_text()
     assert "resumed with" in plan and actions(first)[0]["after"] in plan
+    evaluated = subprocess.run([sys.executable, "scripts/eval_checkpoint.py", str(first)], cwd=ROOT,
+                               capture_output=True, text=True, timeout=300)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert "the checkpoint's run had the autopilot on: its 1 action(s) applied" in evaluated.stdout + evaluated.stderr
 
 
 # After training, each rank writes its autopilot's state and its final scales (a sitecustomize beside the planting

@@ -135,7 +135,6 @@ def test_interval_zero_is_fine_when_off_and_actions_keep_their_order():
 def test_shipped_presets_validate():
     on = autopilot_config(yaml.safe_load((ROOT / "conf" / "autopilot" / "on.yaml").read_text()))
     assert on.enabled and not on.dry_run and on.actions == ACTION_KINDS
-    assert on.due(1) and on.due(11) and not on.due(10)
     assert dataclass_fields(on) == dataclass_fields(AutopilotConfig(enabled=True))  # the preset states the defaults
 
 

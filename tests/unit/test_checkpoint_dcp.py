@@ -487,3 +487,29 @@ def test_export_and_evaluation_refuse_an_expert_parallel_checkpoint(tmp_path):
     with pytest.raises(ConfigError, match=r"^SOURCE: .* was written at trainer.expert_model_parallel_size=2: its "
                                           r"experts are split over the expert-parallel ranks"):
         intact_checkpoint(step_dir, "SOURCE")
+
+
+def test_the_core_attentions_extra_state_may_differ_and_nothing_else():
+    """An emulated run's checkpoint from the CPU (Megatron-Core's local attention: no extra state) loads into the
+    GPU's build (TE's attention: an extra state entry) and back; any other missing or unexpected key still fails."""
+    from fp8_recipes.training.checkpoint import _load_model_state
+
+    class WithExtra(torch.nn.Module):
+        def get_extra_state(self):
+            return {"fp8": None}
+
+        def set_extra_state(self, state):
+            self.loaded = state
+
+    class Layer(torch.nn.Module):
+        def __init__(self, te: bool):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+            self.core_attention = WithExtra() if te else torch.nn.Identity()
+
+    local, te = Layer(te=False), Layer(te=True)
+    _load_model_state(te, local.state_dict())  # missing core_attention._extra_state: tolerated
+    assert torch.equal(te.linear.weight, local.linear.weight)
+    _load_model_state(local, te.state_dict())  # unexpected core_attention._extra_state: tolerated
+    with pytest.raises(RuntimeError, match="linear.bias"):
+        _load_model_state(local, {k: v for k, v in te.state_dict().items() if k != "linear.bias"})

@@ -31,6 +31,7 @@ with the linears'.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 
 import torch
@@ -41,6 +42,8 @@ from fp8_recipes.numerics import DelayedScaler, dequantize, fake_quant, quantize
 from fp8_recipes.numerics.nvfp4 import stochastic_rounding_seed
 from fp8_recipes.plan.precision import Gemm, ModelLayout, ModulePlan, PrecisionPlan
 from fp8_recipes.recipe.schema import ROLES, AmaxReduction, Attention, Role, Scaling, TensorPolicy
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "ATTENTION_TENSORS", "EmulatedAttentionState", "EmulatedLinearState", "EmulatedPrecision",
@@ -328,6 +331,17 @@ class EmulatedPrecision:
         return out
 
     def load_state_dict(self, state: dict) -> None:
+        """The checkpoint's scaling state; a checkpoint of an autopilot run (its ``autopilot`` entry, when no
+        AutopilotPrecision took it first: an evaluation, a resume with the autopilot off) replans to the recipe
+        its applied actions made, so its scalers and GEMMs are the ones it trained with."""
+        applied = (state.get("autopilot") or {}).get("applied")
+        if applied:
+            from fp8_recipes.observe.autopilot_actions import Action, apply  # (pure: the recipe patches)
+
+            recipe = apply(self.plan.recipe, [Action.from_dict(a) for a in applied])
+            self.replan(PrecisionPlan(recipe, self.plan.layout, self.plan.hardware))
+            logger.warning("resume: the checkpoint's run had the autopilot on: its %d action(s) applied to the "
+                           "recipe (the plan it trained with); no further actions without autopilot=on", len(applied))
         for name, per_role in state.get("scalers", {}).items():
             if name not in self.states:
                 continue

@@ -186,10 +186,11 @@ def _decide(model_cfg: dict, label: str, engine: bool = False) -> _BenchConfig:
     if plan.te is None:  # the emulated backend (e.g. nvfp4 on Hopper): what scripts/train.py runs there
         run.emulated = plan.backend is Backend.EMULATED
         run.describe = f"emulated ({plan.backend_reason})"
-        if not run.emulated or mode == "raw" or engine:
+        if not run.emulated or mode == "raw" or engine or recipe.fp8_param:
             run.skipped = (f"no TE plan ({plan.backend_reason})" if not run.emulated else
                            "Megatron-Core has no emulated path" if mode == "raw" else
-                           "--engine times TE-spec models only; the emulated backend runs the local spec")
+                           "--engine times TE-spec models only; the emulated backend runs the local spec" if engine
+                           else "fp8_param keeps TE's FP8 weights: the emulated backend has none")
         return run
     # the recipe's own TE recipe in its first FP8 layer (the layer's autocast; modules: overrides run their own)
     choice = next((te for te in plan.at(run.steady).layers_te.values() if te is not None), None)

@@ -381,8 +381,10 @@ def _kernel(name: str, device: torch.device):
     def call(*args):
         try:
             return _COMPILED[name](*args)
+        except torch.OutOfMemoryError:
+            raise  # (the eager form needs more memory, not less)
         except Exception as e:  # noqa: BLE001 - no Triton, an inductor bug: the eager form computes the same
-            logger.warning("warning: NVFP4 %s: torch.compile failed (%s); running it eagerly", name,
+            logger.warning("NVFP4 %s: torch.compile failed (%s); running it eagerly", name,
                            str(e).splitlines()[0] if str(e) else type(e).__name__)
             _COMPILED[name] = False
             return _EAGER[name](*args)

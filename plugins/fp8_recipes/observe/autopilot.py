@@ -226,7 +226,8 @@ class Autopilot:
         """A demoted track's calm streak, after its cool-down: its rows calm, and no spike. A module in BF16 has no
         FP8 rows of its own: its role's rows in the modules still FP8 stand in for it (a role still near its limits
         there would put it back into the trouble it left: measured on the tiny CPU model, E4M3 gradients with
-        margin 16 re-promoted blindly were demoted again 4 steps later)."""
+        margin 16 re-promoted blindly were demoted again 4 steps later); a role with no FP8 row anywhere (all of it
+        in BF16) is calm when the loss and the grad norm do not spike."""
         for key, t in self.state.tracks.items():
             if not t.demoted or step < t.cooldown_until:
                 continue
@@ -234,6 +235,7 @@ class Autopilot:
             mine = [r for (m, ro), r in readings.items() if ro == role and (module == WIDE or m == module)]
             if not mine:
                 mine = [r for (_, ro), r in readings.items() if ro == role]
+            # (no FP8 row of the role anywhere, e.g. the whole role in BF16: the loss and grad norm alone say calm)
             t.calm = t.calm + 1 if not spike and all(r.calm for r in mine) else 0
 
     def _candidates(self, step: int, readings: Mapping[tuple[str, str], Reading], wide: set[str]):

@@ -90,10 +90,6 @@ class AutopilotConfig:
     """Non-finite steps in a row before a recovery (below trainer.max_consecutive_skips, 5 by default, so the
     autopilot acts before the trainer's own fallback)."""
 
-    def due(self, step: int) -> bool:
-        """Statistics read at `step` (1-based, as metrics.jsonl counts): 1, 1 + interval, 1 + 2 interval, ..."""
-        return self.enabled and self.interval > 0 and step >= 1 and (step - 1) % self.interval == 0
-
     def allows(self, kind: str) -> bool:
         return kind in self.actions
 

@@ -5,8 +5,9 @@
 An action (a ``kind: autopilot`` row of metrics.jsonl, training/autopilot.py) *held* when the (module, role) it
 changed shows no finding (the doctor's limits, :func:`~fp8_recipes.observe.doctor_findings.find_problems`) in
 the statistics rows recorded after it, up to its module and role's next action; it *did not hold* when they show
-one (the worst named). A module put in BF16 has no FP8 rows to judge: its line says so, and whether it came back
-(re-promoted) and held then. Dry-run actions changed nothing: listed as such. Pure (no torch).
+one (the worst named); a role-wide one says in how many of the role's modules it held. A module (or a role) put in
+BF16 has no FP8 rows to judge: its line says so (a re-promotion is an action of its own, judged as any). Dry-run
+actions changed nothing: listed as such. Rows without an integer step are left out. Pure (no torch).
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ from fp8_recipes.observe.doctor_findings import SUPPORTING, find_problems
 __all__ = ["action_outcomes"]
 
 
+def _step(row: dict[str, Any]) -> int | None:
+    step = row.get("step")
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
 def _covers(action: dict[str, Any], row: dict[str, Any]) -> bool:
     """Whether a statistics row is of the (module, role) the action changed (``*``: every module, every role)."""
     module, role = str(action.get("module")), str(action.get("role"))
@@ -27,7 +33,7 @@ def _covers(action: dict[str, Any], row: dict[str, Any]) -> bool:
 
 def _outcome(action: dict[str, Any], later: list[dict[str, Any]], until: int | None) -> str:
     span = f"steps {action['step'] + 1}-{until}" if until else f"from step {action['step'] + 1}"
-    if action.get("action") == "to_bf16" and action.get("module") != "*":
+    if action.get("action") == "to_bf16":
         return f"in BF16 {span}: no FP8 rows to judge"
     if not later:
         return f"not judged: no statistics rows of it recorded {span}"
@@ -46,7 +52,9 @@ def _outcome(action: dict[str, Any], later: list[dict[str, Any]], until: int | N
 def action_outcomes(actions: Sequence[dict[str, Any]], numerics: Sequence[dict[str, Any]]) -> list[str]:
     """One line per autopilot action, in step order: what it did and whether it held (the module docstring)."""
     out = []
-    ordered = sorted(actions, key=lambda a: int(a.get("step", 0)))
+    actions = [a for a in actions if _step(a) is not None]
+    numerics = [r for r in numerics if _step(r) is not None]
+    ordered = sorted(actions, key=_step)
     for i, a in enumerate(ordered):
         head = (f"step {a.get('step')}: {a.get('action')} {a.get('module')} {a.get('role')}"
                 + (f" ({a.get('before')} -> {a.get('after')})" if a.get("before") or a.get("after") else ""))
@@ -56,9 +64,8 @@ def action_outcomes(actions: Sequence[dict[str, Any]], numerics: Sequence[dict[s
         if not a.get("changes"):  # cap_reached
             out.append(f"{head}: {a.get('reason', '')}")
             continue
-        nxt = next((int(b["step"]) for b in ordered[i + 1:] if not b.get("dry") and b.get("changes")
+        nxt = next((_step(b) for b in ordered[i + 1:] if not b.get("dry") and b.get("changes")
                     and (b.get("module"), b.get("role")) == (a.get("module"), a.get("role"))), None)
-        later = [r for r in numerics if _covers(a, r) and int(r.get("step", 0)) > int(a["step"])
-                 and (nxt is None or int(r.get("step", 0)) <= nxt)]
+        later = [r for r in numerics if _covers(a, r) and _step(r) > _step(a) and (nxt is None or _step(r) <= nxt)]
         out.append(f"{head}: {_outcome(a, later, nxt)}")
     return out

@@ -4,9 +4,9 @@
     autopilot = resolve_autopilot(cfg)                        # the typed ``autopilot:`` section (off by default)
     debug = statistics_for(autopilot, debug)                  # statistics at its interval when ``debug`` is off
     precision = AutopilotPrecision(precision, recorder, plan, autopilot, run_dir, rank=rank)
-    ... train: the loop tells it each step's result (step_result) and logs what it drained (drain_events) ...
+    ... train: after each step the loop calls step_result (the decision) and logs what drain_events hands over ...
 
-At each step's start, before the backend applies the step's plan: the recorder's rows of the step just finished
+After each step, before its evaluation and checkpoint: the recorder's rows of the step just finished
 (every rank's, all-gathered in rank order, so every rank reads the same rows and decides the same: the data-,
 tensor- and context-parallel ranks' worst values count, each pipeline stage's rows name its own modules, and all
 stages agree on the one plan), that step's loss and gradient norm, go to :meth:`Autopilot.observe`. An applied
@@ -60,17 +60,26 @@ def statistics_for(autopilot: AutopilotConfig, debug: DebugConfig) -> DebugConfi
     if debug.interval == 0:
         return dataclasses.replace(debug, interval=autopilot.interval, start_step=1, end_step=None)
     if debug.interval != autopilot.interval:
-        logger.warning("autopilot.interval=%d does nothing: the autopilot reads the numerics statistics steps, "
-                       "every %d (debug.interval); set one of them to the other", autopilot.interval, debug.interval)
+        logger.warning("autopilot.interval=%d does nothing: the autopilot reads the numerics statistics steps (every "
+                       "%d, debug.interval, from debug.start_step to debug.end_step)", autopilot.interval,
+                       debug.interval)
     return debug
 
 
-def check_autopilot(autopilot: AutopilotConfig, plan: PrecisionPlan) -> None:
-    """ConfigError (one line) for a run the autopilot cannot drive."""
-    if autopilot.enabled and plan.backend is not Backend.EMULATED:
+def check_autopilot(autopilot: AutopilotConfig, plan: PrecisionPlan, trainer=None) -> None:
+    """ConfigError (one line) for a run the autopilot cannot drive: the TE backend, or a recovery streak the
+    trainer's own non-finite policy would end first (``trainer``: the TrainerConfig)."""
+    if not autopilot.enabled:
+        return
+    if plan.backend is not Backend.EMULATED:
         raise ConfigError(f"autopilot.enabled: the autopilot drives the emulated backend only so far (this run plans "
                           f"{plan.backend}: moving TE's per-layer FP8 state between recipes is not built yet); set "
                           f"recipe.backend=emulated, or autopilot=off")
+    limit = getattr(trainer, "max_consecutive_skips", None)
+    if limit is not None and autopilot.nonfinite_streak >= limit:
+        raise ConfigError(f"autopilot.nonfinite_streak: {autopilot.nonfinite_streak} non-finite steps, but the trainer "
+                          f"falls back or stops after trainer.max_consecutive_skips={limit}, before the recovery; set "
+                          f"autopilot.nonfinite_streak below it")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,29 +102,28 @@ class AutopilotPrecision:
         self.pilot = Autopilot(config, plan.recipe, accept=self._accept)
         self.full_precision_eval_interval = inner.full_precision_eval_interval
         self.events: list[Event] = []
-        self._result: tuple[int, float | None, float | None] | None = None  # (step, loss, grad norm)
         self._rows: list[dict[str, Any]] = []  # the last statistics step's rows (a recovery reads them)
         self._streak = 0
         self._resumed = False
+        self.reset_scaling = False
+        """trainer.reset_scaling_state: a resume loads the autopilot's state, not the backend's scaling state."""
 
     # -- the loop's calls ---------------------------------------------------------------------------------------
     def begin_step(self, step: int) -> str:
-        """Decide on the step just finished (``step`` completed ones), then run the (maybe new) plan's step."""
-        self.recorder.flush()
-        done = step  # metrics.jsonl counts completed steps: the rows are of step `done`
         if self._resumed:  # plan.txt was written again from the recipe once the checkpoint loaded
-            self._append_plan(done, self.pilot.actions, "resumed with")
+            self._append_plan(step, self.pilot.actions, "resumed with")
             self._resumed = False
-        rows = self.recorder.take_rows()
-        if done > 0 and self.recorder.config.stats_due(done):  # (the same steps on every rank: gathered there)
-            rows = self._rows = _gathered(rows)
-            loss, grad_norm = self._result[1:] if self._result and self._result[0] == done else (None, None)
-            self._take(self.pilot.observe(done, rows, loss=loss, grad_norm=grad_norm), done)
         return self._inner.begin_step(step)
 
     def step_result(self, step: int, loss: float | None, grad_norm: float | None) -> None:
-        """The loop: step `step` (1-based) ended with this loss and gradient norm (the same on every rank)."""
-        self._result = (step, loss, grad_norm)
+        """The loop, after step `step` (1-based) on every rank, before its evaluation and checkpoint: the step's
+        rows written (the recorder's flush) and, at a statistics step, decided on with this loss and gradient norm
+        (the same on every rank), so a checkpoint of the step holds the decision."""
+        self.recorder.flush()
+        rows = self.recorder.take_rows()
+        if self.recorder.config.stats_due(step):  # (the same steps on every rank: gathered there)
+            rows = self._rows = _gathered(rows)
+            self._take(self.pilot.observe(step, rows, loss=loss, grad_norm=grad_norm), step)
 
     def after_optimizer_step(self, step: int) -> None:
         self._streak = 0
@@ -156,7 +164,8 @@ class AutopilotPrecision:
                                   f"autopilot=off") from None
             self._replan()
             self._resumed = bool([a for a in self.pilot.actions if not a.dry and a.changes])
-        self._inner.load_state_dict(state)
+        if not self.reset_scaling:
+            self._inner.load_state_dict(state)
 
     def __getattr__(self, name: str):  # plan-independent attributes of the backend: states, scales() ...
         if name == "_inner":

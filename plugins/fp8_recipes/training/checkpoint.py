@@ -1006,6 +1006,19 @@ def _load_resharded(step_dir: Path, chunks: list, engine, precision, scheduler,
     return int(first["step"])
 
 
+ATTENTION_EXTRA_STATE = "core_attention._extra_state"
+"""TE's core attention (TEDotProductAttention) keeps an extra state entry, Megatron-Core's local one none: emulated
+runs build TE's on a GPU with TE and the local one elsewhere (training/run.py), so their checkpoints differ by it."""
+
+
+def _load_model_state(model, state: dict) -> None:
+    """``model.load_state_dict(state)``, strict but for the core attentions' extra state (an emulated run's
+    checkpoint resumed on another device kind, or one written before its GPU runs took TE's attention)."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if any(not k.endswith(ATTENTION_EXTRA_STATE) for k in (*missing, *unexpected)):
+        model.load_state_dict(state)  # (strict: Megatron-Core's own error for any other difference)
+
+
 def load_checkpoint(path: str | os.PathLike, *, engine=None, models=None, precision=None, scheduler=None,
                     restore_rng: bool = True, map_location: str | torch.device = "cpu") -> int:
     """Restore what :func:`save_checkpoint` wrote into the given objects; returns the step saved.
@@ -1026,7 +1039,7 @@ def load_checkpoint(path: str | os.PathLike, *, engine=None, models=None, precis
         raise ConfigError(f"{step_dir} holds {len(payload['model'])} model chunks per rank, this run builds "
                          f"{len(chunks)}; resume with the checkpoint's trainer.virtual_pipeline_model_parallel_size")
     for chunk, state in zip(chunks, payload["model"]):
-        _unwrap(chunk).load_state_dict(state)
+        _load_model_state(_unwrap(chunk), state)
     if precision is not None:  # another recipe's scaling state means nothing here: start it afresh
         saved, current = (payload["precision"] or {}).get("recipe"), precision.state_dict().get("recipe")
         if saved != current:

@@ -263,6 +263,9 @@ def _resume(engine: Engine, cfg: TrainerConfig, precision: Precision, schedule: 
     if reset and rank == 0:
         logger.warning("resume: trainer.reset_scaling_state=true: weights, optimizer, LR schedule and step from %s; "
                        "the scaling state (amax histories, scales) starts fresh", resume_from)
+    if reset and hasattr(precision, "reset_scaling"):  # the autopilot's decisions still load (its plan): not scaling
+        precision.reset_scaling = True
+        reset = False
     return 0 if resume_from is None else load_checkpoint(resume_from, engine=engine, scheduler=schedule,
                                                          precision=None if reset else precision)
 

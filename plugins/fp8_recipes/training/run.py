@@ -327,7 +327,8 @@ def check_moe_statistics(trainer, model, debug) -> None:
                             ("context_parallel_size", trainer.context_parallel_size, trainer.context_parallel_size > 1)):
         if bad:
             raise ConfigError(f"debug: numerics statistics of an MoE model at trainer.{key}={value} are not merged over "
-                             f"the ranks holding each expert yet; set debug.interval=0, or train at "
+                             f"the ranks holding each expert yet; set debug.interval=0 (and autopilot=off, which "
+                             f"records them), or train at "
                              f"trainer.{key}={'null' if key == 'expert_tensor_parallel_size' else 1}")
 
 
@@ -557,7 +558,7 @@ def _checked_run(cfg) -> _Run:
         with _recipe_keys():
             first_plan = PrecisionPlan(recipe, layout_of(cfg.model), hardware)
         check_fp8_param(tcfg, first_plan)
-        check_autopilot(autopilot, first_plan)
+        check_autopilot(autopilot, first_plan, tcfg)
         shape_warning = check_plan(tcfg, cfg.model, first_plan)
     return _Run(cfg, tcfg, recipe, debug, hardware, first_plan, shape_warning, autopilot=autopilot)
 
