@@ -21,6 +21,7 @@ from fp8_recipes.observe.autopilot_config import ACTION_KINDS, AutopilotConfig, 
 from fp8_recipes.observe.doctor_findings import LIMITS
 from fp8_recipes.recipe.pack import load_recipe
 from fp8_recipes.recipe.schema import Format, Recipe, RecipeError, Role, Scaling
+from test_doctor import healthy_row as doctor_healthy_row  # (the doctor's tests' rows: one home)
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS = 4
@@ -41,15 +42,10 @@ def stat_steps(first: int, count: int) -> list[int]:
 
 
 def healthy_row(step: int, module: str, gemm: str, role: str, policy: str) -> dict:
-    row = {"step": step, "module": module, "gemm": gemm, "role": role, "policy": policy, "numel": 65536,
-           "amax": 1.0, "min_nonzero": 1e-6, "underflow_pct": 0.05, "saturation_pct": 0.0, "mse": 1e-6,
-           "cosine": 0.9996, "scale": 400.0}
-    if policy.startswith("delayed"):
-        row["scale_ratio"] = 0.9 if role != "gradients" else 0.2
-        if step == 1:
-            row.update(scale=1.0, scale_ratio=0.002, underflow_pct=40.0)  # empty history: skipped
+    """test_doctor.py's healthy row; an NVFP4 operand with what a healthy one shows (beyond the FP8 limits)."""
+    row = doctor_healthy_row(step, module, gemm, role, policy)
     if policy.startswith("nvfp4"):
-        row.update(underflow_pct=25.0, cosine=0.989)  # what a healthy NVFP4 operand shows (beyond the FP8 limits)
+        row.update(underflow_pct=25.0, cosine=0.989)
     return row
 
 

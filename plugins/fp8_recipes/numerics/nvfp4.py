@@ -198,6 +198,15 @@ def _check_block(block) -> tuple[int, int]:
     return block
 
 
+def _check_inputs(who: str, x: torch.Tensor, block, stochastic_rounding: bool, generator, seed) -> tuple[int, int]:
+    """The block as a tuple; ValueError for an input type TE's reference does not take, or draws without SR."""
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):  # TE's reference's input types
+        raise ValueError(f"{who}: x is {x.dtype}; NVFP4 quantizes float32, bfloat16 or float16 tensors")
+    if not stochastic_rounding and (generator is not None or seed is not None):
+        raise ValueError(f"{who}: generator= / seed= are for stochastic_rounding=True only")
+    return _check_block(block)
+
+
 def _padded_blocks(hp: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """Zero-pad a 2-D float32 tensor to whole blocks: rows to block[0], cols to 16."""
     pr, pc = -hp.shape[0] % block[0], -hp.shape[1] % NVFP4_BLOCK
@@ -263,11 +272,7 @@ def quantize_nvfp4(
     uniforms from `generator` (on x's device, advanced by one draw per padded element) or from a fresh generator
     seeded with `seed`: derive the seed from (run seed, step, layer, role) and a resumed run rounds the same.
     """
-    block = _check_block(block)
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):  # TE's reference's input types
-        raise ValueError(f"quantize_nvfp4: x is {x.dtype}; NVFP4 quantizes float32, bfloat16 or float16 tensors")
-    if not stochastic_rounding and (generator is not None or seed is not None):
-        raise ValueError("quantize_nvfp4: generator= / seed= are for stochastic_rounding=True only")
+    block = _check_inputs("quantize_nvfp4", x, block, stochastic_rounding, generator, seed)
     shape = x.shape
     hp = nvfp4_copy_2d(x, columnwise=columnwise, rht=rht).float()
     r, c = hp.shape
@@ -320,11 +325,7 @@ def fake_quant_nvfp4(
     factor. The global amax is the largest block amax (the same number: blocks cover x, padding adds zeros). On a
     GPU the two passes over x's size, the RHT and the values, are torch.compile'd (no division in either: float32
     products and in-order sums, as the eager ones); anywhere else, and if compiling fails, they run eagerly."""
-    block = _check_block(block)
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"fake_quant_nvfp4: x is {x.dtype}; NVFP4 quantizes float32, bfloat16 or float16 tensors")
-    if not stochastic_rounding and (generator is not None or seed is not None):
-        raise ValueError("fake_quant_nvfp4: generator= / seed= are for stochastic_rounding=True only")
+    block = _check_inputs("fake_quant_nvfp4", x, block, stochastic_rounding, generator, seed)
     hp = nvfp4_copy_2d(x, columnwise=columnwise, rht=rht, rotate=_kernel("rht", x.device)).float()
     r, c = hp.shape
     padded = _padded_blocks(hp, block)
