@@ -192,6 +192,17 @@ def test_stale_history_is_shortened_then_current_scaling():
     assert r == apply(load_recipe("delayed"), actions) == Recipe.from_dict(r.to_dict())
 
 
+def test_a_stale_scale_that_loses_nothing_is_not_acted_on():
+    """The history still holds the first steps' larger amaxes (scale 1/100 of the current one) but nothing
+    underflows and the cosine holds (E5M2 gradients on tiny_moe, measured): no action, and not calm either."""
+    pilot = Autopilot(CONFIG, load_recipe("delayed"))
+    wasted = planted(role="gradients", scaling="delayed", scale_ratio=0.01, underflow_pct=0.0)
+    assert run(pilot, stat_steps(1, 20), wasted) == []
+    costly = planted(role="gradients", scaling="delayed", scale_ratio=0.01, underflow_pct=0.6)  # half the limit
+    assert [a.kind for a in run(Autopilot(CONFIG, load_recipe("delayed")), stat_steps(1, 4), costly)] == [
+        "shorten_history"]
+
+
 def test_a_short_history_goes_to_current_scaling_at_once():
     recipe = Recipe.from_dict({"name": "short", "weights": "delayed",
                                "activations": {"scaling": "delayed", "amax_history_len": 16}, "gradients": "delayed"})
@@ -350,10 +361,10 @@ def test_apply_validates_and_gives_the_new_module_policy():
     expert = "decoder.layers.0.mlp.experts.local_experts.3.linear_fc2"
     pilot = Autopilot(CONFIG, recipe)
 
-    def rows(step):  # one expert's rows (under its current policies), its delayed activations' scale stale
+    def rows(step):  # one expert's rows (under its current policies), its delayed activations' scale stale (costly)
         out = [healthy_row(step, expert, g, r, pilot.recipe.module_policy(expert, r).describe()) for g, r in OPERANDS]
-        return [row | ({"scale_ratio": 0.001} if row["role"] == "activations" and step > 1 and "scale_ratio" in row
-                       else {}) for row in out]
+        return [row | ({"scale_ratio": 0.001, "underflow_pct": 2.0} if row["role"] == "activations" and step > 1
+                       and "scale_ratio" in row else {}) for row in out]
 
     actions = [a for step in stat_steps(1, 4) for a in pilot.observe(step, rows(step))]
     assert [(a.module, a.kind) for a in actions] == [(expert, "to_current")]  # a 16-step history: not shortened
