@@ -3,7 +3,8 @@ failures (tests/integration/test_doctor_runs.py's hook):
 
 - a stale delayed history in one layer (an amax of 1e6 recorded in ``decoder.layers.0.mlp.linear_fc2``'s activation
   history at step 4): its activations underflow for the rest of the run and the loss ends ~5 % above BF16's;
-- E4M3 gradients with a margin of 16: every linear's gradients underflow, the loss ends ~10 % above BF16's.
+- E4M3 gradients with a margin of 16: every linear's gradients underflow, the loss ends ~10 % above BF16's;
+- an FP8-only fault (one linear's input times inf while it runs FP8, from step 10 on): non-finite steps.
 
 With ``autopilot=on`` (statistics every 2 steps, patience 2, cool-down 4: the shipped preset's rules on a run 40
 steps long) the loss gap to the BF16 run closes by at least 80 % with at most 3 actions, each one a ``kind:
@@ -11,7 +12,8 @@ autopilot`` row in metrics.jsonl, a console line and a plan appended to plan.txt
 2026-12-04): stale 4.72 % -> 0.30 % smoothed gap (one action: the history shortened to the 3 steps since it went
 stale), margin 10.44 % -> -0.16 % (gradients to E5M2 role-wide, then the two QKV gradients to BF16). The shipped
 recipes' healthy runs take no action; a dry run logs the same first action and trains bit for bit as without it; a
-run resumed from a checkpoint taken after an action continues with the same plan, bit for bit.
+run resumed from a checkpoint taken after an action continues with the same plan, bit for bit. The fault: 10 skipped
+steps and two BF16 fallbacks without the autopilot, 3 skipped steps and one recovery (that linear in BF16) with it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,27 @@ pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 40
+NONFINITE = "decoder.layers.1.mlp.linear_fc1"
+# FP8_TEST_NONFINITE="MODULE:CALL": from its (CALL + 1)-th training forward on, MODULE's input is multiplied by inf
+# while the module runs FP8 (an FP8-only fault: in BF16, as after the autopilot's recovery, it stops)
+NONFINITE_HOOK = r'''
+if os.environ.get("FP8_TEST_NONFINITE"):
+    from fp8_recipes.megatron import emulated_layers as _nf_layers
+
+    _nf_module, _nf_from = os.environ["FP8_TEST_NONFINITE"].split(":")
+    _nf_impl, _nf_calls = _nf_layers._EmulatedGemmMixin._forward_impl, [0]
+
+    def _nf_forward_impl(self, input, weight, *args, **kwargs):
+        state = self._fp8_state
+        if self.training and state is not None and state.name == _nf_module:
+            _nf_calls[0] += 1
+            fp8 = state.plan is not None and state.enabled and state.plan.any_fp8
+            if fp8 and _nf_calls[0] > int(_nf_from):
+                input = input * float("inf")
+        return _nf_impl(self, input, weight, *args, **kwargs)
+
+    _nf_layers._EmulatedGemmMixin._forward_impl = _nf_forward_impl
+'''
 PILOT = ["autopilot=on", "++autopilot.interval=2", "++autopilot.patience=2", "++autopilot.cooldown_steps=4"]
 STALE_AT = {"FP8_TEST_STALE_AMAX": f"{STALE}:3:1e6"}
 MARGIN = ["+recipe=tensorwise", "++recipe.gradients.format=e4m3", "++recipe.gradients.margin=16"]
@@ -47,6 +70,9 @@ PLANS = {
     "margin": (MARGIN, {}),
     "margin_pilot": ([*MARGIN, *PILOT], {}),
     **{f"healthy_{r}": ([f"+recipe={r}", *PILOT], {}) for r in ("hybrid", "delayed", "tensorwise", "blockwise")},
+    "nonfinite": (["+recipe=delayed", "++debug.interval=2"], {"FP8_TEST_NONFINITE": f"{NONFINITE}:9"}),
+    "nonfinite_pilot": (["+recipe=delayed", *PILOT, "++autopilot.patience=5"],
+                        {"FP8_TEST_NONFINITE": f"{NONFINITE}:9"}),
 }
 
 
@@ -57,7 +83,7 @@ def _args(dataset):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def runs(dataset, tmp_path_factory) -> dict[str, Path]:  # noqa: F811
-    return train_planted(tmp_path_factory.mktemp("autopilot"), PLANS, FAULT_HOOK, _args(dataset))
+    return train_planted(tmp_path_factory.mktemp("autopilot"), PLANS, FAULT_HOOK + NONFINITE_HOOK, _args(dataset))
 
 
 def actions(run: Path) -> list[dict]:
@@ -89,6 +115,23 @@ def test_the_autopilot_closes_a_planted_gap_with_at_most_3_actions(runs, planted
         assert int(taken[0]["after"].split("hist ")[1].split()[0]) < taken[0]["step"] - 3
     else:  # role-wide first
         assert (taken[0]["action"], taken[0]["module"], taken[0]["role"]) == ("to_e5m2", "*", "gradients"), taken
+
+
+@pytest.mark.slow
+def test_a_streak_of_nonfinite_steps_is_recovered_from_without_waiting(runs):
+    """An FP8-only fault in one linear from step 10 on (its input times inf while it runs FP8): without the
+    autopilot the trainer skips 5 steps, falls back to BF16 for 20, returns to the plan and skips again; with it,
+    the third skipped step's recovery puts that linear in BF16 (the first row with non-finite values in the
+    forward order names it) and the run trains on in FP8 elsewhere. Patience 5: no ordinary action comes first."""
+    plain, pilot = (json.loads((runs[n] / "summary.json").read_text()) for n in ("nonfinite", "nonfinite_pilot"))
+    taken = actions(runs["nonfinite_pilot"])
+    assert [(a["step"], a["action"], a["module"], a["recovery"]) for a in taken] == [(12, "to_bf16", NONFINITE, True)]
+    assert "3 non-finite steps in a row" in taken[0]["reason"]
+    assert pilot["steps"] == STEPS and pilot["skipped_steps"] == 3 and pilot["bf16_fallbacks"] == 0, pilot
+    assert plain["skipped_steps"] > 5 and plain["bf16_fallbacks"] >= 1, plain
+    stages = {r["stage"] for r in read_metrics(runs["nonfinite_pilot"], "train") if r["step"] > 12}
+    assert stages == {"fp8 w+a+g"}, stages  # the plan's stage (one linear BF16), never the BF16 fallback
+    assert gap(runs["nonfinite_pilot"], runs["base"]) < gap(runs["nonfinite"], runs["base"])
 
 
 @pytest.mark.slow
