@@ -108,6 +108,7 @@ def test_the_autopilot_closes_a_planted_gap_with_at_most_3_actions(runs, planted
     said = report.stdout.split("autopilot actions (metrics.jsonl)\n")[1].split("\n\n")[0].splitlines()
     assert len(said) == len(taken) and all(f"step {a['step']}: {a['action']}" in line for a, line in
                                            zip(taken, said)), report.stdout  # the doctor reads what it did
+    assert f"the autopilot changed the recipe during the run ({len(taken)} action(s)" in report.stdout
     if planted == "stale":  # the window shortened past the stale amax: current scaling was not needed
         assert "held: no finding" in said[0], said
         assert [(a["action"], a["module"], a["role"]) for a in taken] == [

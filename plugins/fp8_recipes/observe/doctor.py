@@ -403,6 +403,11 @@ def _input_notes(d: Diagnosis) -> list[str]:
     if d.shared:
         out.append(f"{len(d.shared)} spike(s) at the same steps as the baseline's (steps "
                    f"{', '.join(str(s.start) for s in d.shared)}): both runs see them, not counted")
+    applied = [a for a in d.run.autopilot if a.get("changes") and not a.get("dry")]
+    if applied:
+        out.append(f"the autopilot changed the recipe during the run ({len(applied)} action(s), listed above; the plan "
+                   f"it ended with is at the end of plan.txt): the findings span the steps before them, and the "
+                   f"proposals patch recipe.yaml, the recipe the run started with")
     return out
 
 
