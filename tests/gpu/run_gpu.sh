@@ -23,6 +23,8 @@
 #         (ENGINE=1: bench_train --engine, scripts/train.py's step; TESTS: other test files or node ids)
 #     bash tests/gpu/run_gpu.sh moe-stats    # statistics overhead at interval 10 on moe_small's grouped experts
 #     bash tests/gpu/run_gpu.sh nvfp4        # issue 29: NVFP4 vs TE's reference + emulated nvfp4 / mxfp8 vs BF16 step time
+#     bash tests/gpu/run_gpu.sh autopilot    # issue 30: its cost at interval 10 on gpt_125m (emulated delayed: none /
+#         statistics / autopilot, side by side in one call; STEPS, TRAIN_CAP)
 #     bash tests/gpu/run_gpu.sh two          # two GPUs: scales across the amax group, safe at PP=2, bench_parallel
 #         (10 runs of ~40 s; a second call with LAYOUTS="1gpu dp2 tp2sp pp2 cp2" RECIPES="tensorwise" covers the rest)
 # BASELINE: a checkout of the engine before (git archive 107c97b plugins conf scripts recipes setup.cfg | tar -x -C .oldsrc)
@@ -211,6 +213,24 @@ PY
         round(s.get('tokens_per_s_median') or 0), 'loss', s.get('final_loss'), 'backend', s.get('backend'))" 2>&1 | tail -1
   done
   [ -n "${BENCH_MODELS:-}" ] && grep -E "x BF16|tok/s|nvfp4|bf16" "$OUT/nvfp4.log" | tail -6
+  ;;
+autopilot)
+  # Issue 30 on the H200: the autopilot's overhead (target <= 5 % of the step at interval 10). The autopilot drives the
+  # emulated backend only, so all three runs are emulated delayed scaling on gpt_125m; tokens/s: each run's median.
+  for mode in plain stats pilot; do
+    case $mode in plain) extra= ;; stats) extra="++debug.interval=10" ;; pilot) extra="autopilot=on" ;; esac
+    stamp "scripts/train.py +recipe=delayed ++recipe.backend=emulated $extra (${STEPS:-60} steps)" | tee -a "$OUT/autopilot.log"
+    timeout -s INT ${TRAIN_CAP:-150} "$PY" scripts/train.py +recipe=delayed ++recipe.backend=emulated $extra \
+        model=gpt_125m trainer=gpu trainer.max_steps=${STEPS:-60} trainer.micro_batch_size=8 \
+        trainer.global_batch_size=16 trainer.warmup_steps=2 trainer.eval_interval=0 trainer.save_checkpoints=false \
+        run_dir="$OUT/autopilot-$mode" 2>&1 | grep -v -E "it/s\]|step/s" | tail -3 | tee -a "$OUT/autopilot.log"
+  done
+  echo; stamp "summary"
+  for mode in plain stats pilot; do
+    "$PY" -c "import json; s=json.load(open('$OUT/autopilot-$mode/summary.json')); print('$mode', 'tok/s', \
+        round(s.get('tokens_per_s_median') or 0), 'wall', round(s.get('wall_time_s') or 0, 1))" 2>&1 | tail -1
+  done
+  grep -c '"kind": "autopilot"' "$OUT/autopilot-pilot/metrics.jsonl" | sed 's/^/autopilot actions: /'
   ;;
 all) ;;
 *) echo "run_gpu.sh: unknown part '$1' (all | engine | engine-bench | two | moe | ...)" >&2; exit 2 ;;
