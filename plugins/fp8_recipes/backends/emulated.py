@@ -244,8 +244,7 @@ class EmulatedPrecision:
         # expert grid's group (at EP > 1 the dense data-parallel ranks hold other experts), the rest over the recipe's
         self._reducers: dict[int, Callable[[torch.Tensor], torch.Tensor] | None] = {}
         for name, state in states.items():  # (a module's own policies: the recipe's, or its modules: override's)
-            state.scalers = {r: DelayedScaler(p) for r, p in plan.module_policies(name).items()
-                             if p.scaling is Scaling.DELAYED}
+            state.scalers = _carried_scalers({}, plan.module_policies(name))
             self._reducers[id(state)] = expert if ModelLayout.expert_of(name) is not None else dense
         for state in self.attention.values():
             self._reducers[id(state)] = dense
@@ -334,14 +333,15 @@ class EmulatedPrecision:
         """The checkpoint's scaling state; a checkpoint of an autopilot run (its ``autopilot`` entry, when no
         AutopilotPrecision took it first: an evaluation, a resume with the autopilot off) replans to the recipe
         its applied actions made, so its scalers and GEMMs are the ones it trained with."""
-        applied = (state.get("autopilot") or {}).get("applied")
-        if applied:
-            from fp8_recipes.observe.autopilot_actions import Action, apply  # (pure: the recipe patches)
+        if (state.get("autopilot") or {}).get("applied"):
+            from fp8_recipes.observe.autopilot import Autopilot  # (pure: the one reader of its saved state)
+            from fp8_recipes.observe.autopilot_config import AutopilotConfig
 
-            recipe = apply(self.plan.recipe, [Action.from_dict(a) for a in applied])
-            self.replan(PrecisionPlan(recipe, self.plan.layout, self.plan.hardware))
+            pilot = Autopilot.from_state_dict(AutopilotConfig(), self.plan.recipe, state["autopilot"])
+            self.replan(PrecisionPlan(pilot.recipe, self.plan.layout, self.plan.hardware))
             logger.warning("resume: the checkpoint's run had the autopilot on: its %d action(s) applied to the "
-                           "recipe (the plan it trained with); no further actions without autopilot=on", len(applied))
+                           "recipe (the plan it trained with); no further actions without autopilot=on",
+                           len(pilot.actions))
         for name, per_role in state.get("scalers", {}).items():
             if name not in self.states:
                 continue

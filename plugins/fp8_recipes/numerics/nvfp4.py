@@ -207,6 +207,26 @@ def _check_inputs(who: str, x: torch.Tensor, block, stochastic_rounding: bool, g
     return _check_block(block)
 
 
+def _scales(hp: torch.Tensor, block: tuple[int, int]):
+    """One copy's scales from its 2-D float32 values: (the values zero-padded to whole blocks, the global amax,
+    S_enc, the E4M3 block scales, each block's encode multiplier). The global amax is the largest block amax: the
+    same number as max |x| (blocks cover x, padding adds zeros, NaN propagates), from the pass the blocks need."""
+    padded = _padded_blocks(hp, block)
+    block_amax = _block_amax(padded, block)
+    amax = block_amax.amax() if hp.numel() else torch.zeros((), dtype=torch.float32, device=hp.device)
+    global_scale = nvfp4_global_scale(amax)
+    block_scales = nvfp4_block_scales(block_amax, global_scale)
+    return padded, amax, global_scale, block_scales, _encode_multiplier(block_scales, global_scale)
+
+
+def _decode_factors(block_scales: torch.Tensor, global_amax: torch.Tensor) -> torch.Tensor:
+    """Per block, what a code's value is multiplied by: float(scale) * global amax * fp32(1 / 2688), in that order
+    (TE's dequantize kernel)."""
+    factor_inv = torch.reciprocal(torch.full((), E4M3_MAX * E2M1_MAX, dtype=torch.float32,
+                                             device=block_scales.device))
+    return fp8_to_float32(block_scales) * global_amax * factor_inv
+
+
 def _padded_blocks(hp: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """Zero-pad a 2-D float32 tensor to whole blocks: rows to block[0], cols to 16."""
     pr, pc = -hp.shape[0] % block[0], -hp.shape[1] % NVFP4_BLOCK
@@ -276,11 +296,7 @@ def quantize_nvfp4(
     shape = x.shape
     hp = nvfp4_copy_2d(x, columnwise=columnwise, rht=rht).float()
     r, c = hp.shape
-    amax = hp.abs().amax() if hp.numel() else torch.zeros((), dtype=torch.float32, device=hp.device)
-    global_scale = nvfp4_global_scale(amax)
-    padded = _padded_blocks(hp, block)
-    block_scales = nvfp4_block_scales(_block_amax(padded, block), global_scale)
-    multiplier = _encode_multiplier(block_scales, global_scale)
+    padded, amax, global_scale, block_scales, multiplier = _scales(hp, block)
     pr, pc = padded.shape
     scaled = padded.reshape(pr, pc // NVFP4_BLOCK, NVFP4_BLOCK) * multiplier[..., None]
     scaled = scaled.clamp_(-E2M1_MAX, E2M1_MAX).reshape(pr, pc)
@@ -300,8 +316,7 @@ def dequantize_nvfp4(q: NVFP4Quantized, dtype: torch.dtype | None = None) -> tor
     padded_cols = q.block_scales.shape[1] * NVFP4_BLOCK  # >= the 2 * ceil(c / 2) unpacked codes
     values = e2m1_to_float32(unpack_e2m1(q.codes))
     values = torch.nn.functional.pad(values, (0, padded_cols - values.shape[1]))
-    factor_inv = torch.reciprocal(torch.full((), E4M3_MAX * E2M1_MAX, dtype=torch.float32, device=values.device))
-    per_block = fp8_to_float32(q.block_scales) * q.global_amax * factor_inv
+    per_block = _decode_factors(q.block_scales, q.global_amax)
     blocks = values.reshape(r, padded_cols // NVFP4_BLOCK, NVFP4_BLOCK)  # (explicit sizes: r may be 0)
     hp = (blocks * per_block[..., None]).reshape(r, padded_cols)[:, :c]
     return (hp.t() if q.columnwise else hp).reshape(q.shape).to(dtype or q.dtype)
@@ -322,20 +337,14 @@ def fake_quant_nvfp4(
 
     The scales are the quantizer's (the same functions, on tensors 16x smaller than x); a value's E2M1 magnitude is
     its rounded count of grid steps times the step, which is what the code decodes to, times the block's decode
-    factor. The global amax is the largest block amax (the same number: blocks cover x, padding adds zeros). On a
+    factor. On a
     GPU the two passes over x's size, the RHT and the values, are torch.compile'd (no division in either: float32
     products and in-order sums, as the eager ones); anywhere else, and if compiling fails, they run eagerly."""
     block = _check_inputs("fake_quant_nvfp4", x, block, stochastic_rounding, generator, seed)
     hp = nvfp4_copy_2d(x, columnwise=columnwise, rht=rht, rotate=_kernel("rht", x.device)).float()
     r, c = hp.shape
-    padded = _padded_blocks(hp, block)
-    block_amax = _block_amax(padded, block)
-    amax = block_amax.amax() if hp.numel() else torch.zeros((), dtype=torch.float32, device=hp.device)
-    global_scale = nvfp4_global_scale(amax)
-    block_scales = nvfp4_block_scales(block_amax, global_scale)
-    multiplier = _encode_multiplier(block_scales, global_scale)
-    factor_inv = torch.reciprocal(torch.full((), E4M3_MAX * E2M1_MAX, dtype=torch.float32, device=hp.device))
-    decode = fp8_to_float32(block_scales) * amax * factor_inv  # dequantize_nvfp4's per-block factor
+    padded, amax, _, block_scales, multiplier = _scales(hp, block)
+    decode = _decode_factors(block_scales, amax)
     pr, pc = padded.shape
     u = None
     if stochastic_rounding:

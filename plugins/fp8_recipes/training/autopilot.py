@@ -1,7 +1,7 @@
 """The autopilot in a training run: the numerics rows of each statistics step go to the decision core
 (observe/autopilot.py), and its actions change the plan the backend runs from the next step on.
 
-    autopilot = resolve_autopilot(cfg)                        # the typed ``autopilot:`` section (off by default)
+    autopilot = resolve_autopilot(cfg)                        # training/run.py: the typed ``autopilot:`` section
     debug = statistics_for(autopilot, debug)                  # statistics at its interval when ``debug`` is off
     precision = AutopilotPrecision(precision, recorder, plan, autopilot, run_dir, rank=rank)
     ... train: after each step the loop calls step_result (the decision) and logs what drain_events hands over ...
@@ -31,24 +31,16 @@ from typing import Any
 
 from fp8_recipes.checks import ConfigError
 from fp8_recipes.observe.autopilot import Action, Autopilot
-from fp8_recipes.observe.autopilot_config import AutopilotConfig, autopilot_config
+from fp8_recipes.observe.autopilot_config import AutopilotConfig
 from fp8_recipes.observe.config import DebugConfig
 from fp8_recipes.plan.format import format_plan
 from fp8_recipes.plan.precision import PrecisionPlan
 from fp8_recipes.recipe.schema import Backend, RecipeError
 from fp8_recipes.rundir import PLAN
 
-__all__ = ["AutopilotPrecision", "check_autopilot", "resolve_autopilot", "statistics_for"]
+__all__ = ["AutopilotPrecision", "check_autopilot", "statistics_for"]
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_autopilot(cfg) -> AutopilotConfig:
-    """The run config's ``autopilot`` section (absent or ``enabled: false``: off)."""
-    from omegaconf import OmegaConf
-
-    node = cfg.get("autopilot") if hasattr(cfg, "get") else None
-    return autopilot_config(OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node)
 
 
 def statistics_for(autopilot: AutopilotConfig, debug: DebugConfig) -> DebugConfig:
@@ -111,7 +103,7 @@ class AutopilotPrecision:
     # -- the loop's calls ---------------------------------------------------------------------------------------
     def begin_step(self, step: int) -> str:
         if self._resumed:  # plan.txt was written again from the recipe once the checkpoint loaded
-            self._append_plan(step, self.pilot.actions, "resumed with")
+            self._append_plan(step, self.pilot.actions, "resumed with")  # (the applied ones)
             self._resumed = False
         return self._inner.begin_step(step)
 
@@ -163,7 +155,7 @@ class AutopilotPrecision:
                                   f"({str(e).splitlines()[0]}); resume with the recipe it was written with, or "
                                   f"autopilot=off") from None
             self._replan()
-            self._resumed = bool([a for a in self.pilot.actions if not a.dry and a.changes])
+            self._resumed = bool(self.pilot.actions)
         if not self.reset_scaling:
             self._inner.load_state_dict(state)
 
@@ -187,14 +179,14 @@ class AutopilotPrecision:
             row = {"kind": "autopilot", "step": a.step, "action": a.kind,
                    **{k: v for k, v in a.to_dict().items() if k not in ("kind", "step")}, "text": a.line()}
             self.events.append(Event(row, a.line()))
-        if any(not a.dry and a.changes for a in actions):
-            self._replan()
-            self._append_plan(step, actions, "the autopilot's plan after")
-
-    def _append_plan(self, step: int, actions: list[Action], words: str) -> None:
-        """plan.txt (rank 0): the actions, then the plan the run follows from step ``step + 1``."""
         applied = [a for a in actions if not a.dry and a.changes]
-        if self.rank != 0 or not applied:
+        if applied:
+            self._replan()
+            self._append_plan(step, applied, "the autopilot's plan after")
+
+    def _append_plan(self, step: int, applied: list[Action], words: str) -> None:
+        """plan.txt (rank 0): the applied actions, then the plan the run follows from step ``step + 1``."""
+        if self.rank != 0:
             return
         head = "\n".join(f"# {a.line()}" for a in applied)
         text = f"\n# from step {step + 1}, {words}:\n{head}\n{format_plan(self.plan, self.max_steps)}\n"

@@ -28,6 +28,7 @@ from fp8_recipes.checks import ConfigError
 from fp8_recipes.launcher import launch_rank
 from fp8_recipes.megatron.data import build_gpt_datasets, data_parallel_batches, prepare_dataset
 from fp8_recipes.megatron.model_config import check_model_device, layout_of, linear_shapes, model_notices, run_model_cfg
+from fp8_recipes.observe.autopilot_config import autopilot_config
 from fp8_recipes.observe.config import debug_config
 from fp8_recipes.plan.precision import Execution, Hardware, ModelLayout, ParallelLayout, PrecisionPlan
 from fp8_recipes.plan.format import format_plan
@@ -35,12 +36,12 @@ from fp8_recipes.plan.te import TE_FP8_ALIGN, te_fp8_shape_problem
 from fp8_recipes.recipe.pack import EMPTY_RECIPE, load_recipe
 from fp8_recipes.rundir import PLAN, RECIPE, check_run_dir, claim, drop_rows_after, release, write_text
 from fp8_recipes.recipe.schema import AmaxReduction, Attention, Backend, RecipeError, Role, Scaling
-from fp8_recipes.training.autopilot import AutopilotPrecision, check_autopilot, resolve_autopilot, statistics_for
+from fp8_recipes.training.autopilot import AutopilotPrecision, check_autopilot, statistics_for
 from fp8_recipes.training.config import check_run_config, check_writable_dir
 from fp8_recipes.training.errors import CheckpointWriteError, NonFiniteStop
 from fp8_recipes.training.notices import run_notices
 
-__all__ = ["check_plan", "resolve_debug", "resolve_recipe", "run_training"]
+__all__ = ["check_plan", "resolve_autopilot", "resolve_debug", "resolve_recipe", "run_training"]
 
 logger = logging.getLogger("fp8_recipes")
 
@@ -59,16 +60,23 @@ def resolve_recipe(cfg) -> Any:
         return load_recipe(data)
 
 
-def resolve_debug(cfg):
-    """The run's DebugConfig (numerics statistics, dumps): the recipe's `debug` section under the run config's."""
+def _plain(node):
+    """A config section as plain data (resolved), or the value itself when it is none."""
     from omegaconf import OmegaConf
 
-    def plain(node):
-        return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
 
+
+def resolve_debug(cfg):
+    """The run's DebugConfig (numerics statistics, dumps): the recipe's `debug` section under the run config's."""
     recipe = cfg.get("recipe") if hasattr(cfg, "get") else None
     recipe_debug = recipe.get("debug") if hasattr(recipe, "get") else None
-    return debug_config(plain(recipe_debug), plain(cfg.get("debug") if hasattr(cfg, "get") else None))
+    return debug_config(_plain(recipe_debug), _plain(cfg.get("debug") if hasattr(cfg, "get") else None))
+
+
+def resolve_autopilot(cfg):
+    """The run's AutopilotConfig: the run config's ``autopilot`` section (absent or ``enabled: false``: off)."""
+    return autopilot_config(_plain(cfg.get("autopilot") if hasattr(cfg, "get") else None))
 
 
 def _observe(precision, debug, run_dir: Path, rank: int, backend, sequence_parallel: bool = False):
