@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fp8_recipes.observe.doctor_autopilot import applied_actions, rows_after_actions
 from fp8_recipes.observe.doctor_experts import ExpertCause, expert_causes, expert_of, expert_proposals
 from fp8_recipes.observe.doctor_findings import Finding, find_problems
 from fp8_recipes.observe.doctor_gap import LossGap, loss_gap, missing_steps
@@ -100,6 +101,16 @@ class RunData:
     """routing.jsonl rows of an MoE run (tokens and mean routing weight per expert, per step and MoE layer)."""
     autopilot: list[dict[str, Any]] = field(default_factory=list)
     """metrics.jsonl rows of kind "autopilot" (a run with ``autopilot=on``: its actions, in order)."""
+    ended_with: Recipe | None = None
+    """The recipe the run ended with when the autopilot changed it (recipe.yaml with the applied actions:
+    observe/doctor_autopilot.ended_with); None when it did not, or they do not apply (``autopilot_problem``)."""
+    autopilot_problem: str = ""
+    """Why the autopilot's actions did not apply to recipe.yaml (the proposals then patch recipe.yaml)."""
+
+    @property
+    def final_recipe(self) -> Recipe | None:
+        """What the proposals patch: the recipe the run ended with (recipe.yaml when the autopilot changed nothing)."""
+        return self.ended_with if self.ended_with is not None else self.recipe
 
 
 @dataclass(frozen=True)
@@ -335,14 +346,18 @@ def diagnose(run: RunData, baseline: RunData | None = None, seeds: Sequence[RunD
         verdict = "spikes" if spikes and fp8 else "healthy"
     d = Diagnosis(run, verdict, "", spikes=spikes, baseline=baseline, seeds=list(seeds), gap=gap, shared=shared)
     d.findings = find_problems(run.numerics)
-    d.experts = expert_causes(d.findings, run.numerics, run.routing) if _has_fp8(run.recipe) else []
-    d.notes += _input_notes(d)
+    # what the proposals read: each (module, role) after the autopilot's last action on it (all rows without one)
+    numerics = rows_after_actions(run.autopilot, run.numerics)
+    settled = find_problems(numerics) if len(numerics) < len(run.numerics) else d.findings
+    recipe = run.final_recipe
+    d.experts = expert_causes(settled, numerics, run.routing) if _has_fp8(run.recipe) else []
+    d.notes += _input_notes(d, len(d.findings) - len(settled))
     if verdict == "healthy" and d.experts:  # the loss does not show it (yet): the experts' own remedies only
         d.verdict = "stale_expert_scales"
         d.summary = (f"{len(d.experts)} expert(s) with a delayed scale far from the current one: "
                      + "; ".join(f"layer {c.layer} expert {c.expert} ({c.cause.replace('_', ' ')} at step {c.step})"
                                  for c in d.experts))
-        d.proposals = expert_proposals(d.experts, run.recipe) if run.recipe is not None else []
+        d.proposals = expert_proposals(d.experts, recipe) if recipe is not None else []
         return d
     if verdict == "healthy":
         d.summary = _healthy_summary(d)
@@ -369,18 +384,18 @@ def diagnose(run: RunData, baseline: RunData | None = None, seeds: Sequence[RunD
     early = onset <= max(SETTLE, total // 10)
     blind = baseline is None and div is not None and early  # everything explodes: findings are consequences
     if not blind:  # after a divergence, the numbers are its consequences: the causes are in the steps up to it
-        causes = find_problems(run.numerics, _first_recorded(run.numerics, onset)) if div else d.findings
-        experts = expert_causes(causes, run.numerics, run.routing) if div else d.experts
+        causes = find_problems(numerics, _first_recorded(numerics, onset)) if div else settled
+        experts = expert_causes(causes, numerics, run.routing) if div else d.experts
         mine = {c.prefix for c in experts}  # those experts' findings get their own remedy, not a role's
         causes = [f for f in causes if (expert_of(f.module) or ("",))[0] not in mine]
         after = _spike_consequences(causes, d.spikes + d.shared)
         causes = [f for f in causes if f not in after]
         d.notes += [f"{f.module} {f.role}: {f.text.split(' (')[0]} at the spike of step {f.step} only: the "
                     f"spike's consequence, not a cause (no change proposed for it)" for f in after]
-        d.proposals = (expert_proposals(experts, run.recipe) if run.recipe is not None else []) + propose(
-            causes, run.recipe, run.numerics)
-    if (blind or early) and run.recipe is not None:
-        d.proposals.append(warmup_proposal(run.recipe, onset, total))
+        d.proposals = (expert_proposals(experts, recipe) if recipe is not None else []) + propose(
+            causes, recipe, numerics)
+    if (blind or early) and recipe is not None:
+        d.proposals.append(warmup_proposal(recipe, onset, total))
     if not d.proposals:
         why = "the FP8 numerics show nothing beyond the limits" if run.numerics else "no numerics.jsonl"
         d.notes.append(f"no recipe change proposed: {why}; look at the data and the LR around step {onset}")
@@ -391,8 +406,9 @@ def diagnose(run: RunData, baseline: RunData | None = None, seeds: Sequence[RunD
     return d
 
 
-def _input_notes(d: Diagnosis) -> list[str]:
-    """What the doctor says about its inputs: an unpaired baseline, a recipe it cannot read, shared spikes."""
+def _input_notes(d: Diagnosis, answered: int = 0) -> list[str]:
+    """What the doctor says about its inputs: an unpaired baseline, a recipe it cannot read, shared spikes, the
+    autopilot's changes (`answered`: findings left out of the proposals because an action came after them)."""
     out = []
     if d.gap is not None and not d.gap.paired:
         out.append("the baseline did not see the run's batches (another seed, batch size or data?): its loss gap is "
@@ -403,11 +419,17 @@ def _input_notes(d: Diagnosis) -> list[str]:
     if d.shared:
         out.append(f"{len(d.shared)} spike(s) at the same steps as the baseline's (steps "
                    f"{', '.join(str(s.start) for s in d.shared)}): both runs see them, not counted")
-    applied = [a for a in d.run.autopilot if a.get("changes") and not a.get("dry")]
-    if applied:
-        out.append(f"the autopilot changed the recipe during the run ({len(applied)} action(s), listed above; the plan "
-                   f"it ended with is at the end of plan.txt): the findings span the steps before them, and the "
-                   f"proposals patch recipe.yaml, the recipe the run started with")
+    applied = applied_actions(d.run.autopilot)
+    if applied and d.run.ended_with is None:
+        out.append(f"the autopilot changed the recipe during the run ({len(applied)} action(s), listed above), but its "
+                   f"actions do not apply to recipe.yaml ({d.run.autopilot_problem}): the proposals patch recipe.yaml, "
+                   f"the recipe the run started with")
+    elif applied:
+        left = f"; {answered} finding(s) recorded before an action on their module and role are not proposed again" \
+            if answered > 0 else ""
+        out.append(f"the autopilot changed the recipe during the run ({len(applied)} action(s), listed above): the "
+                   f"proposals patch the recipe it ended with (recipe.yaml with those actions; its plan is at the end "
+                   f"of plan.txt) and read each module and role's statistics after the last action on it{left}")
     return out
 
 

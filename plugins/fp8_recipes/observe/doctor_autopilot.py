@@ -1,13 +1,20 @@
-"""The doctor on a run the autopilot drove: which of its actions held.
+"""The doctor on a run the autopilot drove: which of its actions held, and what the plan it ended with saw.
 
     for line in action_outcomes(run.autopilot, run.numerics): print(line)
+    rows = rows_after_actions(run.autopilot, run.numerics)   # the statistics the proposals read
+    recipe = ended_with(recipe, run.autopilot)                # recipe.yaml with the applied actions: what --write patches
 
 An action (a ``kind: autopilot`` row of metrics.jsonl, training/autopilot.py) *held* when the (module, role) it
 changed shows no finding (the doctor's limits, :func:`~fp8_recipes.observe.doctor_findings.find_problems`) in
 the statistics rows recorded after it, up to its module and role's next action; it *did not hold* when they show
 one (the worst named); a role-wide one says in how many of the role's modules it held. A module (or a role) put in
 BF16 has no FP8 rows to judge: its line says so (a re-promotion is an action of its own, judged as any). Dry-run
-actions changed nothing: listed as such. Rows without an integer step are left out. Pure (no torch).
+actions changed nothing: listed as such. Rows without an integer step are left out.
+
+The doctor's proposals for such a run patch the recipe it ended with (:func:`ended_with`: recipe.yaml with the
+applied actions, in order, as the run replayed them on a resume) and read, per (module, role), only the statistics
+recorded after the last applied action that changed it (:func:`rows_after_actions`): what the autopilot already
+answered is not proposed again, and what its actions left standing is. Pure (no torch).
 """
 
 from __future__ import annotations
@@ -15,9 +22,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from fp8_recipes.observe.autopilot_actions import Action, apply
 from fp8_recipes.observe.doctor_findings import SUPPORTING, find_problems
+from fp8_recipes.recipe.schema import Recipe
 
-__all__ = ["action_outcomes"]
+__all__ = ["action_outcomes", "applied_actions", "ended_with", "rows_after_actions"]
 
 
 def _step(row: dict[str, Any]) -> int | None:
@@ -29,6 +38,29 @@ def _covers(action: dict[str, Any], row: dict[str, Any]) -> bool:
     """Whether a statistics row is of the (module, role) the action changed (``*``: every module, every role)."""
     module, role = str(action.get("module")), str(action.get("role"))
     return (module in ("*", row.get("module"))) and (role in ("*", row.get("role")))
+
+
+def applied_actions(actions: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The actions that changed the recipe (not dry, not cap_reached), in step order."""
+    return sorted((a for a in actions if _step(a) is not None and a.get("changes") and not a.get("dry")), key=_step)
+
+
+def ended_with(recipe: Recipe, actions: Sequence[dict[str, Any]]) -> Recipe:
+    """`recipe` (the run's recipe.yaml) with the applied actions' changes, in order: the recipe the run ended with
+    (a RecipeError when they do not apply to it: metrics.jsonl of another run, or edited)."""
+    return apply(recipe, [Action.from_dict(a) for a in applied_actions(actions)])
+
+
+def rows_after_actions(actions: Sequence[dict[str, Any]], numerics: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The statistics rows recorded after the last applied action that changed their (module, role): each module
+    and role as the plan the run ended with ran it (``numerics`` itself when no action applied)."""
+    applied = applied_actions(actions)
+    if not applied:
+        return list(numerics)
+
+    def last_action(row: dict[str, Any]) -> int:
+        return max((_step(a) for a in applied if _covers(a, row)), default=0)
+    return [r for r in numerics if _step(r) is not None and _step(r) > last_action(r)]
 
 
 def _outcome(action: dict[str, Any], later: list[dict[str, Any]], until: int | None) -> str:

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from fp8_recipes.observe.doctor_autopilot import action_outcomes
+from fp8_recipes.observe.doctor_autopilot import action_outcomes, applied_actions, ended_with
 from fp8_recipes.observe.doctor import Diagnosis, DoctorInputError, Finding, RunData
 from fp8_recipes.observe.doctor_experts import describe_modules
 from fp8_recipes.rundir import (
@@ -71,17 +71,23 @@ def load_run(run_dir: str | Path, key: str = "RUN_DIR") -> RunData:
             problem = e.problems[0] + (f"; +{len(e.problems) - 1} more" if len(e.problems) > 1 else "")
     summary = read_summary(path)  # {} for a run killed while writing it: the metrics rows say enough
     autopilot = [r for r in rows if r.get("kind") == "autopilot"]
+    ended, why = None, ""
+    if recipe is not None and applied_actions(autopilot):  # the recipe the run ended with: what --write patches
+        try:
+            ended = ended_with(recipe, autopilot)
+        except (RecipeError, TypeError, KeyError, AttributeError) as e:
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
     return RunData(path, train, numerics, recipe, summary, evals, recipe_problem=problem, routing=routing,
-                   autopilot=autopilot)
+                   autopilot=autopilot, ended_with=ended, autopilot_problem=why)
 
 
 def patched_recipe(d: Diagnosis) -> dict[str, Any] | None:
-    """The run's recipe with every non-alternative proposal applied, validated (a RecipeError if not); None when
-    nothing is proposed."""
+    """The recipe the run ended with (recipe.yaml, and the autopilot's applied actions when it had any) with every
+    non-alternative proposal applied, validated (a RecipeError if not); None when nothing is proposed."""
     applied = [p for p in d.proposals if not p.alternative]
-    if not applied or d.run.recipe is None:
+    if not applied or d.run.final_recipe is None:
         return None
-    out = d.run.recipe.to_dict()  # what the run wrote to recipe.yaml, as plain YAML data
+    out = d.run.final_recipe.to_dict()  # recipe.yaml as plain YAML data, with the autopilot's actions if any
     for p in applied:
         for dotted, value in p.changes.items():
             *parents, leaf = dotted.split(".")
@@ -96,7 +102,9 @@ def patched_recipe(d: Diagnosis) -> dict[str, Any] | None:
                 node[leaf] = value
     name = str(out.get("name", "recipe"))
     out["name"] = name if name.endswith("-doctor") else f"{name}-doctor"
-    out["description"] = f"{out.get('description') or name}; doctor: " + ", ".join(dict.fromkeys(
+    pilot = len(applied_actions(d.run.autopilot)) if d.run.ended_with is not None else 0
+    before = (out.get("description") or name) + (f"; the autopilot's {pilot} action(s)" if pilot else "")
+    out["description"] = f"{before}; doctor: " + ", ".join(dict.fromkeys(
         k for p in applied for k, v in p.changes.items() if v is not None))  # (each key once: modules: per expert)
     Recipe.from_dict(out)  # every proposal must keep the recipe valid
     return out
