@@ -425,3 +425,28 @@ def test_the_run_records_statistics_for_the_autopilot_and_refuses_te(caplog):
     check_autopilot(off, te)
     with pytest.raises(ConfigError, match=r"^autopilot.enabled: .*emulated backend only"):
         check_autopilot(on, te)
+
+
+def test_a_plan_txt_that_cannot_be_written_is_a_warning_and_the_action_holds(tmp_path, caplog):
+    """Rank 0 alone appends the new plan to plan.txt; the other ranks took the same action and go on, so a failing
+    write (here plan.txt is a directory) must not stop rank 0: one warning, the backend replanned, the row logged."""
+    from fp8_recipes.plan.precision import Hardware, ModelLayout, PrecisionPlan
+    from fp8_recipes.training.autopilot import AutopilotPrecision
+
+    class Backend:
+        full_precision_eval_interval, plans = 0, []
+
+        def replan(self, plan):
+            self.plans.append(plan)
+
+    (tmp_path / "plan.txt").mkdir()
+    plan = PrecisionPlan(load_recipe("delayed"), ModelLayout.gpt(LAYERS), Hardware())
+    precision = AutopilotPrecision(Backend(), None, plan, CONFIG, tmp_path)
+    demote = Action(11, TARGET, "activations", "to_bf16", "delayed", "bf16", "planted", False,
+                    {"layers.bf16_modules": [TARGET]})
+    precision.pilot._book(demote)  # (what observe() does with an action it takes)
+    with caplog.at_level("WARNING"):
+        precision._take([demote], 11)
+    assert "autopilot: could not append the plan from step 12" in caplog.text
+    assert precision._inner.plans and TARGET in precision.plan.recipe.layers.bf16_modules
+    assert [e.row["action"] for e in precision.drain_events()] == ["to_bf16"]

@@ -185,13 +185,19 @@ class AutopilotPrecision:
             self._append_plan(step, applied, "the autopilot's plan after")
 
     def _append_plan(self, step: int, applied: list[Action], words: str) -> None:
-        """plan.txt (rank 0): the applied actions, then the plan the run follows from step ``step + 1``."""
+        """plan.txt (rank 0): the applied actions, then the plan the run follows from step ``step + 1``. A write that
+        fails (a full disk) is a warning: the other ranks took the same action and go on, so rank 0 must too (the
+        action is in metrics.jsonl and the checkpoint, which carry the run)."""
         if self.rank != 0:
             return
         head = "\n".join(f"# {a.line()}" for a in applied)
         text = f"\n# from step {step + 1}, {words}:\n{head}\n{format_plan(self.plan, self.max_steps)}\n"
-        with open(self.run_dir / PLAN, "a") as f:
-            f.write(text)
+        try:
+            with open(self.run_dir / PLAN, "a") as f:
+                f.write(text)
+        except OSError as e:
+            logger.warning("autopilot: could not append the plan from step %d to %s (%s); the run goes on, and its "
+                           "actions are in metrics.jsonl", step + 1, self.run_dir / PLAN, e.strerror or e)
 
     def _replan(self) -> None:
         self.plan = PrecisionPlan(self.pilot.recipe, self.plan.layout, self.plan.hardware)
