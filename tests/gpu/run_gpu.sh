@@ -23,8 +23,8 @@
 #         (ENGINE=1: bench_train --engine, scripts/train.py's step; TESTS: other test files or node ids)
 #     bash tests/gpu/run_gpu.sh moe-stats    # statistics overhead at interval 10 on moe_small's grouped experts
 #     bash tests/gpu/run_gpu.sh nvfp4        # issue 29: NVFP4 vs TE's reference + emulated nvfp4 / mxfp8 vs BF16 step time
-#     bash tests/gpu/run_gpu.sh autopilot    # issue 30: its cost at interval 10 on gpt_125m (emulated delayed: none /
-#         statistics / autopilot, side by side in one call; STEPS, TRAIN_CAP)
+#     bash tests/gpu/run_gpu.sh autopilot    # issue 30: its GPU tests on TE, then its cost at interval 10 on gpt_125m
+#         (delayed on TE: none / statistics / autopilot, side by side in one call; BACKEND=emulated, STEPS, TRAIN_CAP)
 #     bash tests/gpu/run_gpu.sh two          # two GPUs: scales across the amax group, safe at PP=2, bench_parallel
 #         (10 runs of ~40 s; a second call with LAYOUTS="1gpu dp2 tp2sp pp2 cp2" RECIPES="tensorwise" covers the rest)
 # BASELINE: a checkout of the engine before (git archive 107c97b plugins conf scripts recipes setup.cfg | tar -x -C .oldsrc)
@@ -215,17 +215,25 @@ PY
   [ -n "${BENCH_MODELS:-}" ] && grep -E "x BF16|tok/s|nvfp4|bf16" "$OUT/nvfp4.log" | tail -6
   ;;
 autopilot)
-  # Issue 30 on the H200: the autopilot's overhead (target <= 5 % of the step at interval 10). The autopilot drives the
-  # emulated backend only, so all three runs are emulated delayed scaling on gpt_125m; tokens/s: each run's median.
+  # Issue 30 on the H200: the autopilot on the TE backend (its GPU tests: a replan moves each changed linear to its
+  # new TE recipe; a planted failure acted on, trained through, resumed), then its overhead (target <= 5 % of the
+  # step at interval 10): delayed scaling on gpt_125m, no statistics / statistics / the autopilot, side by side;
+  # BACKEND=emulated measures the emulated backend instead. tokens/s: each run's median. The healthy 1000-step
+  # shoot-out with the autopilot on: EXTRA="autopilot=on" bash tests/gpu/run_gpu.sh shootout (no action expected).
+  stamp "GPU tests: the autopilot on TE" | tee "$OUT/autopilot.log"
+  timeout -s INT ${TEST_CAP:-240} "$PY" -m pytest tests/gpu/test_te_autopilot.py -q -p no:cacheprovider -o addopts="" \
+      -rfEs 2>&1 | tee -a "$OUT/autopilot.log"
   for mode in plain stats pilot; do
     case $mode in plain) extra= ;; stats) extra="++debug.interval=10" ;; pilot) extra="autopilot=on" ;; esac
-    stamp "scripts/train.py +recipe=delayed ++recipe.backend=emulated $extra (${STEPS:-60} steps)" | tee -a "$OUT/autopilot.log"
-    timeout -s INT ${TRAIN_CAP:-150} "$PY" scripts/train.py +recipe=delayed ++recipe.backend=emulated $extra \
+    stamp "scripts/train.py +recipe=delayed ++recipe.backend=${BACKEND:-te} $extra (${STEPS:-60} steps)" \
+        | tee -a "$OUT/autopilot.log"
+    timeout -s INT ${TRAIN_CAP:-150} "$PY" scripts/train.py +recipe=delayed ++recipe.backend=${BACKEND:-te} $extra \
         model=gpt_125m trainer=gpu trainer.max_steps=${STEPS:-60} trainer.micro_batch_size=8 \
         trainer.global_batch_size=16 trainer.warmup_steps=2 trainer.eval_interval=0 trainer.save_checkpoints=false \
         run_dir="$OUT/autopilot-$mode" 2>&1 | grep -v -E "it/s\]|step/s" | tail -3 | tee -a "$OUT/autopilot.log"
   done
   echo; stamp "summary"
+  grep -E " passed| failed|^FAILED|^ERROR" "$OUT/autopilot.log" | tail -8
   for mode in plain stats pilot; do
     "$PY" -c "import json; s=json.load(open('$OUT/autopilot-$mode/summary.json')); print('$mode', 'tok/s', \
         round(s.get('tokens_per_s_median') or 0), 'wall', round(s.get('wall_time_s') or 0, 1))" 2>&1 | tail -1

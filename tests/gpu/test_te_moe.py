@@ -74,7 +74,7 @@ def test_grouped_experts_statistics_are_per_expert(tmp_path, monkeypatch):
 
 
 def test_grouped_experts_delayed_state_survives_a_checkpoint(megatron_gpu, tmp_path):
-    from fp8_recipes.backends.te import _delayed_tensors
+    from fp8_recipes.backends.te_state import delayed_tensors
     from fp8_recipes.megatron.model import build_gpt_model, model_layout
     from fp8_recipes.megatron.te_layers import attach_te_backend
     from fp8_recipes.plan.precision import Hardware, PrecisionPlan
@@ -101,7 +101,7 @@ def test_grouped_experts_delayed_state_survives_a_checkpoint(megatron_gpu, tmp_p
     fresh_model, fresh = build(1)
     summary = run(fresh_model, fresh, tmp_path, 4, save_checkpoints=True, resume_from=tmp_path)
     assert summary["steps"] == 4 and summary["nonfinite_loss_steps"] == 0
-    now = {k: v.cpu() for k, v in _delayed_tensors(fresh.linears["decoder.layers.2.mlp.experts.linear_fc2"]).items()}
+    now = {k: v.cpu() for k, v in delayed_tensors(fresh.linears["decoder.layers.2.mlp.experts.linear_fc2"]).items()}
     # resumed with the saved histories: step 3 rolled the weights' columns once more (every expert's weight is
     # quantized each step); the saved rows moved up by one
     weights = [3 * e + 1 for e in range(4)]
@@ -112,7 +112,7 @@ def test_module_policies_give_the_grouped_experts_their_own_delayed_state(megatr
     """moe_delayed on TE (per-module policies: the experts' linears under their own autocast inside the layer's):
     the grouped experts keep 16-step amax histories, attention TE's 1024, each rolled once per step (both recipes'
     states reduced and updated at the one outer autocast's exit), and the plan runs as planned."""
-    from fp8_recipes.backends.te import _delayed_tensors
+    from fp8_recipes.backends.te_state import delayed_tensors
     from fp8_recipes.megatron.model import build_gpt_model, model_layout
     from fp8_recipes.megatron.te_layers import attach_te_backend
     from fp8_recipes.plan.precision import Hardware, PrecisionPlan
@@ -129,8 +129,8 @@ def test_module_policies_give_the_grouped_experts_their_own_delayed_state(megatr
     precision = attach_te_backend(model, plan)
     summary = run(model, precision, tmp_path, 4)
     assert summary["nonfinite_loss_steps"] == 0 and sum(precision.mismatches.values()) == 0
-    experts = _delayed_tensors(precision.linears["decoder.layers.0.mlp.experts.linear_fc1"])
-    qkv = _delayed_tensors(precision.linears["decoder.layers.0.self_attention.linear_qkv"])
+    experts = delayed_tensors(precision.linears["decoder.layers.0.mlp.experts.linear_fc1"])
+    qkv = delayed_tensors(precision.linears["decoder.layers.0.self_attention.linear_qkv"])
     assert experts["amax_history_fwd"].shape[0] == 16 and qkv["amax_history_fwd"].shape[0] == 1024
     assert recorded_any(experts["amax_history_fwd"]) == [12, 13, 14, 15]  # (every expert's weight, each step)
     assert recorded(qkv["amax_history_fwd"]) == [1020, 1021, 1022, 1023]

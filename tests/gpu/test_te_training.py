@@ -202,9 +202,9 @@ def test_stage_switches_take_effect_at_the_planned_steps(scaling, megatron_gpu, 
     assert sum(precision.mismatches.values()) == 0 and summary["nonfinite_loss_steps"] == 0
     assert summary["final_loss"] < 8.0  # ln(4096) = 8.3 at the start; one fixed batch is learnt quickly
     if scaling == "delayed":  # one amax history across the forward-only -> FP8 switch (CustomRecipe carrier)
-        from fp8_recipes.backends.te import _delayed_tensors
+        from fp8_recipes.backends.te_state import delayed_tensors
 
-        t = _delayed_tensors(precision.linears["decoder.layers.1.mlp.linear_fc1"])
+        t = delayed_tensors(precision.linears["decoder.layers.1.mlp.linear_fc1"])
         # input amaxes of steps 4-7, one roll per step; [1022, 1023] alone would mean a reset at step 6
         assert recorded(t["amax_history_fwd"]) == [1020, 1021, 1022, 1023]
         assert recorded(t["amax_history_bwd"]) == [1022, 1023]  # FP8 gradients from step 6
@@ -218,7 +218,7 @@ def test_first_and_last_layers_run_bf16(scaling, megatron_gpu, tmp_path):
     model, precision = build(recipe, megatron_gpu[2])
     summary = run(model, precision, tmp_path, 4)
     assert summary["nonfinite_loss_steps"] == 0 and sum(precision.mismatches.values()) == 0
-    from fp8_recipes.backends.te import _delayed_tensors
+    from fp8_recipes.backends.te_state import delayed_tensors
 
     for layer in range(4):
         for m in PER_LAYER:
@@ -227,7 +227,7 @@ def test_first_and_last_layers_run_bf16(scaling, megatron_gpu, tmp_path):
             want = BF16 if layer in (0, 3) else FP8
             assert ran == {want}, (name, ran)
             if scaling == "delayed":  # independent of our hook: only FP8 modules record amaxes in TE's state
-                t = _delayed_tensors(precision.linears[name])
+                t = delayed_tensors(precision.linears[name])
                 assert bool(t and (t["amax_history_fwd"] > 0).any()) == (want == FP8), name
                 if want == FP8:  # one roll per step forward and backward (the outer autocast), not one per layer
                     assert recorded(t["amax_history_fwd"]) == [1020, 1021, 1022, 1023], name
@@ -309,7 +309,7 @@ def test_high_precision_evaluation_runs_bf16(megatron_gpu):
 
 
 def test_delayed_state_survives_a_checkpoint(megatron_gpu, tmp_path):
-    from fp8_recipes.backends.te import _delayed_tensors
+    from fp8_recipes.backends.te_state import delayed_tensors
 
     recipe = {"weights": "delayed", "activations": "delayed", "gradients": "delayed", "layers": {"bf16_first": 1}}
     model, precision = build(recipe, megatron_gpu[2])
@@ -321,7 +321,7 @@ def test_delayed_state_survives_a_checkpoint(megatron_gpu, tmp_path):
     assert summary["steps"] == 4 and summary["nonfinite_loss_steps"] == 0
     # resumed at step 3 with the saved histories and scales: step 3 rolled each history once more
     for name, tensors in saved.items():
-        now = {k: v.cpu() for k, v in _delayed_tensors(fresh.linears[name]).items()}
+        now = {k: v.cpu() for k, v in delayed_tensors(fresh.linears[name]).items()}
         for key in ("amax_history_fwd", "amax_history_bwd"):
             assert recorded(tensors[key]) == [1021, 1022, 1023] and recorded(now[key]) == [1020, 1021, 1022, 1023]
             assert torch.equal(now[key][-4:-1], tensors[key][-3:]), (name, key)
@@ -353,10 +353,10 @@ def test_fp8_lm_head_trains(scaling, tied, megatron_gpu, tmp_path):
     assert precision.linears["output_layer"].weight is weight  # TE ran on Megatron-Core's parameter
     assert weight.main_grad.abs().sum() > 0  # its gradient reached DDP's buffer
     if scaling == "delayed":  # the outer autocast spans the head: every history rolled once per step
-        from fp8_recipes.backends.te import _delayed_tensors
+        from fp8_recipes.backends.te_state import delayed_tensors
 
         for name in ("output_layer", "decoder.layers.0.mlp.linear_fc1"):
-            tensors = _delayed_tensors(precision.linears[name])
+            tensors = delayed_tensors(precision.linears[name])
             assert recorded(tensors["amax_history_fwd"]) == [1020, 1021, 1022, 1023], name
         assert "output_layer" in precision.state_dict()["delayed"]
 
@@ -413,7 +413,7 @@ WIDE_HEADS = dict(hidden_size=256, num_attention_heads=2, num_query_groups=2, ff
 
 
 def test_fp8_attention_runs_in_the_plans_layers_and_survives_a_checkpoint(megatron_gpu, tmp_path):
-    from fp8_recipes.backends.te import _delayed_tensors
+    from fp8_recipes.backends.te_state import delayed_tensors
 
     recipe = {"weights": "delayed", "activations": "delayed", "gradients": "delayed", "attention": "fp8",
               "layers": {"bf16_first": 1}}
@@ -435,7 +435,7 @@ def test_fp8_attention_runs_in_the_plans_layers_and_survives_a_checkpoint(megatr
     fresh_model, fresh = build(recipe, megatron_gpu[2], seed=1, **WIDE_HEADS)
     run(fresh_model, fresh, tmp_path, 4, save_checkpoints=True, resume_from=tmp_path)
     for name in attn:  # resumed with the saved history: step 3 rolled it once more
-        now = _delayed_tensors(fresh.attention[name])["amax_history_fwd"].cpu()
+        now = delayed_tensors(fresh.attention[name])["amax_history_fwd"].cpu()
         assert recorded_any(now) == [1020, 1021, 1022, 1023] and torch.equal(now[-4:-1], saved[name]["amax_history_fwd"][-3:])
 
 

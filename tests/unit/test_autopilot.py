@@ -404,7 +404,7 @@ def test_nonfinite_streak_recovers():
 # The run's wiring (training/autopilot.py)
 
 
-def test_the_run_records_statistics_for_the_autopilot_and_refuses_te(caplog):
+def test_the_run_records_statistics_for_the_autopilot_on_either_backend(caplog):
     from fp8_recipes.checks import ConfigError
     from fp8_recipes.observe.config import debug_config
     from fp8_recipes.plan.precision import Hardware, ModelLayout, PrecisionPlan
@@ -422,9 +422,54 @@ def test_the_run_records_statistics_for_the_autopilot_and_refuses_te(caplog):
     emulated = PrecisionPlan(load_recipe("delayed"), ModelLayout.gpt(2), Hardware())
     check_autopilot(on, emulated)
     te = PrecisionPlan(load_recipe("delayed"), ModelLayout.gpt(2), Hardware.target((9, 0)))
-    check_autopilot(off, te)
-    with pytest.raises(ConfigError, match=r"^autopilot.enabled: .*emulated backend only"):
-        check_autopilot(on, te)
+    check_autopilot(on, te)
+    stored = PrecisionPlan(apply_dict(load_recipe("tensorwise"), {"fp8_param": True}), ModelLayout.gpt(2),
+                           Hardware.target((9, 0)))
+    check_autopilot(off, stored)
+    with pytest.raises(ConfigError, match=r"^autopilot.enabled: FP8-stored weights .* set recipe.fp8_param=false"):
+        check_autopilot(on, stored)
+
+
+class Inner:
+    """The precision controller AutopilotPrecision wraps, as far as these tests reach it."""
+
+    full_precision_eval_interval = 0
+
+    def __init__(self):
+        self.plans = []
+
+    def replan(self, plan):
+        self.plans.append(plan)
+
+
+def apply_dict(recipe: Recipe, changes: dict) -> Recipe:
+    return Recipe.from_dict({**recipe.to_dict(), **changes})
+
+
+def test_on_te_an_action_te_would_not_run_as_asked_is_vetoed():
+    """TE keeps one delayed state for a module's inputs and weights: a shorter history for one module's activations
+    alone is a substitution there (TE would run it unchanged), so the autopilot's veto refuses it and the next
+    remedy, current scaling for those activations (a CustomRecipe), is taken. The emulated backend runs both."""
+    from fp8_recipes.plan.precision import Hardware, ModelLayout, PrecisionPlan
+    from fp8_recipes.training.autopilot import AutopilotPrecision
+
+    checked = []
+    for hardware, backend in ((Hardware.target((9, 0)), "te"), (Hardware(), "emulated")):
+        plan = PrecisionPlan(apply_dict(load_recipe("delayed"), {"backend": "auto"}), ModelLayout.gpt(LAYERS),
+                             hardware)
+        assert str(plan.backend) == backend
+        pilot = AutopilotPrecision(Inner(), None, plan, CONFIG, ".", check=checked.append).pilot
+        for step in stat_steps(11, CONFIG.patience):
+            rows = numerics(step, pilot.recipe, poison=lambda r: r.update(underflow_pct=5.0, scale_ratio=0.001)
+                            if (r["module"], r["role"]) == (TARGET, "activations") else None)
+            taken = pilot.observe(step, rows)
+        assert [a.kind for a in taken] == (["to_current"] if backend == "te" else ["shorten_history"]), taken
+    assert checked  # the run's own checks saw every candidate plan
+    te = PrecisionPlan(load_recipe("delayed"), ModelLayout.gpt(LAYERS), Hardware.target((9, 0)))
+    vetoed = AutopilotPrecision(Inner(), None, te, CONFIG, ".")._accept(
+        apply_dict(load_recipe("delayed"), {"backend": "auto", "modules": {TARGET: {"activations": {
+            "scaling": "delayed", "amax_history_len": 12}}}}))
+    assert vetoed is not None and f"would not run {TARGET} activations as asked" in vetoed, vetoed
 
 
 def test_a_plan_txt_that_cannot_be_written_is_a_warning_and_the_action_holds(tmp_path, caplog):
@@ -433,15 +478,9 @@ def test_a_plan_txt_that_cannot_be_written_is_a_warning_and_the_action_holds(tmp
     from fp8_recipes.plan.precision import Hardware, ModelLayout, PrecisionPlan
     from fp8_recipes.training.autopilot import AutopilotPrecision
 
-    class Backend:
-        full_precision_eval_interval, plans = 0, []
-
-        def replan(self, plan):
-            self.plans.append(plan)
-
     (tmp_path / "plan.txt").mkdir()
     plan = PrecisionPlan(load_recipe("delayed"), ModelLayout.gpt(LAYERS), Hardware())
-    precision = AutopilotPrecision(Backend(), None, plan, CONFIG, tmp_path)
+    precision = AutopilotPrecision(Inner(), None, plan, CONFIG, tmp_path)
     demote = Action(11, TARGET, "activations", "to_bf16", "delayed", "bf16", "planted", False,
                     {"layers.bf16_modules": [TARGET]})
     precision.pilot._book(demote)  # (what observe() does with an action it takes)

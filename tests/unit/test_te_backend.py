@@ -13,6 +13,7 @@ import torch
 
 from fp8_recipes.backends import te as te_backend
 from fp8_recipes.backends.te import BF16, FP8, FP8_FWD, TEPrecision
+from fp8_recipes.backends.te_state import carry_delayed, delayed_column, delayed_slots, delayed_tensors
 from fp8_recipes.plan.precision import Hardware, ModelLayout, PrecisionPlan
 from fp8_recipes.recipe.schema import Recipe
 
@@ -29,7 +30,9 @@ class FakeTE:
     def __init__(self):
         self.stack: list[tuple[bool, object]] = []
         self.reductions = 0
-        self.quantization_state = types.SimpleNamespace(is_first_fp8_module=False, autocast_depth=0)
+        self.quantization_state = types.SimpleNamespace(is_first_fp8_module=False, autocast_depth=0,
+                                                        global_amax_buffer={}, global_amax_history_buffer={},
+                                                        global_scale_buffer={})
         te = self
 
         class autocast:  # noqa: N801 (TE's name)
@@ -62,6 +65,10 @@ class FakeTE:
 
     def current(self) -> tuple[bool, object]:
         return self.stack[-1] if self.stack else (False, None)
+
+    @staticmethod
+    def get_buffer_info() -> str:
+        return "buffer_index_and_autocast_key"
 
 
 class FakeLinear(torch.nn.Module):
@@ -332,3 +339,121 @@ def test_fp8_param_init_builds_fp8_layers_under_their_recipe(request):
         PrecisionPlan(Recipe.from_dict({**FP8_PARAM, "fp8_param": False}), ModelLayout.gpt(3), H200)) is None
     with pytest.raises(RecipeError, match=r"^fp8_param: true: the FP8 layers run CustomRecipe here"):
         FP8ParamInit(PrecisionPlan(Recipe.from_dict({**FP8_PARAM, "weights": "delayed"}), ModelLayout.gpt(3), H200))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A plan changed mid-run (the autopilot): each changed module's delayed state moved to its new TE recipe
+
+
+class SlotLinear(FakeLinear):
+    """A fake TE linear with TE's delayed-state layout (backends/te_state.py): per direction one column per slot
+    that the recipe gives delayed state; kept while ``fp8_meta_tensors_initialized`` (TE's same-class early
+    return), built at the first FP8 forward, and registered once in the global amax buffers."""
+
+    def forward(self, x):
+        out = super().forward(x)
+        if self.fp8:
+            if not getattr(self, "fp8_meta_tensors_initialized", False):
+                self.fp8_meta["num_gemms"] = 1
+                self.init_fp8_meta_tensors(self.fp8_meta["recipe"])
+            state = self.te.quantization_state
+            if self.te.get_buffer_info() not in self.fp8_meta and delayed_tensors(self):
+                self.fp8_meta[self.te.get_buffer_info()] = [0, "key"]
+                state.global_amax_buffer.setdefault(self.fp8_meta["recipe"].choice, []).append(self.name)
+        return out
+
+    def init_fp8_meta_tensors(self, recipe):
+        if getattr(self, "fp8_meta_tensors_initialized", False):
+            return
+        for fwd, key in ((True, "scaling_fwd"), (False, "scaling_bwd")):
+            n = len(delayed_slots(recipe.choice, 3 if fwd else 2, fwd))
+            length = (recipe.choice.weights if fwd else recipe.choice.gradients).amax_history_len  # (TE: per request)
+            self.fp8_meta[key] = types.SimpleNamespace(scale=torch.ones(n), amax_history=torch.zeros(length, n)) \
+                if n else types.SimpleNamespace()
+        self.fp8_meta_tensors_initialized = True
+
+
+def test_replan_moves_the_changed_modules_delayed_state(fake_te, monkeypatch):
+    """delayed, history 8, on 2 layers. The autopilot's new plan: one module's activations to current scaling (a
+    CustomRecipe: its weight and grad_output keep their delayed columns), one module to BF16 (its state left alone,
+    fresh when it comes back), one module's inputs and weights to a history of 3 (the newest amaxes kept, the scale
+    taken again). Untouched modules keep their state; TE's amax buffers are emptied so every module registers again
+    under its recipe now."""
+    monkeypatch.setattr(te_backend, "TEPrecision", TEPrecision)
+    base = {"weights": "delayed", "activations": "delayed", "gradients": "delayed",
+            **{r: {"scaling": "delayed", "amax_history_len": 8} for r in ("weights", "activations", "gradients")}}
+    plan = PrecisionPlan(Recipe.from_dict(base), ModelLayout.gpt(2), H200)
+    log: list = []
+    names = [f"decoder.layers.{i}.{m}" for i in range(2) for m in PER_LAYER]
+    linears = {n: SlotLinear(fake_te, log, n) for n in names}
+    decoder = Decoder([Layer([linears[f"decoder.layers.{i}.{m}"] for m in PER_LAYER]) for i in range(2)])
+    precision = TEPrecision(plan, layers=dict(enumerate(decoder.layers)), linears=linears, chunks=[decoder])
+    precision.begin_step(0)
+    decoder(torch.zeros(1))
+    for i, m in enumerate(linears.values()):  # a recorded past: rows 1..7, column c of module i = 10 i + c + row
+        for d, n in (("fwd", 3), ("bwd", 2)):
+            t = delayed_tensors(m)
+            t[f"amax_history_{d}"].copy_(torch.arange(8.0)[:, None] + 10 * i + torch.arange(n)[None, :])
+            t[f"amax_history_{d}"][0] = 0.0
+            t[f"scale_{d}"].fill_(2.0)
+    current, bf16, short, kept = names[0], names[1], names[2], names[5]
+    before = {n: {k: v.clone() for k, v in delayed_tensors(linears[n]).items()} for n in names}
+    new = {**base, "layers": {"bf16_modules": [bf16]}, "modules": {
+        current: {"activations": "tensorwise"},
+        short: {r: {"scaling": "delayed", "amax_history_len": 3} for r in ("weights", "activations")}}}
+    precision.replan(PrecisionPlan(Recipe.from_dict(new), ModelLayout.gpt(2), H200))
+    assert fake_te.quantization_state.global_amax_buffer  # (registered under the old recipes until the next step)
+    precision.begin_step(1)
+    assert not fake_te.quantization_state.global_amax_buffer
+    assert all(fake_te.get_buffer_info() not in m.fp8_meta for m in linears.values())
+    decoder(torch.zeros(1))  # every FP8 module registers again, under its recipe now
+    assert sum(map(len, fake_te.quantization_state.global_amax_buffer.values())) == 7
+
+    now = delayed_tensors(linears[current])  # weight and grad_output: their columns, unchanged policies, verbatim
+    assert torch.equal(now["amax_history_fwd"][:, 0], before[current]["amax_history_fwd"][:, 1])
+    assert torch.equal(now["amax_history_bwd"][:, 0], before[current]["amax_history_bwd"][:, 0])
+    assert now["scale_fwd"].tolist() == [2.0] and now["scale_bwd"].tolist() == [2.0]
+    # a CustomRecipe now (its gradients' history differs): input and weight columns, the 2 newest rows, rescaled;
+    # grad_output's column verbatim (its policy is unchanged), no state for the boundary slots
+    now, old = delayed_tensors(linears[short]), before[short]
+    newest = torch.cat([old["amax_history_fwd"][:1], old["amax_history_fwd"][-2:]])[:, :2]
+    assert torch.equal(now["amax_history_fwd"], newest)
+    assert torch.equal(now["scale_fwd"], torch.tensor(448.0) / torch.tensor([27.0, 28.0]))  # row 7, the largest
+    assert torch.equal(now["amax_history_bwd"], old["amax_history_bwd"][:, :1])
+    for n in (bf16, kept):
+        assert all(torch.equal(v, before[n][k]) for k, v in delayed_tensors(linears[n]).items()), n
+    precision.replan(plan)  # back: the BF16 module starts afresh, the others move back
+    precision.begin_step(2)
+    decoder(torch.zeros(1))
+    back = delayed_tensors(linears[bf16])
+    assert back["amax_history_fwd"].abs().sum() == 0 and back["scale_bwd"].tolist() == [1.0, 1.0]
+    assert delayed_tensors(linears[short])["amax_history_fwd"].shape == (8, 3)
+    assert not precision.mismatches
+
+
+def test_carry_delayed_between_te_state_layouts():
+    """The per-slot carry on its own: a E4M3 DelayedScaling's backward state into a HYBRID one (the grad_output
+    scale taken again for E5M2's range; the grad_input slot, no role's, verbatim) and into nothing."""
+    from fp8_recipes.plan.te import TERecipe, TERecipeKind
+    from fp8_recipes.recipe.schema import Format, Role, Scaling, TensorPolicy
+
+    d = TensorPolicy(scaling=Scaling.DELAYED, amax_history_len=4)
+    e4m3 = TERecipe(TERecipeKind.DELAYED, d, d, d)
+    hybrid = TERecipe(TERecipeKind.DELAYED, d, d, TensorPolicy(scaling=Scaling.DELAYED, amax_history_len=4,
+                                                                format=Format.E5M2))
+    history = torch.tensor([[0.0, 0.0], [1.0, 5.0], [2.0, 6.0], [4.0, 7.0]])
+    old = (history, torch.tensor([112.0, 3.0]), delayed_slots(e4m3, 2, False), e4m3)
+    new_history, new_scale = torch.empty(4, 2), torch.empty(2)
+    carry_delayed(old, new_history, new_scale, delayed_slots(hybrid, 2, False), hybrid)
+    assert torch.equal(new_history, history) and new_scale.tolist() == [57344.0 / 4.0, 3.0]
+    carry_delayed(None, new_history, new_scale, delayed_slots(hybrid, 2, False), hybrid)
+    assert new_history.abs().sum() == 0 and new_scale.tolist() == [1.0, 1.0]
+    custom = TERecipe(TERecipeKind.CUSTOM, d, TensorPolicy(scaling=Scaling.TENSORWISE), d)
+    assert delayed_slots(custom, 6, True) == [(1, "weights"), (4, "weights")]  # a two-GEMM module's weights
+    # where the statistics read a delayed scale (backends/te_observe.py): the column of that slot under the recipe
+    assert delayed_column(custom, 2, Role.WEIGHTS, 1) == ("scale_fwd", 1)
+    assert delayed_column(custom, 2, Role.ACTIVATIONS, 1) is None
+    assert delayed_column(e4m3, 2, Role.WEIGHTS, 1) == ("scale_fwd", 4)
+    assert delayed_column(hybrid, 1, Role.GRADIENTS) == ("scale_bwd", 0)
+    assert delayed_slots(TERecipe(TERecipeKind.CURRENT, *(TensorPolicy(scaling=Scaling.TENSORWISE),) * 3), 3,
+                         True) == []

@@ -181,7 +181,7 @@ def test_a_grouped_expert_linear_is_observed_per_expert():
     torch.manual_seed(0)
     cfg = {"num_layers": 1, "num_moe_experts": 3}
     recipe = Recipe.from_dict({"weights": "delayed", "activations": "delayed", "gradients": "delayed"})
-    plan = PrecisionPlan(recipe, layout_of(cfg), Hardware())
+    plan = PrecisionPlan(recipe, layout_of(cfg), Hardware("cuda", (9, 0), "2.20.2", "NVIDIA H200"))
     module = Grouped()
     grouped = "decoder.layers.0.mlp.experts.linear_fc1"
     rows = tuple(f"decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc1" for e in range(3))

@@ -20,6 +20,12 @@ TE keeps a module's delayed-scaling state (scale, amax history) when the next re
 (``set_meta_tensor`` returns early; a CustomRecipe rebuild hands it over through ``inherit_state_from``); only a
 change of recipe class starts afresh, which the plan never asks for (delayed roles keep one carrier).
 
+A new plan mid-run (:meth:`TEPrecision.replan`: the autopilot changed the recipe between steps) is another matter:
+a module's new recipe may differ from its old one in format, margin or history within the same class, which TE
+would not pick up, or in class. At the first step of the new plan each linear whose TE recipe changed is rebuilt
+for it, its delayed amaxes carried slot by slot, and TE's amax buffers are emptied so every module registers
+again under its recipe now (backends/te_state.py).
+
 Checkpoints: TE would pickle each module's recipe and delayed state into ``_extra_state``; TE 2.20 refuses to
 load that without NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1, and our callables would be pickled with it. So the TE
 modules' extra state stays empty and the delayed-scaling tensors travel in :meth:`TEPrecision.state_dict` as
@@ -40,6 +46,7 @@ from typing import Any
 
 import torch
 
+from fp8_recipes.backends.te_state import SLOT_ROLES, delayed_tensors, move_delayed, reregister, restore_delayed
 from fp8_recipes.checks import ConfigError
 from fp8_recipes.numerics.scaling import delayed_scale_update, history_percentile
 from fp8_recipes.plan.precision import PrecisionPlan, StepPlan, TERecipe
@@ -134,8 +141,6 @@ class RoleQuantizers:
     weight -> weights, grad_output -> gradients). The boundary slots (output, grad_input: used only with
     fp8_output / fp8_grad, which Megatron-Core's linears never ask for) stay high precision."""
 
-    _ROLE_OF = {"input": Role.ACTIVATIONS, "weight": Role.WEIGHTS, "grad_output": Role.GRADIENTS}
-
     def __init__(self, choice: TERecipe, reduce_amax: bool):
         self.choice = choice
         self.reduce_amax = reduce_amax
@@ -145,7 +150,7 @@ class RoleQuantizers:
         from transformer_engine.common.recipe import Format as TEFormat
 
         linear = role is not None and getattr(role, "module_type", "") in ("linear", "grouped_linear", "")
-        r = self._ROLE_OF.get(role.tensor_type) if linear else None  # attention (dpa) and boundary slots: BF16
+        r = SLOT_ROLES.get(role.tensor_type) if linear else None  # attention (dpa) and boundary slots: BF16
         p = self.choice.policy(r) if r is not None else None
         if p is None or not p.is_fp8:
             return te.IdentityQuantizer()
@@ -203,38 +208,7 @@ def te_recipe(choice: TERecipe, *, reduce_amax: bool = True) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Delayed-scaling state of one TE module
-
-
-def _delayed_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The module's delayed-scaling scale / amax-history tensors (built-in or CustomRecipe), empty if none."""
-    meta = getattr(module, "fp8_meta", None) or {}
-    out = {}
-    for direction, key in (("fwd", "scaling_fwd"), ("bwd", "scaling_bwd")):
-        state = meta.get(key)
-        scale, history = getattr(state, "scale", None), getattr(state, "amax_history", None)
-        if isinstance(scale, torch.Tensor) and isinstance(history, torch.Tensor):
-            out[f"scale_{direction}"], out[f"amax_history_{direction}"] = scale, history
-    return out
-
-
-def _restore_delayed(name: str, module: torch.nn.Module, saved: Mapping[str, torch.Tensor], recipe: Any,
-                     num_gemms: int = 1) -> None:
-    meta = module.fp8_meta
-    # TE's Linear and LayerNormLinear run one GEMM; its DotProductAttention keeps the state of three (its own
-    # init_fp8_metadata(num_gemms=3)), a GroupedLinear one per expert
-    meta.setdefault("num_gemms", num_gemms)
-    meta["recipe"] = recipe
-    with torch.no_grad():
-        module.init_fp8_meta_tensors(recipe)  # allocates the state the next FP8 forward will find and keep
-        current = _delayed_tensors(module)
-        for key, value in saved.items():
-            if key not in current or current[key].shape != value.shape:
-                have = tuple(current[key].shape) if key in current else None
-                raise ConfigError(f"{name}: delayed-scaling {key} has shape {tuple(value.shape)} in the checkpoint "
-                                 f"and {have} here; resume with the recipe it was saved with (amax_history_len), or set "
-                                 f"trainer.reset_scaling_state=true")
-            current[key].copy_(value)
+# FP8-stored weights
 
 
 _FP8_ROWWISE = ("data", "fp8_scale_inv", "rowwise_data", "rowwise_scale_inv")  # TE's get_metadata() keys
@@ -318,6 +292,9 @@ class TEPrecision:
         self.step_plan: StepPlan | None = None
         """This step's plan (set by begin_step; the statistics hooks of backends/te_observe.py read it)."""
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
+        self._replanned = False  # replan() gave a new plan: the next _apply moves the changed modules' state
+        self._dropped: set[str] = set()  # linears a replan put in BF16: their state is not carried past it
+        self._te_modules = [*self.linears.values()]  # every TE module with FP8 state (the LM head's is outside)
         self.step_kinds: dict[int, Counter] = defaultdict(Counter)
         self.module_kinds: Counter = Counter()
         self.mismatches: Counter = Counter()
@@ -332,6 +309,7 @@ class TEPrecision:
             for module in chunk.modules():  # every TE module (linears, attention): see the module docstring
                 if hasattr(module, "fp8_meta"):  # TE's TransformerEngineBaseModule and only it carries fp8_meta
                     module.get_extra_state = _empty_extra_state
+                    self._te_modules.append(module)
         self._cached_weights = [m for m in self.linears.values() if hasattr(m, "is_first_microbatch")]
 
     # -- wiring ----------------------------------------------------------------------------------------------------
@@ -386,6 +364,7 @@ class TEPrecision:
             by_layer[self._layer_of[name]].append(name)
         for n in by_layer.pop(None, []):
             self._module_ctx[n] = self._ctx(choices[n])
+        old_layers = dict(self._layer_choices)
         for i in self._layer_ctx:
             names = by_layer.get(i, [])
             layer_choice = sp.layers_te.get(i)
@@ -398,6 +377,9 @@ class TEPrecision:
         for name, choice in choices.items():  # a cached FP8 weight belongs to the old quantizer: drop it
             if name in self._choices and self._choices[name] != choice:
                 getattr(self.linears[name], "_fp8_workspaces", {}).clear()
+        if self._replanned:
+            self._move_states(choices, old_layers)
+            self._replanned = False
         self._choices = choices
         self._expected = {n: _kind(c) for n, c in choices.items()}
         self._restore_pending()
@@ -407,14 +389,49 @@ class TEPrecision:
             if name in self.attention:
                 choice = self._layer_choices.get(self._attention_layer[name])
                 if choice is not None and choice.delayed and choice.fp8_dpa:
-                    _restore_delayed(name, self.attention[name], self._pending.pop(name), self.te_recipe(choice),
+                    restore_delayed(name, self.attention[name], self._pending.pop(name), self.te_recipe(choice),
                                      num_gemms=3)
                 continue
             choice = self._choices.get(name)
             if choice is not None and choice.delayed:
                 module = self.linears[name]
-                _restore_delayed(name, module, self._pending.pop(name), self.te_recipe(choice),
+                restore_delayed(name, module, self._pending.pop(name), self.te_recipe(choice),
                                  num_gemms=getattr(module, "num_gemms", 1))  # a GroupedLinear: one per expert
+
+    def _move_states(self, choices: Mapping[str, TERecipe | None], old_layers: Mapping[int, TERecipe | None]) -> None:
+        """After a replan, at the first step it applies to: every linear whose TE recipe changed gets its new
+        recipe's quantizers and state, its delayed amaxes carried (backends/te_state.py); one put in BF16 keeps its
+        state untouched and starts afresh when it runs FP8 again (as the emulated backend drops and recreates its
+        scalers). FP8 attention of a layer whose recipe changed is rebuilt by TE, which keeps its delayed state
+        where the shapes agree. Then every module joins TE's amax buffers again, under its recipe now."""
+        for name, choice in choices.items():
+            old = self._choices.get(name)
+            if name not in self._choices or old == choice:
+                continue
+            if choice is None:
+                self._dropped.add(name)
+                continue
+            recipe = self.te_recipe(choice)
+            move_delayed(self.linears[name], recipe, None if name in self._dropped else old, choice,
+                         lambda r=recipe: self._autocast(enabled=True, recipe=r, amax_reduction_group=self._group))
+            self._dropped.discard(name)
+        for name, module in self.attention.items():
+            layer = self._attention_layer[name]
+            if old_layers.get(layer) != self._layer_choices.get(layer):
+                module.fp8_meta_tensors_initialized = False
+        reregister(self._fp8_state_manager, self._te_modules)
+
+    def replan(self, plan: PrecisionPlan) -> None:
+        """Run `plan` from the next begin_step on (the autopilot changed the recipe between steps; the same model
+        layout): there each TE module whose recipe changed is moved to it (:meth:`_move_states`)."""
+        if plan.te is None:
+            raise ValueError(f"te backend: replan needs a TE plan (this one resolved {plan.backend!s})")
+        if plan.layout.module_names != self.plan.layout.module_names:
+            raise ValueError("te backend: replan needs a plan of the same model layout")
+        if self.fp8_params:
+            raise ValueError("te backend: FP8-stored weights are quantized with their layer's recipe: no replan")
+        self.plan, self._roles, self._replanned = plan, None, True
+        self.full_precision_eval_interval = plan.recipe.schedule.full_precision_eval_interval
 
     # -- the Precision protocol ------------------------------------------------------------------------------------
     def begin_step(self, step: int) -> str:
@@ -457,7 +474,7 @@ class TEPrecision:
         them (for the multi-rank checks: one amax-reduction group must agree)."""
         out = {}
         for name, module in self.linears.items():
-            tensors = _delayed_tensors(module)
+            tensors = delayed_tensors(module)
             if tensors:
                 out[name] = {k: tensors[f"scale_{k}"].float().flatten().tolist() for k in ("fwd", "bwd")}
         return out
@@ -465,7 +482,7 @@ class TEPrecision:
     def state_dict(self) -> dict:
         delayed = dict(self._pending)  # not put back yet (the module has not run FP8 since loading): keep them
         for name, module in {**self.linears, **self.attention}.items():
-            tensors = _delayed_tensors(module)
+            tensors = delayed_tensors(module)
             if tensors:
                 delayed[name] = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
         out = {"recipe": self.plan.recipe.name, "delayed": delayed}

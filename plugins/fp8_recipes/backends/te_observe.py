@@ -40,16 +40,13 @@ from typing import Any
 import torch
 
 from fp8_recipes.backends.groups import max_reducer
-from fp8_recipes.backends.te import _delayed_tensors
+from fp8_recipes.backends.te_state import delayed_column, delayed_tensors
 from fp8_recipes.plan.precision import Gemm, ModulePlan
 from fp8_recipes.plan.te import TERecipeKind
 from fp8_recipes.recipe.schema import Role
 
 __all__ = ["TEObservedExpert", "TEObservedLinear", "te_observer_states"]
 
-# TE's delayed-scaling slots of a one-GEMM module (tex.FP8FwdTensors / FP8BwdTensors): GEMM1_INPUT, GEMM1_WEIGHT,
-# GRAD_OUTPUT1, in the scale tensors backends/te.py's _delayed_tensors reads.
-_DELAYED_SLOT = {Role.ACTIVATIONS: ("scale_fwd", 0), Role.WEIGHTS: ("scale_fwd", 1), Role.GRADIENTS: ("scale_bwd", 0)}
 _FORWARD_OPERANDS = ((Gemm.FPROP, Role.ACTIVATIONS), (Gemm.FPROP, Role.WEIGHTS), (Gemm.DGRAD, Role.WEIGHTS),
                      (Gemm.WGRAD, Role.ACTIVATIONS))
 _BACKWARD_OPERANDS = ((Gemm.DGRAD, Role.GRADIENTS), (Gemm.WGRAD, Role.GRADIENTS))
@@ -57,19 +54,21 @@ _WEIGHT_OPERANDS = ((Gemm.FPROP, Role.WEIGHTS), (Gemm.DGRAD, Role.WEIGHTS))
 
 
 class _TEScale:
-    """The delayed scale TE holds for one operand (a DelayedScaler's ``scale``, read only)."""
+    """The delayed scale TE holds for one operand (a DelayedScaler's ``scale``, read only): its column in the
+    module's state under the TE recipe it runs this step (backends/te_state.delayed_column: a CustomRecipe keeps
+    only its delayed roles' columns)."""
 
-    def __init__(self, module: torch.nn.Module, role: Role, gemm: int = 0):
-        self.module, (self.key, index) = module, _DELAYED_SLOT[role]
-        # a GroupedLinear's GEMM e: forward slots 3e + (input 0, weight 1), backward 2e + grad_output 0
-        self.index = index + gemm * (3 if self.key == "scale_fwd" else 2)
+    def __init__(self, module: torch.nn.Module, role: Role, gemm: int, choice: Callable[[], Any]):
+        self.module, self.role, self.gemm, self._choice = module, role, gemm, choice
 
     @property
     def scale(self) -> torch.Tensor:
-        scale = _delayed_tensors(self.module).get(self.key)
+        gemms = (getattr(self.module, "fp8_meta", None) or {}).get("num_gemms", getattr(self.module, "num_gemms", 1))
+        where = delayed_column(self._choice(), gemms, self.role, self.gemm)
+        scale = delayed_tensors(self.module).get(where[0]) if where is not None else None
         if scale is None:  # not allocated before the module's first FP8 forward: TE's 1.0
             return torch.ones((), dtype=torch.float32)
-        return scale[self.index]
+        return scale[where[1]]
 
 
 class TEObservedLinear:
@@ -80,7 +79,7 @@ class TEObservedLinear:
         self.name = name
         self.module = module
         self._step_plan = step_plan
-        self.scalers = {role: _TEScale(module, role, gemm) for role in Role}
+        self.scalers = {role: _TEScale(module, role, gemm, lambda: self.plan.te) for role in Role}
         self.amax_reducers = _sequence_parallel_reducers(module)
         self.record_amax = True
         self.observer: Callable[..., None] | None = None

@@ -16,7 +16,8 @@ from fp8_recipes.recipe.schema import AmaxAlgo, Format, MxRounding, TensorPolicy
 
 __all__ = [
     "AmaxReduce", "DelayedScaler", "amax_to_e8m0", "amax_to_scale", "delayed_scale_update", "e8m0_to_multiplier",
-    "e8m0_to_scale_inv", "history_percentile", "nan_ignoring_amax", "pow2_floor",
+    "e8m0_to_scale_inv", "history_percentile", "nan_ignoring_amax", "pow2_floor", "resized_history", "retaken_scale",
+    "window_amax",
 ]
 
 AmaxReduce = Callable[[torch.Tensor], torch.Tensor]
@@ -114,6 +115,35 @@ def history_percentile(history: torch.Tensor, percentile: float) -> torch.Tensor
     return torch.nan_to_num(torch.nanquantile(seen, percentile / 100.0, dim=0), nan=0.0)
 
 
+def window_amax(history: torch.Tensor, policy: TensorPolicy) -> torch.Tensor:
+    """The amax a delayed `policy` takes from `history` (TE's layout, along dim 0: slot 0 the step being recorded,
+    then the past steps oldest first): its max, its slot 0 (most_recent) or its percentile."""
+    if policy.amax_compute_algo is AmaxAlgo.MOST_RECENT:
+        return history[0].clone()
+    if policy.amax_compute_algo is AmaxAlgo.PERCENTILE:
+        return history_percentile(history, policy.percentile)
+    return history.amax(dim=0)
+
+
+def resized_history(history: torch.Tensor, length: int) -> torch.Tensor:
+    """A delayed amax history (TE's layout along dim 0, any columns) as one of `length` rows: slot 0 and the most
+    recent ``length - 1`` past amaxes kept, zeros where it grows. (TE's own ``adjust_amax_history_length`` keeps the
+    first rows, the oldest amaxes: a window shortened to drop an old outlier would keep it.)"""
+    out = history.new_zeros((length, *history.shape[1:]))
+    out[0] = history[0]
+    keep = min(length, history.shape[0]) - 1
+    if keep > 0:
+        out[-keep:] = history[-keep:]
+    return out
+
+
+def retaken_scale(history: torch.Tensor, scale: torch.Tensor, policy: TensorPolicy) -> torch.Tensor:
+    """The scale a delayed `policy` takes from `history` (a resized window): TE's update rule without the roll, the
+    previous `scale` kept where the window holds no amax."""
+    return delayed_scale_update(window_amax(history, policy), scale, fp8_spec(policy.format).max, policy.margin,
+                                policy.pow2_scales)
+
+
 def delayed_scale_update(amax: torch.Tensor, scale: torch.Tensor, fp8_max: float, margin: int = 0,
                          pow2: bool = False) -> torch.Tensor:
     """TE's delayed-scaling update (``_default_sf_compute``): fp8_max / amax / 2^margin, float32 max when that
@@ -150,12 +180,7 @@ class DelayedScaler:
         self.observed = True
 
     def history_amax(self) -> torch.Tensor:
-        algo = self.policy.amax_compute_algo
-        if algo is AmaxAlgo.MOST_RECENT:
-            return self.history[0].clone()
-        if algo is AmaxAlgo.PERCENTILE:
-            return history_percentile(self.history, self.policy.percentile)
-        return self.history.max()
+        return window_amax(self.history, self.policy)
 
     def update(self, reduce: AmaxReduce | None = None, *, skip_unobserved: bool = False) -> None:
         """``skip_unobserved``: keep history and scale when nothing was observed since the last update (an expert
@@ -178,13 +203,9 @@ class DelayedScaler:
         the scale taken again from the kept history with the new policy's rules, so an amax that fell out of the
         window no longer sets it (a history of zeros keeps the scale, as an update would)."""
         new = DelayedScaler(policy, self.history.device)
-        keep = min(policy.amax_history_len, self.history.numel()) - 1
-        new.history[0] = self.history[0]
-        if keep > 0:
-            new.history[-keep:] = self.history[-keep:]
+        new.history = resized_history(self.history, policy.amax_history_len)
         new.observed = self.observed
-        new.scale = delayed_scale_update(new.history_amax(), self.scale, fp8_spec(policy.format).max, policy.margin,
-                                         policy.pow2_scales)
+        new.scale = retaken_scale(new.history, self.scale, policy)
         return new
 
     def state_dict(self) -> dict[str, torch.Tensor]:

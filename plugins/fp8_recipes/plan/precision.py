@@ -700,6 +700,20 @@ class PrecisionPlan:
             return dataclasses.replace(cached, step=step, stage=self.stage_label(roles, step))
         return cached
 
+    def te_differences(self) -> frozenset[tuple[str, Role]]:
+        """On TE: each (module, role) that TE runs under another policy than the recipe gives it (a substitution of
+        its resolution); empty on the emulated backend, which runs every policy as asked."""
+        if self.te is None:
+            return frozenset()
+        out = set()
+        for name in self.layout.module_names:
+            resolution = self._te_resolution(name)
+            if resolution is None or self.bf16_reason(name) is not None:
+                continue
+            asked = self.module_policies(name)
+            out |= {(name, r) for r in ROLES if asked[r].is_fp8 and resolution.policies[r] != asked[r]}
+        return frozenset(out)
+
     def module_override(self, name: str) -> ModulePolicies | None:
         """The recipe's first ``modules:`` entry whose pattern matches ``name``, else None."""
         return self.recipe.module_override(name)

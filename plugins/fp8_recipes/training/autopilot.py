@@ -18,8 +18,11 @@ metrics.jsonl (TensorBoard text ``autopilot/text``), a console and train.log lin
 the checkpoints (``autopilot`` beside the backend's scaling state), so a resumed run replays the applied actions
 onto its recipe before the scaling state loads, and continues with the same plan and the same pending re-promotions.
 
-Runs on the emulated backend: the TE backend's per-layer autocast would need its FP8 state moved between recipes,
-which is not built or measured yet (refused in one line, :func:`check_autopilot`).
+Both backends: the emulated one carries or resizes its delayed scalers (``EmulatedPrecision.replan``); the TE one
+moves each changed module to its new TE recipe at the next step, its delayed amaxes carried
+(``TEPrecision.replan``, backends/te_state.py). A recipe the run's backend would not run as asked is never applied
+(:meth:`AutopilotPrecision._accept`: the next remedy is tried). FP8-stored weights on TE are refused in one line
+(:func:`check_autopilot`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from fp8_recipes.checks import ConfigError
@@ -59,14 +63,14 @@ def statistics_for(autopilot: AutopilotConfig, debug: DebugConfig) -> DebugConfi
 
 
 def check_autopilot(autopilot: AutopilotConfig, plan: PrecisionPlan, trainer=None) -> None:
-    """ConfigError (one line) for a run the autopilot cannot drive: the TE backend, or a recovery streak the
-    trainer's own non-finite policy would end first (``trainer``: the TrainerConfig)."""
+    """ConfigError (one line) for a run the autopilot cannot drive: FP8-stored weights on the TE backend, or a
+    recovery streak the trainer's own non-finite policy would end first (``trainer``: the TrainerConfig)."""
     if not autopilot.enabled:
         return
-    if plan.backend is not Backend.EMULATED:
-        raise ConfigError(f"autopilot.enabled: the autopilot drives the emulated backend only so far (this run plans "
-                          f"{plan.backend}: moving TE's per-layer FP8 state between recipes is not built yet); set "
-                          f"recipe.backend=emulated, or autopilot=off")
+    if plan.backend is Backend.TE and plan.recipe.fp8_param:
+        raise ConfigError("autopilot.enabled: FP8-stored weights (recipe fp8_param: true) are quantized with their "
+                          "layer's Transformer Engine recipe, which an action would change; set "
+                          "recipe.fp8_param=false, or autopilot=off")
     limit = getattr(trainer, "max_consecutive_skips", None)
     if limit is not None and autopilot.nonfinite_streak >= limit:
         raise ConfigError(f"autopilot.nonfinite_streak: {autopilot.nonfinite_streak} non-finite steps, but the trainer "
@@ -87,8 +91,11 @@ class AutopilotPrecision:
     everything else is the wrapped one (ObservedPrecision over the backend, with the numerics recorder)."""
 
     def __init__(self, inner, recorder, plan: PrecisionPlan, config: AutopilotConfig, run_dir: str | Path, *,
-                 rank: int = 0, max_steps: int | None = None):
+                 rank: int = 0, max_steps: int | None = None, check: Callable[[PrecisionPlan], Any] | None = None):
         self._inner, self.recorder, self.plan, self.config = inner, recorder, plan, config
+        self.check = check
+        """The run's own checks of a plan (training/run.check_plan: the layout, grouped experts, shapes), which a
+        new plan must pass too: they raise the one-line error."""
         self.run_dir, self.rank, self.max_steps = Path(run_dir), rank, max_steps
         self.base_recipe = plan.recipe
         self.pilot = Autopilot(config, plan.recipe, accept=self._accept)
@@ -166,11 +173,21 @@ class AutopilotPrecision:
 
     # -- inside ---------------------------------------------------------------------------------------------------
     def _accept(self, recipe) -> str | None:
-        """The autopilot's veto: a recipe the backend cannot plan (its one-line reason)."""
+        """The autopilot's veto (its one-line reason): a recipe the run cannot plan or check, one its backend would
+        leave (auto: TE cannot run it at all), or one TE would not run as asked (a new substitution: the action
+        would change nothing, or something else)."""
         try:
-            PrecisionPlan(recipe, self.plan.layout, self.plan.hardware)
+            plan = PrecisionPlan(recipe, self.plan.layout, self.plan.hardware)
+            if self.check is not None:
+                self.check(plan)
         except (RecipeError, ConfigError, ValueError) as e:
             return str(e).splitlines()[0]
+        if plan.backend is not self.plan.backend:
+            return f"the run would move from the {self.plan.backend} backend to {plan.backend} ({plan.backend_reason})"
+        new = sorted(plan.te_differences() - self.plan.te_differences())
+        if new:
+            module, role = new[0]
+            return f"Transformer Engine would not run {module} {role} as asked ({len(new)} module role(s))"
         return None
 
     def _take(self, actions: list[Action], step: int) -> None:

@@ -753,7 +753,8 @@ def _train(run: _Run, engine, plan, precision, data: _RunData, on_ready: Callabl
                                    run.tcfg.sequence_parallel)
     if run.autopilot is not None and run.autopilot.enabled:  # (statistics_for made sure the recorder exists)
         precision = AutopilotPrecision(precision, recorder, plan, run.autopilot, run.run_dir, rank=run.rank,
-                                       max_steps=int(run.trainer.max_steps))
+                                       max_steps=int(run.trainer.max_steps),
+                                       check=lambda new: check_plan(run.tcfg, run.cfg.model, new))
     precision, routing = _route(precision, engine.chunks, run.run_dir)
     failed = True
     try:
