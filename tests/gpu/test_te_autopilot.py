@@ -144,3 +144,29 @@ def test_the_autopilot_acts_on_te_and_a_resume_keeps_its_plan(tmp_path, monkeypa
                     steps=12)
     assert resumed["te_execution"]["plan_mismatches"] == 0
     assert "resumed with" in (tmp_path / "resumed" / "plan.txt").read_text()
+
+
+def test_a_skipped_step_leaves_no_amax_in_tes_histories(megatron_gpu, tmp_path):
+    """An FP8-only fault at one step (one linear's input times inf): the engine skips the step, and TE's histories
+    keep none of its amaxes (skip_step puts back the state the step found): every history and scale finite, one
+    recorded row fewer than the steps run. Without it the inf would freeze that module's scales for a window."""
+    from fp8_recipes.backends.te_state import delayed_tensors
+    from test_te_training import build, recorded, run
+
+    model, precision = build(DELAYED, megatron_gpu[2])
+    calls = [0]
+
+    def poison(module, args):
+        if module.training:
+            calls[0] += 1
+            if calls[0] == 3:
+                return (args[0] * float("inf"), *args[1:])
+        return None
+
+    precision.linears[E5M2].register_forward_pre_hook(poison)
+    summary = run(model, precision, tmp_path, 6)
+    assert summary["skipped_steps"] == 1, summary
+    for name, module in precision.linears.items():
+        tensors = delayed_tensors(module)
+        assert all(bool(torch.isfinite(t).all()) for t in tensors.values()), name
+        assert len(recorded(tensors["amax_history_fwd"])) == 5, (name, recorded(tensors["amax_history_fwd"]))

@@ -457,3 +457,32 @@ def test_carry_delayed_between_te_state_layouts():
     assert delayed_column(hybrid, 1, Role.GRADIENTS) == ("scale_bwd", 0)
     assert delayed_slots(TERecipe(TERecipeKind.CURRENT, *(TensorPolicy(scaling=Scaling.TENSORWISE),) * 3), 3,
                          True) == []
+
+
+def test_a_skipped_step_puts_back_the_delayed_state_it_found(fake_te):
+    """TE rolls a step's amaxes into its histories (and may rescale between micro-batches) before the engine knows
+    the step is skipped: skip_step puts back the state the step found, so a non-finite amax does not freeze the scale
+    for a window; a step that is not skipped keeps what it recorded."""
+    recipe = {**{r: {"scaling": "delayed", "amax_history_len": 8} for r in ("weights", "activations", "gradients")}}
+    plan = PrecisionPlan(Recipe.from_dict(recipe), ModelLayout.gpt(1), H200)
+    log: list = []
+    linears = {f"decoder.layers.0.{m}": SlotLinear(fake_te, log, f"decoder.layers.0.{m}") for m in PER_LAYER}
+    decoder = Decoder([Layer(list(linears.values()))])
+    precision = TEPrecision(plan, layers={0: decoder.layers[0]}, linears=linears, chunks=[decoder])
+    precision.begin_step(0)
+    decoder(torch.zeros(1))  # the first FP8 forward builds the state
+    precision.after_optimizer_step(0)
+    fc1 = delayed_tensors(linears["decoder.layers.0.mlp.linear_fc1"])
+    fc1["amax_history_fwd"][-1] = 3.0
+    found = {k: v.clone() for k, v in fc1.items()}
+    precision.begin_step(1)
+    fc1["amax_history_fwd"][-1] = float("inf")  # what TE rolled in during the bad step, and a scale it updated
+    fc1["scale_bwd"].fill_(1e-30)
+    precision.skip_step(1)
+    assert all(torch.equal(v, found[k]) for k, v in fc1.items())
+    precision.begin_step(2)
+    fc1["amax_history_fwd"][-1] = 5.0
+    precision.after_optimizer_step(2)
+    precision.begin_step(3)  # a good step keeps what it recorded: the next snapshot holds it
+    precision.skip_step(3)
+    assert float(fc1["amax_history_fwd"][-1, 0]) == 5.0

@@ -46,7 +46,8 @@ from typing import Any
 
 import torch
 
-from fp8_recipes.backends.te_state import SLOT_ROLES, delayed_tensors, move_delayed, reregister, restore_delayed
+from fp8_recipes.backends.te_state import (SLOT_ROLES, StepSnapshot, delayed_tensors, move_delayed, reregister,
+                                           restore_delayed)
 from fp8_recipes.checks import ConfigError
 from fp8_recipes.numerics.scaling import delayed_scale_update, history_percentile
 from fp8_recipes.plan.precision import PrecisionPlan, StepPlan, TERecipe
@@ -295,6 +296,7 @@ class TEPrecision:
         self._replanned = False  # replan() gave a new plan: the next _apply moves the changed modules' state
         self._dropped: set[str] = set()  # linears a replan put in BF16: their state is not carried past it
         self._te_modules = [*self.linears.values()]  # every TE module with FP8 state (the LM head's is outside)
+        self._snapshot = StepSnapshot()  # the delayed state at the start of a step, for skip_step
         self.step_kinds: dict[int, Counter] = defaultdict(Counter)
         self.module_kinds: Counter = Counter()
         self.mismatches: Counter = Counter()
@@ -310,6 +312,7 @@ class TEPrecision:
                 if hasattr(module, "fp8_meta"):  # TE's TransformerEngineBaseModule and only it carries fp8_meta
                     module.get_extra_state = _empty_extra_state
                     self._te_modules.append(module)
+        self._te_modules = list({id(m): m for m in self._te_modules}.values())  # (the linears are in the chunks too)
         self._cached_weights = [m for m in self.linears.values() if hasattr(m, "is_first_microbatch")]
 
     # -- wiring ----------------------------------------------------------------------------------------------------
@@ -441,6 +444,8 @@ class TEPrecision:
             self._apply(sp)
             self._roles = sp.roles_fp8
         self._weights_changed()
+        if self._outer is not None:  # (a step with delayed scaling somewhere: its state, for skip_step)
+            self._snapshot.take(self._te_modules)
         return sp.stage
 
     def _weights_changed(self) -> None:
@@ -465,9 +470,11 @@ class TEPrecision:
         self._weights_changed()
 
     def skip_step(self, step: int) -> None:
-        # The weights did not change, so cached FP8 weights stay valid. TE keeps its own amax histories: a skipped
-        # step's non-finite amax stays in them, and TE's scale update keeps the previous scale while it is there.
-        pass
+        # The weights did not change, so cached FP8 weights stay valid. TE has rolled the skipped step's amaxes into
+        # its histories (and updated scales from them between micro-batches): put back the state the step found,
+        # as the emulated backend forgets them (backends/te_state.StepSnapshot).
+        if self._outer is not None:
+            self._snapshot.restore(self._te_modules)
 
     def scales(self) -> dict[str, dict[str, list[float]]]:
         """This rank's delayed scales per TE linear: forward (input, weight) and backward (grad_output) as TE keeps

@@ -39,8 +39,8 @@ from fp8_recipes.plan.precision import TERecipe
 from fp8_recipes.plan.te import TERecipeKind
 from fp8_recipes.recipe.schema import Role, Scaling
 
-__all__ = ["SLOT_ROLES", "carry_delayed", "delayed_column", "delayed_slots", "delayed_tensors", "move_delayed",
-           "reregister", "restore_delayed"]
+__all__ = ["SLOT_ROLES", "StepSnapshot", "carry_delayed", "delayed_column", "delayed_slots", "delayed_tensors",
+           "move_delayed", "reregister", "restore_delayed"]
 
 SLOT_ROLES = {"input": Role.ACTIVATIONS, "weight": Role.WEIGHTS, "grad_output": Role.GRADIENTS}
 """A TE linear's quantizer slot -> the role it quantizes (``output`` and ``grad_input``, the boundary slots, none)."""
@@ -79,6 +79,50 @@ def restore_delayed(name: str, module: torch.nn.Module, saved: Mapping[str, torc
                                   f"and {have} here; resume with the recipe it was saved with (amax_history_len), "
                                   f"or set trainer.reset_scaling_state=true")
             current[key].copy_(value)
+
+
+class StepSnapshot:
+    """The delayed-scaling state of TE modules as a step found it, put back when the step is skipped (a non-finite
+    loss or gradient): the emulated backend forgets a skipped step's amaxes before they reach a history, but TE has
+    rolled them in already (at each micro-batch's autocast exit and after the backward) and may have updated the
+    scales from them between micro-batches. A non-finite amax left in a history keeps its scale where it is until it
+    leaves the window (TE's update keeps the scale when the window's amax is not finite); a huge finite one shrinks
+    the scale for as long. :meth:`take` at the start of a step (into buffers kept from step to step: one fused copy),
+    :meth:`restore` when it is skipped; state a module first built during the skipped step starts as TE starts it."""
+
+    def __init__(self) -> None:
+        self._saved: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def take(self, modules: Sequence[torch.nn.Module]) -> None:
+        saved, dst, src = {}, [], []
+        for m in modules:
+            for key, live in delayed_tensors(m).items():
+                old = self._saved.get((id(m), key))
+                if old is not None and old[0] is live:
+                    dst.append(old[1])
+                    src.append(live)
+                    saved[(id(m), key)] = old
+                else:
+                    saved[(id(m), key)] = (live, live.detach().clone())
+        if dst:
+            torch._foreach_copy_(dst, src)
+        self._saved = saved
+
+    def restore(self, modules: Sequence[torch.nn.Module]) -> None:
+        dst, src = [], []
+        for m in modules:
+            for key, live in delayed_tensors(m).items():
+                old = self._saved.get((id(m), key))
+                if old is not None and old[0] is live:
+                    dst.append(live)
+                    src.append(old[1])
+                elif key.startswith("amax_history"):
+                    live.zero_()
+                else:
+                    live.fill_(1.0)
+        if dst:
+            with torch.no_grad():
+                torch._foreach_copy_(dst, src)
 
 
 # ---------------------------------------------------------------------------------------------------------------
