@@ -44,16 +44,20 @@ PP2 = ["trainer.pipeline_model_parallel_size=2", "model.num_layers=4"]  # MoE la
 # test_parallel_cpu.py's FP8 tolerance for layouts (observed 6.7e-4 over 4 steps, step 1 bit for bit)
 PP_LOSS_TOL = 1e-2
 
+STATS = ["++debug.interval=2"]  # numerics statistics at steps 1 and 3 (they never change the numerics)
 RUNS = {  # name: (recipe, processes, extra overrides); each chain runs its runs in this order
-    "delayed-ep2": ("delayed", 2, [*EP2, *DISTOPT, f"trainer.save_interval={SAVED}", "trainer.save_checkpoints=true"]),
-    "delayed-dp2": ("delayed", 2, DISTOPT),
+    "delayed-ep2": ("delayed", 2, [*EP2, *DISTOPT, f"trainer.save_interval={SAVED}", "trainer.save_checkpoints=true",
+                                   *STATS]),
+    "delayed-dp2": ("delayed", 2, [*DISTOPT, *STATS]),
     "blockwise-ep2": ("blockwise", 2, EP2),
     "blockwise-dp2": ("blockwise", 2, []),
     "delayed-pp2": ("delayed", 2, [*PP2]),
     "delayed-etp2": ("delayed", 2, ["trainer.expert_tensor_parallel_size=2", f"trainer.save_interval={SAVED}",
-                                    "trainer.save_checkpoints=true"]),
+                                    "trainer.save_checkpoints=true", *STATS]),
     "delayed-ep2-edp2": ("delayed", 4, [*EP2, "trainer.global_batch_size=8"]),
-    "delayed-ep2-pp2": ("delayed", 4, [*EP2, *PP2, f"trainer.save_interval={SAVED}", "trainer.save_checkpoints=true"]),
+    # (the autopilot on: it records the statistics, gathers every rank's rows, and takes no action in 4 steps)
+    "delayed-ep2-pp2": ("delayed", 4, [*EP2, *PP2, f"trainer.save_interval={SAVED}", "trainer.save_checkpoints=true",
+                                       "autopilot=on", "++autopilot.interval=2"]),
 }
 RESUMED = "delayed-ep2-resumed"  # delayed-ep2's step-2 checkpoint continued to step 4, after it in its chain
 
@@ -271,3 +275,33 @@ def test_expert_tensor_parallel(runs):
     assert _rel(r0["losses"], runs["delayed-dp2"]["ranks"][0]["losses"]) < LOSS_TOL
     step_dir = runs["delayed-etp2"]["run_dir"] / "checkpoints" / f"step_{SAVED}"
     assert sorted(_saved_payloads(step_dir)) == ["pp00tp00et00", "pp00tp00et01"]
+
+
+@pytest.mark.slow
+def test_numerics_rows_cover_every_expert_on_the_expert_grid(runs):
+    """Statistics at EP=2, expert TP=2 and EP=2 x PP=2 (the autopilot's): one row per expert, GEMM and role at each
+    statistics step, every expert there although each rank holds some (gathered over the EP ranks), each expert
+    weight whole (merged over the expert-TP ranks: at step 1 the weights are the initial ones, the same in every
+    layout, so their amax and size equal EP=1's exactly); the dense rows as at EP=1."""
+    from fp8_recipes.rundir import read_metrics, read_numerics
+
+    def table(name):
+        rows = read_numerics(runs[name]["run_dir"])
+        keys = [(r["step"], r["module"], r["gemm"], r["role"]) for r in rows]
+        assert len(keys) == len(set(keys)), f"{name}: a row written twice"
+        return {k: r for k, r in zip(keys, rows)}
+
+    base = table("delayed-dp2")
+    expected = {(s, m) for s, m, _, _ in base}
+    assert {s for s, _ in expected} == {1, 3}
+    assert {int(m.split(".")[6]) for _, m in expected if ".local_experts." in m} == {0, 1, 2, 3}
+    for name in ("delayed-ep2", "delayed-etp2"):
+        rows = table(name)
+        assert {(s, m) for s, m, _, _ in rows} == expected, name
+        for key, row in rows.items():
+            if key[0] == 1 and key[3] == "weights":
+                assert (row["numel"], row["amax"]) == (base[key]["numel"], base[key]["amax"]), (name, key)
+    pp = table("delayed-ep2-pp2")
+    experts = {(m.split(".")[2], m.split(".")[6]) for _, m, _, _ in pp if ".local_experts." in m}
+    assert experts == {(layer, e) for layer in ("0", "2") for e in "0123"}  # both stages' MoE layers, all experts
+    assert not [r for r in read_metrics(runs["delayed-ep2-pp2"]["run_dir"]) if r.get("kind") == "autopilot"]

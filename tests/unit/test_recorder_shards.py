@@ -116,3 +116,48 @@ def test_a_failed_run_writes_its_unsplit_rows_without_waiting_for_other_ranks(tm
     rec.close(merge=False)
     written = [json.loads(line) for line in (tmp_path / "numerics.jsonl").read_text().splitlines()]
     assert [(r["module"], r["gemm"], r["role"]) for r in written] == [(QKV, "fprop", "activations")]
+
+
+E0, E2 = (f"decoder.layers.1.mlp.experts.local_experts.{e}.linear_fc2" for e in (0, 2))
+ETP, EP = "etp-group", "ep-group"
+
+
+def test_routed_experts_follow_the_expert_grid():
+    """A routed expert is split over its expert tensor-parallel ranks (weights; fc2's input by features), never by
+    sequence parallelism (the dispatcher hands every expert-TP rank the same tokens), and gathered over the expert-
+    parallel ranks; a dense module as before."""
+    shards = ShardGroups(tensor=TP, sequence_parallel=True, expert_tensor=ETP, experts=EP)
+    assert [shards.groups(E0, r) for r in ("weights", "activations", "gradients")] == [(ETP,), (ETP,), ()]
+    assert shards.groups(FC2, "gradients") == (TP,) and shards.gathered(FC2) is None
+    assert shards.gathered(E0) == EP and ShardGroups().gathered(E0) is None
+
+
+def test_expert_parallel_ranks_gather_each_others_experts(tmp_path, monkeypatch):
+    """EP=2: rank 0 holds expert 0, rank 1 expert 2; after the expert tensor-parallel merge (an expert without a
+    token on one rank: folded from the rank that has it), every rank holds both experts' rows, in expert order,
+    and the dense rows as they were."""
+    import torch.distributed as dist
+
+    policy = TensorPolicy(scaling=Scaling.TENSORWISE)
+    torch.manual_seed(0)
+    dense, mine, theirs, half = (_stats(torch.randn(16, 16), policy) for _ in range(4))
+    rec = _recorder(tmp_path, ShardGroups(expert_tensor=ETP, experts=EP))
+    pending = {(FC1, "fprop", "activations"): dense, (E0, "fprop", "weights"): mine,
+               (E0, "fprop", "activations"): mine}
+    calls = []
+
+    def fake_all_gather(out, obj, group=None):
+        calls.append((group, obj[0]))
+        if group == ETP:  # the other expert-TP rank: the other half of E0's weight, and no token for E0 this step
+            out[:] = [obj, ([(E0, "fprop", "weights")], [half])]
+        else:  # the other EP rank's experts
+            out[:] = [obj, ([(E2, "fprop", "weights")], [theirs])]
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_gather_object", fake_all_gather)
+    rec._merge_shards(pending)
+    assert [g for g, _ in calls] == [ETP, EP]
+    assert list(pending) == [(FC1, "fprop", "activations"), (E0, "fprop", "weights"), (E0, "fprop", "activations"),
+                             (E2, "fprop", "weights")]
+    assert rows([pending[(E0, "fprop", "weights")]])[0]["numel"] == 2 * 256  # both expert-TP halves
+    assert rows([pending[(E2, "fprop", "weights")]])[0] == rows([theirs])[0]

@@ -28,8 +28,10 @@ expert's linears are modules of their own (``decoder.layers.L.mlp.experts.local_
 statistic, ``scale_ratio`` (delayed vs current scale) included, is per expert GEMM. Statistics are
 computed on every rank (a tensorwise amax reduction is a collective) and, under tensor or context parallelism,
 merged over the ranks that hold the other parts of the same tensor (:class:`ShardGroups`: one all-gather of the
-step's numbers per group), so a row describes the whole operand; the first rank of each pipeline stage writes them.
-Data-parallel ranks see other samples: a row is the first data-parallel rank's share of the batch.
+step's numbers per group; a routed expert's over its expert tensor-parallel ranks), so a row describes the whole
+operand; at expert parallelism every rank then gathers the other expert-parallel ranks' experts. The first rank of
+each pipeline stage writes them. Data-parallel ranks see other samples: a row is the first data-parallel rank's share
+of the batch (an expert's: the first expert-data-parallel rank's).
 
 The observer protocol is the emulated backend's: ``observer(state, gemm, role, hp_tensor, fake_quant_tensor[,
 quantized])``, where a backend that keeps its FP8 copies to itself passes ``None`` as the fake-quantized tensor
@@ -58,7 +60,7 @@ from fp8_recipes.observe.config import DebugConfig
 from fp8_recipes.observe.heatmap import plot_heatmap
 from fp8_recipes.numerics import NVFP4Quantized, Quantized, block_for, dequantize, quantize
 from fp8_recipes.observe.stats import COLUMNWISE, OperandStats, measure, rows as stats_rows
-from fp8_recipes.plan.precision import ROW_PARALLEL, Gemm
+from fp8_recipes.plan.precision import ROW_PARALLEL, Gemm, ModelLayout
 from fp8_recipes.rundir import TENSORBOARD, jsonable, numerics_name
 from fp8_recipes.recipe.schema import Format, Role, Scaling
 
@@ -86,16 +88,29 @@ class ShardGroups:
     context: Any = None
     """Context parallelism: activations and gradients split by tokens; weights the same on every CP rank."""
     sequence_parallel: bool = False
+    expert_tensor: Any = None
+    """Expert tensor parallelism: a routed expert's weights are split over these ranks, as a dense linear's over
+    ``tensor``; its tokens are the same on each (the dispatcher gathers them), so sequence parallelism splits none."""
+    experts: Any = None
+    """Expert parallelism: each rank of this group holds other routed experts (and the same dense modules): their
+    rows are gathered here, so that each rank has every expert's (:meth:`NumericsRecorder._merge_shards`)."""
 
     def groups(self, module: str, role: str) -> tuple[Any, ...]:
         """The groups `module`'s `role` operand is split over, tensor-parallel first."""
         out = []
-        if self.tensor is not None and (role == "weights" or self.sequence_parallel
-                                        or (role == "activations") == module.endswith(ROW_PARALLEL)):
-            out.append(self.tensor)
+        expert = ModelLayout.expert_of(module) is not None
+        tensor, sp = (self.expert_tensor, False) if expert else (self.tensor, self.sequence_parallel)
+        if tensor is not None and (role == "weights" or sp
+                                   or (role == "activations") == module.endswith(ROW_PARALLEL)):
+            out.append(tensor)
         if self.context is not None and role != "weights":
             out.append(self.context)
         return tuple(out)
+
+    def gathered(self, module: str) -> Any:
+        """The group over which `module`'s rows are gathered after merging: the expert-parallel one for a routed
+        expert at EP > 1, else None."""
+        return self.experts if self.experts is not None and ModelLayout.expert_of(module) is not None else None
 
 
 def _on_host(stats: list[OperandStats]) -> list[OperandStats]:
@@ -270,26 +285,51 @@ class NumericsRecorder:
 
     def _merge_shards(self, pending: dict[tuple[str, str, str], OperandStats]) -> None:
         """Fold the other ranks' parts of each split operand into its statistics, group by group, as micro-batches
-        of a step are folded (sums added, amax the max, scales pooled). Every rank of a group has the same pending
-        operands (the same modules, plan and micro-batches), so each takes part in the same all-gathers."""
+        of a step are folded (sums added, amax the max, scales pooled); then gather the routed experts' rows of the
+        other expert-parallel ranks. Every rank of a group has the same dense operands pending (the same modules,
+        plan and micro-batches), so each takes part in the same all-gathers; a routed expert's may be missing on a
+        rank (no token there this step): those are folded from the ranks that have them."""
         import torch.distributed as dist
 
-        for group in (self.shards.tensor, self.shards.context):
+        for group in (self.shards.tensor, self.shards.expert_tensor, self.shards.context):  # (one order on all ranks)
             keys = [k for k in pending if group is not None and group in self.shards.groups(k[0], k[2])]
             if not keys:
                 continue
             everyone: list[Any] = [None] * dist.get_world_size(group)
             dist.all_gather_object(everyone, (keys, _on_host([pending[k] for k in keys])), group=group)
-            if any(theirs != keys for theirs, _ in everyone):
-                other = next(theirs for theirs, _ in everyone if theirs != keys)
-                raise RuntimeError(f"numerics: step {self.step}: the ranks of a shard group observed different "
-                                   f"operands ({len(keys)} here, {len(other)} there; first differing: "
-                                   f"{next((a, b) for a, b in zip(keys + [None], other + [None]) if a != b)})")
-            for i, key in enumerate(keys):
-                merged = everyone[0][1][i]
-                for _, theirs in everyone[1:]:
-                    merged.merge(theirs[i])
-                pending[key] = merged
+            dense = [k for k in keys if ModelLayout.expert_of(k[0]) is None]
+            for theirs, _ in everyone:
+                other = [k for k in theirs if ModelLayout.expert_of(k[0]) is None]
+                if other != dense:
+                    raise RuntimeError(f"numerics: step {self.step}: the ranks of a shard group observed different "
+                                       f"operands ({len(dense)} here, {len(other)} there; first differing: "
+                                       f"{next((a, b) for a, b in zip(dense + [None], other + [None]) if a != b)})")
+            merged: dict[tuple[str, str, str], OperandStats] = {}
+            for theirs, stats in everyone:
+                for key, st in zip(theirs, stats):
+                    if key in merged:
+                        merged[key].merge(st)
+                    else:
+                        merged[key] = st
+            pending.update(merged)
+        self._gather_experts(pending)
+
+    def _gather_experts(self, pending: dict[tuple[str, str, str], OperandStats]) -> None:
+        """The routed experts' merged rows of every expert-parallel rank (each holds its own experts), on every rank,
+        in expert order after the dense ones."""
+        import torch.distributed as dist
+
+        group = self.shards.experts
+        if group is None:
+            return
+        keys = [k for k in pending if self.shards.gathered(k[0]) is not None]
+        everyone: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, (keys, _on_host([pending[k] for k in keys])), group=group)
+        for key in keys:
+            del pending[key]
+        theirs = {key: st for ks, stats in everyone for key, st in zip(ks, stats)}
+        for key in sorted(theirs, key=lambda k: (ModelLayout.layer_of(k[0]) or 0, ModelLayout.expert_of(k[0]))):
+            pending[key] = theirs[key]
 
     def _write(self, pending: dict[tuple[str, str, str], OperandStats]) -> None:
         self._merge_shards(pending)
@@ -330,7 +370,8 @@ class NumericsRecorder:
         an error that may be this rank's alone, whose peers may never join another collective): the rows that
         would need other ranks' parts are dropped, the others written."""
         if not merge:
-            self._pending = {k: v for k, v in self._pending.items() if not self.shards.groups(k[0], k[2])}
+            self._pending = {k: v for k, v in self._pending.items()
+                             if not self.shards.groups(k[0], k[2]) and self.shards.gathered(k[0]) is None}
         self.flush()
         for state in self.states.values():
             state.observer = None
