@@ -28,6 +28,7 @@ import pytest
 
 from fp8_recipes.observe.doctor import diagnose
 from fp8_recipes.observe.doctor_report import load_run
+from fp8_recipes.recipe.pack import recipe_names
 from fp8_recipes.rundir import read_metrics
 from test_doctor_runs import FAULT_HOOK, STALE, train_planted
 from test_train_cpu import dataset, small_run  # noqa: F401  (the shared tiny dataset fixture)
@@ -69,7 +70,9 @@ PLANS = {
     "stale_dry": (["+recipe=delayed", *PILOT, "++autopilot.dry_run=true"], STALE_AT),
     "margin": (MARGIN, {}),
     "margin_pilot": ([*MARGIN, *PILOT], {}),
-    **{f"healthy_{r}": ([f"+recipe={r}", *PILOT], {}) for r in ("hybrid", "delayed", "tensorwise", "blockwise")},
+    # every shipped recipe's healthy run (the MoE ones on tiny_moe)
+    **{f"healthy_{r}": ([f"+recipe={r}", *PILOT], {}) for r in recipe_names() if r != "bf16" and not r.startswith("moe")},
+    **{f"healthy_{r}": ([f"+recipe={r}", "model=tiny_moe", *PILOT], {}) for r in recipe_names() if r.startswith("moe")},
     "nonfinite": (["+recipe=delayed", "++debug.interval=2"], {"FP8_TEST_NONFINITE": f"{NONFINITE}:9"}),
     "nonfinite_pilot": (["+recipe=delayed", *PILOT, "++autopilot.patience=5"],
                         {"FP8_TEST_NONFINITE": f"{NONFINITE}:9"}),
