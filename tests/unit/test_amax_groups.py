@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from fp8_recipes.backends.groups import amax_reduction_group, expert_amax_reduction_group, te_amax_reduction_group
+from fp8_recipes.backends.groups import (amax_reduction_group, expert_amax_reduction_group, te_amax_reduction_group,
+                                         te_expert_amax_reduction_group)
 from fp8_recipes.recipe.schema import AmaxReduction
 
 ps = pytest.importorskip("megatron.core.parallel_state")
@@ -116,6 +117,20 @@ def test_an_experts_amaxes_are_reduced_over_the_ranks_holding_it(asked, monkeypa
     assert expert_amax_reduction_group(kind) == function
     assert [name for name, _ in asked] == [function]
     assert expert_amax_reduction_group(AmaxReduction.NONE) is None
+
+
+@pytest.mark.parametrize("expert_ranks, expected", [([0, 1], "get_data_parallel_group"),
+                                                     ([0, 2], "get_expert_data_parallel_group")])
+def test_te_experts_get_their_own_group_only_where_it_holds_other_ranks(asked, monkeypatch, expert_ranks, expected):
+    """The experts' autocast on TE: the expert grid's group where it holds other ranks than the dense one (EP > 1, an
+    expert TP other than TP), else the dense group object itself, so TE keys both alike as before (EP = 1)."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(ps, "get_expert_data_parallel_group", lambda **kwargs: "get_expert_data_parallel_group")
+    ranks = {"get_data_parallel_group": [1, 0], "get_expert_data_parallel_group": expert_ranks}
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: ranks[group])
+    assert te_expert_amax_reduction_group(AmaxReduction.DATA) == expected
+    assert te_expert_amax_reduction_group(AmaxReduction.NONE) is None
 
 
 def test_emulated_experts_reduce_over_their_own_group_and_skip_alone(monkeypatch):

@@ -301,23 +301,6 @@ def test_a_slurm_gpu_job_of_an_moe_model_is_checked_on_the_submitting_host():
         check_train_config(split, world_size=1)
 
 
-def test_expert_parallel_delayed_scaling_on_te_is_refused_in_one_line():
-    import types
-
-    from fp8_recipes.plan.precision import Hardware
-    from fp8_recipes.training.run import check_expert_parallel_backend
-
-    hopper, layout = Hardware.target((9, 0)), layout_of(MOE)
-    ep2, ep1 = types.SimpleNamespace(expert_model_parallel_size=2), types.SimpleNamespace(expert_model_parallel_size=1)
-    with pytest.raises(ConfigError, match=r"^trainer\.expert_model_parallel_size=2 with delayed scaling on "
-                                          r"Transformer Engine: .*trainer\.expert_model_parallel_size=1$"):
-        check_expert_parallel_backend(ep2, PrecisionPlan(load_recipe("delayed"), layout, hopper))
-    check_expert_parallel_backend(ep1, PrecisionPlan(load_recipe("delayed"), layout, hopper))
-    check_expert_parallel_backend(ep2, PrecisionPlan(load_recipe("tensorwise"), layout, hopper))
-    emulated = Recipe.from_dict({**load_recipe_dict("delayed"), "backend": "emulated"})
-    check_expert_parallel_backend(ep2, PrecisionPlan(emulated, layout, hopper))
-
-
 def test_routing_counts_leave_out_the_routers_fp8_padding():
     import types
 

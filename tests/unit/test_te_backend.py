@@ -486,3 +486,39 @@ def test_a_skipped_step_puts_back_the_delayed_state_it_found(fake_te):
     precision.begin_step(3)  # a good step keeps what it recorded: the next snapshot holds it
     precision.skip_step(3)
     assert float(fc1["amax_history_fwd"][-1, 0]) == 5.0
+
+
+def test_routed_experts_reduce_their_delayed_amaxes_over_their_own_group(fake_te):
+    """At EP > 1 the ranks holding the same experts are not the dense data-parallel ranks: each routed expert runs
+    under its own autocast with the experts' group (TE keys its amax buffers by recipe and group, and reduces each
+    key over its own group), the dense linears under their layer's with the dense group. Where both groups are one
+    (te_expert_amax_reduction_group hands the dense group itself), experts run under their layer's autocast."""
+    from fp8_recipes.megatron.model_config import layout_of
+
+    groups = []
+    real = fake_te.autocast
+
+    class autocast(real):  # noqa: N801
+        def __init__(self, enabled=True, recipe=None, amax_reduction_group=None):
+            super().__init__(enabled, recipe, amax_reduction_group)
+            groups.append(amax_reduction_group)
+
+    fake_te.autocast = autocast
+    sys.modules["transformer_engine.pytorch"].autocast = autocast
+    plan = PrecisionPlan(Recipe.from_dict({"weights": "delayed", "activations": "delayed", "gradients": "delayed"}),
+                         layout_of({"num_layers": 1, "num_moe_experts": 2}), H200)
+    names = [n for n in plan.layout.module_names if n.startswith("decoder.")]
+    experts = [n for n in names if ".local_experts." in n]
+    for expert_group, expected in (("expert-dp", "expert-dp"), ("dense-dp", None)):
+        log: list = []
+        linears = {n: FakeLinear(fake_te, log, n) for n in names}
+        decoder = Decoder([Layer(list(linears.values()))])
+        precision = TEPrecision(plan, layers={0: decoder.layers[0]}, linears=linears, chunks=[decoder],
+                                amax_group="dense-dp", expert_amax_group=expert_group)
+        precision.begin_step(0)
+        groups.clear()
+        decoder(torch.zeros(1))
+        assert groups[:2] == ["dense-dp", "dense-dp"]  # the outer autocast and the layer's
+        assert groups[2:] == [expected] * len(experts) if expected else groups[2:] == [], groups
+        own = {n for n, ctx in precision._module_ctx.items() if ctx is not None}
+        assert own == (set(experts) if expected else set()), own

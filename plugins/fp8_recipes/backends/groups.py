@@ -12,7 +12,8 @@ from fp8_recipes.recipe.schema import AmaxReduction
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["amax_reduction_group", "expert_amax_reduction_group", "max_reducer", "te_amax_reduction_group"]
+__all__ = ["amax_reduction_group", "expert_amax_reduction_group", "max_reducer", "te_amax_reduction_group",
+           "te_expert_amax_reduction_group"]
 
 
 def _megatron_group(kind: AmaxReduction) -> Any:
@@ -108,6 +109,22 @@ def expert_amax_reduction_group(kind: AmaxReduction) -> Any:
         return None
     group = _expert_megatron_group(kind)
     return group if group is not None and dist.get_world_size(group) > 1 else None
+
+
+def te_expert_amax_reduction_group(kind: AmaxReduction) -> Any:
+    """:func:`te_amax_reduction_group` for the routed experts' own autocast on Transformer Engine: the ranks that hold
+    the same experts (:func:`_expert_megatron_group`, whatever its size), or the dense group itself where both hold
+    the same ranks (EP = 1 and expert TP = TP, context parallelism or not: Megatron-Core folds CP into expert DP), so
+    TE keys the experts' amaxes with the dense modules' as before. The emulated backend reduces over the same ranks
+    (:func:`expert_amax_reduction_group`)."""
+    import torch.distributed as dist
+
+    dense = te_amax_reduction_group(kind)
+    if dense is None:
+        return None
+    expert = _expert_megatron_group(kind)
+    same = sorted(dist.get_process_group_ranks(expert)) == sorted(dist.get_process_group_ranks(dense))
+    return dense if same else expert
 
 
 def max_reducer(group: Any) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -256,7 +256,7 @@ class TEPrecision:
                  count: bool = True, attention: Mapping[int, torch.nn.Module] | None = None,
                  recipes: Mapping[TERecipe, Any] | None = None,
                  fp8_params: Mapping[str, torch.nn.Parameter] | None = None,
-                 rows: Mapping[str, tuple[str, ...]] | None = None):
+                 rows: Mapping[str, tuple[str, ...]] | None = None, expert_amax_group: Any = None):
         import transformer_engine.pytorch as te
         from transformer_engine.common.recipe import Float8CurrentScaling
 
@@ -274,6 +274,8 @@ class TEPrecision:
 
         self._fp8_state_manager = FP8GlobalStateManager  # (its quantization_state is replaced by reset(): read per call)
         self._group = amax_group
+        # the routed experts' delayed amaxes: reduced over the ranks holding the same experts (their own autocast)
+        self._expert_group = amax_group if expert_amax_group is None else expert_amax_group
         self._reduce_amax = plan.recipe.amax_reduction is not AmaxReduction.NONE
         # Disabled autocasts get a stateless recipe and no group: never the key of any delayed-scaling buffer.
         self._off = (False, Float8CurrentScaling(), None)
@@ -283,6 +285,7 @@ class TEPrecision:
         self.rows = {n: tuple((rows or {}).get(n, (n,))) for n in self.linears}
         """The plan rows each linear runs: its own name, or a grouped expert linear's experts (one TE recipe)."""
         self._layer_of = {n: plan.layout.layer_of(r[0]) for n, r in self.rows.items()}
+        self._experts = {n for n, r in self.rows.items() if plan.layout.expert_of(r[0]) is not None}
         self._layer_ctx: dict[int, tuple | None] = dict.fromkeys(layers, self._off)
         self._module_ctx: dict[str, tuple | None] = {}
         self._outer: tuple | None = None
@@ -354,8 +357,8 @@ class TEPrecision:
             self._recipes[choice] = te_recipe(choice, reduce_amax=self._reduce_amax)
         return self._recipes[choice]
 
-    def _ctx(self, choice: TERecipe | None) -> tuple:
-        return self._off if choice is None else (True, self.te_recipe(choice), self._group)
+    def _ctx(self, choice: TERecipe | None, group: Any = None) -> tuple:
+        return self._off if choice is None else (True, self.te_recipe(choice), self._group if group is None else group)
 
     def _apply(self, sp: StepPlan) -> None:
         """Derive every autocast of a stage from the plan: per layer its own TE recipe (``StepPlan.layers_te``), per
@@ -373,8 +376,10 @@ class TEPrecision:
             layer_choice = sp.layers_te.get(i)
             self._layer_choices[i] = layer_choice  # its attention runs under it (FP8 when its fp8_dpa is set)
             self._layer_ctx[i] = self._ctx(layer_choice)
-            for n in names:
-                self._module_ctx[n] = None if choices[n] == layer_choice else self._ctx(choices[n])
+            for n in names:  # (an expert's own autocast also where its amaxes reduce over other ranks)
+                group = self._expert_group if n in self._experts else self._group
+                same = choices[n] == layer_choice and group is self._group
+                self._module_ctx[n] = None if same else self._ctx(choices[n], group)
         delayed = next((c for c in choices.values() if c is not None and c.delayed), None)
         self._outer = None if delayed is None else self._ctx(delayed)
         for name, choice in choices.items():  # a cached FP8 weight belongs to the old quantizer: drop it

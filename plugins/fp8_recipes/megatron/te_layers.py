@@ -45,7 +45,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
 from fp8_recipes.checks import ConfigError
-from fp8_recipes.backends.groups import te_amax_reduction_group
+from fp8_recipes.backends.groups import te_amax_reduction_group, te_expert_amax_reduction_group
 from fp8_recipes.backends.te import TEPrecision, te_recipe
 from fp8_recipes.megatron.model import (grouped_expert_rows, named_linear_modules, replace_output_layer_class,
                                         transformer_layers, unwrap_model)
@@ -205,12 +205,6 @@ def attach_te_backend(model: torch.nn.Module | list[torch.nn.Module], plan: Prec
     problem = plan.grouped_experts_problem(grouped) if grouped else None
     if problem is not None:
         raise ConfigError(f"te backend: {problem}")
-    from megatron.core import parallel_state as ps
-
-    ep = ps.get_expert_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
-    problem = plan.expert_parallel_problem(ep)  # (the Bridge and NeMo callbacks attach here too)
-    if problem is not None:
-        raise ConfigError(f"te backend: {problem}")
     _pad_expert_tokens(gpts, plan, router_padding)
     te_linears = {n: m for n, m in linears.items() if isinstance(m, TransformerEngineBaseModule)}
     missing = [n for n in linears if plan.layout.layer_of(n) is not None and n not in te_linears]
@@ -238,6 +232,9 @@ def attach_te_backend(model: torch.nn.Module | list[torch.nn.Module], plan: Prec
         raise ValueError(f"te backend: {odd} {'holds' if odd in stored else 'lacks'} FP8 weights against the plan "
                          f"(recipe fp8_param: {str(plan.recipe.fp8_param).lower()}); build the model with "
                          f"layer_init=FP8ParamInit(plan)")
+    kind = plan.recipe.amax_reduction
+    experts = te_expert_amax_reduction_group(kind) if plan.layout.experts else None
     return TEPrecision(plan, layers=layers, linears=te_linears, chunks=gpts, attention=attention,
-                       amax_group=te_amax_reduction_group(plan.recipe.amax_reduction), count=count, recipes=recipes,
-                       fp8_params=fp8_params, rows={n: grouped[n] for n in te_linears if n in grouped})
+                       amax_group=te_amax_reduction_group(kind), count=count, recipes=recipes,
+                       fp8_params=fp8_params, rows={n: grouped[n] for n in te_linears if n in grouped},
+                       expert_amax_group=experts)

@@ -33,7 +33,7 @@ from fp8_recipes.plan.te import (
     Substitution, TERecipe, TEResolution, _delayed_key, resolve_te, te_attention, te_recipe_for, te_stage_note,
 )
 from fp8_recipes.recipe.schema import (
-    ROLES, AmaxReduction, Attention, Backend, ModulePolicies, Recipe, RecipeError, Role, Scaling, TensorPolicy,
+    ROLES, Attention, Backend, ModulePolicies, Recipe, RecipeError, Role, Scaling, TensorPolicy,
 )
 
 __all__ = [
@@ -558,20 +558,6 @@ class PrecisionPlan:
             if mp.layer is not None and mp.te is not None:
                 out.setdefault(mp.layer, mp.te)
         return dict(sorted(out.items()))
-
-    def expert_parallel_problem(self, expert_parallel: int) -> str | None:
-        """Why this plan cannot run at ``expert_parallel`` > 1 ranks, or None: delayed scaling with an amax reduction
-        on Transformer Engine, whose layer autocast reduces every amax over one group (the dense data-parallel
-        ranks) and would merge different experts' (the emulated backend reduces each expert's over the ranks that
-        hold it). Not wired for expert parallelism yet, nor measured on several GPUs."""
-        if expert_parallel <= 1 or self.te is None or self.te.unsupported:
-            return None
-        if self.recipe.amax_reduction is AmaxReduction.NONE or not any(
-                p.scaling is Scaling.DELAYED for res in self.te_resolutions for p in res.policies.values()):
-            return None
-        return (f"trainer.expert_model_parallel_size={expert_parallel} with delayed scaling on Transformer Engine: its "
-                f"amax reduction would merge different experts' amaxes (not wired for expert parallelism yet); use "
-                f"tensorwise or blockwise scaling, +recipe.backend=emulated, or trainer.expert_model_parallel_size=1")
 
     def te_choices(self, names: Sequence[str]) -> list[tuple[int, list[TERecipe | None]]]:
         """Per stage of the run, its first step and the TE recipe each of ``names`` runs under there (None: BF16)."""

@@ -315,14 +315,6 @@ def check_recompute(trainer, plan) -> None:
                            "trainer.recompute_granularity=null (or full), or recipe attention: bf16")])
 
 
-def check_expert_parallel_backend(trainer, plan) -> None:
-    """Expert parallelism the plan's backend cannot run (``PrecisionPlan.expert_parallel_problem``), refused in one
-    line before anything is built (megatron/te_layers.py checks it again at attach, for other entry points)."""
-    problem = plan.expert_parallel_problem(getattr(trainer, "expert_model_parallel_size", 1))
-    if problem is not None:
-        raise ConfigError(problem)
-
-
 def check_moe_statistics(trainer, model, debug) -> None:
     """Numerics statistics (``debug``) of an MoE model under context parallelism: each context-parallel rank's experts
     see its own tokens, so the recorder would fold them as it folds expert-parallel ranks' (an expert without a
@@ -429,7 +421,6 @@ def check_plan(trainer, model, plan) -> str | None:
     (launch/job.py). Raises the one-line error; returns the shape warning of the emulated backend, or None."""
     check_engine_backend(trainer, plan.backend)
     check_grouped_experts(model, plan)
-    check_expert_parallel_backend(trainer, plan)
     check_sequence_parallel_amax(trainer, plan)
     check_recompute(trainer, plan)
     return check_fp8_shapes(trainer, model, plan)
