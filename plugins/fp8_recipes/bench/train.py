@@ -25,6 +25,9 @@ Per model, configs run one after another on a freshly built model (same seed, sa
                      tokens to FP8's multiple, so the experts skip their own padding copies)
                nofuse  model moe_permute_fusion: false (Megatron-Core's unfused token permutation)
                router  model moe_router_fusion: true (TE's fused top-k and softmax in the router)
+               capacity  model moe_expert_capacity_factor: 1.0, moe_pad_expert_input_to_capacity: true (tokens
+                     past an expert's balanced share dropped, every expert padded to it: static shapes, so the
+                     alltoall dispatcher copies no token count to the host per MoE layer; it changes what trains)
   With --engine (on bf16 too):
                nogaf  trainer.gradient_accumulation_fusion: false (each micro-batch's weight gradient computed
                      apart and added to the fp32 buffer by DDP's hook, as Megatron-LM without APEX runs)
@@ -84,7 +87,8 @@ def raw_megatron_fp8(choice: Any, recipe: Any) -> dict | None:
 
 LEVERS = ("head", "attn", "fp8param", "masters", "moments16")
 MODEL_LEVERS = {"pad": {"moe_router_padding_for_quantization": True}, "nofuse": {"moe_permute_fusion": False},
-                "router": {"moe_router_fusion": True}}
+                "router": {"moe_router_fusion": True},
+                "capacity": {"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}}
 """Levers that are MoE model keys (bench config ``NAME+pad``, ``bf16+nofuse``)."""
 ENGINE_LEVERS = ("nogaf",)
 """Levers of the engine's step (``--engine``; on bf16 too)."""

@@ -31,7 +31,8 @@ MODEL_OPTIONAL = ("ffn_hidden_size", "num_query_groups", "normalization", "activ
 MOE_KEYS = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
             "moe_layer_freq", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
             "moe_router_dtype", "moe_token_dispatcher_type", "moe_grouped_gemm", "moe_permute_fusion",
-            "moe_router_padding_for_quantization", "moe_router_fusion")
+            "moe_router_padding_for_quantization", "moe_router_fusion", "moe_expert_capacity_factor",
+            "moe_pad_expert_input_to_capacity")
 """Mixture-of-Experts keys, named and meant as Megatron-Core's TransformerConfig fields (num_moe_experts null: a
 dense model, and the other keys do nothing)."""
 MODEL_CHOICES = {"normalization": ("LayerNorm", "RMSNorm"), "activation": ("gelu", "swiglu"),
@@ -69,7 +70,7 @@ def check_model_cfg(cfg: Mapping[str, Any], *, vocab_may_be_unset: bool = False,
         if key in cfg and cfg[key] not in choices:
             raise choice_error(f"model.{key}", cfg[key], choices)
     for key in ("share_embeddings_and_output_weights", "add_bias_linear", "moe_grouped_gemm", "moe_permute_fusion",
-                "moe_router_padding_for_quantization", "moe_router_fusion"):
+                "moe_router_padding_for_quantization", "moe_router_fusion", "moe_pad_expert_input_to_capacity"):
         if key in cfg and not isinstance(cfg[key], bool):
             raise ConfigError(f"model.{key}={cfg[key]!r}: must be true or false")
     for key in ("hidden_dropout", "attention_dropout"):
@@ -131,6 +132,7 @@ def _check_moe(cfg: Mapping[str, Any], tensor_parallel: int) -> None:
         raise ConfigError("model.moe_router_topk=1: Megatron-Core's softmax over one selected expert has a zero "
                          "gradient; use model.moe_router_topk >= 2 (or moe_router_load_balancing_type=sinkhorn)")
     moe_layer_pattern(cfg)  # moe_layer_freq's form and length
+    _check_capacity(cfg)
     if cfg.get("moe_router_padding_for_quantization") and cfg.get("moe_token_dispatcher_type",
                                                                    "allgather") == "allgather":
         raise ConfigError("model.moe_router_padding_for_quantization=true: Megatron-Core's allgather dispatcher "
@@ -145,6 +147,24 @@ def _check_moe(cfg: Mapping[str, Any], tensor_parallel: int) -> None:
             if v is not None and v % tensor_parallel:
                 raise ConfigError(f"model.{key}={v} is not divisible by trainer.tensor_model_parallel_size="
                                  f"{tensor_parallel}; pick a multiple of it")
+
+
+def _check_capacity(cfg: Mapping[str, Any]) -> None:
+    """Token dropping (moe_expert_capacity_factor) and padding every expert to its capacity, as Megatron-Core reads
+    them: a factor > 0 (Megatron-Core takes a negative one as none), the balancing types it drops under, and the
+    padding only with a factor."""
+    factor = cfg.get("moe_expert_capacity_factor")
+    if factor is not None and not (is_number(factor) and factor > 0):
+        raise ConfigError(f"model.moe_expert_capacity_factor={factor!r}: must be a number > 0 (each expert takes at "
+                         f"most that many times its balanced share of tokens), or null (dropless)")
+    balancing = cfg.get("moe_router_load_balancing_type", "aux_loss")
+    if factor is not None and balancing not in ("aux_loss", "seq_aux_loss", "global_aux_loss", "none"):
+        raise ConfigError(f"model.moe_expert_capacity_factor={factor}: Megatron-Core drops tokens only under "
+                         f"moe_router_load_balancing_type aux_loss, seq_aux_loss, global_aux_loss or none (not "
+                         f"{balancing}); change one of the two")
+    if cfg.get("moe_pad_expert_input_to_capacity") and factor is None:
+        raise ConfigError("model.moe_pad_expert_input_to_capacity=true pads each expert to its capacity, which "
+                         "model.moe_expert_capacity_factor sets; set it (e.g. 1.0), or the padding false")
 
 
 def layout_of(cfg: Mapping[str, Any]) -> ModelLayout:
@@ -201,6 +221,10 @@ def model_notices(cfg: Mapping[str, Any], *, device: str) -> list[str]:
     if device == "cpu" and cfg.get("moe_grouped_gemm"):
         out.append("model.moe_grouped_gemm=true does nothing on the CPU: Megatron-Core's local layers run the experts "
                    "one after another (SequentialMLP); the grouped GEMM is Transformer Engine's, on the GPU")
+    if cfg.get("moe_pad_expert_input_to_capacity") and cfg.get("moe_token_dispatcher_type",
+                                                                 "allgather") == "allgather":
+        out.append("model.moe_pad_expert_input_to_capacity=true does nothing with the allgather dispatcher: it drops "
+                   "tokens past the capacity but pads none; the alltoall dispatcher (GPU) pads every expert to it")
     return out
 
 
