@@ -319,6 +319,11 @@ def test_moe_activations_routed_rows_router_and_dispatch():
     assert dict(padded.experts)["dispatch"] == 2 * (64 + 16 * 4) * 64 * 2
     one = moe(ParallelLayout())
     assert dict(one.experts)["dispatch"] == (32 * 2) * 64 * 2  # no all-to-all copy without EP
+    # padded to capacity 1.5: every expert 1.5x its balanced share of rows (dropping alone keeps the balanced share)
+    cap = {**SMALL_MOE, "moe_expert_capacity_factor": 1.5}
+    assert dict(moe(ParallelLayout(ep=2, dp=2), cap).experts) == dict(e.experts)
+    full = moe(ParallelLayout(ep=2, dp=2), {**cap, "moe_pad_expert_input_to_capacity": True})
+    assert dict(full.experts)["activations"] == 1.5 * 2 * routed and dict(full.experts)["dispatch"] == 1.5 * dispatch
 
 
 def test_moe_layouts_megatron_core_refuses_are_refused():

@@ -321,7 +321,8 @@ def _moe_layer_bytes(model: Mapping[str, Any], layout: ParallelLayout, *, storag
     padding rides through the dispatch). The router keeps its fp32 scores and probabilities (2 x 4 B per expert)
     and the norm output (BF16, its input). A shared expert keeps what a dense MLP of its width keeps. Dispatch:
     the permuted tokens sent and the experts' output before it is combined (two [rows, h] BF16 buffers; one
-    without EP or expert TP, where no all-to-all copies them)."""
+    without EP or expert TP, where no all-to-all copies them). Padded to capacity (moe_pad_expert_input_to_capacity),
+    every expert holds moe_expert_capacity_factor x its balanced share of rows, padding included."""
     h = int(model["hidden_size"])
     gated = 2 if model.get("activation", "gelu") == "swiglu" else 1
     ffn = expert_ffn_size(model)
@@ -331,6 +332,9 @@ def _moe_layer_bytes(model: Mapping[str, Any], layout: ParallelLayout, *, storag
     replicated = t if sequence_parallel else 1
     tokens_in = tokens / replicated  # the MoE layer's input on this rank
     rows = tokens_in * topk * etp
+    capacity = model.get("moe_expert_capacity_factor")
+    if capacity is not None and model.get("moe_pad_expert_input_to_capacity"):
+        rows *= float(capacity)  # every expert padded to its capacity: factor x its balanced share
     align = storage.rows_align if storage is not None else 0
     router_pads = bool(model.get("moe_router_padding_for_quantization")) and align > 0
     pad = align * (experts * etp if router_pads else experts // layout.ep)
