@@ -20,8 +20,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (torch.cuda.is_available()
 
 ROOT = Path(__file__).resolve().parents[2]
 HISTORY = 16
-DELAYED = {r: {"scaling": "delayed", "amax_history_len": HISTORY} for r in ("weights", "activations", "gradients")}
-E5M2 = "decoder.layers.1.mlp.linear_fc1"      # gradients to E5M2: DelayedScaling(HYBRID), the same class
+def delayed(history: int = HISTORY, gradients: str = "e4m3") -> dict:
+    """Delayed scaling with one history length; E4M3 gradients (TE's E4M3 format, so E5M2 is a change)."""
+    return {**{r: {"scaling": "delayed", "amax_history_len": history} for r in ("weights", "activations")},
+            "gradients": {"scaling": "delayed", "amax_history_len": history, "format": gradients}}
+
+
+DELAYED = delayed()
+E5M2 = "decoder.layers.1.mlp.linear_fc1"      # gradients E4M3 -> E5M2: DelayedScaling(HYBRID), the same class
 CURRENT = "decoder.layers.1.mlp.linear_fc2"   # activations to current scaling: a CustomRecipe
 SHORT = "decoder.layers.2.mlp.linear_fc1"     # every role's history 16 -> 4
 DEMOTED = "decoder.layers.2.mlp.linear_fc2"   # BF16
@@ -30,9 +36,9 @@ KEPT = "decoder.layers.3.mlp.linear_fc1"
 
 def changed_recipe() -> dict:
     return {**DELAYED, "layers": {"bf16_modules": [DEMOTED]}, "modules": {
-        E5M2: {"gradients": {"scaling": "delayed", "format": "e5m2", "amax_history_len": HISTORY}},
+        E5M2: {"gradients": delayed(gradients="e5m2")["gradients"]},
         CURRENT: {"activations": "tensorwise"},
-        SHORT: {r: {"scaling": "delayed", "amax_history_len": 4} for r in ("weights", "activations", "gradients")}}}
+        SHORT: delayed(history=4)}}
 
 
 class ReplanAt:
