@@ -84,6 +84,11 @@ def test_not_llama_shaped_is_one_line():
     assert "\n" not in str(e.value) and str(e.value).startswith(
         "the model is not Llama-shaped (model.normalization=LayerNorm, model.activation=gelu, "
         "model.position_embedding_type=learned_absolute)")
+    moe = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 8, "vocab_size": 10,
+           "normalization": "RMSNorm", "activation": "swiglu", "position_embedding_type": "rope",
+           "num_moe_experts": 4}
+    with pytest.raises(ValueError, match=r"^the model is not Llama-shaped \(model\.num_moe_experts=4\); .*dense MLPs"):
+        LlamaShape.from_model_cfg(moe)
 
 
 def test_the_core_imports_neither_transformers_nor_safetensors():

@@ -72,9 +72,12 @@ class LlamaShape:
         defaults = {"normalization": "LayerNorm", "activation": "gelu", "position_embedding_type": "learned_absolute",
                     "add_bias_linear": False}
         off = [f"model.{k}={cfg.get(k, defaults[k])}" for k, v in wanted.items() if cfg.get(k, defaults[k]) != v]
+        if cfg.get("num_moe_experts") is not None:  # (a Mixture-of-Experts model: routers and experts, no dense MLP)
+            off.append(f"model.num_moe_experts={cfg['num_moe_experts']}")
         if off:
             raise ValueError(f"the model is not Llama-shaped ({', '.join(off)}); a HF Llama checkpoint needs "
-                             f"RMSNorm, SwiGLU, RoPE and no linear biases (e.g. model=llama3_8b_8l or model=tiny)")
+                             f"RMSNorm, SwiGLU, RoPE, no linear biases and dense MLPs (e.g. model=llama3_8b_8l or "
+                             f"model=tiny)")
         heads = int(cfg["num_attention_heads"])
         return cls(num_layers=int(cfg["num_layers"]), hidden_size=int(cfg["hidden_size"]),
                    ffn_hidden_size=int(cfg.get("ffn_hidden_size") or 4 * int(cfg["hidden_size"])),
