@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fp8_recipes.observe.autopilot import Action, Autopilot, AutopilotState, apply
+from fp8_recipes.observe.autopilot import Action, Autopilot, AutopilotState, apply, read_rows
 from fp8_recipes.observe.autopilot_actions import is_bf16_module
 from fp8_recipes.observe.autopilot_config import ACTION_KINDS, AutopilotConfig, autopilot_config
 from fp8_recipes.observe.doctor_findings import LIMITS
@@ -242,6 +242,29 @@ def test_a_cosine_drop_demotes_and_calm_repromotes_once():
     # the trouble again: demoted again, and for good
     again = run(pilot, stat_steps(331, 30), planted(start=331, cosine=0.95))
     assert [a.kind for a in again] == ["to_bf16"] and pilot.recipe.layers.bf16_modules == (TARGET,)
+
+
+def test_an_mse_jump_supports_but_never_acts_alone():
+    """MSE / amax^2 jumping 1000x its own median (the doctor's supporting mse_jump): no action on its own, but not
+    calm either: a demoted module is not re-promoted while its role's rows jump; the median is kept per track and
+    starts afresh after an action."""
+    tensorwise = load_recipe("tensorwise")
+    pilot = Autopilot(CONFIG, tensorwise)
+    assert run(pilot, stat_steps(1, 10), planted(start=41, mse=1e-3)) == []  # healthy rows: mse 1e-6, amax 1
+    track = pilot.state.tracks[f"{TARGET}|activations"]
+    assert len(track.mse) == 10 and track.mse[-1] == pytest.approx(1e-3)
+    # demoted for a cosine drop; then calm rows, but the role's MSE keeps jumping in the modules still FP8: no return
+    pilot = Autopilot(CONFIG, tensorwise)
+    assert [a.kind for a in run(pilot, stat_steps(1, 3), planted(start=1, cosine=0.95))] == ["to_bf16"]
+    steady = Autopilot(CONFIG, tensorwise)
+    run(steady, stat_steps(1, 3), planted(start=1, cosine=0.95))
+    assert [(a.step, a.kind) for a in run(steady, stat_steps(31, 30))] == [(161, "repromote")]
+    # from step 101 (calm counted from 81) the role's MSE is 1000x: those steps are not calm until its median has
+    # caught up (6 of its 10 steps), and the calm count starts again
+    jumping = planted(module="*", start=101, mse=1e-3)
+    assert [(a.step, a.kind) for a in run(pilot, stat_steps(31, 30), jumping)] == [(241, "repromote")]
+    assert not read_rows([{**doctor_healthy_row(1, TARGET, "fprop", "activations", "tensorwise e4m3"),
+                           "mse": 1e-3}], CONFIG, mse_median=lambda m, r: 1e-6)[(TARGET, "activations")].calm
 
 
 def test_allowed_actions_and_the_callers_veto_pick_the_next_remedy():

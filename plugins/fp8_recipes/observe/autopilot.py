@@ -10,8 +10,9 @@
 *flagged* when one of its rows (any GEMM) has underflow or saturation >= 1 %, cosine <= 0.99, a delayed scale 64x
 below the current one (scale_ratio <= 1/64: a stale history) or 4x above it (it clips), or a non-finite value: the
 doctor's limits (:class:`~fp8_recipes.observe.autopilot_config.AutopilotLimits`). It is *calm* when every signal is
-below ``calm_fraction`` (0.5) of its limit (the ratio within 8x below and 2x above) and neither the loss nor the grad
-norm spikes (the doctor's spike rule). A delayed operand's rows with scale 1 at its first statistics step (and the
+below ``calm_fraction`` (0.5) of its limit (the ratio within 8x below and 2x above), its MSE / amax^2 is below
+``mse_jump`` (100) times its own running median (the doctor's supporting signal: it never flags alone, but adds to a
+flagged reading's severity) and neither the loss nor the grad norm spikes (the doctor's spike rule). A delayed operand's rows with scale 1 at its first statistics step (and the
 first after an action) are skipped: the history was empty, as the doctor skips them. NVFP4 operands are left to
 the doctor (none of these remedies is theirs).
 
@@ -49,6 +50,7 @@ a checkpoint, the same rows give the same actions.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -93,6 +95,8 @@ class Track:
     repromoted: bool = False
     snapshot: dict[str, Any] | None = None
     """Role-wide demotion: the role's policies before it (:func:`role_snapshot`)."""
+    mse: list[float] = field(default_factory=list)
+    """The last statistics steps' MSE / amax^2 under its current policy (the median an MSE jump is measured from)."""
 
 
 @dataclass
@@ -193,9 +197,13 @@ class Autopilot:
         rows = list(rows)
         spike = spiking(self.state.history["loss"], number(loss), "loss")
         spike = spiking(self.state.history["grad_norm"], number(grad_norm), "grad_norm") or spike
-        readings = read_rows(rows, self.config, lambda m, r: self._track(m, r).seen == 0)
+        readings = read_rows(rows, self.config, lambda m, r: self._track(m, r).seen == 0,
+                             lambda m, r: _median(self._track(m, r).mse))
         for (module, role), reading in readings.items():
-            _update(self._track(module, role), reading, step, self.config.patience)
+            t = self._track(module, role)
+            _update(t, reading, step, self.config.patience)
+            if reading.mse is not None:
+                t.mse = (t.mse + [reading.mse])[-MSE_WINDOW:]
         for module, role in {(str(r.get("module", "?")), str(r.get("role", "?"))) for r in rows}:
             if _key(module, role) in self.state.tracks:
                 self.state.tracks[_key(module, role)].seen += 1
@@ -358,7 +366,7 @@ class Autopilot:
         self.recipe = apply(self.recipe, [action])
         self.state.applied.append(action.to_dict())
         for t in tracks:
-            t.seen = 0
+            t.seen, t.mse = 0, []  # (a new policy: new errors, measured afresh)
             if action.kind != "repromote":
                 t.done.append([action.kind, cause])
         if main is not None and action.kind == "to_bf16":
@@ -410,6 +418,15 @@ class Autopilot:
             after = "; ".join(f"{r} {shortened(self.recipe.policy(r), factor).describe()}" for r in delayed)
             yield Action(step, WIDE, WIDE if len(delayed) > 1 else str(delayed[0]), "shorten_history", before, after,
                          f"{why}; every delayed amax history x {factor:g}", changes=changes, recovery=True)
+
+
+MSE_WINDOW = 10
+"""Statistics steps of MSE / amax^2 a track keeps; its median needs :data:`MSE_SETTLE` of them."""
+MSE_SETTLE = 3
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if len(values) >= MSE_SETTLE else None
 
 
 def _update(t: Track, reading: Reading, step: int, patience: int) -> None:

@@ -7,7 +7,7 @@ shipped ``on`` preset; keys can be set on the command line, e.g. ``autopilot=on 
       enabled: true
       dry_run: false             # true: log what it would do, change nothing
       interval: 10               # read the numerics statistics every 10 steps
-      limits: {underflow_pct: 1.0, saturation_pct: 1.0, cosine_drop: 0.01, scale_gap: 64.0}   # the doctor's
+      limits: {underflow_pct: 1.0, saturation_pct: 1.0, cosine_drop: 0.01, scale_gap: 64.0, mse_jump: 100.0}
       patience: 3                # flagged statistics steps in a row before acting
       calm: 10                   # calm statistics steps in a row before a demoted module is re-promoted
       calm_fraction: 0.5         # calm = every signal below half its limit
@@ -55,6 +55,9 @@ class AutopilotLimits:
     scale_gap: float = LIMITS["scale_gap"]
     """Delayed scaling: a scale this many times below the one current scaling would pick is flagged (a stale
     history: the values sit far below the range it keeps for them)."""
+    mse_jump: float = LIMITS["mse_jump"]
+    """MSE / amax^2 this many times its own median over the (module, role)'s earlier statistics steps: a supporting
+    signal, as in the doctor (never acts alone): such a step is not calm, and it adds to a flagged one's severity."""
 
 
 @dataclass(frozen=True)
@@ -125,7 +128,9 @@ class _AutopilotReader(KeyReader):
                            lo_open=True)
         gap = self.number(f"{key}.scale_gap", raw.get("scale_gap", d.scale_gap), 1.0, float("inf"), d.scale_gap,
                           lo_open=True)
-        return AutopilotLimits(cosine_drop=drop, scale_gap=gap, **pct)
+        jump = self.number(f"{key}.mse_jump", raw.get("mse_jump", d.mse_jump), 1.0, float("inf"), d.mse_jump,
+                           lo_open=True)
+        return AutopilotLimits(cosine_drop=drop, scale_gap=gap, mse_jump=jump, **pct)
 
     def kinds(self, key: str, value: Any) -> tuple[str, ...]:
         if value is None:

@@ -26,7 +26,8 @@ from fp8_recipes.observe.doctor import SETTLE, SPIKE_RULES, WINDOW
 from fp8_recipes.observe.doctor_findings import SCALE_RATIO_HIGH
 from fp8_recipes.recipe.schema import ROLES
 
-__all__ = ["CAUSES", "Reading", "calm_row", "culprit", "number", "read_rows", "row_signals", "spiking"]
+__all__ = ["CAUSES", "Reading", "calm_row", "culprit", "number", "read_rows", "relative_mse", "row_signals",
+           "spiking"]
 
 _ROLES = frozenset(str(r) for r in ROLES)
 
@@ -53,6 +54,8 @@ class Reading:
     """The worst signal beyond its limit, e.g. ``underflow 8.00% (fprop)``."""
     severity: float = 0.0
     """The worst signal / its limit (ratios: log scale), what orders the candidates."""
+    mse: float | None = None
+    """The step's worst MSE / amax^2 over the rows (None: no finite one), for the track's running median."""
 
 
 def number(value: Any) -> float | None:
@@ -104,10 +107,22 @@ def calm_row(row: Mapping[str, Any], limits: AutopilotLimits, f: float) -> bool:
             and (ratio is None or limits.scale_gap ** -f < ratio < SCALE_RATIO_HIGH ** f))
 
 
+def relative_mse(row: Mapping[str, Any]) -> float | None:
+    """A row's MSE / amax^2 (the doctor's measure of its error, comparable across scales), None when not finite."""
+    mse, amax = number(row.get("mse")), number(row.get("amax"))
+    if mse is None or amax is None or not (amax > 0 and math.isfinite(mse) and math.isfinite(amax)):
+        return None
+    return mse / amax ** 2
+
+
 def read_rows(rows: Iterable[Mapping[str, Any]], config: AutopilotConfig,
-              fresh: Callable[[str, str], bool] = lambda m, r: False) -> dict[tuple[str, str], Reading]:
+              fresh: Callable[[str, str], bool] = lambda m, r: False,
+              mse_median: Callable[[str, str], float | None] = lambda m, r: None
+              ) -> dict[tuple[str, str], Reading]:
     """(module, role) -> its Reading at one statistics step. ``fresh(module, role)``: its delayed rows with scale 1
-    are skipped (an empty history). NVFP4 rows and unknown roles are left out."""
+    are skipped (an empty history). ``mse_median(module, role)``: the median of its earlier steps' MSE / amax^2
+    (None: too few yet); a step ``limits.mse_jump`` times above it is not calm and adds to a flagged step's severity
+    (a supporting signal, as in the doctor: it never flags alone). NVFP4 rows and unknown roles are left out."""
     by_key: dict[tuple[str, str], list[Mapping[str, Any]]] = defaultdict(list)
     for row in rows:
         module, role, policy = str(row.get("module", "?")), str(row.get("role", "?")), str(row.get("policy", ""))
@@ -120,12 +135,16 @@ def read_rows(rows: Iterable[Mapping[str, Any]], config: AutopilotConfig,
     for key, rs in by_key.items():
         signals = sorted((s for r in rs for s in row_signals(r, config.limits)), key=lambda s: CAUSES.index(s[0]))
         calm = all(calm_row(r, config.limits, config.calm_fraction) for r in rs)
+        mse = max((m for r in rs if (m := relative_mse(r)) is not None), default=None)
+        median, jump = mse_median(*key), 0.0
+        if mse is not None and median and mse >= config.limits.mse_jump * median:
+            jump = math.log(mse / median) / math.log(config.limits.mse_jump)
         if signals:
             cause = signals[0][0]
             worst = max((s for s in signals if s[0] == cause), key=lambda s: s[1])
-            out[key] = Reading(True, False, cause, worst[2], max(s[1] for s in signals))
+            out[key] = Reading(True, False, cause, worst[2], max(jump, *(s[1] for s in signals)), mse)
         else:
-            out[key] = Reading(False, calm)
+            out[key] = Reading(False, calm and not jump, mse=mse)
     return out
 
 
