@@ -373,8 +373,19 @@ def test_each_layer_runs_the_recipes_own_te_recipe_and_overrides_their_own():
     algo = {**load_recipe_dict("delayed"), "modules": {"*.experts.*": {r: {"scaling": "delayed",
             "amax_compute_algo": "most_recent"} for r in ("weights", "activations", "gradients")}}}
     plan = PrecisionPlan(Recipe.from_dict(algo), layout_of(MOE), h200)
-    assert plan.backend is Backend.EMULATED and "modules.*.experts.*: delayed scaling that differs from the " \
-        "recipe's only in amax_compute_algo" in plan.backend_reason
+    assert plan.backend is Backend.EMULATED and "modules.*.experts.*: forward delayed scaling that differs from " \
+        "the recipe's only in amax_compute_algo" in plan.backend_reason
+    # a CustomRecipe's backward state is keyed by the gradients' margin and history: E4M3 gradients with margin 16
+    # (weights at margin 0: a CustomRecipe) share TE's backward buffer with experts under a DelayedScaling of
+    # margin 16 whose amax algorithm differs, though no forward key and no weights' setting says so
+    margin16 = {"scaling": "delayed", "format": "e4m3", "margin": 16}
+    custom = {**load_recipe_dict("delayed"), "gradients": margin16, "modules": {"*.experts.*": {
+        r: {**margin16, "amax_compute_algo": "most_recent"} for r in ("weights", "activations", "gradients")}}}
+    plan = PrecisionPlan(Recipe.from_dict(custom), layout_of(MOE), h200)
+    assert plan.backend is Backend.EMULATED and "modules.*.experts.*: backward delayed scaling that differs " \
+        "from the recipe's only in amax_compute_algo" in plan.backend_reason, plan.backend_reason
+    custom["modules"]["*.experts.*"] = {r: margin16 for r in ("weights", "activations", "gradients")}  # same: fine
+    assert PrecisionPlan(Recipe.from_dict(custom), layout_of(MOE), h200).backend is Backend.TE
     mixed = Recipe.from_dict({**load_recipe_dict("delayed"), "fp8_param": True,
                               "modules": {"decoder.layers.3.*": {r: {"scaling": "tensorwise"} for r in
                                                                  ("weights", "activations", "gradients")}}})

@@ -206,3 +206,26 @@ def test_a_grouped_expert_linear_is_observed_per_expert():
     assert float(states[rows[2]].scalers[Role.ACTIVATIONS].scale) == 7.0
     assert float(states[rows[2]].scalers[Role.WEIGHTS].scale) == 8.0
     assert float(states[rows[2]].scalers[Role.GRADIENTS].scale) == 104.0
+
+
+@pytest.mark.parametrize("recipe, fused", [
+    ({"weights": "delayed", "activations": "delayed", "gradients": "delayed"}, True),  # DelayedScaling
+    # a CustomRecipe (E4M3 gradients at margin 16): its input quantizer is a DelayedScalingRequest's Float8Quantizer
+    ({"weights": "delayed", "activations": "delayed",
+      "gradients": {"scaling": "delayed", "format": "e4m3", "margin": 16}}, True),
+    ({"weights": "delayed", "activations": "tensorwise", "gradients": "delayed"}, False),  # current-scaling input
+    ({"weights": "tensorwise", "activations": "tensorwise", "gradients": "tensorwise"}, False),
+])
+def test_the_fused_norm_cast_follows_the_input_quantizer_not_the_recipe_class(recipe, fused, monkeypatch):
+    """TE fuses a LayerNormLinear's norm with the FP8 cast (the float32 result cast straight to FP8) for a delayed
+    input quantizer, whichever recipe class made it, unless a backward_override is set."""
+    from fp8_recipes.backends import te_observe
+
+    asked = []
+    monkeypatch.setattr(te_observe, "_gemm_input", lambda module, x, fused=False: asked.append(fused) or x.detach())
+    plan = PrecisionPlan(Recipe.from_dict(recipe), ModelLayout.gpt(1), Hardware("cuda", (9, 0), "2.20.2", "H200"))
+    module = NormLinear()
+    state = TEObservedLinear(NAME, module, lambda: plan.at(10**6))
+    state.observer = lambda *a, **k: None
+    module(torch.randn(8, 2, 64))
+    assert asked == [fused], plan.at(10**6).modules[NAME].te.describe()

@@ -42,8 +42,7 @@ import torch
 from fp8_recipes.backends.groups import max_reducer
 from fp8_recipes.backends.te_state import delayed_column, delayed_tensors
 from fp8_recipes.plan.precision import Gemm, ModulePlan
-from fp8_recipes.plan.te import TERecipeKind
-from fp8_recipes.recipe.schema import Role
+from fp8_recipes.recipe.schema import Role, Scaling
 
 __all__ = ["TEObservedExpert", "TEObservedLinear", "te_observer_states"]
 
@@ -104,8 +103,8 @@ class TEObservedLinear:
     def _after_forward(self, module, args, output) -> None:
         if self.observer is None or not module.training or not getattr(module, "fp8", False):
             return
-        te = self.plan.te
-        fused = te is not None and te.recipe is TERecipeKind.DELAYED  # TE's fused norm + FP8 cast (see _gemm_input)
+        te = self.plan.te  # TE's fused norm + FP8 cast (see _gemm_input): a delayed input quantizer, FP8 backward
+        fused = te is not None and te.activations.scaling is Scaling.DELAYED and not te.forward_only
         self._emit(_FORWARD_OPERANDS, {Role.ACTIVATIONS: _gemm_input(module, args[0], fused),
                                        Role.WEIGHTS: module.weight.detach()})
         out = output[0] if isinstance(output, tuple) else output
@@ -174,9 +173,11 @@ def _sequence_parallel_reducers(module: torch.nn.Module) -> dict[Role, Callable[
 def _gemm_input(module: torch.nn.Module, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
     """The tensor the forward GEMM's input quantizer reads. TE's ``LayerNormLinear`` normalises inside its own
     kernel and keeps the result to itself: recompute it in float32 from the module's weights (RMSNorm or
-    LayerNorm, ``zero_centered_gamma``). With a built-in DelayedScaling recipe (`fused`) TE's kernel casts that
-    float32 result straight to FP8, so it is returned as is; every other quantizer reads the normalised tensor
-    rounded to the input's dtype first (TE 2.20 normalization.cpp: ``force_unfused_kernel``)."""
+    LayerNorm, ``zero_centered_gamma``). With a delayed-scaling input quantizer and an FP8 backward (`fused`: a
+    DelayedScaling recipe, or a CustomRecipe's DelayedScalingRequest, both a Float8Quantizer) TE's kernel casts that
+    float32 result straight to FP8 (TE 2.20 normalization.cpp: the fully fused path of Float8Quantizers;
+    layernorm_linear.py takes it unless a backward_override is set), so it is returned as is; every other quantizer
+    reads the normalised tensor rounded to the input's dtype first."""
     x = x.detach()
     norm = getattr(module, "normalization", None)
     weight = getattr(module, "layer_norm_weight", None)

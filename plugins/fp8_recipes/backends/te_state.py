@@ -194,6 +194,11 @@ def move_delayed(module: torch.nn.Module, recipe: Any, old: TERecipe | None, new
     before = {k: v.detach().clone() for k, v in delayed_tensors(module).items()}
     meta["recipe"] = recipe
     module.fp8_meta_tensors_initialized = False  # (else TE keeps the quantizers of a recipe of the same class)
+    # Nothing for the new state to inherit: a CustomRecipe's would take over the old delayed sub-state whenever its
+    # slot count, dtype and history length match, with the DelayedScaling TE built from the old requests (their
+    # margin, algorithm, scale rule), which then keys and updates it. The values are carried below.
+    meta.pop("scaling_fwd", None)
+    meta.pop("scaling_bwd", None)
     with torch.no_grad(), autocast():
         module.init_fp8_meta_tensors(recipe)
         now = delayed_tensors(module)

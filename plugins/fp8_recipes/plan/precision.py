@@ -30,7 +30,7 @@ from typing import Any
 
 from fp8_recipes.checks import ConfigError, is_int
 from fp8_recipes.plan.te import (
-    Substitution, TERecipe, TEResolution, _delayed_key, resolve_te, te_attention, te_recipe_for, te_stage_note,
+    Substitution, TERecipe, TEResolution, delayed_buffer_keys, resolve_te, te_attention, te_recipe_for, te_stage_note,
 )
 from fp8_recipes.recipe.schema import (
     ROLES, Attention, Backend, ModulePolicies, Recipe, RecipeError, Role, Scaling, TensorPolicy,
@@ -499,22 +499,19 @@ class PrecisionPlan:
                                    unsupported_fix=fix)
 
     def _indistinct_delayed(self, resolution: TEResolution) -> tuple[str | None, str]:
-        """Two delayed-scaling resolutions (the recipe's, a ``modules:`` override's) that TE would take for one: it
-        keys its amax buffers by the recipe's text, which names margin, format and history length but not the amax
-        algorithm or the scale rule, so one of the two would update both's states."""
+        """Two delayed-scaling states (the recipe's, a ``modules:`` override's; forward or backward) that TE would
+        keep in one amax buffer (:func:`~fp8_recipes.plan.te.delayed_buffer_keys`: the same direction, format, margin
+        and history length) but update with different amax algorithms or scale rules: one would update both."""
         seen: dict[tuple, tuple[str, tuple]] = {}
         named = [("the recipe", resolution)] + [(f"modules.{p}", r) for p, r in self._te_modules.items() if r]
         for where, res in named:
-            pw, pg = res.policies[Role.WEIGHTS], res.policies[Role.GRADIENTS]
-            if pw.scaling is not Scaling.DELAYED:
-                continue
-            te_key = (pw.margin, pw.amax_history_len, pw.format, pg.format)
-            full = (_delayed_key(pw), _delayed_key(pg) if pg.scaling is Scaling.DELAYED else None)
-            other = seen.setdefault(te_key, (where, full))
-            if other[1] != full:
-                return (f"{where}: delayed scaling that differs from {other[0]}'s only in amax_compute_algo, "
-                        f"percentile or pow2_scales, which Transformer Engine keys together (one would update both)",
-                        "give it another margin or amax_history_len too, or set backend: emulated")
+            for te_key, full in delayed_buffer_keys(res):
+                other = seen.setdefault(te_key, (where, full))
+                if other[1] != full:
+                    return (f"{where}: {te_key[0]} delayed scaling that differs from {other[0]}'s only in "
+                            f"amax_compute_algo, percentile or pow2_scales, which Transformer Engine keys together "
+                            f"(one would update both)",
+                            "give it another margin or amax_history_len too, or set backend: emulated")
         return None, ""
 
     @property

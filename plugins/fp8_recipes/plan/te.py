@@ -38,8 +38,8 @@ from fp8_recipes.recipe.schema import (
     TensorPolicy,
 )
 
-__all__ = ["TE_FP8_ALIGN", "Substitution", "TERecipe", "TERecipeKind", "TEResolution", "resolve_te", "te_attention",
-           "te_fp8_shape_problem", "te_recipe_for", "te_stage_note"]
+__all__ = ["TE_FP8_ALIGN", "Substitution", "TERecipe", "TERecipeKind", "TEResolution", "delayed_buffer_keys",
+           "resolve_te", "te_attention", "te_fp8_shape_problem", "te_recipe_for", "te_stage_note"]
 
 W, A, G = Role.WEIGHTS, Role.ACTIVATIONS, Role.GRADIENTS
 # The GEMMs of a linear module and their operand roles (the plan's GEMM_OPERANDS, kept here to stay import-free).
@@ -402,6 +402,27 @@ def te_recipe_for(resolution: TEResolution, roles: frozenset[Role]) -> TERecipe 
     pw, pa, pg = (resolution.policies[r] for r in (W, A, G))
     forward_only = G not in roles or not pg.is_fp8
     return TERecipe(_builtin(pw, pa, pg, forward_only, resolution.custom_delayed), pw, pa, pg, forward_only)
+
+
+def delayed_buffer_keys(resolution: TEResolution) -> list[tuple[tuple, tuple]]:
+    """(TE's amax-buffer key, the settings TE updates that buffer with) for each direction of the delayed state a
+    resolution runs (its final stage). TE keys a buffer by its direction and the text of the DelayedScaling that
+    updates it, which names the format, margin and history length but not the amax algorithm or the scale rule
+    (TE 2.20.2: ``get_unique_autocast_key``, ``DelayedScaling._make_repr``). A built-in DelayedScaling updates both
+    directions with the weights' settings; a CustomRecipe builds one per direction from its requests: the forward's
+    from the inputs' and weights' (which share one state), the backward's from the gradients'."""
+    te = te_recipe_for(resolution, frozenset(r for r in ROLES if resolution.policies[r].is_fp8))
+    if te is None or te.recipe not in (TERecipeKind.DELAYED, TERecipeKind.CUSTOM):
+        return []
+    fmt = te.fp8_format
+
+    def key(direction: str, p: TensorPolicy) -> tuple[tuple, tuple]:
+        return (direction, fmt, p.margin, p.amax_history_len), _delayed_key(p)
+    if te.recipe is TERecipeKind.DELAYED:
+        return [key("forward", te.weights), key("backward", te.weights)]
+    forward = next((p for p in (te.weights, te.activations) if p.is_fp8 and p.scaling is Scaling.DELAYED), None)
+    backward = te.gradients if te.gradients.is_fp8 and te.gradients.scaling is Scaling.DELAYED else None
+    return ([key("forward", forward)] if forward else []) + ([key("backward", backward)] if backward else [])
 
 
 def te_fp8_shape_problem(rows: int, in_features: int, out_features: int,
