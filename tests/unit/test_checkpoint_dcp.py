@@ -384,6 +384,7 @@ got = checkpoint.find_resume("auto", sys.argv[1], damage=checkpoint.shared_damag
 # one file per rank: the two ranks share the launcher's stdout, where their lines can run together
 mine = {{"rank": dist.get_rank(), "got": got.name, "read": read}}
 Path(sys.argv[1], f"rank{{dist.get_rank()}}.json").write_text(json.dumps(mine))
+dist.barrier()  # (both ranks done before either tears gloo down: else one may abort on the other's closed pairs)
 dist.destroy_process_group()
 '''
 
