@@ -419,9 +419,9 @@ class TEPrecision:
             if choice is None:
                 self._dropped.add(name)
                 continue
-            recipe = self.te_recipe(choice)
+            _, recipe, group = self._ctx(choice, self._expert_group if name in self._experts else None)
             move_delayed(self.linears[name], recipe, None if name in self._dropped else old, choice,
-                         lambda r=recipe: self._autocast(enabled=True, recipe=r, amax_reduction_group=self._group))
+                         lambda r=recipe, g=group: self._autocast(enabled=True, recipe=r, amax_reduction_group=g))
             self._dropped.discard(name)
         for name, module in self.attention.items():
             layer = self._attention_layer[name]

@@ -12,9 +12,9 @@ below the current one (scale_ratio <= 1/64: a stale history) or 4x above it (it 
 doctor's limits (:class:`~fp8_recipes.observe.autopilot_config.AutopilotLimits`). It is *calm* when every signal is
 below ``calm_fraction`` (0.5) of its limit (the ratio within 8x below and 2x above), its MSE / amax^2 is below
 ``mse_jump`` (100) times its own running median (the doctor's supporting signal: it never flags alone, but adds to a
-flagged reading's severity) and neither the loss nor the grad norm spikes (the doctor's spike rule). A delayed operand's rows with scale 1 at its first statistics step (and the
-first after an action) are skipped: the history was empty, as the doctor skips them. NVFP4 operands are left to
-the doctor (none of these remedies is theirs).
+flagged reading's severity) and neither the loss nor the grad norm spikes (the doctor's spike rule). A delayed
+operand's rows with scale 1 at its first statistics step (and the first after an action) are skipped: the history
+was empty, as the doctor skips them. NVFP4 operands are left to the doctor (none of these remedies is theirs).
 
 **Rules.** A (module, role) flagged ``patience`` (3) statistics steps in a row and not cooling down takes, by
 cause (the first that fits: clipping, stale scale, underflow, cosine), the first allowed remedy that keeps the

@@ -2,7 +2,7 @@
 
     for line in action_outcomes(run.autopilot, run.numerics): print(line)
     rows = rows_after_actions(run.autopilot, run.numerics)   # the statistics the proposals read
-    recipe = ended_with(recipe, run.autopilot)                # recipe.yaml with the applied actions: what --write patches
+    recipe = ended_with(recipe, run.autopilot)                # recipe.yaml + the applied actions: what --write patches
 
 An action (a ``kind: autopilot`` row of metrics.jsonl, training/autopilot.py) *held* when the (module, role) it
 changed shows no finding (the doctor's limits, :func:`~fp8_recipes.observe.doctor_findings.find_problems`) in
