@@ -30,7 +30,8 @@ from typing import Any
 
 from fp8_recipes.checks import ConfigError, is_int
 from fp8_recipes.plan.te import (
-    Substitution, TERecipe, TEResolution, delayed_buffer_keys, resolve_te, te_attention, te_recipe_for, te_stage_note,
+    Substitution, TERecipe, TEResolution, delayed_buffer_keys, final_te_recipe, resolve_te, te_attention,
+    te_recipe_for, te_stage_note,
 )
 from fp8_recipes.recipe.schema import (
     ROLES, Attention, Backend, ModulePolicies, Recipe, RecipeError, Role, Scaling, TensorPolicy,
@@ -465,7 +466,7 @@ class PrecisionPlan:
         """``attention: fp8`` where TE cannot run it under the recipe it resolved to: BF16 attention, said once."""
         if self.recipe.attention is not Attention.FP8 or resolution.unsupported:
             return resolution
-        final = te_recipe_for(resolution, frozenset(r for r in ROLES if resolution.policies[r].is_fp8))
+        final = final_te_recipe(resolution)
         why = te_attention(final, self.hardware.compute_capability)
         if why is None:
             return resolution

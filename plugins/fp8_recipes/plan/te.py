@@ -39,7 +39,7 @@ from fp8_recipes.recipe.schema import (
 )
 
 __all__ = ["TE_FP8_ALIGN", "Substitution", "TERecipe", "TERecipeKind", "TEResolution", "delayed_buffer_keys",
-           "resolve_te", "te_attention", "te_fp8_shape_problem", "te_recipe_for", "te_stage_note"]
+           "final_te_recipe", "resolve_te", "te_attention", "te_fp8_shape_problem", "te_recipe_for", "te_stage_note"]
 
 W, A, G = Role.WEIGHTS, Role.ACTIVATIONS, Role.GRADIENTS
 # The GEMMs of a linear module and their operand roles (the plan's GEMM_OPERANDS, kept here to stay import-free).
@@ -404,6 +404,11 @@ def te_recipe_for(resolution: TEResolution, roles: frozenset[Role]) -> TERecipe 
     return TERecipe(_builtin(pw, pa, pg, forward_only, resolution.custom_delayed), pw, pa, pg, forward_only)
 
 
+def final_te_recipe(resolution: TEResolution) -> TERecipe | None:
+    """The TERecipe a resolution's layers run at its final stage (every FP8 role on), or None (BF16 on TE)."""
+    return te_recipe_for(resolution, frozenset(r for r in ROLES if resolution.policies[r].is_fp8))
+
+
 def delayed_buffer_keys(resolution: TEResolution) -> list[tuple[tuple, tuple]]:
     """(TE's amax-buffer key, the settings TE updates that buffer with) for each direction of the delayed state a
     resolution runs (its final stage). TE keys a buffer by its direction and the text of the DelayedScaling that
@@ -411,7 +416,7 @@ def delayed_buffer_keys(resolution: TEResolution) -> list[tuple[tuple, tuple]]:
     (TE 2.20.2: ``get_unique_autocast_key``, ``DelayedScaling._make_repr``). A built-in DelayedScaling updates both
     directions with the weights' settings; a CustomRecipe builds one per direction from its requests: the forward's
     from the inputs' and weights' (which share one state), the backward's from the gradients'."""
-    te = te_recipe_for(resolution, frozenset(r for r in ROLES if resolution.policies[r].is_fp8))
+    te = final_te_recipe(resolution)
     if te is None or te.recipe not in (TERecipeKind.DELAYED, TERecipeKind.CUSTOM):
         return []
     fmt = te.fp8_format
