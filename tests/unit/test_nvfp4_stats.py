@@ -141,3 +141,56 @@ def test_micro_batches_merge_and_rows_mix_fp8_and_nvfp4():
     together = rows([fp8, ma, mb])
     assert together == [fp8.row(), ma.row(), mb.row()] and "block_underflow_pct" not in together[0]
     assert rows(_on_host([fp8, ma, mb])) == together  # (how the shards of a TP group travel)
+
+
+def test_an_rht_copy_is_rotated_once_and_measured_the_same(monkeypatch):
+    """quantize keeps the rotated copy it quantized; the statistics read it instead of rotating x again."""
+    import dataclasses
+
+    from fp8_recipes.numerics.nvfp4 import nvfp4_copy_2d
+    from fp8_recipes.observe import stats_nvfp4
+
+    torch.manual_seed(4)
+    x = torch.randn(64, 48, dtype=torch.bfloat16) * torch.exp(2 * torch.randn(64, 1)).bfloat16()
+    policy = nvfp4(rht=True)
+    q = quantize(x, policy, columnwise=True)
+    assert torch.equal(q.rotated, nvfp4_copy_2d(x, columnwise=True, rht=True))
+    assert quantize(x, policy).rotated is None  # the rowwise copy is never rotated
+    again = measure(x, dequantize(q), policy, columnwise=True, quantized=dataclasses.replace(q, rotated=None)).row()
+    calls = []
+    monkeypatch.setattr(stats_nvfp4, "nvfp4_copy", lambda *a: calls.append(a))
+    assert measure(x, dequantize(q), policy, columnwise=True, quantized=q).row() == again and not calls
+
+
+def test_the_recorders_own_draws_differ_per_step_and_match_its_dump(tmp_path):
+    """A backend that keeps its NVFP4 copies (TE) hands over none: the recorder's stochastic rounding draws one
+    seed per step, operand and micro-batch (never seed 0 at every step), the same for the statistics and the dump."""
+    from fp8_recipes.observe.config import DebugConfig
+    from fp8_recipes.observe.recorder import NumericsRecorder
+
+    from fp8_recipes.observe.recorder import load_dump
+
+    rec = NumericsRecorder(DebugConfig.from_dict({"interval": 1, "dump": {"steps": [1]}}), tmp_path,
+                           tensorboard=False)
+    key = ("decoder.layers.0.mlp.linear_fc1", "wgrad", "gradients")
+    seeds = {}
+    for step in (1, 2):
+        rec.step = step
+        for index in (1, 2):
+            rec._count[key] = index
+            seeds[step, index] = rec._draws(key)
+    assert len(set(seeds.values())) == 4
+    rec.step, rec._count[key] = 1, 1
+    assert rec._draws(key) == seeds[1, 1]  # deterministic: a resumed run measures the same
+    policy = nvfp4(sr=True)
+    x = torch.randn(64, 64)
+    kept = measure(x, None, policy, columnwise=True, seed=seeds[1, 1]).row()
+    assert kept == row_of_seed(x, policy, seeds[1, 1]) != row_of_seed(x, policy, seeds[2, 1])
+    rec._dump(key, x, policy, True, None, None)  # (what _observe does for a dumped operand)
+    dumped = load_dump(tmp_path / "dumps" / "step_1" / f"{key[0]}.wgrad.gradients.0.pt")
+    assert torch.equal(dumped["dequantized"], dequantize(quantize(x, policy, columnwise=True, seed=seeds[1, 1])))
+
+
+def row_of_seed(x, policy, seed):
+    q = quantize(x, policy, columnwise=True, seed=seed)
+    return measure(x, dequantize(q), policy, columnwise=True, quantized=q).row()

@@ -45,7 +45,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -91,6 +91,9 @@ class NVFP4Quantized:
     columnwise: bool
     rht: bool
     """Whether the RHT was applied (columnwise copies only): dequantized values are then H-rotated."""
+    rotated: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    """With the RHT: the H-rotated 2-D copy that was quantized, in x's dtype (the statistics read it rather than
+    rotating x again); None otherwise."""
 
 
 def rht_matrix(device: torch.device | str | None = None) -> torch.Tensor:
@@ -294,7 +297,8 @@ def quantize_nvfp4(
     """
     block = _check_inputs("quantize_nvfp4", x, block, stochastic_rounding, generator, seed)
     shape = x.shape
-    hp = nvfp4_copy_2d(x, columnwise=columnwise, rht=rht).float()
+    copy = nvfp4_copy_2d(x, columnwise=columnwise, rht=rht)
+    hp = copy.float()
     r, c = hp.shape
     padded, amax, global_scale, block_scales, multiplier = _scales(hp, block)
     pr, pc = padded.shape
@@ -304,7 +308,7 @@ def quantize_nvfp4(
     codes = e2m1_codes(scaled, gen)[:r, :c]
     return NVFP4Quantized(codes=pack_e2m1(codes), block_scales=block_scales[:r], global_amax=amax,
                           global_scale=global_scale, shape=shape, dtype=x.dtype, block=block, columnwise=columnwise,
-                          rht=rht and columnwise)
+                          rht=rht and columnwise, rotated=copy if rht and columnwise else None)
 
 
 def dequantize_nvfp4(q: NVFP4Quantized, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -59,6 +59,7 @@ import torch
 from fp8_recipes.observe.config import DebugConfig
 from fp8_recipes.observe.heatmap import plot_heatmap
 from fp8_recipes.numerics import NVFP4Quantized, Quantized, block_for, dequantize, quantize
+from fp8_recipes.numerics.nvfp4 import stochastic_rounding_seed
 from fp8_recipes.observe.stats import COLUMNWISE, OperandStats, measure, rows as stats_rows
 from fp8_recipes.plan.precision import ROW_PARALLEL, Gemm, ModelLayout
 from fp8_recipes.rundir import TENSORBOARD, jsonable, numerics_name
@@ -260,9 +261,15 @@ class NumericsRecorder:
         if last is not None and last[0]() is not None and last[1] == copy:
             return last[2].copy()
         stats = measure(hp_x, fq_x, policy, columnwise=columnwise, scaler=scaler, amax_reduce=reduce,
-                        quantized=quantized)
+                        quantized=quantized, seed=self._draws(key))
         self._last[slot] = (weakref.ref(held), copy, stats.copy())
         return stats
+
+    def _draws(self, key) -> int:
+        """The seed of the stochastic rounding the recorder does itself (NVFP4 copies a backend kept, e.g. TE's):
+        its own numbers, not the backend's, but one per step, operand and micro-batch (not the same draws at every
+        statistics step), the same for an operand's statistics and its dump."""
+        return stochastic_rounding_seed("recorder", self.step, *key, self._count[key] - 1)
 
     # -- writing --------------------------------------------------------------------------------------------------
     def flush(self) -> None:
@@ -392,8 +399,8 @@ class NumericsRecorder:
         if isinstance(quantized, NVFP4Quantized):  # the copy the GEMM read (its stochastic rounding's codes)
             q = quantized
         else:  # the quantization the GEMM used, again: delayed reads the same scale and records nothing (NVFP4:
-            # a reused copy, never stochastically rounded; a backend that keeps its copies: draws of seed 0)
-            seed = 0 if policy.stochastic_rounding else None
+            # a reused copy, never stochastically rounded; a backend that keeps its copies: the statistics' draws)
+            seed = self._draws(key) if policy.stochastic_rounding else None
             q = quantize(hp_x, policy, columnwise=columnwise, scaler=scaler, amax_reduce=reduce, record_amax=False,
                          seed=seed)
         index = self._count[key] - 1  # this quantization's number in the step (counted in _observe)

@@ -268,6 +268,7 @@ def measure(
     amax_reduce: AmaxReduce | None = None,
     quantized: Quantized | None = None,
     sync_free: bool | None = None,
+    seed: int = 0,
 ) -> OperandStats:
     """Statistics of one quantization: `hp_x` the GEMM operand, `fq_x` what the GEMM read (dequantized FP8).
 
@@ -277,14 +278,16 @@ def measure(
     has it: its scales (and block maxima) are used as they are instead of being derived again (a third of the
     cost for block scaling; no amax collective for tensorwise).
     `sync_free`: None = :data:`SYNC_FREE` (default: sync-free unless the tensors are on the CPU); both paths give
-    the same numbers.
+    the same numbers. `seed`: NVFP4 with stochastic rounding whose copy the backend kept: the draws of the
+    quantization here.
     `fq_x` None: quantize `hp_x` here (delayed: with `scaler`'s scale, recording nothing). Where :func:`fused`
     holds, in one Triton kernel (:func:`measure_fused`), otherwise with the numerics core.
     """
     if not policy.is_fp8:
         raise ValueError("measure: policy.scaling is 'none'; there is no quantization to measure")
     if policy.scaling is Scaling.NVFP4:  # E2M1 codes and two-level scales: statistics of their own (torch only)
-        return OperandStats(policy, *nvfp4_sums(hp_x, fq_x, policy, columnwise=columnwise, quantized=quantized))
+        return OperandStats(policy, *nvfp4_sums(hp_x, fq_x, policy, columnwise=columnwise, quantized=quantized,
+                                                  seed=seed))
     if fq_x is None:
         if amax_reduce is None and fused(hp_x, policy, columnwise):
             try:

@@ -28,8 +28,9 @@ block_saturation_pct   % of the 16-value blocks whose scale the E4M3 cast clamps
 Blocks are counted per 1x16 segment, as the block scales are stored: a 16x16 weight block counts its 16 rows. The
 block scales and S_enc are the backend's (`quantized`) when it hands them over, else :func:`quantize_nvfp4`'s
 again (they do not depend on stochastic rounding); the dequantized values are the backend's (`fq_x`), else those of
-a quantization here, whose stochastic rounding (if any) draws from `seed` (default 0: numbers of its own). Pure
-torch, no host sync.
+a quantization here, whose stochastic rounding (if any) draws from `seed` (the recorder's: one per step, module,
+GEMM, role and micro-batch, so a dump of the same copy holds the same codes). An RHT'd copy is rotated once: the
+statistics read the quantizer's rotated copy (``NVFP4Quantized.rotated``). Pure torch, no host sync.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def nvfp4_sums(hp_x: torch.Tensor, fq_x: torch.Tensor | None, policy: TensorPoli
         fq_x = dequantize_nvfp4(quantized, torch.float32)
     elif quantized is None:  # a reused copy: the scales again (codes aside, stochastic rounding changes nothing)
         quantized = _quantized(hp_x, policy, columnwise, False, seed)
-    hp = nvfp4_copy(hp_x, policy, columnwise)
+    hp = quantized.rotated.float() if quantized.rotated is not None else nvfp4_copy(hp_x, policy, columnwise)
     fq = fq_x.detach().reshape(_rows_cols(hp_x.shape)).float()
     fq = fq.t() if columnwise else fq
     mag = hp.abs().nan_to_num_(nan=0.0)  # NaN is neither non-zero-and-lost nor clipped
