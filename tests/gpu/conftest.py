@@ -12,9 +12,10 @@ def megatron_gpu(monkeypatch):
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS"):
         monkeypatch.delenv(var, raising=False)
-    destroy_distributed()
-    yield init_distributed(seed=1234)
-    destroy_distributed()
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
+    destroy_distributed()
+    FP8GlobalStateManager.reset()  # (an earlier test without this fixture may have left its modules' buffers)
+    yield init_distributed(seed=1234)
+    destroy_distributed()
     FP8GlobalStateManager.reset()  # drop the amax buffers that still point at this test's modules

@@ -142,9 +142,11 @@ def test_the_autopilot_acts_on_te_and_a_resume_keeps_its_plan(tmp_path, monkeypa
     summary = train(data, first, *PILOT, "trainer.save_checkpoints=true", "trainer.save_interval=8")
     assert summary["backend"] == "te" and summary["te_execution"]["plan_mismatches"] == 0, summary["te_execution"]
     actions = [r for r in read_metrics(first) if r.get("kind") == "autopilot"]
-    assert actions and actions[0]["action"] == "to_e5m2", actions
+    # (a history shortened first, had the amax fallen fast at the first statistics steps, would be right too)
+    e5m2 = next((a for a in actions if a["action"] == "to_e5m2"), None)
+    assert e5m2 is not None, actions
     assert all(math.isfinite(r["loss"]) for r in read_metrics(first, "train"))
-    after = [r for r in read_numerics(first) if r["role"] == "gradients" and r["step"] > actions[0]["step"]
+    after = [r for r in read_numerics(first) if r["role"] == "gradients" and r["step"] > e5m2["step"]
              and r["module"] != "output_layer"]
     assert after and all("e5m2" in r["policy"] for r in after if r["policy"] != "bf16"), after[:3]
     resumed = train(data, tmp_path / "resumed", *PILOT, f"trainer.resume={first / 'checkpoints' / 'step_8'}",
