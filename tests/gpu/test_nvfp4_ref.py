@@ -164,4 +164,9 @@ def test_compiled_fake_quant_is_the_eager_quantizer_bit_for_bit(kind, dtype):
                                         (False, False, True), (True, True, True)):
                 kw = dict(block=block, columnwise=columnwise, rht=rht, stochastic_rounding=sr, seed=3 if sr else None)
                 assert_same(dequantize_nvfp4(quantize_nvfp4(x, **kw)), fake_quant_nvfp4(x, **kw), f"{shape} {kw}")
-    assert nvfp4._COMPILED.get("values") not in (None, False) and nvfp4._COMPILED.get("rht") not in (None, False)
+    assert all(nvfp4._COMPILED.get(name) not in (None, False) for name in nvfp4._EAGER), nvfp4._COMPILED
+    # no form fell back to eager at dynamo's recompile limit (one per dtype and memory layout, not per shape)
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    forms = {name: len(_debug_get_cache_entry_list(f.__code__)) for name, f in nvfp4._EAGER.items()}
+    assert max(forms.values()) < torch._dynamo.config.recompile_limit, forms

@@ -45,6 +45,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -111,7 +112,7 @@ def apply_rht(x: torch.Tensor) -> torch.Tensor:
     if x.shape[-1] % NVFP4_BLOCK:
         raise ValueError(f"rht: the last dim ({x.shape[-1]}) must be a multiple of {NVFP4_BLOCK}")
     h = rht_matrix(x.device)
-    blocks = x.reshape(-1, NVFP4_BLOCK).float()
+    blocks = x.reshape(-1, NVFP4_BLOCK).float()  # (a copy of a transposed view: compiled, one pass with the sums)
     out = torch.zeros_like(blocks)
     for k in range(NVFP4_BLOCK):  # products are exact (x * ±1/4): only the order of the sums matters
         out.addcmul_(blocks[:, k:k + 1], h[k])
@@ -210,12 +211,14 @@ def _check_inputs(who: str, x: torch.Tensor, block, stochastic_rounding: bool, g
     return _check_block(block)
 
 
-def _scales(hp: torch.Tensor, block: tuple[int, int]):
-    """One copy's scales from its 2-D float32 values: (the values zero-padded to whole blocks, the global amax,
-    S_enc, the E4M3 block scales, each block's encode multiplier). The global amax is the largest block amax: the
-    same number as max |x| (blocks cover x, padding adds zeros, NaN propagates), from the pass the blocks need."""
+def _scales(hp: torch.Tensor, block: tuple[int, int], block_amax_of: Callable | None = None):
+    """One copy's scales from its 2-D values (float32, or x's dtype: every step is exact in either): (the values
+    zero-padded to whole blocks, the global amax, S_enc, the E4M3 block scales, each block's encode multiplier).
+    The global amax is the largest block amax: the same number as max |x| (blocks cover x, padding adds zeros, NaN
+    propagates), from the pass the blocks need. `block_amax_of`: the block's amax function compiled (padded ->
+    block amaxes; default _block_amax's)."""
     padded = _padded_blocks(hp, block)
-    block_amax = _block_amax(padded, block)
+    block_amax = block_amax_of(padded) if block_amax_of else _block_amax(padded, block)
     amax = block_amax.amax() if hp.numel() else torch.zeros((), dtype=torch.float32, device=hp.device)
     global_scale = nvfp4_global_scale(amax)
     block_scales = nvfp4_block_scales(block_amax, global_scale)
@@ -237,12 +240,20 @@ def _padded_blocks(hp: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
 
 
 def _block_amax(padded: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """max |x| per 1x16 segment, (R, C / 16); a 16x16 block's amax repeated over its 16 rows. NaN propagates."""
+    """max |x| per 1x16 segment in float32, (R, C / 16); a 16x16 block's amax repeated over its 16 rows. NaN
+    propagates. (abs, max and the cast are exact: the same numbers from x's dtype as from its float32 copy.)"""
+    return (_segment_amax if block[0] == 1 else _tile_amax)(padded)
+
+
+def _segment_amax(padded: torch.Tensor) -> torch.Tensor:
     r, c = padded.shape
-    if block[0] == 1:
-        return padded.reshape(r, c // NVFP4_BLOCK, NVFP4_BLOCK).abs().amax(dim=-1)
+    return padded.reshape(r, c // NVFP4_BLOCK, NVFP4_BLOCK).abs().amax(dim=-1).float()
+
+
+def _tile_amax(padded: torch.Tensor) -> torch.Tensor:
+    r, c = padded.shape
     tiles = padded.reshape(r // NVFP4_BLOCK, NVFP4_BLOCK, c // NVFP4_BLOCK, NVFP4_BLOCK).abs().amax(dim=(1, 3))
-    return tiles.repeat_interleave(NVFP4_BLOCK, dim=0)
+    return tiles.float().repeat_interleave(NVFP4_BLOCK, dim=0)
 
 
 def stochastic_rounding_seed(*where: int | str) -> int:
@@ -274,7 +285,7 @@ def nvfp4_copy_2d(x: torch.Tensor, *, columnwise: bool, rht: bool, rotate=apply_
     if rht and rows % NVFP4_BLOCK:
         raise ValueError(f"rht: the columnwise copy is transformed along x's rows, so they must be a multiple "
                          f"of {NVFP4_BLOCK}; x has shape {tuple(x.shape)} ({rows} rows)")
-    return rotate(x2d.t().contiguous()) if rht else x2d.t()
+    return rotate(x2d.t()) if rht else x2d.t()  # (the RHT reads 16 consecutive values of x^T: the transposed view)
 
 
 def quantize_nvfp4(
@@ -341,31 +352,36 @@ def fake_quant_nvfp4(
 
     The scales are the quantizer's (the same functions, on tensors 16x smaller than x); a value's E2M1 magnitude is
     its rounded count of grid steps times the step, which is what the code decodes to, times the block's decode
-    factor. On a
-    GPU the two passes over x's size, the RHT and the values, are torch.compile'd (no division in either: float32
-    products and in-order sums, as the eager ones); anywhere else, and if compiling fails, they run eagerly."""
+    factor. The passes over x's size read x's dtype (no float32 copy of x): on a GPU the three of them, the RHT,
+    the block amaxes and the values, are torch.compile'd (no division in any: float32 products, in-order sums and
+    maxima, as the eager ones); anywhere else, and if compiling fails, they run eagerly."""
     block = _check_inputs("fake_quant_nvfp4", x, block, stochastic_rounding, generator, seed)
-    hp = nvfp4_copy_2d(x, columnwise=columnwise, rht=rht, rotate=_kernel("rht", x.device)).float()
-    r, c = hp.shape
-    padded, amax, _, block_scales, multiplier = _scales(hp, block)
+    copy = nvfp4_copy_2d(x, columnwise=columnwise, rht=rht, rotate=_kernel("rht", x))  # x's dtype
+    r, c = copy.shape
+    amax_of = _kernel("segment_amax" if block[0] == 1 else "tile_amax", x)
+    padded, amax, _, block_scales, multiplier = _scales(copy, block, amax_of)
     decode = _decode_factors(block_scales, amax)
     pr, pc = padded.shape
     u = None
     if stochastic_rounding:
-        gen = _sr_generator(hp.device, generator, seed)
-        u = torch.rand((pr, pc), generator=gen, dtype=torch.float32, device=hp.device)  # e2m1_codes' draws
+        gen = _sr_generator(x.device, generator, seed)
+        u = torch.rand((pr, pc), generator=gen, dtype=torch.float32, device=x.device)  # e2m1_codes' draws
         u = u.reshape(pr, pc // NVFP4_BLOCK, NVFP4_BLOCK)
-    values = _kernel("values", x.device)(padded.reshape(pr, pc // NVFP4_BLOCK, NVFP4_BLOCK), multiplier, decode,
-                                         u, x.dtype)
+    blocks = padded.reshape(pr, pc // NVFP4_BLOCK, NVFP4_BLOCK)
+    if u is None:
+        values = _kernel("values", x)(blocks, multiplier, decode, x.dtype)
+    else:
+        values = _kernel("values_sr", x)(blocks, multiplier, decode, u, x.dtype)
     values = values.reshape(pr, pc)[:r, :c]
     return (values.t() if columnwise else values).reshape(x.shape)
 
 
 def _dequantized_values(blocks: torch.Tensor, multiplier: torch.Tensor, decode: torch.Tensor,
                         u: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """(R, C/16, 16) float32 values -> their NVFP4 values in `dtype`: e2m1_codes' rounding (nearest even, or up
-    where u < the fraction of a step) as steps x the step size, signed, times the block's decode factor."""
-    scaled = (blocks * multiplier[..., None]).clamp(-E2M1_MAX, E2M1_MAX)
+    """(R, C/16, 16) values (float32 or x's dtype, read as float32) -> their NVFP4 values in `dtype`: e2m1_codes'
+    rounding (nearest even, or up where u < the fraction of a step) as steps x the step size, signed, times the
+    block's decode factor."""
+    scaled = (blocks.float() * multiplier[..., None]).clamp(-E2M1_MAX, E2M1_MAX)
     a = scaled.abs().nan_to_num(nan=0.0)
     region = _e2m1_region(a)
     in_steps = a * _region_inv_step(region)
@@ -380,17 +396,29 @@ def _dequantized_values(blocks: torch.Tensor, multiplier: torch.Tensor, decode: 
     return (signed * decode[..., None]).to(dtype)
 
 
-_EAGER = {"rht": apply_rht, "values": _dequantized_values}
+def _values(blocks, multiplier, decode, dtype):
+    return _dequantized_values(blocks, multiplier, decode, None, dtype)
+
+
+def _values_sr(blocks, multiplier, decode, u, dtype):
+    return _dequantized_values(blocks, multiplier, decode, u, dtype)
+
+
+_EAGER = {"rht": apply_rht, "segment_amax": _segment_amax, "tile_amax": _tile_amax, "values": _values,
+          "values_sr": _values_sr}
+"""The passes over a tensor's size, one function (one code object: its own torch.compile cache) per variant."""
 _COMPILED: dict[str, object] = {}
 
 
-def _kernel(name: str, device: torch.device):
-    """The eager function `name`, or on CUDA its torch.compile'd form (compiled at its first call per shape; a
-    failure to compile logs one warning and leaves the eager one for the rest of the run)."""
-    if device.type != "cuda" or _COMPILED.get(name) is False:
+def _kernel(name: str, x: torch.Tensor):
+    """The eager function `name`, or for a non-empty CUDA tensor `x` its torch.compile'd form, compiled once with
+    dynamic shapes at its first call (the shapes of a run's GEMMs, an expert's token counts, change no kernel; the
+    cache still holds a form per dtype and memory layout: a rowwise copy, a transposed view). A failure to
+    compile logs one warning and leaves the eager one for the rest of the run."""
+    if x.device.type != "cuda" or not x.numel() or _COMPILED.get(name) is False:
         return _EAGER[name]
     if name not in _COMPILED:
-        _COMPILED[name] = torch.compile(_EAGER[name], dynamic=None)
+        _COMPILED[name] = torch.compile(_EAGER[name], dynamic=True)
 
     def call(*args):
         try:
