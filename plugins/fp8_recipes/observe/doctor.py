@@ -380,6 +380,15 @@ def diagnose(run: RunData, baseline: RunData | None = None, seeds: Sequence[RunD
         d.summary += f"; not an FP8 problem: {reason}"
         d.notes.append("check the LR (trainer.lr, trainer.warmup_steps), the data and the config before the recipe")
         return d
+    _propose(d, numerics, settled, div, onset)
+    return d
+
+
+def _propose(d: Diagnosis, numerics: list[dict], settled: list, div, onset: int) -> None:
+    """d's proposals (and notes) for a run that went wrong at step `onset`: the causes recorded up to a divergence
+    (`div`), or all the findings `settled` after the autopilot's actions, each remedied; a BF16 warmup for an early
+    onset."""
+    run, baseline, recipe = d.run, d.baseline, d.run.final_recipe
     total = int(run.train[-1].get("step", len(run.train)))
     early = onset <= max(SETTLE, total // 10)
     blind = baseline is None and div is not None and early  # everything explodes: findings are consequences
@@ -403,7 +412,6 @@ def diagnose(run: RunData, baseline: RunData | None = None, seeds: Sequence[RunD
         d.notes.append(f"a divergence in the first steps (step {onset}) without a baseline: FP8 is not ruled out, "
                        f"nor blamed, and only a BF16 warmup is proposed. A BF16 run of the same config (no +recipe) "
                        f"tells FP8 from the LR: pass it as --baseline")
-    return d
 
 
 def _input_notes(d: Diagnosis, answered: int = 0) -> list[str]:

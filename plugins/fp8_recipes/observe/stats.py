@@ -297,13 +297,17 @@ def measure(
         quantized = quantize(hp_x, policy, columnwise=columnwise, scaler=scaler, amax_reduce=amax_reduce,
                              record_amax=False)
         fq_x = dequantize(quantized, torch.float32)  # what the GEMM reads: codes x scale_inv in float32
-    spec = fp8_spec(policy.format)
-    clip = _clip_point(spec)
+    if sync_free is None:
+        sync_free = SYNC_FREE if SYNC_FREE is not None else hp_x.device.type != "cpu"
+    return _measured(hp_x, fq_x, policy, columnwise, scaler, amax_reduce, quantized, sync_free)
+
+
+def _measured(hp_x, fq_x, policy, columnwise, scaler, amax_reduce, quantized, sync_free: bool) -> OperandStats:
+    """measure() of an FP8 copy the GEMM read (`fq_x`, dequantized)."""
+    clip = _clip_point(fp8_spec(policy.format))
     numel = hp_x.numel()
     hp = hp_x.detach().reshape(-1).float()
     fq = fq_x.detach().reshape(-1).float()
-    if sync_free is None:
-        sync_free = SYNC_FREE if SYNC_FREE is not None else hp.device.type != "cpu"
     mag = hp.abs()
     if sync_free:  # NaN -> 0 in place (abs made a copy): nan_ignoring_amax's values, no check on the host
         mag.nan_to_num_(nan=0.0, posinf=math.inf)  # NaN is neither > 0 nor clipped: the counts below are unchanged
@@ -316,39 +320,18 @@ def measure(
     # 0 quantizes to 0 (and NaN to NaN), so the values that underflow are fq's zeros beyond x's own
     zeros_hp = numel - torch.count_nonzero(hp_x)
     underflow = (numel - torch.count_nonzero(fq_x)) - zeros_hp
-
     per_tensor = policy.scaling in (Scaling.DELAYED, Scaling.TENSORWISE)
-    if not per_tensor:
-        block = block_for(policy, hp_x.shape, columnwise)
-        mag2d = mag.reshape(_rows_cols(hp_x.shape))
-    if quantized is not None:  # the backend's own scales: nothing to derive (they are what the GEMM used)
-        scale = quantized.scale.reshape(()) if per_tensor else quantized.scale
-        block_amax = amax if per_tensor else quantized.amax
-        block_scale = scale
-    elif policy.scaling is Scaling.DELAYED:
-        if scaler is None:
-            raise ValueError("measure: scaling 'delayed' needs the operand's DelayedScaler (scaler=...)")
-        scale = scaler.scale.to(mag.device).reshape(())
-        block_amax, block_scale = amax, scale
-    elif policy.scaling is Scaling.TENSORWISE:
-        reduced = amax_reduce(amax.reshape(1, 1).clone()) if amax_reduce is not None else amax
-        scale = amax_to_scale(reduced.reshape(()), policy.format, margin=policy.margin, epsilon=policy.amax_epsilon,
-                              pow2=policy.pow2_scales)
-        block_amax, block_scale = amax, scale
-    else:  # blockwise, mxfp8: the block scales quantize() derives (no amax reduction for blocks)
-        block_amax, scale, _, _ = _block_scales(mag2d, policy, block, hp_x.dtype, nan_free_abs=not has_nan)
-        block_scale = scale
+    block = None if per_tensor else block_for(policy, hp_x.shape, columnwise)
+    mag2d = mag if per_tensor else mag.reshape(_rows_cols(hp_x.shape))
+    scale, block_amax = _scales_used(mag2d, amax, policy, block, hp_x.dtype, scaler, amax_reduce, quantized,
+                                     nan_free_abs=not has_nan)
     # Rounding is monotonic: no element of a block passes the clip point after scaling unless its amax does, so
     # the element-wise count runs only when some block is clipped (delayed scaling's stale scale, OCP's floor rule).
     # Sync-free: count unconditionally (one pass; no host check).
-    if sync_free or bool((block_amax * block_scale > clip).any()):
-        if per_tensor:
-            saturated = (mag * scale > clip).sum()
-        else:
-            saturated = (_scale_blocks(mag2d, scale, block) > clip).sum()  # |x| * s == |x * s|: s > 0
+    if sync_free or bool((block_amax * scale > clip).any()):
+        saturated = ((mag * scale if per_tensor else _scale_blocks(mag2d, scale, block)) > clip).sum()
     else:
         saturated = torch.zeros((), device=mag.device)
-
     err = fq - hp
     sums = torch.stack([
         torch.full((), float(numel), device=hp.device, dtype=torch.float64),  # a fill: no host->device copy
@@ -361,6 +344,25 @@ def measure(
         torch.dot(fq, fq).double(),
     ])
     return OperandStats(policy, sums, amax, min_nonzero, [scale.detach()])
+
+
+def _scales_used(mag2d, amax, policy, block, dtype, scaler, amax_reduce, quantized, *, nan_free_abs: bool):
+    """(the scale the GEMM used: 0-dim, or one per block; the amax each scale was taken from) of a copy whose
+    |values| are `mag2d` (flat for a per-tensor scale)."""
+    per_tensor = block is None
+    if quantized is not None:  # the backend's own scales: nothing to derive (they are what the GEMM used)
+        return (quantized.scale.reshape(()), amax) if per_tensor else (quantized.scale, quantized.amax)
+    if policy.scaling is Scaling.DELAYED:
+        if scaler is None:
+            raise ValueError("measure: scaling 'delayed' needs the operand's DelayedScaler (scaler=...)")
+        return scaler.scale.to(mag2d.device).reshape(()), amax
+    if policy.scaling is Scaling.TENSORWISE:
+        reduced = amax_reduce(amax.reshape(1, 1).clone()) if amax_reduce is not None else amax
+        return amax_to_scale(reduced.reshape(()), policy.format, margin=policy.margin, epsilon=policy.amax_epsilon,
+                             pow2=policy.pow2_scales), amax
+    # blockwise, mxfp8: the block scales quantize() derives (no amax reduction for blocks)
+    block_amax, scale, _, _ = _block_scales(mag2d, policy, block, dtype, nan_free_abs=nan_free_abs)
+    return scale, block_amax
 
 
 
