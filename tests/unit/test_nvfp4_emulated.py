@@ -109,9 +109,20 @@ def test_stochastic_rounding_repeats_per_step_and_differs_across_steps_and_micro
     assert not torch.equal(run(state, x, w, dy)[1], dx0)  # (and SR is not round-to-nearest)
 
 
-def test_rht_needs_whole_16_token_blocks():
+def test_rht_pads_the_tokens_to_whole_16_token_blocks():
+    """14 tokens (an expert's share, an odd seq x micro-batch): wgrad reads both copies zero-padded to 16 tokens
+    and rotated, as a run that pads its tokens computes it; fprop and dgrad see the 14 tokens as they are."""
     precision, state = controller(PAPER)
-    precision.begin_step(0)
-    x, w, dy = operands()
-    with pytest.raises(ValueError, match="multiple of 16"):
-        run(state, x[:, :7], w, dy[:, :7])  # 14 tokens
+    precision.begin_step(2)
+    x, w, dy = operands(4)
+    x, dy = x[:, :7], dy[:, :7]
+    y, dx, dw = run(state, x, w, dy)
+    x2, dy2 = x.reshape(-1, 80), dy.reshape(-1, 96)
+    pad = torch.nn.functional.pad
+    seed = stochastic_rounding_seed(1234, 2, NAME, "wgrad", 1)
+    dyq = fq(pad(dy2, (0, 0, 0, 2)), columnwise=True, rht=True, stochastic_rounding=True, seed=seed)
+    xq = fq(pad(x2, (0, 0, 0, 2)), columnwise=True, rht=True)
+    assert dyq.shape == (16, 96) and torch.equal(dw, torch.matmul(dyq.t(), xq))
+    exact = dy2.double().t() @ x2.double()
+    assert (dw.double() - exact).norm() / exact.norm() < 0.3  # the zeros add nothing; the rotation cancels
+    assert y.shape == (2, 7, 96) and dx.shape == x.shape

@@ -9,7 +9,8 @@ the GEMM's reduction dimension), and multiplies them in the layer's dtype:
 
 so any per-role mix, any block shape, MXFP8 and NVFP4 run on any device. NVFP4 operands are TE's NVFP4 GEMMs'
 (its reference quantizer, bit for bit): 1x16 blocks (16x16 weights) along each GEMM's reduction dim, the RHT on the
-two wgrad copies where the plan keeps it (along the tokens wgrad sums over: the rotation cancels in the product),
+two wgrad copies where the plan keeps it (along the tokens wgrad sums over: the rotation cancels in the product;
+a token count that is not a multiple of 16 is zero-padded to one there),
 and stochastic rounding of gradients seeded by (run seed, step, module, GEMM, micro-batch), so a resumed run
 draws the same numbers. Delayed scaling keeps one DelayedScaler per
 module and role; its scale is updated after each optimizer step, with the amax MAX-reduced over the recipe's
@@ -39,7 +40,7 @@ import torch
 from fp8_recipes.backends.groups import amax_reduction_group, expert_amax_reduction_group, max_reducer
 from fp8_recipes.checks import ConfigError
 from fp8_recipes.numerics import DelayedScaler, dequantize, fake_quant, quantize
-from fp8_recipes.numerics.nvfp4 import stochastic_rounding_seed
+from fp8_recipes.numerics.nvfp4 import NVFP4_BLOCK, stochastic_rounding_seed
 from fp8_recipes.plan.precision import Gemm, ModelLayout, ModulePlan, PrecisionPlan
 from fp8_recipes.recipe.schema import ROLES, AmaxReduction, Attention, Role, Scaling, TensorPolicy
 
@@ -137,14 +138,28 @@ class _EmulatedGemm(torch.autograd.Function):
                 state.quantized(w, Gemm.DGRAD, Role.WEIGHTS, columnwise=True)
             dx = torch.matmul(dyq, wq).reshape(*dy.shape[:-1], w.shape[1])
         if ctx.needs_input_grad[1]:
-            if dyq is not None and state.reusable(Gemm.DGRAD, Gemm.WGRAD, Role.GRADIENTS):
+            x2, dy2, padded = _rht_tokens(state, x2, dy2)
+            if dyq is not None and not padded and state.reusable(Gemm.DGRAD, Gemm.WGRAD, Role.GRADIENTS):
                 dyq_w = state.reused(dyq, dy2, Gemm.WGRAD, Role.GRADIENTS)
             else:
                 dyq_w = state.quantized(dy2, Gemm.WGRAD, Role.GRADIENTS, columnwise=True)
-            xq = state.reused(xq_f.reshape(x2.shape), x2, Gemm.WGRAD, Role.ACTIVATIONS) if keep_xq else \
-                state.quantized(x2, Gemm.WGRAD, Role.ACTIVATIONS, columnwise=True)
+            if keep_xq and not padded:
+                xq = state.reused(xq_f.reshape(x2.shape), x2, Gemm.WGRAD, Role.ACTIVATIONS)
+            else:
+                xq = state.quantized(x2, Gemm.WGRAD, Role.ACTIVATIONS, columnwise=True)
             dw = torch.matmul(dyq_w.t(), xq)
         return dx, dw, None
+
+
+def _rht_tokens(state: EmulatedLinearState, x2: torch.Tensor, dy2: torch.Tensor):
+    """(x2, dy2, padded): the wgrad GEMM's operands, with zero tokens up to a multiple of 16 where its copies are
+    RHT'd along the tokens (NVFP4 ``rht``) and the count is not (an expert's share, an odd seq x micro-batch): what
+    a run that pads its tokens computes; the rotation still cancels, block by block, and the zeros add nothing."""
+    policy = state.policy(Gemm.WGRAD, Role.ACTIVATIONS)
+    pad = -x2.shape[0] % NVFP4_BLOCK if policy is not None and policy.rht else 0
+    if not pad:
+        return x2, dy2, False
+    return torch.nn.functional.pad(x2, (0, 0, 0, pad)), torch.nn.functional.pad(dy2, (0, 0, 0, pad)), True
 
 
 def emulated_linear(x: torch.Tensor, w: torch.Tensor, state: EmulatedLinearState) -> torch.Tensor:
