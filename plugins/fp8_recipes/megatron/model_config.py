@@ -124,13 +124,21 @@ def _check_moe(cfg: Mapping[str, Any], tensor_parallel: int) -> None:
     experts = cfg.get("num_moe_experts")
     if experts is None:
         return
+    if "moe_router_topk" in cfg and cfg["moe_router_topk"] is None:
+        raise ConfigError("model.moe_router_topk=null on an MoE model: set the experts each token picks, an integer "
+                         ">= 1 (Megatron-Core's default: 2)")
     topk = cfg.get("moe_router_topk", 2)
     if topk > experts:
         raise ConfigError(f"model.moe_router_topk={topk} is more than model.num_moe_experts={experts}; each token "
                          f"picks at most every expert")
     if topk == 1 and cfg.get("moe_router_load_balancing_type", "aux_loss") != "sinkhorn":
         raise ConfigError("model.moe_router_topk=1: Megatron-Core's softmax over one selected expert has a zero "
-                         "gradient; use model.moe_router_topk >= 2 (or moe_router_load_balancing_type=sinkhorn)")
+                         "gradient; use model.moe_router_topk >= 2 (or moe_router_load_balancing_type=sinkhorn with "
+                         "moe_aux_loss_coeff=0)")
+    if cfg.get("moe_router_load_balancing_type") == "sinkhorn" and cfg.get("moe_aux_loss_coeff"):
+        raise ConfigError(f"model.moe_aux_loss_coeff={cfg['moe_aux_loss_coeff']} with "
+                         f"model.moe_router_load_balancing_type=sinkhorn: Megatron-Core's sinkhorn router takes no "
+                         f"auxiliary loss (it balances by itself); set model.moe_aux_loss_coeff=0")
     moe_layer_pattern(cfg)  # moe_layer_freq's form and length
     _check_capacity(cfg)
     if cfg.get("moe_router_padding_for_quantization") and cfg.get("moe_token_dispatcher_type",
@@ -178,10 +186,11 @@ def layout_of(cfg: Mapping[str, Any]) -> ModelLayout:
 def moe_config_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """The model group's MoE keys as Megatron-Core TransformerConfig fields (they share its names; Megatron-Bridge's
     GPTModelProvider and NeMo's GPTConfig are TransformerConfig subclasses, so theirs too); none for a dense model.
-    Unset keys keep Megatron-Core's defaults (top-2, aux-loss balancing, the allgather dispatcher)."""
+    Unset (or null) keys keep Megatron-Core's defaults (top-2, aux-loss balancing with coefficient 0, the
+    allgather dispatcher)."""
     if cfg.get("num_moe_experts") is None:
         return {}
-    fields = {key: cfg[key] for key in MOE_KEYS if key in cfg}
+    fields = {key: cfg[key] for key in MOE_KEYS if cfg.get(key) is not None}
     if isinstance(fields.get("moe_layer_freq"), (list, tuple)):
         fields["moe_layer_freq"] = [int(f) for f in fields["moe_layer_freq"]]
     return fields

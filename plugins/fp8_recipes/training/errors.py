@@ -121,11 +121,26 @@ def one_line(e: BaseException) -> str | None:
         return f"{key}: {_first_line(msg)}"
     if isinstance(e, OmegaConfBaseException):
         return _omegaconf_line(e)
+    if isinstance(e, ValueError) and "Config group override must be a string" in str(e):
+        return _null_group_line()
     if isinstance(e, OSError) and not _raised_in_task(e):  # Hydra creating run_dir and run_dir/.hydra
         where = e.filename or "run_dir"
         return (f"run_dir: cannot create {str(where)!r} ({e.strerror or type(e).__name__}); set run_dir to a "
                 f"writable directory")
     return None
+
+
+def _null_group_line() -> str:
+    """A config group set to null on the command line (``model=null``): Hydra's message names no group."""
+    from fp8_recipes.recipe.pack import conf_dir, recipes_dir
+
+    nulls = [a.split("=", 1)[0].lstrip("+~") for a in sys.argv[1:] if re.fullmatch(r"[+~]*[\w/]+=(null|~)?", a)]
+    group = nulls[0] if nulls else "(group)"
+    where = recipes_dir() if group == "recipe" else conf_dir() / group
+    options = sorted(p.stem for p in where.glob("*.yaml")) if where.is_dir() else []
+    pick = f"choose one of {', '.join(options)}" if options else "give the group an option name"
+    plus = "+" if group == "recipe" else ""
+    return f"{group}: null is not an option of the {group} group; {pick} (e.g. {plus}{group}=NAME)"
 
 
 def _raised_in_task(e: BaseException) -> bool:
