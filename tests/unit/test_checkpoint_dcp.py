@@ -312,6 +312,8 @@ DAMAGE = {
     "truncated shard": (lambda d: (lambda p: p.write_bytes(p.read_bytes()[:100]))(next(d.glob("__0_*.distcp"))),
                         "bytes, "),
     "missing .metadata": (lambda d: (d / ".metadata").unlink(), "its .metadata (the index of its shards) is missing"),
+    "truncated .metadata": (lambda d: (lambda p: p.write_bytes(p.read_bytes()[:100]))(d / ".metadata"),
+                            ".metadata has 100 bytes"),  # (read before the damage checks once: an unpickling error)
     "garbage meta.json": (lambda d: (d / "meta.json").write_text("{not json"), "its meta.json is not valid JSON"),
     "latest names nothing": (lambda d: (d.parent / "latest").write_text("step_99\n"), "does not exist"),
     "empty meta.json": (lambda d: (d / "meta.json").write_text("{}"),

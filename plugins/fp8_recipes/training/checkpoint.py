@@ -573,13 +573,22 @@ def _current_format(step_dir: Path) -> Path:
     group or model is built."""
     if not (step_dir / _METADATA).is_file() and any(step_dir.glob("tp_*.pt")):
         version = 1
-    elif (step_dir / _METADATA).is_file() and any(k.startswith("tp") for k in _saved_payloads(step_dir)):
+    elif (step_dir / _METADATA).is_file() and any(k.startswith("tp") for k in _readable_payloads(step_dir)):
         version = 2
     else:
         return step_dir
     raise ConfigError(f"{step_dir} is a format-{version} checkpoint, which this version cannot read (format "
                      f"{FORMAT_VERSION}: Megatron-Core's optimizer state in a torch.distributed.checkpoint dir); "
                      "continue it with the fp8-recipes version that wrote it, or start a fresh run")
+
+
+def _readable_payloads(step_dir: Path) -> dict[str, list[tuple[tuple, Any]]]:
+    """:func:`_saved_payloads`, or none where ``.metadata`` cannot be read (truncated, garbage): the damage checks
+    then name the file, rather than the unpickler failing first."""
+    try:
+        return _saved_payloads(step_dir)
+    except Exception:  # noqa: BLE001 - any unreadable metadata is damage, reported by checkpoint_damage
+        return {}
 
 
 def intact_checkpoint(path: str | os.PathLike, key: str) -> Path:
