@@ -53,6 +53,10 @@ def outcomes(request, tmp_path_factory, dataset):  # noqa: F811
     group.mkdir(parents=True)
     for name, raw in SEARCH_PATH_RECIPES.items():
         (group / f"{name}.yaml").write_bytes(raw)
+    for other in ("model", "autopilot"):  # the other groups' files Hydra loads itself: binary, a scalar
+        (tmp / "group" / other).mkdir()
+        (tmp / "group" / other / "binary.yaml").write_bytes(b"\x87\xb3\x00\xff" * 100)
+        (tmp / "group" / other / "scalar.yaml").write_text("42\n")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "HYDRA_FULL_ERROR")}
 
     def run(case):

@@ -123,6 +123,8 @@ def one_line(e: BaseException) -> str | None:
         return _omegaconf_line(e)
     if isinstance(e, ValueError) and "Config group override must be a string" in str(e):
         return _null_group_line()
+    if isinstance(e, UnicodeDecodeError) or (isinstance(e, OSError) and "Invalid loaded object type" in str(e)):
+        return _unreadable_group_line(e)  # (Hydra loading a group's file: binary, or a scalar / list, not a mapping)
     if isinstance(e, OSError) and not _raised_in_task(e):  # Hydra creating run_dir and run_dir/.hydra
         where = e.filename or "run_dir"
         return (f"run_dir: cannot create {str(where)!r} ({e.strerror or type(e).__name__}); set run_dir to a "
@@ -141,6 +143,30 @@ def _null_group_line() -> str:
     pick = f"choose one of {', '.join(options)}" if options else "give the group an option name"
     plus = "+" if group == "recipe" else ""
     return f"{group}: null is not an option of the {group} group; {pick} (e.g. {plus}{group}=NAME)"
+
+
+def _unreadable_group_line(e: BaseException) -> str:
+    """A chosen group option whose file is not a YAML mapping of UTF-8 text: the group and file it is, found by
+    reading each ``group=name`` choice's file on the search path (the package's conf/, ``hydra.searchpath``)."""
+    from fp8_recipes.recipe.pack import conf_dir
+    from fp8_recipes.recipe.yaml_guard import UnsafeYAML, load_yaml
+
+    args = sys.argv[1:]
+    roots = [conf_dir()] + [Path(p.removeprefix("file://")) for a in args if a.startswith("hydra.searchpath=")
+                            for p in re.findall(r"file://[^,\]\s'\"]+", a)]
+    for group, name in (a.lstrip("+~").split("=", 1) for a in args if re.fullmatch(r"[+~]*\w+=[\w./-]+", a)):
+        for path in (root / group / f"{name}.yaml" for root in roots):
+            if not path.is_file():
+                continue
+            try:
+                data = load_yaml(path.read_bytes(), source=str(path))
+            except (UnsafeYAML, OSError) as bad:
+                return f"{group}: {path}: {_first_line(str(bad))}; or choose another {group}"
+            if not isinstance(data, dict):
+                return (f"{group}: {path} holds {type(data).__name__} {data!r:.40}, not a mapping of keys; fix the "
+                        f"file or choose another {group}")
+    return (f"(config): a config file of the chosen groups is not a YAML mapping of UTF-8 text "
+            f"({_first_line(str(e))}); check the files of the groups on the command line")
 
 
 def _raised_in_task(e: BaseException) -> bool:
