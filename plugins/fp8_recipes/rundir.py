@@ -112,9 +112,9 @@ def jsonable(value: Any) -> Any:
     return value
 
 
-def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+def read_jsonl(path: str | os.PathLike, check=None) -> list[dict[str, Any]]:
     """Every row of a JSONL file (blank lines skipped); RunFileError at the first line that is not a JSON object,
-    or when the file is not UTF-8 text."""
+    or when the file is not UTF-8 text, or whose row ``check`` (row -> a problem or None) finds wrong."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -129,6 +129,9 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
                 raise RunFileError(path, i, e.msg) from None
             if not isinstance(row, dict):
                 raise RunFileError(path, i, f"a {type(row).__name__}", what="a JSON object")
+            problem = check(row) if check is not None else None
+            if problem:
+                raise RunFileError(path, i, problem, what="a row of statistics")
             rows.append(row)
     return rows
 
@@ -169,8 +172,29 @@ def numerics_files(run_dir: str | os.PathLike) -> list[Path]:
 
 
 def read_numerics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """Every row of the run's statistics (numerics.jsonl and, for a pipelined run, each stage's file)."""
-    return [row for path in numerics_files(run_dir) for row in read_jsonl(path)]
+    """Every row of the run's statistics (numerics.jsonl and, for a pipelined run, each stage's file); RunFileError
+    at a row whose step, names or statistics have the wrong type (a damaged or hand-edited file)."""
+    return [row for path in numerics_files(run_dir) for row in read_jsonl(path, _numerics_row_problem)]
+
+
+_NAMES = ("module", "gemm", "role", "tensor", "policy")
+_NOT_FINITE = ("nan", "inf", "-inf")  # how jsonable() writes them
+
+
+def _numerics_row_problem(row: dict[str, Any]) -> str | None:
+    """What makes a statistics row unreadable, or None: an integer step, text names, numbers (or null, or the
+    strings jsonable() writes for NaN and inf) elsewhere."""
+    if not isinstance(row.get("step"), int) or isinstance(row["step"], bool):
+        return f"'step' is {row.get('step')!r}, not an integer"
+    for key, value in row.items():
+        if key in _NAMES:
+            ok = isinstance(value, str)
+        else:
+            ok = value is None or value in _NOT_FINITE or (isinstance(value, (int, float))
+                                                          and not isinstance(value, bool))
+        if key != "step" and not ok:
+            return f"{key!r} is {value!r:.60}, not {'text' if key in _NAMES else 'a number'}"
+    return None
 
 
 def write_text(path: str | os.PathLike, text: str) -> Path:

@@ -249,6 +249,13 @@ def test_the_heat_map_by_expert(runs, capsys, tmp_path):
     assert sorted(worst, key=worst.get)[-2:] in (["L0 E1", "L1 E2"], ["L1 E2", "L0 E1"]), worst
     assert cli.main(["heatmap", str(tmp_path)]) == 1
     assert "has no routing.jsonl" in capsys.readouterr().err
+    for out, says in ((tmp_path, "is not a .png file path"), (tmp_path / "plot", "is not a .png file path"),
+                      (tmp_path / "no" / "x.png", "its directory does not exist")):  # (none written elsewhere)
+        assert cli.main(["heatmap", str(runs["planted"]), "--stat", "tokens", "--out", str(out)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: --out: ") and says in err and err.count("\n") == 1, err
+    assert cli.main(["heatmap", str(runs["planted"]), "--stat", "tokens", "--out", str(tmp_path / "t.png")]) == 0
+    assert Path(capsys.readouterr().out.strip()) == tmp_path / "t.png" and (tmp_path / "t.png").is_file()
 
 
 def test_the_z_loss_is_megatron_cores(megatron_cpu, tmp_path):

@@ -335,6 +335,15 @@ def test_bad_inputs_end_in_one_line_exit_2(tmp_path, capsys):
         (tmp_path / name / "metrics.jsonl").write_bytes(content)
         rc, out, err = doctor(capsys, tmp_path / name)
         assert rc == 2 and out == "" and err.startswith("error: RUN_DIR: ") and says in err and err.count("\n") == 1
+    good = '{"step": 1, "module": "m", "gemm": "fprop", "role": "activations", "underflow_pct": "nan", "amax": 2.0}'
+    for field, value, says in (("step", '"a"', "'step' is 'a', not an integer"), ("step", "null", "'step' is None"),
+                               ("underflow_pct", '"x"', "'underflow_pct' is 'x', not a number"),
+                               ("role", '["a"]', "'role' is ['a'], not text")):
+        (run / "numerics.jsonl").write_text(good + "\n" + good.replace(f'"{field}": ', f'"{field}": {value}, "_":')
+                                            + "\n")
+        rc, out, err = doctor(capsys, run)
+        assert rc == 2 and out == "" and err.count("\n") == 1 and f"numerics.jsonl line 2 is not a row of " \
+            f"statistics ({says}" in err, err
 
 
 def test_report_is_short_and_names_everything(tmp_path):

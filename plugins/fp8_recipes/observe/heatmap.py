@@ -126,6 +126,21 @@ def expert_heatmap(run_dir: str | os.PathLike, stat: str = "scale_gap", role: st
     if not any(grid.values()):
         raise ValueError(f"--stat {stat}: '{run_dir}' has no {stat} of the experts' {role} to plot (a delayed "
                          f"operand's first row is left out: record more steps, or pick another --stat or --role)")
-    path = Path(out) if out is not None else run_dir / f"experts_{stat}.png"
+    path = _out_path(out) if out is not None else run_dir / f"experts_{stat}.png"
     what = EXPERT_STATS[stat] if stat in ("tokens", "weight") else f"{stat} of the experts' {role}"
-    return plot_heatmap(grid, path, what=f"{what} (experts x steps)", unit=EXPERT_STATS[stat], strip="")
+    try:
+        return plot_heatmap(grid, path, what=f"{what} (experts x steps)", unit=EXPERT_STATS[stat], strip="")
+    except OSError as e:
+        raise ValueError(f"--out: cannot write '{path}' ({e.strerror or type(e).__name__}); give a writable "
+                         f".png path") from None
+
+
+def _out_path(out: str | os.PathLike) -> Path:
+    """--out as given: a .png file in a directory that exists (what is printed is what was written)."""
+    path = Path(out)
+    if path.suffix.lower() != ".png":
+        raise ValueError(f"--out: '{out}' is not a .png file path; give one, e.g. {path.with_suffix('.png')}")
+    if path.is_dir() or not path.parent.is_dir():
+        raise ValueError(f"--out: '{out}' is a directory or its directory does not exist; give a .png file path "
+                         f"in an existing directory")
+    return path
