@@ -150,3 +150,12 @@ class KeyReader:
             else:
                 out[k] = v
         return out
+
+
+MAX_ERROR_CHARS = 400
+"""An error line is cut here: a value it quotes may be a whole file (a text file passed where a name goes)."""
+
+
+def clipped(line: str) -> str:
+    """An error line of at most MAX_ERROR_CHARS characters (the cut says how long it was)."""
+    return line if len(line) <= MAX_ERROR_CHARS else f"{line[:MAX_ERROR_CHARS]}... ({len(line):,} characters)"

@@ -108,6 +108,23 @@ def test_show_a_file_and_an_unknown_name(capsys, tmp_path):
     assert len(err.splitlines()) == 1 and "did you mean 'hybrid'" in err
 
 
+def test_a_file_that_is_no_mapping_and_usage_errors_are_one_short_line(capsys, tmp_path):
+    """A recipe file holding a number, or prose (read as one long YAML string), is refused as such, and the line
+    never echoes a whole file; argparse's usage errors are one `error:` line too (exit 2)."""
+    (tmp_path / "n.yaml").write_text("42\n")
+    (tmp_path / "prose.txt").write_text(" ".join(["word"] * 5000) + "\n")
+    for name, says in (("n.yaml", "got int 42"), ("prose.txt", "got str 'word word")):
+        rc, out, err = run_cli(capsys, "show", str(tmp_path / name))
+        assert rc == 1 and out == "" and err.count("\n") == 1 and says in err and "a recipe is a mapping" in err
+        assert len(err) < cli.MAX_ERROR_CHARS + 40
+    for argv in (["explain", "safe", "--layers", "x"], ["nosuch"]):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith("error: fp8-recipes") and err.count("\n") == 1, err
+        assert "usage:" not in err
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # validate
 

@@ -65,7 +65,13 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 
     try:  # the guarded reader (size, encoding, one document, aliases, duplicate keys, tags), then interpolations
         raw = load_yaml(path.read_bytes(), str(path))
+        if raw is not None and not isinstance(raw, dict):  # (OmegaConf would read a string as YAML text again)
+            raise RecipeError([f"(top level): a recipe is a mapping of keys, got {type(raw).__name__} "
+                               f"{_preview(raw)}; write key: value lines (fp8-recipes show hybrid prints one)"],
+                              str(path))
         data = OmegaConf.to_container(OmegaConf.create(raw), resolve=True) if raw is not None else None
+    except RecipeError:
+        raise
     except UnsafeYAML as e:
         raise RecipeError([str(e)], str(path)) from None
     except OSError as e:
@@ -77,6 +83,11 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise RecipeError([f"(top level): a recipe is a mapping of keys, got {type(data).__name__}"], str(path))
     return data
+
+
+def _preview(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:60]}... ({len(text):,} characters)"
 
 
 def _resolve_ref(ref: str | Path, near: Path | None = None, key: str = "recipe", source: str | None = None,

@@ -23,7 +23,7 @@ import traceback
 from pathlib import Path
 from typing import Iterator
 
-from fp8_recipes.checks import did_you_mean
+from fp8_recipes.checks import clipped, did_you_mean
 from fp8_recipes.launcher import launch_rank
 from fp8_recipes.rundir import (HYDRA, RUN_OUTPUTS, TRAIN_LOG, RunDirError, check_run_dir, held_by_another,
                                 release)
@@ -224,7 +224,7 @@ def print_error_once(lines: list[str]) -> None:
     """``error: <line>`` on stderr, by the launcher's rank 0 only (for errors every rank raises alike)."""
     if launch_rank() == 0:
         for line in lines:
-            print(f"error: {line}", file=sys.stderr, flush=True)
+            print(clipped(f"error: {line}"), file=sys.stderr, flush=True)
     else:
         time.sleep(QUIET_RANK_DELAY_S)
 
