@@ -113,12 +113,13 @@ class KeyReader:
             return default
         return value
 
-    def number(self, key: str, value: Any, lo: float, hi: float, default: float, lo_open: bool = False) -> float:
+    def number(self, key: str, value: Any, lo: float, hi: float, default: float, lo_open: bool = False,
+               hi_open: bool = False) -> float:
         if not is_number(value):
             self.bad(key, f"{fmt(value)} is not a finite number")
             return default
-        if value < lo or (lo_open and value == lo) or value > hi:
-            rng = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        if value < lo or (lo_open and value == lo) or value > hi or (hi_open and value == hi):
+            rng = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
             self.bad(key, f"{value} is out of range (expected a number in {rng})")
             return default
         return float(value)
@@ -152,7 +153,7 @@ class KeyReader:
         return out
 
 
-MAX_ERROR_CHARS = 400
+MAX_ERROR_CHARS = 1000
 """An error line is cut here: a value it quotes may be a whole file (a text file passed where a name goes)."""
 
 

@@ -152,11 +152,7 @@ class _AutopilotReader(KeyReader):
 
     def fraction(self, key: str, value: Any, default: float) -> float:
         """A number strictly between 0 and 1."""
-        out = self.number(key, value, 0.0, 1.0, default, lo_open=True)
-        if out == 1.0:
-            self.bad(key, "1.0 is out of range (expected a number in (0, 1), e.g. 0.5)")
-            return default
-        return out
+        return self.number(key, value, 0.0, 1.0, default, lo_open=True, hi_open=True)
 
     def read(self, key: str, data: Any) -> AutopilotConfig:
         raw = self.mapping(key, data, _KEYS)

@@ -260,9 +260,8 @@ TRAINER_WORDS = ExpertLayoutWords(
        "the same number of experts; pick a divisor of {experts}",
     etp="{etp_key}={etp} does not divide the experts' FFN width (model.moe_ffn_hidden_size={ffn}); pick a divisor "
         "of it",
-    grid="trainer.expert_model_parallel_size: expert tensor parallel x EP x pipeline = {etp} x {ep} x {pp} = "
-         "{grid_pp} does not divide the {gpus} launched processes; launch a multiple of {grid_pp} or lower "
-         "trainer.expert_model_parallel_size")
+    grid="{grid_key}: expert tensor parallel x EP x pipeline = {etp} x {ep} x {pp} = {grid_pp} does not divide the "
+         "{gpus} launched processes; launch a multiple of {grid_pp} or lower {grid_key}")
 """The trainer's wording (training/config.py ``TrainerConfig.check_experts``)."""
 
 
@@ -342,6 +341,8 @@ class ParallelLayout:
                  "stage_ranks": self.tp * self.cp * self.dp, "gpus": self.gpus, "grid": self.expert_tp * self.ep,
                  "grid_pp": self.expert_tp * self.ep * self.pp,
                  "etp_key": words.etp_key if self.etp else words.tp_key}
+        # the size to lower: EP when it is above 1, else the experts' TP size (expert TP, or TP when it is unset)
+        sizes["grid_key"] = words.ep_key if self.ep > 1 else sizes["etp_key"]
         if num_experts is None:
             for key, value, unset in ((words.ep_key, self.ep, 1), (words.etp_key, self.etp, None)):
                 if value != unset:

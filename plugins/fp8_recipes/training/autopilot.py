@@ -73,9 +73,12 @@ def check_autopilot(autopilot: AutopilotConfig, plan: PrecisionPlan, trainer=Non
                           "recipe.fp8_param=false, or autopilot=off")
     limit = getattr(trainer, "max_consecutive_skips", None)
     if limit is not None and autopilot.nonfinite_streak >= limit:
-        raise ConfigError(f"autopilot.nonfinite_streak: {autopilot.nonfinite_streak} non-finite steps, but the trainer "
-                          f"falls back or stops after trainer.max_consecutive_skips={limit}, before the recovery; set "
-                          f"autopilot.nonfinite_streak below it")
+        why = (f"{autopilot.nonfinite_streak} non-finite steps start the autopilot's recovery, but the trainer falls "
+               f"back or stops after trainer.max_consecutive_skips={limit}, before it")
+        if limit > 1:  # (the streak is at least 1: below 1 there is nothing to lower it to)
+            raise ConfigError(f"autopilot.nonfinite_streak: {why}; set autopilot.nonfinite_streak below {limit}")
+        raise ConfigError(f"trainer.max_consecutive_skips: {why}; raise trainer.max_consecutive_skips above "
+                          f"{autopilot.nonfinite_streak}")
 
 
 @dataclasses.dataclass(frozen=True)

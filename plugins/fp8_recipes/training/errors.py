@@ -118,6 +118,10 @@ def one_line(e: BaseException) -> str | None:
                     f"{key}=[{value}]")
         if "An item is already at" in msg:
             return f"{key}: already in the config; set it without '+': {key}=VALUE"
+        if "Error merging override" in msg and cause is not None and "Cannot merge" in str(cause):
+            kinds = re.findall(r"(Dict|List)Config", str(cause))  # (the override's kind, then the config's)
+            want = {"Dict": "a mapping {k: v}", "List": "a list [a, b]"}.get(kinds[-1] if kinds else "", "its type")
+            return f"{key}: {_first_line(str(cause))}; give {key} {want}, as the config has it"
         return f"{key}: {_first_line(msg)}"
     if isinstance(e, OmegaConfBaseException):
         return _omegaconf_line(e)
