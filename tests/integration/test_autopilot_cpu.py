@@ -177,6 +177,10 @@ def test_a_resumed_run_continues_with_the_autopilots_plan(runs, dataset, tmp_pat
                                capture_output=True, text=True, timeout=300)
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     assert "the checkpoint's run had the autopilot on: its 1 action(s) applied" in evaluated.stdout + evaluated.stderr
+    other = train_planted(tmp_path, {"other": (  # another recipe: its scaling state, actions included, starts afresh
+        ["+recipe=tensorwise", *PILOT, f"trainer.resume={first / 'checkpoints' / 'step_7'}", "trainer.max_steps=8"],
+        {})}, FAULT_HOOK, _args(dataset))["other"]
+    assert "the autopilot's 1 recorded action(s) on 'delayed' are dropped with it" in (other / "train.log").read_text()
 
 
 # After training, each rank writes its autopilot's state and its final scales (a sitecustomize beside the planting

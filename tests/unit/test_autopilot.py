@@ -97,6 +97,22 @@ def test_off_by_default_and_when_off_does_nothing():
     assert pilot.recipe == load_recipe("delayed") and pilot.state_dict() == AutopilotState().to_dict()
 
 
+def test_settings_it_cannot_act_on_get_one_warning_each():
+    """Keys set while off do nothing; NVFP4 operands get only the non-finite recovery; none for a plain FP8 run."""
+    from fp8_recipes.plan.precision import ModelLayout, PrecisionPlan
+    from fp8_recipes.training.autopilot import autopilot_notices
+
+    layout = ModelLayout.gpt(4)
+    delayed, nvfp4 = (PrecisionPlan(load_recipe(n), layout) for n in ("delayed", "nvfp4"))
+    off, on = autopilot_config({"enabled": False, "dry_run": True, "patience": 2}), autopilot_config({"enabled": True})
+    (line,) = autopilot_notices({"enabled": False, "dry_run": True, "patience": 2}, off, delayed, 100)
+    assert line.startswith("autopilot.dry_run (and patience) does nothing: the autopilot is off")
+    assert autopilot_notices({"enabled": False}, off, delayed, 100) == []
+    assert autopilot_notices({"enabled": True}, on, delayed, 100) == []
+    (line,) = autopilot_notices({"enabled": True}, on, nvfp4, 100)
+    assert "NVFP4 operands (8 module(s)" in line and "non-finite recovery only" in line
+
+
 def test_defaults_are_the_doctors_limits():
     limits = AutopilotConfig().limits
     assert (limits.underflow_pct, limits.saturation_pct, limits.cosine_drop, limits.scale_gap) == (

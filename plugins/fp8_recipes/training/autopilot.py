@@ -39,10 +39,10 @@ from fp8_recipes.observe.autopilot_config import AutopilotConfig
 from fp8_recipes.observe.config import DebugConfig
 from fp8_recipes.plan.format import format_plan
 from fp8_recipes.plan.precision import PrecisionPlan
-from fp8_recipes.recipe.schema import Backend, RecipeError
+from fp8_recipes.recipe.schema import Backend, RecipeError, Scaling
 from fp8_recipes.rundir import PLAN
 
-__all__ = ["AutopilotPrecision", "check_autopilot", "statistics_for"]
+__all__ = ["AutopilotPrecision", "autopilot_notices", "check_autopilot", "statistics_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,25 @@ def statistics_for(autopilot: AutopilotConfig, debug: DebugConfig) -> DebugConfi
                        "%d, debug.interval, from debug.start_step to debug.end_step)", autopilot.interval,
                        debug.interval)
     return debug
+
+
+def autopilot_notices(raw: Any, autopilot: AutopilotConfig, plan: PrecisionPlan, max_steps: int) -> list[str]:
+    """Autopilot settings this run cannot act on, one line each: keys set while it is off (``raw``: the run
+    config's ``autopilot`` mapping); NVFP4 operands, for which it has only its non-finite recovery."""
+    if autopilot is None:
+        return []
+    if not autopilot.enabled:
+        given = sorted(k for k in (raw or {}) if k != "enabled")
+        return [f"autopilot.{given[0]}{' (and ' + ', '.join(given[1:]) + ')' if given[1:] else ''} does nothing: "
+                f"the autopilot is off (autopilot.enabled=false); use autopilot=on, or drop it"] if given else []
+    nvfp4 = sorted({name for first, _, _ in plan.stages(max_steps) for name, module in plan.at(first).modules.items()
+                    for gemm in module.gemms.values() for _, p in gemm.operands
+                    if p is not None and p.scaling is Scaling.NVFP4})
+    if not nvfp4:
+        return []
+    return [f"autopilot: the NVFP4 operands ({len(nvfp4)} module(s), e.g. {nvfp4[0]}) get its non-finite recovery "
+            f"only: its signals and actions are FP8 scaling's (the doctor reads NVFP4's statistics: fp8-recipes "
+            f"doctor RUN_DIR)"]
 
 
 def check_autopilot(autopilot: AutopilotConfig, plan: PrecisionPlan, trainer=None) -> None:

@@ -1053,9 +1053,12 @@ def load_checkpoint(path: str | os.PathLike, *, engine=None, models=None, precis
         saved, current = (payload["precision"] or {}).get("recipe"), precision.state_dict().get("recipe")
         if saved != current:
             precision = None
+            actions = len(((payload["precision"] or {}).get("autopilot") or {}).get("applied") or ())
             if rank == 0:
                 logger.warning("resume: %s was written by recipe %r, this run uses %r: scaling state reset "
-                               "(model, optimizer, LR schedule, step and RNG restored)", step_dir, saved, current)
+                               "(model, optimizer, LR schedule, step and RNG restored)%s", step_dir, saved, current,
+                               f"; the autopilot's {actions} recorded action(s) on {saved!r} are dropped with it"
+                               if actions else "")
     for name, obj in (("scheduler", scheduler), ("precision", precision)):
         if obj is not None:
             if payload[name] is None:

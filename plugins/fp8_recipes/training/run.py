@@ -36,7 +36,7 @@ from fp8_recipes.plan.te import TE_FP8_ALIGN, te_fp8_shape_problem
 from fp8_recipes.recipe.pack import EMPTY_RECIPE, load_recipe
 from fp8_recipes.rundir import PLAN, RECIPE, check_run_dir, claim, drop_rows_after, release, write_text
 from fp8_recipes.recipe.schema import AmaxReduction, Attention, Backend, RecipeError, Role, Scaling
-from fp8_recipes.training.autopilot import AutopilotPrecision, check_autopilot, statistics_for
+from fp8_recipes.training.autopilot import AutopilotPrecision, autopilot_notices, check_autopilot, statistics_for
 from fp8_recipes.training.config import check_run_config, check_writable_dir
 from fp8_recipes.training.errors import CheckpointWriteError, NonFiniteStop
 from fp8_recipes.training.notices import run_notices
@@ -603,7 +603,8 @@ def _warn_notices(run: _Run) -> None:
     for line in [*model_notices(run.cfg.model, device=run.hardware.device),
                  _router_padding_notice(run.cfg.model, plan, fp8_modules),
                  _wgrad_fusion_notice(run.tcfg, plan),
-                 *run_notices(run.tcfg, run.recipe, run.debug, start, fp8_modules), run.shape_warning]:
+                 *run_notices(run.tcfg, run.recipe, run.debug, start, fp8_modules), run.shape_warning,
+                 *autopilot_notices(_plain(run.cfg.get("autopilot")), run.autopilot, plan, run.tcfg.max_steps)]:
         if line:
             logger.warning(line)
 
