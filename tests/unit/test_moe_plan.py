@@ -217,6 +217,26 @@ def test_module_policies_show_in_the_table():
     assert "own policies" not in format_plan(PrecisionPlan(load_recipe("delayed"), layout_of(MOE)))
 
 
+def test_patterns_that_change_less_than_they_say_are_warned_and_a_null_one_refused():
+    """A pattern shadowed by an earlier one, one whose modules all stay BF16 (the router), one that leaves a
+    module's activations RHT'd without its gradients: each one plan warning; an override of null is refused."""
+    recipe = _with_modules({"*.mlp.*": {"gradients": "tensorwise"}, "*.experts.*": {"gradients": "blockwise"}})
+    text = format_plan(PrecisionPlan(recipe, layout_of(MOE)))
+    assert ("warning: modules pattern '*.experts.*' does nothing: every module it matches takes the earlier pattern "
+            "'*.mlp.*' (the first match wins)") in text
+    head = _with_modules({"*output_layer*": {"weights": "tensorwise"}}, base="safe")  # (safe keeps the head BF16)
+    assert ("warning: modules pattern '*output_layer*' does nothing: every module it matches stays BF16 (output_layer:"
+            in format_plan(PrecisionPlan(head, layout_of(MOE))))
+    nvfp4 = load_recipe_dict("nvfp4")
+    rotated = Recipe.from_dict({**nvfp4, "layers": {}, "modules": {"*linear_fc2": {"gradients": "tensorwise"}}})
+    assert ("warning: modules pattern '*linear_fc2' leaves its modules activations.rht without gradients.rht"
+            in format_plan(PrecisionPlan(rotated, layout_of(MOE))))
+    assert "warning: modules pattern" not in format_plan(PrecisionPlan(_with_modules(
+        {"*.experts.*": {"gradients": "tensorwise"}}), layout_of(MOE)))
+    with pytest.raises(ValueError, match=r"modules\.\*\.experts\.\*: gives no role"):
+        _with_modules({"*.experts.*": None})
+
+
 def test_moe_presets():
     delayed = PrecisionPlan(load_recipe("moe_delayed"), layout_of(MOE))
     expert = "decoder.layers.0.mlp.experts.local_experts.0.linear_fc2"

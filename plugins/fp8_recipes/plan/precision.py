@@ -34,7 +34,7 @@ from fp8_recipes.plan.te import (
     te_recipe_for, te_stage_note,
 )
 from fp8_recipes.recipe.schema import (
-    ROLES, Attention, Backend, ModulePolicies, Recipe, RecipeError, Role, Scaling, TensorPolicy,
+    ROLES, Attention, Backend, ModulePolicies, Recipe, RecipeError, Role, Scaling, TensorPolicy, one_sided_rht,
 )
 
 __all__ = [
@@ -654,6 +654,30 @@ class PrecisionPlan:
         """``modules:`` patterns that match no module of this model (usually a typo)."""
         return tuple(m.pattern for m in self.recipe.modules
                      if not any(fnmatch.fnmatchcase(n, m.pattern) for n in self.layout.module_names))
+
+    @cached_property
+    def idle_module_patterns(self) -> tuple[tuple[str, str], ...]:
+        """(pattern, why) for ``modules:`` patterns that match modules but change less than they say: every module
+        they match takes an earlier pattern (the first match wins) or stays BF16 for a reason of its own; or they
+        rotate one wgrad operand only (that GEMM then runs without the RHT)."""
+        out = []
+        for m in self.recipe.modules:
+            names = [n for n in self.layout.module_names if fnmatch.fnmatchcase(n, m.pattern)]
+            if not names:
+                continue  # (unmatched_module_patterns)
+            mine = [n for n in names if self.module_override(n) is m]
+            if not mine:
+                first = self.module_override(names[0]).pattern
+                out.append((m.pattern, f"does nothing: every module it matches takes the earlier pattern '{first}' "
+                                       f"(the first match wins); put it first, or narrow '{first}'"))
+            elif all(self.bf16_reason(n) for n in mine):
+                out.append((m.pattern, f"does nothing: every module it matches stays BF16 ({mine[0]}: "
+                                       f"{self.bf16_reason(mine[0])})"))
+            elif (role := one_sided_rht(lambda r: self.recipe.module_policy(mine[0], r))) is not None:
+                other = Role.GRADIENTS if role is Role.ACTIVATIONS else Role.ACTIVATIONS
+                out.append((m.pattern, f"leaves its modules {role}.rht without {other}.rht: their wgrad GEMM runs "
+                                       f"without the RHT (it cancels only when both operands are rotated)"))
+        return tuple(out)
 
     def roles_fp8_at(self, step: int) -> frozenset[Role]:
         sched = self.recipe.schedule

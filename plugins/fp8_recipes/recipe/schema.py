@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -360,6 +360,16 @@ def _given(raw: Mapping[str, Any], defaults: Any):
     return lambda name: raw.get(name, getattr(defaults, name))
 
 
+def one_sided_rht(policy: Callable[[Role], TensorPolicy]) -> Role | None:
+    """The wgrad operand whose NVFP4 copy asks for the RHT while the other's does not (None: both or neither):
+    ``policy`` gives each role's, a recipe's or a module's."""
+    for role, other in ((Role.ACTIVATIONS, Role.GRADIENTS), (Role.GRADIENTS, Role.ACTIVATIONS)):
+        p, q = policy(role), policy(other)
+        if p.scaling is Scaling.NVFP4 and p.rht and not (q.scaling is Scaling.NVFP4 and q.rht):
+            return role
+    return None
+
+
 class _RecipeReader(KeyReader):
     """Turns a mapping into a Recipe, collecting one message per bad key (the scalar readers are KeyReader's)."""
 
@@ -464,14 +474,14 @@ class _RecipeReader(KeyReader):
 
     def rht_pair_checks(self, r: Recipe) -> None:
         """The RHT is undone by the product only when both wgrad operands are rotated: activations and gradients
-        ask for it together (TE has one switch, ``disable_rht``, for both)."""
-        for role, other in ((Role.ACTIVATIONS, Role.GRADIENTS), (Role.GRADIENTS, Role.ACTIVATIONS)):
-            p, q = r.policy(role), r.policy(other)
-            if p.scaling is Scaling.NVFP4 and p.rht and not (q.scaling is Scaling.NVFP4 and q.rht):
-                self.bad(f"{role}.rht", f"true without {other}.rht: the wgrad GEMM multiplies activations and "
-                                        f"gradients both rotated, so the rotation cancels; give {other} scaling: "
-                                        f"nvfp4 with rht: true, or set {role}.rht: false")
-                return
+        ask for it together (TE has one switch, ``disable_rht``, for both). A ``modules:`` override may keep one
+        of them otherwise (a remedy for one role): its wgrad runs without the RHT, and the plan warns."""
+        role = one_sided_rht(r.policy)
+        if role is not None:
+            other = Role.GRADIENTS if role is Role.ACTIVATIONS else Role.ACTIVATIONS
+            self.bad(f"{role}.rht", f"true without {other}.rht: the wgrad GEMM multiplies activations and "
+                                    f"gradients both rotated, so the rotation cancels; give {other} scaling: "
+                                    f"nvfp4 with rht: true, or set {role}.rht: false")
 
     def schedule(self, value: Any) -> Schedule:
         raw = self.mapping("schedule", value, {"bf16_warmup_steps", "enable", "full_precision_eval_interval"})
@@ -532,7 +542,7 @@ class _RecipeReader(KeyReader):
                 self.bad("modules", f"{fmt(pattern)} is not a glob pattern string")
                 continue
             raw = self.mapping(key, roles, {str(r) for r in ROLES})
-            if isinstance(roles, Mapping) and not roles:  # (unknown role keys are reported by mapping() above)
+            if roles is None or (isinstance(roles, Mapping) and not roles):  # (unknown roles: mapping() above)
                 self.bad(key, "gives no role; give weights, activations or gradients a policy, or remove it")
             read = []
             for role in ROLES:
