@@ -78,8 +78,8 @@ def _cmd_explain(args) -> int:
     if args.layout:
         parallel = ParallelLayout.parse(args.layout)
         parallel.check(layout.num_layers)
-        if layout.experts:  # (ep / etp: how the routed experts split; the memory command says what it costs)
-            parallel.check_experts(layout.experts, expert_ffn_size(cfg) if cfg is not None else None)
+        # (ep / etp: how the routed experts split, refused on a dense model; the memory command says what it costs)
+        parallel.check_experts(layout.experts or None, expert_ffn_size(cfg) if cfg is not None else None)
     plan = PrecisionPlan(load_recipe(args.recipe), layout, hardware)
     print(format_plan(plan, max_steps=args.steps, parallel=parallel))
     return 0
@@ -165,7 +165,11 @@ def _cmd_export(args) -> int:
     from fp8_recipes.training.run import quiet_third_party_logs
 
     quiet_third_party_logs()
-    export_hf(args.source, args.out, dtype=args.dtype, block=parse_block(args.block))
+    block = parse_block(args.block or "128x128")
+    if args.block is not None and args.dtype != "fp8":
+        print(f"warning: --block {args.block} does nothing with --dtype {args.dtype} (its weights carry no "
+              f"scales); add --dtype fp8, or drop --block", file=sys.stderr)
+    export_hf(args.source, args.out, dtype=args.dtype, block=block)
     return 0
 
 
@@ -254,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("out", metavar="OUT", help="the directory to write (replaced atomically if it is an export)")
     x.add_argument("--dtype", default="bf16", choices=["bf16", "fp8"], help="bf16 (default) | fp8: E4M3 "
                    "projections with weight_scale_inv; embeddings, norms and the LM head stay BF16")
-    x.add_argument("--block", default="128x128", metavar="128x128|tensor", help="with --dtype fp8: one scale per "
+    x.add_argument("--block", default=None, metavar="128x128|tensor", help="with --dtype fp8: one scale per "
                    "128x128 block (Float8BlockScaling, the default) or per tensor (Float8CurrentScaling)")
     x.set_defaults(fn=_cmd_export)
     return p

@@ -264,3 +264,18 @@ def test_explain_a_conf_model_prints_its_experts_and_routers(capsys):
                                       "FFN width (model.moe_ffn_hidden_size=14336)")
     rc, out, err = run_cli(capsys, "memory", "tiny_moe", "--seq", "128")
     assert rc == 0 and "of which the routed experts" in out  # an MoE model's estimate (tests/unit/test_memory.py)
+    rc, _, err = run_cli(capsys, "explain", "hybrid", "--layout", "ep=2")  # a dense model: as memory refuses it
+    assert rc == 1 and err.startswith("error: --layout: ep / etp split routed experts, and this model has none")
+
+
+def test_export_warns_of_a_block_without_fp8(capsys, monkeypatch):
+    import fp8_recipes.training.hf as hf
+
+    calls = []
+    monkeypatch.setattr(hf, "export_hf", lambda *a, **kw: calls.append(kw))
+    rc, _, err = run_cli(capsys, "export", "RUN", "--to", "hf", "OUT", "--block", "tensor")
+    assert rc == 0 and err.startswith("warning: --block tensor does nothing with --dtype bf16") and calls
+    rc, _, err = run_cli(capsys, "export", "RUN", "--to", "hf", "OUT", "--dtype", "fp8", "--block", "tensor")
+    assert rc == 0 and err == "" and calls[-1] == {"dtype": "fp8", "block": None}
+    rc, _, err = run_cli(capsys, "export", "RUN", "--to", "hf", "OUT", "--dtype", "fp8")
+    assert rc == 0 and err == "" and calls[-1]["block"] == (128, 128)
