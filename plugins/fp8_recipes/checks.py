@@ -86,9 +86,13 @@ class KeyReader:
 
     def __init__(self) -> None:
         self.problems: list[str] = []
+        self._bad_keys: set[str] = set()
 
     def bad(self, key: str, msg: str) -> None:
-        self.problems.append(f"{key}: {msg}")
+        """One problem of `key` (its first: a later one about the same key is what the first one left behind)."""
+        if key not in self._bad_keys:
+            self._bad_keys.add(key)
+            self.problems.append(f"{key}: {msg}")
 
     def enum(self, key: str, value: Any, kind: type[StrEnum], default):
         choices = [e.value for e in kind]

@@ -370,3 +370,16 @@ def test_one_copy_both_ways_is_the_quantizers_block_rule(fields):
     p = TensorPolicy(**{**fields, "scaling": Scaling(fields["scaling"])})
     same = p.is_fp8 and all(block_for(p, s) == block_for(p, s, columnwise=True) for s in ((4096, 768), (96, 96)))
     assert p.one_copy_both_ways == (same and not p.rht and not p.stochastic_rounding), p.describe()
+
+
+def test_one_mistake_is_one_problem():
+    """A key's later problems (a bad value that also does not apply) and rules between keys read on a bad key's
+    default (the RHT pair when activations.rht is not a boolean) are not reported beside the first."""
+    from fp8_recipes.recipe.pack import load_recipe_dict
+
+    nvfp4 = load_recipe_dict("nvfp4")
+    for change, says in (({"weights": {**nvfp4["weights"], "amax_epsilon": -1}}, "weights.amax_epsilon: -1 is out"),
+                         ({"activations": {**nvfp4["activations"], "rht": None}}, "activations.rht: None is not")):
+        with pytest.raises(RecipeError) as e:
+            Recipe.from_dict({**nvfp4, **change})
+        assert len(e.value.problems) == 1 and e.value.problems[0].startswith(says), e.value.problems

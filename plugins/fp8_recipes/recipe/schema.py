@@ -595,7 +595,8 @@ class _RecipeReader(KeyReader):
             modules=self.modules(raw.get("modules"), policies),
             **policies,
         )
-        self.cross_checks(recipe)
+        if not self.problems:  # (rules between keys: on values read as given, not a bad key's default)
+            self.cross_checks(recipe)
         if self.problems:
             raise RecipeError(self.problems, self.source)
         return recipe
