@@ -157,16 +157,20 @@ def test_compiled_fake_quant_is_the_eager_quantizer_bit_for_bit(kind, dtype):
     step (several, so the compiled graphs recompile and go dynamic), stochastic rounding with one seed."""
     from fp8_recipes.numerics import fake_quant_nvfp4, nvfp4
 
-    for shape in ((256, 384), (8192, 768), (2, 1024, 2304), (768, 3072)):
-        x = edge_tensor(kind, dtype, shape, SEED).cuda()
+    for shape in ((256, 384), (8192, 768), (2, 1024, 2304), (768, 3072), (16, 768), (1, 768), (17, 768)):
+        rows = math.prod(shape[:-1])  # (1, 16 and 17 tokens: an expert's share; the edge kinds need 64 rows)
+        x = (edge_tensor(kind, dtype, shape, SEED) if rows >= 64 else 3 * torch.randn(shape).to(dtype)).cuda()
         for block in BLOCKS:
             for columnwise, rht, sr in ((False, False, False), (True, True, False), (True, False, False),
                                         (False, False, True), (True, True, True)):
+                if rht and rows % 16:
+                    continue  # (the quantizer refuses it: the emulated backend pads such tokens first)
                 kw = dict(block=block, columnwise=columnwise, rht=rht, stochastic_rounding=sr, seed=3 if sr else None)
                 assert_same(dequantize_nvfp4(quantize_nvfp4(x, **kw)), fake_quant_nvfp4(x, **kw), f"{shape} {kw}")
     assert all(nvfp4._COMPILED.get(name) not in (None, False) for name in nvfp4._EAGER), nvfp4._COMPILED
-    # no form fell back to eager at dynamo's recompile limit (one per dtype and memory layout, not per shape)
+    # no form fell back to eager at the recompile limit: a form per dtype and memory layout, not per shape (this
+    # test runs both dtypes in one process: about 4; the sizes of one token, of 16, equal sizes add none)
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     forms = {name: len(_debug_get_cache_entry_list(f.__code__)) for name, f in nvfp4._EAGER.items()}
-    assert max(forms.values()) < torch._dynamo.config.recompile_limit, forms
+    assert max(forms.values()) < nvfp4.COMPILE_LIMIT, forms

@@ -42,6 +42,7 @@ and with an independent float64 reference on the CPU (tests/unit/test_nvfp4.py).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
@@ -410,19 +411,40 @@ _EAGER = {"rht": apply_rht, "segment_amax": _segment_amax, "tile_amax": _tile_am
 _COMPILED: dict[str, object] = {}
 
 
+def _symbolic_shapes():
+    """Around a compiled call: every size a symbol, with no guard on sizes that happen to be equal (duck shaping)
+    or 0 / 1 (an expert with one token), and room for a few more forms than dynamo's default 8."""
+    import torch._dynamo.config
+    import torch.fx.experimental._config
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.fx.experimental._config.patch(use_duck_shape=False, backed_size_oblivious=True))
+    stack.enter_context(torch._dynamo.config.patch(recompile_limit=COMPILE_LIMIT))
+    return stack
+
+
+COMPILE_LIMIT = 32
+"""Compiled forms a pass may hold (one per dtype and memory layout is the rule: 2 per dtype, checked on the GPU)."""
+
+
 def _kernel(name: str, x: torch.Tensor):
-    """The eager function `name`, or for a non-empty CUDA tensor `x` its torch.compile'd form, compiled once with
-    dynamic shapes at its first call (the shapes of a run's GEMMs, an expert's token counts, change no kernel; the
-    cache still holds a form per dtype and memory layout: a rowwise copy, a transposed view). A failure to
-    compile logs one warning and leaves the eager one for the rest of the run."""
+    """The eager function `name`, or for a non-empty CUDA tensor `x` its torch.compile'd form, compiled with
+    dynamic shapes at its first call: the shapes of a run's GEMMs and an expert's token counts change no kernel;
+    a form per dtype and memory layout (a rowwise copy, a transposed view). The tensors go in detached: a view's
+    base would add guards of its own. A failure to compile logs one warning and leaves the eager one for the rest
+    of the run. (Triton contracts a * b + c into an FMA, as nvcc does in the eager CUDA kernels: the same bits
+    wherever the products are exact, i.e. everywhere but the RHT of float32 subnormals, which tests/gpu checks;
+    inductor's CPU code differs from the CPU's eager kernels there, so the CPU runs eagerly.)"""
     if x.device.type != "cuda" or not x.numel() or _COMPILED.get(name) is False:
         return _EAGER[name]
     if name not in _COMPILED:
         _COMPILED[name] = torch.compile(_EAGER[name], dynamic=True)
 
     def call(*args):
+        args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)  # (not a view: no _base)
         try:
-            return _COMPILED[name](*args)
+            with _symbolic_shapes():
+                return _COMPILED[name](*args)
         except torch.OutOfMemoryError:
             raise  # (the eager form needs more memory, not less)
         except Exception as e:  # noqa: BLE001 - no Triton, an inductor bug: the eager form computes the same
