@@ -167,6 +167,13 @@ def _is_file_ref(value: str) -> bool:
 def _search_path_groups(args: list[str]) -> tuple[Path, ...]:
     """The ``recipe`` folders Hydra adds after the pack for ``hydra.searchpath=[...]`` and ``--config-dir DIR``
     (``file://DIR`` or ``pkg://module``: ``DIR/recipe``), in Hydra's order; those that exist."""
+    return tuple(root / "recipe" for root in search_path_roots(args) if (root / "recipe").is_dir())
+
+
+def search_path_roots(args: list[str]) -> tuple[Path, ...]:
+    """The config folders Hydra adds after the pack's for ``hydra.searchpath=[...]`` and ``--config-dir DIR``
+    (``file://DIR``, a plain path, or ``pkg://module``), in Hydra's order; those that exist. A group's options are
+    ``ROOT/GROUP/NAME.yaml``."""
     entries: list[str] = []
     for i, arg in enumerate(args):
         if arg in ("--config-dir", "-cd") and i + 1 < len(args):
@@ -195,7 +202,7 @@ def _search_path_groups(args: list[str]) -> tuple[Path, ...]:
             roots = list(spec.submodule_search_locations or []) if spec else []
         else:
             roots = [where if scheme == "file" else entry]
-        dirs += [Path(r).expanduser() / "recipe" for r in roots if (Path(r).expanduser() / "recipe").is_dir()]
+        dirs += [Path(r).expanduser() for r in roots if Path(r).expanduser().is_dir()]
     return tuple(dirs)
 
 

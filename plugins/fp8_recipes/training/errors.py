@@ -21,7 +21,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from fp8_recipes.checks import clipped, did_you_mean
 from fp8_recipes.launcher import launch_rank
@@ -119,14 +119,12 @@ def one_line(e: BaseException) -> str | None:
         if "An item is already at" in msg:
             return f"{key}: already in the config; set it without '+': {key}=VALUE"
         if "Error merging override" in msg and cause is not None and "Cannot merge" in str(cause):
-            kinds = re.findall(r"(Dict|List)Config", str(cause))  # (the override's kind, then the config's)
-            want = {"Dict": "a mapping {k: v}", "List": "a list [a, b]"}.get(kinds[-1] if kinds else "", "its type")
-            return f"{key}: {_first_line(str(cause))}; give {key} {want}, as the config has it"
+            return _merge_kind_line(key, cause)
         return f"{key}: {_first_line(msg)}"
     if isinstance(e, OmegaConfBaseException):
         return _omegaconf_line(e)
     if isinstance(e, ValueError) and "Config group override must be a string" in str(e):
-        return _null_group_line()
+        return _group_value_line()
     if isinstance(e, UnicodeDecodeError) or (isinstance(e, OSError) and "Invalid loaded object type" in str(e)):
         return _unreadable_group_line(e)  # (Hydra loading a group's file: binary, or a scalar / list, not a mapping)
     if isinstance(e, OSError) and not _raised_in_task(e):  # Hydra creating run_dir and run_dir/.hydra
@@ -136,33 +134,58 @@ def one_line(e: BaseException) -> str | None:
     return None
 
 
-def _null_group_line() -> str:
-    """A config group set to null on the command line (``model=null``): Hydra's message names no group."""
-    from fp8_recipes.recipe.pack import conf_dir, recipes_dir
+def _command_line_overrides() -> list[tuple[str, Any]]:
+    """(key, value) of each command-line override, as Hydra's own parser reads it (those it cannot parse left
+    out: Hydra reports them); a group option's key is the group (``model@pkg=x``: ``model``)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    nulls = [a.split("=", 1)[0].lstrip("+~") for a in sys.argv[1:] if re.fullmatch(r"[+~]*[\w/]+=(null|~)?", a)]
-    group = nulls[0] if nulls else "(group)"
-    where = recipes_dir() if group == "recipe" else conf_dir() / group
-    options = sorted(p.stem for p in where.glob("*.yaml")) if where.is_dir() else []
+    parser, out = OverridesParser.create(), []
+    for arg in sys.argv[1:]:
+        if arg.startswith("-"):
+            continue
+        try:
+            override = parser.parse_overrides([arg])[0]
+            out.append((override.key_or_group, override.value()))
+        except Exception:  # noqa: BLE001 - not an override Hydra can read: it says so itself
+            continue
+    return out
+
+
+def _group_options(group: str) -> list[str]:
+    from fp8_recipes.recipe.pack import conf_dir, recipes_dir, search_path_roots
+
+    where = [recipes_dir()] if group == "recipe" else [conf_dir() / group]
+    where += [root / group for root in search_path_roots(sys.argv[1:])]
+    return sorted({p.stem for d in where if d.is_dir() for p in d.glob("*.yaml")})
+
+
+def _group_value_line() -> str:
+    """A config group given a value that is no option name (``model=null``, ``autopilot=true``, ``model=1``):
+    Hydra's message names neither the group nor the value."""
+    given = [(k, v) for k, v in _command_line_overrides() if "." not in k and not isinstance(v, (str, list))]
+    if not given:
+        return "(group): a config group was given a value that is no option name; give it one, e.g. model=tiny"
+    group, value = given[0][0].lstrip("+~"), given[0][1]
+    shown = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+    options = _group_options(group)
     pick = f"choose one of {', '.join(options)}" if options else "give the group an option name"
     plus = "+" if group == "recipe" else ""
-    return f"{group}: null is not an option of the {group} group; {pick} (e.g. {plus}{group}=NAME)"
+    return f"{group}: {shown} is not an option of the {group} group; {pick} (e.g. {plus}{group}=NAME)"
 
 
 def _unreadable_group_line(e: BaseException) -> str:
     """A chosen group option whose file is not a YAML mapping of UTF-8 text: the group and file it is, found by
-    reading each ``group=name`` choice's file on the search path (the package's conf/, ``hydra.searchpath``)."""
-    from fp8_recipes.recipe.pack import conf_dir
+    reading each chosen option's file on the search path (the package's conf/, ``hydra.searchpath``,
+    ``--config-dir``) through the guarded YAML reader."""
+    from fp8_recipes.recipe.pack import conf_dir, search_path_roots
     from fp8_recipes.recipe.yaml_guard import UnsafeYAML, load_yaml
 
-    args = sys.argv[1:]
-    roots = [conf_dir()] + [Path(p.removeprefix("file://")) for a in args if a.startswith("hydra.searchpath=")
-                            for p in re.findall(r"file://[^,\]\s'\"]+", a)]
-    for group, name in (a.lstrip("+~").split("=", 1) for a in args if re.fullmatch(r"[+~]*\w+=[\w./-]+", a)):
+    roots = [conf_dir(), *search_path_roots(sys.argv[1:])]
+    for group, name in ((k, v) for k, v in _command_line_overrides() if "." not in k and isinstance(v, str)):
         for path in (root / group / f"{name}.yaml" for root in roots):
-            if not path.is_file():
-                continue
             try:
+                if not path.is_file():
+                    continue
                 data = load_yaml(path.read_bytes(), source=str(path))
             except (UnsafeYAML, OSError) as bad:
                 return f"{group}: {path}: {_first_line(str(bad))}; or choose another {group}"
@@ -171,6 +194,15 @@ def _unreadable_group_line(e: BaseException) -> str:
                         f"file or choose another {group}")
     return (f"(config): a config file of the chosen groups is not a YAML mapping of UTF-8 text "
             f"({_first_line(str(e))}); check the files of the groups on the command line")
+
+
+def _merge_kind_line(key: str, cause: BaseException) -> str:
+    """An override of the wrong kind (a mapping where the config has a list, or the other way): OmegaConf's
+    message says 'DictConfig with ListConfig' either way, so the kind comes from the override's own value."""
+    value = next((v for k, v in _command_line_overrides() if k.lstrip("+~") == key), None)
+    want = "a list [a, b]" if isinstance(value, dict) else "a mapping {k: v}"
+    return f"{key}: cannot merge {type(value).__name__ if value is not None else 'this value'} into it; give {key} " \
+           f"{want}, as the config has it"
 
 
 def _raised_in_task(e: BaseException) -> bool:
