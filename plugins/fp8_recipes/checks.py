@@ -94,6 +94,10 @@ class KeyReader:
             self._bad_keys.add(key)
             self.problems.append(f"{key}: {msg}")
 
+    def has_problem(self, key: str) -> bool:
+        """Whether `key` or a key below it was reported (a rule reading its value would read a default)."""
+        return any(k == key or k.startswith(f"{key}.") for k in self._bad_keys)
+
     def enum(self, key: str, value: Any, kind: type[StrEnum], default):
         choices = [e.value for e in kind]
         if isinstance(value, kind):

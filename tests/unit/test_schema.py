@@ -311,7 +311,7 @@ def test_nvfp4_problems_are_one_line_each_naming_the_key():
                           "activations": {"scaling": "nvfp4", "block": [16, 16], "stochastic_rounding": True},
                           "gradients": {"scaling": "mxfp8", "format": "e2m1"}})
     assert [line.split(":")[0] for line in str(e.value).splitlines()] == [
-        "weights.rht", "weights.margin", "activations.block", "activations.stochastic_rounding", "gradients.format"]
+        "weights.margin", "weights.rht", "activations.block", "activations.stochastic_rounding", "gradients.format"]
     assert all(("remove it" in line or "use [1, 16]" in line or "set scaling: nvfp4" in line)
                for line in str(e.value).splitlines()), str(e.value)
 
@@ -373,13 +373,22 @@ def test_one_copy_both_ways_is_the_quantizers_block_rule(fields):
 
 
 def test_one_mistake_is_one_problem():
-    """A key's later problems (a bad value that also does not apply) and rules between keys read on a bad key's
-    default (the RHT pair when activations.rht is not a boolean) are not reported beside the first."""
+    """A key that does not apply is said so, not range-checked too; rules that read another key's value are not
+    run on a bad key's default (the RHT pair, percentile without its algorithm, a module turning FP8 a role the
+    recipe keeps BF16); several bad module patterns are each reported."""
     from fp8_recipes.recipe.pack import load_recipe_dict
 
-    nvfp4 = load_recipe_dict("nvfp4")
-    for change, says in (({"weights": {**nvfp4["weights"], "amax_epsilon": -1}}, "weights.amax_epsilon: -1 is out"),
-                         ({"activations": {**nvfp4["activations"], "rht": None}}, "activations.rht: None is not")):
+    nvfp4, delayed = load_recipe_dict("nvfp4"), load_recipe_dict("delayed")
+    for base, change, says in (
+            (nvfp4, {"weights": {**nvfp4["weights"], "amax_epsilon": -1}}, "weights.amax_epsilon: -1 does not apply"),
+            (nvfp4, {"activations": {**nvfp4["activations"], "rht": None}}, "activations.rht: None is not"),
+            (delayed, {"weights": {"scaling": "delayed", "amax_compute_algo": "percentil", "percentile": 99.9}},
+             "weights.amax_compute_algo: 'percentil' is not one of"),
+            (delayed, {"gradients": {"scaling": "tensorwyse"}, "modules": {"*fc1": {"gradients": "tensorwise"}}},
+             "gradients.scaling: 'tensorwyse' is not one of")):
         with pytest.raises(RecipeError) as e:
-            Recipe.from_dict({**nvfp4, **change})
+            Recipe.from_dict({**base, **change})
         assert len(e.value.problems) == 1 and e.value.problems[0].startswith(says), e.value.problems
+    with pytest.raises(RecipeError) as e:
+        Recipe.from_dict({**delayed, "modules": {1: {"weights": "none"}, 2: {"weights": "none"}}})
+    assert [p.split(":")[0] for p in e.value.problems] == ["modules.1", "modules.2"]

@@ -402,6 +402,12 @@ class _RecipeReader(KeyReader):
         d = default_policy(role)  # the defaults are the fields' (each written once, in the dataclasses above)
         given = _given(raw, d)
         scaling = self.enum(f"{key}.scaling", given("scaling"), Scaling, d.scaling)
+        if scaling is not Scaling.NONE:  # first: a key that does not apply needs no other check (a BF16 role may
+            reported = {"percentile"} | ({"block"} if scaling is Scaling.MXFP8 else set())  # keep its settings)
+            for k in sorted(set(raw) - set(TensorPolicy(scaling=scaling).relevant_fields()) - reported):
+                users = ", ".join(s.value for s in Scaling if k in TensorPolicy(scaling=s).relevant_fields())
+                self.bad(f"{key}.{k}", f"{fmt(raw[k])} does not apply to scaling: {scaling} (only to {users}); "
+                                       f"remove it")
         kw: dict[str, Any] = {"scaling": scaling}
         nvfp4 = scaling is Scaling.NVFP4  # (derived defaults, once and visibly: E2M1 codes in 1x16 blocks)
         format_default, block_default = (Format.E2M1, NVFP4_BLOCK) if nvfp4 else (d.format, d.block)
@@ -434,17 +440,11 @@ class _RecipeReader(KeyReader):
                                      f"elements along the reduction dim); use scaling: blockwise for other shapes")
         if scaling is Scaling.MXFP8:
             kw["block"] = (1, MXFP8_BLOCK)
-        if "percentile" in raw and kw["amax_compute_algo"] is not AmaxAlgo.PERCENTILE:
+        if ("percentile" in raw and kw["amax_compute_algo"] is not AmaxAlgo.PERCENTILE
+                and not self.has_problem(f"{key}.amax_compute_algo")):
             self.bad(f"{key}.percentile", f"{fmt(raw['percentile'])} is set but amax_compute_algo is not "
                                           f"'percentile'; set amax_compute_algo: percentile or remove percentile")
-        policy = TensorPolicy(**kw)
-        if scaling is not Scaling.NONE:  # a BF16 role may keep its settings (switching scaling off is common)
-            reported = {"percentile"} | ({"block"} if scaling is Scaling.MXFP8 else set())  # checked above
-            for k in sorted(set(raw) - set(policy.relevant_fields()) - reported):
-                users = ", ".join(s.value for s in Scaling if k in TensorPolicy(scaling=s).relevant_fields())
-                self.bad(f"{key}.{k}", f"{fmt(raw[k])} does not apply to scaling: {scaling} (only to {users}); "
-                                       f"remove it")
-        return policy
+        return TensorPolicy(**kw)
 
     def nvfp4_checks(self, key: str, role: Role, kw: Mapping[str, Any]) -> None:
         """E2M1 goes with nvfp4 only; NVFP4 blocks are 1x16 (16x16 for weights); the RHT is for the wgrad GEMM's
@@ -539,7 +539,7 @@ class _RecipeReader(KeyReader):
         for pattern, roles in value.items():
             key = f"modules.{pattern}"
             if not isinstance(pattern, str) or not pattern.strip():
-                self.bad("modules", f"{fmt(pattern)} is not a glob pattern string")
+                self.bad(f"modules.{pattern}", f"{fmt(pattern)} is not a glob pattern string")
                 continue
             raw = self.mapping(key, roles, {str(r) for r in ROLES})
             if roles is None or (isinstance(roles, Mapping) and not roles):  # (unknown roles: mapping() above)
@@ -549,7 +549,7 @@ class _RecipeReader(KeyReader):
                 if str(role) not in raw:
                     continue
                 policy = self.policy(f"{key}.{role}", role, raw[str(role)])
-                if policy.is_fp8 and not policies[str(role)].is_fp8:
+                if policy.is_fp8 and not policies[str(role)].is_fp8 and not self.has_problem(str(role)):
                     self.bad(f"{key}.{role}", f"{policy.scaling} where the recipe keeps {role} BF16 ({role}.scaling: "
                                               f"none): a module may keep a role BF16 or scale it otherwise, not turn "
                                               f"it FP8 alone; give {role} a scaling and keep the other modules BF16 "
