@@ -47,7 +47,7 @@ def _exit_written(code: int) -> None:
 def main(cfg: DictConfig) -> None:
     from omegaconf.errors import OmegaConfBaseException
 
-    from fp8_recipes.checks import ConfigError
+    from fp8_recipes.checks import ConfigError, clipped
     from fp8_recipes.rundir import RunDirError
     from fp8_recipes.training.errors import (
         CHECKPOINT_WRITE_EXIT, INTERNAL_ERROR_EXIT, NONFINITE_EXIT, PREEMPTED_EXIT, USER_ERROR_EXIT,
@@ -67,10 +67,10 @@ def main(cfg: DictConfig) -> None:
             print_error_once(lines)
         else:
             for line in lines:
-                print(f"error: {line}", file=sys.stderr)
+                print(clipped(f"error: {line}"), file=sys.stderr)
         sys.exit(USER_ERROR_EXIT)
     except NonFiniteStop as e:  # trainer.on_nonfinite=stop: the run's outputs so far stay
-        print(f"error: {e}", file=sys.stderr)
+        print(clipped(f"error: {e}"), file=sys.stderr)
         _exit_written(NONFINITE_EXIT)
     except CheckpointWriteError as e:  # a full disk, a file size limit: every rank raises it; the outputs stay
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (a rank that is leaving anyway, see _exit_written)
@@ -99,6 +99,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    from fp8_recipes.checks import clipped
     from fp8_recipes.launcher import LaunchError, check_launch_env
     from fp8_recipes.recipe.pack import recipe_file_overrides
     from fp8_recipes.training.errors import (
@@ -109,7 +110,7 @@ if __name__ == "__main__":
     try:  # stale RANK / WORLD_SIZE: said by this process itself (which rank prints is what they get wrong)
         check_launch_env()
     except LaunchError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(clipped(f"error: {e}"), file=sys.stderr)
         sys.exit(USER_ERROR_EXIT)
     try:  # +recipe=path/to/mine.yaml: a recipe file anywhere (as fp8-recipes show/validate/explain take it)
         sys.argv[1:] = recipe_file_overrides(sys.argv[1:]) + worker_hydra_overrides()  # (rank 0 alone writes run_dir)

@@ -108,6 +108,9 @@ def test_settings_it_cannot_act_on_get_one_warning_each():
     (line,) = autopilot_notices({"enabled": False, "dry_run": True, "patience": 2}, off, delayed, 100)
     assert line.startswith("autopilot.dry_run (and patience) does nothing: the autopilot is off")
     assert autopilot_notices({"enabled": False}, off, delayed, 100) == []
+    preset = yaml.safe_load((ROOT / "conf" / "autopilot" / "on.yaml").read_text())  # autopilot=on ++...enabled=false
+    assert autopilot_notices({**preset, "enabled": False}, autopilot_config({**preset, "enabled": False}), delayed,
+                             100) == []
     assert autopilot_notices({"enabled": True}, on, delayed, 100) == []
     (line,) = autopilot_notices({"enabled": True}, on, nvfp4, 100)
     assert "NVFP4 operands (8 module(s)" in line and "non-finite recovery only" in line

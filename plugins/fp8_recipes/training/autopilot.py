@@ -67,8 +67,10 @@ def autopilot_notices(raw: Any, autopilot: AutopilotConfig, plan: PrecisionPlan,
     config's ``autopilot`` mapping); NVFP4 operands, for which it has only its non-finite recovery."""
     if autopilot is None:
         return []
-    if not autopilot.enabled:
-        given = sorted(k for k in (raw or {}) if k != "enabled")
+    if not autopilot.enabled:  # (what differs from the defaults: `autopilot=on ++autopilot.enabled=false` sets none)
+        default = AutopilotConfig()
+        given = sorted(k for k in (raw or {})
+                       if k != "enabled" and getattr(autopilot, k, None) != getattr(default, k, None))
         return [f"autopilot.{given[0]}{' (and ' + ', '.join(given[1:]) + ')' if given[1:] else ''} does nothing: "
                 f"the autopilot is off (autopilot.enabled=false); use autopilot=on, or drop it"] if given else []
     nvfp4 = sorted({name for first, _, _ in plan.stages(max_steps) for name, module in plan.at(first).modules.items()
