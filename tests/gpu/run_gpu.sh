@@ -265,7 +265,10 @@ if {"yaml", "omegaconf", "hydra"} & set(missing):
 PY
 
 stamp "1. GPU tests" | tee "$OUT/tests.log"
-timeout -s INT 180 "$PY" -m pytest tests/gpu -q -p no:cacheprovider -o addopts="" -rfEs \
+# (the files with a part of their own run there: autopilot, moe, nvfp4, hf/handoff, two GPUs)
+timeout -s INT ${TEST_CAP:-180} "$PY" -m pytest tests/gpu -q -p no:cacheprovider -o addopts="" -rfEs \
+    --ignore=tests/gpu/test_te_autopilot.py --ignore=tests/gpu/test_te_moe.py --ignore=tests/gpu/test_nvfp4_ref.py \
+    --ignore=tests/gpu/test_hf_gpu.py --ignore=tests/gpu/test_parallel_gpu.py \
     --junitxml="$OUT/gpu-tests.xml" 2>&1 | tee -a "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
 
