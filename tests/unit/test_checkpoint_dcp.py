@@ -516,3 +516,22 @@ def test_the_core_attentions_extra_state_may_differ_and_nothing_else():
     _load_model_state(local, te.state_dict())  # unexpected core_attention._extra_state: tolerated
     with pytest.raises(RuntimeError, match="linear.bias"):
         _load_model_state(local, {k: v for k, v in te.state_dict().items() if k != "linear.bias"})
+
+
+def test_a_zip_writer_error_on_a_full_disk_is_a_write_failure(tmp_path, monkeypatch):
+    """torch's zip writer reports a full disk as a RuntimeError ("unexpected pos"): on a (nearly) full file system
+    that is the write failure (exit 5, the temporary directory removed); anywhere else it stays a bug."""
+    from fp8_recipes.training import checkpoint
+
+    def write():
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(checkpoint, "_nearly_full", lambda where: True)
+    said = checkpoint._attempt(write, where=tmp_path)
+    assert said.startswith("[Errno 28] ") and "unexpected pos 704" in said
+    monkeypatch.setattr(checkpoint, "_nearly_full", lambda where: False)
+    with pytest.raises(RuntimeError, match="unexpected pos"):
+        checkpoint._attempt(write, where=tmp_path)
+    monkeypatch.undo()
+    assert checkpoint._nearly_full(tmp_path / "not" / "yet") is False  # (this disk has room; a missing dir reads
+    # its nearest existing parent)

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import io
 import json
 import logging
@@ -342,8 +343,8 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, engine=None, model
         "rng": _rng_state(),
         "extra": extra or {},
     }
-    _agree(_attempt(_write_payload, tmp, _shard_key(tp_rank, pp_rank, **_expert_ranks()), payload), final, tmp,
-           previous)
+    _agree(_attempt(_write_payload, tmp, _shard_key(tp_rank, pp_rank, **_expert_ranks()), payload, where=tmp),
+           final, tmp, previous)
     digests = _gather({name: _digest(tmp / name) for name in _own_files(tmp, rank)})  # each rank its own files
     failed = None
     if rank == 0:
@@ -351,7 +352,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, engine=None, model
         distributed = {"use_distributed_optimizer": engine.cfg.use_distributed_optimizer,
                        "reshardable": True} if engine else {}
         failed = _attempt(_finish, root, tmp, final, digests, {"step": step, **_parallel_sizes(), **distributed,
-                                                              **_model_fields(chunks), **(meta or {})})
+                                                              **_model_fields(chunks), **(meta or {})}, where=tmp)
     _agree(failed, final, tmp, previous)
     return final
 
@@ -376,21 +377,42 @@ def _finish(root: Path, tmp: Path, final: Path, digests: dict[str, Any], meta: d
     os.replace(pointer, root / "latest")
 
 
-def _attempt(fn: Callable[..., Any], *args: Any) -> str | None:
+def _attempt(fn: Callable[..., Any], *args: Any, where: Path | None = None) -> str | None:
     """Run ``fn``; the OS error it ends in as ``[Errno N] text`` (DCP wraps a writer's in its CheckpointException,
-    a BaseException), or None. Any other exception is a bug and propagates."""
+    a BaseException), or None. torch's zip writer reports a full disk as a RuntimeError ("unexpected pos"): one
+    that leaves ``where``'s file system (nearly) full is taken for that. Any other exception is a bug and
+    propagates."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         fn(*args)
     except OSError as e:
         return _os_error_text(e)
-    except CheckpointException as e:
-        errors = [exc for exc, _ in e.failures.values() if isinstance(exc, OSError)]
-        if not errors:
-            raise
-        return _os_error_text(errors[0])
+    except (CheckpointException, RuntimeError) as e:
+        failures = e.failures.values() if isinstance(e, CheckpointException) else [(e, None)]
+        errors = [exc for exc, _ in failures if isinstance(exc, OSError)]
+        if errors:
+            return _os_error_text(errors[0])
+        if where is not None and _nearly_full(where):
+            return f"[Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)} ({_first_line(e)})"
+        raise
     return None
+
+
+def _nearly_full(path: Path) -> bool:
+    """Whether the file system holding ``path`` (or its nearest existing parent) has under 1 MiB free."""
+    for p in (path, *path.parents):
+        if p.exists():
+            try:
+                return shutil.disk_usage(p).free < (1 << 20)
+            except OSError:
+                return False
+    return False
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[-1].strip()[:200] if text else type(e).__name__
 
 
 def _os_error_text(e: OSError) -> str:
