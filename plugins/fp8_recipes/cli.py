@@ -129,14 +129,18 @@ def _cmd_doctor(args) -> int:
     # this command's own (module docstring): the run-directory readers, statistics
     from fp8_recipes.observe.doctor import DoctorInputError, diagnose
     from fp8_recipes.observe.doctor_report import format_report, load_run, patched_recipe, write_recipe
+    from fp8_recipes.rundir import overwrite_problem
 
     try:
         run = load_run(args.run_dir)
         baselines = [load_run(b, "--baseline") for b in args.baseline or []]
         baseline, seeds = (baselines[0], baselines[1:]) if baselines else (None, [])
-        if args.write and (Path(args.write).is_dir() or not Path(args.write).resolve().parent.is_dir()):
+        if args.write is not None and (not args.write or Path(args.write).is_dir()
+                                       or not Path(args.write).resolve().parent.is_dir()):
             raise DoctorInputError(f"--write: '{args.write}' is a directory or its directory does not exist (give a "
                                    f"file path in an existing directory, e.g. fixed.yaml)")
+        if args.write and (problem := overwrite_problem(args.write)):
+            raise DoctorInputError(f"--write: '{args.write}' {problem}; give another file path, e.g. fixed.yaml")
         diagnosis = diagnose(run, baseline, seeds)
         print(format_report(diagnosis))
         patched = patched_recipe(diagnosis) if args.write else None

@@ -105,6 +105,25 @@ class RunFileError(ConfigError):
         self.path, self.line, self.msg = path, line, msg
 
 
+def overwrite_problem(path: str | os.PathLike) -> str | None:
+    """Why writing the file ``path`` would destroy something, or None: an existing path that is no regular file
+    (a device, a socket, a fifo), or a file a training run wrote (a run directory's outputs, statistics or
+    checkpoints; other files there, e.g. an earlier parity.json, may be rewritten)."""
+    p = Path(path)
+    if not (p.exists() or p.is_symlink()):
+        return None
+    if not p.is_file() and not p.is_dir():
+        return "exists and is not a regular file"
+    full = p.resolve()
+    for parent in full.parents:
+        if (parent / METRICS).is_file() or (parent / HYDRA).is_dir():  # a run directory
+            top = full.relative_to(parent).parts[0]
+            if top in (*RUN_OUTPUTS, CHECKPOINTS, LOCK) or top.startswith(("numerics", "routing")):
+                return f"is {full.relative_to(parent)} of the run in {parent}, which this would overwrite"
+            break
+    return None
+
+
 def jsonable(value: Any) -> Any:
     """``value`` as JSON can hold it: JSON has no NaN/inf, so they stay visible as strings rather than invalid JSON."""
     if isinstance(value, float) and not math.isfinite(value):

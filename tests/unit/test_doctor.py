@@ -320,9 +320,10 @@ def test_bad_inputs_end_in_one_line_exit_2(tmp_path, capsys):
     run = spike_run(tmp_path)
     rc, _, err = doctor(capsys, run, "--baseline", tmp_path / "nope")
     assert rc == 2 and err.startswith("error: --baseline: ")
-    for bad in (tmp_path / "no" / "dir" / "x.yaml", tmp_path):
+    for bad in (tmp_path / "no" / "dir" / "x.yaml", tmp_path, run / "metrics.jsonl", "/dev/null", ""):
         rc, out, err = doctor(capsys, run, "--write", bad)
-        assert rc == 2 and err.startswith("error: --write: ") and out == "" and err.count("\n") == 1
+        assert rc == 2 and err.startswith("error: --write: ") and out == "" and err.count("\n") == 1, (bad, err)
+    assert (run / "metrics.jsonl").read_text().startswith("{")  # (the run's own file was left alone)
     (tmp_path / "garbled").mkdir()
     (tmp_path / "garbled" / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 3}\n{oops\n')
     rc, _, err = doctor(capsys, tmp_path / "garbled")

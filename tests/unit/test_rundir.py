@@ -150,3 +150,19 @@ def test_rows_past_the_checkpoint_are_dropped_atomically(tmp_path):
     assert (tmp_path / "numerics.stage1.jsonl").read_text() == ""
     assert drop_rows_after(tmp_path, 6) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == [METRICS, "numerics.jsonl", "numerics.stage1.jsonl"]
+
+
+def test_overwrite_problem_guards_a_runs_own_files_and_devices(tmp_path):
+    from fp8_recipes.rundir import overwrite_problem
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("{}\n")
+    (run / "parity.json").write_text("{}\n")
+    assert "metrics.jsonl of the run in" in overwrite_problem(run / "metrics.jsonl")
+    assert overwrite_problem(run / "checkpoints" / "latest") is None  # (absent: nothing to overwrite)
+    (run / "checkpoints" / "latest").write_text("step_2\n")
+    assert "checkpoints/latest of the run" in overwrite_problem(run / "checkpoints" / "latest")
+    assert overwrite_problem(run / "parity.json") is None and overwrite_problem(run / "fixed.yaml") is None
+    assert overwrite_problem("/dev/null") == "exists and is not a regular file"
+    assert overwrite_problem(tmp_path / "elsewhere.json") is None

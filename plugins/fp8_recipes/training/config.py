@@ -19,6 +19,7 @@ from fp8_recipes.checks import ConfigError, check_keys, choice_error, did_you_me
 from fp8_recipes.launcher import launch_world_size
 from fp8_recipes.megatron.model_config import check_model_cfg
 from fp8_recipes.plan.precision import TRAINER_WORDS, ParallelLayout, expert_ffn_size
+from fp8_recipes.rundir import overwrite_problem
 
 __all__ = ["LRScaling", "TrainerConfig", "NONFINITE_ACTIONS", "check_model_cfg", "check_data_cfg",
            "check_writable_dir", "check_writable_file", "check_run_config"]
@@ -379,6 +380,9 @@ def check_writable_file(key: str, path: str | os.PathLike, example: str) -> None
     """``path`` can be written as a file: not a directory, in a directory this process can write or create."""
     if Path(path).is_dir():
         raise ConfigError(f"{key}: '{path}' is a directory; give a file path, e.g. {example}")
+    problem = overwrite_problem(path)
+    if problem:
+        raise ConfigError(f"{key}: '{path}' {problem}; give another file path, e.g. {example}")
     check_writable_dir(key, str(Path(path).absolute().parent))
 
 
