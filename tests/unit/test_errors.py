@@ -100,3 +100,20 @@ def test_a_refused_resume_puts_back_the_runs_hydra_files_and_log(tmp_path, check
         assert written.read_text() == "- model.vocab_size=null\n" and (run / "checkpoints").is_dir()
     else:
         assert not written.exists()
+
+
+def test_an_unwritable_run_dir_is_one_line():
+    """Hydra opening run_dir/train.log where it cannot write (a read-only mount, chmod 555) raised logging's
+    'Unable to configure handler' with the OSError as its cause: one run_dir line now."""
+    from fp8_recipes.training.errors import one_line
+
+    try:
+        try:
+            raise PermissionError(13, "Permission denied", "/ro/run/train.log")
+        except PermissionError as cause:
+            raise ValueError("Unable to configure handler 'file'") from cause
+    except ValueError as e:
+        line = one_line(e)
+    assert line == ("run_dir: cannot write '/ro/run/train.log' (Permission denied); set run_dir to a writable "
+                    "directory")
+    assert one_line(ValueError("Unable to configure handler 'file'")) is None  # (no OSError cause: not this)

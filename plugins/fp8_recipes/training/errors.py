@@ -125,6 +125,11 @@ def one_line(e: BaseException) -> str | None:
         return _omegaconf_line(e)
     if isinstance(e, ValueError) and "Config group override must be a string" in str(e):
         return _group_value_line()
+    if isinstance(e, ValueError) and "Unable to configure handler 'file'" in str(e) and \
+            isinstance(e.__cause__, OSError):  # Hydra opening run_dir/train.log in a directory it cannot write
+        cause = e.__cause__
+        return (f"run_dir: cannot write {cause.filename or 'train.log'!r} ({cause.strerror or type(cause).__name__}); "
+                f"set run_dir to a writable directory")
     if isinstance(e, UnicodeDecodeError) or (isinstance(e, OSError) and "Invalid loaded object type" in str(e)):
         return _unreadable_group_line(e)  # (Hydra loading a group's file: binary, or a scalar / list, not a mapping)
     if isinstance(e, OSError) and not _raised_in_task(e):  # Hydra creating run_dir and run_dir/.hydra
