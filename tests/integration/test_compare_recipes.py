@@ -174,6 +174,27 @@ def test_eval_checkpoint_of_a_non_run_is_one_line_exit_2(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_eval_checkpoint_of_another_models_checkpoint_is_one_line(dataset, tmp_path):  # noqa: F811
+    """--checkpoint of another model's run (a tiny_moe checkpoint for a dense run) is refused before loading, as a
+    resume is (it was a load_state_dict traceback); --out onto the run's own metrics.jsonl is refused too."""
+    runs = {}
+    for name, model in (("dense", "model=tiny"), ("moe", "model=tiny_moe")):
+        runs[name] = tmp_path / name
+        args = [model, *dataset, *small_run(runs[name], steps=2), "trainer.save_checkpoints=true"]
+        proc = subprocess.run([sys.executable, "scripts/train.py", *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    for extra, says in ((["--checkpoint", str(runs["moe"] / "checkpoints" / "step_2"), "--out",
+                          str(tmp_path / "p.json")], "error: --checkpoint: not a checkpoint of this run's model: "),
+                        (["--out", str(runs["dense"] / "metrics.jsonl")], "error: --out: ")):
+        proc = subprocess.run([sys.executable, "scripts/eval_checkpoint.py", str(runs["dense"]), *extra], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+        lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(says), proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr and not (tmp_path / "p.json").exists()
+    assert read_metrics(runs["dense"])  # (its metrics.jsonl untouched)
+
+
 def test_eval_checkpoint_refuses_an_out_that_is_a_directory_before_evaluating(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "eval_checkpoint.py"), str(tmp_path), "--out",
                            str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)

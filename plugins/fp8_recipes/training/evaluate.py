@@ -26,6 +26,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from fp8_recipes.checks import ConfigError
 from fp8_recipes.launcher import launch_world_size
 from fp8_recipes.megatron.data import batches
 from fp8_recipes.megatron.model_config import layout_of, run_model_cfg
@@ -124,7 +125,7 @@ def evaluate_checkpoint(run_dir: str | Path, *, checkpoint: str | Path | None = 
 def _evaluate(cfg: Any, recipe: Any, step_dir: Path, eval_iters: int, train_dp: int) -> dict[str, Any]:
     """Build the run's model under ``recipe``'s backend, load ``step_dir``, evaluate in FP8 and in BF16."""
     from fp8_recipes.megatron.model import destroy_distributed, init_distributed
-    from fp8_recipes.training.checkpoint import checkpoint_step, load_checkpoint
+    from fp8_recipes.training.checkpoint import check_model_matches, checkpoint_step, load_checkpoint
     from fp8_recipes.training.engine import Engine
 
     quiet_third_party_logs()
@@ -144,6 +145,12 @@ def _evaluate(cfg: Any, recipe: Any, step_dir: Path, eval_iters: int, train_dp: 
         valid = _valid_batches(cfg, eval_iters, train_dp)
         attach = attach_te if first_plan.backend is Backend.TE else attach_emulated
         chunks, plan, precision = attach(_model_cfg(cfg), recipe, hardware, torch_dtype(trainer.params_dtype), device)
+        try:  # (the run's model config and a checkpoint named by --checkpoint may be of different models)
+            check_model_matches(step_dir, chunks)
+        except ValueError as e:
+            what = str(e).split("; resume with", 1)[0].removeprefix("model: ")
+            raise ConfigError(f"--checkpoint: not a checkpoint of this run's model: {what}; name one of the run's "
+                              f"own checkpoints (or evaluate the run that wrote it)") from None
         trained = load_checkpoint(step_dir, models=chunks, precision=precision, restore_rng=False)
         engine = Engine(chunks, None, trainer, seq_length=int(cfg.model.seq_length), num_microbatches=len(valid),
                         device=device)
