@@ -58,7 +58,7 @@ def main() -> None:
     p.add_argument("--shape", type=int, nargs=2, default=[8192, 768])
     args = p.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("bench_fused_stats: needs a CUDA GPU")
+        sys.exit("error: bench_fused_stats: needs a CUDA GPU")
     x = torch.randn(*args.shape, device="cuda").bfloat16()
     launchers = (stats_kernels.stats, stats_kernels.amax)
     print(f"{tuple(args.shape)} BF16, us per operand | host, direct launch | host, Triton's launch | GPU | "

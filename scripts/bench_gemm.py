@@ -11,7 +11,6 @@ y, dx, dw; writes bench_gemm.json and bench_gemm.png (matplotlib) into --out. Ne
 """
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -28,6 +27,7 @@ def shape(text: str) -> tuple[int, int, int]:
 
 def main() -> None:
     from fp8_recipes.bench.gemm import DEFAULT_CONFIGS, DEFAULT_SHAPES, bench_gemm, save, summarize
+    from fp8_recipes.bench.output import load_result
     from fp8_recipes.plan.precision import Hardware
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -39,10 +39,10 @@ def main() -> None:
     p.add_argument("--plot-only", type=Path, metavar="JSON", help="redraw the table and PNG from a result file")
     args = p.parse_args()
     if args.plot_only:
-        result = json.loads(args.plot_only.read_text())
+        result = load_result(args.plot_only)
         save(result, args.plot_only.parent)
     elif not Hardware.detect().has_te:
-        sys.exit("bench_gemm: needs a CUDA GPU with Transformer Engine (or --plot-only FILE.json)")
+        sys.exit("error: bench_gemm: needs a CUDA GPU with Transformer Engine (or --plot-only FILE.json)")
     else:
         result = bench_gemm(args.shapes, args.configs, warmup=args.warmup, iters=args.iters, out_dir=args.out)
     print(summarize(result)[0])

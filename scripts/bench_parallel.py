@@ -14,7 +14,6 @@ the ranks (the same micro-batch and accumulation per rank as the one-GPU run). N
 """
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))  # a ch
 
 def main() -> None:
     from fp8_recipes.bench.parallel import bench_parallel, save
+    from fp8_recipes.bench.output import load_result
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layouts", nargs="+", default=["1gpu", "dp2", "dp2-plainopt", "tp2sp", "pp2", "cp2"])
@@ -35,8 +35,12 @@ def main() -> None:
     p.add_argument("overrides", nargs="*", help="scripts/train.py overrides for every run (after --)")
     args = p.parse_args()
     if args.plot_only:
-        print(save(json.loads(args.plot_only.read_text()), args.plot_only.parent))
+        print(save(load_result(args.plot_only), args.plot_only.parent))
         return
+    import torch
+
+    if not torch.cuda.is_available():  # (every layout's runs would fail, one after another)
+        sys.exit("error: bench_parallel: needs CUDA GPUs, as many as a layout has (or --plot-only FILE.json)")
     try:
         result = bench_parallel(args.layouts, args.recipes, args.overrides, out=args.out, steps=args.steps,
                                 gbs=args.gbs, baseline=args.baseline)
@@ -44,6 +48,10 @@ def main() -> None:
         sys.exit(f"error: {e}")
     result["command"] = " ".join(["python", "scripts/bench_parallel.py", *sys.argv[1:]])
     print(save(result, args.out))
+    failed = [f"{r['layout']}/{r['recipe']}" for r in result["runs"] if r.get("rc")]
+    if failed:
+        sys.exit(f"error: bench_parallel: {len(failed)} run(s) failed ({', '.join(failed[:6])}); their logs are in "
+                 f"{args.out}")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))  # a ch
 
 def main() -> None:
     from fp8_recipes.bench.observe import bench_stats, format_table, plot_overhead
+    from fp8_recipes.bench.output import load_result
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipes", nargs="+", default=["tensorwise", "hybrid"])
@@ -34,7 +35,7 @@ def main() -> None:
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if args.plot_only:
-        result = json.loads(args.plot_only.read_text())
+        result = load_result(args.plot_only)
         print(format_table(result))
         plot_overhead(result, args.plot_only.with_suffix(".png"))
         return

@@ -25,7 +25,6 @@ Prints tokens/s, the ratio to BF16, ours / raw and peak memory; writes bench_tra
 """
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
@@ -37,6 +36,7 @@ DEFAULT_CONFIGS = ["delayed", "delayed:raw", "tensorwise", "tensorwise:raw", "bl
 
 def main() -> None:
     from fp8_recipes.bench.train import bench_train, check_configs, save, summarize
+    from fp8_recipes.bench.output import load_result
     from fp8_recipes.plan.precision import Hardware
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -60,10 +60,10 @@ def main() -> None:
     except ValueError as e:
         sys.exit(f"error: {e}")
     if args.plot_only:
-        result = json.loads(args.plot_only.read_text())
+        result = load_result(args.plot_only)
         save(result, args.plot_only.parent)
     elif not Hardware.detect().has_te:
-        sys.exit("bench_train: needs a CUDA GPU with Transformer Engine (or --plot-only FILE.json)")
+        sys.exit("error: bench_train: needs a CUDA GPU with Transformer Engine (or --plot-only FILE.json)")
     else:
         from fp8_recipes.training.run import quiet_third_party_logs
 

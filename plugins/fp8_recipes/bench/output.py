@@ -14,6 +14,26 @@ from typing import Any
 __all__ = ["bar_chart", "markdown_table", "save_json"]
 
 
+def load_result(path: Path) -> dict[str, Any]:
+    """A benchmark's result JSON for ``--plot-only``; a missing, unreadable or non-JSON file exits with one
+    ``error: --plot-only: ...`` line (exit code 2)."""
+    import sys
+
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0] if str(e) else \
+            type(e).__name__
+        print(f"error: --plot-only: cannot read '{path}' as a result JSON ({why}); give the .json a run of this "
+              f"script wrote", file=sys.stderr)
+        sys.exit(2)
+    if not isinstance(data, dict):
+        print(f"error: --plot-only: '{path}' holds a {type(data).__name__}, not a benchmark result; give the .json a "
+              f"run of this script wrote", file=sys.stderr)
+        sys.exit(2)
+    return data
+
+
 def save_json(path: Path, data: Any) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")
