@@ -29,7 +29,7 @@ from pathlib import Path
 import yaml
 
 from fp8_recipes.checks import MAX_ERROR_CHARS, clipped
-from fp8_recipes.megatron.model_config import layout_of, read_model_conf
+from fp8_recipes.megatron.model_config import MODEL_MAX, layout_of, read_model_conf
 from fp8_recipes.observe.config import DebugConfig
 from fp8_recipes.plan.precision import Hardware, ModelLayout, ParallelLayout, PrecisionPlan, expert_ffn_size
 from fp8_recipes.plan.format import format_plan
@@ -78,6 +78,12 @@ def _cmd_explain(args) -> int:
     if args.layout:
         parallel = ParallelLayout.parse(args.layout)
         parallel.check(layout.num_layers)
+        if cfg is not None:  # (heads and FFN over TP, as memory and training check them)
+            from fp8_recipes.megatron.model_config import check_model_cfg
+
+            vocab = cfg.get("vocab_size") if isinstance(cfg.get("vocab_size"), int) else None  # (data's, in training)
+            check_model_cfg({**cfg, "num_layers": layout.num_layers, "vocab_size": vocab}, vocab_may_be_unset=True,
+                            tensor_parallel=parallel.tp)
         # (ep / etp: how the routed experts split, refused on a dense model; the memory command says what it costs)
         parallel.check_experts(layout.experts or None, expert_ffn_size(cfg) if cfg is not None else None)
     plan = PrecisionPlan(load_recipe(args.recipe), layout, hardware)
@@ -94,12 +100,12 @@ def _cmd_memory(args) -> int:
     layout = ParallelLayout.parse(args.layout)
     published = {**LLAMA3, **MIXTRAL}
     if args.model in published:
-        model = published[args.model]
+        model = dict(published[args.model])
     else:
         model = read_model_conf(args.model, "memory", also=published)
         if not isinstance(model.get("vocab_size"), int):
             model["vocab_size"] = 4096  # the stdlib tokenizer's, which the small configs take from data
-        check_model_cfg(model, tensor_parallel=layout.tp)  # (an MoE model's keys too: one line naming the key)
+    check_model_cfg({"seq_length": args.seq, **model}, tensor_parallel=layout.tp)  # (heads, FFN, MoE keys over TP)
     dtypes = {"exp_avg_dtype": args.exp_avg_dtype, "exp_avg_sq_dtype": args.exp_avg_sq_dtype,
               "main_params_dtype": args.main_params_dtype}
     optimizer = OptimizerPrecision(  # a low-precision dtype implies the precision-aware optimizer, as in Megatron-LM
@@ -275,6 +281,10 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None and value < 1:
             print(f"error: {args.command}: --{option} must be >= 1", file=sys.stderr)
             return 2
+    if (getattr(args, "layers", None) or 0) > MODEL_MAX["num_layers"]:  # (a plan of a million layers fills memory)
+        print(f"error: {args.command}: --layers {args.layers} is more than this plugin plans (at most "
+              f"{MODEL_MAX['num_layers']:,})", file=sys.stderr)
+        return 2
     try:
         return args.fn(args)
     except ValueError as e:  # RecipeError and other user errors: their text is the message, as `error: ...` lines

@@ -266,6 +266,12 @@ def test_explain_a_conf_model_prints_its_experts_and_routers(capsys):
     assert rc == 0 and "of which the routed experts" in out  # an MoE model's estimate (tests/unit/test_memory.py)
     rc, _, err = run_cli(capsys, "explain", "hybrid", "--layout", "ep=2")  # a dense model: as memory refuses it
     assert rc == 1 and err.startswith("error: --layout: ep / etp split routed experts, and this model has none")
+    for argv in (["explain", "safe", "--model", "llama3_8b_8l", "--layout", "tp=3"],  # FFN 14336 over 3 ranks
+                 ["memory", "llama3-8b", "--layout", "tp=3"]):  # (a published shape too)
+        rc, _, err = run_cli(capsys, *argv)
+        assert rc == 1 and err.startswith("error: model.ffn_hidden_size=14336 is not divisible by"), (argv, err)
+    rc, _, err = run_cli(capsys, "explain", "safe", "--layers", "100000000")  # (a million layers filled 20 GB)
+    assert rc == 2 and err.startswith("error: explain: --layers 100000000 is more than this plugin plans")
 
 
 def test_export_warns_of_a_block_without_fp8(capsys, monkeypatch):
