@@ -37,6 +37,9 @@ def main() -> None:
 
     out = args.out or args.run_dir / "parity.json"
     try:
+        if not args.run_dir.is_dir():  # (its parity.json would be the first thing to fail, naming --out)
+            raise ValueError(f"run_dir: '{args.run_dir}' is not a directory; give a directory scripts/train.py "
+                             f"wrote")
         check_writable_file("--out", out, "parity.json")  # before minutes of evaluation
         result = evaluate_checkpoint(args.run_dir, checkpoint=args.checkpoint, recipe=args.recipe,
                                      eval_iters=args.eval_iters)

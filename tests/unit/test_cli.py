@@ -256,7 +256,7 @@ def test_explain_a_conf_model_prints_its_experts_and_routers(capsys):
     rc, out, _ = run_cli(capsys, "explain", "hybrid", "--model", "tiny")
     assert rc == 0 and "router" not in out and "0-3      (all linears)" in out
     rc, _, err = run_cli(capsys, "explain", "hybrid", "--model", "tiny_mo")
-    assert rc != 0 and err.startswith("error: explain --model: 'tiny_mo' is not a model (") and "tiny_moe" in err
+    assert rc != 0 and err.startswith("error: explain --model: 'tiny_mo' is not a model; give one of ") and "tiny_moe" in err
     rc, _, err = run_cli(capsys, "explain", "hybrid", "--model", "tiny_moe", "--layout", "ep=3,dp=3")
     assert rc == 1 and err.startswith("error: --layout: ep=3 does not divide the 4 routed experts")
     rc, _, err = run_cli(capsys, "explain", "hybrid", "--model", "mixtral_8x7b_4l", "--layout", "etp=3,dp=3")

@@ -269,7 +269,7 @@ def test_apply_moe_puts_a_conf_models_moe_keys_on_a_model_provider(caplog):
                                                                              "divisible by"),
     ({"num_moe_expert": 4}, "apply_moe: 'num_moe_expert' is not a model key"),
     ("tiny", "apply_moe: model.num_moe_experts is not set: a dense model"),
-    ("tiny_mo", "apply_moe: 'tiny_mo' is not a model ("),
+    ("tiny_mo", "apply_moe: 'tiny_mo' is not a model; give one of "),
 ])
 def test_apply_moe_refuses_in_one_line(model, message):
     from fp8_recipes.integrations.bridge import apply_moe

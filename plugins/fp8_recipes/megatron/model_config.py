@@ -242,10 +242,11 @@ def read_model_conf(name: str, command: str, also: Iterable[str] = ()) -> dict:
     name is refused in one line with the choices (``also``: the command's own models first)."""
     from omegaconf import OmegaConf
 
-    path = conf_dir() / "model" / f"{name}.yaml"
-    if not path.is_file():
-        choices = sorted(also) + sorted(p.stem for p in path.parent.glob("*.yaml"))
-        raise ValueError(f"{command}: {name!r} is not a model ({', '.join(choices)})")
+    models = conf_dir() / "model"
+    path = models / f"{name}.yaml"
+    if "/" in name or "\\" in name or not path.is_file():  # (a name, not a path: the group's files are the models)
+        choices = sorted(also) + sorted(p.stem for p in models.glob("*.yaml"))
+        raise ValueError(f"{command}: {name!r} is not a model; give one of {', '.join(choices)}")
     return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
 
 

@@ -114,8 +114,8 @@ def one_line(e: BaseException) -> str | None:
             return f"{key}: not in the defaults list; add the group with +{key}=NAME"
         if "Ambiguous value" in msg:
             value = quoted[0].split("=", 1)[1] if quoted and "=" in quoted[0] else "a,b"
-            return (f"{key}: {value!r} has commas: quote it as a string, {key}='{value}', or write a list, "
-                    f"{key}=[{value}]")
+            as_list = "" if key in _TEXT_WITH_COMMAS else f", or write a list, {key}=[{value}]"
+            return f"{key}: {value!r} has commas: quote it as a string, {key}='{value}'{as_list}"
         if "An item is already at" in msg:
             return f"{key}: already in the config; set it without '+': {key}=VALUE"
         if "Error merging override" in msg and cause is not None and "Cannot merge" in str(cause):
@@ -154,6 +154,10 @@ def _command_line_overrides() -> list[tuple[str, Any]]:
         except Exception:  # noqa: BLE001 - not an override Hydra can read: it says so itself
             continue
     return out
+
+
+_TEXT_WITH_COMMAS = ("data.split",)
+"""Keys whose value is one string with commas (Megatron's split weights): a list is no way to write them."""
 
 
 def _group_options(group: str) -> list[str]:
