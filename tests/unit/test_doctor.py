@@ -558,3 +558,22 @@ def test_the_readmes_first_run_is_healthy(capsys, argv):
     rc, out, err = doctor(capsys, *[a if a.startswith("--") else README_RUNS / a for a in argv])
     assert (rc, err) == (0, "") and "verdict   healthy" in out and "spike(s)" not in out, out
     assert ("--baseline" in out) == (argv == ["readme_hybrid"])  # alone, an FP8 run is told how to see a gap
+
+
+def test_a_baseline_that_cannot_measure_the_gap_is_said(tmp_path):
+    """The run itself, another model's run, or an FP8 run as the baseline: one note each, not a quiet verdict."""
+    from fp8_recipes.observe.doctor import _baseline_notes
+
+    run = write_run(tmp_path / "run", smooth_losses())
+    bf16 = write_run(tmp_path / "bf16", smooth_losses(), recipe="bf16", stage="bf16")
+    other = write_run(tmp_path / "other", smooth_losses(), recipe="bf16", stage="bf16")
+    for path, layers in ((run, 2), (bf16, 2), (other, 4)):
+        (path / ".hydra").mkdir()
+        (path / ".hydra" / "config.yaml").write_text(yaml.safe_dump({"model": {"num_layers": layers}}))
+    assert _baseline_notes(load_run(run), load_run(bf16)) == []
+    (same,) = _baseline_notes(load_run(run), load_run(run))
+    assert same.startswith("the baseline is the run itself")
+    (model,) = _baseline_notes(load_run(run), load_run(other))
+    assert model.startswith("the baseline trained another model (model.num_layers differ)")
+    (fp8,) = _baseline_notes(load_run(bf16), load_run(run))
+    assert fp8.startswith("the baseline ran recipe 'delayed', which has FP8 roles")

@@ -83,6 +83,21 @@ def test_debug_settings_that_record_nothing():
     assert line.startswith("debug.end_step=50 is at or before the resumed step 100: no statistics are recorded")
 
 
+def test_debug_settings_of_a_kind_that_is_off():
+    """Statistics settings with interval 0, dump settings without dump steps: one line each; a dump alone keeps
+    micro_batches meaningful (it limits the dumped micro-batches too)."""
+    trainer = TrainerConfig.from_cfg({"max_steps": 200, "warmup_steps": 0})
+    lines = run_notices(trainer, load_recipe("hybrid"), debug_config(
+        {"layers": "fc1", "tensors": ["weights"], "dump": {"dir": "x"}}, None))
+    assert lines == [
+        "debug.layers (and tensors) does nothing: debug.interval=0 records no statistics; set debug.interval "
+        "(e.g. 10), or drop it",
+        "debug.dump.dir does nothing: debug.dump.steps is empty, so nothing is dumped; give debug.dump.steps "
+        "(e.g. [1, 100]), or drop it"], lines
+    assert run_notices(trainer, load_recipe("hybrid"), debug_config(
+        {"micro_batches": 2, "dump": {"steps": [5]}}, None), fp8_modules={"decoder.layers.0.mlp.linear_fc1"}) == []
+
+
 def test_gradient_accumulation_fusion_on_te_by_default_and_said_where_nothing_fuses():
     import types
 

@@ -417,7 +417,7 @@ def _propose(d: Diagnosis, numerics: list[dict], settled: list, div, onset: int)
 def _input_notes(d: Diagnosis, answered: int = 0) -> list[str]:
     """What the doctor says about its inputs: an unpaired baseline, a recipe it cannot read, shared spikes, the
     autopilot's changes (`answered`: findings left out of the proposals because an action came after them)."""
-    out = []
+    out = _baseline_notes(d.run, d.baseline) if d.baseline is not None else []
     if d.gap is not None and not d.gap.paired:
         out.append("the baseline did not see the run's batches (another seed, batch size or data?): its loss gap is "
                    "held to the wider threshold that noise gives, and eval losses are not compared")
@@ -439,6 +439,33 @@ def _input_notes(d: Diagnosis, answered: int = 0) -> list[str]:
                    f"proposals patch the recipe it ended with (recipe.yaml with those actions; its plan is at the end "
                    f"of plan.txt) and read each module and role's statistics after the last action on it{left}")
     return out
+
+
+def _baseline_notes(run: RunData, baseline: RunData) -> list[str]:
+    """A baseline that cannot measure the run's gap: the run itself, another model, or an FP8 run."""
+    if baseline.path.resolve() == run.path.resolve():
+        return ["the baseline is the run itself: its gap is 0 by construction; pass a BF16 run of the same config"]
+    out = []
+    mine, theirs = _model_config(run.path), _model_config(baseline.path)
+    if mine is not None and theirs is not None and mine != theirs:
+        keys = sorted(k for k in {*mine, *theirs} if mine.get(k) != theirs.get(k))
+        out.append(f"the baseline trained another model (model.{', model.'.join(keys[:4])} differ): the loss gap "
+                   f"compares two models, not FP8 with BF16; pass a BF16 run of the same model")
+    if baseline.recipe is not None and baseline.recipe.is_fp8:
+        out.append(f"the baseline ran recipe {baseline.recipe.name!r}, which has FP8 roles: the gap is to that run, "
+                   f"not to BF16")
+    return out
+
+
+def _model_config(run_dir: Path) -> dict[str, Any] | None:
+    """The run's model group as saved in .hydra/config.yaml (None when it cannot be read)."""
+    try:
+        from omegaconf import OmegaConf
+
+        model = OmegaConf.to_container(OmegaConf.load(run_dir / ".hydra" / "config.yaml"), resolve=False).get("model")
+    except Exception:  # noqa: BLE001 - a run without a readable config: nothing to compare
+        return None
+    return model if isinstance(model, dict) else None
 
 
 def _healthy_notes(d: Diagnosis, fp8: bool) -> list[str]:

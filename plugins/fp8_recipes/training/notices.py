@@ -64,9 +64,35 @@ def run_notices(trainer: Any, recipe: Any, debug: Any, start: int = 0,
     if trainer.reset_scaling_state and start == 0:
         out.append(f"trainer.reset_scaling_state=true does nothing: the run starts at step 0 with no checkpoint to "
                    f"resume (trainer.resume={trainer.resume}); drop it, or point trainer.resume at a checkpoint")
+    if debug is not None:
+        out += _idle_debug_notices(debug)
     if debug is not None and debug.enabled:
         out += _debug_notices(debug, recipe, last, start, fp8_modules)
     return out
+
+
+def _idle_debug_notices(debug: Any) -> list[str]:
+    """``debug`` settings of a kind that records nothing: statistics settings at interval 0, dump settings
+    without dump steps (each against DebugConfig's defaults: a key left as it is says nothing)."""
+    from fp8_recipes.observe.config import DebugConfig
+
+    default, out = DebugConfig(), []
+    if debug.interval == 0:
+        mine = ("layers", "tensors", "start_step", "end_step") + (() if debug.dump.steps else ("micro_batches",))
+        given = [k for k in mine if getattr(debug, k) != getattr(default, k)]
+        if given:
+            out.append(f"debug.{_keys(given)} does nothing: debug.interval=0 records no statistics; set "
+                       f"debug.interval (e.g. 10), or drop it")
+    if not debug.dump.steps:
+        given = [k for k in ("layers", "tensors", "dir") if getattr(debug.dump, k) != getattr(default.dump, k)]
+        if given:
+            out.append(f"debug.dump.{_keys(given)} does nothing: debug.dump.steps is empty, so nothing is dumped; "
+                       f"give debug.dump.steps (e.g. [1, 100]), or drop it")
+    return out
+
+
+def _keys(names: list[str]) -> str:
+    return names[0] + (f" (and {', '.join(names[1:])})" if names[1:] else "")
 
 
 def _debug_notices(debug: Any, recipe: Any, last: int, start: int, fp8_modules: Collection[str] | None) -> list[str]:
