@@ -258,3 +258,29 @@ def test_damaged_megatron_index_cache_is_rebuilt(tmp_path, caplog):
     assert len(warned) == 1 and "rebuilding it" in warned[0].getMessage()
     assert {p.name: p.read_bytes() for p in (out / "cache").glob("*.npy")} == cached
     assert len(again) == len(first) and torch.equal(again[0]["tokens"], first[0]["tokens"])
+
+
+def test_a_damaged_prepared_dataset_is_one_config_error(tmp_path, capsys):
+    """What Megatron-Core or the tokenizer raise on a prepared dataset's own files (a corrupt corpus.idx of the
+    right size, a garbled tokenizer.json, a full disk under the index cache) names data.path, not a traceback;
+    a half-built object's failing __del__ prints nothing."""
+    import json as json_
+
+    from fp8_recipes.checks import ConfigError
+    from fp8_recipes.megatron.data import _damage_as_config_error
+
+    class HalfBuilt:
+        def __init__(self):
+            raise ValueError("buffer is smaller than requested size")
+
+        def __del__(self):
+            del self.index  # (Megatron-Core's IndexedDataset.__del__ on an unfinished object)
+
+    for read, says in ((HalfBuilt, "is damaged (ValueError: buffer is smaller"),
+                       (lambda: json_.loads("xx"), "is damaged (JSONDecodeError: "),
+                       (lambda: (_ for _ in ()).throw(OSError(28, "No space left on device")),
+                        "reading or caching '" + str(tmp_path) + "' failed (No space left on device)")):
+        with pytest.raises(ConfigError) as e:
+            _damage_as_config_error(tmp_path, read)
+        assert str(e.value).startswith("data.path: ") and says in str(e.value) and "\n" not in str(e.value)
+    assert "Exception ignored" not in capsys.readouterr().err

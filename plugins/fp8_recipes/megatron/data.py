@@ -20,10 +20,11 @@ import os
 import shutil
 import sys
 import sysconfig
+import struct
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -363,7 +364,8 @@ def build_gpt_datasets(
             blend=([str(data_dir / PREFIX)], None),
             split=split,
             path_to_cache=str(data_dir / "cache"),  # replaced together with the dataset, never shared
-            tokenizer=Tokenizer.load(data_dir / "tokenizer.json", meta["data_hash"]),
+            tokenizer=_damage_as_config_error(data_dir, Tokenizer.load, data_dir / "tokenizer.json",
+                                              meta["data_hash"]),
             # Megatron asserts these three are set. Plain packed pretraining: documents attend across EOD and
             # positions run on, as in GPT-2; True would need per-sample masks and defeat Megatron's mask cache.
             reset_position_ids=False,
@@ -376,10 +378,38 @@ def build_gpt_datasets(
         with _cache_lock(data_dir / "cache") as builder:
             if builder:
                 _drop_damaged_index_cache(data_dir / "cache")
-            train, valid, test = BlendedMegatronDatasetBuilder(
-                GPTDataset, list(num_samples), lambda: True, config
-            ).build()
+            train, valid, test = _damage_as_config_error(data_dir, BlendedMegatronDatasetBuilder(
+                GPTDataset, list(num_samples), lambda: True, config).build)
     return train, valid, test
+
+
+def _damage_as_config_error(data_dir: Path, read: Callable[..., Any], *args: Any) -> Any:
+    """``read(*args)`` over a prepared dataset, whose failures on its own files (a corrupt corpus.idx of the right
+    size, a garbled tokenizer.json, a full disk under its index cache) are one ConfigError naming data.path."""
+    try:
+        return read(*args)
+    except OSError as e:
+        raise ConfigError(f"data.path: reading or caching {str(data_dir)!r} failed ({e.strerror or e}); free space "
+                          f"or fix its permissions, or prepare it elsewhere (python scripts/prepare_data.py --out "
+                          f"DIR, then data.path=DIR)") from None
+    except (ValueError, KeyError, struct.error) as e:  # (json's JSONDecodeError is a ValueError)
+        why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        _drop_half_built(e)
+        raise ConfigError(f"data.path: {str(data_dir)!r} is damaged ({why}); prepare it again with `python "
+                          f"scripts/prepare_data.py --out {data_dir}`") from None
+
+
+def _drop_half_built(e: BaseException) -> None:
+    """Free what the failed read half-built, now and quietly: Megatron-Core's IndexedDataset.__del__ fails on an
+    object its __init__ left unfinished, and would print 'Exception ignored' tracebacks at exit."""
+    import gc
+
+    hook, sys.unraisablehook = sys.unraisablehook, lambda unraisable: None
+    try:
+        e.__traceback__ = None
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
 
 
 @contextlib.contextmanager
