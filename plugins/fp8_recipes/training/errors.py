@@ -80,6 +80,8 @@ def _first_line(text: str) -> str:
 
 def _omegaconf_line(e: BaseException) -> str:
     key = getattr(e, "full_key", None) or "(config)"
+    if key in ("hydra.run.dir", "hydra.sweep.dir") and "${run_dir}" in str(e):  # (run_dir=null, run_dir=[...])
+        return "run_dir: must be a directory path (e.g. run_dir=runs/mine); it was given no path"
     return f"{key}: {_first_line(str(e))}"
 
 
@@ -91,6 +93,11 @@ def one_line(e: BaseException) -> str | None:
     if isinstance(e, MissingConfigException):
         missing = str(e.missing_cfg_file or "")
         group, _, name = missing.rpartition("/")
+        if "/" in group:  # (model=/path/x.yaml: Hydra read the path as a nested group)
+            top = group.split("/", 1)[0]
+            return (f"{top}: {missing.removeprefix(top + '/')!r} is a path; {top}= takes an option name of the {top} "
+                    f"group (put your own file in a folder DIR/{top}/NAME.yaml and add "
+                    f"hydra.searchpath=[file://DIR], then {top}=NAME)")
         if group and e.options:
             return (f"{group}: {name!r} is not an option of the {group} group{did_you_mean(name, e.options)}; "
                     f"choose one of {', '.join(e.options)}")
