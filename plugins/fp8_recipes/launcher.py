@@ -46,6 +46,7 @@ def check_launch_env() -> None:
     world, or without MASTER_ADDR / MASTER_PORT (torchrun always sets them; left over from another launch, e.g.
     exported in a shell, the rendezvous would fail deep in torch.distributed). Before anything reads them."""
     if not _torchrun():
+        _check_srun_env()
         return
     env = os.environ
     shown = f"RANK={env['RANK']} WORLD_SIZE={env['WORLD_SIZE']}"
@@ -60,6 +61,21 @@ def check_launch_env() -> None:
     if missing:
         raise LaunchError(f"{shown}: set without {' and '.join(missing)}, so not by torchrun (left over from "
                           f"another launch?); {fix}")
+
+
+def _check_srun_env() -> None:
+    """srun's SLURM_PROCID / SLURM_STEP_NUM_TASKS, where they say srun: integers, the rank inside the step."""
+    if not _srun():
+        return
+    env = os.environ
+    shown = f"SLURM_PROCID={env['SLURM_PROCID']} SLURM_STEP_NUM_TASKS={env['SLURM_STEP_NUM_TASKS']}"
+    fix = "unset SLURM_PROCID SLURM_STEP_NUM_TASKS to run one process, or launch with srun"
+    try:
+        rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"])
+    except ValueError:
+        raise LaunchError(f"{shown}: not integers, so not srun's; {fix}") from None
+    if not 0 <= rank < world:
+        raise LaunchError(f"{shown}: the rank is outside the step's tasks; {fix}")
 
 
 def launch_rank() -> int:

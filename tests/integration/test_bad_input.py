@@ -94,16 +94,20 @@ def test_bad_input(case, outcomes):
     ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "29500"}, "RANK=1 WORLD_SIZE=2: set without MASTER_ADDR,"),
     ({"RANK": "x", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "RANK=x WORLD_SIZE=2: not integers"),
     ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "RANK=2 WORLD_SIZE=2: the rank is outside the world"),
+    ({"SLURM_PROCID": "abc", "SLURM_STEP_NUM_TASKS": "1"}, "SLURM_PROCID=abc SLURM_STEP_NUM_TASKS=1: not integers"),
+    ({"SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "2"}, "SLURM_PROCID=3 SLURM_STEP_NUM_TASKS=2: the rank is outside"),
 ])
 def test_stale_launcher_variables_are_one_line(tmp_path, stale, says):
     """RANK / WORLD_SIZE left in the environment without torchrun's rendezvous (was an internal error from
     torch.distributed's env:// or int()): one line naming them and the fix, exit 2, nothing written."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                                                             "HYDRA_FULL_ERROR")}
+                                                             "HYDRA_FULL_ERROR", "SLURM_PROCID",
+                                                             "SLURM_STEP_NUM_TASKS")}
     proc = subprocess.run([sys.executable, "scripts/train.py", f"run_dir={tmp_path / 'run'}", "trainer.max_steps=1"],
                           cwd=ROOT, env={**env, **stale}, capture_output=True, text=True, timeout=120)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert lines[0].startswith(f"error: {says}") and lines[0].endswith(
-        "unset RANK WORLD_SIZE to run one process, or launch with torchrun (torchrun --nproc-per-node N ...)"), lines
+    fix = "launch with srun" if "SLURM" in says else \
+        "unset RANK WORLD_SIZE to run one process, or launch with torchrun (torchrun --nproc-per-node N ...)"
+    assert lines[0].startswith(f"error: {says}") and lines[0].endswith(fix), lines
     assert not (tmp_path / "run").exists()

@@ -132,6 +132,10 @@ def init_distributed(backend: str | None = None, *, tensor_model_parallel_size: 
         else:
             # torchrun: env:// (joins torchrun's agent store); srun: rank 0 hosts a TCP store.
             init_method = "env://" if launcher == "torchrun" else f"tcp://{addr}:{port}"
+            if rank == 0:  # (a run that seems to hang here waits for ranks a leftover environment promised)
+                logger.info("distributed: rank 0 of %d (%s) waits for the other ranks at %s:%s (up to %d min; "
+                            "none coming? a leftover RANK / WORLD_SIZE / SLURM_* environment)", world_size, launcher,
+                            addr, port, timeout_minutes)
             dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size,
                                     timeout=timeout)
     elif dist.get_world_size() != world_size:
