@@ -7,7 +7,6 @@
 Prints a Markdown table of step times and ratios measured side by side in one run; writes JSON and a PNG.
 """
 
-import argparse
 import logging
 import sys
 from pathlib import Path
@@ -19,7 +18,9 @@ def main() -> None:
     from fp8_recipes.bench.emulated import bench_emulated, format_table, save
     from fp8_recipes.recipe.pack import recipe_names
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from fp8_recipes.checks import OneLineArgumentParser  # (one error line for a usage error)
+
+    p = OneLineArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipes", nargs="+", default=recipe_names())
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--repeats", type=int, default=2)

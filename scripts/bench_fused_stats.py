@@ -10,7 +10,6 @@ sleeping kernel, timed with CUDA events: the GPU's work alone); the output buffe
 operands (what a recorded step of gpt_125m under hybrid turns into rows). Needs a CUDA GPU and Triton.
 """
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -54,7 +53,9 @@ def main() -> None:
     from fp8_recipes.observe import stats, stats_kernels
     from fp8_recipes.recipe.schema import Scaling, TensorPolicy
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from fp8_recipes.checks import OneLineArgumentParser  # (one error line for a usage error)
+
+    p = OneLineArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", type=int, nargs=2, default=[8192, 768])
     args = p.parse_args()
     if not torch.cuda.is_available():

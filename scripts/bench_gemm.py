@@ -30,7 +30,9 @@ def main() -> None:
     from fp8_recipes.bench.output import load_result
     from fp8_recipes.plan.precision import Hardware
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from fp8_recipes.checks import OneLineArgumentParser  # (one error line for a usage error)
+
+    p = OneLineArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", type=shape, default=DEFAULT_SHAPES, metavar="MxKxN")
     p.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, metavar="NAME[:fwd]")
     p.add_argument("--warmup", type=int, default=5)

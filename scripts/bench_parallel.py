@@ -13,7 +13,6 @@ BF16 (the precision-aware optimizer). Data-parallel layouts scale the global bat
 the ranks (the same micro-batch and accumulation per rank as the one-GPU run). Needs as many GPUs as a layout has.
 """
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -24,7 +23,9 @@ def main() -> None:
     from fp8_recipes.bench.parallel import bench_parallel, save
     from fp8_recipes.bench.output import load_result
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from fp8_recipes.checks import OneLineArgumentParser  # (one error line for a usage error)
+
+    p = OneLineArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layouts", nargs="+", default=["1gpu", "dp2", "dp2-plainopt", "tp2sp", "pp2", "cp2"])
     p.add_argument("--recipes", nargs="+", default=["bf16", "delayed", "tensorwise"])
     p.add_argument("--steps", type=int, default=20)

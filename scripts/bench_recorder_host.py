@@ -11,7 +11,6 @@ statistics' cost that a faster GPU does not shrink. The fused kernels' launch co
 scripts/bench_fused_stats.py; the whole cost in training: scripts/bench_stats.py.
 """
 
-import argparse
 import cProfile
 import pstats
 import sys
@@ -39,7 +38,9 @@ def main() -> None:
     from fp8_recipes.recipe.pack import load_recipe
     from fp8_recipes.recipe.schema import Role
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from fp8_recipes.checks import OneLineArgumentParser  # (one error line for a usage error)
+
+    p = OneLineArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", default="hybrid")
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--steps", type=int, default=10)

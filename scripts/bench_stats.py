@@ -10,7 +10,6 @@ Prints a Markdown table: mean step time with debug off and on, the A/B overhead,
 steps' extra time within each run) and the recorder's own time.
 """
 
-import argparse
 import json
 import logging
 import sys
@@ -23,7 +22,9 @@ def main() -> None:
     from fp8_recipes.bench.observe import bench_stats, format_table, plot_overhead
     from fp8_recipes.bench.output import load_result
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from fp8_recipes.checks import OneLineArgumentParser  # (one error line for a usage error)
+
+    p = OneLineArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipes", nargs="+", default=["tensorwise", "hybrid"])
     p.add_argument("--interval", type=int, default=10)
     p.add_argument("--steps", type=int, default=40)

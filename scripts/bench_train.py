@@ -24,7 +24,6 @@ fp32 buffers, the distributed optimizer, the schedule; lever `nogaf` turns that 
 Prints tokens/s, the ratio to BF16, ours / raw and peak memory; writes bench_train.json and bench_train.png into --out. Needs a GPU with Transformer Engine.
 """
 
-import argparse
 import logging
 import sys
 from pathlib import Path
@@ -39,7 +38,9 @@ def main() -> None:
     from fp8_recipes.bench.output import load_result
     from fp8_recipes.plan.precision import Hardware
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from fp8_recipes.checks import OneLineArgumentParser  # (one error line for a usage error)
+
+    p = OneLineArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=["llama3_8b_8l", "llama3_8b_16l"], help="conf/model/ names")
     p.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, metavar="NAME[+LEVER][:raw]")
     p.add_argument("--seq", type=int, default=4096)

@@ -20,7 +20,9 @@ import sys
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from fp8_recipes.checks import OneLineArgumentParser  # (one error line for a usage error)
+
+    p = OneLineArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", default="hybrid", help="pack name or YAML path (default: hybrid)")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--layers", type=int, default=8, help="transformer layers of the small GPT (hidden 1024)")

@@ -18,7 +18,6 @@ number is). Exit codes: 0 every run finished; 1 some run failed (its row says so
 step and checkpoints; the table and PNG show what was logged).
 """
 
-import argparse
 import logging
 import shlex
 import sys
@@ -33,7 +32,9 @@ def _is_override(arg: str) -> bool:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from fp8_recipes.checks import OneLineArgumentParser  # (one error line for a usage error)
+
+    p = OneLineArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipes", nargs="+", default=["tensorwise", "blockwise", "hybrid"], metavar="NAME",
                    help="recipes of the pack to compare with BF16 (default: tensorwise blockwise hybrid)")
     p.add_argument("--out", type=Path, default=None, help="output directory (default: runs/compare-<time>)")

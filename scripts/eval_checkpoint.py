@@ -11,7 +11,6 @@ FP8 stage is on and again with every GEMM in high precision, prints one line and
 Exit codes: 0 done; 2 a bad argument (one `error: <key>: ...` line).
 """
 
-import argparse
 import logging
 import sys
 from pathlib import Path
@@ -20,7 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))  # a ch
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from fp8_recipes.checks import OneLineArgumentParser  # (one error line for a usage error)
+
+    p = OneLineArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("run_dir", type=Path, help="a directory written by scripts/train.py")
     p.add_argument("--checkpoint", type=Path, help="a checkpoints/step_N dir (default: the run's latest)")
     p.add_argument("--recipe", help="evaluate with this recipe's FP8 (default: the run's own recipe.yaml)")

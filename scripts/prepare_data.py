@@ -10,7 +10,6 @@
 Running it again with the same inputs and settings reuses the dataset. See docs/data.md.
 """
 
-import argparse
 import json
 import sys
 import time
@@ -20,7 +19,9 @@ from fp8_recipes.training.config import check_writable_dir
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from fp8_recipes.checks import OneLineArgumentParser  # (one error line for a usage error)
+
+    parser = OneLineArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--inputs", nargs="+", default=None,
                         help="files or directories (.jsonl, .txt, .py, ...); default: the Python standard library")
     parser.add_argument("--out", default="data/stdlib", help="dataset directory to write (default: data/stdlib)")

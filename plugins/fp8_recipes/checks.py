@@ -13,6 +13,9 @@ Either way a message names the dotted key, the bad value and the fix, and a miss
 
 from __future__ import annotations
 
+import argparse
+import sys
+
 import difflib
 import math
 from collections.abc import Iterable, Mapping
@@ -168,3 +171,12 @@ MAX_ERROR_CHARS = 1000
 def clipped(line: str) -> str:
     """An error line of at most MAX_ERROR_CHARS characters (the cut says how long it was)."""
     return line if len(line) <= MAX_ERROR_CHARS else f"{line[:MAX_ERROR_CHARS]}... ({len(line):,} characters)"
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors are one ``error:`` line (not usage + ``prog: error:``), exit code 2;
+    the subcommands' parsers are of this class too. The fp8-recipes CLI and the scripts use it."""
+
+    def error(self, message: str):
+        print(f"error: {self.prog}: {message}; see {self.prog} --help", file=sys.stderr)
+        sys.exit(2)

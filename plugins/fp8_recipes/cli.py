@@ -28,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-from fp8_recipes.checks import MAX_ERROR_CHARS, clipped
+from fp8_recipes.checks import MAX_ERROR_CHARS, OneLineArgumentParser, clipped
 from fp8_recipes.megatron.model_config import MODEL_MAX, layout_of, read_model_conf
 from fp8_recipes.observe.config import DebugConfig
 from fp8_recipes.plan.precision import Hardware, ModelLayout, ParallelLayout, PrecisionPlan, expert_ffn_size
@@ -183,21 +183,12 @@ def _cmd_export(args) -> int:
     return 0
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse's parser whose usage errors are one ``error:`` line (not usage + ``prog: error:``), exit code 2;
-    the subcommands' parsers are of this class too."""
-
-    def error(self, message: str):
-        print(f"error: {self.prog}: {message}; see {self.prog} --help", file=sys.stderr)
-        sys.exit(2)
-
-
 def _error_line(line: str) -> str:
     return clipped(line if line.startswith("error: ") else f"error: {line}")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="fp8-recipes", description="FP8 training recipes for Megatron-Core and "
+    p = OneLineArgumentParser(prog="fp8-recipes", description="FP8 training recipes for Megatron-Core and "
                                 "Transformer Engine: list, show, validate and explain recipes; diagnose runs.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("list", help="every recipe in the pack with its description").set_defaults(fn=_cmd_list)
