@@ -7,6 +7,7 @@ the run directory's cleanup and the process-group start (megatron/model.py) all 
 from __future__ import annotations
 
 import os
+import sys
 import socket
 import subprocess
 from dataclasses import dataclass
@@ -46,6 +47,11 @@ def check_launch_env() -> None:
     world, or without MASTER_ADDR / MASTER_PORT (torchrun always sets them; left over from another launch, e.g.
     exported in a shell, the rendezvous would fail deep in torch.distributed). Before anything reads them."""
     if not _torchrun():
+        half = [k for k in ("RANK", "WORLD_SIZE") if k in os.environ]
+        if half and launch_rank() == 0:  # (one of torchrun's pair: not a launch, and said so)
+            print(f"warning: {half[0]}={os.environ[half[0]]} is set without "
+                  f"{'WORLD_SIZE' if half[0] == 'RANK' else 'RANK'}: not torchrun's, so this runs one process; "
+                  f"unset it, or launch with torchrun", file=sys.stderr)
         _check_srun_env()
         return
     env = os.environ

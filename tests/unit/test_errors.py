@@ -117,3 +117,15 @@ def test_an_unwritable_run_dir_is_one_line():
     assert line == ("run_dir: cannot write '/ro/run/train.log' (Permission denied); set run_dir to a writable "
                     "directory")
     assert one_line(ValueError("Unable to configure handler 'file'")) is None  # (no OSError cause: not this)
+
+
+def test_half_of_torchruns_pair_is_warned(monkeypatch, capsys):
+    from fp8_recipes.launcher import check_launch_env
+
+    for k in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(k, raising=False)
+    check_launch_env()
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    check_launch_env()
+    assert capsys.readouterr().err.startswith("warning: WORLD_SIZE=2 is set without RANK: not torchrun's")
