@@ -80,9 +80,12 @@ def main(cfg: DictConfig) -> None:
         print(report_internal_error(e, run_dir), file=sys.stderr, flush=True)
         _exit_written(INTERNAL_ERROR_EXIT)
     if summary.get("finished"):  # resumed a run that already reached max_steps: a no-op, exit 0
+        remove_partial_run_dir(run_dir)  # (nothing of this start stays: a new run_dir goes, a run's .hydra is put back)
         if summary.get("rank", 0) == 0:
             f = summary["finished"]
-            print(f"nothing to do: {run_dir} already trained {f['steps']} steps (checkpoint {f['checkpoint']}) and "
+            trained = run_dir if Path(f["checkpoint"]).resolve().is_relative_to(run_dir.resolve()) else \
+                Path(f["checkpoint"]).parent.parent  # (resumed from another run's checkpoint: that run)
+            print(f"nothing to do: {trained} already trained {f['steps']} steps (checkpoint {f['checkpoint']}) and "
                   f"trainer.max_steps={f['max_steps']}; raise trainer.max_steps to train further")
         return
     if summary.get("preempted"):  # every rank: the same decision, the same exit code

@@ -165,6 +165,11 @@ def test_resuming_a_finished_run_is_a_no_op(reference, dataset, tmp_path):
     assert p.stdout.strip().splitlines()[-1].startswith(f"nothing to do: {run} already trained {STEPS} steps")
     assert "Traceback" not in p.stderr
     assert {f: (run / f).read_bytes() for f in outputs} == before
+    elsewhere = [o.replace(f"run_dir={run}", f"run_dir={tmp_path / 'new'}") for o in overrides]  # another run_dir
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "+recipe=bf16", f"trainer.resume={run}",
+                        *elsewhere, *dataset], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert p.returncode == 0 and p.stdout.strip().splitlines()[-1].startswith(f"nothing to do: {run} already")
+    assert not (tmp_path / "new").exists()  # (was left holding its .hydra and train.log)
     summary = train_run("bf16", run, dataset, "trainer.resume=auto", steps=STEPS + 1)  # grown: it continues
     assert summary["steps"] == STEPS + 1 and max(rows(run)) == STEPS + 1
 
