@@ -18,17 +18,21 @@ def main() -> None:
     from fp8_recipes.bench.emulated import bench_emulated, format_table, save
     from fp8_recipes.recipe.pack import recipe_names
 
-    from fp8_recipes.checks import OneLineArgumentParser  # (one error line for a usage error)
+    from fp8_recipes.checks import OneLineArgumentParser, at_least  # (one error line for a usage error)
+    from fp8_recipes.training.config import check_writable_dir
+    from fp8_recipes.training.errors import script_user_errors
 
     p = OneLineArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipes", nargs="+", default=recipe_names())
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--steps", type=at_least(1), default=40)
+    p.add_argument("--repeats", type=at_least(1), default=2)
     p.add_argument("--out", type=Path, default=Path("runs/bench_emulated"))
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    result = bench_emulated(args.recipes, steps=args.steps, repeats=args.repeats, overrides=args.overrides)
+    with script_user_errors():  # (an unknown recipe, a bad override, an unwritable --out: one line)
+        check_writable_dir("--out", str(args.out))
+        result = bench_emulated(args.recipes, steps=args.steps, repeats=args.repeats, overrides=args.overrides)
     save(result, args.out)
     print(format_table(result))
     print(f"({result['machine']}, torch {result['torch']}, {args.steps} steps x {args.repeats} repeats; "

@@ -38,18 +38,21 @@ def main() -> None:
     from fp8_recipes.recipe.pack import load_recipe
     from fp8_recipes.recipe.schema import Role
 
-    from fp8_recipes.checks import OneLineArgumentParser  # (one error line for a usage error)
+    from fp8_recipes.checks import OneLineArgumentParser, at_least  # (one error line for a usage error)
+    from fp8_recipes.training.errors import script_user_errors
 
     p = OneLineArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", default="hybrid")
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--layers", type=at_least(1), default=12)
+    p.add_argument("--steps", type=at_least(1), default=10)
     p.add_argument("--profile", action="store_true", help="also print the top functions by own time")
     args = p.parse_args()
 
     stats_kernels.stats = stats_kernels.amax = _stub_launch
     stats.FUSED = True
-    step_plan = PrecisionPlan(load_recipe(args.recipe), ModelLayout.gpt(args.layers), Hardware()).at(10**9)
+    with script_user_errors():  # (a recipe that is none: one line)
+        recipe = load_recipe(args.recipe)
+    step_plan = PrecisionPlan(recipe, ModelLayout.gpt(args.layers), Hardware()).at(10**9)
     states = {name: types.SimpleNamespace(name=name, plan=mp, scalers={}, amax_reducers={}, record_amax=True,
                                           observer=None)
               for name, mp in step_plan.modules.items()  # the FP8 linears (the LM head stays BF16)

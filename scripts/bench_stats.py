@@ -22,13 +22,13 @@ def main() -> None:
     from fp8_recipes.bench.observe import bench_stats, format_table, plot_overhead
     from fp8_recipes.bench.output import load_result
 
-    from fp8_recipes.checks import OneLineArgumentParser  # (one error line for a usage error)
+    from fp8_recipes.checks import OneLineArgumentParser, at_least  # (one error line for a usage error)
 
     p = OneLineArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipes", nargs="+", default=["tensorwise", "hybrid"])
-    p.add_argument("--interval", type=int, default=10)
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--interval", type=at_least(1), default=10)
+    p.add_argument("--steps", type=at_least(1), default=40)
+    p.add_argument("--repeats", type=at_least(1), default=3)
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed two-step run before each recipe")
     p.add_argument("--json", type=Path, default=None, help="also write the result here (and a PNG beside it)")
     p.add_argument("--plot-only", type=Path, default=None, help="redraw the table and PNG of a saved JSON")
@@ -40,8 +40,14 @@ def main() -> None:
         print(format_table(result))
         plot_overhead(result, args.plot_only.with_suffix(".png"))
         return
-    result = bench_stats(args.recipes, interval=args.interval, steps=args.steps, repeats=args.repeats,
-                         overrides=args.overrides, warmup=not args.no_warmup)
+    if args.steps <= args.interval:  # (its plain steps are the ones between statistics steps)
+        p.error(f"--steps {args.steps} leaves no step between statistics steps (--interval {args.interval}); give "
+                f"--steps above --interval")
+    from fp8_recipes.training.errors import script_user_errors
+
+    with script_user_errors():  # (a recipe that is none, an override the config refuses: one line)
+        result = bench_stats(args.recipes, interval=args.interval, steps=args.steps, repeats=args.repeats,
+                             overrides=args.overrides, warmup=not args.no_warmup)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
         plot_overhead(result, args.json.with_suffix(".png"))

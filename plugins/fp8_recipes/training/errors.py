@@ -28,7 +28,7 @@ from fp8_recipes.launcher import launch_rank
 from fp8_recipes.rundir import (HYDRA, RUN_OUTPUTS, TRAIN_LOG, RunDirError, check_run_dir, held_by_another,
                                 release)
 
-__all__ = ["CHECKPOINT_WRITE_EXIT", "CheckpointWriteError", "ConsoleFormatter", "INTERNAL_ERROR_EXIT", "NonFiniteStop", "USER_ERROR_EXIT", "NONFINITE_EXIT", "PREEMPTED_EXIT",
+__all__ = ["script_user_errors", "CHECKPOINT_WRITE_EXIT", "CheckpointWriteError", "ConsoleFormatter", "INTERNAL_ERROR_EXIT", "NonFiniteStop", "USER_ERROR_EXIT", "NONFINITE_EXIT", "PREEMPTED_EXIT",
            "RunDirCheck", "hydra_errors_as_one_line", "worker_hydra_overrides", "keep_earlier_run_files", "one_line", "print_error_once",
            "remove_partial_run_dir", "report_internal_error"]
 
@@ -249,6 +249,20 @@ def hydra_errors_as_one_line() -> Iterator[None]:
         print_error_once([line])  # under torchrun/srun every rank composes the same config
         sys.exit(USER_ERROR_EXIT)
 
+
+
+@contextlib.contextmanager
+def script_user_errors() -> Iterator[None]:
+    """Around a script's work: a user error (a ValueError such as a RecipeError or ConfigError, or a Hydra
+    composition error) becomes one ``error:`` line and exit 2; anything else propagates with its traceback."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - classified below
+        line = str(e).splitlines()[0] if isinstance(e, ValueError) and str(e) else one_line(e)
+        if line is None:
+            raise
+        print(clipped(f"error: {line}"), file=sys.stderr)
+        sys.exit(USER_ERROR_EXIT)
 
 
 def report_internal_error(e: BaseException, run_dir: str | os.PathLike) -> str:
