@@ -45,43 +45,38 @@ def _srun() -> bool:
 def check_launch_env() -> None:
     """A LaunchError when RANK and WORLD_SIZE say torchrun but are not torchrun's: not integers, a rank outside the
     world, or without MASTER_ADDR / MASTER_PORT (torchrun always sets them; left over from another launch, e.g.
-    exported in a shell, the rendezvous would fail deep in torch.distributed). Before anything reads them."""
+    exported in a shell, the rendezvous would fail deep in torch.distributed); likewise srun's SLURM_PROCID /
+    SLURM_STEP_NUM_TASKS. One of torchrun's pair alone is a warning. Before anything reads them."""
     if not _torchrun():
+        if _srun():
+            _check_ranks("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "srun", "the step's tasks",
+                         "unset SLURM_PROCID SLURM_STEP_NUM_TASKS to run one process, or launch with srun")
         half = [k for k in ("RANK", "WORLD_SIZE") if k in os.environ]
         if half and launch_rank() == 0:  # (one of torchrun's pair: not a launch, and said so)
             print(f"warning: {half[0]}={os.environ[half[0]]} is set without "
                   f"{'WORLD_SIZE' if half[0] == 'RANK' else 'RANK'}: not torchrun's, so this runs one process; "
                   f"unset it, or launch with torchrun", file=sys.stderr)
-        _check_srun_env()
         return
-    env = os.environ
-    shown = f"RANK={env['RANK']} WORLD_SIZE={env['WORLD_SIZE']}"
     fix = "unset RANK WORLD_SIZE to run one process, or launch with torchrun (torchrun --nproc-per-node N ...)"
-    try:
-        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-    except ValueError:
-        raise LaunchError(f"{shown}: not integers, so not torchrun's; {fix}") from None
-    if not 0 <= rank < world:
-        raise LaunchError(f"{shown}: the rank is outside the world (0..WORLD_SIZE-1); {fix}")
-    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
+    shown = _check_ranks("RANK", "WORLD_SIZE", "torchrun", "the world (0..WORLD_SIZE-1)", fix)
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
     if missing:
         raise LaunchError(f"{shown}: set without {' and '.join(missing)}, so not by torchrun (left over from "
                           f"another launch?); {fix}")
 
 
-def _check_srun_env() -> None:
-    """srun's SLURM_PROCID / SLURM_STEP_NUM_TASKS, where they say srun: integers, the rank inside the step."""
-    if not _srun():
-        return
+def _check_ranks(rank_key: str, world_key: str, launcher: str, world: str, fix: str) -> str:
+    """The launcher's rank and world variables are integers with the rank inside the world (a LaunchError naming
+    them otherwise); returns them as shown in a message."""
     env = os.environ
-    shown = f"SLURM_PROCID={env['SLURM_PROCID']} SLURM_STEP_NUM_TASKS={env['SLURM_STEP_NUM_TASKS']}"
-    fix = "unset SLURM_PROCID SLURM_STEP_NUM_TASKS to run one process, or launch with srun"
+    shown = f"{rank_key}={env[rank_key]} {world_key}={env[world_key]}"
     try:
-        rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"])
+        rank, size = int(env[rank_key]), int(env[world_key])
     except ValueError:
-        raise LaunchError(f"{shown}: not integers, so not srun's; {fix}") from None
-    if not 0 <= rank < world:
-        raise LaunchError(f"{shown}: the rank is outside the step's tasks; {fix}")
+        raise LaunchError(f"{shown}: not integers, so not {launcher}'s; {fix}") from None
+    if not 0 <= rank < size:
+        raise LaunchError(f"{shown}: the rank is outside {world}; {fix}")
+    return shown
 
 
 def launch_rank() -> int:
