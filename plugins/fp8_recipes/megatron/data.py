@@ -364,8 +364,8 @@ def build_gpt_datasets(
             blend=([str(data_dir / PREFIX)], None),
             split=split,
             path_to_cache=str(data_dir / "cache"),  # replaced together with the dataset, never shared
-            tokenizer=_damage_as_config_error(data_dir, Tokenizer.load, data_dir / "tokenizer.json",
-                                              meta["data_hash"]),
+            tokenizer=_damage_as_config_error(data_dir, lambda: Tokenizer.load(data_dir / "tokenizer.json",
+                                                                                meta["data_hash"]), KeyError),
             # Megatron asserts these three are set. Plain packed pretraining: documents attend across EOD and
             # positions run on, as in GPT-2; True would need per-sample masks and defeat Megatron's mask cache.
             reset_position_ids=False,
@@ -383,16 +383,17 @@ def build_gpt_datasets(
     return train, valid, test
 
 
-def _damage_as_config_error(data_dir: Path, read: Callable[..., Any], *args: Any) -> Any:
-    """``read(*args)`` over a prepared dataset, whose failures on its own files (a corrupt corpus.idx of the right
-    size, a garbled tokenizer.json, a full disk under its index cache) are one ConfigError naming data.path."""
+def _damage_as_config_error(data_dir: Path, read: Callable[[], Any], *damage: type[Exception]) -> Any:
+    """``read()`` over a prepared dataset, whose failures on its own files (a corrupt corpus.idx of the right size:
+    numpy's ValueError; a garbled tokenizer.json: json's, or a KeyError where ``damage`` says; a full disk under its
+    index cache) are one ConfigError naming data.path."""
     try:
-        return read(*args)
+        return read()
     except OSError as e:
         raise ConfigError(f"data.path: reading or caching {str(data_dir)!r} failed ({e.strerror or e}); free space "
                           f"or fix its permissions, or prepare it elsewhere (python scripts/prepare_data.py --out "
                           f"DIR, then data.path=DIR)") from None
-    except (ValueError, KeyError, struct.error) as e:  # (json's JSONDecodeError is a ValueError)
+    except (ValueError, struct.error, *damage) as e:  # (json's JSONDecodeError is a ValueError)
         why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         _drop_half_built(e)
         raise ConfigError(f"data.path: {str(data_dir)!r} is damaged ({why}); prepare it again with `python "
