@@ -29,7 +29,7 @@ from pathlib import Path
 import yaml
 
 from fp8_recipes.checks import MAX_ERROR_CHARS, OneLineArgumentParser, clipped
-from fp8_recipes.megatron.model_config import MODEL_MAX, layout_of, read_model_conf
+from fp8_recipes.megatron.model_config import MODEL_MAX, check_model_cfg, layout_of, read_model_conf
 from fp8_recipes.observe.config import DebugConfig
 from fp8_recipes.plan.precision import Hardware, ModelLayout, ParallelLayout, PrecisionPlan, expert_ffn_size
 from fp8_recipes.plan.format import format_plan
@@ -79,8 +79,6 @@ def _cmd_explain(args) -> int:
         parallel = ParallelLayout.parse(args.layout)
         parallel.check(layout.num_layers)
         if cfg is not None:  # (heads and FFN over TP, as memory and training check them)
-            from fp8_recipes.megatron.model_config import check_model_cfg
-
             vocab = cfg.get("vocab_size") if isinstance(cfg.get("vocab_size"), int) else None  # (data's, in training)
             check_model_cfg({**cfg, "num_layers": layout.num_layers, "vocab_size": vocab}, vocab_may_be_unset=True,
                             tensor_parallel=parallel.tp)
@@ -93,7 +91,6 @@ def _cmd_explain(args) -> int:
 
 def _cmd_memory(args) -> int:
     # this command's own (module docstring)
-    from fp8_recipes.megatron.model_config import check_model_cfg
     from fp8_recipes.plan.memory import (LLAMA3, MIXTRAL, OptimizerPrecision, estimate_stages, format_estimate,
                                          fp8_modules_of, operand_storage_of)
 
