@@ -5,6 +5,7 @@
     python scripts/bench_stats.py -- model.num_layers=2             # extra Hydra overrides
     python scripts/bench_stats.py --json docs/bench/bench_stats.json  # also the JSON and a PNG beside it
     python scripts/bench_stats.py --plot-only docs/bench/bench_stats.json
+    python scripts/bench_stats.py --recipes delayed --on autopilot=on   # the autopilot's cost (it reads them)
 
 Prints a Markdown table: mean step time with debug off and on, the A/B overhead, the in-run overhead (recorded
 steps' extra time within each run) and the recorder's own time.
@@ -32,6 +33,8 @@ def main() -> None:
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed two-step run before each recipe")
     p.add_argument("--json", type=Path, default=None, help="also write the result here (and a PNG beside it)")
     p.add_argument("--plot-only", type=Path, default=None, help="redraw the table and PNG of a saved JSON")
+    p.add_argument("--on", nargs="+", default=None, metavar="OVERRIDE",
+                   help="overrides of the runs measured against debug off (default: ++debug.interval=INTERVAL)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -47,7 +50,7 @@ def main() -> None:
 
     with script_user_errors():  # (a recipe that is none, an override the config refuses: one line)
         result = bench_stats(args.recipes, interval=args.interval, steps=args.steps, repeats=args.repeats,
-                             overrides=args.overrides, warmup=not args.no_warmup)
+                             overrides=args.overrides, warmup=not args.no_warmup, on=args.on)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
         plot_overhead(result, args.json.with_suffix(".png"))

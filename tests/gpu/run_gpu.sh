@@ -25,6 +25,9 @@
 #     bash tests/gpu/run_gpu.sh nvfp4        # issue 29: NVFP4 vs TE's reference + emulated nvfp4 / mxfp8 vs BF16 step time
 #     bash tests/gpu/run_gpu.sh autopilot    # issue 30: its GPU tests on TE, then its cost at interval 10 on gpt_125m
 #         (delayed on TE: none / statistics / autopilot, side by side in one call; BACKEND=emulated, STEPS, TRAIN_CAP)
+#     bash .gpu/install.sh && bash tests/gpu/run_gpu.sh burst   # little device time: the three open issues' GPU
+#         checks in one call, by priority (MoE speed with the capacity lever, NVFP4 emulation cost, the autopilot's
+#         cost, then the GPU tests of MoE, NVFP4 and the autopilot); 8 files into $OUT, runs under /tmp/burst
 #     bash tests/gpu/run_gpu.sh two          # two GPUs: scales across the amax group, safe at PP=2, bench_parallel
 #         (10 runs of ~40 s; a second call with LAYOUTS="1gpu dp2 tp2sp pp2 cp2" RECIPES="tensorwise" covers the rest)
 # BASELINE: a checkout of the engine before (git archive 107c97b plugins conf scripts recipes setup.cfg | tar -x -C .oldsrc)
@@ -239,6 +242,43 @@ autopilot)
         round(s.get('tokens_per_s_median') or 0), 'wall', round(s.get('wall_time_s') or 0, 1))" 2>&1 | tail -1
   done
   grep -c '"kind": "autopilot"' "$OUT/autopilot-pilot/metrics.jsonl" | sed 's/^/autopilot actions: /'
+  ;;
+burst)
+  # Issues 28, 29, 30 in one call (~8 min after the install), most wanted first, each part capped: a call cut at its
+  # limit still returns what the parts before wrote. At most 8 files come back from $OUT, so the runs live in
+  # /tmp/burst and only burst.log, the JSONs and tests.log land in $OUT.
+  W=/tmp/burst; mkdir -p $W; LOG="$OUT/burst.log"
+  mem=$("$PY" -c "import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)")
+  stamp "$("$PY" -c "import torch; print(torch.cuda.get_device_name(), torch.__version__)"), ${mem} GiB" | tee "$LOG"
+  stamp "1. MoE speed: mixtral_8x7b_4l, dropless and with the capacity lever (issue 28 item 6)" | tee -a "$LOG"
+  timeout -s INT ${MOE_CAP:-150} "$PY" scripts/bench_train.py --models mixtral_8x7b_4l --seq 4096 --mbs 1 --accum 8 \
+      --warmup 2 --steps ${STEPS:-5} --configs ${CONFIGS:-delayed tensorwise blockwise bf16+capacity delayed+capacity \
+      tensorwise+capacity blockwise+capacity delayed:raw} --out $W/moe 2>&1 | tee -a "$LOG"
+  cp $W/moe/bench_train.json "$OUT/bench_moe.json" 2>/dev/null
+  # 16 Llama-3-8B layers need the H200's memory beside the emulated copies; an 80 GiB card runs 8
+  nvmodel=llama3_8b_16l; [ "$mem" -lt 100 ] && nvmodel=llama3_8b_8l
+  stamp "2. NVFP4 emulation cost: $nvmodel bf16 vs nvfp4 (issue 29 item 6)" | tee -a "$LOG"
+  timeout -s INT ${NVFP4_CAP:-110} "$PY" scripts/bench_train.py --models $nvmodel --seq 4096 --mbs 2 --warmup 2 \
+      --steps 4 --configs bf16 nvfp4 --out $W/nvfp4 2>&1 | tee -a "$LOG"
+  cp $W/nvfp4/bench_train.json "$OUT/bench_nvfp4.json" 2>/dev/null
+  stamp "3. the autopilot's cost at interval 10, TE delayed, gpt_125m (issue 30 item 6)" | tee -a "$LOG"
+  timeout -s INT ${PILOT_CAP:-120} "$PY" scripts/bench_stats.py --recipes delayed --steps 60 --repeats 2 \
+      --on autopilot=on --json "$OUT/bench_autopilot.json" -- model=gpt_125m trainer=gpu ++recipe.backend=te \
+      trainer.micro_batch_size=8 trainer.global_batch_size=16 2>&1 | grep -v -E "it/s\]|step/s" | tail -12 \
+      | tee -a "$LOG"
+  rm -f "$OUT/bench_autopilot.png"
+  # DEADLINE (epoch seconds): the tests take what is left of the call until then
+  cap=${TEST_CAP:-200}; [ -n "${DEADLINE:-}" ] && cap=$(( DEADLINE - $(date +%s) ))
+  stamp "4. GPU tests: NVFP4 vs TE's reference, the TE autopilot, TE MoE and GroupedLinear (cap ${cap}s)" | tee -a "$LOG"
+  timeout -s INT $cap "$PY" -m pytest tests/gpu/test_nvfp4_ref.py tests/gpu/test_te_autopilot.py \
+      tests/gpu/test_te_grouped.py tests/gpu/test_te_moe.py -q -p no:cacheprovider -o addopts="" -rfEs --tb=short \
+      --timeout ${TEST_TIMEOUT:-90} 2>&1 | tee "$OUT/tests.log" | tail -25 | tee -a "$LOG"
+  echo; stamp "summary" | tee -a "$LOG"
+  for j in moe nvfp4; do [ -f "$OUT/bench_$j.json" ] && "$PY" scripts/bench_train.py --plot-only "$OUT/bench_$j.json" \
+      2>&1 | grep '^|' | tee -a "$LOG"; rm -f "$OUT/bench_$j.png"; done
+  [ -f "$OUT/bench_autopilot.json" ] && "$PY" scripts/bench_stats.py --plot-only "$OUT/bench_autopilot.json" \
+      2>&1 | grep '^|' | tee -a "$LOG"; rm -f "$OUT/bench_autopilot.png"
+  grep -E " passed| failed|^FAILED|^ERROR" "$OUT/tests.log" | tail -20 | tee -a "$LOG"
   ;;
 all) ;;
 *) echo "run_gpu.sh: unknown part '$1' (all | engine | engine-bench | two | moe | ...)" >&2; exit 2 ;;

@@ -151,6 +151,21 @@ def test_bench_stats_measures_three_overheads(dataset, tmp_path, fresh_world):  
     assert math.isfinite(row["in_run_overhead_pct"])
     assert "| tensorwise |" in format_table(result)
     assert plot_overhead(result, tmp_path / "o.png").stat().st_size > 1000
+    assert result["on"] == ["++debug.interval=3"]
+
+
+def test_bench_stats_measures_the_autopilot(dataset, tmp_path, fresh_world):  # noqa: F811
+    """`--on autopilot=on`: the runs measured against debug off are the autopilot's (it reads the statistics every
+    interval steps, the same steps the in-run measure counts); a healthy run takes no action."""
+    from fp8_recipes.bench.observe import bench_stats
+
+    overrides = [*dataset, "model.num_layers=1", "model.vocab_size=null", "trainer.micro_batch_size=2",
+                 "trainer.global_batch_size=2"]
+    result = bench_stats(["delayed"], interval=3, steps=12, repeats=1, overrides=overrides, warmup=False,
+                         on=["autopilot=on", "++autopilot.interval=3"])
+    row = result["rows"][0]
+    assert result["on"] == ["autopilot=on", "++autopilot.interval=3"]
+    assert row["recorder_pct"] > 0 and math.isfinite(row["in_run_overhead_pct"])
 
 
 def test_step_time_overhead_counts_recorded_steps_and_writes(tmp_path):

@@ -28,7 +28,10 @@ __all__ = ["bench_stats", "format_table", "plot_overhead"]
 
 
 def bench_stats(recipes: list[str], *, interval: int = 10, steps: int = 40, repeats: int = 3,
-                overrides: list[str] = (), warmup: bool = True) -> dict:
+                overrides: list[str] = (), warmup: bool = True, on: list[str] | None = None) -> dict:
+    """``on``: the overrides of the runs with statistics (default ``++debug.interval=INTERVAL``); e.g.
+    ``["autopilot=on"]`` measures the autopilot, which reads the statistics every ``interval`` steps too."""
+    measured = list(on) if on else [f"++debug.interval={interval}"]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in recipes:
@@ -41,7 +44,7 @@ def bench_stats(recipes: list[str], *, interval: int = 10, steps: int = 40, repe
                                        f"run_dir={tmp}/{name}-warmup", "++debug.interval=1", *overrides]))
             for rep in range(repeats):
                 for mode in ("off", "on"):
-                    debug = [f"++debug.interval={interval}"] if mode == "on" else []
+                    debug = measured if mode == "on" else []
                     run_dir = Path(tmp) / f"{name}-{mode}-{rep}"
                     cfg = _compose([f"+recipe={name}", f"trainer.max_steps={steps}", "trainer.warmup_steps=2",
                                     "trainer.eval_interval=0", "trainer.save_checkpoints=false",
@@ -58,7 +61,7 @@ def bench_stats(recipes: list[str], *, interval: int = 10, steps: int = 40, repe
                          "in_run_overhead_pct": statistics.median(in_run), "runs": times, "in_run": in_run,
                          "recorder_pct": statistics.median(recorder), "recorder": recorder})
     return {"rows": rows, "interval": interval, "steps": steps, "repeats": repeats, "warmup": warmup,
-            "overrides": list(overrides)}
+            "overrides": list(overrides), "on": measured}
 
 
 def step_time_overhead(metrics: Path, interval: int, write_s: float, skip: int = 5) -> float:
