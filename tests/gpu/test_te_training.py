@@ -211,6 +211,29 @@ def test_stage_switches_take_effect_at_the_planned_steps(scaling, megatron_gpu, 
         assert (t["scale_bwd"][0] != 1).item()
 
 
+@pytest.mark.parametrize("roles", [("delayed", "delayed", "tensorwise"), ("tensorwise", "tensorwise", "delayed"),
+                                   ("delayed", "delayed", "none")], ids=["fwd-delayed", "bwd-delayed", "fwd-only"])
+def test_delayed_scaling_in_one_direction_trains(roles, megatron_gpu, tmp_path):
+    """A CustomRecipe with delayed state in one direction only (TE 2.20.2 failed on it at the first FP8 forward:
+    plan/te.py, DELAYED_ANCHOR): it trains with every linear as planned, the delayed roles' histories record
+    amaxes and the anchor's columns (the other direction's boundary slots) none, their scales 1."""
+    from fp8_recipes.backends.te_state import delayed_slots, delayed_tensors
+
+    recipe = dict(zip(("weights", "activations", "gradients"), roles))
+    model, precision = build(recipe, megatron_gpu[2])
+    summary = run(model, precision, tmp_path, 4)
+    assert sum(precision.mismatches.values()) == 0 and summary["nonfinite_loss_steps"] == 0
+    name = "decoder.layers.1.mlp.linear_fc1"
+    choice, t = precision._choices[name], delayed_tensors(precision.linears[name])
+    for fwd, d in ((True, "fwd"), (False, "bwd")):
+        slots = delayed_slots(choice, 3 if fwd else 2, fwd)
+        assert t[f"amax_history_{d}"].shape[1] == len(slots) > 0
+        anchor = choice.delayed_anchor is fwd
+        assert bool((t[f"amax_history_{d}"] > 0).any()) != anchor, (d, t)
+        if anchor:
+            assert torch.equal(t[f"scale_{d}"], torch.ones_like(t[f"scale_{d}"]))
+
+
 @pytest.mark.parametrize("scaling", ["tensorwise", "delayed"])
 def test_first_and_last_layers_run_bf16(scaling, megatron_gpu, tmp_path):
     recipe = {"weights": scaling, "activations": scaling, "gradients": scaling,

@@ -522,3 +522,55 @@ def test_routed_experts_reduce_their_delayed_amaxes_over_their_own_group(fake_te
         assert groups[2:] == [expected] * len(experts) if expected else groups[2:] == [], groups
         own = {n for n, ctx in precision._module_ctx.items() if ctx is not None}
         assert own == (set(experts) if expected else set()), own
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A CustomRecipe with delayed state in one direction only (TE 2.20.2 fails on it: plan/te.py, DELAYED_ANCHOR)
+
+
+@pytest.fixture
+def te_quantizers(monkeypatch):
+    """The quantizer classes RoleQuantizers builds, as tags: ("ds", settings) for a DelayedScalingRequest."""
+    pkg, pt, common, recipe, tex = (types.ModuleType(n) for n in (
+        "transformer_engine", "transformer_engine.pytorch", "transformer_engine.common",
+        "transformer_engine.common.recipe", "transformer_engine_torch"))
+    pkg.pytorch, pkg.common, common.recipe = pt, common, recipe
+    pt.DelayedScalingRequest = lambda **kw: ("ds", tuple(sorted((k, repr(v)) for k, v in kw.items())))
+    pt.IdentityQuantizer = lambda: ("identity",)
+    pt.Float8CurrentScalingQuantizer = lambda dtype, *a, **kw: ("current", dtype)
+    pt.Float8BlockQuantizer = lambda dtype, **kw: ("block", dtype)
+    recipe.Format = {"HYBRID": "HYBRID", "E4M3": "E4M3"}
+    tex.DType = types.SimpleNamespace(kFloat8E4M3="e4m3", kFloat8E5M2="e5m2")
+    for mod in (pkg, pt, common, recipe, tex):
+        monkeypatch.setitem(sys.modules, mod.__name__, mod)
+
+
+@pytest.mark.parametrize("roles, anchor", [
+    ({"weights": "delayed", "activations": "delayed", "gradients": "tensorwise"}, False),
+    ({"weights": "delayed", "activations": "tensorwise", "gradients": "tensorwise"}, False),
+    ({"weights": "delayed", "activations": "delayed", "gradients": "none"}, False),       # FP8 forward only
+    ({"weights": "tensorwise", "activations": "tensorwise", "gradients": "delayed"}, True),
+    ({"weights": "delayed", "activations": "delayed",                                     # a margin of their own
+      "gradients": {"scaling": "delayed", "format": "e4m3", "margin": 16}}, None)])
+def test_a_one_sided_delayed_custom_recipe_has_delayed_state_both_ways(te_quantizers, roles, anchor):
+    """TE 2.20.2 registers a module's delayed state for both directions once either has any, and fails on a
+    direction without (H200: TypeError in add_fp8_tensors_to_global_buffer). The factory, asked for the slots of a
+    Linear and of a 2-expert GroupedLinear in TE's order, gives such a direction's boundary slots (role None) the
+    anchor's request; every request of one direction is equal (TE refuses a state whose requests differ); and
+    delayed_slots names exactly the slots with a request (where the state's columns are read and carried)."""
+    plan = PrecisionPlan(Recipe.from_dict(roles), ModelLayout.gpt(2), H200)
+    choice = plan.at(0).layers_te[0]
+    assert choice.recipe == "CustomRecipe" and choice.delayed_anchor is anchor
+    factory = te_backend.RoleQuantizers(choice, reduce_amax=True)
+    for module_type, gemms in (("linear", 1), ("grouped_linear", 2)):
+        for fwd, names in ((True, ("input", "weight", None)), (False, ("grad_output", None))):
+            slots = [None if n is None else types.SimpleNamespace(module_type=module_type, tensor_type=n, name="x")
+                     for n in names * gemms]
+            made = [factory(role) for role in slots]
+            requests = [i for i, q in enumerate(made) if q[0] == "ds"]
+            assert requests, (module_type, fwd, made)
+            assert len({made[i] for i in requests}) == 1, made
+            assert requests == [i for i, _ in delayed_slots(choice, len(slots), fwd)]
+            assert all(slots[i] is None for i in requests) == (anchor is fwd)
+    assert (anchor is None) == all(role is not None for _, role in
+                                   delayed_slots(choice, 3, True) + delayed_slots(choice, 2, False))

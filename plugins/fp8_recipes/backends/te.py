@@ -51,7 +51,7 @@ from fp8_recipes.backends.te_state import (SLOT_ROLES, StepSnapshot, delayed_ten
 from fp8_recipes.checks import ConfigError
 from fp8_recipes.numerics.scaling import delayed_scale_update, history_percentile
 from fp8_recipes.plan.precision import PrecisionPlan, StepPlan, TERecipe
-from fp8_recipes.plan.te import TERecipeKind
+from fp8_recipes.plan.te import DELAYED_ANCHOR, TERecipeKind
 from fp8_recipes.recipe.schema import AmaxAlgo, AmaxReduction, Format, Role, Scaling, TensorPolicy
 
 __all__ = ["DelayedScaleUpdate", "PercentileAmax", "RoleQuantizers", "TEPrecision", "te_available", "te_recipe",
@@ -140,26 +140,29 @@ def _te_dtype(fmt: Format):
 class RoleQuantizers:
     """CustomRecipe ``qfactory``: each tensor a TE linear quantizes gets its role's policy (input -> activations,
     weight -> weights, grad_output -> gradients). The boundary slots (output, grad_input: used only with
-    fp8_output / fp8_grad, which Megatron-Core's linears never ask for) stay high precision."""
+    fp8_output / fp8_grad, which Megatron-Core's linears never ask for) stay high precision, except in the direction
+    a one-sided delayed recipe gives :data:`~fp8_recipes.plan.te.DELAYED_ANCHOR` state (``TERecipe.delayed_anchor``).
+    TE passes a boundary slot no role (None) and asks for a GEMM's slots in order (input, weight, output; then
+    grad_output, grad_input), so the role asked for just before tells a boundary slot's direction."""
 
     def __init__(self, choice: TERecipe, reduce_amax: bool):
         self.choice = choice
         self.reduce_amax = reduce_amax
+        self._previous: str | None = None  # the tensor type of the slot asked for before
 
     def __call__(self, role: Any) -> Any:
         import transformer_engine.pytorch as te
-        from transformer_engine.common.recipe import Format as TEFormat
 
-        linear = role is not None and getattr(role, "module_type", "") in ("linear", "grouped_linear", "")
-        r = SLOT_ROLES.get(role.tensor_type) if linear else None  # attention (dpa) and boundary slots: BF16
+        if role is None:
+            return self._boundary(te)
+        self._previous = getattr(role, "tensor_type", None)
+        linear = getattr(role, "module_type", "") in ("linear", "grouped_linear", "")
+        r = SLOT_ROLES.get(role.tensor_type) if linear else None  # attention (dpa): BF16
         p = self.choice.policy(r) if r is not None else None
         if p is None or not p.is_fp8:
             return te.IdentityQuantizer()
         if p.scaling is Scaling.DELAYED:  # TE allocates the state and reduces it with the built-in recipes'
-            return te.DelayedScalingRequest(
-                fp8_format=TEFormat[self.choice.fp8_format], margin=p.margin, amax_history_len=p.amax_history_len,
-                amax_compute_algo=_amax_algo(p), scaling_factor_compute_algo=_scale_algo(p),
-                reduce_amax=self.reduce_amax)
+            return self._delayed_request(te, p)
         dtype = _te_dtype(p.format)
         if p.scaling is Scaling.TENSORWISE:
             return te.Float8CurrentScalingQuantizer(dtype, torch.device("cuda"), force_pow_2_scales=p.pow2_scales,
@@ -169,6 +172,20 @@ class RoleQuantizers:
                                            force_pow_2_scales=p.pow2_scales,
                                            block_scaling_dim=1 if p.block[0] == 1 else 2)
         return te.MXFP8Quantizer(dtype)
+
+    def _boundary(self, te: Any) -> Any:
+        forward = {"input": True, "weight": True, "grad_output": False}.get(self._previous)
+        anchor = self.choice.delayed_anchor
+        if anchor is not None and forward is anchor:
+            return self._delayed_request(te, DELAYED_ANCHOR)
+        return te.IdentityQuantizer()
+
+    def _delayed_request(self, te: Any, p: TensorPolicy) -> Any:
+        from transformer_engine.common.recipe import Format as TEFormat
+
+        return te.DelayedScalingRequest(
+            fp8_format=TEFormat[self.choice.fp8_format], margin=p.margin, amax_history_len=p.amax_history_len,
+            amax_compute_algo=_amax_algo(p), scaling_factor_compute_algo=_scale_algo(p), reduce_amax=self.reduce_amax)
 
     def __repr__(self) -> str:
         return f"RoleQuantizers({self.choice.describe()})"

@@ -37,7 +37,7 @@ from fp8_recipes.checks import ConfigError
 from fp8_recipes.numerics.scaling import resized_history, retaken_scale
 from fp8_recipes.plan.precision import TERecipe
 from fp8_recipes.plan.te import TERecipeKind
-from fp8_recipes.recipe.schema import Role, Scaling
+from fp8_recipes.recipe.schema import Role
 
 __all__ = ["SLOT_ROLES", "StepSnapshot", "carry_delayed", "delayed_column", "delayed_slots", "delayed_tensors",
            "move_delayed", "reregister", "restore_delayed"]
@@ -133,15 +133,17 @@ def delayed_slots(choice: TERecipe | None, slots: int, fwd: bool) -> list[tuple[
     """(slot, role) of each of a linear's `slots` quantizer slots that its delayed state holds under `choice`, in
     the state's column order: every slot under DelayedScaling (role None for a boundary slot), the delayed roles'
     slots under a CustomRecipe (where :class:`~fp8_recipes.backends.te.RoleQuantizers` asks for a
-    DelayedScalingRequest), none otherwise."""
+    DelayedScalingRequest), or its boundary slots in the direction it anchors (``TERecipe.delayed_anchor``), none
+    otherwise."""
     if choice is None or choice.recipe not in (TERecipeKind.DELAYED, TERecipeKind.CUSTOM):
         return []
     names = _SLOTS[fwd]
     roles = [SLOT_ROLES.get(names[i % len(names)]) for i in range(slots)]
     if choice.recipe is TERecipeKind.DELAYED:
         return list(enumerate(roles))
-    return [(i, r) for i, r in enumerate(roles)
-            if r is not None and choice.policy(r).is_fp8 and choice.policy(r).scaling is Scaling.DELAYED]
+    if choice.delayed_anchor is fwd:
+        return [(i, None) for i, r in enumerate(roles) if r is None]
+    return [(i, r) for i, r in enumerate(roles) if r is not None and choice.delayed_role(r)]
 
 
 def delayed_column(choice: TERecipe | None, num_gemms: int, role: Role, gemm: int = 0) -> tuple[str, int] | None:

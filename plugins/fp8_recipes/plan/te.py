@@ -16,6 +16,12 @@ The rules (measured on an H200 or read in TE 2.20.2's source, see docs/facts.md)
   and one DelayedScaling state (its margin, history, algorithm) quantizes a module's inputs and weights together.
 - ``backward_override="high_precision"`` (forward FP8, exact BF16 backward) exists for every recipe but
   ``DelayedScaling``; a ``CustomRecipe`` whose factory returns ``DelayedScalingRequest`` quantizers does support it.
+- A ``CustomRecipe`` with delayed state in one direction only (delayed weights and inputs with current-scaled or
+  BF16 gradients, or the reverse) fails at its first FP8 forward: TE registers a module's delayed state for both
+  directions as soon as one has any and reads ``amax_history[0]`` of a direction that has none (H200, 2026-12-06:
+  ``TypeError: 'NoneType' object is not subscriptable`` in ``add_fp8_tensors_to_global_buffer``). Such a recipe
+  gives the other direction's unused boundary slots (output, grad_input) a delayed state of their own
+  (:data:`DELAYED_ANCHOR`, :attr:`TERecipe.delayed_anchor`): its amax stays 0, so its scale stays 1.
 - A GEMM runs FP8 only when both its operands are FP8, and TE has no "BF16 forward, FP8 backward": a stage runs
   FP8 only once weights and activations are both on (forward-only until gradients follow).
 - NVFP4 (``NVFP4BlockScaling``) needs sm_100+ (TE 2.20.2's ``check_nvfp4_support``: "Device compute capability 10.0
@@ -38,7 +44,7 @@ from fp8_recipes.recipe.schema import (
     TensorPolicy,
 )
 
-__all__ = ["TE_FP8_ALIGN", "Substitution", "TERecipe", "TERecipeKind", "TEResolution", "delayed_buffer_keys",
+__all__ = ["DELAYED_ANCHOR", "TE_FP8_ALIGN", "Substitution", "TERecipe", "TERecipeKind", "TEResolution", "delayed_buffer_keys",
            "final_te_recipe", "resolve_te", "te_attention", "te_fp8_shape_problem", "te_recipe_for", "te_stage_note"]
 
 W, A, G = Role.WEIGHTS, Role.ACTIVATIONS, Role.GRADIENTS
@@ -54,6 +60,9 @@ pad.", raised in the first FP8 backward); under sequence parallelism wgrad sums 
 source: ``gather_along_first_dim`` before the wgrad GEMM; not measured, it needs two GPUs). MXFP8 (Blackwell) was
 not measured and may need more (multiples of 32)."""
 TE_BLOCKS = ((1, 128), (128, 128))  # Float8BlockQuantizer: block_scaling_dim 1 and 2, block_len 128
+DELAYED_ANCHOR = TensorPolicy(scaling=Scaling.DELAYED, amax_history_len=1)
+"""The delayed state a CustomRecipe gives the boundary slots of a direction with no delayed role (see the rules
+above): one amax, margin 0; never fed (those slots quantize nothing in Megatron-Core's linears)."""
 
 
 class TERecipeKind(StrEnum):
@@ -147,6 +156,21 @@ class TERecipe:
     def delayed(self) -> bool:
         """Carries delayed-scaling state (amax histories) that TE reduces and updates once per step."""
         return any(self.policy(r).scaling is Scaling.DELAYED for r in ROLES)
+
+    def delayed_role(self, role: Role) -> bool:
+        """`role` is quantized with delayed scaling (once FP8: a forward-only stage keeps the gradients' state)."""
+        p = self.policy(role)
+        return p.is_fp8 and p.scaling is Scaling.DELAYED
+
+    @property
+    def delayed_anchor(self) -> bool | None:
+        """The direction (True: forward, False: backward) whose boundary slots get :data:`DELAYED_ANCHOR` state:
+        the one without a delayed role, under a CustomRecipe whose other direction has one (TE 2.20.2 fails on a
+        delayed state in one direction only); None when both or neither have one, and for the built-in recipes."""
+        if self.recipe is not TERecipeKind.CUSTOM:
+            return None
+        forward, backward = self.delayed_role(W) or self.delayed_role(A), self.delayed_role(G)
+        return None if forward == backward else backward
 
     def describe(self) -> str:
         args = [f"fp8_format={self.fp8_format}"]
@@ -415,7 +439,8 @@ def delayed_buffer_keys(resolution: TEResolution) -> list[tuple[tuple, tuple]]:
     updates it, which names the format, margin and history length but not the amax algorithm or the scale rule
     (TE 2.20.2: ``get_unique_autocast_key``, ``DelayedScaling._make_repr``). A built-in DelayedScaling updates both
     directions with the weights' settings; a CustomRecipe builds one per direction from its requests: the forward's
-    from the inputs' and weights' (which share one state), the backward's from the gradients'."""
+    from the inputs' and weights' (which share one state), the backward's from the gradients' (a direction without
+    either: :data:`DELAYED_ANCHOR`'s)."""
     te = final_te_recipe(resolution)
     if te is None or te.recipe not in (TERecipeKind.DELAYED, TERecipeKind.CUSTOM):
         return []
@@ -425,8 +450,10 @@ def delayed_buffer_keys(resolution: TEResolution) -> list[tuple[tuple, tuple]]:
         return (direction, fmt, p.margin, p.amax_history_len), _delayed_key(p)
     if te.recipe is TERecipeKind.DELAYED:
         return [key("forward", te.weights), key("backward", te.weights)]
-    forward = next((p for p in (te.weights, te.activations) if p.is_fp8 and p.scaling is Scaling.DELAYED), None)
-    backward = te.gradients if te.gradients.is_fp8 and te.gradients.scaling is Scaling.DELAYED else None
+    forward = next((te.policy(r) for r in (W, A) if te.delayed_role(r)), None)
+    backward = te.gradients if te.delayed_role(G) else None
+    forward = DELAYED_ANCHOR if te.delayed_anchor is True else forward
+    backward = DELAYED_ANCHOR if te.delayed_anchor is False else backward
     return ([key("forward", forward)] if forward else []) + ([key("backward", backward)] if backward else [])
 
 
