@@ -393,7 +393,9 @@ def _dequantized_values(blocks: torch.Tensor, multiplier: torch.Tensor, decode: 
         mag = mag + (u < in_steps - mag).float()
     step = torch.where(region == 0, 0.5, torch.where(region == 1, 1.0, 2.0))
     value = mag * step  # what the code decodes to: region r's codes start at 2r steps of its step size
-    signed = torch.where(scaled < 0, -value, value)  # -0.0 for a small negative, as code 8 decodes
+    # -0.0 for a small negative, as code 8 decodes: copysign, not `-value`, which Triton computes as 0 - value
+    # (+0.0 from 0; the compiled pass on the H200 gave +0.0 where the codes decode to -0.0, 2026-12-06)
+    signed = torch.copysign(value, torch.where(scaled < 0, -1.0, 1.0))
     return (signed * decode[..., None]).to(dtype)
 
 
