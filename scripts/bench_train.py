@@ -34,7 +34,7 @@ DEFAULT_CONFIGS = ["delayed", "delayed:raw", "tensorwise", "tensorwise:raw", "bl
 
 
 def main() -> None:
-    from fp8_recipes.bench.train import bench_train, check_configs, save, summarize
+    from fp8_recipes.bench.train import bench_train, check_configs, plot, summarize
     from fp8_recipes.bench.output import load_result
     from fp8_recipes.plan.precision import Hardware
 
@@ -62,7 +62,7 @@ def main() -> None:
         sys.exit(f"error: {e}")
     if args.plot_only:
         result = load_result(args.plot_only)
-        save(result, args.plot_only.parent)
+        plot(result, args.plot_only.with_suffix(".png"))  # (beside the JSON, under its name)
     elif not Hardware.detect().has_te:
         sys.exit("error: bench_train: needs a CUDA GPU with Transformer Engine (or --plot-only FILE.json)")
     else:
@@ -73,12 +73,12 @@ def main() -> None:
                              steps=args.steps, out_dir=args.out, profile=args.profile, accum=args.accum,
                              engine=args.engine)
     print(summarize(result)[0])
+    where = f"PNG: {args.plot_only.with_suffix('.png')}" if args.plot_only else f"JSON and PNG in {args.out}"
     step = "the engine's step" if result.get("engine") else "plain AdamW"
     print(f"({result['device']}, seq {result['seq']}, mbs {result['mbs']} x {result.get('accum', 1)} micro-batches, "
           f"{step}, "
           f"{result['steps']} timed steps after "
-          f"{result['warmup']}; {result['seconds']:.0f}s; JSON and PNG in "
-          f"{args.plot_only.parent if args.plot_only else args.out})")
+          f"{result['warmup']}; {result['seconds']:.0f}s; {where})")
 
 
 if __name__ == "__main__":

@@ -461,6 +461,11 @@ def summarize(result: dict[str, Any]) -> tuple[str, list[str], dict[str, list[fl
 
 def save(result: dict[str, Any], out_dir: Path) -> None:
     save_json(out_dir / "bench_train.json", result)
+    plot(result, out_dir / "bench_train.png")
+
+
+def plot(result: dict[str, Any], png: Path) -> None:
+    """The configs' tokens/s relative to BF16, per model, as bars."""
     _, groups, series = summarize(result)
-    bar_chart(out_dir / "bench_train.png", groups, series, ylabel="tokens/s relative to BF16",
+    bar_chart(png, groups, series, ylabel="tokens/s relative to BF16",
               title=f"Megatron-Core GPT, seq {result['seq']}, mbs {result['mbs']}, {result['device']}")
