@@ -10,6 +10,7 @@
         delayed+pad delayed+pad:raw bf16+nofuse
     python scripts/bench_train.py --models mixtral_8x7b_4l --mbs 1 --accum 8 --engine --configs delayed \
         delayed:raw bf16+nogaf delayed+nogaf
+    python scripts/bench_train.py --models llama3_8b_16l --configs bf16+emulated tensorwise+emulated nvfp4 --profile
     python scripts/bench_train.py --plot-only runs/bench_train/bench_train.json
 
 Configs: bf16 (always first, the baseline), NAME (a recipe through this project's TE backend), NAME:raw (the
@@ -17,7 +18,8 @@ same TE recipe through Megatron-Core's own fp8 config and get_fp8_context) and N
 `head` runs the LM head in FP8, `attn` the core attention, `fp8param` stores the FP8 layers' weights in FP8 with
 fp32 master weights in TE's FusedAdam, `masters` is that optimizer on BF16-stored weights: fp8param's baseline,
 `moments16` its Adam moments in BF16; MoE models: `pad` pads each expert's tokens in the router,
-`nofuse` turns the fused token permutation off). --accum N: micro-batches per optimizer step.
+`nofuse` turns the fused token permutation off; `emulated`, on bf16 too, runs the emulated backend).
+--accum N: micro-batches per optimizer step.
 Same model, seed and random tokens; one GPU, plain fused torch AdamW (fp8param, masters: TE's FusedAdam).
 --engine: a step is scripts/train.py's instead (Megatron-Core's DDP with the TE wgrad GEMMs accumulating into its
 fp32 buffers, the distributed optimizer, the schedule; lever `nogaf` turns that accumulation fusion off).

@@ -28,6 +28,9 @@
 #     bash .gpu/install.sh && bash tests/gpu/run_gpu.sh burst   # little device time: the three open issues' GPU
 #         checks in one call, by priority (MoE speed with the capacity lever, NVFP4 emulation cost, the autopilot's
 #         cost, then the GPU tests of MoE, NVFP4 and the autopilot); 8 files into $OUT, runs under /tmp/burst
+#     bash tests/gpu/run_gpu.sh recheck      # after the 2026-12-06 burst: its failed GPU tests again (fixed since),
+#         the one-sided delayed recipes, then where an emulated NVFP4 step's time goes (bench_train --profile:
+#         bf16, bf16+emulated, tensorwise+emulated, nvfp4 on 16 Llama-3-8B layers); caps 200 + 330 s
 #     bash tests/gpu/run_gpu.sh two          # two GPUs: scales across the amax group, safe at PP=2, bench_parallel
 #         (10 runs of ~40 s; a second call with LAYOUTS="1gpu dp2 tp2sp pp2 cp2" RECIPES="tensorwise" covers the rest)
 # BASELINE: a checkout of the engine before (git archive 107c97b plugins conf scripts recipes setup.cfg | tar -x -C .oldsrc)
@@ -242,6 +245,22 @@ autopilot)
         round(s.get('tokens_per_s_median') or 0), 'wall', round(s.get('wall_time_s') or 0, 1))" 2>&1 | tail -1
   done
   grep -c '"kind": "autopilot"' "$OUT/autopilot-pilot/metrics.jsonl" | sed 's/^/autopilot actions: /'
+  ;;
+recheck)
+  LOG="$OUT/recheck.log"
+  stamp "GPU tests: the compiled NVFP4 signs, the TE autopilot, delayed scaling in one direction" | tee "$LOG"
+  timeout -s INT ${TEST_CAP:-200} "$PY" -m pytest tests/gpu/test_nvfp4_ref.py tests/gpu/test_te_autopilot.py \
+      "tests/gpu/test_te_training.py::test_delayed_scaling_in_one_direction_trains" -q -p no:cacheprovider \
+      -o addopts="" -rfEs --tb=short 2>&1 | grep -v "^DEBUG " | tee "$OUT/tests.log" | tail -20 | tee -a "$LOG"
+  stamp "bench_train: where the emulated NVFP4 step's time goes" | tee -a "$LOG"
+  timeout -s INT ${BENCH_CAP:-330} "$PY" scripts/bench_train.py --models ${MODELS:-llama3_8b_16l} --seq 4096 --mbs 2 \
+      --warmup 2 --steps 4 --configs ${CONFIGS:-bf16+emulated tensorwise+emulated nvfp4} --profile --out /tmp/recheck \
+      2>&1 | tee -a "$LOG"
+  cp /tmp/recheck/bench_train.json "$OUT/bench_nvfp4_profile.json" 2>/dev/null
+  echo; stamp "summary" | tee -a "$LOG"
+  grep -E " passed| failed|^FAILED|^ERROR" "$OUT/tests.log" | tail -12 | tee -a "$LOG"
+  [ -f "$OUT/bench_nvfp4_profile.json" ] && "$PY" scripts/bench_train.py --plot-only "$OUT/bench_nvfp4_profile.json" \
+      2>&1 | grep '^|' | tee -a "$LOG"
   ;;
 burst)
   # Issues 28, 29, 30 in one call (~8 min after the install), most wanted first, each part capped: a call cut at its

@@ -80,3 +80,24 @@ def test_engine_step_levers():
         check_configs(["delayed+nogaf"])
     with pytest.raises(ValueError, match=r"^--configs delayed\+fp8param: --engine runs the trainer's optimizer"):
         check_configs(["delayed+fp8param"], engine=True)
+
+
+def test_emulated_lever_runs_the_emulated_backend():
+    """NAME+emulated (and bf16+emulated: the bf16 recipe) plan the emulated backend on a GPU with TE: what an NVFP4
+    step on Hopper is made of, split into the local spec's own cost and the fake quantization's."""
+    from fp8_recipes.bench.train import _decide
+    from fp8_recipes.plan.precision import Backend
+
+    check_configs(["bf16+emulated", "tensorwise+emulated", "delayed+capacity+emulated"])
+    assert with_levers(load_recipe("tensorwise"), ["emulated"]).backend == "emulated"
+    for label, bad in (("delayed+emulated:raw", ":raw"), ("delayed+masters+emulated", "masters")):
+        with pytest.raises(ValueError, match=rf"^--configs {label.replace('+', '[+]')}: emulated runs .*{bad}"):
+            check_configs([label])
+    with pytest.raises(ValueError, match="--engine"):
+        check_configs(["bf16+emulated"], engine=True)
+    cfg = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128, "num_attention_heads": 4, "seq_length": 64,
+           "vocab_size": 256}
+    for label in ("bf16+emulated", "tensorwise+emulated"):
+        run = _decide(cfg, label)
+        assert run.ours and run.emulated and run.plan.backend is Backend.EMULATED and run.skipped is None, label
+    assert not _decide(cfg, "bf16").ours

@@ -28,6 +28,9 @@ Per model, configs run one after another on a freshly built model (same seed, sa
                capacity  model moe_expert_capacity_factor: 1.0, moe_pad_expert_input_to_capacity: true (tokens
                      past an expert's balanced share dropped, every expert padded to it: static shapes, so the
                      alltoall dispatcher copies no token count to the host per MoE layer; it changes what trains)
+  emulated     (on bf16 too) the emulated backend: recipe backend: emulated, as nvfp4 runs on Hopper; bf16+emulated
+               is Megatron-Core's local spec without quantization, so bf16 / bf16+emulated / NAME+emulated / nvfp4
+               split an emulated step into the local spec's cost and the fake quantization's
   With --engine (on bf16 too):
                nogaf  trainer.gradient_accumulation_fusion: false (each micro-batch's weight gradient computed
                      apart and added to the fp32 buffer by DDP's hook, as Megatron-LM without APEX runs)
@@ -92,6 +95,9 @@ MODEL_LEVERS = {"pad": {"moe_router_padding_for_quantization": True}, "nofuse": 
 """Levers that are MoE model keys (bench config ``NAME+pad``, ``bf16+nofuse``)."""
 ENGINE_LEVERS = ("nogaf",)
 """Levers of the engine's step (``--engine``; on bf16 too)."""
+EMULATED = "emulated"
+"""The lever that runs a config on the emulated backend (recipe ``backend: emulated``; on bf16 too: the bf16 recipe
+there, Megatron-Core's local spec without quantization), what an NVFP4 step on Hopper is made of."""
 OWN_OPTIMIZER = ("fp8param", "masters", "moments16")
 """Levers that choose the benchmark's optimizer (the engine has its own)."""
 
@@ -105,9 +111,9 @@ def check_configs(configs: list[str], engine: bool = False) -> None:
             raise ValueError(f"--configs {label}: no recipe {name!r}; choose from {', '.join(recipe_names())}")
         if mode not in ("", "raw"):
             raise ValueError(f"--configs {label}: unknown mode {mode!r}; write NAME or NAME:raw")
-        bad = [lever for lever in levers if lever not in (*LEVERS, *MODEL_LEVERS, *ENGINE_LEVERS)]
+        bad = [lever for lever in levers if lever not in (*LEVERS, *MODEL_LEVERS, *ENGINE_LEVERS, EMULATED)]
         if not bad and name == "bf16":
-            bad = [lever for lever in levers if lever not in (*MODEL_LEVERS, *ENGINE_LEVERS)]
+            bad = [lever for lever in levers if lever not in (*MODEL_LEVERS, *ENGINE_LEVERS, EMULATED)]
         if bad:
             raise ValueError(f"--configs {label}: unknown lever {bad[0]!r}; levers (on a recipe): {', '.join(LEVERS)}; "
                              f"model levers (MoE, on bf16 too): {', '.join(MODEL_LEVERS)}; with --engine (on bf16 "
@@ -118,6 +124,9 @@ def check_configs(configs: list[str], engine: bool = False) -> None:
         if not engine and set(ENGINE_LEVERS) & set(levers):
             raise ValueError(f"--configs {label}: {'/'.join(ENGINE_LEVERS)}: a lever of the engine's step; add "
                              f"--engine")
+        if EMULATED in levers and (engine or mode == "raw" or set(OWN_OPTIMIZER) & set(levers)):
+            raise ValueError(f"--configs {label}: {EMULATED} runs the emulated backend's local-spec model: not with "
+                             f"--engine, :raw, {'/'.join(OWN_OPTIMIZER)}")
         if "moments16" in levers and not {"fp8param", "masters"} & set(levers):
             raise ValueError(f"--configs {label}: moments16 is the fp8param / masters optimizer's; add +fp8param or "
                              f"+masters")
@@ -133,6 +142,8 @@ def with_levers(recipe: Any, levers: list[str]) -> Any:
         recipe = Recipe.from_dict({**recipe.to_dict(), "attention": "fp8"})
     if "fp8param" in levers:  # through the schema: its checks apply (FP8 weights, no BF16 stage)
         recipe = Recipe.from_dict({**recipe.to_dict(), "fp8_param": True})
+    if EMULATED in levers:
+        recipe = Recipe.from_dict({**recipe.to_dict(), "backend": EMULATED})
     return recipe
 
 
@@ -168,8 +179,8 @@ class _BenchConfig:
 
     @property
     def ours(self) -> bool:
-        """This project's TE backend drives the model (a recipe, not NAME:raw)."""
-        return self.name != "bf16" and self.mode != "raw"
+        """This project's backend drives the model (a recipe, not NAME:raw)."""
+        return (self.name != "bf16" or EMULATED in self.levers) and self.mode != "raw"
 
 
 def _decide(model_cfg: dict, label: str, engine: bool = False) -> _BenchConfig:
@@ -177,16 +188,16 @@ def _decide(model_cfg: dict, label: str, engine: bool = False) -> _BenchConfig:
     name, _, mode = label.partition(":")
     name, *levers = name.split("+")
     run = _BenchConfig(label, name, mode, levers)
-    if name == "bf16":
+    if name == "bf16" and EMULATED not in levers:
         return run
-    run.recipe = recipe = with_levers(load_recipe(name), levers)
+    run.recipe = recipe = with_levers(load_recipe(name), levers)  # (bf16+emulated: the bf16 recipe)
     if mode == "raw" and "head" in levers:
         run.skipped = (f"Megatron-Core has no FP8 LM head on this GPU; {name}+{'+'.join(levers)} is compared with "
                        f"{name}:raw")
         return run
     run.plan = plan = PrecisionPlan(recipe, layout_of(model_cfg), Hardware.detect())
     # Timed in the recipe's final stage (after any BF16 warmup and staged enablement): its steady state.
-    run.steady = max(recipe.schedule.role_start(r) for r in ROLES if recipe.policy(r).is_fp8)
+    run.steady = max((recipe.schedule.role_start(r) for r in ROLES if recipe.policy(r).is_fp8), default=0)
     if plan.te is None:  # the emulated backend (e.g. nvfp4 on Hopper): what scripts/train.py runs there
         run.emulated = plan.backend is Backend.EMULATED
         run.describe = f"emulated ({plan.backend_reason})"
