@@ -18,6 +18,7 @@ steps and two BF16 fallbacks without the autopilot, 3 skipped steps and one reco
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -108,7 +109,8 @@ def test_the_autopilot_closes_a_planted_gap_with_at_most_3_actions(runs, planted
     assert plan.count("the autopilot's plan after") == len(taken) and taken[0]["text"] in plan
     report = subprocess.run([sys.executable, "-m", "fp8_recipes.cli", "doctor", str(runs[f"{planted}_pilot"]),
                              "--baseline", str(runs["base"])], cwd=ROOT, capture_output=True, text=True)
-    said = report.stdout.split("autopilot actions (metrics.jsonl)\n")[1].split("\n\n")[0].splitlines()
+    block = report.stdout.split("autopilot actions (metrics.jsonl)\n")[1].splitlines()
+    said = list(itertools.takewhile(lambda line: line.startswith("  "), block))  # (then a blank line or a note)
     assert len(said) == len(taken) and all(f"step {a['step']}: {a['action']}" in line for a, line in
                                            zip(taken, said)), report.stdout  # the doctor reads what it did
     assert f"the autopilot changed the recipe during the run ({len(taken)} action(s)" in report.stdout
