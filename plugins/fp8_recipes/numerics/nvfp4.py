@@ -99,12 +99,19 @@ class NVFP4Quantized:
 
 
 def rht_matrix(device: torch.device | str | None = None) -> torch.Tensor:
-    """TE's RHT matrix diag(RHT_SIGNS) @ H16 / 4 in float32 (entries ±1/4; H H^T = I)."""
-    h = torch.ones(1, 1, dtype=torch.float32, device=device)
-    while h.shape[0] < NVFP4_BLOCK:  # Sylvester: [[H, H], [H, -H]]
-        h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)], dim=0)
-    signs = torch.tensor(RHT_SIGNS, dtype=torch.float32, device=device)
-    return signs[:, None] * h * 0.25
+    """TE's RHT matrix diag(RHT_SIGNS) @ H16 / 4 in float32 (entries ±1/4; H H^T = I), made once per device: a
+    tensor made from Python numbers on a GPU is a copy the host waits for, at every call otherwise."""
+    key = torch.device(device if device is not None else "cpu")
+    if key not in _RHT:
+        h = torch.ones(1, 1, dtype=torch.float32)
+        while h.shape[0] < NVFP4_BLOCK:  # Sylvester: [[H, H], [H, -H]]
+            h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)], dim=0)
+        signs = torch.tensor(RHT_SIGNS, dtype=torch.float32)
+        _RHT[key] = (signs[:, None] * h * 0.25).to(key)
+    return _RHT[key]
+
+
+_RHT: dict[torch.device, torch.Tensor] = {}
 
 
 def apply_rht(x: torch.Tensor) -> torch.Tensor:
@@ -187,8 +194,13 @@ def unpack_e2m1(packed: torch.Tensor, cols: int | None = None) -> torch.Tensor:
 
 def e2m1_to_float32(codes: torch.Tensor) -> torch.Tensor:
     """Values of unpacked E2M1 codes (0..15; code 8 is -0.0)."""
-    table = torch.tensor(_E2M1_VALUES + tuple(-v for v in _E2M1_VALUES), dtype=torch.float32, device=codes.device)
-    return torch.take(table, codes.to(torch.int64))
+    if codes.device not in _E2M1_TABLE:  # (once per device, as rht_matrix)
+        values = _E2M1_VALUES + tuple(-v for v in _E2M1_VALUES)
+        _E2M1_TABLE[codes.device] = torch.tensor(values, dtype=torch.float32).to(codes.device)
+    return torch.take(_E2M1_TABLE[codes.device], codes.to(torch.int64))
+
+
+_E2M1_TABLE: dict[torch.device, torch.Tensor] = {}
 
 
 def _rows_cols(shape) -> tuple[int, int]:
@@ -441,6 +453,8 @@ def _kernel(name: str, x: torch.Tensor):
         return _EAGER[name]
     if name not in _COMPILED:
         _COMPILED[name] = torch.compile(_EAGER[name], dynamic=True)
+        if name == "rht":
+            rht_matrix(x.device)  # (made before tracing: the graph reads the cached tensor and never recompiles for it)
 
     def call(*args):
         args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)  # (not a view: no _base)
