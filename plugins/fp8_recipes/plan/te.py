@@ -44,8 +44,9 @@ from fp8_recipes.recipe.schema import (
     TensorPolicy,
 )
 
-__all__ = ["DELAYED_ANCHOR", "TE_FP8_ALIGN", "Substitution", "TERecipe", "TERecipeKind", "TEResolution", "delayed_buffer_keys",
-           "final_te_recipe", "resolve_te", "te_attention", "te_fp8_shape_problem", "te_recipe_for", "te_stage_note"]
+__all__ = ["DELAYED_ANCHOR", "TE_FP8_ALIGN", "Substitution", "TERecipe", "TERecipeKind", "TEResolution",
+           "delayed_buffer_keys", "final_te_recipe", "resolve_te", "te_attention", "te_fp8_shape_problem",
+           "te_recipe_for", "te_stage_note"]
 
 W, A, G = Role.WEIGHTS, Role.ACTIVATIONS, Role.GRADIENTS
 # The GEMMs of a linear module and their operand roles (the plan's GEMM_OPERANDS, kept here to stay import-free).
