@@ -75,7 +75,9 @@ PLANS = {
     **{f"healthy_{r}": ([f"+recipe={r}", *PILOT], {}) for r in recipe_names() if r != "bf16" and not r.startswith("moe")},
     **{f"healthy_{r}": ([f"+recipe={r}", "model=tiny_moe", *PILOT], {}) for r in recipe_names() if r.startswith("moe")},
     "nonfinite": (["+recipe=delayed", "++debug.interval=2"], {"FP8_TEST_NONFINITE": f"{NONFINITE}:9"}),
-    "nonfinite_pilot": (["+recipe=delayed", *PILOT, "++autopilot.patience=5"],
+    # (a calm window longer than the run: the planted fault never ends, so a re-promotion would only bring it back,
+    # at a step that depends on when the other modules' statistics read calm; this run is about the recovery)
+    "nonfinite_pilot": (["+recipe=delayed", *PILOT, "++autopilot.patience=5", f"++autopilot.calm={STEPS}"],
                         {"FP8_TEST_NONFINITE": f"{NONFINITE}:9"}),
 }
 
