@@ -7,10 +7,11 @@
 
 Takes the same Hydra overrides as scripts/train.py; `launcher=NAME` / `launcher.KEY=VALUE` choose and edit the
 cluster settings (conf/launcher/slurm.yaml: nodes, tasks and GPUs per node, time, partition, account, signal,
-requeue). The config is checked here first (a mistake is one `error:` line, exit 2, nothing written). The script
-goes to `<run_dir>/job.sbatch` (run_dir fixed now, absolute), Slurm's output to `<run_dir>/slurm-<jobid>.out`;
-it runs `srun python scripts/train.py <overrides> trainer.resume=auto run_dir=<run_dir>` and requeues itself after a
-preemption (exit code 4), at most launcher.max_requeues times. See docs/slurm.md.
+requeue). The config is checked here first (a mistake is one `error:` line, exit 2, nothing written; so is a job
+sbatch refuses with --submit: its script and run_dir are removed again). The script goes to `<run_dir>/job.sbatch`
+(run_dir fixed now, absolute), Slurm's output to `<run_dir>/slurm-<jobid>.out`; it runs `srun python
+scripts/train.py <overrides> trainer.resume=auto run_dir=<run_dir>` and requeues itself after a preemption (exit
+code 4), at most launcher.max_requeues times. See docs/slurm.md.
 """
 
 import argparse
@@ -38,10 +39,10 @@ def main(argv: list[str]) -> int:
             script, run_dir = write_sbatch(args.overrides, args.output, python=sys.executable,
                                            train_script=ROOT / "scripts" / "train.py", workdir=Path.cwd(),
                                            generated_by=command)
-        print(script)
-        if args.submit:
-            job = submit(script)
+        if args.submit:  # (a refused job's script is removed: its path is printed once sbatch took it)
+            job = submit(script, run_dir)
             print(f"submitted job {job}: output in {run_dir / f'slurm-{job}.out'}", file=sys.stderr)
+        print(script)
     except ValueError as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return USER_ERROR_EXIT

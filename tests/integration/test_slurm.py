@@ -9,6 +9,8 @@ Four 2-task CPU (gloo) training jobs run side by side, so that their start-up an
 - ``submitit``: ``scripts/train.py -m hydra/launcher=slurm`` through hydra-submitit-launcher completes;
 - ``submitit_preempted``: the same with USR1 mid-run: requeued by the launcher's task, resumed, completed.
 
+Jobs that sbatch refuses (a partition the cluster lacks, more nodes than it has) need the cluster but no training.
+
 Without Slurm (not installable or not startable) the Slurm tests skip with the reason, except under CI (the
 environment variable CI set), where they fail: CI must not silently skip them. The generator's unit tests below
 need no Slurm: script content from a config, the script's requeue logic run with stand-in srun/scontrol, and bad
@@ -528,3 +530,30 @@ def test_submitit_task_exit_codes(procid, restarts, code, signal, requeued, outc
             task(cfg)
     assert seen["keys"] == {"run_dir", "trainer"}  # train.py never sees the launcher node
     assert (calls.read_text().splitlines() if calls.exists() else []) == (["scontrol requeue 9"] if requeued else [])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# e) jobs the real Slurm refuses (nothing trains: seconds)
+
+
+REFUSED = [  # (overrides, the line's start): a partition the cluster lacks; more nodes than it has (EnforcePartLimits)
+    (["launcher.partition=nosuch"],
+     "error: launcher.partition: sbatch refused the job: invalid partition specified: nosuch"),
+    (["launcher.nodes=2", "trainer.global_batch_size=32"],
+     "error: launcher.nodes: sbatch refused the job: Node count specification invalid"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", REFUSED, ids=["partition", "nodes"])
+def test_make_sbatch_submit_refused_by_sbatch_leaves_nothing(overrides, message, slurm, tmp_path, monkeypatch,
+                                                             capsys):
+    """make_sbatch.py --submit of a job sbatch refuses: one line naming the launcher key and what sbatch said, exit
+    2, and neither the script nor the run_dir it made stays (nor an --output's folder); nothing printed on stdout."""
+    monkeypatch.setenv("SLURM_CONF", slurm.env["SLURM_CONF"])
+    monkeypatch.chdir(tmp_path)
+    for output in ([], ["--output", "jobs/x.sbatch"]):
+        argv = [*overrides, f"run_dir={tmp_path / 'runs' / 'r'}", *output, "--submit"]
+        assert make_sbatch_main(argv, monkeypatch) == USER_ERROR_EXIT
+        out, err = capsys.readouterr()
+        assert err.startswith(message) and len(err.strip().splitlines()) == 1 and not out, (out, err)
+        assert sorted(p.name for p in tmp_path.iterdir()) == []

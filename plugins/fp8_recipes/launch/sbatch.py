@@ -19,10 +19,10 @@ from typing import Any, Iterable
 
 from fp8_recipes.launch.job import (check_train_config, default_job_name, fixed_run_dir, override_key,
                                     resumable_overrides)
-from fp8_recipes.launch.settings import LauncherSettings
+from fp8_recipes.launch.settings import LauncherSettings, sbatch_refusal
 from fp8_recipes.recipe.pack import conf_dir, recipe_file_overrides
 from fp8_recipes.training.config import check_writable_file
-from fp8_recipes.training.errors import PREEMPTED_EXIT
+from fp8_recipes.training.errors import PREEMPTED_EXIT, remove_empty_dirs, remove_partial_run_dir
 
 __all__ = ["sbatch_script", "sbatch_lines", "SLURM_OUTPUT"]
 
@@ -165,8 +165,10 @@ def write_sbatch(overrides: Iterable[str], output: Path | None = None, *, python
     return path, run_dir
 
 
-def submit(script: Path, env: dict[str, str] | None = None) -> str:
-    """``sbatch --parsable SCRIPT`` -> the job id; ValueError (one line) when sbatch is missing or refuses."""
+def submit(script: Path, run_dir: Path, env: dict[str, str] | None = None) -> str:
+    """``sbatch --parsable SCRIPT`` -> the job id. ValueError (one line) when sbatch is missing (the script stays:
+    it can be copied to a login node) or refuses the job (the line names the launcher key; the script goes, and
+    run_dir and the script's folder when write_sbatch made them and they hold nothing else: no job will use them)."""
     import shutil
     import subprocess
 
@@ -175,7 +177,8 @@ def submit(script: Path, env: dict[str, str] | None = None) -> str:
                          f"sbatch it)")
     proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, env=env, timeout=120)
     if proc.returncode != 0:
-        reason = " ".join(proc.stderr.split())[:300]
-        raise ValueError(f"launcher: sbatch refused {script}: {reason} (check launcher.partition, account, qos, "
-                         f"time_min and the resources)")
+        script.unlink(missing_ok=True)
+        remove_partial_run_dir(run_dir)
+        remove_empty_dirs(script.parent)  # (--output elsewhere: the folders made for it)
+        raise ValueError(sbatch_refusal(proc.stderr))
     return proc.stdout.strip().split(";")[0]

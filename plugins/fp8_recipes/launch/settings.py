@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 from fp8_recipes.checks import check_keys, did_you_mean
 
-__all__ = ["LauncherSettings", "SIGNALS", "MANAGED_SBATCH_OPTIONS"]
+__all__ = ["LauncherSettings", "SIGNALS", "MANAGED_SBATCH_OPTIONS", "sbatch_refusal"]
 
 SIGNALS = ("USR1",)
 """Signals scripts/train.py turns into checkpoint + exit 4 that are not Slurm ending the job (SIGTERM is: scancel,
@@ -30,6 +30,35 @@ MANAGED_SBATCH_OPTIONS = {
 """sbatch options that a launcher key sets: in launcher.sbatch_args they would contradict it."""
 
 _WORD = re.compile(r"^[A-Za-z0-9_.,:@+%=-]+$")  # a partition, account, QOS or job name: no spaces or shell syntax
+
+# What sbatch says when it refuses a job (Slurm 22.05+) -> the launcher key that asked for it, and the fix. The
+# first match wins: "Memory specification can not be satisfied" comes with "Requested node configuration ...",
+# "Invalid account or account/partition combination" names a partition too.
+_REFUSALS = (
+    ("policy", "qos", "ask for what {key} allows (sacctmgr show qos), or choose another QOS or account"),
+    ("account", "account", "set {key} to an account of yours (sacctmgr show assoc user=$USER), or null"),
+    ("qos", "qos", "set {key} to a QOS your account may use (sacctmgr show assoc user=$USER), or null"),
+    ("partition", "partition", "set {key} to a partition of this cluster (sinfo -s lists them), or null"),
+    ("node count", "nodes", "lower {key} to the nodes the partition has (sinfo -s), or choose another partition"),
+    ("memory", "mem_gb", "lower {key}, or null for the partition's default"),
+    ("more processors", "tasks_per_node", "lower {key} x cpus_per_task to the CPUs a node has (sinfo -o %c)"),
+    ("gres", "gpus_per_node", "set {key} to the GPUs a node has (sinfo -o %G), or null for a CPU job"),
+    ("time limit", "time_min", "lower {key} to the partition's limit (sinfo -o %l)"),
+    ("unrecognized option", "sbatch_args", "remove the option from {key}, or fix its name (sbatch --help)"),
+    ("feature", "sbatch_args", "give {key} a constraint the nodes have (sinfo -o %f)"),
+)
+
+
+def sbatch_refusal(stderr: str) -> str:
+    """One line for a job sbatch refused: ``<the launcher key that asked>: sbatch refused the job: <what sbatch
+    said>; <the fix>``."""
+    said = [line.strip().removeprefix("sbatch: ").removeprefix("error: ").removeprefix("Batch job submission failed: ")
+            for line in stderr.splitlines() if line.strip() and not line.startswith("Try ")]
+    text = "; ".join(said)[:300] or "no reason given"
+    field, fix = next(((f, fix) for word, f, fix in _REFUSALS if word in text.lower()),
+                      ("", "check {key}.partition, account, qos, time_min and the resources it asks for"))
+    key = f"launcher.{field}" if field else "launcher"
+    return f"{key}: sbatch refused the job: {text}; {fix.format(key=key)}"
 
 
 def _int_at_least(key: str, value: Any, low: int, optional: bool = False) -> None:

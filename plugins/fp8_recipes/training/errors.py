@@ -30,7 +30,7 @@ from fp8_recipes.rundir import (HYDRA, RUN_OUTPUTS, TRAIN_LOG, RunDirError, chec
 
 __all__ = ["script_user_errors", "CHECKPOINT_WRITE_EXIT", "CheckpointWriteError", "ConsoleFormatter", "INTERNAL_ERROR_EXIT", "NonFiniteStop", "USER_ERROR_EXIT", "NONFINITE_EXIT", "PREEMPTED_EXIT",
            "RunDirCheck", "hydra_errors_as_one_line", "worker_hydra_overrides", "keep_earlier_run_files", "one_line", "print_error_once",
-           "remove_partial_run_dir", "report_internal_error"]
+           "remove_empty_dirs", "remove_partial_run_dir", "report_internal_error"]
 
 INTERNAL_ERROR_EXIT = 1  # a bug (not a config error): the traceback is in run_dir/train.log, the outputs are kept
 USER_ERROR_EXIT = 2  # a bad config, recipe or command line: nothing was run
@@ -394,12 +394,18 @@ def remove_partial_run_dir(run_dir: str | os.PathLike, since: float = _IMPORTED_
         except FileNotFoundError:  # not written, or another rank removed it first
             continue
     _put_back_earlier_run_files()
+    remove_empty_dirs(run_dir, since)
+
+
+def remove_empty_dirs(directory: str | os.PathLike, since: float = _IMPORTED_AT) -> None:
+    """``directory`` when empty, then the parents made for it (runs/ in a fresh checkout): empty, changed at or
+    after ``since``, below the working directory. What a failed start made and left empty goes; nothing else."""
+    directory = Path(directory)
     with contextlib.suppress(OSError):
-        run_dir.rmdir()  # only when empty
-    # and the parents Hydra made for it (runs/ in a fresh checkout): empty, changed since, below the working directory
+        directory.rmdir()  # only when empty
     cwd = Path.cwd().resolve()
     with contextlib.suppress(OSError):  # (another rank may be removing them too)
-        for parent in run_dir.resolve().parents:
+        for parent in directory.resolve().parents:
             if cwd not in parent.parents or any(parent.iterdir()) or parent.stat().st_mtime < since - 1.0:
                 break
             parent.rmdir()
