@@ -467,7 +467,7 @@ def test_cli_error_is_one_line_and_exit_2(tmp_path):
                               timeout=120)
         err = [line for line in proc.stderr.splitlines() if not line.startswith("W1")]  # (torch's CUDA notice)
         assert proc.returncode == USER_ERROR_EXIT and len(err) == 1 and err[0].startswith("error: "), proc.stderr
-    assert not (tmp_path / "c" / ".submitit").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no sweep dir: neither multirun.yaml nor .submitit/
 
 
 def test_hydra_launcher_takes_its_values_from_the_launcher_group():
@@ -557,3 +557,16 @@ def test_make_sbatch_submit_refused_by_sbatch_leaves_nothing(overrides, message,
         out, err = capsys.readouterr()
         assert err.startswith(message) and len(err.strip().splitlines()) == 1 and not out, (out, err)
         assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("overrides, message", REFUSED, ids=["partition", "nodes"])
+def test_submitit_refused_by_sbatch_leaves_nothing(overrides, message, slurm, tmp_path):
+    """train.py -m hydra/launcher=slurm of a job sbatch refuses: one line naming the launcher key (was sbatch's own
+    lines and submitit's FailedJobError traceback), exit 2, and neither .submitit/ nor the sweep dir with its
+    multirun.yaml (the default multirun/<date>/<time>) stays."""
+    env = {k: v for k, v in job_env(slurm).items() if k != "HYDRA_FULL_ERROR"}
+    proc = subprocess.run([sys.executable, str(TRAIN), "-m", "hydra/launcher=slurm", *overrides], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=120)
+    err = [line for line in proc.stderr.splitlines() if not line.startswith("W1")]  # (torch's CUDA notice)
+    assert proc.returncode == USER_ERROR_EXIT and len(err) == 1 and err[0].startswith(message), proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -9,6 +9,8 @@ What it adds to ``hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmL
 - Before submitting (on this host): ``launcher.*`` is checked (LauncherSettings), every job's config gets the checks
   scripts/train.py makes first, and each job gets one fixed absolute ``run_dir`` and ``trainer.resume=auto``
   (launch/job.py). All of a job's tasks, and every requeued run of it, then write to and resume from one directory.
+  A mistake found there, a job sbatch refuses, or no sbatch/srun on this host is one ``error:`` line naming the key
+  (exit 2), and what the attempt wrote (submitit's files, the sweep dir's multirun.yaml) is removed again.
 - The submitit parameters the YAML cannot interpolate: ``--signal=USR1@<signal_lead_s>`` (to the tasks, replacing
   submitit's ``USR2``), ``--requeue``, ``launcher.sbatch_args``, ``srun_args``, ``setup`` and the job name, plus
   ``export SUBMITIT_PREEMPT_SIGNAL=USR1`` so that submitit's own handler listens to the same signal.
@@ -32,21 +34,24 @@ derived from the job id.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as SubmititSlurmLauncher
 
 from fp8_recipes.launch.job import (
     check_train_config, default_job_name, fixed_run_dir, override_key, resumable_overrides,
 )
-from fp8_recipes.launch.settings import LauncherSettings
+from fp8_recipes.launch.settings import LauncherSettings, sbatch_refusal
 from fp8_recipes.rundir import read_summary
-from fp8_recipes.training.errors import PREEMPTED_EXIT, USER_ERROR_EXIT
+from fp8_recipes.training.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, remove_empty_dirs, remove_written
 
 __all__ = ["TrainingSlurmLauncher", "TrainTask", "submitit_parameters"]
 
@@ -153,13 +158,44 @@ class TrainingSlurmLauncher(SubmititSlurmLauncher):
         self.settings = settings
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int):
-        fixed, job_name = self._fixed_jobs(job_overrides, initial_job_idx)
+        from submitit.core.utils import FailedJobError
+
+        try:
+            fixed, job_name = self._fixed_jobs(job_overrides, initial_job_idx)
+            missing = [c for c in ("sbatch", "srun") if shutil.which(c) is None]  # (submitit: a traceback)
+            if missing:
+                raise ValueError(f"hydra/launcher: {' and '.join(missing)} not found (run this on a Slurm login "
+                                 f"node, or write an sbatch script with scripts/slurm/make_sbatch.py)")
+        except ValueError as e:
+            self._give_up(str(e), initial_job_idx)
         self.params = submitit_parameters(self.params, self.settings, job_name)
         if self.params.get("gpus_per_node") is None and self.settings.gpus_per_node is not None:
             self.params["gpus_per_node"] = self.settings.gpus_per_node  # trainer.device=gpu: a GPU per task
         if self.settings.signal:  # the sbatch --signal line submitit writes, and its handler in the job
             os.environ["SUBMITIT_PREEMPT_SIGNAL"] = self.settings.signal
-        return super().launch(fixed, initial_job_idx)
+        try:
+            with _without_sbatch_lines():
+                return super().launch(fixed, initial_job_idx)
+        except FailedJobError as e:  # also how a job that ran and failed is reported: only sbatch's refusal is ours
+            cause = e.__cause__
+            if not (isinstance(cause, subprocess.CalledProcessError) and Path(str(cause.cmd[0])).name == "sbatch"):
+                raise
+            self._give_up(sbatch_refusal(str(e)), initial_job_idx)
+
+    def _give_up(self, message: str, initial_job_idx: int) -> None:
+        """A user error before this batch of jobs was queued (a config check, no Slurm here, sbatch refusing):
+        one line, exit 2, and what this attempt wrote is removed: submitit's pickles and submission script (loose
+        in the submitit folder; a queued job's move into its own folder) and, for the sweep's first batch, Hydra's
+        multirun.yaml, then the folders made for them (hydra.sweep.dir, multirun/<date>/) that are left empty."""
+        from submitit.core.utils import JobPaths
+
+        folder = JobPaths.get_first_id_independent_folder(self.params["submitit_folder"])
+        written = [p for p in folder.glob("*") if p.is_file() and not p.is_symlink()]
+        if initial_job_idx == 0:
+            written.append(Path(str(self.config.hydra.sweep.dir)) / "multirun.yaml")
+        remove_written(written)
+        remove_empty_dirs(folder)
+        _exit_user_error(message)
 
     def _fixed_jobs(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> tuple[list[list[str]], str]:
         """Every job's overrides with its own fixed run_dir (checked first); the first job's default name."""
@@ -172,7 +208,7 @@ class TrainingSlurmLauncher(SubmititSlurmLauncher):
             try:
                 check_train_config(cfg, self.settings.world_size)
             except ValueError as e:
-                _exit_user_error(str(e), overrides)
+                raise ValueError(f"{str(e).splitlines()[0]} (job {' '.join(overrides)})") from None
             run_dir = fixed_run_dir(cfg)
             if run_dir in seen:  # a sweep whose jobs share a run_dir (same recipe, same second): one each
                 run_dir = run_dir.with_name(f"{run_dir.name}-{initial_job_idx + idx}")
@@ -188,11 +224,41 @@ def _settings_or_exit(config: Any) -> LauncherSettings:
     try:
         return LauncherSettings.from_cfg(config.get("launcher"))
     except ValueError as e:
-        _exit_user_error(str(e), ())
+        _exit_user_error(str(e))
 
 
-def _exit_user_error(message: str, overrides: Sequence[str]) -> None:
+def _exit_user_error(message: str) -> None:
     """A user error found before submitting: one line, exit 2, nothing submitted."""
-    job = f" (job {' '.join(overrides)})" if overrides else ""
-    print(f"error: {message.splitlines()[0]}{job}", file=sys.stderr)
+    print(f"error: {message.splitlines()[0]}", file=sys.stderr)
     sys.exit(USER_ERROR_EXIT)
+
+
+class _WithoutSbatchLines(io.TextIOBase):
+    """sys.stderr, less sbatch's own lines: submitit prints them only when sbatch refused the job, right before it
+    raises FailedJobError, which the launcher says in one line. Whole lines pass on as they are written."""
+
+    def __init__(self, stream: Any):
+        self.stream, self.partial = stream, ""
+
+    def write(self, text: str) -> int:
+        *lines, self.partial = (self.partial + text).split("\n")
+        for line in lines:
+            if not line.startswith(("sbatch: ", 'Try "sbatch --help"')):
+                self.stream.write(line + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def fileno(self) -> int:  # (what writes to the descriptor itself is not filtered)
+        return self.stream.fileno()
+
+
+@contextlib.contextmanager
+def _without_sbatch_lines() -> Iterator[None]:
+    stream = _WithoutSbatchLines(sys.stderr)
+    try:
+        with contextlib.redirect_stderr(stream):
+            yield
+    finally:
+        stream.stream.write(stream.partial)  # (a last line without its newline)

@@ -21,7 +21,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from fp8_recipes.checks import clipped, did_you_mean
 from fp8_recipes.launcher import launch_rank
@@ -30,7 +30,7 @@ from fp8_recipes.rundir import (HYDRA, RUN_OUTPUTS, TRAIN_LOG, RunDirError, chec
 
 __all__ = ["script_user_errors", "CHECKPOINT_WRITE_EXIT", "CheckpointWriteError", "ConsoleFormatter", "INTERNAL_ERROR_EXIT", "NonFiniteStop", "USER_ERROR_EXIT", "NONFINITE_EXIT", "PREEMPTED_EXIT",
            "RunDirCheck", "hydra_errors_as_one_line", "worker_hydra_overrides", "keep_earlier_run_files", "one_line", "print_error_once",
-           "remove_empty_dirs", "remove_partial_run_dir", "report_internal_error"]
+           "remove_empty_dirs", "remove_partial_run_dir", "remove_written", "report_internal_error"]
 
 INTERNAL_ERROR_EXIT = 1  # a bug (not a config error): the traceback is in run_dir/train.log, the outputs are kept
 USER_ERROR_EXIT = 2  # a bad config, recipe or command line: nothing was run
@@ -382,19 +382,25 @@ def remove_partial_run_dir(run_dir: str | os.PathLike, since: float = _IMPORTED_
         _put_back_earlier_run_files()
         return
     release(run_dir)  # this process's lock, if it took one
-    for name in RUN_OUTPUTS:
-        p = run_dir / name
+    # (an earlier run's train.log is cut back to its own lines instead)
+    remove_written([run_dir / name for name in RUN_OUTPUTS if run_dir / name not in _EARLIER_LOG], since)
+    _put_back_earlier_run_files()
+    remove_empty_dirs(run_dir, since)
+
+
+def remove_written(paths: Iterable[str | os.PathLike], since: float = _IMPORTED_AT) -> None:
+    """Each of ``paths`` (a file or a directory tree) modified at or after ``since``: what a failed start wrote.
+    Older ones stay, missing ones are skipped."""
+    for p in map(Path, paths):
         try:
-            if p.stat().st_mtime < since - 1.0 or p in _EARLIER_LOG:  # (1 s: coarse file-system clocks; an
-                continue  # earlier run's train.log is cut back to its own lines below)
+            if p.stat().st_mtime < since - 1.0:  # (1 s: coarse file-system clocks)
+                continue
             if p.is_dir():
                 shutil.rmtree(p, ignore_errors=True)
             else:
                 p.unlink(missing_ok=True)
         except FileNotFoundError:  # not written, or another rank removed it first
             continue
-    _put_back_earlier_run_files()
-    remove_empty_dirs(run_dir, since)
 
 
 def remove_empty_dirs(directory: str | os.PathLike, since: float = _IMPORTED_AT) -> None:
