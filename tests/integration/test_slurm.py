@@ -26,6 +26,7 @@ import shlex
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -468,6 +469,38 @@ def test_cli_error_is_one_line_and_exit_2(tmp_path):
         err = [line for line in proc.stderr.splitlines() if not line.startswith("W1")]  # (torch's CUDA notice)
         assert proc.returncode == USER_ERROR_EXIT and len(err) == 1 and err[0].startswith("error: "), proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no sweep dir: neither multirun.yaml nor .submitit/
+
+
+SUBMITIT_KEYS = [  # (override, the line's start): the key as the user wrote it
+    ("hydra.launcher.nodes=0", "error: hydra.launcher.nodes: 0 is not an integer >= 1 (set hydra.launcher.nodes="),
+    ("hydra.launcher.timeout_min=-5", "error: hydra.launcher.timeout_min: -5 is not an integer >= 1"),
+    ("hydra.launcher.gpus_per_node=0", "error: hydra.launcher.gpus_per_node: 0 is not an integer >= 1"),
+    ("launcher.time_min=abc", "error: launcher.time_min: 'abc' is not an integer >= 1 (set launcher.time_min="),
+    ("launcher.time_min=null", "error: launcher.time_min: None is not an integer >= 1"),
+    ("hydra.launcher.nodes=2", "error: trainer.global_batch_size=16 is not a multiple of micro_batch_size x data "
+                               "parallel = 16 x 2"),  # the job's world size counts hydra.launcher.nodes
+]
+
+
+def test_submitit_launcher_values_are_checked_under_the_key_given(tmp_path):
+    """hydra.launcher.* sizes given in place of their launcher.* interpolation win (docs/slurm.md) and are checked as
+    launcher.* are (was: nodes=0 reached submitit), named as written; a bad launcher.* value is named itself (was:
+    Hydra's line for the hydra.launcher.* key it feeds, e.g. hydra.launcher.timeout_min). One line, exit 2, nothing
+    written (no sweep dir); no Slurm needed. The runs go 3 at a time (each is mostly interpreter start-up)."""
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+
+    def run(i: int) -> subprocess.CompletedProcess:
+        (tmp_path / str(i)).mkdir()
+        return subprocess.run([sys.executable, str(TRAIN), "-m", "hydra/launcher=slurm", SUBMITIT_KEYS[i][0]],
+                              cwd=tmp_path / str(i), env=env, capture_output=True, text=True, timeout=120)
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        procs = list(pool.map(run, range(len(SUBMITIT_KEYS))))
+    for (override, message), proc in zip(SUBMITIT_KEYS, procs):
+        err = [line for line in proc.stderr.splitlines() if not line.startswith("W1")]  # (torch's CUDA notice)
+        assert proc.returncode == USER_ERROR_EXIT and len(err) == 1 and err[0].startswith(message), \
+            (override, proc.stderr)
+    assert [p for p in tmp_path.rglob("*") if not p.is_dir()] == []
 
 
 def test_hydra_launcher_takes_its_values_from_the_launcher_group():

@@ -49,34 +49,39 @@ _REFUSALS = (
 )
 
 
-def sbatch_refusal(stderr: str) -> str:
+def sbatch_refusal(stderr: str, keys: Mapping[str, str] | None = None) -> str:
     """One line for a job sbatch refused: ``<the launcher key that asked>: sbatch refused the job: <what sbatch
-    said>; <the fix>``."""
+    said>; <the fix>``. ``keys``: settings given under another key (see :meth:`LauncherSettings.validate`)."""
     said = [line.strip().removeprefix("sbatch: ").removeprefix("error: ").removeprefix("Batch job submission failed: ")
             for line in stderr.splitlines() if line.strip() and not line.startswith("Try ")]
     text = "; ".join(said)[:300] or "no reason given"
     field, fix = next(((f, fix) for word, f, fix in _REFUSALS if word in text.lower()),
                       ("", "check {key}.partition, account, qos, time_min and the resources it asks for"))
-    key = f"launcher.{field}" if field else "launcher"
+    key = _key(keys, field) if field else "launcher"
     return f"{key}: sbatch refused the job: {text}; {fix.format(key=key)}"
+
+
+def _key(keys: Mapping[str, str] | None, field: str) -> str:
+    """The key the user gave setting ``field`` as: ``launcher.<field>`` unless ``keys`` names another."""
+    return (keys or {}).get(field, f"launcher.{field}")
 
 
 def _int_at_least(key: str, value: Any, low: int, optional: bool = False) -> None:
     if value is None and optional:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        fix = f"set launcher.{key}=<integer >= {low}>" + (" or null" if optional else "")
-        raise ValueError(f"launcher.{key}: {value!r} is not an integer >= {low} ({fix})")
+        fix = f"set {key}=<integer >= {low}>" + (" or null" if optional else "")
+        raise ValueError(f"{key}: {value!r} is not an integer >= {low} ({fix})")
 
 
 def _name(key: str, value: Any) -> None:
     if value is not None and (not isinstance(value, str) or not _WORD.match(value)):
-        raise ValueError(f"launcher.{key}: {value!r} is not a Slurm name (use letters, digits, - _ . ; or null)")
+        raise ValueError(f"{key}: {value!r} is not a Slurm name (use letters, digits, - _ . ; or null)")
 
 
 def _strings(key: str, value: Any, example: str) -> None:
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise ValueError(f"launcher.{key}: {value!r} is not a list of strings (e.g. launcher.{key}='[{example}]')")
+        raise ValueError(f"{key}: {value!r} is not a list of strings (e.g. {key}='[{example}]')")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +107,9 @@ class LauncherSettings:
     setup: tuple[str, ...] = ()
 
     @classmethod
-    def from_cfg(cls, cfg: Any) -> "LauncherSettings":
-        """From the composed `launcher` node (DictConfig or dict); every problem is one ValueError naming the key."""
+    def from_cfg(cls, cfg: Any, keys: Mapping[str, str] | None = None) -> "LauncherSettings":
+        """From the composed `launcher` node (DictConfig or dict); every problem is one ValueError naming the key
+        (``keys``: see :meth:`validate`)."""
         if cfg is None:
             raise ValueError("launcher: no launcher settings (add the group: launcher=slurm, conf/launcher/slurm.yaml)")
         if not isinstance(cfg, dict):
@@ -117,27 +123,30 @@ class LauncherSettings:
             values["sbatch_args"] = {}
         for key in ("srun_args", "setup"):
             if key in values:
-                _strings(key, values[key], "--cpu-bind=none" if key == "srun_args" else "export OMP_NUM_THREADS=1")
+                _strings(f"launcher.{key}", values[key],
+                         "--cpu-bind=none" if key == "srun_args" else "export OMP_NUM_THREADS=1")
                 values[key] = tuple(values[key])
         settings = cls(**values)
-        settings.validate()
+        settings.validate(keys)
         return settings
 
-    def validate(self) -> None:
-        for key in ("nodes", "tasks_per_node", "time_min", "signal_lead_s"):
-            _int_at_least(key, getattr(self, key), 1)
-        for key in ("gpus_per_node", "cpus_per_task", "mem_gb"):
-            _int_at_least(key, getattr(self, key), 1, optional=True)
-        _int_at_least("max_requeues", self.max_requeues, 0)
-        for key in ("partition", "account", "qos", "job_name"):
-            _name(key, getattr(self, key))
+    def validate(self, keys: Mapping[str, str] | None = None) -> None:
+        """A ValueError naming the key of the first bad value. ``keys`` maps a field the user gave under another key
+        (the submitit launcher's ``hydra.launcher.nodes``, say) to that key, so that the line names what they wrote."""
+        for field in ("nodes", "tasks_per_node", "time_min", "signal_lead_s"):
+            _int_at_least(_key(keys, field), getattr(self, field), 1)
+        for field in ("gpus_per_node", "cpus_per_task", "mem_gb"):
+            _int_at_least(_key(keys, field), getattr(self, field), 1, optional=True)
+        _int_at_least("launcher.max_requeues", self.max_requeues, 0)
+        for field in ("partition", "account", "qos", "job_name"):
+            _name(_key(keys, field), getattr(self, field))
         if self.signal is not None and self.signal not in SIGNALS:
             raise ValueError(f"launcher.signal: {self.signal!r} is not one of {' | '.join(SIGNALS)} | null"
                              f"{did_you_mean(str(self.signal).removeprefix('SIG'), SIGNALS)} (scripts/train.py "
                              f"checkpoints on SIGUSR1; SIGTERM means Slurm is ending the job)")
         if self.signal is not None and self.signal_lead_s >= self.time_min * 60:
-            raise ValueError(f"launcher.signal_lead_s: {self.signal_lead_s} s is not shorter than launcher.time_min="
-                             f"{self.time_min} min (lower signal_lead_s or raise time_min)")
+            raise ValueError(f"{_key(keys, 'signal_lead_s')}: {self.signal_lead_s} s is not shorter than "
+                             f"{_key(keys, 'time_min')}={self.time_min} min (lower signal_lead_s or raise time_min)")
         if not isinstance(self.requeue, bool):
             raise ValueError(f"launcher.requeue: {self.requeue!r} is not true or false (set launcher.requeue=true)")
         if not isinstance(self.sbatch_args, Mapping):

@@ -6,11 +6,13 @@ a requeue.
 
 What it adds to ``hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher``:
 
-- Before submitting (on this host): ``launcher.*`` is checked (LauncherSettings), every job's config gets the checks
-  scripts/train.py makes first, and each job gets one fixed absolute ``run_dir`` and ``trainer.resume=auto``
-  (launch/job.py). All of a job's tasks, and every requeued run of it, then write to and resume from one directory.
-  A mistake found there, a job sbatch refuses, or no sbatch/srun on this host is one ``error:`` line naming the key
-  (exit 2), and what the attempt wrote (submitit's files, the sweep dir's multirun.yaml) is removed again.
+- Before submitting (on this host): ``launcher.*`` is checked (LauncherSettings, as the multirun starts:
+  :class:`LauncherCheck`; a ``hydra.launcher.*`` size given instead wins and is checked too, :func:`launcher_settings`),
+  every job's config gets the checks scripts/train.py makes first, and each job gets one fixed absolute ``run_dir``
+  and ``trainer.resume=auto`` (launch/job.py). All of a job's tasks, and every requeued run of it, then write to and
+  resume from one directory. A mistake found there, a job sbatch refuses, or no sbatch/srun on this host is one
+  ``error:`` line naming the key (exit 2), and what the attempt wrote (submitit's files, the sweep dir's
+  multirun.yaml) is removed again.
 - The submitit parameters the YAML cannot interpolate: ``--signal=USR1@<signal_lead_s>`` (to the tasks, replacing
   submitit's ``USR2``), ``--requeue``, ``launcher.sbatch_args``, ``srun_args``, ``setup`` and the job name, plus
   ``export SUBMITIT_PREEMPT_SIGNAL=USR1`` so that submitit's own handler listens to the same signal.
@@ -44,6 +46,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+from hydra.experimental.callback import Callback
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as SubmititSlurmLauncher
 
 from fp8_recipes.launch.job import (
@@ -53,7 +56,7 @@ from fp8_recipes.launch.settings import LauncherSettings, sbatch_refusal
 from fp8_recipes.rundir import read_summary
 from fp8_recipes.training.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, remove_empty_dirs, remove_written
 
-__all__ = ["TrainingSlurmLauncher", "TrainTask", "submitit_parameters"]
+__all__ = ["LauncherCheck", "TrainingSlurmLauncher", "TrainTask", "launcher_settings", "submitit_parameters"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +64,30 @@ log = logging.getLogger(__name__)
 # sbatch options that conf/hydra/launcher/slurm.yaml already hands submitit through its own keys
 _SET_BY_SUBMITIT_KEYS = {"job-name", "nodes", "ntasks-per-node", "gpus-per-node", "cpus-per-task", "mem", "time",
                          "partition", "account", "qos"}
+
+# conf/hydra/launcher/slurm.yaml's interpolations: submitit's key -> the launcher key it takes its value from
+_FROM_LAUNCHER = {"nodes": "nodes", "tasks_per_node": "tasks_per_node", "gpus_per_node": "gpus_per_node",
+                  "cpus_per_task": "cpus_per_task", "mem_gb": "mem_gb", "timeout_min": "time_min",
+                  "partition": "partition", "account": "account", "qos": "qos", "signal_delay_s": "signal_lead_s"}
+
+
+def launcher_settings(config: Any) -> tuple[LauncherSettings, dict[str, str]]:
+    """(the job's settings, {field: the hydra.launcher key that set it}) from a composed config with its hydra node:
+    ``launcher.*``, and a ``hydra.launcher.*`` value given in place of its interpolation wins (as it does for
+    submitit), so that the checks, the job's world size and the error lines use what is submitted. A ValueError
+    names the key the user wrote: ``hydra.launcher.nodes=0`` as itself, ``launcher.time_min=abc`` as itself."""
+    from omegaconf import OmegaConf
+
+    launcher = config.get("launcher")
+    if launcher is None:
+        return LauncherSettings.from_cfg(None), {}  # (raises: no launcher group)
+    values = OmegaConf.to_container(launcher, resolve=True)
+    given = OmegaConf.to_container(config.hydra.launcher, resolve=False)
+    keys = {}
+    for key, field in _FROM_LAUNCHER.items():
+        if key in given and given[key] != f"${{launcher.{field}}}":
+            values[field], keys[field] = given[key], f"hydra.launcher.{key}"
+    return LauncherSettings.from_cfg(values, keys), keys
 
 
 def submitit_parameters(params: dict[str, Any], settings: LauncherSettings, job_name: str) -> dict[str, Any]:
@@ -153,7 +180,7 @@ class TrainingSlurmLauncher(SubmititSlurmLauncher):
     ``hydra_plugins``: conf/hydra/launcher/slurm.yaml names its subclass hydra_plugins.fp8_recipes_slurm.SlurmLauncher."""
 
     def setup(self, *, hydra_context, task_function, config) -> None:
-        settings = _settings_or_exit(config)
+        settings, self.keys = _settings_or_exit(config)
         super().setup(hydra_context=hydra_context, task_function=TrainTask(task_function, settings), config=config)
         self.settings = settings
 
@@ -180,7 +207,7 @@ class TrainingSlurmLauncher(SubmititSlurmLauncher):
             cause = e.__cause__
             if not (isinstance(cause, subprocess.CalledProcessError) and Path(str(cause.cmd[0])).name == "sbatch"):
                 raise
-            self._give_up(sbatch_refusal(str(e)), initial_job_idx)
+            self._give_up(sbatch_refusal(str(e), self.keys), initial_job_idx)
 
     def _give_up(self, message: str, initial_job_idx: int) -> None:
         """A user error before this batch of jobs was queued (a config check, no Slurm here, sbatch refusing):
@@ -208,7 +235,8 @@ class TrainingSlurmLauncher(SubmititSlurmLauncher):
             try:
                 check_train_config(cfg, self.settings.world_size)
             except ValueError as e:
-                raise ValueError(f"{str(e).splitlines()[0]} (job {' '.join(overrides)})") from None
+                job = f" (job {' '.join(overrides)})" if overrides else ""  # (a sweep's job: which one)
+                raise ValueError(f"{str(e).splitlines()[0]}{job}") from None
             run_dir = fixed_run_dir(cfg)
             if run_dir in seen:  # a sweep whose jobs share a run_dir (same recipe, same second): one each
                 run_dir = run_dir.with_name(f"{run_dir.name}-{initial_job_idx + idx}")
@@ -220,11 +248,21 @@ class TrainingSlurmLauncher(SubmititSlurmLauncher):
         return fixed, names.pop() if len(names) == 1 else "fp8-sweep"  # one job array: one name
 
 
-def _settings_or_exit(config: Any) -> LauncherSettings:
+def _settings_or_exit(config: Any) -> tuple[LauncherSettings, dict[str, str]]:
     try:
-        return LauncherSettings.from_cfg(config.get("launcher"))
+        return launcher_settings(config)
     except ValueError as e:
         _exit_user_error(str(e))
+
+
+class LauncherCheck(Callback):
+    """Hydra callback that conf/hydra/launcher/slurm.yaml adds: checks the launcher settings as a multirun starts,
+    before Hydra builds the launcher. Building it resolves hydra.launcher.*, whose typed keys would report a bad
+    ``launcher.time_min`` as ``hydra.launcher.timeout_min`` (the key interpolating it); here it is one line naming
+    the key the user wrote, exit 2, before the sweep dir exists."""
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        _settings_or_exit(config)
 
 
 def _exit_user_error(message: str) -> None:
