@@ -18,9 +18,10 @@ Training writes these files; the doctor, the benchmarks, the Slurm launcher and 
 A run directory has one owner (docs/distributed.md, "what is guaranteed"): the default name is unique per job
 (``default_run_name``: every rank of a launched job derives the same one, two jobs never share it) and holds no path
 from the recipe name; a running run holds ``.lock`` (``claim``); a fresh start into a directory that holds another
-run's results is refused in one line; a resumed run drops the metrics and numerics rows past its checkpoint
-(``drop_rows_after``), so every step keeps one row across kill -9 and resume. Imports nothing of ours but the guarded
-YAML reader (neither torch nor Hydra): any floor may use it.
+run's results, and any start in a directory inside another run's outputs (its checkpoints/), is refused in one line;
+a resumed run drops the metrics and numerics rows past its checkpoint (``drop_rows_after``), so every step keeps one
+row across kill -9 and resume. Imports nothing of ours but the guarded YAML reader (neither torch nor Hydra): any
+floor may use it.
 """
 
 from __future__ import annotations
@@ -114,12 +115,20 @@ def overwrite_problem(path: str | os.PathLike) -> str | None:
         return None
     if not p.is_file() and not p.is_dir():
         return "exists and is not a regular file"
-    full = p.resolve()
+    inside = _in_run_outputs(p)
+    return f"is {inside[1]} of the run in {inside[0]}, which this would overwrite" if inside else None
+
+
+def _in_run_outputs(path: str | os.PathLike) -> tuple[Path, Path] | None:
+    """(the run directory, the part of ``path`` below it) when ``path``, existing or not, lies inside what a run
+    wrote into its directory (its outputs, statistics, checkpoints or lock), else None. Only the nearest run
+    directory above ``path`` counts: other files and folders there (an evaluation's parity.json) are nobody's run."""
+    full = Path(path).resolve()
     for parent in full.parents:
         if (parent / METRICS).is_file() or (parent / HYDRA).is_dir():  # a run directory
             top = full.relative_to(parent).parts[0]
             if top in (*RUN_OUTPUTS, CHECKPOINTS, LOCK) or top.startswith(("numerics", "routing")):
-                return f"is {full.relative_to(parent)} of the run in {parent}, which this would overwrite"
+                return parent, full.relative_to(parent)
             break
     return None
 
@@ -369,9 +378,14 @@ def has_results(run_dir: str | os.PathLike) -> list[str]:
 
 
 def check_run_dir(run_dir: str | os.PathLike, *, fresh: bool, env: Mapping[str, str] | None = None) -> None:
-    """RunDirError (one line) when this job may not use ``run_dir``: another running job holds its lock, or this is
-    a fresh start (not a resume) and it holds another run's results. Reads only: every rank may call it."""
+    """RunDirError (one line) when this job may not use ``run_dir``: it lies inside another run's outputs (e.g. its
+    checkpoints/), another running job holds its lock, or this is a fresh start (not a resume) and it holds another
+    run's results. Reads only: every rank may call it."""
     run_dir = Path(run_dir)
+    inside = _in_run_outputs(run_dir)
+    if inside is not None:  # another run's checkpoints/ (or tb/, .hydra/): its `latest`, its files, interleaved
+        raise RunDirError(f"run_dir: {str(run_dir)!r} is inside {inside[1].parts[0]}/ of the run in "
+                          f"'{inside[0]}'; choose a run_dir outside that run's directory (e.g. beside it)")
     token, _ = job_identity(env)
     holder = _other_live_holder(run_dir, token)
     if holder is not None:

@@ -51,6 +51,25 @@ def test_a_fresh_start_into_another_runs_directory_is_refused_untouched(tmp_path
     assert after == before  # neither Hydra's files nor the run's were rewritten or removed
 
 
+def test_a_run_dir_inside_another_runs_checkpoints_is_refused(tmp_path, dataset):  # noqa: F811
+    """A hostile-input sweep: run_dir=runs/a/checkpoints/x trained a run among runs/a's step_N folders and `latest`.
+    Refused in one line naming run_dir before Hydra creates it; the other run stays as it was."""
+    old = tmp_path / "old"
+    _old_run(old)
+    (old / "checkpoints" / "step_1").mkdir(parents=True)
+    (old / "checkpoints" / "latest").write_text("step_1\n")
+    before = {str(p.relative_to(old)): p.read_bytes() for p in old.rglob("*") if p.is_file()}
+    run_dir = old / "checkpoints" / "x"
+    proc = subprocess.run([sys.executable, "scripts/train.py", *dataset, *small_run(run_dir, num_layers=1, steps=1)],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert errors == [f"error: run_dir: '{run_dir}' is inside checkpoints/ of the run in '{old}'; choose a run_dir "
+                      f"outside that run's directory (e.g. beside it)"], proc.stderr[-3000:]
+    assert not run_dir.exists()
+    assert {str(p.relative_to(old)): p.read_bytes() for p in old.rglob("*") if p.is_file()} == before
+
+
 def test_the_default_run_dir_keeps_a_hostile_recipe_name_in_runs():
     cfg = compose_train(["+recipe=hybrid", "recipe.name=../../x"])
     run_dir = Path(cfg.run_dir)
