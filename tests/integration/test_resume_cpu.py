@@ -174,23 +174,46 @@ def test_resuming_a_finished_run_is_a_no_op(reference, dataset, tmp_path):
     assert summary["steps"] == STEPS + 1 and max(rows(run)) == STEPS + 1
 
 
+@pytest.mark.parametrize("steps", [STEPS + 2, STEPS], ids=["steps-left", "finished"])
 @pytest.mark.parametrize("override, saved", [
     ("model.ffn_hidden_size=96", "512"), ("model.hidden_size=64", "128"),
     ("trainer.params_dtype=fp32", "bf16"),  # was a KeyError deep in Megatron-Core's optimizer load
 ])
 def test_resume_under_another_model_is_refused_before_anything_is_written(reference, dataset, tmp_path, override,
-                                                                          saved):
-    """The key that changed and both values (meta.json records the model's config keys and the params dtype)."""
+                                                                          saved, steps):
+    """The key that changed and both values (meta.json records the model's config keys and the params dtype); the
+    same for a finished run (all its steps done), which once said "nothing to do" before any model check."""
     run = tmp_path / "run"
     shutil.copytree(reference("bf16"), run)
     before = {f: (run / f).read_bytes() for f in ("summary.json", "plan.txt", "recipe.yaml", "metrics.jsonl")}
     with pytest.raises(ValueError) as e:
-        train_run("bf16", run, dataset, "trainer.resume=auto", override, steps=STEPS + 2)
+        train_run("bf16", run, dataset, "trainer.resume=auto", override, steps=steps)
     message = str(e.value)
     key, _, value = override.partition("=")
     assert message.startswith(f"{key}: the checkpoint has {saved}, this run {value} (") and "\n" not in message
     assert message.endswith(f"was saved with it; resume with {key}={saved}, or start a fresh run)"), message
     assert {f: (run / f).read_bytes() for f in before} == before
+
+
+def test_a_finished_run_resumed_under_another_model_is_refused_as_with_steps_left(reference, dataset, tmp_path):
+    """A hostile-input sweep: trainer.resume= of a finished run under model=tiny_moe said "nothing to do", exit 0.
+    Now the line a resume with steps left gives (its first tensor not in the checkpoint: meta.json records no MoE
+    key), through scripts/train.py too: exit 2, and the new run_dir given beside the resume is not left behind."""
+    run = reference("bf16")
+    lines = []
+    for steps in (STEPS + 2, STEPS):
+        with pytest.raises(ValueError) as e:
+            train_run("bf16", tmp_path / "in-process", dataset, f"trainer.resume={run}", "model=tiny_moe", steps=steps)
+        lines.append(str(e.value))
+    assert lines[0] == lines[1] and lines[0].startswith("model: decoder.layers.0.mlp.router.weight is not in"), lines
+    overrides = [o for o in small_run(tmp_path / "new", steps=STEPS) if not o.startswith("trainer.save_checkpoints=")]
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "+recipe=bf16", f"trainer.resume={run}",
+                        "model=tiny_moe", *overrides, *dataset], capture_output=True, text=True, env=env, cwd=ROOT,
+                       timeout=600)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stdout[-2000:] + p.stderr[-2000:]
+    assert [line for line in p.stderr.splitlines() if line.startswith("error:")] == [f"error: {lines[0]}"]
+    assert "nothing to do" not in p.stdout and not (tmp_path / "new").exists()
 
 
 def test_resume_of_a_checkpoint_without_the_model_record_names_the_tensor(reference, dataset, tmp_path):

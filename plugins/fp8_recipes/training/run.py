@@ -517,7 +517,10 @@ def run_training(cfg) -> dict:
         _verify_resume(run)
         if run.saved is not None and (done := int(run.saved["step"])) >= run.tcfg.max_steps:
             # A finished run resumed (a requeued or resubmitted job): nothing to train, nothing of the run rewritten.
-            # Decided on the verified checkpoint: a damaged final one is refused, or with auto trained again.
+            # Decided on the verified checkpoint: a damaged final one is refused, or with auto trained again. The
+            # model is built and checked as for a resume with steps left: under another model config or params
+            # dtype the run is not "done", and saying so would hide the mismatch until max_steps is raised.
+            _model(run, *_dataset(run))
             return {"finished": {"steps": done, "checkpoint": str(run.resume_from), "max_steps": run.tcfg.max_steps},
                     "steps": done, "rank": run.rank}
         if run.rank == 0:
@@ -630,20 +633,26 @@ def _wgrad_fusion_notice(trainer, plan) -> str | None:
     return None
 
 
-def _run_data(run: _Run) -> _RunData:
-    """The dataset (built or reused by rank 0, the others wait) and this rank's training and validation batches."""
+def _dataset(run: _Run) -> tuple[dict, Path]:
+    """The dataset's meta.json and directory: built or reused by rank 0, the others wait and read it."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
-    data, trainer, mbs = run.cfg.data, run.trainer, run.tcfg.micro_batch_size
-    t0 = time.perf_counter()
-    if run.rank == 0:  # one rank builds (or reuses) the dataset, the others wait and read it
+    data = run.cfg.data
+    if run.rank == 0:
         prepare_dataset(data.inputs, data.path, tokenizer_kind=data.tokenizer, vocab_size=int(data.vocab_size),
                         json_key=data.json_key)
     if run.world_size > 1:
         dist.barrier()
-    data_dir = Path(data.path)
-    meta = json.loads((data_dir / "meta.json").read_text())
+    return json.loads((Path(data.path) / "meta.json").read_text()), Path(data.path)
+
+
+def _run_data(run: _Run) -> _RunData:
+    """The dataset (built or reused by rank 0, the others wait) and this rank's training and validation batches."""
+    from megatron.core import parallel_state as ps
+
+    trainer, mbs = run.trainer, run.tcfg.micro_batch_size
+    t0 = time.perf_counter()
+    meta, data_dir = _dataset(run)
     dp = ps.get_data_parallel_world_size()
     train_ds, valid_ds = run_datasets(run.cfg, data_dir, dp)
     # One global stream of micro-batches dealt out round robin to the data-parallel ranks: a step trains on the
@@ -666,13 +675,13 @@ def _run_data(run: _Run) -> _RunData:
     return _RunData(train_iters, valid_iter, meta, data_dir, dp)
 
 
-def _model_and_engine(run: _Run, data: _RunData):
+def _model(run: _Run, meta: dict, data_dir: Path):
     """This rank's model chunks with the precision backend attached (initial weights from model.init_from, checked
-    against a resumed checkpoint) and the engine around them: (engine, the model's plan, precision)."""
+    against a resumed checkpoint), for the dataset ``meta`` of ``data_dir``: (chunks, the model's plan, precision,
+    the model config)."""
     from fp8_recipes.training.checkpoint import check_model_matches  # torch (module docstring)
-    from fp8_recipes.training.engine import build_engine  # torch and Megatron-Core (module docstring)
 
-    model_cfg = run_model_cfg(run.cfg, data.meta, data.data_dir)
+    model_cfg = run_model_cfg(run.cfg, meta, data_dir)
     init_from = model_cfg.get("init_from") if run.resume_from is None else None  # a resumed run has its weights
     if init_from:
         # (torch and safetensors: this module loads without them, for the config checks and the Slurm launcher)
@@ -694,6 +703,14 @@ def _model_and_engine(run: _Run, data: _RunData):
     if run.resume_from is not None:  # another model config: refused before the run's files are rewritten
         with same_on_every_rank():
             check_model_matches(run.resume_from, chunks)
+    return chunks, plan, precision, model_cfg
+
+
+def _model_and_engine(run: _Run, data: _RunData):
+    """This rank's model (:func:`_model`) and the engine around it: (engine, the model's plan, precision)."""
+    from fp8_recipes.training.engine import build_engine  # torch and Megatron-Core (module docstring)
+
+    chunks, plan, precision, model_cfg = _model(run, data.meta, data.data_dir)
     fp8_param = None
     if plan.backend is Backend.TE:
         from fp8_recipes.megatron.te_layers import fp8_param_recipe  # Megatron-Core (module docstring)
