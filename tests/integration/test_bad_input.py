@@ -38,8 +38,9 @@ SEARCH_PATH_RECIPES = {  # {tmp}/group/recipe/NAME.yaml, for the cases `+recipe=
 def test_corpus_is_well_formed():
     assert len(CASES) >= 40 and len(set(IDS)) == len(IDS)
     for case in CASES:
-        assert set(case) <= {"id", "args", "key", "phrase"} and case["args"] and case["key"], case
-        assert all(isinstance(a, str) for a in case["args"]), case  # (a flow list splits unquoted commas)
+        assert set(case) <= {"id", "args", "env", "key", "phrase"} and (case["args"] or case.get("env")), case
+        assert case["key"] and all(isinstance(a, str) for a in case["args"]), case  # (flow lists split at commas)
+        assert all(isinstance(v, str) for v in case.get("env", {}).values()), case
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +64,8 @@ def outcomes(request, tmp_path_factory, dataset):  # noqa: F811
         run_dir = tmp / "runs" / case["id"]
         args = [*dataset, *small_run(run_dir, num_layers=1, steps=2), "trainer.eval_iters=1",
                 *(a.replace("{tmp}", str(tmp)) for a in case["args"])]
-        proc = subprocess.run([sys.executable, "scripts/train.py", *args], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=120)
+        proc = subprocess.run([sys.executable, "scripts/train.py", *args], cwd=ROOT, env={**env, **case.get("env", {})},
+                              capture_output=True, text=True, timeout=120)
         return case["id"], (proc.returncode, proc.stdout, proc.stderr, run_dir)
 
     selected = {item.callspec.params["case"]["id"] for item in request.session.items

@@ -42,6 +42,26 @@ def test_checks_name_the_key(tmp_path):
         check_data_cfg({"path": str(tmp_path), "split": "1,2"})
 
 
+def test_compile_caches_are_checked_where_the_run_uses_them(tmp_path, monkeypatch):
+    """On a GPU every run compiles (Megatron-Core's fused kernels): both caches must be writable. On the CPU nothing
+    compiles: TRITON_CACHE_DIR is not read, and TORCHINDUCTOR_CACHE_DIR, which torch creates, need only exist or be
+    creatable (an unwritable existing one, here os.access faked for root, is never written)."""
+    from fp8_recipes.training.config import check_compile_caches
+
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        with pytest.raises(ValueError, match=rf"^{var}: '/etc/hostname/x' cannot be created \('/etc/hostname' is a "
+                                             rf"file\); point {var} at a writable directory$"):
+            check_compile_caches(gpu=True, environ={var: "/etc/hostname/x"})
+    check_compile_caches(gpu=False, environ={"TRITON_CACHE_DIR": "/etc/hostname/x"})
+    with pytest.raises(ValueError, match=r"^TORCHINDUCTOR_CACHE_DIR: '/etc/hostname' is a file"):
+        check_compile_caches(gpu=False, environ={"TORCHINDUCTOR_CACHE_DIR": "/etc/hostname"})
+    monkeypatch.setattr(os, "access", lambda *a: False)
+    check_compile_caches(gpu=False, environ={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
+    with pytest.raises(ValueError, match=r"^TRITON_CACHE_DIR: .* is not writable"):
+        check_compile_caches(gpu=True, environ={"TRITON_CACHE_DIR": str(tmp_path)})
+    check_compile_caches(gpu=True, environ={})  # unset: torch's and Triton's own defaults
+
+
 def test_only_rank_0_writes_and_removes_a_failed_starts_run_dir(tmp_path, monkeypatch):
     """Under torchrun only rank 0 lets Hydra write run_dir (the others get worker_hydra_overrides: no run_dir, no
     .hydra/, no train.log handler), and only rank 0 removes a failed start's files: a rank removing while another

@@ -22,7 +22,7 @@ from fp8_recipes.plan.precision import TRAINER_WORDS, ParallelLayout, expert_ffn
 from fp8_recipes.rundir import overwrite_problem
 
 __all__ = ["LRScaling", "TrainerConfig", "NONFINITE_ACTIONS", "check_model_cfg", "check_data_cfg",
-           "check_writable_dir", "check_writable_file", "check_run_config"]
+           "check_compile_caches", "check_writable_dir", "check_writable_file", "check_run_config"]
 
 NONFINITE_ACTIONS = ("skip_then_bf16", "stop")
 
@@ -374,6 +374,24 @@ def check_writable_dir(key: str, path: Any) -> None:
                          f"writable directory")
     if not os.access(ancestor, os.W_OK | os.X_OK) or str(ancestor).startswith(("/proc", "/sys")):
         raise ConfigError(f"{key}: {path!r} is not writable ({str(ancestor)!r}); point {key} at a writable directory")
+
+
+COMPILE_CACHES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+"""Environment variables naming where torch.compile (Inductor) and Triton keep the kernels they compile."""
+
+
+def check_compile_caches(gpu: bool, environ: Mapping[str, str] = os.environ) -> None:
+    """The compilers' cache directories a user set (COMPILE_CACHES), where the run uses them: one line naming the
+    variable instead of a traceback. On a GPU both are written: every run compiles Megatron-Core's fused kernels
+    (bias-activation, bias-dropout-add, cross entropy: torch.compile, Inductor's Triton kernels), NVFP4's passes and
+    the statistics kernels (Triton) at their first call, hours in for a statistics step. On the CPU nothing compiles
+    (no fusion, NVFP4 and statistics eager), so TRITON_CACHE_DIR is never read; but torch creates
+    TORCHINDUCTOR_CACHE_DIR as soon as anything is decorated with torch.compile (Transformer Engine's import, the
+    optimizer's constructor), so there it must be a directory or creatable."""
+    for var in COMPILE_CACHES:
+        value = environ.get(var)
+        if value is not None and (gpu or (var == "TORCHINDUCTOR_CACHE_DIR" and not (value and Path(value).is_dir()))):
+            check_writable_dir(var, value)
 
 
 def check_writable_file(key: str, path: str | os.PathLike, example: str) -> None:

@@ -37,7 +37,7 @@ from fp8_recipes.recipe.pack import EMPTY_RECIPE, load_recipe
 from fp8_recipes.rundir import PLAN, RECIPE, check_run_dir, claim, drop_rows_after, release, write_text
 from fp8_recipes.recipe.schema import AmaxReduction, Attention, Backend, RecipeError, Role, Scaling
 from fp8_recipes.training.autopilot import AutopilotPrecision, autopilot_notices, check_autopilot, statistics_for
-from fp8_recipes.training.config import check_run_config, check_writable_dir
+from fp8_recipes.training.config import check_compile_caches, check_run_config, check_writable_dir
 from fp8_recipes.training.errors import CheckpointWriteError, NonFiniteStop
 from fp8_recipes.training.notices import run_notices
 
@@ -546,7 +546,12 @@ def _checked_run(cfg) -> _Run:
             check_writable_dir("debug.dump.dir", str(debug.dump.path(cfg.run_dir)))
         check_moe_statistics(tcfg, cfg.model, debug)
     one_cuda_connection(tcfg)
-    hardware = Hardware.detect()  # (CUDA starts here on a GPU machine)
+    import torch  # (CUDA starts here on a GPU machine)
+
+    # before Hardware.detect: importing Transformer Engine creates TORCHINDUCTOR_CACHE_DIR (a failure reads "no TE")
+    with same_on_every_rank():
+        check_compile_caches(gpu=torch.cuda.is_available())
+    hardware = Hardware.detect()
     with same_on_every_rank():
         if tcfg.device == "gpu" and hardware.device != "cuda":  # (before the model's GPU-only keys are refused)
             raise ConfigError("trainer.device=gpu: this machine has no CUDA GPU; train on the CPU with trainer=cpu (or "
