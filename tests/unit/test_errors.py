@@ -138,6 +138,18 @@ def test_an_unwritable_run_dir_is_one_line():
                     "directory")
     assert one_line(ValueError("Unable to configure handler 'file'")) is None  # (no OSError cause: not this)
 
+    def multirun():  # (Hydra.multirun: -m, whose jobs' directories are under hydra.sweep.dir)
+        try:
+            raise PermissionError(13, "Permission denied", "/ro/sweep/0/train.log")
+        except PermissionError as cause:
+            raise ValueError("Unable to configure handler 'file'") from cause
+
+    try:
+        multirun()
+    except ValueError as e:
+        assert one_line(e) == ("hydra.sweep.dir: cannot write '/ro/sweep/0/train.log' (Permission denied); set "
+                               "hydra.sweep.dir to a writable directory")
+
 
 def test_half_of_torchruns_pair_is_warned(monkeypatch, capsys):
     from fp8_recipes.launcher import check_launch_env

@@ -134,16 +134,23 @@ def one_line(e: BaseException) -> str | None:
         return _group_value_line()
     if isinstance(e, ValueError) and "Unable to configure handler 'file'" in str(e) and \
             isinstance(e.__cause__, OSError):  # Hydra opening run_dir/train.log in a directory it cannot write
-        cause = e.__cause__
-        return (f"run_dir: cannot write {cause.filename or 'train.log'!r} ({cause.strerror or type(cause).__name__}); "
-                f"set run_dir to a writable directory")
+        cause, key = e.__cause__, _output_dir_key(e)
+        return (f"{key}: cannot write {cause.filename or 'train.log'!r} ({cause.strerror or type(cause).__name__}); "
+                f"set {key} to a writable directory")
     if isinstance(e, UnicodeDecodeError) or (isinstance(e, OSError) and "Invalid loaded object type" in str(e)):
         return _unreadable_group_line(e)  # (Hydra loading a group's file: binary, or a scalar / list, not a mapping)
-    if isinstance(e, OSError) and not _raised_in_task(e):  # Hydra creating run_dir and run_dir/.hydra
-        where = e.filename or "run_dir"
-        return (f"run_dir: cannot create {str(where)!r} ({e.strerror or type(e).__name__}); set run_dir to a "
+    if isinstance(e, OSError) and not _raised_in_task(e):  # Hydra creating run_dir (or the sweep's) and its .hydra
+        key = _output_dir_key(e)
+        return (f"{key}: cannot create {str(e.filename or key)!r} ({e.strerror or type(e).__name__}); set {key} to a "
                 f"writable directory")
     return None
+
+
+def _output_dir_key(e: BaseException) -> str:
+    """The key of the directory Hydra was setting up when ``e`` was raised: under a multirun (-m) Hydra writes the
+    jobs' .hydra/ and logs under hydra.sweep.dir, its own key (run_dir then holds only what the run writes); a
+    run's is run_dir (conf/train.yaml: hydra.run.dir is ${run_dir})."""
+    return "hydra.sweep.dir" if any(code.co_name == "multirun" for code in _frames(e)) else "run_dir"
 
 
 def _command_line_overrides() -> list[tuple[str, Any]]:
@@ -221,15 +228,19 @@ def _merge_kind_line(key: str, cause: BaseException) -> str:
            f"{want}, as the config has it"
 
 
-def _raised_in_task(e: BaseException) -> bool:
-    """Whether ``e`` came from the task function (our code) rather than from Hydra setting the run up."""
+def _frames(e: BaseException) -> Iterator[Any]:
+    """The code objects of ``e``'s traceback, outermost first."""
     tb = e.__traceback__
     while tb is not None:
-        code = tb.tb_frame.f_code
-        if (code.co_filename.startswith(_PACKAGE) and code.co_filename != __file__) or code.co_name == "main":
-            return True  # (Hydra's own wrapper of the task function is `decorated_main`)
+        yield tb.tb_frame.f_code
         tb = tb.tb_next
-    return False
+
+
+def _raised_in_task(e: BaseException) -> bool:
+    """Whether ``e`` came from the task function (our code) rather than from Hydra setting the run up."""
+    # (Hydra's own wrapper of the task function is `decorated_main`)
+    return any((code.co_filename.startswith(_PACKAGE) and code.co_filename != __file__) or code.co_name == "main"
+               for code in _frames(e))
 
 
 @contextlib.contextmanager
