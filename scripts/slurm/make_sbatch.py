@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "plugins"))  # a checkout without `pip install -e`
 
 
 def main(argv: list[str]) -> int:
-    from fp8_recipes.launch.sbatch import submit, write_sbatch
+    from fp8_recipes.launch.sbatch import missing_dirs, submit, write_sbatch
     from fp8_recipes.training.errors import USER_ERROR_EXIT, hydra_errors_as_one_line
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -35,12 +35,13 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     command = "python scripts/slurm/make_sbatch.py " + " ".join(shlex.quote(a) for a in argv)
     try:
+        made = missing_dirs(args.output.parent) if args.output else []  # (removed again if sbatch refuses the job)
         with hydra_errors_as_one_line():  # Hydra's own errors (unknown group option, bad override): one line, exit 2
             script, run_dir = write_sbatch(args.overrides, args.output, python=sys.executable,
                                            train_script=ROOT / "scripts" / "train.py", workdir=Path.cwd(),
                                            generated_by=command)
         if args.submit:  # (a refused job's script is removed: its path is printed once sbatch took it)
-            job = submit(script, run_dir)
+            job = submit(script, run_dir, made=made)
             print(f"submitted job {job}: output in {run_dir / f'slurm-{job}.out'}", file=sys.stderr)
         print(script)
     except ValueError as e:

@@ -525,6 +525,22 @@ def test_hydra_launcher_takes_its_values_from_the_launcher_group():
     assert params["setup"] == ["export SUBMITIT_PREEMPT_SIGNAL=USR1"] and params["name"] == "fp8-bf16"
 
 
+def test_a_hydra_launcher_interpolation_is_resolved_before_the_checks(monkeypatch):
+    """hydra.launcher.nodes=${oc.env:NN} (a value from the environment, as cluster wrappers give them) is checked
+    and counted as the number it resolves to, under its own key (was: refused as the string '${oc.env:NN}')."""
+    from hydra import compose, initialize_config_dir
+
+    from fp8_recipes.launch.submitit_slurm import launcher_settings
+    from fp8_recipes.recipe.pack import conf_dir
+
+    monkeypatch.setenv("NN", "2")
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = compose("train", overrides=["hydra/launcher=slurm", "hydra.launcher.nodes=${oc.env:NN}"],
+                      return_hydra_config=True)
+    settings, keys = launcher_settings(cfg)
+    assert settings.nodes == 2 and keys == {"nodes": "hydra.launcher.nodes"}
+
+
 @pytest.mark.parametrize("procid, restarts, code, signal, requeued, outcome", [
     ("0", "0", PREEMPTED_EXIT, "SIGUSR1", True, SystemExit),   # rank 0, preempted by the configured signal: requeue
     ("0", "3", PREEMPTED_EXIT, "SIGUSR1", False, SystemExit),  # launcher.max_requeues (3) reached
@@ -581,15 +597,17 @@ REFUSED = [  # (overrides, the line's start): a partition the cluster lacks; mor
 def test_make_sbatch_submit_refused_by_sbatch_leaves_nothing(overrides, message, slurm, tmp_path, monkeypatch,
                                                              capsys):
     """make_sbatch.py --submit of a job sbatch refuses: one line naming the launcher key and what sbatch said, exit
-    2, and neither the script nor the run_dir it made stays (nor an --output's folder); nothing printed on stdout."""
+    2, and neither the script nor the run_dir it made stays (nor the folders it made for an --output); nothing
+    printed on stdout. A folder that was there before, empty, stays."""
     monkeypatch.setenv("SLURM_CONF", slurm.env["SLURM_CONF"])
     monkeypatch.chdir(tmp_path)
-    for output in ([], ["--output", "jobs/x.sbatch"]):
+    (tmp_path / "mine").mkdir()
+    for output in ([], ["--output", "jobs/deep/x.sbatch"], ["--output", "mine/x.sbatch"]):
         argv = [*overrides, f"run_dir={tmp_path / 'runs' / 'r'}", *output, "--submit"]
         assert make_sbatch_main(argv, monkeypatch) == USER_ERROR_EXIT
         out, err = capsys.readouterr()
         assert err.startswith(message) and len(err.strip().splitlines()) == 1 and not out, (out, err)
-        assert sorted(p.name for p in tmp_path.iterdir()) == []
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"] and not any((tmp_path / "mine").iterdir())
 
 
 @pytest.mark.parametrize("overrides, message", REFUSED, ids=["partition", "nodes"])

@@ -13,6 +13,7 @@ time limit, its own preemption, which requeues by itself): then nothing is reque
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 from pathlib import Path
 from typing import Any, Iterable
@@ -22,7 +23,7 @@ from fp8_recipes.launch.job import (check_train_config, default_job_name, fixed_
 from fp8_recipes.launch.settings import LauncherSettings, sbatch_refusal
 from fp8_recipes.recipe.pack import conf_dir, recipe_file_overrides
 from fp8_recipes.training.config import check_writable_file
-from fp8_recipes.training.errors import PREEMPTED_EXIT, remove_empty_dirs, remove_partial_run_dir
+from fp8_recipes.training.errors import PREEMPTED_EXIT, remove_partial_run_dir
 
 __all__ = ["sbatch_script", "sbatch_lines", "SLURM_OUTPUT"]
 
@@ -165,10 +166,21 @@ def write_sbatch(overrides: Iterable[str], output: Path | None = None, *, python
     return path, run_dir
 
 
-def submit(script: Path, run_dir: Path, env: dict[str, str] | None = None) -> str:
+def missing_dirs(folder: Path) -> list[Path]:
+    """The folders ``folder.mkdir(parents=True)`` would make, deepest first (none when it exists)."""
+    out = []
+    folder = Path(folder).resolve()
+    while not folder.exists():
+        out.append(folder)
+        folder = folder.parent
+    return out
+
+
+def submit(script: Path, run_dir: Path, env: dict[str, str] | None = None, made: Iterable[Path] = ()) -> str:
     """``sbatch --parsable SCRIPT`` -> the job id. ValueError (one line) when sbatch is missing (the script stays:
     it can be copied to a login node) or refuses the job (the line names the launcher key; the script goes, and
-    run_dir and the script's folder when write_sbatch made them and they hold nothing else: no job will use them)."""
+    run_dir when write_sbatch made it and it holds nothing else: no job will use it; ``made``: the folders made for
+    the script (missing_dirs before write_sbatch), removed when empty)."""
     import shutil
     import subprocess
 
@@ -179,6 +191,8 @@ def submit(script: Path, run_dir: Path, env: dict[str, str] | None = None) -> st
     if proc.returncode != 0:
         script.unlink(missing_ok=True)
         remove_partial_run_dir(run_dir)
-        remove_empty_dirs(script.parent)  # (--output elsewhere: the folders made for it)
+        for folder in made:  # (--output elsewhere: the folders made for it, and only those)
+            with contextlib.suppress(OSError):
+                folder.rmdir()
         raise ValueError(sbatch_refusal(proc.stderr))
     return proc.stdout.strip().split(";")[0]

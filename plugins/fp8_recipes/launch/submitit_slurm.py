@@ -37,9 +37,11 @@ derived from the job id.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -52,6 +54,7 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLaunche
 from fp8_recipes.launch.job import (
     check_train_config, default_job_name, fixed_run_dir, override_key, resumable_overrides,
 )
+from fp8_recipes.launch.sbatch import missing_dirs
 from fp8_recipes.launch.settings import LauncherSettings, sbatch_refusal
 from fp8_recipes.rundir import read_summary
 from fp8_recipes.training.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, remove_empty_dirs, remove_written
@@ -85,8 +88,8 @@ def launcher_settings(config: Any) -> tuple[LauncherSettings, dict[str, str]]:
     given = OmegaConf.to_container(config.hydra.launcher, resolve=False)
     keys = {}
     for key, field in _FROM_LAUNCHER.items():
-        if key in given and given[key] != f"${{launcher.{field}}}":
-            values[field], keys[field] = given[key], f"hydra.launcher.{key}"
+        if key in given and given[key] != f"${{launcher.{field}}}":  # (unresolved: the user's value, or its ${...})
+            values[field], keys[field] = config.hydra.launcher[key], f"hydra.launcher.{key}"
     return LauncherSettings.from_cfg(values, keys), keys
 
 
@@ -185,8 +188,10 @@ class TrainingSlurmLauncher(SubmititSlurmLauncher):
         self.settings = settings
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int):
-        from submitit.core.utils import FailedJobError
+        from submitit.core.utils import FailedJobError, JobPaths
 
+        folder = JobPaths.get_first_id_independent_folder(self.params["submitit_folder"])
+        attempt = _Attempt(folder, missing_dirs(folder), _files(folder), initial_job_idx)
         try:
             fixed, job_name = self._fixed_jobs(job_overrides, initial_job_idx)
             missing = [c for c in ("sbatch", "srun") if shutil.which(c) is None]  # (submitit: a traceback)
@@ -194,7 +199,7 @@ class TrainingSlurmLauncher(SubmititSlurmLauncher):
                 raise ValueError(f"hydra/launcher: {' and '.join(missing)} not found (run this on a Slurm login "
                                  f"node, or write an sbatch script with scripts/slurm/make_sbatch.py)")
         except ValueError as e:
-            self._give_up(str(e), initial_job_idx)
+            self._give_up(str(e), attempt)
         self.params = submitit_parameters(self.params, self.settings, job_name)
         if self.params.get("gpus_per_node") is None and self.settings.gpus_per_node is not None:
             self.params["gpus_per_node"] = self.settings.gpus_per_node  # trainer.device=gpu: a GPU per task
@@ -207,21 +212,24 @@ class TrainingSlurmLauncher(SubmititSlurmLauncher):
             cause = e.__cause__
             if not (isinstance(cause, subprocess.CalledProcessError) and Path(str(cause.cmd[0])).name == "sbatch"):
                 raise
-            self._give_up(sbatch_refusal(str(e), self.keys), initial_job_idx)
+            self._give_up(sbatch_refusal(str(e), self.keys), attempt)
 
-    def _give_up(self, message: str, initial_job_idx: int) -> None:
+    def _give_up(self, message: str, attempt: _Attempt) -> None:
         """A user error before this batch of jobs was queued (a config check, no Slurm here, sbatch refusing):
-        one line, exit 2, and what this attempt wrote is removed: submitit's pickles and submission script (loose
-        in the submitit folder; a queued job's move into its own folder) and, for the sweep's first batch, Hydra's
-        multirun.yaml, then the folders made for them (hydra.sweep.dir, multirun/<date>/) that are left empty."""
-        from submitit.core.utils import JobPaths
-
-        folder = JobPaths.get_first_id_independent_folder(self.params["submitit_folder"])
-        written = [p for p in folder.glob("*") if p.is_file() and not p.is_symlink()]
-        if initial_job_idx == 0:
-            written.append(Path(str(self.config.hydra.sweep.dir)) / "multirun.yaml")
+        one line, exit 2, and what this attempt wrote is removed, nothing else: the pickles and submission scripts
+        submitit left loose in its folder since the attempt began (a queued job's move into its own folder), the
+        folders made for them, and, for the sweep's first batch, Hydra's multirun.yaml and the folders Hydra made
+        for it (hydra.sweep.dir, multirun/<date>/) when left empty."""
+        written = [p for p in _files(attempt.folder) - attempt.files if _SUBMITIT_LOOSE.fullmatch(p.name)]
+        sweep = Path(str(self.config.hydra.sweep.dir))
+        if attempt.first_batch:
+            written.append(sweep / "multirun.yaml")
         remove_written(written)
-        remove_empty_dirs(folder)
+        for made in attempt.made:  # (deepest first; one still holding anything stays)
+            with contextlib.suppress(OSError):
+                made.rmdir()
+        if attempt.first_batch:
+            remove_empty_dirs(sweep)
         _exit_user_error(message)
 
     def _fixed_jobs(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> tuple[list[list[str]], str]:
@@ -246,6 +254,30 @@ class TrainingSlurmLauncher(SubmititSlurmLauncher):
             fixed.append(resumable_overrides(kept, run_dir) + [o for o in overrides if o not in kept])
             log.info("job %d: run_dir %s", initial_job_idx + idx, run_dir)
         return fixed, names.pop() if len(names) == 1 else "fp8-sweep"  # one job array: one name
+
+
+_SUBMITIT_LOOSE = re.compile(r"[0-9a-f]{32}\.pkl|\.submission_file_[0-9a-f]{32}\.sh")
+"""The files submitit writes loose in its folder while submitting (a job's pickle, the batch's sbatch script)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Attempt:
+    """What the submitit folder held when a batch's submission began: what a failed one may remove is the rest."""
+
+    folder: Path
+    made: list[Path]
+    """The folders submitting would make for it (launch.sbatch.missing_dirs), deepest first."""
+    files: frozenset[Path]
+    initial_job_idx: int
+
+    @property
+    def first_batch(self) -> bool:
+        return self.initial_job_idx == 0
+
+
+def _files(folder: Path) -> frozenset[Path]:
+    return frozenset(p for p in folder.glob("*") if p.is_file() and not p.is_symlink()) if folder.is_dir() \
+        else frozenset()
 
 
 def _settings_or_exit(config: Any) -> tuple[LauncherSettings, dict[str, str]]:
