@@ -562,15 +562,17 @@ def test_a_one_sided_delayed_custom_recipe_has_delayed_state_both_ways(te_quanti
     choice = plan.at(0).layers_te[0]
     assert choice.recipe == "CustomRecipe" and choice.delayed_anchor is anchor
     factory = te_backend.RoleQuantizers(choice, reduce_amax=True)
-    for module_type, gemms in (("linear", 1), ("grouped_linear", 2)):
-        for fwd, names in ((True, ("input", "weight", None)), (False, ("grad_output", None))):
-            slots = [None if n is None else types.SimpleNamespace(module_type=module_type, tensor_type=n, name="x")
-                     for n in names * gemms]
+    # (a boundary slot has no role, unless a parent module names it: then its tensor type is output / grad_input)
+    for module_type, gemms, named in (("linear", 1, False), ("grouped_linear", 2, False), ("linear", 1, True)):
+        for fwd, names in ((True, ("input", "weight", "output")), (False, ("grad_output", "grad_input"))):
+            slots = [None if n in ("output", "grad_input") and not named else
+                     types.SimpleNamespace(module_type=module_type, tensor_type=n, name="x") for n in names * gemms]
             made = [factory(role) for role in slots]
             requests = [i for i, q in enumerate(made) if q[0] == "ds"]
             assert requests, (module_type, fwd, made)
             assert len({made[i] for i in requests}) == 1, made
             assert requests == [i for i, _ in delayed_slots(choice, len(slots), fwd)]
-            assert all(slots[i] is None for i in requests) == (anchor is fwd)
+            boundary = [i for i, n in enumerate(names * gemms) if n in ("output", "grad_input")]
+            assert (requests == boundary) == (anchor is fwd)
     assert (anchor is None) == all(role is not None for _, role in
                                    delayed_slots(choice, 3, True) + delayed_slots(choice, 2, False))

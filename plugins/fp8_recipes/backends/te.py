@@ -137,25 +137,30 @@ def _te_dtype(fmt: Format):
     return tex.DType.kFloat8E4M3 if fmt is Format.E4M3 else tex.DType.kFloat8E5M2
 
 
+_BOUNDARY = {"output": True, "grad_input": False}
+"""A TE linear's boundary slots by tensor type (when a parent module names them), and whether each is forward."""
+
+
 class RoleQuantizers:
     """CustomRecipe ``qfactory``: each tensor a TE linear quantizes gets its role's policy (input -> activations,
     weight -> weights, grad_output -> gradients). The boundary slots (output, grad_input: used only with
     fp8_output / fp8_grad, which Megatron-Core's linears never ask for) stay high precision, except in the direction
     a one-sided delayed recipe gives :data:`~fp8_recipes.plan.te.DELAYED_ANCHOR` state (``TERecipe.delayed_anchor``).
-    TE passes a boundary slot no role (None) and asks for a GEMM's slots in order (input, weight, output; then
-    grad_output, grad_input), so the role asked for just before tells a boundary slot's direction."""
+    TE passes a boundary slot no role (None, unless a parent module sets one: then its tensor type says it) and asks
+    for a GEMM's slots in order (input, weight, output; then grad_output, grad_input), so the role asked for just
+    before tells a boundary slot's direction."""
 
     def __init__(self, choice: TERecipe, reduce_amax: bool):
         self.choice = choice
         self.reduce_amax = reduce_amax
-        self._previous: str | None = None  # the tensor type of the slot asked for before
+        self._previous: Role | None = None  # the role of the linear slot asked for before
 
     def __call__(self, role: Any) -> Any:
         import transformer_engine.pytorch as te
 
-        if role is None:
-            return self._boundary(te)
-        self._previous = getattr(role, "tensor_type", None)
+        if role is None or getattr(role, "tensor_type", None) in _BOUNDARY:
+            return self._boundary(te, None if role is None else _BOUNDARY[role.tensor_type])
+        self._previous = SLOT_ROLES.get(getattr(role, "tensor_type", None))
         linear = getattr(role, "module_type", "") in ("linear", "grouped_linear", "")
         r = SLOT_ROLES.get(role.tensor_type) if linear else None  # attention (dpa): BF16
         p = self.choice.policy(r) if r is not None else None
@@ -173,8 +178,9 @@ class RoleQuantizers:
                                            block_scaling_dim=1 if p.block[0] == 1 else 2)
         return te.MXFP8Quantizer(dtype)
 
-    def _boundary(self, te: Any) -> Any:
-        forward = {"input": True, "weight": True, "grad_output": False}.get(self._previous)
+    def _boundary(self, te: Any, forward: bool | None) -> Any:
+        if forward is None and self._previous is not None:  # (a role-less slot: after its GEMM's other slots)
+            forward = self._previous is not Role.GRADIENTS
         anchor = self.choice.delayed_anchor
         if anchor is not None and forward is anchor:
             return self._delayed_request(te, DELAYED_ANCHOR)
@@ -185,7 +191,8 @@ class RoleQuantizers:
 
         return te.DelayedScalingRequest(
             fp8_format=TEFormat[self.choice.fp8_format], margin=p.margin, amax_history_len=p.amax_history_len,
-            amax_compute_algo=_amax_algo(p), scaling_factor_compute_algo=_scale_algo(p), reduce_amax=self.reduce_amax)
+            amax_compute_algo=_amax_algo(p), scaling_factor_compute_algo=_scale_algo(p),
+            reduce_amax=self.reduce_amax and p is not DELAYED_ANCHOR)  # (the anchor's amax is 0 on every rank)
 
     def __repr__(self) -> str:
         return f"RoleQuantizers({self.choice.describe()})"

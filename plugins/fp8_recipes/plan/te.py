@@ -156,12 +156,11 @@ class TERecipe:
     @property
     def delayed(self) -> bool:
         """Carries delayed-scaling state (amax histories) that TE reduces and updates once per step."""
-        return any(self.policy(r).scaling is Scaling.DELAYED for r in ROLES)
+        return any(self.delayed_role(r) for r in ROLES)
 
     def delayed_role(self, role: Role) -> bool:
-        """`role` is quantized with delayed scaling (once FP8: a forward-only stage keeps the gradients' state)."""
-        p = self.policy(role)
-        return p.is_fp8 and p.scaling is Scaling.DELAYED
+        """`role`'s policy is delayed scaling (the gradients' too in a forward-only stage: their state is kept)."""
+        return self.policy(role).scaling is Scaling.DELAYED
 
     @property
     def delayed_anchor(self) -> bool | None:
