@@ -30,7 +30,8 @@ __all__ = ["bench_stats", "format_table", "plot_overhead"]
 def bench_stats(recipes: list[str], *, interval: int = 10, steps: int = 40, repeats: int = 3,
                 overrides: list[str] = (), warmup: bool = True, on: list[str] | None = None) -> dict:
     """``on``: the overrides of the runs with statistics (default ``++debug.interval=INTERVAL``); e.g.
-    ``["autopilot=on"]`` measures the autopilot, which reads the statistics every ``interval`` steps too."""
+    ``["autopilot=on"]`` measures the autopilot, which reads them every ``autopilot.interval`` steps: the in-run
+    measure counts the steps due every ``interval``, so the two must agree (both 10 by default)."""
     measured = list(on) if on else [f"++debug.interval={interval}"]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -56,8 +57,9 @@ def bench_stats(recipes: list[str], *, interval: int = 10, steps: int = 40, repe
                         recorder.append(100 * spent / (summary["wall_time_s"] - spent))
                         in_run.append(step_time_overhead(run_dir / METRICS, interval,
                                                          summary["numerics_write_s"]))
-            off, on = statistics.median(times["off"]), statistics.median(times["on"])
-            rows.append({"recipe": name, "step_s_off": off, "step_s_on": on, "overhead_pct": 100 * (on / off - 1),
+            off_s, on_s = statistics.median(times["off"]), statistics.median(times["on"])
+            rows.append({"recipe": name, "step_s_off": off_s, "step_s_on": on_s,
+                         "overhead_pct": 100 * (on_s / off_s - 1),
                          "in_run_overhead_pct": statistics.median(in_run), "runs": times, "in_run": in_run,
                          "recorder_pct": statistics.median(recorder), "recorder": recorder})
     return {"rows": rows, "interval": interval, "steps": steps, "repeats": repeats, "warmup": warmup,

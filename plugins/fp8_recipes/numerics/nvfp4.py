@@ -101,7 +101,7 @@ class NVFP4Quantized:
 def rht_matrix(device: torch.device | str | None = None) -> torch.Tensor:
     """TE's RHT matrix diag(RHT_SIGNS) @ H16 / 4 in float32 (entries ±1/4; H H^T = I), made once per device: a
     tensor made from Python numbers on a GPU is a copy the host waits for, at every call otherwise."""
-    key = torch.device(device if device is not None else "cpu")
+    key = _device_key(device if device is not None else "cpu")
     if key not in _RHT:
         h = torch.ones(1, 1, dtype=torch.float32)
         while h.shape[0] < NVFP4_BLOCK:  # Sylvester: [[H, H], [H, -H]]
@@ -112,6 +112,15 @@ def rht_matrix(device: torch.device | str | None = None) -> torch.Tensor:
 
 
 _RHT: dict[torch.device, torch.Tensor] = {}
+
+
+def _device_key(device: torch.device | str) -> torch.device:
+    """A device with its index ("cuda" is the current GPU's): the per-device caches' key. The cached tensors are
+    read-only: every caller reads them, none writes."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def apply_rht(x: torch.Tensor) -> torch.Tensor:
@@ -194,10 +203,11 @@ def unpack_e2m1(packed: torch.Tensor, cols: int | None = None) -> torch.Tensor:
 
 def e2m1_to_float32(codes: torch.Tensor) -> torch.Tensor:
     """Values of unpacked E2M1 codes (0..15; code 8 is -0.0)."""
-    if codes.device not in _E2M1_TABLE:  # (once per device, as rht_matrix)
+    key = _device_key(codes.device)
+    if key not in _E2M1_TABLE:  # (once per device, as rht_matrix)
         values = _E2M1_VALUES + tuple(-v for v in _E2M1_VALUES)
-        _E2M1_TABLE[codes.device] = torch.tensor(values, dtype=torch.float32).to(codes.device)
-    return torch.take(_E2M1_TABLE[codes.device], codes.to(torch.int64))
+        _E2M1_TABLE[key] = torch.tensor(values, dtype=torch.float32).to(key)
+    return torch.take(_E2M1_TABLE[key], codes.to(torch.int64))
 
 
 _E2M1_TABLE: dict[torch.device, torch.Tensor] = {}

@@ -546,7 +546,7 @@ def _checked_run(cfg) -> _Run:
             check_writable_dir("debug.dump.dir", str(debug.dump.path(cfg.run_dir)))
         check_moe_statistics(tcfg, cfg.model, debug)
     one_cuda_connection(tcfg)
-    import torch  # (CUDA starts here on a GPU machine)
+    import torch  # (CUDA starts at is_available() below on a GPU machine)
 
     # before Hardware.detect: importing Transformer Engine creates TORCHINDUCTOR_CACHE_DIR (a failure reads "no TE")
     with same_on_every_rank():
