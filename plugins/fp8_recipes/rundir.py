@@ -64,6 +64,7 @@ __all__ = [
     "read_metrics",
     "read_numerics",
     "read_recipe",
+    "read_routing",
     "read_summary",
     "write_summary",
     "write_text",
@@ -142,12 +143,16 @@ def jsonable(value: Any) -> Any:
 
 def read_jsonl(path: str | os.PathLike, check=None) -> list[dict[str, Any]]:
     """Every row of a JSONL file (blank lines skipped); RunFileError at the first line that is not a JSON object,
-    or when the file is not UTF-8 text, or whose row ``check`` (row -> a problem or None) finds wrong."""
+    or when the file is not UTF-8 text or cannot be read (a directory in its place), or whose row ``check``
+    (row -> a problem or None) finds wrong."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise RunFileError(path, None, f"{e.reason} at byte {e.start}", what="UTF-8 text") from None
+    except OSError as e:  # (a directory, no permission): say what is there, not that the file is missing
+        why = "it is a directory" if path.is_dir() else e.strerror or type(e).__name__
+        raise RunFileError(path, None, why, what="a readable file") from None
     rows = []
     for i, line in enumerate(text.splitlines(), 1):
         if line.strip():
@@ -218,11 +223,62 @@ def _numerics_row_problem(row: dict[str, Any]) -> str | None:
         if key in _NAMES:
             ok = isinstance(value, str)
         else:
-            ok = value is None or value in _NOT_FINITE or (isinstance(value, (int, float))
-                                                          and not isinstance(value, bool))
+            ok = value is None or _number(value)
         if key != "step" and not ok:
             return f"{key!r} is {value!r:.60}, not {'text' if key in _NAMES else 'a number'}"
     return None
+
+
+def read_routing(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """Every row of an MoE run's routing.jsonl ([] when there is none: a dense model); RunFileError when it cannot
+    be read, or at a row whose step, layer, counts or weights have the wrong type, or whose counts are not one per
+    expert of the run's model (.hydra/config.yaml's model.num_moe_experts, else the file's first row)."""
+    path = Path(run_dir) / ROUTING
+    if not (path.exists() or path.is_symlink()):
+        return []
+    return read_jsonl(path, _routing_row_check(_moe_experts(run_dir)))
+
+
+def _moe_experts(run_dir: str | os.PathLike) -> int | None:
+    """model.num_moe_experts of the run's composed config, or None when it cannot be read."""
+    try:
+        model = load_yaml((Path(run_dir) / HYDRA / "config.yaml").read_bytes()).get("model") or {}
+    except (OSError, ValueError, AttributeError):
+        return None
+    experts = model.get("num_moe_experts") if isinstance(model, dict) else None
+    return experts if isinstance(experts, int) and not isinstance(experts, bool) and experts > 0 else None
+
+
+def _number(value: Any) -> bool:
+    """A JSON number, or a string jsonable() writes for NaN and inf."""
+    return value in _NOT_FINITE or (isinstance(value, (int, float)) and not isinstance(value, bool))
+
+
+def _routing_row_check(experts: int | None):
+    """routing.jsonl's row check for read_jsonl (row -> a problem or None): integer step >= 1 and layer >= 0, a
+    count >= 0 per expert, a weight (or null) per expert. Without `experts` the first row sets the count."""
+    where = "model.num_moe_experts" if experts else "in the first row"
+
+    def problem(row: dict[str, Any]) -> str | None:
+        nonlocal experts
+        for key, low in (("step", 1), ("layer", 0)):
+            value = row.get(key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                return f"{key!r} is {value!r:.60}, not an integer >= {low}"
+        tokens, weight = row.get("tokens"), row.get("weight")
+        if not isinstance(tokens, list) or not tokens or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
+            return f"'tokens' is {tokens!r:.60}, not a list of token counts"
+        experts = experts or len(tokens)
+        if len(tokens) != experts:
+            return f"'tokens' has {len(tokens)} entries, not one per expert ({experts}, as {where})"
+        if weight is not None and not (isinstance(weight, list) and len(weight) == experts
+                                       and all(w is None or _number(w) for w in weight)):
+            return f"'weight' is {weight!r:.60}, not a list of {experts} numbers or nulls"
+        bad = next((k for k in ("imbalance", "idle", "z_loss") if row.get(k) is not None and not _number(row[k])),
+                   None)
+        return f"{bad!r} is {row[bad]!r:.60}, not a number" if bad else None
+    return problem
 
 
 def write_text(path: str | os.PathLike, text: str) -> Path:

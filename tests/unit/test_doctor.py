@@ -347,6 +347,42 @@ def test_bad_inputs_end_in_one_line_exit_2(tmp_path, capsys):
             f"statistics ({says}" in err, err
 
 
+def rewrite_metrics(run: Path, edit) -> Path:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in edit(rows)))
+    return run
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda rows: [{**r, "loss": "high"} if r["kind"] == "train" else r for r in rows],
+     "metrics.jsonl line 1 is not a row of statistics ('loss' of a train row is 'high', not a number)"),
+    (lambda rows: [{k: v for k, v in r.items() if k != "loss"} for r in rows],
+     'metrics.jsonl has no "loss" in its train rows'),
+    (lambda rows: rows + [{"kind": "autopilot", "step": 2, "action": "fly", "module": "x", "role": "weights"}],
+     f"metrics.jsonl line {STEPS + 2} is not a row of statistics ('action' of an autopilot row is 'fly', not one "
+     f"of shorten_history | to_current"),
+    (lambda rows: rows + [{"kind": "autopilot", "step": 2, "action": "to_bf16", "module": "x", "role": "wieghts"}],
+     "'role' of an autopilot row is 'wieghts', not one of weights | activations | gradients | *"),
+])
+def test_damaged_metrics_rows_are_one_line_exit_2(tmp_path, capsys, edit, says):
+    """A non-numeric loss was an IndexError traceback (run and --baseline alike); an unknown autopilot action was
+    listed as `step 2: fly x weights:`."""
+    run = rewrite_metrics(spike_run(tmp_path), edit)
+    for argv, key in (([run], "RUN_DIR"), ([spike_run(tmp_path, "other"), "--baseline", run], "--baseline")):
+        rc, out, err = doctor(capsys, *argv)
+        assert rc == 2 and out == "" and err.count("\n") == 1 and err.startswith(f"error: {key}: "), err
+        assert says in err and err.rstrip().endswith("give a run directory written by scripts/train.py"), err
+
+
+def test_a_damaged_routing_row_is_one_line_exit_2(tmp_path, capsys):
+    """Damaged routing.jsonl rows were read without a word (the experts' causes come from them)."""
+    run = spike_run(tmp_path)
+    (run / "routing.jsonl").write_text('{"step": 1, "layer": -7, "tokens": [1, 2, 3, 4]}\n')
+    rc, out, err = doctor(capsys, run)
+    assert rc == 2 and out == "" and err.count("\n") == 1, err
+    assert "routing.jsonl line 1 is not a row of statistics ('layer' is -7, not an integer >= 0)" in err
+
+
 def test_report_is_short_and_names_everything(tmp_path):
     d = diagnose(load_run(spike_run(tmp_path)))
     text = format_report(d)

@@ -15,8 +15,8 @@ import pytest
 
 from fp8_recipes import rundir
 from fp8_recipes.rundir import (
-    LOCK, METRICS, RunDirError, check_run_dir, claim, default_run_name, drop_rows_after, read_metrics, release,
-    safe_name,
+    LOCK, METRICS, ROUTING, RunDirError, RunFileError, check_run_dir, claim, default_run_name, drop_rows_after,
+    read_metrics, read_routing, release, safe_name,
 )
 
 SINGLE: dict[str, str] = {}  # no launcher variables: one process
@@ -166,3 +166,38 @@ def test_overwrite_problem_guards_a_runs_own_files_and_devices(tmp_path):
     assert overwrite_problem(run / "parity.json") is None and overwrite_problem(run / "fixed.yaml") is None
     assert overwrite_problem("/dev/null") == "exists and is not a regular file"
     assert overwrite_problem(tmp_path / "elsewhere.json") is None
+
+
+ROUTED = {"step": 1, "layer": 0, "tokens": [3, 0, 2, 1], "imbalance": 2.0, "idle": 1, "weight": [0.5, None, 0.4, 0.3],
+          "z_loss": 2.5}
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"tokens": [{"a": 1}, 2, 3, 4]}, "'tokens' is [{'a': 1}, 2, 3, 4], not a list of token counts"),
+    ({"tokens": "many"}, "'tokens' is 'many', not a list of token counts"),
+    ({"step": "x"}, "'step' is 'x', not an integer >= 1"),
+    ({"step": 1.5}, "'step' is 1.5, not an integer >= 1"),
+    ({"layer": -7}, "'layer' is -7, not an integer >= 0"),
+    ({"tokens": [5, 6]}, "'tokens' has 2 entries, not one per expert (4, as in the first row)"),
+    ({"weight": [0.5]}, "'weight' is [0.5], not a list of 4 numbers or nulls"),
+    ({"z_loss": "high"}, "'z_loss' is 'high', not a number"),
+])
+def test_a_damaged_routing_row_is_refused_naming_the_file_line_and_key(tmp_path, change, says):
+    """The heat map drew such rows, or died in float() / int() without naming the file; the doctor read them."""
+    (tmp_path / ROUTING).write_text(json.dumps(ROUTED) + "\n\n" + json.dumps({**ROUTED, **change}) + "\n")
+    with pytest.raises(RunFileError) as e:
+        read_routing(tmp_path)
+    assert str(e.value) == f"{tmp_path / ROUTING} line 3 is not a row of statistics ({says})"
+
+
+def test_routing_rows_are_one_per_expert_of_the_runs_model(tmp_path):
+    (tmp_path / ROUTING).write_text(json.dumps(ROUTED) + "\n" + json.dumps({**ROUTED, "step": 2}) + "\n")
+    assert [r["step"] for r in read_routing(tmp_path)] == [1, 2] and read_routing(tmp_path / "dense") == []
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "config.yaml").write_text("model:\n  num_moe_experts: 8\n")
+    with pytest.raises(RunFileError, match=r"line 1 .*'tokens' has 4 entries, not one per expert \(8, as "
+                                           r"model.num_moe_experts\)"):
+        read_routing(tmp_path)
+    (tmp_path / "dir" / ROUTING).mkdir(parents=True)  # was "has no routing.jsonl" in the heat map
+    with pytest.raises(RunFileError, match=r"routing.jsonl is not a readable file \(it is a directory\)$"):
+        read_routing(tmp_path / "dir")

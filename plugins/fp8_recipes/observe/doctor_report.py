@@ -16,21 +16,21 @@ import os
 from pathlib import Path
 from typing import Any
 
+from fp8_recipes.observe.autopilot_config import ACTION_KINDS
 from fp8_recipes.observe.doctor_autopilot import action_outcomes, applied_actions, ended_with
-from fp8_recipes.observe.doctor import Diagnosis, DoctorInputError, Finding, RunData
+from fp8_recipes.observe.doctor import Diagnosis, DoctorInputError, Finding, RunData, _value
 from fp8_recipes.observe.doctor_experts import describe_modules
 from fp8_recipes.rundir import (
     METRICS,
     RECIPE,
-    ROUTING,
     RunFileError,
     read_jsonl,
-    read_metrics,
     read_numerics,
     read_recipe,
+    read_routing,
     read_summary,
 )
-from fp8_recipes.recipe.schema import Recipe, RecipeError
+from fp8_recipes.recipe.schema import ROLES, Recipe, RecipeError
 from fp8_recipes.recipe.yaml_guard import UnsafeYAML
 
 __all__ = ["format_report", "load_run", "patched_recipe", "write_recipe"]
@@ -45,9 +45,9 @@ def load_run(run_dir: str | Path, key: str = "RUN_DIR") -> RunData:
     if not (path / METRICS).is_file():
         raise DoctorInputError(f"{key}: '{run_dir}' has no {METRICS} (give the run_dir of a scripts/train.py run)")
     try:
-        rows = read_metrics(path)
+        rows = read_jsonl(path / METRICS, _metrics_row_problem)
         numerics = read_numerics(path)
-        routing = read_jsonl(path / ROUTING) if (path / ROUTING).is_file() else []  # an MoE run's
+        routing = read_routing(path)  # an MoE run's
     except RunFileError as e:
         raise DoctorInputError(f"{key}: {e}; give a run directory written by scripts/train.py") from None
     stepless = next((i for i, r in enumerate(rows, 1) if r.get("kind") in ("train", "eval")
@@ -59,6 +59,9 @@ def load_run(run_dir: str | Path, key: str = "RUN_DIR") -> RunData:
     evals = sorted((r for r in rows if r.get("kind") == "eval" and "val_loss" in r), key=lambda r: r.get("step", 0))
     if not train:
         raise DoctorInputError(f"{key}: '{run_dir}'/{METRICS} has no training step yet (let the run take steps)")
+    if all(_value(r, "loss") is None for r in train):  # (every rule starts from the loss)
+        raise DoctorInputError(f"{key}: '{run_dir}'/{METRICS} has no \"loss\" in its train rows (not written by "
+                               f"scripts/train.py); give a run directory written by scripts/train.py")
     try:
         data = read_recipe(path)
     except UnsafeYAML as e:
@@ -79,6 +82,26 @@ def load_run(run_dir: str | Path, key: str = "RUN_DIR") -> RunData:
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
     return RunData(path, train, numerics, recipe, summary, evals, recipe_problem=problem, routing=routing,
                    autopilot=autopilot, ended_with=ended, autopilot_problem=why)
+
+
+_READ = {"train": ("loss", "grad_norm", "lr"), "eval": ("val_loss", "val_loss_full_precision")}
+"""metrics.jsonl: the values the doctor reads, per row kind."""
+
+
+def _metrics_row_problem(row: dict[str, Any]) -> str | None:
+    """What makes a metrics.jsonl row unreadable for the doctor, or None: a value it reads that is no number (nor
+    null, nor a string jsonable() writes for NaN and inf), an autopilot row of an action training never takes."""
+    kind = row.get("kind")
+    bad = next((k for k in _READ.get(kind, ()) if row.get(k) is not None and _value(row, k) is None), None)
+    if bad:
+        return f"{bad!r} of a {kind} row is {row[bad]!r:.60}, not a number"
+    if kind != "autopilot":
+        return None
+    for key, known in (("action", (*ACTION_KINDS, "cap_reached")), ("role", (*ROLES, "*"))):
+        if row.get(key) not in known:
+            return f"{key!r} of an autopilot row is {row.get(key)!r:.60}, not one of {' | '.join(known)}"
+    module = row.get("module")
+    return None if isinstance(module, str) else f"'module' of an autopilot row is {module!r:.60}, not text"
 
 
 def patched_recipe(d: Diagnosis) -> dict[str, Any] | None:
