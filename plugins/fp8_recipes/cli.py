@@ -162,7 +162,10 @@ def _cmd_heatmap(args) -> int:
     # this command's own (module docstring): matplotlib
     from fp8_recipes.observe.heatmap import expert_heatmap
 
-    print(expert_heatmap(args.run_dir, stat=args.stat, role=args.role, out=args.out))
+    if args.role is not None and args.stat in ("tokens", "weight"):  # routing rows are per expert, not per role
+        print(f"warning: --role {args.role} does nothing with --stat {args.stat} (routing.jsonl has no roles); "
+              f"drop --role, or plot --stat underflow_pct or scale_gap", file=sys.stderr)
+    print(expert_heatmap(args.run_dir, stat=args.stat, role=args.role or "activations", out=args.out))
     return 0
 
 
@@ -244,8 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                              "block_underflow_pct", "scale_gap"],
                    help="tokens / mean routing weight per expert (every step), or its linears' worst underflow %% "
                    "or |log2(delayed / current scale)| (statistics steps; default scale_gap)")
-    h.add_argument("--role", default="activations", choices=["activations", "weights", "gradients"],
-                   help="the operand role of --stat underflow_pct / scale_gap (default activations)")
+    h.add_argument("--role", default=None, choices=["activations", "weights", "gradients"],
+                   help="the operand role of --stat underflow_pct / block_underflow_pct / scale_gap (default "
+                   "activations; none for tokens and weight)")
     h.add_argument("--out", metavar="PATH", default=None, help="the PNG to write (default RUN_DIR/experts_STAT.png)")
     h.set_defaults(fn=_cmd_heatmap)
     x = sub.add_parser("export", help="write a checkpoint as a Hugging Face Llama checkpoint (BF16 or FP8 with "

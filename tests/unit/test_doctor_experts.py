@@ -5,8 +5,11 @@ tests/integration/test_moe_doctor_cpu.py."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from fp8_recipes import cli
 from fp8_recipes.observe.doctor import Diagnosis, RunData, diagnose
 from fp8_recipes.observe.doctor_experts import expert_causes, expert_of, expert_proposals
 from fp8_recipes.observe.doctor_findings import find_problems
@@ -123,3 +126,75 @@ def test_the_expert_grid():
     assert 6 not in expert_grid([], starved(), "weight")["L0 E1"]  # an idle step has no weight
     with pytest.raises(ValueError, match="--stat"):
         expert_grid([], [], "cosine")
+
+
+def moe_run(path, routing_rows, numerics_rows=()):
+    """A run directory holding just the rows the heat map reads."""
+    path.mkdir()
+    (path / "routing.jsonl").write_text("".join(json.dumps(r) + "\n" for r in routing_rows))
+    if numerics_rows:
+        (path / "numerics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in numerics_rows))
+    return path
+
+
+def heatmap(capsys, *argv) -> tuple[int, str, str]:
+    rc = cli.main(["heatmap", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.parametrize("line, says", [
+    ('{"step": 1, "layer": 0, "tokens": [{"a": 1}, 2, 3, 4], "weight": [1, 1, 1, 1]}', "'tokens' is [{'a': 1}"),
+    ('{"step": "x", "layer": 0, "tokens": [1, 2, 3, 4]}', "'step' is 'x', not an integer >= 1"),
+    ('{"step": 2, "layer": 0, "tokens": [1, 2]}', "'tokens' has 2 entries, not one per expert (4, as in the first"),
+])
+def test_the_heat_map_refuses_a_damaged_routing_row_in_one_line(tmp_path, capsys, line, says):
+    """Was a TypeError traceback, or `error: invalid literal for int()` naming no file, line or key."""
+    run = moe_run(tmp_path / "run", starved()[:1])
+    with open(run / "routing.jsonl", "a") as f:
+        f.write(line + "\n")
+    rc, out, err = heatmap(capsys, run, "--stat", "tokens")
+    assert rc == 1 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"error: RUN_DIR: {run / 'routing.jsonl'} line 2 is not a row of statistics ({says}")
+    assert err.rstrip().endswith("give a run directory written by scripts/train.py")
+    assert not (run / "experts_tokens.png").exists()
+
+
+def test_a_routing_jsonl_that_is_a_directory_is_named(tmp_path, capsys):
+    (tmp_path / "routing.jsonl").mkdir()
+    rc, _, err = heatmap(capsys, tmp_path, "--stat", "tokens")
+    assert rc == 1 and "routing.jsonl is not a readable file (it is a directory)" in err and err.count("\n") == 1
+
+
+def nvfp4(rows: list[dict]) -> list[dict]:
+    return [{**{k: v for k, v in r.items() if k != "scale_ratio"}, "policy": "nvfp4 e2m1 1x16",
+             "block_underflow_pct": 0.0} for r in rows]
+
+
+@pytest.mark.parametrize("routing_rows, numerics_rows, argv, says", [
+    ([], [], ["--stat", "tokens"], "its routing.jsonl has no row (a run that took no training step); let the run"),
+    (starved(), numerics({}), ["--stat", "block_underflow_pct"],
+     "block_underflow_pct is NVFP4's statistic and the experts' activations ran delayed; pick another --stat"),
+    (starved(), nvfp4(numerics({})), ["--stat", "scale_gap"],
+     "scale_gap is delayed scaling's statistic and the experts' activations ran nvfp4; pick another --stat"),
+    (starved(), [{k: v for k, v in r.items() if k != "role"} for r in numerics({})], ["--stat", "underflow_pct"],
+     "the experts' numerics rows name no role"),
+    (starved(), numerics({}), ["--stat", "scale_gap", "--role", "weights"],
+     "the experts' numerics rows have no role 'weights' (they have activations); pick --role activations"),
+    (starved(), numerics({})[:1], ["--stat", "scale_gap"], "a delayed operand's first row is left out"),
+])
+def test_nothing_to_plot_says_the_reason_that_applies(tmp_path, capsys, routing_rows, numerics_rows, argv, says):
+    """Was always "a delayed operand's first row is left out", whatever the reason."""
+    rc, out, err = heatmap(capsys, moe_run(tmp_path / "run", routing_rows, numerics_rows), *argv)
+    assert rc == 1 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"error: {argv[0]} {argv[1]}: '{tmp_path / 'run'}' has nothing to plot: {says}"), err
+
+
+def test_role_with_a_routing_stat_is_warned_about(tmp_path, capsys):
+    """--role picks numerics rows: with --stat tokens or weight it did nothing, silently."""
+    run = moe_run(tmp_path / "run", starved())
+    rc, out, err = heatmap(capsys, run, "--stat", "weight", "--role", "weights")
+    assert rc == 0 and out.strip() == str(run / "experts_weight.png") and (run / "experts_weight.png").is_file()
+    assert err == ("warning: --role weights does nothing with --stat weight (routing.jsonl has no roles); drop "
+                   "--role, or plot --stat underflow_pct or scale_gap\n")
+    assert heatmap(capsys, run, "--stat", "tokens")[2] == ""  # (the default role is no --role)

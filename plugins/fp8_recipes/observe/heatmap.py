@@ -17,8 +17,10 @@ scale_gap           how far its delayed scale is from the current one, |log2(del
 
 A blank cell is a step without a value: an expert with no token (no activation or gradient row), a step without
 statistics, a scale gap under current scaling (there is none) or a delayed operand's first row (its scale is 1
-from an empty history, as in TE: the doctor leaves it out too). Imports matplotlib (and numpy) only, where it
-plots.
+from an empty history, as in TE: the doctor leaves it out too). A map with no value at all is refused in one line
+that says which of these applies (:func:`_nothing_because`); `role` picks the rows of the numerics statistics only.
+The rows are read through rundir.py's readers: a damaged row is refused in one line naming its file and line, as
+the doctor does. Imports matplotlib (and numpy) only, where it plots.
 """
 
 from __future__ import annotations
@@ -109,23 +111,28 @@ def expert_grid(numerics: list[dict[str, Any]], routing: list[dict[str, Any]], s
 def expert_heatmap(run_dir: str | os.PathLike, stat: str = "scale_gap", role: str = "activations",
                    out: str | os.PathLike | None = None) -> Path:
     """Write the experts x steps heat map of `run_dir` (default ``<run_dir>/experts_<stat>.png``); ValueError
-    (one line) when the run has no routing rows (not an MoE run) or `stat` is unknown."""
-    from fp8_recipes.rundir import ROUTING, read_jsonl, read_numerics
+    (one line) when the run has no routing rows (not an MoE run), a damaged row, nothing to plot, or `stat` is
+    unknown."""
+    from fp8_recipes.rundir import ROUTING, RunFileError, read_numerics, read_routing
 
     run_dir = Path(run_dir)
     if stat not in EXPERT_STATS:
         raise ValueError(f"--stat: {stat!r} is not one of {' | '.join(EXPERT_STATS)}")
-    if not (run_dir / ROUTING).is_file():
+    if not ((run_dir / ROUTING).exists() or (run_dir / ROUTING).is_symlink()):  # (a directory there is named)
         raise ValueError(f"RUN_DIR: '{run_dir}' has no {ROUTING} (the heat map by expert needs an MoE run, e.g. "
                          f"model=tiny_moe)")
-    numerics = read_numerics(run_dir) if stat in _NUMERICS else []
+    try:
+        routing = read_routing(run_dir)
+        numerics = read_numerics(run_dir) if stat in _NUMERICS else []
+    except RunFileError as e:  # the doctor's refusal of a damaged row, in the same words
+        raise ValueError(f"RUN_DIR: {e}; give a run directory written by scripts/train.py") from None
     if stat in _NUMERICS and not numerics:
         raise ValueError(f"--stat {stat}: '{run_dir}' has no numerics.jsonl (train with ++debug.interval=N), or "
                          f"plot --stat tokens")
-    grid = expert_grid(numerics, read_jsonl(run_dir / ROUTING), stat, role)
+    grid = expert_grid(numerics, routing, stat, role)
     if not any(grid.values()):
-        raise ValueError(f"--stat {stat}: '{run_dir}' has no {stat} of the experts' {role} to plot (a delayed "
-                         f"operand's first row is left out: record more steps, or pick another --stat or --role)")
+        why = _nothing_because(numerics, routing, stat, role)
+        raise ValueError(f"--stat {stat}: '{run_dir}' has nothing to plot: {why}")
     path = _out_path(out) if out is not None else run_dir / f"experts_{stat}.png"
     what = EXPERT_STATS[stat] if stat in ("tokens", "weight") else f"{stat} of the experts' {role}"
     try:
@@ -133,6 +140,34 @@ def expert_heatmap(run_dir: str | os.PathLike, stat: str = "scale_gap", role: st
     except OSError as e:
         raise ValueError(f"--out: cannot write '{path}' ({e.strerror or type(e).__name__}); give a writable "
                          f".png path") from None
+
+
+def _nothing_because(numerics: list[dict[str, Any]], routing: list[dict[str, Any]], stat: str, role: str) -> str:
+    """Why the grid of `stat` is empty, with the way out: the reason that applies, checked from the rows up."""
+    from fp8_recipes.observe.doctor_experts import expert_of
+
+    if stat in ("tokens", "weight"):
+        if not routing:
+            return "its routing.jsonl has no row (a run that took no training step); let the run take steps"
+        return "no routing row has a weight (every expert idle, or rows without weights); plot --stat tokens"
+    experts = [r for r in numerics if expert_of(str(r.get("module", ""))) is not None]
+    if not experts:
+        return "numerics.jsonl has no row of a routed expert's linear; plot --stat tokens"
+    roles = sorted({r["role"] for r in experts if isinstance(r.get("role"), str)})
+    mine = [r for r in experts if r.get("role") == role]
+    if not mine:
+        return (f"the experts' numerics rows have no role {role!r} (they have {', '.join(roles)}); pick --role "
+                f"{roles[0]}" if roles else "the experts' numerics rows name no role (not written by "
+                "scripts/train.py); give a run directory written by scripts/train.py")
+    key = "scale_ratio" if stat == "scale_gap" else stat
+    policies = sorted({str(r.get("policy", "?")).split(" ")[0] for r in mine})
+    if not any(r.get(key) is not None for r in mine):  # a statistic of another scaling than the experts ran
+        of = {"scale_gap": "delayed scaling's", "block_underflow_pct": "NVFP4's"}.get(stat, "a")
+        other = "tokens" if stat == "underflow_pct" else "underflow_pct"
+        return (f"{stat} is {of} statistic and the experts' {role} ran {' / '.join(policies)}; pick another "
+                f"--stat, e.g. {other}")
+    return (f"a delayed operand's first row is left out (its scale is 1 from an empty history) and no other row of "
+            f"the experts' {role} has a finite {key}; record more steps, or pick another --stat or --role")
 
 
 def _out_path(out: str | os.PathLike) -> Path:
