@@ -74,6 +74,22 @@ def test_gpu_only_moe_keys_are_refused_on_the_cpu_and_idle_ones_warned():
     assert model_notices({**MOE, "moe_grouped_gemm": True}, device="cuda") == []
 
 
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+def test_router_padding_on_the_cpu_says_to_drop_it(dispatcher):
+    """On the CPU no dispatcher pads: the fix is to drop the padding, never a dispatcher the CPU then refuses (was:
+    'set alltoall', which check_model_device sent back to allgather)."""
+    cfg = {**MOE, "moe_router_padding_for_quantization": True, "moe_token_dispatcher_type": dispatcher}
+    with pytest.raises(ConfigError, match=r"^model\.moe_router_padding_for_quantization=true: router padding cannot "
+                                          r"run on the CPU .*drop model\.moe_router_padding_for_quantization"):
+        check_model_device(cfg, "cpu")
+    check_model_cfg(cfg, device=None)  # (training: the device is not known yet; check_model_device says it)
+    if dispatcher == "allgather":
+        with pytest.raises(ConfigError, match=r"set model\.moe_token_dispatcher_type=alltoall"):
+            check_model_device(cfg, "cuda")
+    else:
+        check_model_device(cfg, "cuda")
+
+
 def test_layout_names_every_expert_shared_expert_and_router():
     layout = layout_of({**MOE, "moe_layer_freq": [0, 1, 0, 1]})
     assert layout == ModelLayout.gpt(4, moe=MoEShape(4, (1, 3), shared_experts=True)) and layout.experts == 4

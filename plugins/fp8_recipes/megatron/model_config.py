@@ -52,8 +52,11 @@ MODEL_MAX = {"num_layers": 1024, "hidden_size": 65536, "ffn_hidden_size": 262144
              "moe_shared_expert_intermediate_size": 262144}
 
 
-def check_model_cfg(cfg: Mapping[str, Any], *, vocab_may_be_unset: bool = False, tensor_parallel: int = 1) -> None:
-    """The `model` group: known keys, types, ranges, and the shapes Megatron-Core would assert on."""
+def check_model_cfg(cfg: Mapping[str, Any], *, vocab_may_be_unset: bool = False, tensor_parallel: int = 1,
+                    device: str | None = "cuda") -> None:
+    """The `model` group: known keys, types, ranges, and the shapes Megatron-Core would assert on. ``device``: the
+    machine it will run on ('cpu', 'cuda'); None while not yet known (training, before torch loads), the keys whose
+    fix depends on it then left to :func:`check_model_device`."""
     known = MODEL_REQUIRED + MODEL_OPTIONAL + MOE_KEYS
     check_keys("model", cfg, known)
     for key in MODEL_REQUIRED:
@@ -82,6 +85,8 @@ def check_model_cfg(cfg: Mapping[str, Any], *, vocab_may_be_unset: bool = False,
         if v is not None and not (is_number(v) and v > 0):
             raise ConfigError(f"model.{key}={v!r}: must be a number > 0")
     _check_moe(cfg, tensor_parallel)
+    if device is not None:
+        check_model_device(cfg, device)
     init_from = cfg.get("init_from")
     if init_from is not None:  # training/hf.py checks the vocabulary and the shape once the model config is final
         if not (isinstance(init_from, str) and init_from.startswith("hf:") and len(init_from) > 3):
@@ -141,10 +146,6 @@ def _check_moe(cfg: Mapping[str, Any], tensor_parallel: int) -> None:
                          f"auxiliary loss (it balances by itself); set model.moe_aux_loss_coeff=0")
     moe_layer_pattern(cfg)  # moe_layer_freq's form and length
     _check_capacity(cfg)
-    if cfg.get("moe_router_padding_for_quantization") and cfg.get("moe_token_dispatcher_type",
-                                                                   "allgather") == "allgather":
-        raise ConfigError("model.moe_router_padding_for_quantization=true: Megatron-Core's allgather dispatcher "
-                         "does not pad; set model.moe_token_dispatcher_type=alltoall, or the padding false")
     if cfg.get("moe_router_padding_for_quantization") and cfg.get("moe_router_fusion"):
         raise ConfigError("model.moe_router_fusion=true with model.moe_router_padding_for_quantization=true: "
                          "Megatron-Core 0.19.2 pads the routing map the fused router saved for its backward in place "
@@ -206,10 +207,22 @@ def config_layout(config: Any) -> ModelLayout:
 
 
 def check_model_device(cfg: Mapping[str, Any], device: str) -> None:
-    """The MoE keys that need a GPU (Transformer Engine, CUDA streams), refused on the CPU before anything is built."""
-    if cfg.get("num_moe_experts") is None or device == "cuda":
+    """The MoE keys that need a GPU (Transformer Engine, CUDA streams), refused on the CPU before anything is built,
+    and router padding, whose fix depends on the machine (``device``: 'cpu' or 'cuda')."""
+    if cfg.get("num_moe_experts") is None:
         return
     dispatcher = cfg.get("moe_token_dispatcher_type", "allgather")
+    if cfg.get("moe_router_padding_for_quantization") and (device != "cuda" or dispatcher == "allgather"):
+        # The dispatchers that pad need a GPU: on the CPU no setting pads (checked first, so that the CPU's
+        # allgather-only refusal below never sends the user back here)
+        raise ConfigError("model.moe_router_padding_for_quantization=true: Megatron-Core's allgather dispatcher does "
+                         "not pad; set model.moe_token_dispatcher_type=alltoall, or the padding false"
+                         if device == "cuda" else
+                         "model.moe_router_padding_for_quantization=true: router padding cannot run on the CPU "
+                         "(Megatron-Core's allgather dispatcher, the only one the CPU runs, does not pad); drop "
+                         "model.moe_router_padding_for_quantization (or set it false)")
+    if device == "cuda":
+        return
     if dispatcher != "allgather":
         raise ConfigError(f"model.moe_token_dispatcher_type={dispatcher}: Megatron-Core's {dispatcher} dispatcher "
                          f"needs a GPU (it creates CUDA streams); on the CPU set model.moe_token_dispatcher_type="
