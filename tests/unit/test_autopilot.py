@@ -116,6 +116,54 @@ def test_settings_it_cannot_act_on_get_one_warning_each():
     assert "NVFP4 operands (8 module(s)" in line and "non-finite recovery only" in line
 
 
+@pytest.mark.parametrize("recipe, actions, says", [
+    ("delayed", ["repromote"], "repromote (nothing demotes a module without to_bf16 in the list) cannot act under "
+                               "recipe delayed; so the autopilot changes nothing; list an action"),
+    ("tensorwise", ["shorten_history"], "shorten_history (no role uses delayed scaling) cannot act under recipe "
+                                        "tensorwise; so the autopilot changes nothing"),
+    ("delayed", ["to_e5m2", "to_bf16"], "to_e5m2 (no E4M3 FP8 gradients to widen) cannot act under recipe delayed; "
+                                        "drop it"),
+    ("hybrid", ["to_current", "to_bf16", "repromote"], "to_current (no role uses delayed scaling) cannot act"),
+    ("delayed", ["shorten_history", "to_current", "to_bf16", "repromote"], None),
+    ("mxfp8", ["to_e5m2"], None),  # (E4M3 gradients)
+    ("tensorwise", list(ACTION_KINDS), None),  # (the default list: each kind waits for a recipe it fits)
+], ids=["repromote-alone", "no-delayed-role", "gradients-e5m2", "one-of-three", "all-act", "e4m3-gradients",
+        "default-list"])
+def test_action_lists_that_cannot_act_get_one_warning(recipe, actions, says):
+    """Listed actions the recipe gives nothing to act on were accepted silently: one line naming
+    autopilot.actions and each of them."""
+    from fp8_recipes.plan.precision import ModelLayout, PrecisionPlan
+    from fp8_recipes.training.autopilot import autopilot_notices
+
+    raw = {"enabled": True, "actions": actions}
+    lines = autopilot_notices(raw, autopilot_config(raw), PrecisionPlan(load_recipe(recipe), ModelLayout.gpt(4)), 100)
+    assert (lines == []) if says is None else (len(lines) == 1 and lines[0].startswith(f"autopilot.actions: {says}")), \
+        lines
+
+
+def test_a_run_with_no_fp8_gemm_says_the_autopilot_has_nothing_to_act_on(tmp_path, caplog):
+    """`autopilot=on` without an FP8 recipe warned 'debug: recipe bf16 runs no GEMM in FP8', naming a section the
+    user never set: one line naming the autopilot instead (debug's own line stays for a debug section given)."""
+    import logging
+
+    from hydra import compose, initialize_config_dir
+
+    from fp8_recipes.training.run import _checked_run, _warn_notices
+
+    for extra, debug_line in (([], False), (["++debug.interval=10"], True)):
+        with initialize_config_dir(str(ROOT / "conf"), version_base=None):
+            cfg = compose("train", overrides=["autopilot=on", "trainer.max_steps=2", "trainer.warmup_steps=1",
+                                              f"run_dir={tmp_path / 'run'}", *extra])
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="fp8_recipes"):
+            _warn_notices(_checked_run(cfg))
+        said = [r.getMessage() for r in caplog.records]
+        assert [m for m in said if m.startswith("autopilot")] == [
+            "autopilot: nothing to act on: no GEMM runs FP8 in this run (recipe bf16), and the autopilot changes FP8 "
+            "scaling per module and role; train with an FP8 recipe (+recipe=hybrid), or autopilot=off"], said
+        assert any(m.startswith("debug: recipe bf16") for m in said) is debug_line, said
+
+
 def test_defaults_are_the_doctors_limits():
     limits = AutopilotConfig().limits
     assert (limits.underflow_pct, limits.saturation_pct, limits.cosine_drop, limits.scale_gap) == (

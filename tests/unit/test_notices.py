@@ -69,6 +69,7 @@ def test_debug_settings_that_record_nothing():
     stats = debug_config({"interval": 10}, None)
     (line,) = run_notices(trainer, load_recipe("bf16"), stats)
     assert line.startswith("debug: recipe bf16 runs no GEMM in FP8") and "nothing is recorded" in line
+    assert run_notices(trainer, load_recipe("bf16"), stats, debug_set=False) == []  # (the autopilot's: it says so)
     fp8 = {"decoder.layers.0.mlp.linear_fc1", "decoder.layers.1.mlp.linear_fc1"}
     assert run_notices(trainer, load_recipe("hybrid"), stats, fp8_modules=fp8) == []
     lines = run_notices(trainer, load_recipe("hybrid"), debug_config(

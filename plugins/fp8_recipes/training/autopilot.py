@@ -35,11 +35,11 @@ from typing import Any
 
 from fp8_recipes.checks import ConfigError
 from fp8_recipes.observe.autopilot import Action, Autopilot
-from fp8_recipes.observe.autopilot_config import AutopilotConfig
+from fp8_recipes.observe.autopilot_config import ACTION_KINDS, AutopilotConfig
 from fp8_recipes.observe.config import DebugConfig
 from fp8_recipes.plan.format import format_plan
 from fp8_recipes.plan.precision import PrecisionPlan
-from fp8_recipes.recipe.schema import Backend, RecipeError, Scaling
+from fp8_recipes.recipe.schema import ROLES, Backend, Format, RecipeError, Role, Scaling
 from fp8_recipes.rundir import PLAN
 
 __all__ = ["AutopilotPrecision", "autopilot_notices", "check_autopilot", "statistics_for"]
@@ -64,7 +64,8 @@ def statistics_for(autopilot: AutopilotConfig, debug: DebugConfig) -> DebugConfi
 
 def autopilot_notices(raw: Any, autopilot: AutopilotConfig, plan: PrecisionPlan, max_steps: int) -> list[str]:
     """Autopilot settings this run cannot act on, one line each: keys set while it is off (``raw``: the run
-    config's ``autopilot`` mapping); NVFP4 operands, for which it has only its non-finite recovery."""
+    config's ``autopilot`` mapping); a run with no FP8 GEMM; listed actions the recipe gives nothing to act on;
+    NVFP4 operands, for which it has only its non-finite recovery."""
     if autopilot is None:
         return []
     if not autopilot.enabled:  # (what differs from the defaults: `autopilot=on ++autopilot.enabled=false` sets none)
@@ -73,14 +74,41 @@ def autopilot_notices(raw: Any, autopilot: AutopilotConfig, plan: PrecisionPlan,
                        if k != "enabled" and getattr(autopilot, k, None) != getattr(default, k, None))
         return [f"autopilot.{given[0]}{' (and ' + ', '.join(given[1:]) + ')' if given[1:] else ''} does nothing: "
                 f"the autopilot is off (autopilot.enabled=false); use autopilot=on, or drop it"] if given else []
-    nvfp4 = sorted({name for first, _, _ in plan.stages(max_steps) for name, module in plan.at(first).modules.items()
-                    for gemm in module.gemms.values() for _, p in gemm.operands
+    modules = [(name, module) for first, _, _ in plan.stages(max_steps)
+               for name, module in plan.at(first).modules.items()]
+    if not any(module.any_fp8 for _, module in modules):
+        return [f"autopilot: nothing to act on: no GEMM runs FP8 in this run (recipe {plan.recipe.name}), and the "
+                f"autopilot changes FP8 scaling per module and role; train with an FP8 recipe (+recipe=hybrid), or "
+                f"autopilot=off"]
+    nvfp4 = sorted({name for name, module in modules for gemm in module.gemms.values() for _, p in gemm.operands
                     if p is not None and p.scaling is Scaling.NVFP4})
-    if not nvfp4:
-        return []
-    return [f"autopilot: the NVFP4 operands ({len(nvfp4)} module(s), e.g. {nvfp4[0]}) get its non-finite recovery "
-            f"only: its signals and actions are FP8 scaling's (the doctor reads NVFP4's statistics: fp8-recipes "
-            f"doctor RUN_DIR)"]
+    out = [line] if (line := _idle_actions_notice(autopilot.actions, plan.recipe)) else []
+    if nvfp4:
+        out.append(f"autopilot: the NVFP4 operands ({len(nvfp4)} module(s), e.g. {nvfp4[0]}) get its non-finite "
+                   f"recovery only: its signals and actions are FP8 scaling's (the doctor reads NVFP4's statistics: "
+                   f"fp8-recipes doctor RUN_DIR)")
+    return out
+
+
+def _idle_actions_notice(actions: tuple[str, ...], recipe) -> str | None:
+    """autopilot.actions that can never act under ``recipe``, as one line; None for the full list (the default,
+    and the `on` preset's: each kind there waits for a recipe it fits) or when every listed kind can act."""
+    if actions == ACTION_KINDS:
+        return None
+    policies = [(r, recipe.policy(r)) for r in ROLES] + [(r, p) for m in recipe.modules for r, p in m.policies]
+    delayed = any(p.scaling is Scaling.DELAYED for _, p in policies)
+    why = {"shorten_history": None if delayed else "no role uses delayed scaling",
+           "to_current": None if delayed else "no role uses delayed scaling",
+           "to_e5m2": None if any(r is Role.GRADIENTS and p.format is Format.E4M3 and p.scaling not in
+                                  (Scaling.NONE, Scaling.NVFP4) for r, p in policies)
+           else "no E4M3 FP8 gradients to widen",
+           "repromote": None if "to_bf16" in actions else "nothing demotes a module without to_bf16 in the list"}
+    idle = [f"{k} ({why[k]})" for k in actions if why.get(k)]
+    if not idle:
+        return None
+    fix = ("so the autopilot changes nothing; list an action this recipe allows (e.g. to_bf16), or autopilot=off"
+           if len(idle) == len(actions) else f"drop {'it' if len(idle) == 1 else 'them'}")
+    return f"autopilot.actions: {' and '.join(idle)} cannot act under recipe {recipe.name}; {fix}"
 
 
 def check_autopilot(autopilot: AutopilotConfig, plan: PrecisionPlan, trainer=None) -> None:

@@ -39,10 +39,11 @@ def schedule_notice(recipe: Any, max_steps: int) -> str | None:
 
 
 def run_notices(trainer: Any, recipe: Any, debug: Any, start: int = 0,
-                fp8_modules: Collection[str] | None = None) -> list[str]:
+                fp8_modules: Collection[str] | None = None, *, debug_set: bool = True) -> list[str]:
     """Every one-line warning about settings this run cannot reach (``trainer``: a TrainerConfig). ``start``: the
     optimizer steps already done (a resumed run's checkpoint step); ``fp8_modules``: the modules that run some GEMM
-    in FP8 at some step of the run (the plan's), when known."""
+    in FP8 at some step of the run (the plan's), when known; ``debug_set``: False when ``debug`` records only the
+    autopilot's statistics (training/autopilot.statistics_for), whose idle case autopilot_notices names."""
     out = []
     last = trainer.max_steps
     if trainer.warmup_steps > last:
@@ -67,7 +68,7 @@ def run_notices(trainer: Any, recipe: Any, debug: Any, start: int = 0,
     if debug is not None:
         out += _idle_debug_notices(debug)
     if debug is not None and debug.enabled:
-        out += _debug_notices(debug, recipe, last, start, fp8_modules)
+        out += _debug_notices(debug, recipe, last, start, fp8_modules, debug_set)
     return out
 
 
@@ -95,11 +96,13 @@ def _keys(names: list[str]) -> str:
     return names[0] + (f" (and {', '.join(names[1:])})" if names[1:] else "")
 
 
-def _debug_notices(debug: Any, recipe: Any, last: int, start: int, fp8_modules: Collection[str] | None) -> list[str]:
+def _debug_notices(debug: Any, recipe: Any, last: int, start: int, fp8_modules: Collection[str] | None,
+                   debug_set: bool = True) -> list[str]:
     out = []
-    if not recipe.is_fp8:
+    if not recipe.is_fp8:  # (statistics the user did not ask for: the autopilot's notice says it acts on nothing)
         return [(f"debug: recipe {recipe.name} runs no GEMM in FP8, and the numerics statistics and dumps observe "
-                 f"FP8 quantization only: nothing is recorded; train with an FP8 recipe (+recipe=hybrid)")]
+                 f"FP8 quantization only: nothing is recorded; train with an FP8 recipe (+recipe=hybrid)")] \
+            if debug_set else []
     late = [s for s in debug.dump.steps if s > last]
     if late:
         out.append(f"debug.dump.steps: {', '.join(map(str, late))} after the last step (trainer.max_steps="

@@ -611,7 +611,8 @@ def _warn_notices(run: _Run) -> None:
     for line in [*model_notices(run.cfg.model, device=run.hardware.device),
                  _router_padding_notice(run.cfg.model, plan, fp8_modules),
                  _wgrad_fusion_notice(run.tcfg, plan),
-                 *run_notices(run.tcfg, run.recipe, run.debug, start, fp8_modules), run.shape_warning,
+                 *run_notices(run.tcfg, run.recipe, run.debug, start, fp8_modules,
+                              debug_set=resolve_debug(run.cfg).enabled), run.shape_warning,
                  *autopilot_notices(_plain(run.cfg.get("autopilot")), run.autopilot, plan, run.tcfg.max_steps)]:
         if line:
             logger.warning(line)
