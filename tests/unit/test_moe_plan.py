@@ -74,6 +74,24 @@ def test_gpu_only_moe_keys_are_refused_on_the_cpu_and_idle_ones_warned():
     assert model_notices({**MOE, "moe_grouped_gemm": True}, device="cuda") == []
 
 
+def test_moe_keys_of_a_dense_model_are_named_in_one_line_and_the_expert_width_said():
+    """A dense model named only the first idle MoE key; an MoE model without moe_ffn_hidden_size got Megatron-Core's
+    raw two-line UserWarning on stderr: the width is set to its default (moe_config_fields) and said in one line."""
+    from fp8_recipes.megatron.model_config import moe_config_fields
+
+    idle = {k: v for k, v in MOE.items() if k not in DENSE and k != "num_moe_experts"}
+    [line] = model_notices({**DENSE, **idle}, device="cpu")
+    assert line.startswith("model.moe_router_topk=2 (and moe_ffn_hidden_size, moe_shared_expert_intermediate_size) "
+                           "does nothing: model.num_moe_experts is null"), line
+    unset = {k: v for k, v in MOE.items() if k != "moe_ffn_hidden_size"}
+    [line] = model_notices(unset, device="cpu")
+    assert line == ("model.moe_ffn_hidden_size is not set: each expert's FFN takes the dense width, 512 "
+                    "(Megatron-Core's default); set model.moe_ffn_hidden_size to choose")
+    assert moe_config_fields(unset)["moe_ffn_hidden_size"] == 512
+    assert moe_config_fields({**unset, "ffn_hidden_size": 384})["moe_ffn_hidden_size"] == 384
+    assert "moe_ffn_hidden_size" not in moe_config_fields({"num_moe_experts": 4})  # (apply_moe: no dense shape)
+
+
 @pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
 def test_router_padding_on_the_cpu_says_to_drop_it(dispatcher):
     """On the CPU no dispatcher pads: the fix is to drop the padding, never a dispatcher the CPU then refuses (was:

@@ -188,10 +188,14 @@ def moe_config_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """The model group's MoE keys as Megatron-Core TransformerConfig fields (they share its names; Megatron-Bridge's
     GPTModelProvider and NeMo's GPTConfig are TransformerConfig subclasses, so theirs too); none for a dense model.
     Unset (or null) keys keep Megatron-Core's defaults (top-2, aux-loss balancing with coefficient 0, the
-    allgather dispatcher)."""
+    allgather dispatcher); the experts' FFN width is written out when ``cfg`` has the dense shape."""
     if cfg.get("num_moe_experts") is None:
         return {}
     fields = {key: cfg[key] for key in MOE_KEYS if cfg.get(key) is not None}
+    if "moe_ffn_hidden_size" not in fields and "hidden_size" in cfg:
+        # Megatron-Core's own default (the dense FFN width), set here: it would warn in two raw lines on stderr;
+        # model_notices says it in one
+        fields["moe_ffn_hidden_size"] = expert_ffn_size(cfg)
     if isinstance(fields.get("moe_layer_freq"), (list, tuple)):
         fields["moe_layer_freq"] = [int(f) for f in fields["moe_layer_freq"]]
     return fields
@@ -237,9 +241,13 @@ def model_notices(cfg: Mapping[str, Any], *, device: str) -> list[str]:
     """One-line warnings for model keys that do nothing here (``device``: 'cpu' or 'cuda')."""
     if cfg.get("num_moe_experts") is None:
         idle = [k for k in MOE_KEYS if k != "num_moe_experts" and cfg.get(k) not in (None, False)]
-        return [f"model.{idle[0]}={cfg[idle[0]]!r} does nothing: model.num_moe_experts is null (a dense model); "
-                f"set model.num_moe_experts, or drop the MoE keys"] if idle else []
+        more = f" (and {', '.join(idle[1:])})" if idle[1:] else ""
+        return [f"model.{idle[0]}={cfg[idle[0]]!r}{more} does nothing: model.num_moe_experts is null (a dense "
+                f"model); set model.num_moe_experts, or drop the MoE keys"] if idle else []
     out = []
+    if cfg.get("moe_ffn_hidden_size") is None:  # (moe_config_fields sets it so: Megatron-Core's default)
+        out.append(f"model.moe_ffn_hidden_size is not set: each expert's FFN takes the dense width, "
+                   f"{expert_ffn_size(cfg)} (Megatron-Core's default); set model.moe_ffn_hidden_size to choose")
     if device == "cpu" and cfg.get("moe_grouped_gemm"):
         out.append("model.moe_grouped_gemm=true does nothing on the CPU: Megatron-Core's local layers run the experts "
                    "one after another (SequentialMLP); the grouped GEMM is Transformer Engine's, on the GPU")
