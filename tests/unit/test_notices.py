@@ -64,6 +64,30 @@ def test_a_setting_another_one_switches_off():
     assert run_notices(trainer(save_interval=50, eval_iters=0, eval_interval=0), hybrid, None) == []
 
 
+def test_amax_reduction_without_delayed_scaling():
+    """It reduces delayed scaling's amaxes only: set under a recipe with no delayed policy it trained silently."""
+    import dataclasses
+
+    from fp8_recipes.recipe.pack import load_recipe_dict
+    from fp8_recipes.recipe.schema import AmaxReduction, Recipe
+
+    trainer = TrainerConfig.from_cfg({"max_steps": 200, "warmup_steps": 0})
+    nvfp4 = dataclasses.replace(load_recipe("nvfp4"), amax_reduction=AmaxReduction.DATA)
+    (line,) = [x for x in run_notices(trainer, nvfp4, None) if x.startswith("recipe.amax_reduction")]
+    assert line == ("recipe.amax_reduction=data does nothing: no role of recipe nvfp4 uses delayed scaling, the only "
+                    "one whose amaxes it reduces (current, block and NVFP4 scaling take each rank's own); drop it")
+    for name in ("delayed", "nvfp4"):  # (delayed: it works; nvfp4: the default, which says nothing)
+        recipe = load_recipe(name)
+        reduced = dataclasses.replace(recipe, amax_reduction=AmaxReduction.NONE) if name == "delayed" else recipe
+        assert not any(x.startswith("recipe.amax_reduction") for x in run_notices(trainer, reduced, None))
+    # a delayed policy in a modules: entry alone is enough
+    data = {**load_recipe_dict("tensorwise"), "amax_reduction": "tensor",
+            "modules": {"*.experts.*": {"gradients": {"scaling": "delayed"}}}}
+    assert run_notices(trainer, Recipe.from_dict(data), None) == []
+    (line,) = run_notices(trainer, Recipe.from_dict({**data, "modules": {}}), None)
+    assert line.startswith("recipe.amax_reduction=tensor does nothing: no role of recipe tensorwise")
+
+
 def test_debug_settings_that_record_nothing():
     trainer = TrainerConfig.from_cfg({"max_steps": 200, "warmup_steps": 0})
     stats = debug_config({"interval": 10}, None)

@@ -315,6 +315,11 @@ class Recipe:
     def is_fp8(self) -> bool:
         return any(self.policy(r).is_fp8 for r in ROLES)
 
+    def stated_policies(self) -> list[tuple[Role, TensorPolicy]]:
+        """Every (role, policy) the recipe states: its roles' and each ``modules:`` entry's (what a setting that
+        applies to one kind of scaling may find work in)."""
+        return [(r, self.policy(r)) for r in ROLES] + [(r, p) for m in self.modules for r, p in m.policies]
+
     def to_dict(self) -> dict[str, Any]:
         """The resolved recipe as plain YAML-able data (what `fp8-recipes show` prints)."""
         return {

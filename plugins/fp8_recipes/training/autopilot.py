@@ -39,7 +39,7 @@ from fp8_recipes.observe.autopilot_config import ACTION_KINDS, AutopilotConfig
 from fp8_recipes.observe.config import DebugConfig
 from fp8_recipes.plan.format import format_plan
 from fp8_recipes.plan.precision import PrecisionPlan
-from fp8_recipes.recipe.schema import ROLES, Backend, Format, RecipeError, Role, Scaling
+from fp8_recipes.recipe.schema import Backend, Format, RecipeError, Role, Scaling
 from fp8_recipes.rundir import PLAN
 
 __all__ = ["AutopilotPrecision", "autopilot_notices", "check_autopilot", "statistics_for"]
@@ -95,7 +95,7 @@ def _idle_actions_notice(actions: tuple[str, ...], recipe) -> str | None:
     and the `on` preset's: each kind there waits for a recipe it fits) or when every listed kind can act."""
     if actions == ACTION_KINDS:
         return None
-    policies = [(r, recipe.policy(r)) for r in ROLES] + [(r, p) for m in recipe.modules for r, p in m.policies]
+    policies = recipe.stated_policies()
     delayed = any(p.scaling is Scaling.DELAYED for _, p in policies)
     why = {"shorten_history": None if delayed else "no role uses delayed scaling",
            "to_current": None if delayed else "no role uses delayed scaling",

@@ -50,9 +50,7 @@ def run_notices(trainer: Any, recipe: Any, debug: Any, start: int = 0,
         out.append(f"trainer.warmup_steps={trainer.warmup_steps} is longer than the run (trainer.max_steps="
                    f"{last}): the LR warms up over {trainer.lr_warmup_steps} step(s) instead (a tenth "
                    f"of the run); set trainer.warmup_steps <= {last} to choose")
-    line = schedule_notice(recipe, last)
-    if line:
-        out.append(line)
+    out += [line for line in (schedule_notice(recipe, last), _amax_reduction_notice(recipe)) if line]
     if trainer.save_interval > 0 and not trainer.save_checkpoints:
         out.append(f"trainer.save_interval={trainer.save_interval} does nothing: trainer.save_checkpoints=false "
                    f"writes no checkpoint; set trainer.save_checkpoints=true, or trainer.save_interval=0")
@@ -70,6 +68,19 @@ def run_notices(trainer: Any, recipe: Any, debug: Any, start: int = 0,
     if debug is not None and debug.enabled:
         out += _debug_notices(debug, recipe, last, start, fp8_modules, debug_set)
     return out
+
+
+def _amax_reduction_notice(recipe: Any) -> str | None:
+    """recipe.amax_reduction set where no policy uses delayed scaling: current, block and NVFP4 scaling take each
+    rank's own amax (as in Megatron-Core and TE), so the key reduces nothing (the default says nothing)."""
+    from fp8_recipes.recipe.schema import AmaxReduction, Scaling
+
+    if recipe.amax_reduction is AmaxReduction.DATA_TENSOR or any(
+            p.scaling is Scaling.DELAYED for _, p in recipe.stated_policies()):
+        return None
+    return (f"recipe.amax_reduction={recipe.amax_reduction} does nothing: no role of recipe {recipe.name} uses delayed "
+            f"scaling, the only one whose amaxes it reduces (current, block and NVFP4 scaling take each rank's own); "
+            f"drop it")
 
 
 def _idle_debug_notices(debug: Any) -> list[str]:
