@@ -110,6 +110,16 @@ def test_bad_override_is_a_recipe_error():
         recipe_from_cfg(cfg)
 
 
+def test_a_recipe_path_that_is_no_file_says_what_it_is(tmp_path):
+    """A directory (or a device) given as the recipe was reported as a file that does not exist."""
+    for path, says in ((tmp_path, f"'{tmp_path}' is a directory, not a YAML file"),
+                       (Path("/dev/null"), "'/dev/null' is not a regular file"),
+                       (tmp_path / "no.yaml", f"file '{tmp_path / 'no.yaml'}' does not exist")):
+        with pytest.raises(RecipeError) as e:
+            load_recipe(str(path))
+        assert str(e.value).startswith(f"recipe: {says}; give a recipe name (bf16, "), str(e.value)
+
+
 def test_defaults_resolver_agrees_with_hydra_on_a_private_pack(tmp_path):
     """Multi-level inheritance, `_self_` first and last, nested merge, lists replaced: ours == Hydra's."""
     group = tmp_path / "recipe"

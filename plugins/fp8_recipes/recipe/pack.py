@@ -99,9 +99,11 @@ def _resolve_ref(ref: str | Path, near: Path | None = None, key: str = "recipe",
     if near is not None and not p.is_absolute():  # a defaults entry: relative to the recipe that names it
         p = near / p
     if s.endswith((".yaml", ".yml")) or "/" in s:
-        if not p.is_file():
-            raise RecipeError([f"{key}: file '{s}' does not exist; give a recipe name "
-                               f"({', '.join(recipe_names())}) or a path to a YAML file"], source)
+        if not p.is_file():  # (a directory or a device exists: "does not exist" would send the user looking for it)
+            what = ("'{}' is a directory, not a YAML file" if p.is_dir() else "'{}' is not a regular file"
+                    if p.exists() else "file '{}' does not exist").format(s)
+            raise RecipeError([f"{key}: {what}; give a recipe name ({', '.join(recipe_names())}) or a path to a "
+                               f"YAML file"], source)
         return p
     for d in ([near] if near is not None else []) + [recipes_dir(), *group]:  # beside the recipe, the pack, the rest
         cand = d / f"{s}.yaml"
