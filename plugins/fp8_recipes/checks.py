@@ -37,8 +37,18 @@ def did_you_mean(word: Any, choices: Iterable[Any], hints: Mapping[str, str] | N
 
 
 def fmt(value: Any) -> str:
-    """A value as a message shows it: strings quoted (``'mxfp9'``), everything else as printed (``3``, ``None``)."""
-    return repr(value) if isinstance(value, str) else str(value)
+    """A value as a message shows it, in the YAML the user writes (not Python's ``None`` / ``True``): strings quoted
+    (``'mxfp9'``), ``null``, ``true`` / ``false``, lists and mappings in flow style (``[1, null]``, ``{a: 1}``),
+    numbers as printed (``3``)."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, str):
+        return repr(value)
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{fmt(k)}: {fmt(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(fmt(v) for v in value) + "]"
+    return str(value)
 
 
 def is_int(value: Any) -> bool:

@@ -612,7 +612,7 @@ def test_mxfp8_schema_forces_block_and_pow2():
     p = Recipe.from_dict({"weights": {"scaling": "mxfp8"}}).weights
     assert p.block == (1, 32) and p.pow2_scales is True
     # E8M0 scales are powers of two by construction: asking otherwise is an error naming the key
-    with pytest.raises(ValueError, match=r"weights\.pow2_scales: False does not apply to scaling: mxfp8"):
+    with pytest.raises(ValueError, match=r"weights\.pow2_scales: false does not apply to scaling: mxfp8"):
         Recipe.from_dict({"weights": {"scaling": "mxfp8", "pow2_scales": False}})
 
 

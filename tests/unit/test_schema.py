@@ -372,6 +372,20 @@ def test_one_copy_both_ways_is_the_quantizers_block_rule(fields):
     assert p.one_copy_both_ways == (same and not p.rht and not p.stochastic_rounding), p.describe()
 
 
+@pytest.mark.parametrize("change, says", [
+    ({"activations": {"scaling": "nvfp4", "rht": None}}, "activations.rht: null is not a boolean"),
+    ({"weights": {"scaling": "mxfp8", "pow2_scales": True}}, "weights.pow2_scales: true does not apply"),
+    ({"weights": {"scaling": "delayed", "margin": [1, None, False]}}, "weights.margin: [1, null, false] is not an"),
+    ({"weights": {"scaling": "delayed", "margin": {"a": True}}}, "weights.margin: {'a': true} is not an integer"),
+    ({"weights": {"scaling": "delayed", "margin": "2"}}, "weights.margin: '2' is not an integer"),
+])
+def test_values_are_written_as_yaml_in_error_lines(change, says):
+    """Recipe errors wrote values as Python prints them (`rht: None`, `pow2_scales: True`); a recipe is YAML."""
+    with pytest.raises(RecipeError) as e:
+        Recipe.from_dict({"name": "x", **change})
+    assert [p for p in e.value.problems if p.startswith(says)], e.value.problems
+
+
 def test_one_mistake_is_one_problem():
     """A key that does not apply is said so, not range-checked too; rules that read another key's value are not
     run on a bad key's default (the RHT pair, percentile without its algorithm, a module turning FP8 a role the
@@ -381,7 +395,7 @@ def test_one_mistake_is_one_problem():
     nvfp4, delayed = load_recipe_dict("nvfp4"), load_recipe_dict("delayed")
     for base, change, says in (
             (nvfp4, {"weights": {**nvfp4["weights"], "amax_epsilon": -1}}, "weights.amax_epsilon: -1 does not apply"),
-            (nvfp4, {"activations": {**nvfp4["activations"], "rht": None}}, "activations.rht: None is not"),
+            (nvfp4, {"activations": {**nvfp4["activations"], "rht": None}}, "activations.rht: null is not"),
             (delayed, {"weights": {"scaling": "delayed", "amax_compute_algo": "percentil", "percentile": 99.9}},
              "weights.amax_compute_algo: 'percentil' is not one of"),
             (delayed, {"gradients": {"scaling": "tensorwyse"}, "modules": {"*fc1": {"gradients": "tensorwise"}}},
