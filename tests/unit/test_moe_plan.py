@@ -353,6 +353,14 @@ def test_a_slurm_gpu_job_of_an_moe_model_is_checked_on_the_submitting_host():
     with pytest.raises(ConfigError, match=r"^recipe: decoder\.layers\.0\.mlp\.experts\.local_experts\.7\.linear_fc1 "
                                           r"runs otherwise than"):
         check_train_config(split, world_size=1)
+    # router padding with allgather: a GPU job is refused on the submitting host, with the GPU's fix
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        padded = compose("train", overrides=["model=mixtral_8x7b_4l", "+recipe=delayed", "trainer=gpu",
+                                             "model.moe_router_padding_for_quantization=true",
+                                             "model.moe_token_dispatcher_type=allgather"])
+    with pytest.raises(ConfigError, match=r"^model\.moe_router_padding_for_quantization=true: .*set "
+                                          r"model\.moe_token_dispatcher_type=alltoall"):
+        check_train_config(padded, world_size=1)
 
 
 def test_routing_counts_leave_out_the_routers_fp8_padding():

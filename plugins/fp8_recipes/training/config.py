@@ -489,8 +489,10 @@ def check_run_config(cfg: Any, world_size: int | None = None) -> TrainerConfig:
             raise ConfigError(f"{group}: {container.get(group)!r} is not a config group; pick one with {group}=NAME")
     trainer = TrainerConfig.from_cfg(container["trainer"])
     model, data = container["model"], container["data"]
-    # (the device is known once torch loads: run.py's check_model_device then checks the keys that depend on it)
-    check_model_cfg(model, vocab_may_be_unset=True, tensor_parallel=trainer.tensor_model_parallel_size, device=None)
+    # trainer.device=gpu runs on CUDA or not at all (a Slurm job checked on its submitting host: the GPU's advice);
+    # auto is known once torch loads, and run.py's check_model_device checks the keys that depend on it then
+    check_model_cfg(model, vocab_may_be_unset=True, tensor_parallel=trainer.tensor_model_parallel_size,
+                    device="cuda" if trainer.device == "gpu" else None)
     trainer.check_layout(world_size or launch_world_size(), int(model["num_layers"]))
     trainer.check_experts(model, world_size or launch_world_size())
     trainer.check_sequence(int(model["seq_length"]))
