@@ -41,7 +41,7 @@ def main() -> None:
     p.add_argument("--plot-only", type=Path, metavar="JSON", help="redraw the table and PNG from a result file")
     args = p.parse_args()
     if args.plot_only:
-        result = load_result(args.plot_only)
+        result = load_result(args.plot_only, "gemm")
         save(result, args.plot_only.parent)
     elif not Hardware.detect().has_te:
         sys.exit("error: bench_gemm: needs a CUDA GPU with Transformer Engine (or --plot-only FILE.json)")

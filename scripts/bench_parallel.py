@@ -36,7 +36,7 @@ def main() -> None:
     p.add_argument("overrides", nargs="*", help="scripts/train.py overrides for every run (after --)")
     args = p.parse_args()
     if args.plot_only:
-        print(save(load_result(args.plot_only), args.plot_only.parent))
+        print(save(load_result(args.plot_only, "parallel"), args.plot_only.parent))
         return
     import torch
 

@@ -39,7 +39,7 @@ def main() -> None:
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if args.plot_only:
-        result = load_result(args.plot_only)
+        result = load_result(args.plot_only, "stats")
         print(format_table(result))
         plot_overhead(result, args.plot_only.with_suffix(".png"))
         return

@@ -63,7 +63,7 @@ def main() -> None:
     except ValueError as e:
         sys.exit(f"error: {e}")
     if args.plot_only:
-        result = load_result(args.plot_only)
+        result = load_result(args.plot_only, "train")
         plot(result, args.plot_only.with_suffix(".png"))  # (beside the JSON, under its name)
     elif not Hardware.detect().has_te:
         sys.exit("error: bench_train: needs a CUDA GPU with Transformer Engine (or --plot-only FILE.json)")

@@ -62,7 +62,7 @@ def bench_stats(recipes: list[str], *, interval: int = 10, steps: int = 40, repe
                          "overhead_pct": 100 * (on_s / off_s - 1),
                          "in_run_overhead_pct": statistics.median(in_run), "runs": times, "in_run": in_run,
                          "recorder_pct": statistics.median(recorder), "recorder": recorder})
-    return {"rows": rows, "interval": interval, "steps": steps, "repeats": repeats, "warmup": warmup,
+    return {"kind": "stats", "rows": rows, "interval": interval, "steps": steps, "repeats": repeats, "warmup": warmup,
             "overrides": list(overrides), "on": measured}
 
 

@@ -11,27 +11,74 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["bar_chart", "markdown_table", "save_json"]
+__all__ = ["RESULTS", "bar_chart", "load_result", "markdown_table", "save_json"]
 
 
-def load_result(path: Path) -> dict[str, Any]:
-    """A benchmark's result JSON for ``--plot-only``; a missing, unreadable or non-JSON file exits with one
-    ``error: --plot-only: ...`` line (exit code 2)."""
+RESULTS: dict[str, tuple[str, tuple[str, ...], str, tuple[str, ...]]] = {
+    # kind: (the script writing it, its keys, the key of its rows, every row's keys)
+    "train": ("bench_train", ("device", "seq", "mbs", "warmup", "steps", "seconds", "rows"), "rows",
+              ("model", "config")),
+    "gemm": ("bench_gemm", ("device", "te", "warmup", "iters", "configs", "rows"), "rows",
+             ("shape", "bf16_ms", "bf16_tflops", "configs")),
+    "stats": ("bench_stats", ("interval", "steps", "repeats", "rows"), "rows",
+              ("recipe", "step_s_off", "step_s_on", "overhead_pct", "in_run_overhead_pct")),
+    "parallel": ("bench_parallel", ("date", "runs"), "runs", ("layout", "recipe", "gpus")),
+}
+"""What ``--plot-only`` reads of each benchmark's result (its ``kind``). Results written before the key ``kind``
+(bench_stats', bench_parallel's in docs/bench) are told by their keys."""
+MEASURED_TRAIN_ROW = ("te_recipe", "tokens_per_s", "peak_mem_gib")
+"""A bench_train row's keys unless it was skipped."""
+
+
+def load_result(path: Path, kind: str) -> dict[str, Any]:
+    """A benchmark's result JSON of ``kind`` (:data:`RESULTS`) for ``--plot-only``; a missing, unreadable or
+    non-JSON file, or one another script (or none) wrote, exits with one ``error: --plot-only: ...`` line (exit
+    code 2) before anything is drawn."""
     import sys
 
+    from fp8_recipes.checks import clipped
+
+    fix = f"give the .json a run of scripts/{RESULTS[kind][0]}.py wrote"
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as e:
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0] if str(e) else \
             type(e).__name__
-        print(f"error: --plot-only: cannot read '{path}' as a result JSON ({why}); give the .json a run of this "
-              f"script wrote", file=sys.stderr)
-        sys.exit(2)
-    if not isinstance(data, dict):
-        print(f"error: --plot-only: '{path}' holds a {type(data).__name__}, not a benchmark result; give the .json a "
-              f"run of this script wrote", file=sys.stderr)
+        problem = f"cannot read '{path}' as a result JSON ({why})"
+    else:
+        problem, fix = _result_problem(path, data, kind) or (None, fix)
+    if problem:
+        print(clipped(f"error: --plot-only: {problem}; {fix}"), file=sys.stderr)
         sys.exit(2)
     return data
+
+
+def _result_problem(path: Path, data: Any, kind: str) -> tuple[str, str] | None:
+    """(why ``data`` is no ``kind`` result --plot-only can draw: another benchmark's, a foreign file; the fix), or
+    None."""
+    script, keys, rows_key, row_keys = RESULTS[kind]
+    fix = f"give the .json a run of scripts/{script}.py wrote"
+    if not isinstance(data, dict):
+        return f"'{path}' holds a {type(data).__name__}, not a benchmark result", fix
+    found = data.get("kind") if isinstance(data.get("kind"), str) else None
+    found = found or next((k for k, spec in RESULTS.items() if all(key in data for key in spec[1])), None)
+    if found != kind and found in RESULTS:
+        other = RESULTS[found][0]
+        return f"'{path}' is a {other} result, not a {script} one", \
+            f"redraw it with scripts/{other}.py --plot-only {path}"
+    if found != kind:
+        return f"'{path}' is not a {script} result" + (f" (its kind is {found!r})" if found else ""), fix
+    missing = [key for key in keys if key not in data]
+    rows = data.get(rows_key)
+    if missing or not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
+        return f"'{path}' is not a complete {script} result (" + (
+            f"no {missing[0]!r})" if missing else f"{rows_key!r} is not a list of rows)"), fix
+    for i, row in enumerate(rows):
+        need = row_keys + (MEASURED_TRAIN_ROW if kind == "train" and "skipped" not in row else ())
+        lacking = [key for key in need if key not in row]
+        if lacking:
+            return f"'{path}' is not a complete {script} result ({rows_key}[{i}] has no {lacking[0]!r})", fix
+    return None
 
 
 def save_json(path: Path, data: Any) -> Path:

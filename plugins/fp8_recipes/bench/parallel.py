@@ -91,7 +91,7 @@ def bench_parallel(layouts: list[str], recipes: list[str], overrides: list[str],
         runs.append(row)
         print(f"    -> {row.get('tokens_per_s', 0):,.0f} tok/s, peak {row.get('peak_gib', 0):.1f} GiB, "
               f"rc {row['rc']} ({row['wall_s']} s)", flush=True)
-    return {"runs": runs, "overrides": overrides, "steps": steps, "global_batch_size_1gpu": gbs,
+    return {"kind": "parallel", "runs": runs, "overrides": overrides, "steps": steps, "global_batch_size_1gpu": gbs,
             "date": time.strftime("%Y-%m-%d"), "micro_batch_size": _value(overrides, "trainer.micro_batch_size", 0)}
 
 

@@ -1,0 +1,75 @@
+"""scripts/bench_*.py's user errors, without a GPU: --plot-only of a file another script (or none) wrote, and what
+they refuse before any run: one ``error:`` line naming the option, exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fp8_recipes.bench.output import RESULTS, load_result
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "docs" / "bench"
+
+
+def one_error_line(proc: subprocess.CompletedProcess) -> str:
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize("kind, content, says", [
+    ("stats", {"a": 1}, "is not a bench_stats result; give the .json a run of scripts/bench_stats.py wrote"),
+    ("train", {"a": 1}, "is not a bench_train result; give the .json a run of scripts/bench_train.py wrote"),
+    ("train", {"kind": "compare", "runs": []}, "is not a bench_train result (its kind is 'compare')"),
+    ("gemm", {"kind": ["x"]}, "is not a bench_gemm result;"),
+    ("train", {"kind": "train", "rows": []}, "is not a complete bench_train result (no 'device')"),
+    ("stats", {"interval": 2, "steps": 8, "repeats": 1, "rows": {}}, "('rows' is not a list of rows)"),
+    ("parallel", {"date": "x", "runs": [{"layout": "1gpu", "recipe": "bf16"}]}, "(runs[0] has no 'gpus')"),
+    ("train", [1], "holds a list, not a benchmark result"),
+])
+def test_plot_only_refuses_a_foreign_result_in_one_line(tmp_path, capsys, kind, content, says):
+    path = tmp_path / "foreign.json"
+    path.write_text(json.dumps(content))
+    with pytest.raises(SystemExit) as e:
+        load_result(path, kind)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"error: --plot-only: '{path}' ") and says in err, err
+    assert err.count("\n") == 1
+
+
+def test_plot_only_names_the_script_of_another_benchmarks_result(capsys):
+    with pytest.raises(SystemExit):
+        load_result(BENCH / "bench_stats.json", "train")  # written before results said their kind
+    assert capsys.readouterr().err == (f"error: --plot-only: '{BENCH / 'bench_stats.json'}' is a bench_stats result, "
+                                       f"not a bench_train one; redraw it with scripts/bench_stats.py --plot-only "
+                                       f"{BENCH / 'bench_stats.json'}\n")
+
+
+def test_every_published_result_is_read_as_its_own_kind_only():
+    """Each benchmark result in docs/bench is one kind's (by its key `kind`, or by its keys when written before it)."""
+    published = {"bench_gemm.json": "gemm", "bench_stats.json": "stats", "bench_stats_h200.json": "stats",
+                 "bench_engine_h200.json": "parallel", "bench_train.json": "train",
+                 "bench_moe_engine_h200.json": "train"}
+    for name, kind in published.items():
+        assert load_result(BENCH / name, kind)
+        for other in set(RESULTS) - {kind}:
+            with pytest.raises(SystemExit):
+                load_result(BENCH / name, other)
+
+
+@pytest.mark.parametrize("script, path, says", [
+    ("bench_stats", "foreign.json", "'foreign.json' is not a bench_stats result"),
+    ("bench_train", "foreign.json", "'foreign.json' is not a bench_train result"),
+    ("bench_train", str(BENCH / "bench_stats.json"), "is a bench_stats result, not a bench_train one"),
+])
+def test_plot_only_of_a_foreign_json_through_the_script(tmp_path, script, path, says):
+    (tmp_path / "foreign.json").write_text('{"a": 1}\n')
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / f"{script}.py"), "--plot-only", path],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert says in one_error_line(proc)
+    assert not list(tmp_path.glob("*.png"))
