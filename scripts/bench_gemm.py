@@ -29,6 +29,8 @@ def main() -> None:
     from fp8_recipes.bench.gemm import DEFAULT_CONFIGS, DEFAULT_SHAPES, bench_gemm, save, summarize
     from fp8_recipes.bench.output import load_result
     from fp8_recipes.plan.precision import Hardware
+    from fp8_recipes.training.config import check_writable_dir
+    from fp8_recipes.training.errors import script_user_errors
 
     from fp8_recipes.checks import OneLineArgumentParser  # (one error line for a usage error)
 
@@ -40,6 +42,9 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("runs/bench_gemm"))
     p.add_argument("--plot-only", type=Path, metavar="JSON", help="redraw the table and PNG from a result file")
     args = p.parse_args()
+    if not args.plot_only:
+        with script_user_errors():  # (results are saved after each shape: an unwritable --out would fail the first)
+            check_writable_dir("--out", str(args.out))
     if args.plot_only:
         result = load_result(args.plot_only, "gemm")
         save(result, args.plot_only.parent)

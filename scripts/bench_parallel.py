@@ -38,6 +38,11 @@ def main() -> None:
     if args.plot_only:
         print(save(load_result(args.plot_only, "parallel"), args.plot_only.parent))
         return
+    from fp8_recipes.training.config import check_writable_dir
+    from fp8_recipes.training.errors import script_user_errors
+
+    with script_user_errors():  # (its logs and results go there: before any run)
+        check_writable_dir("--out", str(args.out))
     import torch
 
     if not torch.cuda.is_available():  # (every layout's runs would fail, one after another)

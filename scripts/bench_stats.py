@@ -11,7 +11,6 @@ Prints a Markdown table: mean step time with debug off and on, the A/B overhead,
 steps' extra time within each run) and the recorder's own time.
 """
 
-import json
 import logging
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))  # a ch
 
 def main() -> None:
     from fp8_recipes.bench.observe import bench_stats, format_table, plot_overhead
-    from fp8_recipes.bench.output import load_result
+    from fp8_recipes.bench.output import load_result, save_json
 
     from fp8_recipes.checks import OneLineArgumentParser, at_least  # (one error line for a usage error)
 
@@ -46,13 +45,16 @@ def main() -> None:
     if args.steps <= args.interval:  # (its plain steps are the ones between statistics steps)
         p.error(f"--steps {args.steps} leaves no step between statistics steps (--interval {args.interval}); give "
                 f"--steps above --interval")
+    from fp8_recipes.training.config import check_writable_file
     from fp8_recipes.training.errors import script_user_errors
 
-    with script_user_errors():  # (a recipe that is none, an override the config refuses: one line)
+    with script_user_errors():  # (a recipe that is none, an override the config refuses, an unwritable --json)
+        if args.json:  # (before minutes of runs)
+            check_writable_file("--json", args.json, "bench_stats.json")
         result = bench_stats(args.recipes, interval=args.interval, steps=args.steps, repeats=args.repeats,
                              overrides=args.overrides, warmup=not args.no_warmup, on=args.on)
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+        save_json(args.json, result)
         plot_overhead(result, args.json.with_suffix(".png"))
     print(format_table(result))
     print(f"({args.steps} steps x {args.repeats} repeats, statistics every {args.interval} steps, every module)")

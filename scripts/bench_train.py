@@ -39,6 +39,8 @@ def main() -> None:
     from fp8_recipes.bench.train import bench_train, check_configs, plot, summarize
     from fp8_recipes.bench.output import load_result
     from fp8_recipes.plan.precision import Hardware
+    from fp8_recipes.training.config import check_writable_dir
+    from fp8_recipes.training.errors import script_user_errors
 
     from fp8_recipes.checks import OneLineArgumentParser  # (one error line for a usage error)
 
@@ -58,10 +60,10 @@ def main() -> None:
     p.add_argument("--plot-only", type=Path, metavar="JSON", help="redraw the table and PNG from a result file")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    try:
+    with script_user_errors():  # (a config it cannot run, an unwritable --out: one line, before any model)
         check_configs(args.configs, engine=args.engine)
-    except ValueError as e:
-        sys.exit(f"error: {e}")
+        if not args.plot_only:  # (results are saved after each config: an unwritable --out would fail the first)
+            check_writable_dir("--out", str(args.out))
     if args.plot_only:
         result = load_result(args.plot_only, "train")
         plot(result, args.plot_only.with_suffix(".png"))  # (beside the JSON, under its name)

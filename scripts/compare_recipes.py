@@ -51,6 +51,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
 
     from fp8_recipes.bench.compare import collect, compare_recipes, save
+    from fp8_recipes.training.config import check_writable_dir
     from fp8_recipes.training.errors import USER_ERROR_EXIT
     from fp8_recipes.training.run import quiet_third_party_logs
 
@@ -65,6 +66,7 @@ def main() -> None:
         if args.plot_only:
             result = collect(args.plot_only)
         else:
+            check_writable_dir("--out", str(out))  # (else the first run's run_dir is named: OUT/bf16)
             result = compare_recipes(args.recipes, args.overrides, out, parallel=args.parallel, parity=args.parity,
                                      parity_iters=args.parity_iters, command=shlex.join(["python", *sys.argv]))
     except ValueError as e:  # a user error: one line naming the key, no run started

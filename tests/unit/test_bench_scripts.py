@@ -73,3 +73,26 @@ def test_plot_only_of_a_foreign_json_through_the_script(tmp_path, script, path, 
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert says in one_error_line(proc)
     assert not list(tmp_path.glob("*.png"))
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["bench_stats", "--recipes", "delayed", "--steps", "8", "--interval", "2", "--repeats", "1", "--no-warmup",
+      "--json", "/etc/hostname/x.json"],
+     "error: --json: '/etc/hostname' is a file, not a directory; give a file path in a writable directory, e.g. "
+     "bench_stats.json"),
+    (["bench_stats", "--json", "."], "error: --json: '.' is a directory; give a file path, e.g. bench_stats.json"),
+    (["bench_train", "--out", "/etc/hostname/x"], "error: --out: '/etc/hostname/x' cannot be created"),
+    (["bench_gemm", "--out", "/proc/x"], "error: --out: '/proc/x' is not writable ('/proc')"),
+    (["bench_parallel", "--out", "/etc/hostname/x"], "error: --out: '/etc/hostname/x' cannot be created"),
+    (["compare_recipes", "--recipes", "tensorwise", "--out", "/etc/hostname/x"],
+     "error: --out: '/etc/hostname/x' cannot be created ('/etc/hostname' is a file); point --out at a writable "
+     "directory"),
+])
+def test_output_paths_are_checked_before_any_run(tmp_path, argv, says):
+    """An output the script could not write is refused before it runs anything (bench_stats wrote its --json after
+    minutes of training: FileNotFoundError; the GPU scripts say so before their GPU check; compare_recipes named its
+    first run's run_dir, OUT/bf16, not --out)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / f"{argv[0]}.py"), *argv[1:]], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert one_error_line(proc).startswith(says)
+    assert not list(tmp_path.iterdir())

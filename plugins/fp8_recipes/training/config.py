@@ -359,21 +359,22 @@ class TrainerConfig:
 DATA_KEYS = ("path", "inputs", "tokenizer", "vocab_size", "json_key", "split")
 
 
-def check_writable_dir(key: str, path: Any) -> None:
-    """``path`` is (or can be created as) a directory this process can write into."""
+def check_writable_dir(key: str, path: Any, fix: str | None = None) -> None:
+    """``path`` is (or can be created as) a directory this process can write into; ``fix``: what to do instead of
+    pointing ``key`` at another directory (a file's key: check_writable_file)."""
     if not isinstance(path, str) or not path.strip():
-        raise ConfigError(f"{key}: {path!r} is not a directory path; set {key}=<directory>")
+        raise ConfigError(f"{key}: {path!r} is not a directory path; {fix or f'set {key}=<directory>'}")
     p = Path(path).absolute()
     if p.exists() and not p.is_dir():
-        raise ConfigError(f"{key}: {path!r} is a file, not a directory; point {key} at a directory")
+        raise ConfigError(f"{key}: {path!r} is a file, not a directory; {fix or f'point {key} at a directory'}")
     ancestor = p
     while not ancestor.exists():
         ancestor = ancestor.parent
+    fix = fix or f"point {key} at a writable directory"
     if not ancestor.is_dir():
-        raise ConfigError(f"{key}: {path!r} cannot be created ({str(ancestor)!r} is a file); point {key} at a "
-                         f"writable directory")
+        raise ConfigError(f"{key}: {path!r} cannot be created ({str(ancestor)!r} is a file); {fix}")
     if not os.access(ancestor, os.W_OK | os.X_OK) or str(ancestor).startswith(("/proc", "/sys")):
-        raise ConfigError(f"{key}: {path!r} is not writable ({str(ancestor)!r}); point {key} at a writable directory")
+        raise ConfigError(f"{key}: {path!r} is not writable ({str(ancestor)!r}); {fix}")
 
 
 COMPILE_CACHES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
@@ -401,7 +402,8 @@ def check_writable_file(key: str, path: str | os.PathLike, example: str) -> None
     problem = overwrite_problem(path)
     if problem:
         raise ConfigError(f"{key}: '{path}' {problem}; give another file path, e.g. {example}")
-    check_writable_dir(key, str(Path(path).absolute().parent))
+    check_writable_dir(key, str(Path(path).absolute().parent),
+                       f"give a file path in a writable directory, e.g. {example}")  # (not: point it at a directory)
 
 
 def check_data_cfg(cfg: Mapping[str, Any]) -> None:
