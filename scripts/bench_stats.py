@@ -8,7 +8,9 @@
     python scripts/bench_stats.py --recipes delayed --on autopilot=on   # the autopilot's cost (it reads them)
 
 Prints a Markdown table: mean step time with debug off and on, the A/B overhead, the in-run overhead (recorded
-steps' extra time within each run) and the recorder's own time.
+steps' extra time within each run) and the recorder's own time. Refused before any run, in one line: runs that would
+leave that nothing to measure (--steps with no recorded and plain step after the first 5, a recipe with nothing in
+FP8, --on runs that record no statistics or not every --interval steps) and an unwritable --json.
 """
 
 import logging
@@ -19,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))  # a ch
 
 
 def main() -> None:
-    from fp8_recipes.bench.observe import bench_stats, format_table, plot_overhead
+    from fp8_recipes.bench.observe import bench_stats, format_table, plot_overhead, steps_problem
     from fp8_recipes.bench.output import load_result, save_json
 
     from fp8_recipes.checks import OneLineArgumentParser, at_least  # (one error line for a usage error)
@@ -42,13 +44,14 @@ def main() -> None:
         print(format_table(result))
         plot_overhead(result, args.plot_only.with_suffix(".png"))
         return
-    if args.steps <= args.interval:  # (its plain steps are the ones between statistics steps)
-        p.error(f"--steps {args.steps} leaves no step between statistics steps (--interval {args.interval}); give "
-                f"--steps above --interval")
+    problem = steps_problem(args.interval, args.steps)  # (the in-run measure compares plain and recorded steps)
+    if problem:
+        p.error(problem)
     from fp8_recipes.training.config import check_writable_file
     from fp8_recipes.training.errors import script_user_errors
 
-    with script_user_errors():  # (a recipe that is none, an override the config refuses, an unwritable --json)
+    with script_user_errors():  # (a recipe that is none or not FP8, an override the config refuses, --on recording
+        # no statistics, an unwritable --json: one line, before any run)
         if args.json:  # (before minutes of runs)
             check_writable_file("--json", args.json, "bench_stats.json")
         result = bench_stats(args.recipes, interval=args.interval, steps=args.steps, repeats=args.repeats,

@@ -96,3 +96,53 @@ def test_output_paths_are_checked_before_any_run(tmp_path, argv, says):
                           capture_output=True, text=True, timeout=600)
     assert one_error_line(proc).startswith(says)
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("interval, steps, says", [
+    (10, 40, None), (2, 7, None), (3, 7, None),
+    (1, 40, "--interval 1 records statistics at every step, leaving no plain step to compare with; give --interval >= 2"),
+    (2, 2, "--steps 2: the in-run measure leaves out the first 5 steps and needs a step with statistics (every 2: "
+           "--interval) and one without after them; give --steps >= 7"),
+    (10, 10, "give --steps >= 11"), (50, 40, "give --steps >= 51"),
+])
+def test_bench_stats_steps_leave_the_in_run_measure_something(interval, steps, says):
+    from fp8_recipes.bench.observe import steps_problem
+
+    problem = steps_problem(interval, steps)
+    assert problem is None if says is None else says in problem, problem
+
+
+@pytest.mark.parametrize("recipes, on, overrides, says", [
+    (["delayed"], ["++debug.interval=0"], [], r"^--on \+\+debug.interval=0: the runs measured against debug off "
+                                              r"record no statistics, not every 2 steps from step 1 \(--interval 2\); "
+                                              r"give --on \+\+debug.interval=2, or leave --on out$"),
+    (["delayed"], ["autopilot=on"], [], r"^--on autopilot=on: .* record statistics at steps 1, \.\.\., .*; give "
+                                        r"--interval 10$"),
+    (["delayed"], None, ["++debug.interval=3"], r"^the overrides after --: .* statistics at steps 1, 4, 7, \.\.\."),
+    (["delayed", "bf16"], None, [], r"^--recipes bf16: runs nothing in FP8, so it records no numerics statistics"),
+])
+def test_bench_stats_refuses_runs_that_record_nothing_to_measure(recipes, on, overrides, says):
+    """Up front, before minutes of training that then failed with KeyError: 'numerics_s' (--on
+    ++debug.interval=0) or with no plain steps in a deleted temporary run directory (bf16)."""
+    from fp8_recipes.bench.observe import check_runs
+    from fp8_recipes.checks import ConfigError
+
+    with pytest.raises(ConfigError, match=says):
+        check_runs(recipes, interval=2, steps=8, overrides=overrides, on=on)
+    check_runs(["delayed"], interval=3, steps=12, on=["autopilot=on", "++autopilot.interval=3"])  # its own steps
+    check_runs(["tensorwise", "hybrid"], interval=10, steps=40)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--steps", "2", "--interval", "1"], "error: bench_stats.py: --interval 1 records statistics at every step"),
+    (["--steps", "2", "--interval", "2"], "error: bench_stats.py: --steps 2: the in-run measure leaves out the first "
+                                          "5 steps"),
+    (["--steps", "8", "--interval", "2", "--on", "++debug.interval=0"], "error: --on ++debug.interval=0: the runs "),
+    (["--steps", "8", "--interval", "2", "--recipes", "bf16"], "error: --recipes bf16: runs nothing in FP8"),
+])
+def test_bench_stats_refuses_before_training(tmp_path, argv, says):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_stats.py"), "--recipes", "delayed",
+                           "--repeats", "1", "--no-warmup", *argv], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600)
+    assert one_error_line(proc).startswith(says)  # (bf16: no WARNING:fp8_recipes:debug line either)
+    assert not list(tmp_path.iterdir())

@@ -14,17 +14,23 @@ statistics kernels, which Triton then caches on disk), as a long run amortises i
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import tempfile
 from pathlib import Path
 
 from fp8_recipes.bench.emulated import _compose
 from fp8_recipes.bench.output import bar_chart
+from fp8_recipes.checks import ConfigError
 from fp8_recipes.observe.config import DebugConfig
 from fp8_recipes.rundir import METRICS, read_jsonl
-from fp8_recipes.training.run import run_training
+from fp8_recipes.training.autopilot import statistics_for
+from fp8_recipes.training.run import resolve_autopilot, resolve_debug, resolve_recipe, run_training
 
-__all__ = ["bench_stats", "format_table", "plot_overhead"]
+__all__ = ["SKIP_STEPS", "bench_stats", "check_runs", "format_table", "plot_overhead", "steps_problem"]
+
+SKIP_STEPS = 5
+"""The first steps of a run the in-run measure leaves out (compilation, caches)."""
 
 
 def bench_stats(recipes: list[str], *, interval: int = 10, steps: int = 40, repeats: int = 3,
@@ -33,6 +39,7 @@ def bench_stats(recipes: list[str], *, interval: int = 10, steps: int = 40, repe
     ``["autopilot=on"]`` measures the autopilot, which reads them every ``autopilot.interval`` steps: the in-run
     measure counts the steps due every ``interval``, so the two must agree (both 10 by default)."""
     measured = list(on) if on else [f"++debug.interval={interval}"]
+    check_runs(recipes, interval=interval, steps=steps, overrides=overrides, on=on)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in recipes:
@@ -66,7 +73,53 @@ def bench_stats(recipes: list[str], *, interval: int = 10, steps: int = 40, repe
             "overrides": list(overrides), "on": measured}
 
 
-def step_time_overhead(metrics: Path, interval: int, write_s: float, skip: int = 5) -> float:
+def steps_problem(interval: int, steps: int) -> str | None:
+    """Why a run of ``steps`` steps with statistics every ``interval`` leaves the in-run measure nothing to compare
+    (a step with statistics and one without, after the first :data:`SKIP_STEPS`): one line naming the option and
+    the fix; else None."""
+    if interval == 1:
+        return ("--interval 1 records statistics at every step, leaving no plain step to compare with; give "
+                "--interval >= 2")
+    due = DebugConfig.from_dict({"interval": interval}).stats_due
+
+    def kinds(last: int) -> set[bool]:
+        return {due(step) for step in range(SKIP_STEPS + 1, last + 1)}
+
+    if kinds(steps) == {True, False}:
+        return None
+    need = next(n for n in itertools.count(SKIP_STEPS + 2) if kinds(n) == {True, False})
+    return (f"--steps {steps}: the in-run measure leaves out the first {SKIP_STEPS} steps and needs a step with "
+            f"statistics (every {interval}: --interval) and one without after them; give --steps >= {need}")
+
+
+def check_runs(recipes: list[str], *, interval: int, steps: int, overrides: list[str] = (),
+               on: list[str] | None = None) -> None:
+    """ConfigError (one line naming the option) before any run, for runs that would train and then leave nothing to
+    measure: too few steps, a recipe with nothing in FP8 (no statistics), ``on`` runs that record none or not every
+    ``interval`` steps (the in-run measure counts those)."""
+    problem = steps_problem(interval, steps)
+    if problem:
+        raise ConfigError(problem)
+    due = DebugConfig.from_dict({"interval": interval}).stats_due
+    measured = list(on) if on else [f"++debug.interval={interval}"]
+    for name in recipes:
+        cfg = _compose([f"+recipe={name}", *measured, *overrides])
+        if not resolve_recipe(cfg).is_fp8:
+            raise ConfigError(f"--recipes {name}: runs nothing in FP8, so it records no numerics statistics to "
+                              f"measure; give FP8 recipes (e.g. --recipes tensorwise hybrid)")
+        debug = statistics_for(resolve_autopilot(cfg), resolve_debug(cfg))
+        steps_on = [step for step in range(1, steps + 1) if debug.stats_due(step)]
+        if steps_on != [step for step in range(1, steps + 1) if due(step)]:
+            said, fix = (f"--on {' '.join(on)}", f"give --on ++debug.interval={interval}, or leave --on out") if on \
+                else ("the overrides after --", "drop their debug keys, or set the statistics steps with --on")
+            if steps_on and debug.interval > 1 and debug.start_step == 1 and debug.end_step is None:
+                fix = f"give --interval {debug.interval}"  # (e.g. autopilot=on: its own interval)
+            what = f"statistics at steps {', '.join(map(str, steps_on[:3]))}, ..." if steps_on else "no statistics"
+            raise ConfigError(f"{said}: the runs measured against debug off record {what}, not every {interval} steps "
+                              f"from step 1 (--interval {interval}); {fix}")
+
+
+def step_time_overhead(metrics: Path, interval: int, write_s: float, skip: int = SKIP_STEPS) -> float:
     """The statistics' cost within one run, in % of the step time without them: each recorded step's time
     beyond the mean of the steps that record nothing, plus the time spent writing rows (between steps, outside
     any step's time), over the steps after the first `skip` (compilation, caches), each at the plain mean."""
