@@ -16,7 +16,10 @@ def test_levers_turn_on_what_they_name():
     assert with_levers(plain, []) == plain
 
 
-@pytest.mark.parametrize("label, says", [("delayed+hed", "unknown lever 'hed'"), ("bf16+head", "unknown lever 'head'"),
+@pytest.mark.parametrize("label, says", [("delayed+hed", "unknown lever 'hed'"), ("bf16+hed", "unknown lever 'hed'"),
+                                         ("bf16+head", "head is a lever of a recipe, not of bf16; put it on a "
+                                                       "recipe, e.g. delayed+head; bf16 takes the model levers"),
+                                         ("bf16+nofuse+fp8param", "fp8param is a lever of a recipe, not of bf16"),
                                          ("delayd", "no recipe 'delayd'"), ("delayed:rwa", "unknown mode 'rwa'")])
 def test_bad_labels_are_one_line(label, says):
     with pytest.raises(ValueError) as e:

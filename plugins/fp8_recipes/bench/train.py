@@ -112,8 +112,11 @@ def check_configs(configs: list[str], engine: bool = False) -> None:
         if mode not in ("", "raw"):
             raise ValueError(f"--configs {label}: unknown mode {mode!r}; write NAME or NAME:raw")
         bad = [lever for lever in levers if lever not in (*LEVERS, *MODEL_LEVERS, *ENGINE_LEVERS, EMULATED)]
-        if not bad and name == "bf16":
-            bad = [lever for lever in levers if lever not in (*MODEL_LEVERS, *ENGINE_LEVERS, EMULATED)]
+        if not bad and name == "bf16" and set(LEVERS) & set(levers):  # (a known lever, of the FP8 recipes)
+            lever = next(lever for lever in levers if lever in LEVERS)
+            raise ValueError(f"--configs {label}: {lever} is a lever of a recipe, not of bf16; put it on a recipe, "
+                             f"e.g. delayed+{lever}; bf16 takes the model levers "
+                             f"({', '.join(MODEL_LEVERS)}), {EMULATED} and, with --engine, {', '.join(ENGINE_LEVERS)}")
         if bad:
             raise ValueError(f"--configs {label}: unknown lever {bad[0]!r}; levers (on a recipe): {', '.join(LEVERS)}; "
                              f"model levers (MoE, on bf16 too): {', '.join(MODEL_LEVERS)}; with --engine (on bf16 "
