@@ -38,10 +38,12 @@ def main() -> None:
     if args.plot_only:
         print(save(load_result(args.plot_only, "parallel"), args.plot_only.parent))
         return
+    from fp8_recipes.recipe.pack import check_pack_names
     from fp8_recipes.training.config import check_writable_dir
     from fp8_recipes.training.errors import script_user_errors
 
-    with script_user_errors():  # (its logs and results go there: before any run)
+    with script_user_errors():  # (each run is +recipe=NAME; its logs and results go to --out: before any run)
+        check_pack_names("--recipes", args.recipes)
         check_writable_dir("--out", str(args.out))
     import torch
 

@@ -152,7 +152,8 @@ def test_plot_only_redraws_from_the_run_dirs(shootout):
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["--recipes", "tensorwize"], "error: recipe: 'tensorwize' is not a recipe (did you mean 'tensorwise'?)"),
+    (["--recipes", "tensorwize"], "error: --recipes: 'tensorwize' is not a recipe of the pack (did you mean "
+                                  "'tensorwise'?); choose from bf16,"),
     (["--recipes", "tensorwise", "trainer.max_stepz=3"], "error: trainer.max_stepz: not in the config"),
     (["--plot-only", "no/such/shootout"], "error: --plot-only: 'no/such/shootout' is not a directory"),
     (["--parity-iters", "0"], "error: --parity-iters: 0 must be >= 1"),

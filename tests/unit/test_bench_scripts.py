@@ -146,3 +146,17 @@ def test_bench_stats_refuses_before_training(tmp_path, argv, says):
                           timeout=600)
     assert one_error_line(proc).startswith(says)  # (bf16: no WARNING:fp8_recipes:debug line either)
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench_stats", "--recipes", "delayd"], ["bench_emulated", "--recipes", "delayd"],
+    ["bench_parallel", "--recipes", "delayd"], ["compare_recipes", "--recipes", "delayd", "--out", "out"],
+])
+def test_recipes_of_the_pack_are_named_by_the_option(tmp_path, argv):
+    """--recipes takes names of the pack (each run is +recipe=NAME, named by it): a name that is none is refused
+    naming --recipes, not Hydra's `recipe` group (nor suggesting a YAML file, which these scripts do not run)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / f"{argv[0]}.py"), *argv[1:]], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert one_error_line(proc).startswith("error: --recipes: 'delayd' is not a recipe of the pack (did you mean "
+                                           "'delayed'?); choose from bf16, ")
+    assert not list(tmp_path.iterdir())

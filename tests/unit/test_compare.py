@@ -141,7 +141,9 @@ def test_run_overrides_keep_recipe_edits_off_the_bf16_reference(tmp_path):
 
 
 @pytest.mark.parametrize("names, overrides, expected", [
-    (["bf16", "tensorwize"], [], "recipe: 'tensorwize' is not a recipe (did you mean 'tensorwise'?)"),
+    (["bf16", "tensorwize"], [], "--recipes: 'tensorwize' is not a recipe of the pack (did you mean 'tensorwise'?); "
+                                 "choose from bf16, blockwise, delayed,"),
+    (["bf16", "r/nv7.yaml"], [], "--recipes: 'r/nv7.yaml' is a path, not a recipe of the pack; choose from bf16,"),
     (["bf16"], ["+recipe=delayed"], "recipe: chosen by --recipes"),
     (["bf16"], ["run_dir=/tmp/x"], "run_dir: each run's directory is OUT/NAME"),
     (["bf16"], ["trainer.max_stepz=3"], "trainer.max_stepz: not in the config (did you mean 'max_steps'?)"),

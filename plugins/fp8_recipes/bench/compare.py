@@ -39,7 +39,7 @@ from typing import Any, Sequence
 
 from fp8_recipes.bench.output import markdown_table, save_json
 from fp8_recipes.megatron.data import prepare_dataset
-from fp8_recipes.recipe.pack import conf_dir, load_recipe, project_root, recipe_names
+from fp8_recipes.recipe.pack import check_pack_names, conf_dir, project_root
 from fp8_recipes.rundir import METRICS, ROUTING, last_metrics_step, read_jsonl, read_metrics, read_summary
 from fp8_recipes.training.config import check_run_config
 from fp8_recipes.training.errors import one_line
@@ -315,11 +315,7 @@ def check_runs(names: Sequence[str], overrides: Sequence[str], out_dir: Path, pa
     second, not N trainings); returns the BF16 run's config (for the data to prepare). ValueError: one line."""
     from hydra import compose, initialize_config_dir
 
-    for name in names:
-        if name not in recipe_names():
-            load_recipe(name)  # raises the pack's own message: did you mean, choices
-            raise ValueError(f"--recipes: {name!r} is a file, not a recipe of the pack; choose from "
-                             f"{', '.join(recipe_names())}")
+    check_pack_names("--recipes", names)
     _reserved(overrides)
     configs = {}
     for name in names:

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from fp8_recipes.recipe.pack import conf_dir
+from fp8_recipes.recipe.pack import check_pack_names, conf_dir
 from fp8_recipes.training.run import run_training
 
 __all__ = ["bench_emulated", "format_table", "plot"]
@@ -33,6 +33,7 @@ def bench_emulated(recipes: list[str], *, steps: int = 40, repeats: int = 2, ove
     from omegaconf import OmegaConf
 
     names = ["bf16"] + [r for r in recipes if r != "bf16"]
+    check_pack_names("--recipes", names)  # (each run is +recipe=NAME)
     times: dict[str, list[float]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(repeats):

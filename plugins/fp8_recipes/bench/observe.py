@@ -23,6 +23,7 @@ from fp8_recipes.bench.emulated import _compose
 from fp8_recipes.bench.output import bar_chart
 from fp8_recipes.checks import ConfigError
 from fp8_recipes.observe.config import DebugConfig
+from fp8_recipes.recipe.pack import check_pack_names
 from fp8_recipes.rundir import METRICS, read_jsonl
 from fp8_recipes.training.autopilot import statistics_for
 from fp8_recipes.training.run import resolve_autopilot, resolve_debug, resolve_recipe, run_training
@@ -100,6 +101,7 @@ def check_runs(recipes: list[str], *, interval: int, steps: int, overrides: list
     problem = steps_problem(interval, steps)
     if problem:
         raise ConfigError(problem)
+    check_pack_names("--recipes", recipes)
     due = DebugConfig.from_dict({"interval": interval}).stats_due
     measured = list(on) if on else [f"++debug.interval={interval}"]
     for name in recipes:

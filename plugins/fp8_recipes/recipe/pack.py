@@ -21,7 +21,7 @@ from fp8_recipes.recipe.yaml_guard import UnsafeYAML, load_yaml
 
 __all__ = [
     "conf_dir", "conf_search_path", "load_recipe", "load_recipe_dict", "project_root", "recipe_file_overrides",
-    "recipe_names", "recipes_dir",
+    "check_pack_names", "recipe_names", "recipes_dir",
 ]
 
 
@@ -58,6 +58,18 @@ def conf_search_path() -> str:
 
 def recipe_names() -> list[str]:
     return sorted(p.stem for p in recipes_dir().glob("*.yaml"))
+
+
+def check_pack_names(option: str, names: list[str]) -> None:
+    """ValueError, one line naming ``option``, for the first of ``names`` that is no recipe of the pack: the
+    benchmark scripts' --recipes run each as ``+recipe=NAME`` and name their runs by it, so they take pack names
+    only (not the files ``+recipe=`` takes)."""
+    pack = recipe_names()
+    for name in names:
+        if name not in pack:
+            what = "a path, not a recipe of the pack" if _is_file_ref(name) else \
+                f"not a recipe of the pack{did_you_mean(name, pack)}"
+            raise RecipeError([f"{option}: {name!r} is {what}; choose from {', '.join(pack)}"])
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
