@@ -274,6 +274,19 @@ def test_explain_a_conf_model_prints_its_experts_and_routers(capsys):
     assert rc == 2 and err.startswith("error: explain: --layers 100000000 is more than this plugin plans")
 
 
+@pytest.mark.parametrize("layout, lower", [("etp=2", "etp"), ("ep=2,etp=2,dp=2", "ep"), ("ep=4,dp=2", "ep")])
+def test_memory_names_the_expert_size_that_does_not_fit_a_stage(capsys, layout, lower):
+    """Expert TP x EP must divide a stage's tp x cp x dp ranks: the fix lowers the size at fault (`etp=2` alone on
+    one rank said "lower ep", which is 1 already)."""
+    rc, _, err = run_cli(capsys, "memory", "tiny_moe", "--layout", layout)
+    assert rc == 1 and re.match(r"error: --layout: expert TP x EP = \d x \d does not divide a stage's tp x cp x dp = "
+                                rf"\d ranks; raise dp or lower {lower}\n$", err), err
+    from fp8_recipes.plan.precision import TRAINER_WORDS, ParallelLayout
+
+    with pytest.raises(ValueError, match=r"or lower trainer\.expert_tensor_parallel_size$"):  # (the trainer's words)
+        ParallelLayout(dp=2, ep=2, etp=4).check_experts(4, 256, TRAINER_WORDS)
+
+
 def test_export_warns_of_a_block_without_fp8(capsys, monkeypatch):
     import fp8_recipes.training.hf as hf
 

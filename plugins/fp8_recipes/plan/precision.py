@@ -248,7 +248,7 @@ LAYOUT_WORDS = ExpertLayoutWords(
     etp="--layout: {etp_key}={etp} (the experts' TP size) does not divide the experts' FFN width "
         "(model.moe_ffn_hidden_size={ffn}); set etp to a divisor of {ffn}",
     grid="--layout: expert TP x EP = {etp} x {ep} does not divide a stage's tp x cp x dp = {stage_ranks} ranks; "
-         "raise dp or lower ep")
+         "raise dp or lower {grid_key}")
 """`fp8-recipes memory` / `explain --layout`'s wording."""
 
 TRAINER_WORDS = ExpertLayoutWords(
@@ -341,8 +341,9 @@ class ParallelLayout:
                  "stage_ranks": self.tp * self.cp * self.dp, "gpus": self.gpus, "grid": self.expert_tp * self.ep,
                  "grid_pp": self.expert_tp * self.ep * self.pp,
                  "etp_key": words.etp_key if self.etp else words.tp_key}
-        # the size to lower: EP when it is above 1, else the experts' TP size (expert TP, or TP when it is unset)
-        sizes["grid_key"] = words.ep_key if self.ep > 1 else sizes["etp_key"]
+        # the size to lower: the experts' TP size (expert TP, or TP when it is unset) when it alone does not divide a
+        # stage's ranks, else EP
+        sizes["grid_key"] = sizes["etp_key"] if sizes["stage_ranks"] % self.expert_tp else words.ep_key
         if num_experts is None:
             for key, value, unset in ((words.ep_key, self.ep, 1), (words.etp_key, self.etp, None)):
                 if value != unset:
