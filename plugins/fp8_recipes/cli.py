@@ -81,7 +81,7 @@ def _cmd_explain(args) -> int:
         if cfg is not None:  # (heads and FFN over TP, as memory and training check them)
             vocab = cfg.get("vocab_size") if isinstance(cfg.get("vocab_size"), int) else None  # (data's, in training)
             check_model_cfg({**cfg, "num_layers": layout.num_layers, "vocab_size": vocab}, vocab_may_be_unset=True,
-                            tensor_parallel=parallel.tp)
+                            tensor_parallel=parallel.tp, tp_key="--layout tp")
         # (ep / etp: how the routed experts split, refused on a dense model; the memory command says what it costs)
         parallel.check_experts(layout.experts or None, expert_ffn_size(cfg) if cfg is not None else None)
     plan = PrecisionPlan(load_recipe(args.recipe), layout, hardware)
@@ -102,7 +102,8 @@ def _cmd_memory(args) -> int:
         model = read_model_conf(args.model, "memory", also=published)
         if not isinstance(model.get("vocab_size"), int):
             model["vocab_size"] = 4096  # the stdlib tokenizer's, which the small configs take from data
-    check_model_cfg({"seq_length": args.seq, **model}, tensor_parallel=layout.tp)  # (heads, FFN, MoE keys over TP)
+    check_model_cfg({"seq_length": args.seq, **model}, tensor_parallel=layout.tp,
+                    tp_key="--layout tp")  # (heads, FFN, MoE keys over TP)
     dtypes = {"exp_avg_dtype": args.exp_avg_dtype, "exp_avg_sq_dtype": args.exp_avg_sq_dtype,
               "main_params_dtype": args.main_params_dtype}
     optimizer = OptimizerPrecision(  # a low-precision dtype implies the precision-aware optimizer, as in Megatron-LM

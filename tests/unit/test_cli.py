@@ -269,7 +269,11 @@ def test_explain_a_conf_model_prints_its_experts_and_routers(capsys):
     for argv in (["explain", "safe", "--model", "llama3_8b_8l", "--layout", "tp=3"],  # FFN 14336 over 3 ranks
                  ["memory", "llama3-8b", "--layout", "tp=3"]):  # (a published shape too)
         rc, _, err = run_cli(capsys, *argv)
-        assert rc == 1 and err.startswith("error: model.ffn_hidden_size=14336 is not divisible by"), (argv, err)
+        assert rc == 1 and err == ("error: model.ffn_hidden_size=14336 is not divisible by --layout tp=3; set --layout "
+                                   "tp to a divisor of 14336\n"), (argv, err)
+    rc, _, err = run_cli(capsys, "explain", "nvfp4", "--model", "tiny_moe", "--layout", "tp=4")  # (said trainer.*)
+    assert rc == 1 and err == ("error: model.num_query_groups=2 is not divisible by --layout tp=4; set --layout tp to "
+                               "a divisor of 2\n"), err
     rc, _, err = run_cli(capsys, "explain", "safe", "--layers", "100000000")  # (a million layers filled 20 GB)
     assert rc == 2 and err.startswith("error: explain: --layers 100000000 is more than this plugin plans")
 

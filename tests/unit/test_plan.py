@@ -362,9 +362,14 @@ def test_parallel_layout_places_layers_as_megatron_core():
                                       (1, 1): range(6, 8)}
     assert ParallelLayout.parse("pp=4").chunk_layers(8)[(3, 0)] == range(6, 8)
     assert ParallelLayout.parse("pp=2,vpp=1").vpp is None
+    assert ParallelLayout.parse("") == ParallelLayout.parse(" ") == ParallelLayout()  # (memory's default)
+    assert ParallelLayout.parse(" tp=2 , pp=2 ") == ParallelLayout(tp=2, pp=2)
     assert ParallelLayout.parse("tp=2,ep=4,etp=1,dp=4").expert_dp == ParallelLayout.parse("ep=4,dp=8").expert_dp == 2
     for text, match in (("tp=2,xp=4", r"'xp' is not one of tp, pp, vpp, cp, dp, ep, etp"), ("pp=0", r"'pp=0'.* >= 1"),
-                        ("pp=x", r"'pp=x'")):
+                        ("pp=x", r"'pp=x'"), ("tp=2,tp=4", r"^--layout: tp is given twice \(tp=2, tp=4\); give each "
+                                                           r"size once$"),
+                        ("tp=2,,pp=2", r"^--layout: 'tp=2,,pp=2' has an empty part; write KEY=N parts separated"),
+                        ("tp=2,", "empty part"), (",", "empty part")):
         with pytest.raises(ValueError, match=match):
             ParallelLayout.parse(text)
     with pytest.raises(ValueError, match=r"8 layers do not split evenly over pp x vpp = 3 chunks"):

@@ -53,10 +53,11 @@ MODEL_MAX = {"num_layers": 1024, "hidden_size": 65536, "ffn_hidden_size": 262144
 
 
 def check_model_cfg(cfg: Mapping[str, Any], *, vocab_may_be_unset: bool = False, tensor_parallel: int = 1,
-                    device: str | None = "cuda") -> None:
-    """The `model` group: known keys, types, ranges, and the shapes Megatron-Core would assert on. ``device``: the
-    machine it will run on ('cpu', 'cuda'); None while not yet known (training, before torch loads), the keys whose
-    fix depends on it then left to :func:`check_model_device`."""
+                    tp_key: str = "trainer.tensor_model_parallel_size", device: str | None = "cuda") -> None:
+    """The `model` group: known keys, types, ranges, and the shapes Megatron-Core would assert on; ``tp_key``: how the
+    user gave ``tensor_parallel`` (``--layout tp`` in the CLI), named with the widths it does not divide. ``device``:
+    the machine it will run on ('cpu', 'cuda'); None while not yet known (training, before torch loads), the keys
+    whose fix depends on it then left to :func:`check_model_device`."""
     known = MODEL_REQUIRED + MODEL_OPTIONAL + MOE_KEYS
     check_keys("model", cfg, known)
     for key in MODEL_REQUIRED:
@@ -84,7 +85,7 @@ def check_model_cfg(cfg: Mapping[str, Any], *, vocab_may_be_unset: bool = False,
         v = cfg.get(key)
         if v is not None and not (is_number(v) and v > 0):
             raise ConfigError(f"model.{key}={v!r}: must be a number > 0")
-    _check_moe(cfg, tensor_parallel)
+    _check_moe(cfg)
     if device is not None:
         check_model_device(cfg, device)
     init_from = cfg.get("init_from")
@@ -108,19 +109,18 @@ def check_model_cfg(cfg: Mapping[str, Any], *, vocab_may_be_unset: bool = False,
     groups = cfg.get("num_query_groups")
     if groups is not None and heads % groups:
         raise ConfigError(f"model.num_query_groups={groups} does not divide model.num_attention_heads={heads}")
-    if tensor_parallel > 1:
-        ffn = cfg.get("ffn_hidden_size") or 4 * hidden
-        if ffn % tensor_parallel:  # Megatron-Core's divide() asserts in the MLP's row-parallel linear_fc2
-            raise ConfigError(f"model.ffn_hidden_size={ffn} is not divisible by trainer.tensor_model_parallel_size="
-                             f"{tensor_parallel}; pick a multiple of it")
-        for key in ("num_attention_heads", "num_query_groups"):
-            v = cfg.get(key)
-            if v is not None and v % tensor_parallel:
-                raise ConfigError(f"model.{key}={v} is not divisible by trainer.tensor_model_parallel_size="
-                                 f"{tensor_parallel}")
+    # Megatron-Core's divide() asserts on each: the experts' and the MLP's row-parallel linear_fc2, the heads and
+    # query groups per rank
+    moe = ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size") if cfg.get("num_moe_experts") else ()
+    widths = {**{key: cfg.get(key) for key in moe}, "ffn_hidden_size": cfg.get("ffn_hidden_size") or 4 * hidden,
+              "num_attention_heads": heads, "num_query_groups": groups}
+    for key, v in widths.items():
+        if v is not None and v % tensor_parallel:
+            raise ConfigError(f"model.{key}={v} is not divisible by {tp_key}={tensor_parallel}; set {tp_key} to a "
+                             f"divisor of {v}")
 
 
-def _check_moe(cfg: Mapping[str, Any], tensor_parallel: int) -> None:
+def _check_moe(cfg: Mapping[str, Any]) -> None:
     """The MoE keys Megatron-Core would assert on (or misread) at build time, each named."""
     for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
         v = cfg.get(key)
@@ -150,12 +150,6 @@ def _check_moe(cfg: Mapping[str, Any], tensor_parallel: int) -> None:
         raise ConfigError("model.moe_router_fusion=true with model.moe_router_padding_for_quantization=true: "
                          "Megatron-Core 0.19.2 pads the routing map the fused router saved for its backward in place "
                          "(the backward then fails, measured on the H200); set one of them false")
-    if tensor_parallel > 1:
-        for key in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
-            v = cfg.get(key)
-            if v is not None and v % tensor_parallel:
-                raise ConfigError(f"model.{key}={v} is not divisible by trainer.tensor_model_parallel_size="
-                                 f"{tensor_parallel}; pick a multiple of it")
 
 
 def _check_capacity(cfg: Mapping[str, Any]) -> None:

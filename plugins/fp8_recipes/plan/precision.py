@@ -285,14 +285,20 @@ class ParallelLayout:
 
     @classmethod
     def parse(cls, text: str) -> ParallelLayout:
-        """``tp=2,pp=4,vpp=2,cp=2,dp=8`` (any subset; the rest 1, vpp none); ValueError naming the bad part."""
+        """``tp=2,pp=4,vpp=2,cp=2,dp=8`` (any subset, each once; the rest 1, vpp none; "" all 1); ValueError naming
+        the bad part."""
         values: dict[str, int] = {}
-        for part in filter(None, (p.strip() for p in text.split(","))):
+        for part in (p.strip() for p in text.split(",")) if text.strip() else ():
             key, _, value = part.partition("=")
+            if not part:
+                raise ValueError(f"--layout: {text!r} has an empty part; write KEY=N parts separated by single "
+                                 f"commas (e.g. tp=2,pp=4,dp=8)")
             if key not in cls.KEYS:
                 raise ValueError(f"--layout: {key!r} is not one of {', '.join(cls.KEYS)} (e.g. tp=2,pp=4,dp=8)")
             if not value.isdigit() or int(value) < 1:
                 raise ValueError(f"--layout: {part!r}: the size must be an integer >= 1")
+            if key in values:
+                raise ValueError(f"--layout: {key} is given twice ({key}={values[key]}, {part}); give each size once")
             values[key] = int(value)
         if values.get("vpp") == 1:
             values.pop("vpp")
