@@ -75,17 +75,21 @@ def _cmd_explain(args) -> int:
     else:
         layout = ModelLayout.gpt(args.layers or 4)
     parallel = None
-    if args.layout:
+    if args.layout is not None:  # (given: its section is printed, at one stage too)
         parallel = ParallelLayout.parse(args.layout)
         parallel.check(layout.num_layers)
         if cfg is not None:  # (heads and FFN over TP, as memory and training check them)
             vocab = cfg.get("vocab_size") if isinstance(cfg.get("vocab_size"), int) else None  # (data's, in training)
             check_model_cfg({**cfg, "num_layers": layout.num_layers, "vocab_size": vocab}, vocab_may_be_unset=True,
                             tensor_parallel=parallel.tp, tp_key="--layout tp")
+        elif parallel.tp > MODEL_MAX["num_attention_heads"]:  # (with --model: tp divides its heads)
+            raise ValueError(f"--layout: tp={parallel.tp} is more than the attention heads TP splits, in any model "
+                             f"this plugin plans (at most {MODEL_MAX['num_attention_heads']:,}); lower tp, or give "
+                             f"--model NAME to check it against that model")
         # (ep / etp: how the routed experts split, refused on a dense model; the memory command says what it costs)
         parallel.check_experts(layout.experts or None, expert_ffn_size(cfg) if cfg is not None else None)
     plan = PrecisionPlan(load_recipe(args.recipe), layout, hardware)
-    print(format_plan(plan, max_steps=args.steps, parallel=parallel))
+    print(format_plan(plan, max_steps=args.steps, parallel=parallel, show_layout=parallel is not None))
     return 0
 
 
@@ -208,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--steps", type=int, default=None, help="training steps, to bound the stage table")
     e.add_argument("--detect", action="store_true", help="plan for this machine's GPU/TE instead of a CPU")
     e.add_argument("--layout", metavar="tp=2,pp=4,vpp=2,cp=2,dp=8",
-                   help="a parallel layout: also print which pipeline stage runs which layers in which precision")
+                   help="a parallel layout (ep, etp with an MoE --model): also print which pipeline stage runs which "
+                   "layers in which precision, and how the routed experts split")
     e.set_defaults(fn=_cmd_explain)
     m = sub.add_parser("memory", help="estimated memory per GPU of a GPT (dense or MoE) at a parallel layout "
                        "(docs/scale.md)")

@@ -291,6 +291,20 @@ def test_memory_names_the_expert_size_that_does_not_fit_a_stage(capsys, layout, 
         ParallelLayout(dp=2, ep=2, etp=4).check_experts(4, 256, TRAINER_WORDS)
 
 
+def test_explain_prints_any_layout_it_is_given(capsys):
+    """At one pipeline stage too (it printed nothing more than without --layout), with the experts' split; a TP
+    size no model's heads allow is refused without --model too (as with it)."""
+    rc, out, err = run_cli(capsys, "explain", "nvfp4", "--layout", "tp=2,dp=8,cp=2")
+    assert rc == 0 and err == "" and "\nparallel layout (tp=2, pp=1, cp=2, dp=8: 32 GPUs; one pipeline stage)\n" in out
+    rc, out, _ = run_cli(capsys, "explain", "nvfp4", "--model", "tiny_moe", "--layout", "tp=2,dp=2,ep=2")
+    assert rc == 0 and "parallel layout (tp=2, pp=1, cp=1, dp=2, ep=2: 4 GPUs; one pipeline stage)" in out
+    assert "  routed experts: 4 per MoE layer, 2 on each of the ep=2 ranks, each expert split over expert TP 2;" in out
+    rc, _, err = run_cli(capsys, "explain", "nvfp4", "--layout", "tp=99999999999")
+    assert rc == 1 and err.startswith("error: --layout: tp=99999999999 is more than the attention heads TP splits, "
+                                      "in any model this plugin plans (at most 1,024); lower tp"), err
+    assert run_cli(capsys, "explain", "nvfp4", "--layout", "tp=1024")[0] == 0
+
+
 def test_export_warns_of_a_block_without_fp8(capsys, monkeypatch):
     import fp8_recipes.training.hf as hf
 

@@ -387,3 +387,6 @@ def test_explain_shows_which_stage_runs_which_layers():
     assert "  stage 0          layers 0-1      0 bf16, 1 emulated  + embedding" in text
     assert "  stage 1          layers 2-3      2 emulated, 3 bf16  + LM head bf16" in text
     assert "pipeline stages" not in format_plan(plan)  # one stage: nothing to add
+    assert "parallel layout" not in format_plan(plan, parallel=ParallelLayout(tp=2))  # (a run's plan.txt at PP=1)
+    text = format_plan(plan, parallel=ParallelLayout(tp=2, cp=2, dp=8), show_layout=True)  # explain --layout
+    assert "\nparallel layout (tp=2, pp=1, cp=2, dp=8: 32 GPUs; one pipeline stage)\n  stage 0          layers 0-3" in text

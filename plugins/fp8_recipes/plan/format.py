@@ -141,8 +141,11 @@ def _precision_runs(layers: range, step_plan: StepPlan) -> str:
     return ", ".join(f"{_ranges(ls)} {k}" for ls, k in runs)
 
 
-def _pipeline_lines(plan: PrecisionPlan, parallel: ParallelLayout, final: StepPlan) -> list[str]:
-    lines = ["", f"pipeline stages ({parallel.describe()}; layer numbers are global)"]
+def _pipeline_lines(plan: PrecisionPlan, parallel: ParallelLayout, final: StepPlan, experts: bool = False) -> list[str]:
+    """Which pipeline stage (and virtual chunk) runs which layers in which precision; ``experts``: also how the routed
+    experts split (explain --layout: a run's own layout carries no EP)."""
+    lines = ["", f"pipeline stages ({parallel.describe()}; layer numbers are global)" if parallel.pp > 1 else
+             f"parallel layout ({parallel.describe()}; one pipeline stage)"]
     head = final.modules.get("output_layer")
     chunks = parallel.chunk_layers(plan.layout.num_layers)
     last = max(chunks)
@@ -155,6 +158,10 @@ def _pipeline_lines(plan: PrecisionPlan, parallel: ParallelLayout, final: StepPl
         chunk_label = f" chunk {chunk}" if parallel.vpp else ""
         lines.append(f"  stage {stage}{chunk_label:<9} layers {_ranges(list(layers)):<8} "
                      f"{_precision_runs(layers, final)}{extra}")
+    if experts and plan.layout.experts:
+        lines.append(f"  routed experts: {plan.layout.experts} per MoE layer, {plan.layout.experts // parallel.ep} on "
+                     f"each of the ep={parallel.ep} ranks, each expert split over expert TP {parallel.expert_tp}; their "
+                     f"optimizer state sharded over expert DP {parallel.expert_dp}")
     return lines
 
 
@@ -174,7 +181,10 @@ def _fp8_param_line(plan: PrecisionPlan) -> str:
             f"from the fp32 main params each step); bf16: {rest}")
 
 
-def format_plan(plan: PrecisionPlan, max_steps: int | None = None, parallel: ParallelLayout | None = None) -> str:
+def format_plan(plan: PrecisionPlan, max_steps: int | None = None, parallel: ParallelLayout | None = None,
+                show_layout: bool = False) -> str:
+    """The plan as text; with ``parallel``, which pipeline stage runs which layers when there are several stages, or
+    always with ``show_layout`` (explain --layout: a layout the user gave, experts too)."""
     r = plan.recipe
     sched = r.schedule
     lines = [
@@ -220,8 +230,8 @@ def format_plan(plan: PrecisionPlan, max_steps: int | None = None, parallel: Par
                          "above BF16 (docs/benchmarks.md, FP8 attention); compare it with BF16 before relying on it")
     if r.fp8_param:
         lines.append(_fp8_param_line(plan))
-    if parallel is not None and parallel.pp > 1:
-        lines += _pipeline_lines(plan, parallel, final)
+    if parallel is not None and (parallel.pp > 1 or show_layout):
+        lines += _pipeline_lines(plan, parallel, final, experts=show_layout)
     for pat in plan.unmatched_patterns:
         lines.append(f"warning: layers.bf16_modules pattern '{pat}' matches no module of this model")
     for pat in plan.unmatched_module_patterns:
