@@ -516,12 +516,23 @@ def _past(line: str, step: int) -> bool:
     return isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] > step
 
 
-def load_run_config(run_dir: str | os.PathLike) -> Any:
-    """The composed config scripts/train.py ran with (Hydra writes it to ``run_dir/.hydra/config.yaml``)."""
+def load_run_config(run_dir: str | os.PathLike, key: str = "run_dir") -> Any:
+    """The composed config scripts/train.py ran with (Hydra writes it to ``run_dir/.hydra/config.yaml``). A missing
+    one, or one damaged or edited into something else (not YAML, not a mapping with the model, data and trainer
+    groups), is a one-line ConfigError naming ``key`` (the caller's argument) and the file."""
     from omegaconf import OmegaConf  # Hydra's config library: a dependency, kept out of this module's import
 
     path = Path(run_dir) / HYDRA / "config.yaml"
     if not path.is_file():
-        raise ConfigError(f"run_dir: {str(run_dir)!r} has no .hydra/config.yaml; give a directory written by "
+        raise ConfigError(f"{key}: {str(run_dir)!r} has no .hydra/config.yaml; give a directory written by "
                           "scripts/train.py")
-    return OmegaConf.load(path)
+    fix = "restore it from a copy of the run (scripts/train.py wrote it), or give another run directory"
+    try:  # the guarded reader first: OmegaConf's own would end in a YAML traceback, or walk an alias bomb
+        data = load_yaml(path.read_bytes(), str(path))
+    except (ConfigError, OSError) as e:
+        raise ConfigError(f"{key}: {path}: {str(e).splitlines()[0]}; {fix}") from None
+    groups = data if isinstance(data, dict) else {}
+    missing = [g for g in ("model", "data", "trainer") if not isinstance(groups.get(g), dict)]
+    if missing:
+        raise ConfigError(f"{key}: {path} has no {missing[0]} group (a mapping of its keys); {fix}")
+    return OmegaConf.load(path)  # (its YAML 1.2 floats: 1e-5 is a number there, a string to the plain reader)

@@ -248,3 +248,29 @@ def test_not_llama_shaped_and_mismatched_checkpoints_are_refused_in_one_line(run
     assert refusal(hf, "model.vocab_size=512").startswith(
         f"model.init_from: {exports['bf16']} has vocab_size 257, the model 512")
     assert refusal("model.init_from=hf:/nonexistent").startswith("model.init_from: /nonexistent has no config.json")
+
+
+def _damage_config(run: Path) -> str:
+    (run / ".hydra" / "config.yaml").write_text(": : :\n")
+    return "/.hydra/config.yaml: line 1: YAML syntax error: "
+
+
+DAMAGES = {"config": _damage_config}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_export_and_eval_of_a_damaged_or_edited_run_are_one_line(damage, run, tmp_path):
+    """A copy of the run with one file damaged or edited by hand: ``fp8-recipes export`` and scripts/eval_checkpoint.py
+    each end in one ``error:`` line naming their argument and the damage, no traceback, nothing written."""
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("tb"))
+    says = DAMAGES[damage](copy)
+    out, parity = tmp_path / "hf", tmp_path / "parity.json"
+    for cmd, key in (([sys.executable, "-m", "fp8_recipes.cli", "export", str(copy), "--to", "hf", str(out)], "SOURCE"),
+                     ([sys.executable, "scripts/eval_checkpoint.py", str(copy), "--out", str(parity)], "run_dir")):
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert proc.returncode in (1, 2) and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert len(errors) == 1 and errors[0] == proc.stderr.strip().splitlines()[-1], proc.stderr[-3000:]
+        assert errors[0].startswith(f"error: {key}: ") and says in errors[0], errors[0]
+        assert not out.exists() and not parity.exists()

@@ -201,3 +201,18 @@ def test_routing_rows_are_one_per_expert_of_the_runs_model(tmp_path):
     (tmp_path / "dir" / ROUTING).mkdir(parents=True)  # was "has no routing.jsonl" in the heat map
     with pytest.raises(RunFileError, match=r"routing.jsonl is not a readable file \(it is a directory\)$"):
         read_routing(tmp_path / "dir")
+
+
+@pytest.mark.parametrize("text, says", [(": : :\n", "line 1: YAML syntax error: "), ("- a\n", "has no model group"),
+                                        ("model: {}\ndata: {}\ntrainer: 3\n", "has no trainer group"),
+                                        ("a: &a [*a]\n", "line 1: an alias refers to a value that contains it")])
+def test_a_damaged_run_config_is_one_line_naming_it(tmp_path, text, says):
+    """export and eval_checkpoint read a run's .hydra/config.yaml: damaged or edited into another shape, it was a
+    YAML traceback (or a later AttributeError); now one ConfigError naming the caller's key and the file."""
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "config.yaml").write_text(text)
+    with pytest.raises(ValueError) as e:
+        rundir.load_run_config(tmp_path, "SOURCE")
+    assert str(e.value).startswith(f"SOURCE: {tmp_path / '.hydra' / 'config.yaml'}") and says in str(e.value)
+    assert "\n" not in str(e.value) and str(e.value).endswith("restore it from a copy of the run (scripts/train.py "
+                                                              "wrote it), or give another run directory")

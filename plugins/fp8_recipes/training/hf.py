@@ -33,7 +33,7 @@ from fp8_recipes.integrations.hf_llama import (
 from fp8_recipes.megatron.data import EOD_TEXT
 from fp8_recipes.megatron.model import unwrap_model
 from fp8_recipes.megatron.model_config import run_model_cfg
-from fp8_recipes.rundir import load_run_config
+from fp8_recipes.rundir import HYDRA, load_run_config
 from fp8_recipes.training.checkpoint import checkpoint_meta, intact_checkpoint, read_checkpoint
 from fp8_recipes.training.config import check_writable_dir
 from fp8_recipes.training.reshard import COLUMN, join_shards, live_global_name, rank_slice
@@ -72,11 +72,10 @@ def _whole_model_state(step_dir: Path, num_layers: int, progress: Callable[[str]
 def _run_config(step_dir: Path):
     """(the run's composed config, its run dir) for a step dir under ``<run>/checkpoints/``."""
     run_dir = step_dir.parent.parent
-    try:
-        return load_run_config(run_dir), run_dir
-    except ValueError:
+    if not (run_dir / HYDRA / "config.yaml").is_file():
         raise ConfigError(f"SOURCE: {step_dir} is not inside a run directory written by scripts/train.py (no "
-                         f"{run_dir / '.hydra' / 'config.yaml'}); export from the run dir or its step_N dir") from None
+                          f"{run_dir / HYDRA / 'config.yaml'}); export from the run dir or its step_N dir")
+    return load_run_config(run_dir, "SOURCE"), run_dir  # (a damaged one: a line naming it)
 
 
 def _bytes_tokenizer_json() -> str:
