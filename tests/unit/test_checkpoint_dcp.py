@@ -242,7 +242,8 @@ def test_eval_checkpoint_refuses_a_format_1_checkpoint(tmp_path):
 
     step_dir = write_format_1(tmp_path)
     (tmp_path / ".hydra").mkdir()
-    (tmp_path / ".hydra" / "config.yaml").write_text("trainer: {}\n")  # a run dir as far as the refusal looks
+    # a run dir as far as the refusal looks (load_run_config wants the three groups)
+    (tmp_path / ".hydra" / "config.yaml").write_text("model: {}\ndata: {}\ntrainer: {}\n")
     with pytest.raises(ValueError, match=rf"^checkpoint: {step_dir} is a format-1 checkpoint"):
         evaluate_checkpoint(tmp_path, recipe="bf16")
 
@@ -257,7 +258,7 @@ def test_export_and_evaluation_refuse_a_damaged_checkpoint_in_one_line(tmp_path)
     step_dir.mkdir(parents=True)
     (tmp_path / "checkpoints" / "latest").write_text("step_1\n")
     (tmp_path / ".hydra").mkdir()
-    (tmp_path / ".hydra" / "config.yaml").write_text("trainer: {}\n")
+    (tmp_path / ".hydra" / "config.yaml").write_text("model: {}\ndata: {}\ntrainer: {}\n")
     damaged = (rf"{step_dir} is damaged: its \.metadata \(the index of its shards\) is missing; name an intact "
                rf"step_N dir$")
     with pytest.raises(ValueError, match=rf"^checkpoint: {damaged}"):
