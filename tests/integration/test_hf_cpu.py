@@ -255,7 +255,17 @@ def _damage_config(run: Path) -> str:
     return "/.hydra/config.yaml: line 1: YAML syntax error: "
 
 
-DAMAGES = {"config": _damage_config}
+def _flip_shard(run: Path) -> str:
+    """100 bytes of the latest checkpoint's shard flipped, its size kept: a resume refuses it by its checksum."""
+    shard = next((run / "checkpoints" / "step_40").glob("__0_*.distcp"))
+    data = bytearray(shard.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 100] = bytes(b ^ 0xFF for b in data[middle:middle + 100])
+    shard.write_bytes(bytes(data))
+    return f"step_40 is damaged: {shard.name} does not match its checksum"
+
+
+DAMAGES = {"config": _damage_config, "flipped shard": _flip_shard}
 
 
 @pytest.mark.parametrize("damage", DAMAGES)
@@ -267,7 +277,8 @@ def test_export_and_eval_of_a_damaged_or_edited_run_are_one_line(damage, run, tm
     says = DAMAGES[damage](copy)
     out, parity = tmp_path / "hf", tmp_path / "parity.json"
     for cmd, key in (([sys.executable, "-m", "fp8_recipes.cli", "export", str(copy), "--to", "hf", str(out)], "SOURCE"),
-                     ([sys.executable, "scripts/eval_checkpoint.py", str(copy), "--out", str(parity)], "run_dir")):
+                     ([sys.executable, "scripts/eval_checkpoint.py", str(copy), "--out", str(parity)],
+                      "run_dir" if damage == "config" else "checkpoint")):
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         assert proc.returncode in (1, 2) and "Traceback" not in proc.stderr, proc.stderr[-3000:]

@@ -333,7 +333,7 @@ POINTER = ("latest names nothing", "latest not UTF-8", "latest a path")  # step_
 def test_a_damaged_latest_falls_back_to_the_newest_intact(case, tmp_path, caplog):
     import logging
 
-    from fp8_recipes.training.checkpoint import checkpoint_damage
+    from fp8_recipes.training.checkpoint import checkpoint_damage, intact_checkpoint
 
     step_2, step_4 = two_checkpoints(tmp_path)
     assert checkpoint_damage(step_4) is None and (step_4 / "checksums.json").is_file()
@@ -350,6 +350,11 @@ def test_a_damaged_latest_falls_back_to_the_newest_intact(case, tmp_path, caplog
             find_resume(str(step_4), tmp_path)
         assert str(e.value).startswith("trainer.resume: ") and "\n" not in str(e.value)
         assert f"{step_4} is damaged: " in str(e.value) or case == "missing .metadata"  # (no DCP dir at all then)
+        # export and eval_checkpoint refuse what a resume refuses (a flipped bit was exported before)
+        with pytest.raises(ValueError) as e:
+            intact_checkpoint(step_4, "SOURCE")
+        assert str(e.value).startswith("SOURCE: ") and "\n" not in str(e.value)
+        assert f"{step_4} is damaged: " in str(e.value) and says in str(e.value) or case == "missing .metadata"
     for step_dir in (step_2, step_4):
         flip_a_bit(next(step_dir.glob("__0_*.distcp")), at=0.25)
     with pytest.raises(ValueError, match=r"^trainer.resume=auto: no intact checkpoint in .*; start fresh"):

@@ -22,7 +22,8 @@ fails (a full disk, a file size limit) on any rank is agreed on at the next barr
 CheckpointWriteError (training/errors.py) together, and rank 0 removes the ``.tmp`` directory.
 
 Integrity: ``checksums.json`` (inside the step dir) records each file's size and CRC-32, each rank digesting the
-files it wrote. Resuming verifies them (and that ``meta.json`` reads): ``trainer.resume=auto`` falls back from a
+files it wrote. Resuming verifies them (and that ``meta.json`` reads), as the HF export and an evaluation do
+(:func:`intact_checkpoint`): ``trainer.resume=auto`` falls back from a
 damaged latest checkpoint (a truncated or flipped shard, a missing ``.metadata``, a ``latest`` that names nothing) to
 the newest intact ``step_N`` with one warning naming both; a named checkpoint that is damaged is refused in one line.
 Checkpoints written before the record existed are checked for their files only. Before any process group exists,
@@ -615,16 +616,18 @@ def _readable_payloads(step_dir: Path) -> dict[str, list[tuple[tuple, Any]]]:
 
 def intact_checkpoint(path: str | os.PathLike, key: str) -> Path:
     """:func:`resolve_checkpoint` for a command that reads one checkpoint (the HF export, an evaluation): a one-line
-    ConfigError naming ``key`` when there is none, it is of an earlier format, :func:`quick_damage` finds it
-    damaged (a missing shard or index), or it was written with expert parallelism (its experts are spread over the
-    EP ranks' payloads, which these readers do not join yet), before any of it is read."""
+    ConfigError naming ``key`` when there is none, it is of an earlier format, :func:`checkpoint_damage` finds it
+    damaged (a missing shard or index, a file that no longer matches its checksum: the check a resume makes, so
+    that what a resume refuses is not exported or evaluated either), or it was written with expert parallelism (its
+    experts are spread over the EP ranks' payloads, which these readers do not join yet), before any of it is
+    loaded. The files are digested here, in each process (an evaluation under torchrun reads them once per rank)."""
     try:
         step_dir = resolve_checkpoint(path)
     except FileNotFoundError as e:
         raise ConfigError(f"{key}: {e}; train with trainer.save_checkpoints=true") from None
     except ValueError as e:  # a checkpoint of a format this version cannot read
         raise ConfigError(f"{key}: {e}") from None
-    problem = quick_damage(step_dir)
+    problem = checkpoint_damage(step_dir)
     if problem:
         raise ConfigError(f"{key}: {step_dir} is damaged: {problem}; name an intact step_N dir")
     meta = checkpoint_meta(step_dir)
