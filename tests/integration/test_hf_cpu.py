@@ -228,6 +228,9 @@ def test_not_llama_shaped_and_mismatched_checkpoints_are_refused_in_one_line(run
     cfg = OmegaConf.load(gpt / ".hydra" / "config.yaml")
     cfg.model.normalization, cfg.model.activation = "LayerNorm", "gelu"
     OmegaConf.save(cfg, gpt / ".hydra" / "config.yaml")
+    meta = json.loads((gpt / "checkpoints" / "step_40" / "meta.json").read_text())  # and its record says so too (a
+    meta["model"].update(normalization="LayerNorm", activation="gelu")  # config alone is refused as edited)
+    (gpt / "checkpoints" / "step_40" / "meta.json").write_text(json.dumps(meta))
     proc = subprocess.run([sys.executable, "-m", "fp8_recipes.cli", "export", str(gpt), "--to", "hf",
                            str(tmp_path / "out")], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 1 and not (tmp_path / "out").exists()
@@ -265,7 +268,14 @@ def _flip_shard(run: Path) -> str:
     return f"step_40 is damaged: {shard.name} does not match its checksum"
 
 
-DAMAGES = {"config": _damage_config, "flipped shard": _flip_shard}
+def _edit_hidden_size(run: Path) -> str:
+    """The config says 256 wide, the weights are 128: the export wrote a config.json its tensors did not fit."""
+    config = run / ".hydra" / "config.yaml"
+    config.write_text(config.read_text().replace("hidden_size: 128\n", "hidden_size: 256\n", 1))
+    return f"not a checkpoint of this run's model: model.hidden_size is 128 in {run}/checkpoints/step_40, 256 in"
+
+
+DAMAGES = {"config": _damage_config, "flipped shard": _flip_shard, "edited config": _edit_hidden_size}
 
 
 @pytest.mark.parametrize("damage", DAMAGES)
@@ -278,7 +288,7 @@ def test_export_and_eval_of_a_damaged_or_edited_run_are_one_line(damage, run, tm
     out, parity = tmp_path / "hf", tmp_path / "parity.json"
     for cmd, key in (([sys.executable, "-m", "fp8_recipes.cli", "export", str(copy), "--to", "hf", str(out)], "SOURCE"),
                      ([sys.executable, "scripts/eval_checkpoint.py", str(copy), "--out", str(parity)],
-                      "run_dir" if damage == "config" else "checkpoint")):
+                      "checkpoint" if damage == "flipped shard" else "run_dir")):
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         assert proc.returncode in (1, 2) and "Traceback" not in proc.stderr, proc.stderr[-3000:]

@@ -11,6 +11,7 @@ and test_pipeline_cpu.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -541,3 +542,25 @@ def test_a_zip_writer_error_on_a_full_disk_is_a_write_failure(tmp_path, monkeypa
     monkeypatch.undo()
     assert checkpoint._nearly_full(tmp_path / "not" / "yet") is False  # (this disk has room; a missing dir reads
     # its nearest existing parent)
+
+
+@pytest.mark.parametrize("changes", [{}, {"num_query_groups": None, "ffn_hidden_size": None, "activation": "gelu",
+                                          "normalization": "LayerNorm", "share_embeddings_and_output_weights": True,
+                                          "vocab_size": 300}], ids=["tiny", "defaults"])
+def test_a_model_config_describes_the_record_of_its_model(changes, tiny_model_cfg, megatron_cpu, tmp_path):
+    """check_config_matches (the export's and the evaluation's check of a run config against a checkpoint) derives
+    meta.json's model record from the config without building the model: it equals the built model's record, and
+    the first key that differs is named with both values."""
+    from fp8_recipes.megatron.model import build_model_chunks
+    from fp8_recipes.training.checkpoint import _cfg_model_fields, _model_fields, check_config_matches
+
+    cfg = {**tiny_model_cfg, "num_layers": 1, **changes}
+    record = _model_fields(build_model_chunks(cfg, device=torch.device("cpu")))["model"]
+    assert _cfg_model_fields(cfg, 1) == record
+    step_dir = tmp_path / "step_1"
+    step_dir.mkdir()
+    (step_dir / "meta.json").write_text(json.dumps({"step": 1, "tensor_model_parallel_size": 1, "model": record}))
+    check_config_matches(step_dir, cfg, "cfg.yaml", "SOURCE")
+    with pytest.raises(ValueError, match=rf"^SOURCE: not a checkpoint of this run's model: model.hidden_size is 128 "
+                                         rf"in {step_dir}, 256 in cfg.yaml; restore model.hidden_size: 128 in that"):
+        check_config_matches(step_dir, {**cfg, "hidden_size": 256}, "cfg.yaml", "SOURCE")

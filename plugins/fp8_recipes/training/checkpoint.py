@@ -75,6 +75,7 @@ import torch
 from fp8_recipes.checks import ConfigError
 from fp8_recipes.launcher import launch_rank
 from fp8_recipes.megatron.model import VOCAB_MULTIPLE
+from fp8_recipes.megatron.model_config import pad_vocab_size
 from fp8_recipes.megatron.model import unwrap_model as _unwrap
 from fp8_recipes.training.errors import CheckpointWriteError
 from fp8_recipes.training.reshard import (
@@ -90,7 +91,7 @@ from fp8_recipes.training.reshard import (
 __all__ = ["barrier", "save_checkpoint", "load_checkpoint", "read_checkpoint", "resolve_checkpoint", "find_resume",
            "intact_checkpoint",
            "checkpoint_step", "checkpoint_meta", "resume_skip", "checkpoint_damage", "quick_damage", "shared_damage",
-           "check_model_matches"]
+           "check_config_matches", "check_model_matches"]
 
 logger = logging.getLogger("fp8_recipes")
 
@@ -803,6 +804,47 @@ def _model_fields(chunks: list[torch.nn.Module]) -> dict[str, Any]:
     return {"model": model, "params_dtype": _DTYPES.get(c.params_dtype, str(c.params_dtype))}
 
 
+def _cfg_model_fields(model_cfg: dict[str, Any], tensor_parallel: int) -> dict[str, Any]:
+    """:func:`_model_fields`' ``model`` record of the model a model config group describes, as build_gpt_model
+    builds it at ``tensor_parallel`` (its defaults: megatron/model.py), without building it."""
+    hidden, heads = int(model_cfg["hidden_size"]), int(model_cfg["num_attention_heads"])
+    return {"num_layers": int(model_cfg["num_layers"]), "hidden_size": hidden,
+            "ffn_hidden_size": int(model_cfg.get("ffn_hidden_size") or 4 * hidden), "num_attention_heads": heads,
+            "num_query_groups": int(model_cfg.get("num_query_groups") or heads),
+            "normalization": model_cfg.get("normalization", "LayerNorm"),
+            "activation": "swiglu" if model_cfg.get("activation", "gelu") == "swiglu" else "gelu",
+            "add_bias_linear": bool(model_cfg.get("add_bias_linear", False)),
+            "share_embeddings_and_output_weights": bool(model_cfg.get("share_embeddings_and_output_weights", False)),
+            "vocab_size": pad_vocab_size(int(model_cfg["vocab_size"]), tensor_parallel)}
+
+
+def _model_difference(meta: dict[str, Any], here: dict[str, Any], same_tp: bool) -> tuple[str, str, str] | None:
+    """(key, the checkpoint's value, ``here``'s, both as JSON) of the first model config key whose value in
+    meta.json's record differs from ``here`` (a ``model`` record); the padded vocabulary only at the same TP size.
+    None when they agree, or for a checkpoint written before meta.json recorded the model."""
+    saved = meta.get("model") if isinstance(meta.get("model"), dict) else {}
+    for key, value in here.items():
+        if key in saved and saved[key] != value and (key != "vocab_size" or same_tp):
+            return key, json.dumps(saved[key]), json.dumps(value)
+    return None
+
+
+def check_config_matches(step_dir: str | os.PathLike, model_cfg: dict[str, Any], config: str | os.PathLike,
+                         key: str) -> None:
+    """A one-line ConfigError naming ``key`` when ``step_dir`` holds another model than ``model_cfg`` (the model
+    group of the run config ``config``, its vocabulary filled in) describes, by the keys meta.json records: for the
+    readers that take the model from a run's config rather than build it first (the HF export, an evaluation), so
+    that a config edited after the run cannot describe weights it does not hold (the export wrote its config.json
+    from the config and the tensors from the checkpoint)."""
+    meta = checkpoint_meta(step_dir)
+    diff = _model_difference(meta, _cfg_model_fields(model_cfg, _layout(meta)[0]), same_tp=True)
+    if diff:
+        name, saved, here = diff
+        raise ConfigError(f"{key}: not a checkpoint of this run's model: model.{name} is {saved} in {step_dir}, "
+                          f"{here} in {config}; restore model.{name}: {saved} in that config if it was edited after "
+                          f"the run, or name a checkpoint of this run's model")
+
+
 def _check_model_fields(step_dir: Path, models: list[torch.nn.Module]) -> None:
     """check_model_matches by the keys meta.json records (checkpoints written before it recorded them: nothing
     here; the shapes are compared after). Another params dtype would fail deep in Megatron-Core's optimizer load
@@ -815,15 +857,14 @@ def _check_model_fields(step_dir: Path, models: list[torch.nn.Module]) -> None:
     if dtype not in (None, here["params_dtype"]):
         raise ConfigError(f"trainer.params_dtype: the checkpoint has {dtype}, this run {here['params_dtype']} "
                           f"{where} trainer.params_dtype={dtype}, or start a fresh run)")
-    saved = meta.get("model") if isinstance(meta.get("model"), dict) else {}
     same_tp = _layout(meta)[0] == _layout(_parallel_sizes())[0]  # the vocabulary is padded per TP size
-    for key, value in here["model"].items():
-        if key in saved and saved[key] != value and (key != "vocab_size" or same_tp):
-            shown = json.dumps(saved[key])
-            note = f" (padded to a multiple of {VOCAB_MULTIPLE} x TP; set by model.vocab_size or the tokenizer)" \
-                if key == "vocab_size" else ""
-            raise ConfigError(f"model.{key}: the checkpoint has {shown}, this run {json.dumps(value)}{note} {where} "
-                              f"model.{key}={shown}, or start a fresh run)")
+    diff = _model_difference(meta, here["model"], same_tp)
+    if diff:
+        key, shown, value = diff
+        note = f" (padded to a multiple of {VOCAB_MULTIPLE} x TP; set by model.vocab_size or the tokenizer)" \
+            if key == "vocab_size" else ""
+        raise ConfigError(f"model.{key}: the checkpoint has {shown}, this run {value}{note} {where} "
+                          f"model.{key}={shown}, or start a fresh run)")
 
 
 def _saved_params_dtype(step_dir: Path) -> str | None:

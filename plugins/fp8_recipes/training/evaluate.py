@@ -32,7 +32,7 @@ from fp8_recipes.megatron.data import batches
 from fp8_recipes.megatron.model_config import layout_of, run_model_cfg
 from fp8_recipes.plan.precision import Hardware, PrecisionPlan
 from fp8_recipes.recipe.pack import load_recipe
-from fp8_recipes.rundir import RECIPE, load_run_config, read_recipe
+from fp8_recipes.rundir import HYDRA, RECIPE, load_run_config, read_recipe
 from fp8_recipes.recipe.schema import ROLES, Backend
 from fp8_recipes.training.config import TrainerConfig
 from fp8_recipes.training.run import (attach_emulated, attach_te, quiet_third_party_logs, run_datasets,
@@ -119,13 +119,18 @@ def evaluate_checkpoint(run_dir: str | Path, *, checkpoint: str | Path | None = 
     iters = int(eval_iters if eval_iters is not None else int(cfg.trainer.eval_iters) * train_dp)
     if iters < 1:
         raise ValueError(f"eval_iters: {iters} must be >= 1")
-    return _evaluate(cfg, chosen, step_dir, iters, train_dp) | {"run_dir": str(run_dir), "checkpoint": str(step_dir)}
+    named_by = "--checkpoint" if checkpoint is not None else "run_dir"  # the argument that named the checkpoint
+    return _evaluate(cfg, chosen, step_dir, iters, train_dp, (run_dir, named_by)) | {"run_dir": str(run_dir),
+                                                                                      "checkpoint": str(step_dir)}
 
 
-def _evaluate(cfg: Any, recipe: Any, step_dir: Path, eval_iters: int, train_dp: int) -> dict[str, Any]:
-    """Build the run's model under ``recipe``'s backend, load ``step_dir``, evaluate in FP8 and in BF16."""
+def _evaluate(cfg: Any, recipe: Any, step_dir: Path, eval_iters: int, train_dp: int,
+              source: tuple[Path, str]) -> dict[str, Any]:
+    """Build the run's model under ``recipe``'s backend, load ``step_dir``, evaluate in FP8 and in BF16. ``source``:
+    (the run dir whose config describes the model, the argument that named the checkpoint)."""
     from fp8_recipes.megatron.model import destroy_distributed, init_distributed
-    from fp8_recipes.training.checkpoint import check_model_matches, checkpoint_step, load_checkpoint
+    from fp8_recipes.training.checkpoint import (check_config_matches, check_model_matches, checkpoint_step,
+                                                 load_checkpoint)
     from fp8_recipes.training.engine import Engine
 
     quiet_third_party_logs()
@@ -144,8 +149,10 @@ def _evaluate(cfg: Any, recipe: Any, step_dir: Path, eval_iters: int, train_dp: 
     try:
         valid = _valid_batches(cfg, eval_iters, train_dp)
         attach = attach_te if first_plan.backend is Backend.TE else attach_emulated
-        chunks, plan, precision = attach(_model_cfg(cfg), recipe, hardware, torch_dtype(trainer.params_dtype), device)
-        try:  # (the run's model config and a checkpoint named by --checkpoint may be of different models)
+        model_cfg = _model_cfg(cfg)
+        check_config_matches(step_dir, model_cfg, source[0] / HYDRA / "config.yaml", source[1])  # (the export's)
+        chunks, plan, precision = attach(model_cfg, recipe, hardware, torch_dtype(trainer.params_dtype), device)
+        try:  # a checkpoint written before meta.json recorded the model: its shapes
             check_model_matches(step_dir, chunks)
         except ValueError as e:
             what = str(e).split("; resume with", 1)[0].removeprefix("model: ")

@@ -34,7 +34,8 @@ from fp8_recipes.megatron.data import EOD_TEXT
 from fp8_recipes.megatron.model import unwrap_model
 from fp8_recipes.megatron.model_config import run_model_cfg
 from fp8_recipes.rundir import HYDRA, load_run_config
-from fp8_recipes.training.checkpoint import checkpoint_meta, intact_checkpoint, read_checkpoint
+from fp8_recipes.training.checkpoint import (check_config_matches, checkpoint_meta, intact_checkpoint,
+                                             read_checkpoint)
 from fp8_recipes.training.config import check_writable_dir
 from fp8_recipes.training.reshard import COLUMN, join_shards, live_global_name, rank_slice
 
@@ -130,12 +131,13 @@ def export_hf(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str =
     if out.exists() and not (out / "config.json").is_file():
         raise ConfigError(f"OUT: {out} exists and is not a HF checkpoint (no config.json); give a new directory")
     check_writable_dir("OUT", str(out))  # before minutes of reading shards
-    cfg, _ = _run_config(step_dir)
+    cfg, run_dir = _run_config(step_dir)
     data_dir = Path(cfg.data.path)
     if not (data_dir / "meta.json").is_file():
         raise ConfigError(f"data.path: the run's dataset {data_dir} is gone (its tokenizer goes into the export); "
                          f"rebuild it with python scripts/prepare_data.py --out {data_dir} and the run's data settings")
     model_cfg = run_model_cfg(cfg, json.loads((data_dir / "meta.json").read_text()), data_dir)
+    check_config_matches(step_dir, model_cfg, run_dir / HYDRA / "config.yaml", "SOURCE")  # config.json comes from it
     shape = LlamaShape.from_model_cfg(model_cfg)
     state = _whole_model_state(step_dir, shape.num_layers, progress)
     if shape.tied:
