@@ -19,13 +19,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))  # a ch
 
 
 def main() -> None:
-    from fp8_recipes.checks import OneLineArgumentParser  # (one error line for a usage error)
+    from fp8_recipes.checks import OneLineArgumentParser, at_least  # (one error line for a usage error)
 
     p = OneLineArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("run_dir", type=Path, help="a directory written by scripts/train.py")
     p.add_argument("--checkpoint", type=Path, help="a checkpoints/step_N dir (default: the run's latest)")
     p.add_argument("--recipe", help="evaluate with this recipe's FP8 (default: the run's own recipe.yaml)")
-    p.add_argument("--eval-iters", type=int,
+    p.add_argument("--eval-iters", type=at_least(1),
                    help="validation micro-batches (default: the run's own, trainer.eval_iters x its DP size)")
     p.add_argument("--out", type=Path, help="where the JSON goes (default: RUN_DIR/parity.json)")
     args = p.parse_args()

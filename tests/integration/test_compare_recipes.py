@@ -196,6 +196,16 @@ def test_eval_checkpoint_of_another_models_checkpoint_is_one_line(dataset, tmp_p
     assert read_metrics(runs["dense"])  # (its metrics.jsonl untouched)
 
 
+@pytest.mark.parametrize("value, says", [("0", "0 must be >= 1"), ("-3", "-3 must be >= 1"),
+                                         ("x", "'x' is not an integer")])
+def test_eval_checkpoint_names_eval_iters_as_its_option(value, says, tmp_path):
+    """--eval-iters 0 was refused as `error: eval_iters: ...`, a name the command line does not have."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "eval_checkpoint.py"), str(tmp_path),
+                           "--eval-iters", value], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"error: eval_checkpoint.py: argument --eval-iters: {says}; see eval_checkpoint.py --help"], proc.stderr
+
+
 def test_eval_checkpoint_refuses_an_out_that_is_a_directory_before_evaluating(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "eval_checkpoint.py"), str(tmp_path), "--out",
                            str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)

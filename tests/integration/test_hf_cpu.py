@@ -287,8 +287,7 @@ def test_export_and_eval_of_a_damaged_or_edited_run_are_one_line(damage, run, tm
     says = DAMAGES[damage](copy)
     out, parity = tmp_path / "hf", tmp_path / "parity.json"
     for cmd, key in (([sys.executable, "-m", "fp8_recipes.cli", "export", str(copy), "--to", "hf", str(out)], "SOURCE"),
-                     ([sys.executable, "scripts/eval_checkpoint.py", str(copy), "--out", str(parity)],
-                      "checkpoint" if damage == "flipped shard" else "run_dir")):
+                     ([sys.executable, "scripts/eval_checkpoint.py", str(copy), "--out", str(parity)], "run_dir")):
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         assert proc.returncode in (1, 2) and "Traceback" not in proc.stderr, proc.stderr[-3000:]

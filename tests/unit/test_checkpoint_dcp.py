@@ -245,7 +245,7 @@ def test_eval_checkpoint_refuses_a_format_1_checkpoint(tmp_path):
     (tmp_path / ".hydra").mkdir()
     # a run dir as far as the refusal looks (load_run_config wants the three groups)
     (tmp_path / ".hydra" / "config.yaml").write_text("model: {}\ndata: {}\ntrainer: {}\n")
-    with pytest.raises(ValueError, match=rf"^checkpoint: {step_dir} is a format-1 checkpoint"):
+    with pytest.raises(ValueError, match=rf"^run_dir: {step_dir} is a format-1 checkpoint"):
         evaluate_checkpoint(tmp_path, recipe="bf16")
 
 
@@ -262,8 +262,10 @@ def test_export_and_evaluation_refuse_a_damaged_checkpoint_in_one_line(tmp_path)
     (tmp_path / ".hydra" / "config.yaml").write_text("model: {}\ndata: {}\ntrainer: {}\n")
     damaged = (rf"{step_dir} is damaged: its \.metadata \(the index of its shards\) is missing; name an intact "
                rf"step_N dir$")
-    with pytest.raises(ValueError, match=rf"^checkpoint: {damaged}"):
+    with pytest.raises(ValueError, match=rf"^run_dir: {damaged}"):
         evaluate_checkpoint(tmp_path, recipe="bf16")
+    with pytest.raises(ValueError, match=rf"^--checkpoint: {damaged}"):  # (the script's option, when it names it)
+        evaluate_checkpoint(tmp_path, checkpoint=tmp_path, recipe="bf16")
     with pytest.raises(ValueError, match=rf"^SOURCE: {damaged}"):
         export_hf(tmp_path, tmp_path.parent / "hf")
     assert not (tmp_path.parent / "hf").exists()

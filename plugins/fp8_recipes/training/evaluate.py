@@ -107,19 +107,23 @@ def evaluate_checkpoint(run_dir: str | Path, *, checkpoint: str | Path | None = 
     ``checkpoint``: a run dir, checkpoints dir or step_N dir (default: the run's latest); ``recipe``: evaluate
     with another recipe's FP8 (a pack name or YAML path; default: the run's own); ``eval_iters``: validation
     micro-batches (default: the run's ``trainer.eval_iters`` x its data-parallel size, the ones its evaluations
-    used). User errors (not a run dir, no checkpoint, a bad recipe) are ValueErrors of one line naming the argument.
+    used). User errors (not a run dir, no checkpoint, a bad recipe) are ValueErrors of one line naming the argument
+    as scripts/eval_checkpoint.py spells it (run_dir, --checkpoint, --eval-iters).
     """
     from fp8_recipes.training.checkpoint import intact_checkpoint
 
     run_dir = Path(run_dir)
     cfg = load_run_config(run_dir)
     chosen = _run_recipe(run_dir, recipe)
-    step_dir = intact_checkpoint(checkpoint if checkpoint is not None else run_dir, "checkpoint")
+    named_by = "--checkpoint" if checkpoint is not None else "run_dir"  # the argument that names the checkpoint
+    step_dir = intact_checkpoint(checkpoint if checkpoint is not None else run_dir, named_by)
     train_dp = run_data_parallel_size(step_dir)  # the run evaluated eval_iters micro-batches on each of its ranks
     iters = int(eval_iters if eval_iters is not None else int(cfg.trainer.eval_iters) * train_dp)
+    if eval_iters is None and iters < 1:
+        raise ConfigError(f"--eval-iters: the run evaluated no validation batches (trainer.eval_iters="
+                          f"{cfg.trainer.eval_iters}); give --eval-iters N")
     if iters < 1:
-        raise ValueError(f"eval_iters: {iters} must be >= 1")
-    named_by = "--checkpoint" if checkpoint is not None else "run_dir"  # the argument that named the checkpoint
+        raise ConfigError(f"--eval-iters: {iters} must be >= 1")
     return _evaluate(cfg, chosen, step_dir, iters, train_dp, (run_dir, named_by)) | {"run_dir": str(run_dir),
                                                                                       "checkpoint": str(step_dir)}
 
