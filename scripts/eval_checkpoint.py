@@ -29,11 +29,14 @@ def main() -> None:
                    help="validation micro-batches (default: the run's own, trainer.eval_iters x its DP size)")
     p.add_argument("--out", type=Path, help="where the JSON goes (default: RUN_DIR/parity.json)")
     args = p.parse_args()
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
 
     from fp8_recipes.bench.output import save_json
     from fp8_recipes.training.config import check_writable_file
-    from fp8_recipes.training.errors import USER_ERROR_EXIT
+    from fp8_recipes.training.errors import USER_ERROR_EXIT, ConsoleFormatter
+
+    console = logging.StreamHandler()
+    console.setFormatter(ConsoleFormatter("%(message)s"))  # `warning: ...`, as scripts/train.py's console says it
+    logging.basicConfig(level=logging.WARNING, handlers=[console])
     from fp8_recipes.training.evaluate import evaluate_checkpoint, format_parity
 
     out = args.out or args.run_dir / "parity.json"

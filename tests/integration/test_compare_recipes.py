@@ -177,7 +177,8 @@ def test_eval_checkpoint_of_a_non_run_is_one_line_exit_2(tmp_path):
 
 def test_eval_checkpoint_of_another_models_checkpoint_is_one_line(dataset, tmp_path):  # noqa: F811
     """--checkpoint of another model's run (a tiny_moe checkpoint for a dense run) is refused before loading, as a
-    resume is (it was a load_state_dict traceback); --out onto the run's own metrics.jsonl is refused too."""
+    resume is (it was a load_state_dict traceback); --out onto the run's own metrics.jsonl is refused too, and so is
+    an --eval-iters of many passes over the validation split."""
     runs = {}
     for name, model in (("dense", "model=tiny"), ("moe", "model=tiny_moe")):
         runs[name] = tmp_path / name
@@ -187,7 +188,10 @@ def test_eval_checkpoint_of_another_models_checkpoint_is_one_line(dataset, tmp_p
         assert proc.returncode == 0, proc.stderr[-2000:]
     for extra, says in ((["--checkpoint", str(runs["moe"] / "checkpoints" / "step_2"), "--out",
                           str(tmp_path / "p.json")], "error: --checkpoint: not a checkpoint of this run's model: "),
-                        (["--out", str(runs["dense"] / "metrics.jsonl")], "error: --out: ")):
+                        (["--out", str(runs["dense"] / "metrics.jsonl")], "error: --out: "),
+                        # (its batches were all held in memory: RSS grew by ~80 MB/s until killed)
+                        (["--eval-iters", "100000", "--out", str(tmp_path / "p.json")],
+                         "error: --eval-iters: 100,000 micro-batches is more than 10 passes over the validation data")):
         proc = subprocess.run([sys.executable, "scripts/eval_checkpoint.py", str(runs["dense"]), *extra], cwd=ROOT,
                               capture_output=True, text=True, timeout=300)
         lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]

@@ -144,6 +144,27 @@ def test_gpt_samples_and_batches(tmp_path):
     assert b["tokens"].dtype == torch.int64 and int(b["tokens"].max()) < 300
 
 
+def test_fixed_batches_are_the_streams_first_ones_loaded_when_read(tmp_path):
+    """Validation's batches (the same at every evaluation): rank r's share of the stream's first micro-batches, as
+    data_parallel_batches deals them, held as sample indices (a list of loaded batches grew without bound with
+    trainer.eval_iters). split_samples is one pass over the split, however many samples the dataset was built for."""
+    from fp8_recipes.megatron.data import FixedBatches, data_parallel_batches, fixed_batches, split_samples
+
+    out = prepare_dataset(write_corpus(tmp_path / "src", DOCS * 3), tmp_path / "ds", "bytes")
+    _, one_pass, _ = build_gpt_datasets(out, seq_length=16, seed=7, num_samples=(1, None, None), split="6,3,3")
+    _, repeated, _ = build_gpt_datasets(out, seq_length=16, seed=7, num_samples=(1, 10 * len(one_pass), None),
+                                        split="6,3,3")
+    assert split_samples(one_pass) == split_samples(repeated) == len(one_pass) and len(repeated) >= 10 * len(one_pass)
+    for rank in (0, 1):
+        fixed = fixed_batches(repeated, 4, 11, 7, rank, 2)
+        assert isinstance(fixed, FixedBatches) and len(fixed) == (4 if rank == 0 else 3)
+        assert not any(isinstance(v, torch.Tensor) for v in vars(fixed).values())  # indices only
+        stream = data_parallel_batches(repeated, 4, 11, rank, 2)
+        for got, want in zip(list(fixed) * 2, [next(stream) for _ in range(len(fixed))] * 2):  # (read twice)
+            assert all(torch.equal(got[k], want[k]) for k in want)
+    assert len(fixed_batches(None, 4, 11, 0)) == 0  # no validation: nothing to deal
+
+
 @pytest.mark.parametrize(
     "call, key",
     [

@@ -23,12 +23,12 @@ import dataclasses
 import json
 import logging
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from fp8_recipes.checks import ConfigError
-from fp8_recipes.launcher import launch_world_size
-from fp8_recipes.megatron.data import batches
+from fp8_recipes.launcher import launch_rank, launch_world_size
 from fp8_recipes.megatron.model_config import layout_of, run_model_cfg
 from fp8_recipes.plan.precision import Hardware, PrecisionPlan
 from fp8_recipes.recipe.pack import load_recipe
@@ -36,7 +36,7 @@ from fp8_recipes.rundir import HYDRA, RECIPE, load_run_config, read_recipe
 from fp8_recipes.recipe.schema import ROLES, Backend
 from fp8_recipes.training.config import TrainerConfig
 from fp8_recipes.training.run import (attach_emulated, attach_te, quiet_third_party_logs, run_datasets,
-                                      torch_dtype, valid_seed)
+                                      torch_dtype, validation_batches)
 from fp8_recipes.recipe.yaml_guard import UnsafeYAML
 
 # torch and Megatron-Core (checkpoints, the model, the engine) are imported inside the functions that evaluate a
@@ -66,17 +66,17 @@ def run_data_parallel_size(step_dir: Path) -> int:
     return int(checkpoint_meta(step_dir).get("data_parallel_size", 1))
 
 
-def _valid_batches(cfg: Any, eval_iters: int, train_dp: int) -> list[dict]:
+def _valid_batches(cfg: Any, eval_iters: int, train_dp: int) -> Sequence[dict]:
     """This rank's share of the first ``eval_iters`` micro-batches of the run's validation stream, built as
-    training/run.py builds it (the same sample counts for ``train_dp`` ranks, the same seed), so the batches are
-    the ones the run itself evaluated on: at ``train_dp`` ranks, rank r evaluated micro-batches r, r + dp, ... of
-    one global stream (in a single process, all of them)."""
+    training/run.py builds it (the same sample counts for ``train_dp`` ranks, the same seed, the same bound on passes
+    over the split), so the batches are the ones the run itself evaluated on: at ``train_dp`` ranks, rank r evaluated
+    micro-batches r, r + dp, ... of one global stream (in a single process, all of them)."""
     from megatron.core import parallel_state as ps
 
     _, valid_ds = run_datasets(cfg, Path(cfg.data.path), train_dp)
-    stream = batches(valid_ds, int(cfg.trainer.micro_batch_size), valid_seed(cfg.trainer))
-    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    return [b for i, b in zip(range(eval_iters), stream) if i % dp == rank]
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()  # (under torchrun: a share each)
+    return validation_batches(cfg, valid_ds, eval_iters, rank, dp, key="--eval-iters", per_rank=False,
+                              warn=launch_rank() == 0)
 
 
 def _model_cfg(cfg: Any) -> dict:

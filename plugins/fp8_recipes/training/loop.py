@@ -27,7 +27,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -118,10 +118,13 @@ class Evaluation:
     in the training precision every ``trainer.eval_interval`` steps, in full precision every
     ``precision.full_precision_eval_interval`` steps, and both at the last step."""
 
-    def __init__(self, engine: Engine, precision: Precision, batches: Iterator[Mapping[str, Any]] | None,
-                 cfg: TrainerConfig) -> None:
+    def __init__(self, engine: Engine, precision: Precision,
+                 batches: Sequence[Mapping[str, Any]] | Iterator[Mapping[str, Any]] | None, cfg: TrainerConfig) -> None:
         self.engine, self.precision, self.cfg = engine, precision, cfg
-        self.batches = [next(batches) for _ in range(cfg.eval_iters)] if batches is not None else []
+        if batches is None or isinstance(batches, Sequence):  # (training/run.py's: loaded when read, held as indices)
+            self.batches = batches or []
+        else:  # an iterator: its first eval_iters batches, kept
+            self.batches = [next(batches) for _ in range(cfg.eval_iters)]
         self.fp_interval = int(getattr(precision, "full_precision_eval_interval", 0) or 0)
 
     def __call__(self, state: LoopState, log: StepLog) -> None:
@@ -281,8 +284,8 @@ def _leave_together(run_dir: Path, summary: dict[str, Any], stopped: str | None,
 
 
 def train(engine: Engine, batches_train: Iterator[Mapping[str, Any]] | list[Iterator[Mapping[str, Any]]],
-          batches_valid: Iterator[Mapping[str, Any]] | None, trainer_cfg: Any, precision: Precision,
-          run_dir: str | os.PathLike, *, rank: int = 0, world_size: int = 1,
+          batches_valid: Sequence[Mapping[str, Any]] | Iterator[Mapping[str, Any]] | None, trainer_cfg: Any,
+          precision: Precision, run_dir: str | os.PathLike, *, rank: int = 0, world_size: int = 1,
           resume_from: str | os.PathLike | None = None,
           summary_extra: Mapping[str, Any] | None = None,
           on_ready: Callable[[], None] | None = None) -> dict[str, Any]:
@@ -291,7 +294,8 @@ def train(engine: Engine, batches_train: Iterator[Mapping[str, Any]] | list[Iter
 
     ``batches_*`` yield dicts of ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` ([b, s] tensors) for
     this data-parallel rank; ``batches_train`` may be a list, one iterator per model chunk (interleaved pipeline
-    stages each read the stream). ``resume_from`` (a run dir or step dir) restores model, optimizer, precision state
+    stages each read the stream); ``batches_valid`` a Sequence evaluated whole at every evaluation, or an iterator
+    whose first ``trainer.eval_iters`` batches are kept for them. ``resume_from`` (a run dir or step dir) restores model, optimizer, precision state
     and RNG (the LR schedule is the configured one, from the checkpoint's step); the caller starts ``batches_train``
     at the checkpoint's data position (the samples it consumed, in its meta.json; training/run.py does, through
     checkpoint.resume_skip). ``on_ready`` runs once the checkpoint is loaded, before the first step (training/run.py

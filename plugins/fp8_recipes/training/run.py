@@ -252,6 +252,37 @@ def run_datasets(cfg, data_dir: Path, data_parallel_size: int):
     return train_ds, valid_ds
 
 
+MAX_VALID_PASSES = 10
+"""Validation micro-batches past this many passes over the valid split are refused: after one pass each further one
+evaluates the same samples again (``trainer.eval_iters=100000`` over a split of 16 micro-batches is a mistake, and
+would take 6,000 passes at every evaluation)."""
+
+
+def validation_batches(cfg, valid_ds, count: int, dp_rank: int, dp_size: int, *, key: str, per_rank: bool,
+                       warn: bool):
+    """This rank's share of the first ``count`` micro-batches of the run's validation stream (dealt out round robin
+    over ``dp_size`` data-parallel ranks), the same at every evaluation, loaded when read. ``key``: the setting that
+    said how many, per data-parallel rank with ``per_rank`` (trainer.eval_iters) or in all (eval_checkpoint's
+    --eval-iters). More than one pass over the valid split is a warning (with ``warn``: say it once), more than
+    MAX_VALID_PASSES a one-line ConfigError naming ``key`` and the split's size."""
+    from fp8_recipes.megatron.data import fixed_batches, split_samples  # (megatron/data.py's, imported cheaply)
+
+    mbs, ranks = int(cfg.trainer.micro_batch_size), dp_size if per_rank else 1
+    samples = split_samples(valid_ds) if count else 0
+    holds = max(samples // mbs, 1)  # (a split of less than one micro-batch: Megatron-Core repeats it to make one)
+    split = (f"the valid split of {cfg.data.path} (data.split={cfg.data.split}) holds {samples:,} samples of "
+             f"{cfg.model.seq_length} tokens, {holds:,} micro-batches of {mbs}")
+    asked = f"{count // ranks:,}" + ("" if ranks == 1 else f" x {ranks} data-parallel ranks")
+    if count > MAX_VALID_PASSES * holds:
+        raise ConfigError(f"{key}: {asked} micro-batches is more than {MAX_VALID_PASSES} passes over the validation "
+                          f"data: {split}; set {key}={max(MAX_VALID_PASSES * holds // ranks, 1)} or less, or give the "
+                          f"valid split a larger share of data.split")
+    if count > holds and warn:
+        logger.warning("%s: %s micro-batches re-use the validation data (each sample up to %d times): %s; %s=%d "
+                       "evaluates each once", key, asked, -(-count // holds), split, key, max(holds // ranks, 1))
+    return fixed_batches(valid_ds, mbs, valid_seed(cfg.trainer), count, dp_rank, dp_size)
+
+
 def check_engine_backend(trainer, backend) -> None:
     """Sequence and context parallelism need Transformer Engine's layers: Megatron-Core's local spec builds torch
     norms, which refuse sequence parallelism, and its attention has no context parallelism; the precision-aware
@@ -494,7 +525,8 @@ class _RunData:
 
     train_iters: list
     """One iterator per model chunk, each the same stream (the first stage reads its tokens, the last its labels)."""
-    valid_iter: Any
+    valid: Any
+    """This rank's validation batches (run.validation_batches), the same at every evaluation."""
     meta: dict
     """The dataset's meta.json (tokenizer, vocabulary)."""
     data_dir: Path
@@ -667,7 +699,8 @@ def _run_data(run: _Run) -> _RunData:
     # every pipeline stage and model chunk reads the same stream (the first stage its tokens, the last its labels)
     train_iters = [data_parallel_batches(train_ds, mbs, int(trainer.seed), dp_rank, dp, skip=run.skip)
                    for _ in range(run.tcfg.virtual_pipeline_model_parallel_size or 1)]
-    valid_iter = data_parallel_batches(valid_ds, mbs, valid_seed(trainer), dp_rank, dp)
+    valid = validation_batches(run.cfg, valid_ds, run.tcfg.eval_iters * dp, dp_rank, dp, key="trainer.eval_iters",
+                               per_rank=True, warn=run.rank == 0)
     if run.rank == 0 and run.saved is not None:
         saved_dp = run.saved.get("data_parallel_size", dp)
         logger.info("resume: from %s (step %d, %d samples consumed%s)", run.resume_from, run.saved["step"],
@@ -678,7 +711,7 @@ def _run_data(run: _Run) -> _RunData:
     if run.rank == 0:
         logger.info("data: %s (%d tokens, vocab %d) ready in %.1fs", data_dir, meta.get("num_tokens", -1),
                     meta["vocab_size"], time.perf_counter() - t0)
-    return _RunData(train_iters, valid_iter, meta, data_dir, dp)
+    return _RunData(train_iters, valid, meta, data_dir, dp)
 
 
 def _model(run: _Run, meta: dict, data_dir: Path):
@@ -769,7 +802,7 @@ def _train(run: _Run, engine, plan, precision, data: _RunData, on_ready: Callabl
     precision, routing = _route(precision, engine.chunks, run.run_dir)
     failed = True
     try:
-        summary = train(engine, data.train_iters, data.valid_iter, run.trainer, precision, run.run_dir, rank=run.rank,
+        summary = train(engine, data.train_iters, data.valid, run.trainer, precision, run.run_dir, rank=run.rank,
                         world_size=run.world_size, resume_from=run.resume_from, on_ready=on_ready,
                         summary_extra={"recipe": recipe.name, "backend": str(plan.backend),
                                        "fp8": any(str(recipe.policy(r).scaling) != "none"
