@@ -7,10 +7,12 @@
     # no tokenizer training at all: raw UTF-8 bytes, vocab 257
     python scripts/prepare_data.py --tokenizer bytes --out data/stdlib-bytes
 
-Running it again with the same inputs and settings reuses the dataset. See docs/data.md.
+Running it again with the same inputs and settings reuses the dataset, unless it is damaged (then, or with
+--rebuild, it is prepared again). See docs/data.md.
 """
 
 import json
+import logging
 import sys
 import time
 
@@ -28,12 +30,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", choices=("bpe", "bytes"), default="bpe", help="default: bpe")
     parser.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size (default: 4096)")
     parser.add_argument("--json-key", default="text", help="field holding the text in .jsonl lines (default: text)")
+    parser.add_argument("--rebuild", action="store_true", help="prepare it again even when --out holds this data "
+                        "(damage only reading it finds; other damage is seen and rebuilt without it)")
     args = parser.parse_args(argv)
+    from fp8_recipes.training.errors import ConsoleFormatter  # (a damaged dataset's warning: `warning: ...`)
+
+    console = logging.StreamHandler()
+    console.setFormatter(ConsoleFormatter("%(message)s"))
+    logging.basicConfig(level=logging.WARNING, handlers=[console])
 
     start = time.perf_counter()
     try:
         check_writable_dir("--out", args.out)
-        out = prepare_dataset(args.inputs, args.out, args.tokenizer, args.vocab_size, args.json_key)
+        out = prepare_dataset(args.inputs, args.out, args.tokenizer, args.vocab_size, args.json_key, args.rebuild)
     except ValueError as err:  # a user error: one line, no traceback
         print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2

@@ -275,7 +275,22 @@ def _edit_hidden_size(run: Path) -> str:
     return f"not a checkpoint of this run's model: model.hidden_size is 128 in {run}/checkpoints/step_40, 256 in"
 
 
-DAMAGES = {"config": _damage_config, "flipped shard": _flip_shard, "edited config": _edit_hidden_size}
+def _truncate_tokenizer(run: Path) -> str:
+    """The run's dataset (a copy, named in the copy's config) with its tokenizer.json cut short."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(run / ".hydra" / "config.yaml")
+    shutil.copytree(cfg.data.path, run.parent / "data", ignore=shutil.ignore_patterns("cache"))
+    cfg.data.path = str(run.parent / "data")
+    OmegaConf.save(cfg, run / ".hydra" / "config.yaml")
+    tokenizer = run.parent / "data" / "tokenizer.json"
+    tokenizer.write_bytes(tokenizer.read_bytes()[:40])
+    return (f"data.path: '{run.parent / 'data'}' is damaged (tokenizer.json does not load: JSONDecodeError: "
+            f"Unterminated string")
+
+
+DAMAGES = {"config": _damage_config, "flipped shard": _flip_shard, "edited config": _edit_hidden_size,
+           "truncated tokenizer": _truncate_tokenizer}
 
 
 @pytest.mark.parametrize("damage", DAMAGES)
@@ -292,5 +307,6 @@ def test_export_and_eval_of_a_damaged_or_edited_run_are_one_line(damage, run, tm
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         assert proc.returncode in (1, 2) and "Traceback" not in proc.stderr, proc.stderr[-3000:]
         assert len(errors) == 1 and errors[0] == proc.stderr.strip().splitlines()[-1], proc.stderr[-3000:]
-        assert errors[0].startswith(f"error: {key}: ") and says in errors[0], errors[0]
+        assert errors[0].startswith(f"error: {'data.path' if says.startswith('data.path') else key}: ") and \
+            says in errors[0], errors[0]
         assert not out.exists() and not parity.exists()

@@ -296,3 +296,22 @@ def test_user_errors_through_train_script(case, user_error_runs):
         return
     assert key in errors[0], stderr[-3000:]
     assert "recipe    " not in stdout  # failed before the plan was printed
+
+
+def test_a_training_start_prepares_a_damaged_dataset_again(dataset, tmp_path):
+    """A hand-damaged meta.json in the prepared dataset (the sweep's `{"format": 1, "vocab_size": "big"}`) ended in
+    `internal error: KeyError: 'data_hash'` and left the run dir; the training start now prepares the dataset
+    again from data.inputs with one warning naming data.path, as it does for a truncated corpus, and trains."""
+    data = Path(next(o for o in dataset if o.startswith("data.path=")).split("=", 1)[1])
+    copy = tmp_path / "data"
+    shutil.copytree(data, copy, ignore=shutil.ignore_patterns("cache"))
+    (copy / "meta.json").write_text('{"format": 1, "vocab_size": "big"}\n')
+    overrides = [o for o in dataset if not o.startswith("data.path=")] + [f"data.path={copy}"]
+    proc = subprocess.run([sys.executable, "scripts/train.py", *overrides, *small_run(tmp_path / "run", steps=1)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    warned = [line for line in (proc.stdout + proc.stderr).splitlines() if "is damaged" in line]
+    assert warned == [f"warning: data.path: {copy} is damaged (meta.json has no 'data_hash' of type str); preparing "
+                      f"it again from its inputs"], proc.stdout[-3000:]
+    assert json.loads((copy / "meta.json").read_text()) | {"build_seconds": 0} == \
+        json.loads((data / "meta.json").read_text()) | {"build_seconds": 0}

@@ -305,3 +305,56 @@ def test_a_damaged_prepared_dataset_is_one_config_error(tmp_path, capsys):
             _damage_as_config_error(tmp_path, read)
         assert str(e.value).startswith("data.path: ") and says in str(e.value) and "\n" not in str(e.value)
     assert "Exception ignored" not in capsys.readouterr().err
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:40])
+
+
+DATASET_DAMAGE = {  # what was done to a prepared dataset, what the error line says of it
+    "meta.json of wrong types": (lambda d: (d / "meta.json").write_text('{"format": 1, "vocab_size": "big"}'),
+                                 "meta.json has no 'data_hash' of type str"),
+    "meta.json not JSON": (lambda d: (d / "meta.json").write_text("{not json"), "meta.json cannot be read"),
+    "meta.json a list": (lambda d: (d / "meta.json").write_text("[1]"), "meta.json is not a JSON object"),
+    "tokenizer.json truncated": (lambda d: _truncate(d / "tokenizer.json"), "tokenizer.json does not load: "),
+    "tokenizer.json missing": (lambda d: (d / "tokenizer.json").unlink(), "tokenizer.json is missing"),
+    "corpus.idx header": (lambda d: (d / "corpus.idx").write_bytes(b"X" * 9 + (d / "corpus.idx").read_bytes()[9:]),
+                          "AssertionError: bad header"),
+}
+
+
+@pytest.mark.parametrize("case", DATASET_DAMAGE)
+def test_the_advice_for_a_damaged_dataset_prepares_it_again(case, tmp_path, caplog):
+    """A damaged meta.json (a KeyError inside prepare_dataset: an internal error of the training start) or
+    tokenizer.json (reused by prepare_data.py, whose advised run then changed nothing) is one data.path line whose
+    command, run as given, prepares the dataset again from what it was made of; a training start's prepare_dataset
+    does that itself, with one warning."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "plugins"), os.environ.get("PYTHONPATH", "")])}
+    src = write_corpus(tmp_path / "src", DOCS * 3)
+    out = prepare_dataset(src, tmp_path / "ds", "bpe", vocab_size=300)
+    good = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    damage, says = DATASET_DAMAGE[case]
+    for repair in ("advice", "training start"):
+        damage(out)
+        with pytest.raises(ValueError) as e:
+            build_gpt_datasets(out, 16, 7, (4, 4, 4), split="6,3,3")
+        line = str(e.value)
+        assert line.startswith(f"data.path: '{out}' is damaged (") and says in line and "\n" not in line, line
+        if repair == "advice":
+            command = line.split("`")[1]
+            if "with the --inputs and --tokenizer it was prepared from" in line:  # (meta.json no longer says them)
+                command += f" --inputs {' '.join(map(str, src))} --vocab-size 300"
+            args = command.split()
+            assert args[:2] == ["python", "scripts/prepare_data.py"] and ("--rebuild" in args) == ("header" in case)
+            proc = subprocess.run([sys.executable, *args[1:]], cwd=ROOT, env=env, capture_output=True, text=True,
+                                  timeout=120)
+            assert proc.returncode == 0, proc.stderr[-2000:]
+        else:
+            with caplog.at_level("WARNING"):
+                prepare_dataset(src, out, "bpe", vocab_size=300)
+            assert caplog.text.count(f"data.path: {out} is damaged (") == 1 or "header" in case, caplog.text
+            if "header" in case:  # (seen only by reading: the training start's read names it, with --rebuild)
+                prepare_dataset(src, out, "bpe", vocab_size=300, rebuild=True)
+        assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != "meta.json"} == \
+            {k: v for k, v in good.items() if k != "meta.json"}  # the same dataset again (build_seconds differ)
+        build_gpt_datasets(out, 16, 7, (4, 4, 4), split="6,3,3")

@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import shlex
 import shutil
 import sys
 import sysconfig
@@ -32,7 +33,8 @@ from fp8_recipes.checks import ConfigError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Tokenizer", "default_corpus_files", "prepare_dataset", "build_gpt_datasets", "batches",
+__all__ = ["Tokenizer", "default_corpus_files", "prepare_dataset", "prepared_meta", "prepare_command",
+           "build_gpt_datasets", "batches",
            "data_parallel_batches", "FixedBatches", "fixed_batches", "split_samples", "repeated_batch"]
 
 FORMAT = 1  # bump when the on-disk layout changes: older datasets are then rebuilt, never misread
@@ -204,13 +206,41 @@ def _quiet_megatron() -> Iterator[None]:
         yield
 
 
-def _read_meta(data_dir: Path) -> dict | None:
+_META_TYPES = {"data_hash": str, "tokenizer": dict, "vocab_size": int, "eod": int, "num_documents": int,
+               "num_tokens": int}  # what the readers of meta.json take from it
+
+
+def _dataset_state(data_dir: Path) -> tuple[dict | None, str | None]:
+    """(meta.json, what is damaged) of the prepared dataset in ``data_dir``: (None, None) when there is none (no
+    meta.json and corpus next to each other, or a dataset of another FORMAT); a damaged one's damage names the file:
+    a meta.json that is not JSON or lacks what its readers take from it (its dict is still given, for its settings),
+    a missing tokenizer.json, corpus sizes other than meta.json records, a tokenizer.json that does not load."""
+    if not all((data_dir / name).is_file() for name in ("meta.json", f"{PREFIX}.bin", f"{PREFIX}.idx")):
+        return None, None
     try:
         meta = json.loads((data_dir / "meta.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    complete = all((data_dir / f).is_file() for f in (f"{PREFIX}.bin", f"{PREFIX}.idx", "tokenizer.json"))
-    return meta if complete and isinstance(meta, dict) and meta.get("format") == FORMAT else None
+    except (OSError, ValueError) as e:  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
+        return None, f"meta.json cannot be read: {type(e).__name__}"
+    if not isinstance(meta, dict):
+        return None, "meta.json is not a JSON object"
+    if isinstance(meta.get("format"), int) and meta["format"] != FORMAT:
+        return None, None  # an earlier layout: never misread
+    wrong = [k for k, t in {"format": int, **_META_TYPES}.items() if not isinstance(meta.get(k), t)
+             or isinstance(meta.get(k), bool)]
+    if wrong:
+        return meta, f"meta.json has no {wrong[0]!r} of type {({'format': int, **_META_TYPES})[wrong[0]].__name__}"
+    if not (data_dir / "tokenizer.json").is_file():
+        return meta, "tokenizer.json is missing"
+    return meta, corpus_damage(data_dir, meta) or _tokenizer_damage(data_dir, meta)
+
+
+def _tokenizer_damage(data_dir: Path, meta: dict) -> str | None:
+    """Why tokenizer.json does not load (truncated, garbled), or None."""
+    try:
+        Tokenizer.load(data_dir / "tokenizer.json", meta["data_hash"])
+    except Exception as e:  # noqa: BLE001 - json's ValueError, tokenizers' Exception, a KeyError: all damage
+        return f"tokenizer.json does not load: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
+    return None
 
 
 def corpus_damage(data_dir: Path, meta: dict) -> str | None:
@@ -218,7 +248,7 @@ def corpus_damage(data_dir: Path, meta: dict) -> str | None:
     or None: their sizes against those meta.json recorded (datasets prepared before sizes were recorded: the
     .bin against num_tokens)."""
     sizes = meta.get("sizes")
-    if not isinstance(sizes, dict):
+    if not isinstance(sizes, dict) or not all(isinstance(v, int) for v in sizes.values()):
         itemsize = 2 if int(meta.get("vocab_size", 0)) < 65500 else 4  # Megatron's DType.optimal_dtype
         sizes = {f"{PREFIX}.bin": int(meta.get("num_tokens", -1)) * itemsize}
     for name, size in sizes.items():
@@ -231,18 +261,55 @@ def corpus_damage(data_dir: Path, meta: dict) -> str | None:
     return None
 
 
+def prepare_command(data_dir: str | os.PathLike, meta: dict | None, rebuild: bool = False) -> str:
+    """The scripts/prepare_data.py command that prepares ``data_dir`` again as its meta.json says it was made (its
+    sources, tokenizer, vocabulary and JSON key); what a damaged meta.json no longer says is asked for in words.
+    ``rebuild``: for damage only reading the dataset finds (prepare_data.py would reuse it otherwise)."""
+    args = ["python", "scripts/prepare_data.py", "--out", str(data_dir)]
+    meta = meta or {}
+    tok = meta.get("tokenizer") if isinstance(meta.get("tokenizer"), dict) else {}
+    if meta.get("licence") != STDLIB_LICENCE and isinstance(meta.get("sources"), list):
+        args += ["--inputs", *(str(x) for x in meta["sources"])]
+    if tok.get("kind") == "bytes":
+        args += ["--tokenizer", "bytes"]
+    elif isinstance(tok.get("vocab_size"), int) and tok["vocab_size"] != 4096:
+        args += ["--vocab-size", str(tok["vocab_size"])]
+    if isinstance(meta.get("json_key"), str) and meta["json_key"] != "text":
+        args += ["--json-key", meta["json_key"]]
+    command = f"`{shlex.join(args + (['--rebuild'] if rebuild else []))}`"
+    known = "sources" in meta and tok.get("kind") in ("bpe", "bytes")
+    return command if known else f"{command} with the --inputs and --tokenizer it was prepared from"
+
+
+def prepared_meta(data_dir: str | os.PathLike) -> dict:
+    """meta.json of the intact prepared dataset in ``data_dir``; else a one-line ConfigError naming data.path: none
+    there, or what is damaged and the command that prepares it again (a training start does that itself)."""
+    data_dir = Path(data_dir)
+    meta, damage = _dataset_state(data_dir)
+    if damage is not None:
+        raise ConfigError(f"data.path: {str(data_dir)!r} is damaged ({damage}); prepare it again with "
+                          f"{prepare_command(data_dir, meta)} (a training start prepares it again from data.inputs)")
+    if meta is None:
+        raise ConfigError(f"data.path: {str(data_dir)!r} holds no complete prepared dataset; "
+                          f"run `python scripts/prepare_data.py --out {data_dir}` first")
+    return meta
+
+
 def prepare_dataset(
     inputs: str | os.PathLike | Sequence[str | os.PathLike] | None,
     out_dir: str | os.PathLike,
     tokenizer_kind: str = "bpe",
     vocab_size: int = 4096,
     json_key: str = "text",
+    rebuild: bool = False,
 ) -> Path:
     """Tokenize ``inputs`` (None: the standard library) into a Megatron-Core dataset in ``out_dir``.
 
-    Reuses ``out_dir`` when it already holds this data with these tokenizer settings (the check reads and hashes
-    the inputs, ~0.2 s for the standard library). Otherwise builds next to it and renames into place, so a
-    crash never leaves a half-written dataset. In a multi-rank job call it on one rank, then barrier.
+    Reuses ``out_dir`` when it already holds this data with these tokenizer settings, intact (the check reads and
+    hashes the inputs, ~0.2 s for the standard library, and checks meta.json, the corpus sizes and that the
+    tokenizer loads); ``rebuild``: never. Otherwise builds next to it and renames into place, so a crash never
+    leaves a half-written dataset (a damaged one is replaced with one warning). In a multi-rank job call it on one
+    rank, then barrier.
     """
     if tokenizer_kind not in ("bpe", "bytes"):
         raise ConfigError(f"data.tokenizer: {tokenizer_kind!r} is not one of bpe, bytes")
@@ -264,13 +331,12 @@ def prepare_dataset(
     data_hash = _hash_documents(docs)
     settings = {"kind": tokenizer_kind, "vocab_size": vocab_size if tokenizer_kind == "bpe" else 257}
 
-    old = _read_meta(out_dir)
-    if old and old["data_hash"] == data_hash and old["tokenizer"] == settings:
-        damage = corpus_damage(out_dir, old)
-        if damage is None:
-            return out_dir  # the fast path every training start takes
+    old, damage = _dataset_state(out_dir)
+    if damage is None and old and not rebuild and old["data_hash"] == data_hash and old["tokenizer"] == settings:
+        return out_dir  # the fast path every training start takes
+    if damage is not None:  # (whatever it held: what it was prepared from may be what meta.json lost)
         logger.warning("data.path: %s is damaged (%s); preparing it again from its inputs", out_dir, damage)
-    if out_dir.exists() and not old and any(out_dir.iterdir()):
+    elif out_dir.exists() and not old and any(out_dir.iterdir()):
         raise ConfigError(f"data.path: {str(out_dir)!r} exists and is not a dataset written by prepare_data.py; "
                          "point it at a new or empty directory")
 
@@ -322,8 +388,8 @@ def _move_into_place(tmp: Path, out_dir: Path, data_hash: str, settings: dict) -
             os.rename(out_dir, aside)
         os.rename(tmp, out_dir)
     except OSError:
-        done = _read_meta(out_dir)
-        if not (done and done["data_hash"] == data_hash and done["tokenizer"] == settings):
+        done, damage = _dataset_state(out_dir)
+        if damage or not (done and done["data_hash"] == data_hash and done["tokenizer"] == settings):
             if aside.exists() and not out_dir.exists():
                 os.rename(aside, out_dir)  # put the old dataset back rather than leave nothing
             raise
@@ -343,14 +409,7 @@ def build_gpt_datasets(
     Splits take contiguous runs of documents (Megatron's rule). Samples are packed across documents.
     """
     data_dir = Path(data_dir)
-    meta = _read_meta(data_dir)
-    if meta is None:
-        raise ConfigError(f"data.path: {str(data_dir)!r} holds no complete prepared dataset; "
-                         f"run `python scripts/prepare_data.py --out {data_dir}` first")
-    damage = corpus_damage(data_dir, meta)
-    if damage is not None:
-        raise ConfigError(f"data.path: {str(data_dir)!r} is damaged ({damage}); prepare it again with `python "
-                          f"scripts/prepare_data.py --out {data_dir}` (training re-prepares it itself from data.inputs)")
+    meta = prepared_meta(data_dir)
     if len(num_samples) != 3:
         raise ValueError(f"num_samples: {tuple(num_samples)} must be (train, valid, test)")
     _check_split(split, int(meta["num_documents"]), num_samples)
@@ -364,8 +423,7 @@ def build_gpt_datasets(
             blend=([str(data_dir / PREFIX)], None),
             split=split,
             path_to_cache=str(data_dir / "cache"),  # replaced together with the dataset, never shared
-            tokenizer=_damage_as_config_error(data_dir, lambda: Tokenizer.load(data_dir / "tokenizer.json",
-                                                                                meta["data_hash"]), KeyError),
+            tokenizer=Tokenizer.load(data_dir / "tokenizer.json", meta["data_hash"]),  # (loads: prepared_meta)
             # Megatron asserts these three are set. Plain packed pretraining: documents attend across EOD and
             # positions run on, as in GPT-2; True would need per-sample masks and defeat Megatron's mask cache.
             reset_position_ids=False,
@@ -379,25 +437,28 @@ def build_gpt_datasets(
             if builder:
                 _drop_damaged_index_cache(data_dir / "cache")
             train, valid, test = _damage_as_config_error(data_dir, BlendedMegatronDatasetBuilder(
-                GPTDataset, list(num_samples), lambda: True, config).build)
+                GPTDataset, list(num_samples), lambda: True, config).build, meta)
     return train, valid, test
 
 
-def _damage_as_config_error(data_dir: Path, read: Callable[[], Any], *damage: type[Exception]) -> Any:
+def _damage_as_config_error(data_dir: Path, read: Callable[[], Any], meta: dict | None = None) -> Any:
     """``read()`` over a prepared dataset, whose failures on its own files (a corrupt corpus.idx of the right size:
-    numpy's ValueError; a garbled tokenizer.json: json's, or a KeyError where ``damage`` says; a full disk under its
-    index cache) are one ConfigError naming data.path."""
+    numpy's ValueError, or Megatron-Core's assertion on its header; a full disk under its index cache) are one
+    ConfigError naming data.path. The damage is one
+    prepared_meta does not see, so the advice rebuilds (``meta``: what the dataset was prepared from)."""
     try:
         return read()
     except OSError as e:
         raise ConfigError(f"data.path: reading or caching {str(data_dir)!r} failed ({e.strerror or e}); free space "
                           f"or fix its permissions, or prepare it elsewhere (python scripts/prepare_data.py --out "
                           f"DIR, then data.path=DIR)") from None
-    except (ValueError, struct.error, *damage) as e:  # (json's JSONDecodeError is a ValueError)
+    except (ValueError, struct.error, AssertionError) as e:
+        if isinstance(e, AssertionError) and str(data_dir) not in str(e):  # (Megatron-Core's "bad header" names
+            raise  # the file; any other assertion is not about the dataset's files)
         why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         _drop_half_built(e)
-        raise ConfigError(f"data.path: {str(data_dir)!r} is damaged ({why}); prepare it again with `python "
-                          f"scripts/prepare_data.py --out {data_dir}`") from None
+        raise ConfigError(f"data.path: {str(data_dir)!r} is damaged ({why}); prepare it again with "
+                          f"{prepare_command(data_dir, meta, rebuild=True)}") from None
 
 
 def _drop_half_built(e: BaseException) -> None:

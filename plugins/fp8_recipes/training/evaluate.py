@@ -20,7 +20,6 @@ sequences: a checkpoint of another tensor or pipeline layout is resharded on loa
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 from collections.abc import Sequence
@@ -29,6 +28,7 @@ from typing import Any
 
 from fp8_recipes.checks import ConfigError
 from fp8_recipes.launcher import launch_rank, launch_world_size
+from fp8_recipes.megatron.data import prepared_meta
 from fp8_recipes.megatron.model_config import layout_of, run_model_cfg
 from fp8_recipes.plan.precision import Hardware, PrecisionPlan
 from fp8_recipes.recipe.pack import load_recipe
@@ -82,7 +82,7 @@ def _valid_batches(cfg: Any, eval_iters: int, train_dp: int) -> Sequence[dict]:
 def _model_cfg(cfg: Any) -> dict:
     """The model group with the vocabulary training/run.py gave it (the tokenizer's when the config says null)."""
     data_dir = Path(cfg.data.path)
-    return run_model_cfg(cfg, json.loads((data_dir / "meta.json").read_text()), data_dir)
+    return run_model_cfg(cfg, prepared_meta(data_dir), data_dir)
 
 
 def _run_recipe(run_dir: Path, recipe: str | None) -> Any:

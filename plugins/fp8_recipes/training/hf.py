@@ -30,7 +30,7 @@ from fp8_recipes.integrations.hf_llama import (
     HFTensors, LlamaShape, dequantize_hf_weights, hf_config, hf_to_megatron, megatron_to_hf, quantize_hf_weights,
     read_hf_config, require_safetensors, write_hf_checkpoint,
 )
-from fp8_recipes.megatron.data import EOD_TEXT
+from fp8_recipes.megatron.data import EOD_TEXT, prepared_meta
 from fp8_recipes.megatron.model import unwrap_model
 from fp8_recipes.megatron.model_config import run_model_cfg
 from fp8_recipes.rundir import HYDRA, load_run_config
@@ -100,16 +100,15 @@ def _bytes_tokenizer_json() -> str:
     return tok.to_str()
 
 
-def _tokenizer_files(data_dir: Path, seq_length: int) -> tuple[dict[str, bytes], int]:
-    """(the HF tokenizer files of a run's dataset, its EOD id)."""
-    meta = json.loads((data_dir / "meta.json").read_text(encoding="utf-8"))
+def _tokenizer_files(data_dir: Path, seq_length: int) -> dict[str, bytes]:
+    """The HF tokenizer files of a run's (intact) dataset."""
     text = (data_dir / "tokenizer.json").read_text(encoding="utf-8")
     if json.loads(text).get("fp8_recipes_tokenizer") == "bytes":
         text = _bytes_tokenizer_json()
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOD_TEXT, "eos_token": EOD_TEXT,
               "model_max_length": seq_length, "clean_up_tokenization_spaces": False}
     return {"tokenizer.json": text.encode("utf-8"),
-            "tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode("utf-8")}, int(meta["eod"])
+            "tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode("utf-8")}
 
 
 def _progress(line: str) -> None:
@@ -136,7 +135,8 @@ def export_hf(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str =
     if not (data_dir / "meta.json").is_file():
         raise ConfigError(f"data.path: the run's dataset {data_dir} is gone (its tokenizer goes into the export); "
                          f"rebuild it with python scripts/prepare_data.py --out {data_dir} and the run's data settings")
-    model_cfg = run_model_cfg(cfg, json.loads((data_dir / "meta.json").read_text()), data_dir)
+    meta = prepared_meta(data_dir)  # (damaged: a line naming data.path and the command that prepares it again)
+    model_cfg = run_model_cfg(cfg, meta, data_dir)
     check_config_matches(step_dir, model_cfg, run_dir / HYDRA / "config.yaml", "SOURCE")  # config.json comes from it
     shape = LlamaShape.from_model_cfg(model_cfg)
     state = _whole_model_state(step_dir, shape.num_layers, progress)
@@ -154,7 +154,7 @@ def export_hf(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str =
         progress(f"export: quantizing {shape.num_layers * 7} projections to FP8 E4M3 "
                  f"({'per tensor' if block is None else f'{block[0]}x{block[1]} blocks'})")
         tensors, quant = quantize_hf_weights(tensors, block)
-    files, eod = _tokenizer_files(data_dir, shape.seq_length)
+    files, eod = _tokenizer_files(data_dir, shape.seq_length), int(meta["eod"])
     config = hf_config(shape, bos_token_id=eod, eos_token_id=eod, quant=quant)
     written = write_hf_checkpoint(out, config, tensors, files, progress=progress)
     progress(f"export: {step_dir} -> {written} ({dtype}, {len(tensors)} tensors)")
