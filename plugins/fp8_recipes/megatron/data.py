@@ -34,8 +34,8 @@ from fp8_recipes.checks import ConfigError
 logger = logging.getLogger(__name__)
 
 __all__ = ["Tokenizer", "default_corpus_files", "prepare_dataset", "prepared_meta", "prepare_command",
-           "build_gpt_datasets", "batches",
-           "data_parallel_batches", "FixedBatches", "fixed_batches", "split_samples", "repeated_batch"]
+           "build_gpt_datasets", "batches", "data_parallel_batches", "FixedBatches", "fixed_batches", "split_samples",
+           "repeated_batch"]
 
 FORMAT = 1  # bump when the on-disk layout changes: older datasets are then rebuilt, never misread
 PREFIX = "corpus"  # Megatron path prefix: corpus.bin + corpus.idx
@@ -444,8 +444,8 @@ def build_gpt_datasets(
 def _damage_as_config_error(data_dir: Path, read: Callable[[], Any], meta: dict | None = None) -> Any:
     """``read()`` over a prepared dataset, whose failures on its own files (a corrupt corpus.idx of the right size:
     numpy's ValueError, or Megatron-Core's assertion on its header; a full disk under its index cache) are one
-    ConfigError naming data.path. The damage is one
-    prepared_meta does not see, so the advice rebuilds (``meta``: what the dataset was prepared from)."""
+    ConfigError naming data.path. prepared_meta did not see that damage, so prepare_data.py would reuse the dataset:
+    the advice adds --rebuild (``meta``: what the dataset was prepared from, for the command's settings)."""
     try:
         return read()
     except OSError as e:

@@ -23,9 +23,9 @@ CheckpointWriteError (training/errors.py) together, and rank 0 removes the ``.tm
 
 Integrity: ``checksums.json`` (inside the step dir) records each file's size and CRC-32, each rank digesting the
 files it wrote. Resuming verifies them (and that ``meta.json`` reads), as the HF export and an evaluation do
-(:func:`intact_checkpoint`): ``trainer.resume=auto`` falls back from a
-damaged latest checkpoint (a truncated or flipped shard, a missing ``.metadata``, a ``latest`` that names nothing) to
-the newest intact ``step_N`` with one warning naming both; a named checkpoint that is damaged is refused in one line.
+(:func:`intact_checkpoint`): ``trainer.resume=auto`` falls back from a damaged latest checkpoint (a truncated or
+flipped shard, a missing ``.metadata``, a ``latest`` that names nothing) to the newest intact ``step_N`` with one
+warning naming both; a named checkpoint that is damaged is refused in one line.
 Checkpoints written before the record existed are checked for their files only. Before any process group exists,
 every rank checks what is cheap (the index, the JSON files, each file's presence and size); once the group exists,
 each rank digests only its share of the files (every world-size-th one) and all ranks agree on what any found

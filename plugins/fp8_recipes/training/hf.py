@@ -154,7 +154,7 @@ def export_hf(source: str | os.PathLike, out: str | os.PathLike, *, dtype: str =
         progress(f"export: quantizing {shape.num_layers * 7} projections to FP8 E4M3 "
                  f"({'per tensor' if block is None else f'{block[0]}x{block[1]} blocks'})")
         tensors, quant = quantize_hf_weights(tensors, block)
-    files, eod = _tokenizer_files(data_dir, shape.seq_length), int(meta["eod"])
+    files, eod = _tokenizer_files(data_dir, shape.seq_length), int(meta["eod"])  # (the EOD is BOS and EOS)
     config = hf_config(shape, bos_token_id=eod, eos_token_id=eod, quant=quant)
     written = write_hf_checkpoint(out, config, tensors, files, progress=progress)
     progress(f"export: {step_dir} -> {written} ({dtype}, {len(tensors)} tensors)")

@@ -294,12 +294,12 @@ def train(engine: Engine, batches_train: Iterator[Mapping[str, Any]] | list[Iter
 
     ``batches_*`` yield dicts of ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` ([b, s] tensors) for
     this data-parallel rank; ``batches_train`` may be a list, one iterator per model chunk (interleaved pipeline
-    stages each read the stream); ``batches_valid`` a Sequence evaluated whole at every evaluation, or an iterator
-    whose first ``trainer.eval_iters`` batches are kept for them. ``resume_from`` (a run dir or step dir) restores model, optimizer, precision state
-    and RNG (the LR schedule is the configured one, from the checkpoint's step); the caller starts ``batches_train``
-    at the checkpoint's data position (the samples it consumed, in its meta.json; training/run.py does, through
-    checkpoint.resume_skip). ``on_ready`` runs once the checkpoint is loaded, before the first step (training/run.py
-    writes the run's plan and recipe there, so a resume refused while loading rewrites nothing).
+    stages each read the stream); ``batches_valid`` a Sequence evaluated whole each time, or an iterator whose
+    first ``trainer.eval_iters`` batches are kept. ``resume_from`` (a run dir or step dir) restores model, optimizer,
+    precision state and RNG (the LR schedule is the configured one, from the checkpoint's step); the caller starts
+    ``batches_train`` at the checkpoint's data position (the samples it consumed, in its meta.json; training/run.py
+    does, through checkpoint.resume_skip). ``on_ready`` runs once the checkpoint is loaded, before the first step
+    (training/run.py writes the run's plan and recipe there, so a resume refused while loading rewrites nothing).
     """
     cfg, run_dir = TrainerConfig.from_cfg(trainer_cfg), Path(run_dir)
     schedule = _start(engine, cfg, rank)

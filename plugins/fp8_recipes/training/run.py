@@ -26,7 +26,8 @@ from typing import Any
 
 from fp8_recipes.checks import ConfigError
 from fp8_recipes.launcher import launch_rank
-from fp8_recipes.megatron.data import build_gpt_datasets, data_parallel_batches, prepare_dataset
+from fp8_recipes.megatron.data import (build_gpt_datasets, data_parallel_batches, fixed_batches, prepare_dataset,
+                                       split_samples)
 from fp8_recipes.megatron.model_config import check_model_device, layout_of, linear_shapes, model_notices, run_model_cfg
 from fp8_recipes.observe.autopilot_config import autopilot_config
 from fp8_recipes.observe.config import debug_config
@@ -265,8 +266,6 @@ def validation_batches(cfg, valid_ds, count: int, dp_rank: int, dp_size: int, *,
     said how many, per data-parallel rank with ``per_rank`` (trainer.eval_iters) or in all (eval_checkpoint's
     --eval-iters). More than one pass over the valid split is a warning (with ``warn``: say it once), more than
     MAX_VALID_PASSES a one-line ConfigError naming ``key`` and the split's size."""
-    from fp8_recipes.megatron.data import fixed_batches, split_samples  # (megatron/data.py's, imported cheaply)
-
     mbs, ranks = int(cfg.trainer.micro_batch_size), dp_size if per_rank else 1
     samples = split_samples(valid_ds) if count else 0
     holds = max(samples // mbs, 1)  # (a split of less than one micro-batch: Megatron-Core repeats it to make one)
