@@ -144,12 +144,14 @@ def jsonable(value: Any) -> Any:
 def read_jsonl(path: str | os.PathLike, check=None) -> list[dict[str, Any]]:
     """Every row of a JSONL file (blank lines skipped); RunFileError at the first line that is not a JSON object,
     or when the file is not UTF-8 text or cannot be read (a directory in its place), or whose row ``check``
-    (row -> a problem or None) finds wrong."""
+    (row -> a problem or None) finds wrong. A missing file stays FileNotFoundError: callers poll for it."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise RunFileError(path, None, f"{e.reason} at byte {e.start}", what="UTF-8 text") from None
+    except FileNotFoundError:
+        raise
     except OSError as e:  # (a directory, no permission): say what is there, not that the file is missing
         why = "it is a directory" if path.is_dir() else e.strerror or type(e).__name__
         raise RunFileError(path, None, why, what="a readable file") from None

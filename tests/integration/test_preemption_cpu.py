@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from fp8_recipes.rundir import read_metrics
+from fp8_recipes.rundir import RunFileError, read_metrics
 from fp8_recipes.training.errors import PREEMPTED_EXIT
 from test_train_cpu import ROOT, dataset, small_run  # noqa: F401  (dataset: the shared fixture)
 
@@ -43,7 +43,7 @@ def environment() -> dict[str, str]:
 def train_rows(run_dir: Path) -> list[dict]:
     try:
         return read_metrics(run_dir, "train")
-    except (FileNotFoundError, json.JSONDecodeError):  # not there yet, or a row half-written
+    except (FileNotFoundError, RunFileError):  # not there yet, or a row half-written
         return []
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from fp8_recipes.rundir import read_metrics
+from fp8_recipes.rundir import RunFileError, read_metrics
 from fp8_recipes.training.errors import PREEMPTED_EXIT, USER_ERROR_EXIT
 from slurm_cluster import SlurmCluster, SlurmUnavailable
 from test_train_cpu import ROOT, assert_learns, dataset, small_run  # noqa: F401  (dataset: the shared fixture)
@@ -81,7 +81,7 @@ def train_overrides(run_dir: Path, dataset: list[str], steps: int, checkpoints: 
 def train_rows(run_dir: Path) -> list[dict]:
     try:
         return read_metrics(run_dir, "train")
-    except (FileNotFoundError, json.JSONDecodeError):  # not there yet, or a row half-written
+    except (FileNotFoundError, RunFileError):  # not there yet, or a row half-written
         return []
 
 
