@@ -48,8 +48,8 @@ STATS = ["++debug.interval=2"]  # numerics statistics at steps 1 and 3 (they nev
 RUNS = {  # name: (recipe, processes, extra overrides); each chain runs its runs in this order
     "delayed-ep2": ("delayed", 2, [*EP2, *DISTOPT, f"trainer.save_interval={SAVED}", "trainer.save_checkpoints=true",
                                    *STATS]),
-    "delayed-dp2": ("delayed", 2, [*DISTOPT, *STATS]),
-    "blockwise-ep2": ("blockwise", 2, EP2),
+    "delayed-dp2": ("delayed", 2, [*DISTOPT, *STATS, f"trainer.save_interval={SAVED}", "trainer.save_checkpoints=true"]),
+    "blockwise-ep2": ("blockwise", 2, [*EP2, f"trainer.save_interval={SAVED}", "trainer.save_checkpoints=true"]),
     "blockwise-dp2": ("blockwise", 2, []),
     "delayed-pp2": ("delayed", 2, [*PP2]),
     "delayed-etp2": ("delayed", 2, ["trainer.expert_tensor_parallel_size=2", f"trainer.save_interval={SAVED}",
@@ -60,6 +60,11 @@ RUNS = {  # name: (recipe, processes, extra overrides); each chain runs its runs
                                        "autopilot=on", "++autopilot.interval=2"]),
 }
 RESUMED = "delayed-ep2-resumed"  # delayed-ep2's step-2 checkpoint continued to step 4, after it in its chain
+# step-2 checkpoints continued at another EP size (resharded), each after the run that wrote it in its chain:
+# {name: (the run whose checkpoint it continues, recipe, overrides)}
+RESHARDED = {"delayed-ep2-as-ep1": ("delayed-ep2", "delayed", DISTOPT),
+             "delayed-ep1-as-ep2": ("delayed-dp2", "delayed", [*EP2, *DISTOPT]),
+             "blockwise-ep2-as-ep1": ("blockwise-ep2", "blockwise", [])}  # (the plain optimizer: a state per rank)
 
 
 def _args(recipe: str, extra: list[str], dataset: list[str], run_dir: Path) -> list[str]:
@@ -92,12 +97,15 @@ def runs(tmp_path_factory, dataset, free_port) -> dict[str, dict]:  # noqa: F811
     for name, (recipe, _, extra) in RUNS.items():
         (tmp / name / "dump").mkdir(parents=True)
         specs[name] = [name, str(tmp / name / "dump"), _args(recipe, extra, dataset, tmp / name / "run"), free_port()]
-    (tmp / RESUMED / "dump").mkdir(parents=True)
-    saved = tmp / "delayed-ep2" / "run" / "checkpoints" / f"step_{SAVED}"
-    resumed = _args("delayed", [*EP2, *DISTOPT, f"trainer.resume={saved}"], dataset, tmp / RESUMED / "run")
-    specs[RESUMED] = [RESUMED, str(tmp / RESUMED / "dump"), resumed, free_port()]
-    chains = [(2, [specs[n] for n in ("delayed-ep2", RESUMED, "blockwise-ep2")]),
-              (2, [specs[n] for n in ("delayed-dp2", "blockwise-dp2", "delayed-pp2", "delayed-etp2")]),
+    for name, (source, recipe, extra) in {RESUMED: ("delayed-ep2", "delayed", [*EP2, *DISTOPT]), **RESHARDED}.items():
+        (tmp / name / "dump").mkdir(parents=True)
+        saved = tmp / source / "run" / "checkpoints" / f"step_{SAVED}"
+        resumed = _args(recipe, [*extra, f"trainer.resume={saved}"], dataset, tmp / name / "run")
+        specs[name] = [name, str(tmp / name / "dump"), resumed, free_port()]
+    chains = [(2, [specs[n] for n in ("delayed-ep2", RESUMED, "delayed-ep2-as-ep1", "blockwise-ep2",
+                                      "blockwise-ep2-as-ep1")]),
+              (2, [specs[n] for n in ("delayed-dp2", "delayed-ep1-as-ep2", "blockwise-dp2", "delayed-pp2",
+                                      "delayed-etp2")]),
               (4, [specs["delayed-ep2-edp2"], specs["delayed-ep2-pp2"]])]
     procs = []
     for c, (world, chain) in enumerate(chains):
@@ -117,7 +125,7 @@ def runs(tmp_path_factory, dataset, free_port) -> dict[str, dict]:  # noqa: F811
         for _, _, p in procs:
             if p.poll() is None:
                 p.kill()
-    worlds = {**{n: w for n, (_, w, _) in RUNS.items()}, RESUMED: 2}
+    worlds = {**{n: w for n, (_, w, _) in RUNS.items()}, RESUMED: 2, **{n: 2 for n in RESHARDED}}
     return {name: {"ranks": sorted((json.loads((tmp / name / "dump" / f"rank{r}.json").read_text())
                                     for r in range(world)), key=lambda d: d["rank"]),
                    "run_dir": tmp / name / "run"} for name, world in worlds.items()}
@@ -242,22 +250,58 @@ def test_expert_and_pipeline_parallel(runs):
 
 
 @pytest.mark.slow
-def test_resume_at_another_expert_parallel_size_is_one_line(runs, dataset, tmp_path, free_port):  # noqa: F811
-    """EP=2's checkpoint resumed at EP=1 x DP=2: refused before anything is built, exit 2, one `error:` line naming
-    trainer.expert_model_parallel_size, no traceback on either rank, no run directory."""
-    step_dir = runs["delayed-ep2"]["run_dir"] / "checkpoints" / f"step_{SAVED}"
+@pytest.mark.parametrize("name", sorted(RESHARDED))
+def test_a_checkpoint_resumes_at_another_expert_parallel_size(runs, name):
+    """A step-2 checkpoint continued at another EP size (EP=2 -> EP=1 x DP=2 with the distributed and the plain
+    optimizer, EP=1 x DP=2 -> EP=2): every expert's weights, optimizer state and delayed scaling state are joined
+    from the EP ranks' payloads and cut for the new layout, so step 3 (the forward pass of the weights and scales
+    step 2 left, on the same batches) gives the uninterrupted run's loss bit for bit, and step 4 within summation
+    order (EP=1 x DP=2 and EP=2 agree so from the start: test_ep2_trains_the_losses_of_ep1_dp2)."""
+    source = RESHARDED[name][0]
+    before, after = runs[source]["ranks"], runs[name]["ranks"]
+    held = [{0, 1, 2, 3}] * 2 if name.endswith("ep1") else [{0, 1}, {2, 3}]
+    if not name.startswith("blockwise"):  # (blockwise experts keep no delayed scales to name them)
+        assert [_experts(d["scales"]) for d in after] == held
+    assert after[0]["losses"] == after[1]["losses"] and len(after[0]["losses"]) == STEPS - SAVED
+    assert after[0]["losses"][0] == before[0]["losses"][SAVED], (after[0]["losses"], before[0]["losses"])
+    assert _rel(after[0]["losses"], before[0]["losses"][SAVED:]) < LOSS_TOL
+    log = (runs[name]["run_dir"] / "train.log").read_text()
+    ep = (2, 1) if name.endswith("ep1") else (1, 2)
+    assert f"vpp=None ep={ep[0]} to tp=1 pp=1 vpp=None ep={ep[1]}" in log, log[-2000:]
+
+
+@pytest.mark.slow
+def test_an_expert_parallel_checkpoint_is_evaluated_in_one_process(runs):
+    """scripts/eval_checkpoint.py's evaluation of EP=2's step-2 checkpoint in one process (EP=1): the EP ranks'
+    experts joined on load, as a resume at EP=1 joins them; FP8 and BF16 losses finite and apart."""
+    import math
+
+    from fp8_recipes.training.evaluate import evaluate_checkpoint
+
+    result = evaluate_checkpoint(runs["delayed-ep2"]["run_dir"], checkpoint=runs["delayed-ep2"]["run_dir"] /
+                                 "checkpoints" / f"step_{SAVED}", eval_iters=2)
+    assert result["trained_steps"] == SAVED and math.isfinite(result["fp8_loss"]), result
+    assert result["fp8_loss"] != result["bf16_loss"], result
+    assert abs(result["fp8_loss"] / runs["delayed-ep2"]["ranks"][0]["losses"][SAVED] - 1) < 0.05, result
+
+
+@pytest.mark.slow
+def test_resume_at_another_expert_tensor_parallel_size_is_one_line(runs, dataset, tmp_path, free_port):  # noqa: F811
+    """Expert TP=2's checkpoint (at TP=1) resumed at expert TP=1: refused before anything is built, exit 2, one
+    `error:` line naming trainer.expert_tensor_parallel_size, no traceback on either rank, no run directory."""
+    step_dir = runs["delayed-etp2"]["run_dir"] / "checkpoints" / f"step_{SAVED}"
     run_dir = tmp_path / "refused"
     port = free_port()
     procs = [subprocess.Popen([sys.executable, "scripts/train.py", *_args("delayed", [
-        *DISTOPT, f"trainer.resume={step_dir}"], dataset, run_dir)], cwd=ROOT, env={**_clean_env(), **_rank_env(
+        f"trainer.resume={step_dir}"], dataset, run_dir)], cwd=ROOT, env={**_clean_env(), **_rank_env(
             r, 2, port)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 2 and "Traceback" not in out + err, err[-3000:]
     lines = [line for out, err in outs for line in err.splitlines() if line.strip()]
-    assert lines == [f"error: trainer.expert_model_parallel_size: 1 differs from the checkpoint's 2 ({step_dir}; "
-                     f"experts are not resharded across expert-parallel layouts yet; resume with "
-                     f"trainer.expert_model_parallel_size=2)"], lines
+    assert lines == [f"error: trainer.expert_tensor_parallel_size: 1 differs from the checkpoint's 2 ({step_dir}; "
+                     f"experts are resharded only where expert TP equals TP; resume with "
+                     f"trainer.expert_tensor_parallel_size=2)"], lines
     assert not run_dir.exists()
 
 

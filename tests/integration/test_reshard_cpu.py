@@ -113,7 +113,7 @@ def _whole(step_dir: Path) -> tuple[dict, dict]:
     meta = checkpoint_meta(step_dir)
     layout = (meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"],
               meta["virtual_pipeline_model_parallel_size"])
-    return join_shards(lambda t, p: read_checkpoint(step_dir, t, pp_rank=p), layout, 4, optimizer=True)
+    return join_shards(lambda t, p, _: read_checkpoint(step_dir, t, pp_rank=p), layout, 4, optimizer=True)
 
 
 @pytest.mark.slow

@@ -452,19 +452,22 @@ def _meta_only(tmp_path: Path, **meta) -> Path:
 
 
 @pytest.mark.parametrize("saved, wanted, says", [
-    ({"expert_model_parallel_size": 2}, {"expert_model_parallel_size": 1},
-     "trainer.expert_model_parallel_size: 1 differs from the checkpoint's 2"),
     ({"expert_model_parallel_size": 1, "expert_tensor_parallel_size": 2}, {"expert_model_parallel_size": 1},
-     "trainer.expert_tensor_parallel_size: 1 differs from the checkpoint's 2"),
-    ({"expert_model_parallel_size": 2}, {"expert_model_parallel_size": 2, "tensor_model_parallel_size": 2},
-     "trainer.tensor_model_parallel_size: 2 differs from the checkpoint's 1 (STEP was written at "
-     "trainer.expert_model_parallel_size=2; experts are not resharded"),
-    ({"expert_model_parallel_size": 2}, {"expert_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
-     "trainer.pipeline_model_parallel_size: 2 differs from the checkpoint's 1"),
+     "trainer.expert_tensor_parallel_size: 1 differs from the checkpoint's 2 (STEP; experts are resharded only "
+     "where expert TP equals TP"),
+    ({"expert_model_parallel_size": 1}, {"expert_model_parallel_size": 1, "expert_tensor_parallel_size": 2},
+     "trainer.expert_tensor_parallel_size: 2 differs from the checkpoint's 1"),
+    ({"expert_model_parallel_size": 1, "expert_tensor_parallel_size": 2},
+     {"expert_model_parallel_size": 1, "expert_tensor_parallel_size": 2, "pipeline_model_parallel_size": 2},
+     "trainer.pipeline_model_parallel_size: 2 differs from the checkpoint's 1 (STEP was written at "
+     "trainer.expert_tensor_parallel_size=2; experts are resharded only where expert TP equals TP"),
+    ({"expert_model_parallel_size": 2, "reshardable": False}, {"expert_model_parallel_size": 1},
+     "trainer.expert_model_parallel_size: 1 differs from the checkpoint's 2 (STEP; it was written before "
+     "checkpoints could be resharded"),
 ])
-def test_resume_refuses_what_would_reshard_experts(tmp_path, saved, wanted, says):
-    """Another EP or expert TP size, or another TP / PP layout of a checkpoint written at EP > 1: one line naming the
-    key and the checkpoint's value (training/reshard.py joins TP and PP shards, not the EP ranks' experts)."""
+def test_resume_refuses_what_cannot_reshard_experts(tmp_path, saved, wanted, says):
+    """An expert TP other than TP (before or after: the experts cut otherwise than the dense layers), or another EP
+    size of a checkpoint written before resharding: one line naming the key and the checkpoint's value."""
     from fp8_recipes.training.checkpoint import resume_skip
 
     step_dir = _meta_only(tmp_path, tensor_model_parallel_size=1, **saved)
@@ -474,6 +477,24 @@ def test_resume_refuses_what_would_reshard_experts(tmp_path, saved, wanted, says
     line = str(e.value)
     assert "\n" not in line and line.startswith(says.replace("STEP", str(step_dir))), line
     assert line.endswith(f"resume with {says.split(':')[0]}={says.split('checkpoint' + chr(39) + 's ')[1][0]})")
+
+
+@pytest.mark.parametrize("saved, wanted", [
+    ({"expert_model_parallel_size": 2}, {"expert_model_parallel_size": 1}),
+    ({"expert_model_parallel_size": 1}, {"expert_model_parallel_size": 4}),
+    ({"expert_model_parallel_size": 2}, {"expert_model_parallel_size": 2, "tensor_model_parallel_size": 2}),
+    ({"expert_model_parallel_size": 2}, {"expert_model_parallel_size": 1, "pipeline_model_parallel_size": 2}),
+    ({"expert_model_parallel_size": 2, "tensor_model_parallel_size": 2, "expert_tensor_parallel_size": 2},
+     {"expert_model_parallel_size": 1, "tensor_model_parallel_size": 1}),
+])
+def test_resume_reshards_experts_where_expert_tp_follows_tp(tmp_path, saved, wanted):
+    """Another EP size, or another TP / PP layout at EP > 1, with expert TP = TP before and after: resumed
+    (load_checkpoint reshards it), the data position as at the same layout."""
+    from fp8_recipes.training.checkpoint import resume_skip
+
+    step_dir = _meta_only(tmp_path, **{"tensor_model_parallel_size": 1, **saved})
+    assert resume_skip(step_dir, global_batch_size=4, micro_batch_size=2,
+                       **{"tensor_model_parallel_size": 1, **wanted}) == 8
 
 
 def test_a_dense_checkpoint_still_reshards_across_tensor_parallel_sizes(tmp_path):
@@ -486,7 +507,8 @@ def test_a_dense_checkpoint_still_reshards_across_tensor_parallel_sizes(tmp_path
     assert resume_skip(step_dir, global_batch_size=4, micro_batch_size=2, tensor_model_parallel_size=1) == 8
 
 
-def test_export_and_evaluation_refuse_an_expert_parallel_checkpoint(tmp_path):
+def test_export_and_evaluation_refuse_experts_split_over_another_expert_tp(tmp_path):
+    """Experts cut over expert TP != TP are refused in one line; an EP > 1 checkpoint is read (joined over EP)."""
     import json
 
     from fp8_recipes.checks import ConfigError
@@ -496,8 +518,10 @@ def test_export_and_evaluation_refuse_an_expert_parallel_checkpoint(tmp_path):
     step_dir = save_checkpoint(tmp_path, 1, models=model)
     meta = json.loads((step_dir / "meta.json").read_text())
     (step_dir / "meta.json").write_text(json.dumps({**meta, "expert_model_parallel_size": 2}))
-    with pytest.raises(ConfigError, match=r"^SOURCE: .* was written at trainer.expert_model_parallel_size=2: its "
-                                          r"experts are split over the expert-parallel ranks"):
+    assert intact_checkpoint(step_dir, "SOURCE") == step_dir
+    (step_dir / "meta.json").write_text(json.dumps({**meta, "expert_tensor_parallel_size": 2}))
+    with pytest.raises(ConfigError, match=r"^SOURCE: .* was written at trainer.expert_tensor_parallel_size=2 "
+                                          r"\(tensor parallel 1\): its experts are split otherwise"):
         intact_checkpoint(step_dir, "SOURCE")
 
 

@@ -7,11 +7,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8_recipes.training.reshard import join_shards, join_tp, rank_slice, saved_param_states, stages_holding
+from fp8_recipes.training.reshard import (
+    expert_global, join_shards, join_tp, rank_slice, saved_param_states, stages_holding,
+)
 
 NAMES = ["decoder.layers.3.mlp.linear_fc1.weight", "decoder.layers.0.self_attention.linear_qkv.weight",
          "decoder.layers.1.self_attention.linear_proj.weight", "decoder.layers.1.mlp.linear_fc2.weight",
-         "embedding.word_embeddings.weight", "output_layer.weight", "decoder.layers.2.input_layernorm.weight"]
+         "embedding.word_embeddings.weight", "output_layer.weight", "decoder.layers.2.input_layernorm.weight",
+         # an MoE layer's MLPs are split as the dense one: shared experts, each routed expert, TE's grouped experts
+         "decoder.layers.1.mlp.shared_experts.linear_fc1.weight", "decoder.layers.1.mlp.shared_experts.linear_fc2.weight",
+         "decoder.layers.1.mlp.experts.local_experts.5.linear_fc1.weight",
+         "decoder.layers.1.mlp.experts.local_experts.5.linear_fc2.weight",
+         "decoder.layers.1.mlp.experts.linear_fc1.weight3", "decoder.layers.1.mlp.experts.linear_fc2.weight3",
+         "decoder.layers.1.mlp.router.weight"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -20,10 +28,12 @@ def test_cut_and_join_is_the_identity(name, tp):
     whole = torch.arange(8 * 8, dtype=torch.float32).view(8, 8) if "norm" not in name else torch.arange(8.0)
     parts = [rank_slice(name, whole, tp, r) for r in range(tp)]
     assert torch.equal(join_tp(name, parts), whole)
-    if tp == 2 and name.endswith("linear_fc1.weight"):  # [gate_r; up_r]: rank 1 holds gate rows 2-3 and up rows 6-7
+    if tp == 2 and ".linear_fc1.weight" in name:  # [gate_r; up_r]: rank 1 holds gate rows 2-3 and up rows 6-7
         assert parts[1][:, 0].tolist() == [16, 24, 48, 56]
-    if tp == 2 and name.endswith("linear_proj.weight"):  # row-parallel: columns
+    if tp == 2 and (name.endswith("linear_proj.weight") or ".linear_fc2.weight" in name):  # row-parallel: columns
         assert parts[1].shape == (8, 4)
+    if tp == 2 and name.endswith("router.weight"):  # replicated
+        assert parts[1].shape == (8, 8)
 
 
 def test_saved_state_maps_to_parameters():
@@ -76,8 +86,8 @@ def test_a_rank_reads_only_the_stages_holding_its_tensors():
     tied = _held(2, None, 2, head=False)  # a tied head saved nowhere: its state is the embedding's, on stage 0
     assert stages_holding(tied, (1, 2, None), 4, {*_layers(2, 3), "output_layer.weight"}) == [0, 1]
     read = []
-    join_shards(lambda t, p: read.append((t, p)) or {"model": [{}]}, (2, 4, None), 8, stages=[3, 1])
-    assert read == [(0, 1), (1, 1), (0, 3), (1, 3)]  # every tensor-parallel part of the stages asked for, in order
+    join_shards(lambda t, p, e: read.append((t, p, e)) or {"model": [{}]}, (2, 4, None), 8, stages=[3, 1])
+    assert read == [(0, 1, None), (1, 1, None), (0, 3, None), (1, 3, None)]  # every tensor-parallel part of the stages asked for, in order
 
 
 def _main_params_and_steps(engine) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -109,7 +119,7 @@ def test_a_loaded_distributed_optimizer_continues_as_the_saved_one():
         saved["param_index"] = optimizer_param_index(engine.models, engine.optimizer)
         engine.train_step(data)
         want, _ = _main_params_and_steps(engine)
-    _, whole = join_shards(lambda t, p: {"model": weights, "optimizer": saved}, (1, 1, None), 1, optimizer=True)
+    _, whole = join_shards(lambda t, p, _: {"model": weights, "optimizer": saved}, (1, 1, None), 1, optimizer=True)
     for load in ("own layout", "resharded"):
         with tiny_engine(cfg) as engine:
             for chunk, state in zip(engine.models, weights):
@@ -132,3 +142,89 @@ def test_a_vocabulary_padded_otherwise_is_told_from_another_vocabulary():
 
     assert _one_vocabulary(384, 1, 512, 2) and _one_vocabulary(512, 2, 384, 1) and _one_vocabulary(512, 2, 512, 1)
     assert not _one_vocabulary(640, 1, 512, 2) and not _one_vocabulary(768, 2, 512, 1)
+
+
+def test_expert_numbers_become_global():
+    """EP rank 1 of EP 2 with 4 experts a layer holds experts 2 and 3 as local 0 and 1, in either expert module."""
+    assert expert_global("decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight", 1, 2) == \
+        "decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight"
+    assert expert_global("decoder.layers.0.mlp.experts.linear_fc1.weight0", 1, 2) == \
+        "decoder.layers.0.mlp.experts.linear_fc1.weight2"
+    for dense in ("decoder.layers.0.mlp.router.weight", "decoder.layers.0.mlp.shared_experts.linear_fc1.weight",
+                  "decoder.layers.10.self_attention.linear_qkv.weight"):
+        assert expert_global(dense, 1, 2) == dense
+
+
+def _ep_payload(ep_rank: int, per_rank: int = 2) -> dict:
+    """A one-stage EP rank's payload: the dense router and each of its experts' fc1 (values: the global expert
+    number; the router's: 100 + the EP rank, so a dense tensor read from EP rank 1 would show) and a distributed
+    optimizer's state as Megatron-Core gathers it: the dense buffer at EP rank 0 only, the experts' at each."""
+    experts = {f"decoder.layers.0.mlp.experts.local_experts.{i}.linear_fc1.weight":
+               torch.full((2, 2), float(ep_rank * per_rank + i)) for i in range(per_rank)}
+    model = {"decoder.layers.0.mlp.router.weight": torch.full((4, 2), 100.0 + ep_rank), **experts}
+    rows = [(0, name, 4 * i, 4, (2, 2)) for i, name in enumerate(experts)]
+    expert_state = {0: {torch.float32: {"exp_avg": torch.cat([t.reshape(-1) for t in experts.values()])}}}
+    dense_state = {0: {torch.float32: {"exp_avg": torch.full((8,), 100.0 + ep_rank)}}} if ep_rank == 0 else None
+    return {"model": [model], "optimizer": {"state_dict": [{}, {}], "param_state": [dense_state, expert_state],
+                                            "param_index": [{"buffers": {0: [(0, "decoder.layers.0.mlp.router.weight",
+                                                                              0, 8, (4, 2))]}},
+                                                            {"buffers": {0: rows}}]}}
+
+
+def test_join_shards_gathers_every_ep_ranks_experts():
+    """At EP 2 every EP rank's payload is read; its experts get global numbers, weights and optimizer state; the
+    dense tensors come from EP rank 0's alone (EP rank 1's optimizer holds no dense state at all)."""
+    read = []
+    model, states = join_shards(lambda t, p, e: read.append((t, p, e)) or _ep_payload(e), (1, 1, None), 1,
+                                optimizer=True, experts=(2, 4))
+    assert read == [(0, 0, 0), (0, 0, 1)]
+    for e in range(4):
+        name = f"decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc1.weight"
+        assert model[name].unique().tolist() == [float(e)] and states[name]["exp_avg"].unique().tolist() == [e]
+    assert model["decoder.layers.0.mlp.router.weight"].unique().tolist() == [100.0]
+    assert states["decoder.layers.0.mlp.router.weight"]["exp_avg"].unique().tolist() == [100.0]
+
+
+def test_stages_holding_finds_a_layer_whatever_its_experts():
+    """A rank of EP 1 wants experts 2-3 too, which EP rank 0's payload (the index read) names 0-1: the stage that
+    holds the layer is read all the same."""
+    held = {0: [(0, "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight")],
+            1: [(0, "decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight")]}  # (layers 0 and 1 of 2)
+    wanted = {"decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"}
+    assert stages_holding(held, (1, 2, None), 2, wanted) == [1]
+
+
+def test_scaling_state_joins_ep_ranks_and_resets_grouped_experts_at_another_ep_size():
+    """Per-expert entries (the emulated backend's, global numbers) are joined over the EP ranks; TE's grouped
+    experts' one entry per layer and fc is this EP rank's where the EP size is kept, and left out where it changed."""
+    from fp8_recipes.training.checkpoint import _scaling_state
+
+    def state(e):
+        return {"recipe": "delayed", "scalers": {f"decoder.layers.0.mlp.experts.local_experts.{2 * e}.linear_fc1": e,
+                                                 "decoder.layers.0.self_attention.linear_qkv": 7},
+                "delayed": {"decoder.layers.0.mlp.experts.linear_fc1": f"ep{e}", "output_layer": 9}}
+
+    shards = {(0, 0, e): state(e) for e in (0, 1)}
+    kept, dropped = _scaling_state(shards, 1, 0, ep_rank=1)
+    assert dropped == 0 and kept["delayed"] == {"decoder.layers.0.mlp.experts.linear_fc1": "ep1", "output_layer": 9}
+    assert kept["scalers"] == {"decoder.layers.0.mlp.experts.local_experts.0.linear_fc1": 0,
+                               "decoder.layers.0.self_attention.linear_qkv": 7,
+                               "decoder.layers.0.mlp.experts.local_experts.2.linear_fc1": 1}
+    changed, dropped = _scaling_state(shards, 1, 0, ep_rank=None)
+    assert dropped == 1 and changed["delayed"] == {"output_layer": 9} and changed["scalers"] == kept["scalers"]
+
+
+def test_live_names_of_grouped_experts_are_global():
+    """TE's grouped experts name their GEMMs' weights ``linear_fc1.weight<local>``: an EP rank holding experts 6-7
+    of layer 3 (its stage's local layer 0) names them as experts 6 and 7, as it does SequentialMLP's."""
+    from types import SimpleNamespace
+
+    from fp8_recipes.training.reshard import live_global_name
+
+    layer = SimpleNamespace(layer_number=4, mlp=SimpleNamespace(local_expert_indices=[6, 7]))
+    gpt = SimpleNamespace(decoder=SimpleNamespace(layers=[layer]))
+    assert live_global_name(gpt, "decoder.layers.0.mlp.experts.linear_fc2.weight1") == \
+        "decoder.layers.3.mlp.experts.linear_fc2.weight7"
+    assert live_global_name(gpt, "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight") == \
+        "decoder.layers.3.mlp.experts.local_experts.6.linear_fc1.weight"
+    assert live_global_name(gpt, "decoder.layers.0.mlp.router.weight") == "decoder.layers.3.mlp.router.weight"

@@ -645,6 +645,7 @@ def replace_output_layer_class(model: torch.nn.Module, cls: type) -> torch.nn.Mo
 
 _LINEAR_SUFFIXES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")
 _LOCAL_NAME = re.compile(r"decoder\.layers\.(\d+)\.(?:mlp\.experts\.local_experts\.(\d+)\.)?")
+_GROUPED_PARAM = re.compile(r"(mlp\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")  # TE GroupedLinear's GEMM i
 
 
 def global_name(gpt: torch.nn.Module, name: str) -> str:
@@ -652,7 +653,7 @@ def global_name(gpt: torch.nn.Module, name: str) -> str:
     ``decoder.layers.<local>.`` -> ``decoder.layers.<global>.`` (each TransformerLayer's ``layer_number`` is
     Megatron-Core's global 1-based number: local index + layer offset), and an MoE layer's
     ``mlp.experts.local_experts.<local>.`` -> ``...<global>.`` (MoELayer's ``local_expert_indices``: the experts this
-    expert-parallel rank holds)."""
+    expert-parallel rank holds), as is a grouped experts' parameter ``mlp.experts.linear_fc1.weight<local>``."""
     m = _LOCAL_NAME.match(name)
     if m is None:
         return name
@@ -660,7 +661,11 @@ def global_name(gpt: torch.nn.Module, name: str) -> str:
     out = f"decoder.layers.{layer.layer_number - 1}."
     if m.group(2) is not None:
         out += f"mlp.experts.local_experts.{layer.mlp.local_expert_indices[int(m.group(2))]}."
-    return out + name[m.end():]
+    rest = name[m.end():]
+    grouped = _GROUPED_PARAM.fullmatch(rest)
+    if grouped is not None:
+        rest = f"{grouped.group(1)}{layer.mlp.local_expert_indices[int(grouped.group(2))]}"
+    return out + rest
 
 
 def named_linear_modules(model: torch.nn.Module | list[torch.nn.Module]) -> list[tuple[str, torch.nn.Module]]:

@@ -619,9 +619,9 @@ def intact_checkpoint(path: str | os.PathLike, key: str) -> Path:
     """:func:`resolve_checkpoint` for a command that reads one checkpoint (the HF export, an evaluation): a one-line
     ConfigError naming ``key`` when there is none, it is of an earlier format, :func:`checkpoint_damage` finds it
     damaged (a missing shard or index, a file that no longer matches its checksum: the check a resume makes, so
-    that what a resume refuses is not exported or evaluated either), or it was written with expert parallelism (its
-    experts are spread over the EP ranks' payloads, which these readers do not join yet), before any of it is
-    loaded. The files are digested here, in each process (an evaluation under torchrun reads them once per rank)."""
+    that what a resume refuses is not exported or evaluated either), or its experts were split over an expert
+    tensor-parallel size other than TP (which the readers do not join; at any EP size they are joined as a resume at
+    another one joins them), before any of it is loaded. The files are digested here, in each process (an evaluation under torchrun reads them once per rank)."""
     try:
         step_dir = resolve_checkpoint(path)
     except FileNotFoundError as e:
@@ -632,11 +632,6 @@ def intact_checkpoint(path: str | os.PathLike, key: str) -> Path:
     if problem:
         raise ConfigError(f"{key}: {step_dir} is damaged: {problem}; name an intact step_N dir")
     meta = checkpoint_meta(step_dir)
-    ep = int(meta.get("expert_model_parallel_size") or 1)
-    if ep > 1:
-        raise ConfigError(f"{key}: {step_dir} was written at trainer.expert_model_parallel_size={ep}: its experts "
-                          f"are split over the expert-parallel ranks, which this reader does not join yet; read a "
-                          f"checkpoint trained at trainer.expert_model_parallel_size=1")
     etp, tp = meta.get("expert_tensor_parallel_size"), int(meta.get("tensor_model_parallel_size") or 1)
     if etp is not None and int(etp) != tp:
         raise ConfigError(f"{key}: {step_dir} was written at trainer.expert_tensor_parallel_size={etp} (tensor "
@@ -723,8 +718,9 @@ def resume_skip(step_dir: str | os.PathLike, *, global_batch_size: int, micro_ba
     the plain and the distributed optimizer (their states differ). The
     data-parallel and context-parallel sizes may change, and so may the tensor, pipeline and virtual-pipeline sizes
     of a checkpoint that records its optimizer index (``reshardable`` in meta.json: :func:`load_checkpoint` reshards
-    it; check_model_matches refuses what cannot be). Experts are not resharded: another expert-parallel or expert
-    tensor-parallel size, or another tensor / pipeline layout of a checkpoint with expert parallelism, is refused."""
+    it; check_model_matches refuses what cannot be), and so may the expert-parallel size where the experts are split
+    over the tensor-parallel ranks before and after (expert TP = TP, Megatron-Core's default); a layout with another
+    expert tensor-parallel size is resumed as it was written or refused."""
     meta = checkpoint_meta(step_dir)
     _check_expert_layout(step_dir, meta, tensor_model_parallel_size, pipeline_model_parallel_size,
                          virtual_pipeline_model_parallel_size, expert_model_parallel_size,
@@ -760,25 +756,29 @@ def resume_skip(step_dir: str | os.PathLike, *, global_batch_size: int, micro_ba
 
 def _check_expert_layout(step_dir: str | os.PathLike, meta: dict[str, Any], tp: int, pp: int, vpp: int | None,
                          ep: int, etp: int) -> None:
-    """resume_skip's refusals for the experts' layout (training/reshard.py joins tensors over TP and PP, not over the
-    expert-parallel ranks, and cuts an expert's weights by TP, not by expert TP)."""
+    """resume_skip's refusals for the experts' layout. Experts split over the tensor-parallel ranks before and after
+    (expert TP = TP) are resharded over any EP / TP / PP layout (training/reshard.py); an expert TP other than TP
+    (its experts cut otherwise than the dense layers) resumes only at the layout it was written with, and a
+    checkpoint written before resharding only at its EP size."""
     saved_tp = int(meta.get("tensor_model_parallel_size") or 1)
     saved_ep = int(meta.get("expert_model_parallel_size") or 1)
     saved_etp = int(meta.get("expert_tensor_parallel_size") or saved_tp)
-    refusal = "experts are not resharded across expert-parallel layouts yet"
-    if saved_ep > 1:
+    if saved_etp == saved_tp and etp == tp and (meta.get("reshardable") or saved_ep == ep):
+        return
+    refusal = ("experts are resharded only where expert TP equals TP" if saved_etp != saved_tp or etp != tp
+               else "it was written before checkpoints could be resharded")
+    if saved_etp != saved_tp:
         for key, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
                            ("virtual_pipeline_model_parallel_size", vpp)):
             saved = meta.get(key, {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}.get(key))
             if saved != value:
                 shown = "null" if saved is None else saved
                 raise ConfigError(f"trainer.{key}: {'null' if value is None else value} differs from the "
-                                  f"checkpoint's {shown} ({step_dir} was written at trainer.expert_model_parallel_size="
-                                  f"{saved_ep}; {refusal}; resume with trainer.{key}={shown})")
+                                  f"checkpoint's {shown} ({step_dir} was written at trainer.expert_tensor_parallel_"
+                                  f"size={saved_etp}; {refusal}; resume with trainer.{key}={shown})")
     for key, value, saved in (("expert_model_parallel_size", ep, saved_ep),
                               ("expert_tensor_parallel_size", etp, saved_etp)):
-        involved = saved_ep > 1 or ep > 1 or saved_etp != saved_tp or etp != tp  # (a dense model: expert TP = TP)
-        if involved and value != saved:
+        if value != saved:
             raise ConfigError(f"trainer.{key}: {value} differs from the checkpoint's {saved} ({step_dir}; {refusal}; "
                               f"resume with trainer.{key}={saved})")
 
@@ -910,23 +910,35 @@ def _layout(meta: dict[str, Any]) -> tuple[int, int, int | None]:
             meta.get("virtual_pipeline_model_parallel_size"))
 
 
+def _ep(meta: dict[str, Any]) -> int:
+    """The expert-parallel size of a layout as meta.json / _parallel_sizes name it."""
+    return int(meta.get("expert_model_parallel_size") or 1)
+
+
+def _experts(meta: dict[str, Any], gpt: torch.nn.Module) -> tuple[int, int]:
+    """(the checkpoint's expert-parallel size, routed experts per MoE layer) for join_shards (the model's own count:
+    check_model_matches refuses a checkpoint of another model)."""
+    return _ep(meta), int(getattr(gpt.config, "num_moe_experts", None) or 0)
+
+
 def _resharding(step_dir: str | os.PathLike) -> bool:
-    """Whether this run's tensor / pipeline layout differs from the checkpoint's. An expert layout that cannot be
-    resharded is refused here too, in resume_skip's line, for callers that load without it (tools, tests)."""
+    """Whether this run's tensor / pipeline / expert-parallel layout differs from the checkpoint's. An expert layout
+    that cannot be resharded is refused here too, in resume_skip's line, for callers that load without it (tools,
+    tests)."""
     meta, here = checkpoint_meta(step_dir), _parallel_sizes()
     _check_expert_layout(step_dir, meta, *_layout(here), here["expert_model_parallel_size"],
                          here["expert_tensor_parallel_size"])
-    return _layout(meta) != _layout(here)
+    return _layout(meta) != _layout(here) or _ep(meta) != _ep(here)
 
 
-def _saved_model_shapes(per_shard: dict[str, list[tuple[tuple, Any]]], tp_rank: int,
-                        pp_rank: int) -> list[dict[str, torch.Size]]:
-    """Per model chunk of the saved shard (``tp_rank``, ``pp_rank``), its tensors' shapes by state-dict name, from
-    DCP's index (``per_shard``: :func:`_saved_payloads`)."""
+def _saved_model_shapes(per_shard: dict[str, list[tuple[tuple, Any]]], tp_rank: int, pp_rank: int,
+                        ep_rank: int | None = None) -> list[dict[str, torch.Size]]:
+    """Per model chunk of the saved shard (``tp_rank``, ``pp_rank``, ``ep_rank`` at EP > 1), its tensors' shapes by
+    state-dict name, from DCP's index (``per_shard``: :func:`_saved_payloads`)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     chunks: dict[int, dict[str, torch.Size]] = {}
-    for path, storage in per_shard.get(_shard_key(tp_rank, pp_rank), []):
+    for path, storage in per_shard.get(_shard_key(tp_rank, pp_rank, ep_rank), []):
         if path[0] == "tensors" and isinstance(storage, TensorStorageMetadata) and path[1].startswith("model/"):
             _, chunk, name = path[1].split("/", 2)
             chunks.setdefault(int(chunk), {})[name] = storage.size
@@ -939,15 +951,16 @@ def _check_whole_shapes(step_dir: str | os.PathLike, models: list[torch.nn.Modul
     parallel size (Megatron-Core pads it to a multiple of VOCAB_MULTIPLE x TP) is refused."""
     step_dir = Path(step_dir)
     per_shard = _saved_payloads(step_dir)
-    saved, here = _layout(checkpoint_meta(step_dir)), _layout(_parallel_sizes())
+    meta = checkpoint_meta(step_dir)
+    saved, here = _layout(meta), _layout(_parallel_sizes())
 
-    def shapes(tp_rank: int, pp_rank: int) -> dict[str, Any]:
+    def shapes(tp_rank: int, pp_rank: int, ep_rank: int | None) -> dict[str, Any]:
         return {"model": [{name: torch.empty(size, device="meta") for name, size in chunk.items()}
-                          for chunk in _saved_model_shapes(per_shard, tp_rank, pp_rank)]}
+                          for chunk in _saved_model_shapes(per_shard, tp_rank, pp_rank, ep_rank)]}
 
     gpts = [_unwrap(m) for m in models]
     gated = bool(gpts[0].config.gated_linear_unit)
-    whole, _ = join_shards(shapes, saved, gpts[0].config.num_layers, gated=gated)
+    whole, _ = join_shards(shapes, saved, gpts[0].config.num_layers, gated=gated, experts=_experts(meta, gpts[0]))
     _, tp_rank, _ = _ranks()
     for gpt in gpts:
         for name, value in gpt.state_dict().items():
@@ -994,61 +1007,86 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def _scaling_state(shards: dict[tuple[int, int], Any], tp: int, tp_rank: int) -> dict[str, Any] | None:
-    """The precision state for tensor-parallel rank ``tp_rank`` of this layout from every saved shard's (tp_rank,
-    pp_rank): its entries are named by global module (backends/), so the stages' states are joined. At the saved
-    tensor-parallel size the rank takes its own; at another one the saved ranks' states must agree (an amax
-    reduction over TP makes them), else None (start fresh). FP8 weight bytes (fp8_params) are per shard: dropped."""
-    saved_tp = 1 + max(t for t, _ in shards)
+_GROUPED_EXPERTS = re.compile(r"\.mlp\.experts\.linear_fc[12]$")
+"""A TE grouped experts linear's state entry: one per MoE layer and fc, its delayed state for this EP rank's experts."""
+
+
+def _scaling_state(shards: dict[tuple[int, int, int], Any], tp: int, tp_rank: int,
+                   ep_rank: int | None) -> tuple[dict[str, Any] | None, int]:
+    """(the precision state for tensor-parallel rank ``tp_rank`` of this layout, the grouped experts' entries left
+    out) from every saved shard's (tp_rank, pp_rank, ep_rank): its entries are named by global module (backends/),
+    so the stages' and EP ranks' states are joined. At the saved tensor-parallel size the rank takes its own; at
+    another one the saved ranks' states must agree (an amax reduction over TP makes them), else None (start fresh).
+    TE's grouped experts hold their EP rank's experts under one name: taken from EP rank ``ep_rank``'s shard, left
+    out (reset) where the EP size changed (``ep_rank`` None). FP8 weight bytes (fp8_params) are per shard: dropped."""
+    saved_tp = 1 + max(t for t, _, _ in shards)
+    dropped: set[str] = set()
 
     def joined(t: int) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for (tt, _), state in sorted(shards.items()):
+        for (tt, _, e), state in sorted(shards.items()):
             for key, value in (state or {}).items() if tt == t else ():
                 if key == "fp8_params":
                     continue
-                if isinstance(value, dict):
-                    out.setdefault(key, {}).update(value)
-                else:
+                if not isinstance(value, dict):
                     out[key] = value
+                    continue
+                for name, entry in value.items():
+                    if _GROUPED_EXPERTS.search(str(name)) and e != ep_rank:
+                        dropped.update([name] if ep_rank is None else [])
+                        continue
+                    out.setdefault(key, {})[name] = entry
         return out
 
     if tp == saved_tp:
-        return joined(tp_rank)
+        return joined(tp_rank), len(dropped)
     states = [joined(t) for t in range(saved_tp)]
-    return states[0] if all(_same(states[0], s) for s in states[1:]) else None
+    return (states[0] if all(_same(states[0], s) for s in states[1:]) else None), len(dropped)
 
 
-def _load_resharded(step_dir: Path, chunks: list, engine, precision, scheduler,
-                    map_location: str | torch.device) -> int:
-    """load_checkpoint at another tensor / pipeline / virtual-pipeline layout than the checkpoint's: the shards of the
-    saved stages that hold this rank's layers are read and joined into whole tensors (training/reshard.py), then
-    this rank's part of them is loaded: the weights, the optimizer's fp32 main params, moments and step, the LR
-    schedule; the scaling state by global module where it carries over. The RNG streams restart from trainer.seed."""
-    rank, tp_rank, _ = _ranks()
-    saved, here = _layout(checkpoint_meta(step_dir)), _layout(_parallel_sizes())
-    gpts = [_unwrap(c) for c in chunks]
-    gated = bool(gpts[0].config.gated_linear_unit)
+def _read_joined(step_dir: Path, gpts: list, optimizer: bool, map_location: str | torch.device):
+    """(whole tensors, whole optimizer states, {(tp, pp, ep) of each shard read: its step, scheduler, precision and
+    optimizer step}, the saved stages read) of the checkpoint's shards that hold this rank's tensors."""
+    meta = checkpoint_meta(step_dir)
+    saved, experts = _layout(meta), _experts(meta, gpts[0])
     num_layers = gpts[0].config.num_layers
     wanted = {live_global_name(gpt, name) for gpt in gpts for name, value in gpt.state_dict().items()
               if isinstance(value, torch.Tensor) and not name.endswith("_extra_state")}
     per_shard = _saved_payloads(step_dir)
-    held = {p: [(v, name) for v, chunk in enumerate(_saved_model_shapes(per_shard, 0, p)) for name in chunk]
+    first_ep = 0 if experts[0] > 1 else None
+    held = {p: [(v, name) for v, chunk in enumerate(_saved_model_shapes(per_shard, 0, p, first_ep)) for name in chunk]
             for p in range(saved[1])}
     stages = stages_holding(held, saved, num_layers, wanted)
-    kept: dict[tuple[int, int], dict[str, Any]] = {}
+    kept: dict[tuple[int, int, int], dict[str, Any]] = {}
 
-    def read_shard(tp_rank_: int, pp_rank_: int) -> dict[str, Any]:
-        payload = read_checkpoint(step_dir, tp_rank_, map_location, pp_rank=pp_rank_, skip_optimizer=engine is None)
+    def read_shard(tp_rank: int, pp_rank: int, ep_rank: int | None) -> dict[str, Any]:
+        payload = read_checkpoint(step_dir, tp_rank, map_location, pp_rank=pp_rank, skip_optimizer=not optimizer,
+                                  ep_rank=ep_rank)
         if payload.get("format_version") != FORMAT_VERSION:
             raise ConfigError(f"{step_dir}: format_version {payload.get('format_version')}, expected {FORMAT_VERSION}")
-        kept[(tp_rank_, pp_rank_)] = {k: payload[k] for k in ("step", "scheduler", "precision")}
-        if engine is not None:
-            kept[(tp_rank_, pp_rank_)]["optimizer_step"] = saved_optimizer_step(payload["optimizer"])
+        shard = kept[(tp_rank, pp_rank, ep_rank or 0)] = {k: payload[k] for k in ("step", "scheduler", "precision")}
+        if optimizer:
+            shard["optimizer_step"] = saved_optimizer_step(payload["optimizer"])
         return payload
 
-    whole, states = join_shards(read_shard, saved, num_layers, gated=gated, optimizer=engine is not None,
-                                stages=stages)
+    whole, states = join_shards(read_shard, saved, num_layers, gated=bool(gpts[0].config.gated_linear_unit),
+                                optimizer=optimizer, stages=stages, experts=experts)
+    return whole, states, kept, stages
+
+
+def _load_resharded(step_dir: Path, chunks: list, engine, precision, scheduler,
+                    map_location: str | torch.device) -> int:
+    """load_checkpoint at another tensor / pipeline / virtual-pipeline / expert-parallel layout than the
+    checkpoint's: the shards of the saved stages that hold this rank's layers are read and joined into whole tensors
+    (training/reshard.py), then this rank's part of them is loaded: the weights, the optimizer's fp32 main params,
+    moments and step, the LR schedule; the scaling state by global module where it carries over. The RNG streams
+    restart from trainer.seed."""
+    rank, tp_rank, _ = _ranks()
+    meta, sizes = checkpoint_meta(step_dir), _parallel_sizes()
+    saved, here = _layout(meta), _layout(sizes)
+    gpts = [_unwrap(c) for c in chunks]
+    gated = bool(gpts[0].config.gated_linear_unit)
+    whole, states, kept, stages = _read_joined(step_dir, gpts, engine is not None, map_location)
     with torch.no_grad():
         for gpt in gpts:
             state = gpt.state_dict()
@@ -1065,20 +1103,34 @@ def _load_resharded(step_dir: Path, chunks: list, engine, precision, scheduler,
     if scheduler is not None:
         scheduler.load_state_dict(first["scheduler"])
     if precision is not None:
-        scaling = _scaling_state({k: v["precision"] for k, v in kept.items()}, here[0], tp_rank)
-        current = precision.state_dict().get("recipe")
-        if scaling is not None and scaling.get("recipe") == current:
-            precision.load_state_dict(scaling)
-        elif rank == 0:
-            why = (f"was written by recipe {scaling.get('recipe')!r}, this run uses {current!r}" if scaling is not None
-                   else f"holds a different scaling state on each of its {saved[0]} tensor-parallel ranks")
-            logger.warning("resume: %s %s: scaling state reset (model, optimizer, LR schedule and step resharded)",
-                           step_dir, why)
+        same_ep = _ep(meta) == _ep(sizes)
+        _load_scaling(step_dir, precision, kept, here[0], (_expert_ranks()["ep_rank"] or 0) if same_ep else None)
     if rank == 0:
-        logger.info("resume: resharded %s from tp=%d pp=%d vpp=%s to tp=%d pp=%d vpp=%s (weights, fp32 main params, "
-                    "Adam moments, step; the RNG streams restart from trainer.seed); rank 0 read saved stages %s",
-                    step_dir, *saved, *here, ",".join(map(str, stages)))
+        logger.info("resume: resharded %s from tp=%d pp=%d vpp=%s ep=%d to tp=%d pp=%d vpp=%s ep=%d (weights, fp32 "
+                    "main params, Adam moments, step; the RNG streams restart from trainer.seed); rank 0 read saved "
+                    "stages %s", step_dir, *saved, _ep(meta), *here, _ep(sizes), ",".join(map(str, stages)))
     return int(first["step"])
+
+
+def _load_scaling(step_dir: Path, precision, kept: dict[tuple[int, int, int], dict[str, Any]], tp: int,
+                  ep_rank: int | None) -> None:
+    """A resharded resume's scaling state (:func:`_scaling_state`), or a warning on rank 0 saying why it was reset
+    (or what of it was)."""
+    rank, tp_rank, _ = _ranks()
+    scaling, dropped = _scaling_state({k: v["precision"] for k, v in kept.items()}, tp, tp_rank, ep_rank)
+    current = precision.state_dict().get("recipe")
+    if scaling is not None and scaling.get("recipe") == current:
+        precision.load_state_dict(scaling)
+        if dropped and rank == 0:
+            logger.warning("resume: %s: the delayed scaling state of %d grouped expert linear(s) reset: TE's grouped "
+                           "experts keep one state for an EP rank's experts, and the expert-parallel size changed",
+                           step_dir, dropped)
+    elif rank == 0:
+        saved_tp = 1 + max(t for t, _, _ in kept)
+        why = (f"was written by recipe {scaling.get('recipe')!r}, this run uses {current!r}" if scaling is not None
+               else f"holds a different scaling state on each of its {saved_tp} tensor-parallel ranks")
+        logger.warning("resume: %s %s: scaling state reset (model, optimizer, LR schedule and step resharded)",
+                       step_dir, why)
 
 
 ATTENTION_EXTRA_STATE = "core_attention._extra_state"

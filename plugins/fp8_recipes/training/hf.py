@@ -65,8 +65,8 @@ def _whole_model_state(step_dir: Path, num_layers: int, progress: Callable[[str]
     meta = checkpoint_meta(step_dir)
     layout = (int(meta.get("tensor_model_parallel_size", 1)), int(meta.get("pipeline_model_parallel_size") or 1),
               meta.get("virtual_pipeline_model_parallel_size"))
-    state, _ = join_shards(lambda t, p: read_checkpoint(step_dir, t, pp_rank=p, skip_optimizer=True), layout, num_layers,
-                           progress=lambda line: progress(f"export: {step_dir.name}: {line}"))
+    state, _ = join_shards(lambda t, p, _ep: read_checkpoint(step_dir, t, pp_rank=p, skip_optimizer=True), layout,
+                           num_layers, progress=lambda line: progress(f"export: {step_dir.name}: {line}"))
     return state
 
 

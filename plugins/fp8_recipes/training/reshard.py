@@ -11,8 +11,15 @@ its tensors:
 
 How Megatron-Core splits a tensor over the tensor-parallel ranks: column-parallel weights (qkv, the LM head, the
 embedding) and their biases along rows, ``linear_fc1`` of a gated MLP per rank as ``[gate_r; up_r]``, row-parallel
-weights (proj, fc2) along columns, norms and row-parallel biases replicated. A chunk's layers are numbered from
-Megatron-Core's layer offset (even split, the only one trainer configs make).
+weights (proj, fc2) along columns, norms and row-parallel biases replicated. An MoE layer's shared experts and routed
+experts are MLPs split alike (the routed ones over expert TP, resharded where it equals TP), its router replicated.
+A chunk's layers are numbered from Megatron-Core's layer offset (even split, the only one trainer configs make).
+
+Expert parallelism: at EP > 1 each (pipeline, tensor) shard has one payload per EP rank, which holds the routed
+experts ``ep_rank * E / EP ...`` of every MoE layer under local numbers (``local_experts.<i>.``, or TE's grouped
+``linear_fc1.weight<i>``) and the same dense tensors as the others. Joined, the experts get global numbers
+(:func:`expert_global`) and the dense tensors are taken from EP rank 0's payload; a rank of another EP size takes
+its own experts by :func:`live_global_name`.
 
 The optimizer state is mapped to parameters with an index the checkpoint records at save time
 (:func:`optimizer_param_index`): with the distributed optimizer, where each parameter starts in the gathered
@@ -24,6 +31,7 @@ main params and Adam's moments become whole tensors too (:func:`saved_param_stat
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
@@ -35,6 +43,7 @@ from fp8_recipes.training.engine import untie_step_tensors
 
 __all__ = [
     "canonical_name",
+    "expert_global",
     "join_shards",
     "join_tp",
     "layer_offset",
@@ -53,6 +62,12 @@ COLUMN = ("embedding.word_embeddings.weight", "output_layer.weight", "self_atten
           "self_attention.linear_qkv.bias")
 ROW = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
 FC1 = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")  # column-parallel; [gate_r; up_r] per rank when gated
+# any MLP's fc1 / fc2: the dense one, an MoE layer's shared experts, each routed expert (``local_experts.<i>.``) and
+# TE's grouped experts (``linear_fc1.weight<i>``)
+_FC1 = re.compile(r"\.mlp\.(?:shared_experts\.|experts\.(?:local_experts\.\d+\.)?)?linear_fc1\.(?:weight|bias)\d*$")
+_FC2 = re.compile(r"\.mlp\.(?:shared_experts\.|experts\.(?:local_experts\.\d+\.)?)?linear_fc2\.weight\d*$")
+# a routed expert's tensor, its number local to an EP rank's payload: (local_experts.)<i>(.) or (weight|bias)<i>
+_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)(\.)|(\.mlp\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")
 
 
 def canonical_name(local_name: str) -> str:
@@ -79,11 +94,30 @@ def _global(name: str, offset: int) -> str:
     return name
 
 
+def expert_global(name: str, ep_rank: int, per_rank: int) -> str:
+    """A routed expert's tensor name in EP rank ``ep_rank``'s payload (``per_rank`` experts each) with its global
+    expert number; any other name as it is."""
+    def number(m: re.Match) -> str:
+        if m.group(1):
+            return f"{m.group(1)}{int(m.group(2)) + ep_rank * per_rank}{m.group(3)}"
+        return f"{m.group(4)}{int(m.group(5)) + ep_rank * per_rank}"
+    return _EXPERT.sub(number, name, count=1)
+
+
+def is_routed_expert(name: str) -> bool:
+    """Whether ``name`` is a routed expert's tensor (held by one EP rank), not a dense one (held by every EP rank)."""
+    return _EXPERT.search(name) is not None
+
+
+def _fc1(name: str) -> bool:
+    return name.endswith(FC1) or _FC1.search(name) is not None
+
+
 def _split_dim(name: str) -> int | None:
     """The dimension ``name`` is split along over the tensor-parallel ranks; None: replicated."""
-    if name.endswith(COLUMN) or name.endswith(FC1):
+    if name.endswith(COLUMN) or _fc1(name):
         return 0
-    if name.endswith(ROW):
+    if name.endswith(ROW) or _FC2.search(name):
         return 1
     return None
 
@@ -93,7 +127,7 @@ def join_tp(name: str, parts: list[torch.Tensor], gated: bool = True) -> torch.T
     dim = _split_dim(name)
     if len(parts) == 1 or dim is None:
         return parts[0]  # replicated (norms, row-parallel biases)
-    if gated and name.endswith(FC1):
+    if gated and _fc1(name):
         halves = [part.chunk(2, dim=0) for part in parts]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
     return torch.cat(parts, dim=dim)
@@ -104,54 +138,71 @@ def rank_slice(name: str, whole: torch.Tensor, tp: int, tp_rank: int, gated: boo
     dim = _split_dim(name)
     if tp == 1 or dim is None:
         return whole
-    if gated and name.endswith(FC1):
+    if gated and _fc1(name):
         gate, up = whole.chunk(2, dim=0)
         return torch.cat([gate.chunk(tp, dim=0)[tp_rank], up.chunk(tp, dim=0)[tp_rank]], dim=0)
     return whole.chunk(tp, dim=dim)[tp_rank]
 
 
-def join_shards(read_shard: Callable[[int, int], Mapping[str, Any]], layout: tuple[int, int, int | None],
-                num_layers: int, *, gated: bool = True, optimizer: bool = False,
-                progress: Callable[[str], None] | None = None,
-                stages: Iterable[int] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+def join_shards(read_shard: Callable[[int, int, int | None], Mapping[str, Any]],
+                layout: tuple[int, int, int | None], num_layers: int, *, gated: bool = True, optimizer: bool = False,
+                progress: Callable[[str], None] | None = None, stages: Iterable[int] | None = None,
+                experts: tuple[int, int] = (1, 0)) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     """(model, optimizer) of a checkpoint as whole tensors under canonical global names: every model tensor, and with
     ``optimizer`` every parameter's optimizer state ({"param": fp32 main, "exp_avg": ..., "exp_avg_sq": ...}).
-    ``read_shard(tp_rank, pp_rank)`` gives a payload; ``layout`` = the checkpoint's (tp, pp, vpp); ``stages``: the
-    saved pipeline ranks to read (:func:`stages_holding`), all by default."""
+    ``read_shard(tp_rank, pp_rank, ep_rank)`` gives a payload (``ep_rank`` None at EP 1); ``layout`` = the
+    checkpoint's (tp, pp, vpp); ``experts`` = its (EP size, routed experts per MoE layer); ``stages``: the saved
+    pipeline ranks to read (:func:`stages_holding`), all by default."""
     tp, pp, vpp = layout
+    ep, num_experts = experts
     stages = range(pp) if stages is None else sorted(stages)
     model: dict[str, list[torch.Tensor]] = {}
     states: dict[str, dict[str, list[torch.Tensor]]] = {}
-    for i, p in enumerate(stages):
-        for t in range(tp):
-            if progress is not None:
-                progress(f"reading shard pp{p:02d}tp{t:02d} ({i * tp + t + 1}/{len(stages) * tp})")
-            payload = read_shard(t, p)
-            offsets = [layer_offset(p, v, num_layers, pp, vpp) for v in range(len(payload["model"]))]
-            for v, chunk in enumerate(payload["model"]):
-                for name, tensor in chunk.items():
-                    if isinstance(tensor, torch.Tensor) and not name.endswith("_extra_state"):
-                        model.setdefault(_global(name, offsets[v]), []).append(tensor)
-            if optimizer:
-                for (v, name), state in saved_param_states(payload["optimizer"]).items():
-                    per_key = states.setdefault(_global(name, offsets[v]), {})
-                    for key, tensor in state.items():
-                        per_key.setdefault(key, []).append(tensor)
+    shards = [(p, t, e) for p in stages for t in range(tp) for e in range(ep)]
+    for i, (p, t, e) in enumerate(shards):
+        if progress is not None:
+            progress(f"reading shard pp{p:02d}tp{t:02d}{f'ep{e:02d}' if ep > 1 else ''} ({i + 1}/{len(shards)})")
+        payload = read_shard(t, p, e if ep > 1 else None)
+        offsets = [layer_offset(p, v, num_layers, pp, vpp) for v in range(len(payload["model"]))]
+        for v, chunk in enumerate(payload["model"]):
+            for name, tensor in chunk.items():
+                joined = _joined_name(name, offsets[v], e, num_experts // ep)
+                if isinstance(tensor, torch.Tensor) and not name.endswith("_extra_state") and joined:
+                    model.setdefault(joined, []).append(tensor)
+        if optimizer:
+            for (v, name), state in saved_param_states(payload["optimizer"]).items():
+                joined = _joined_name(name, offsets[v], e, num_experts // ep)
+                for key, tensor in state.items() if joined else ():
+                    states.setdefault(joined, {}).setdefault(key, []).append(tensor)
     whole_model = {name: join_tp(name, parts, gated) for name, parts in model.items()}
     whole_states = {name: {key: join_tp(name, parts, gated) for key, parts in per_key.items()}
                     for name, per_key in states.items()}
     return whole_model, whole_states
 
 
+def _joined_name(name: str, offset: int, ep_rank: int, per_rank: int) -> str | None:
+    """The canonical global name of a tensor in EP rank ``ep_rank``'s payload (its chunk's layers from ``offset``);
+    None for a dense tensor in EP rank > 0's (EP rank 0's payload holds the same)."""
+    if ep_rank and not is_routed_expert(name):
+        return None
+    return _global(expert_global(name, ep_rank, per_rank) if ep_rank else name, offset)
+
+
+def _any_expert(name: str) -> str:
+    """``name`` with a routed expert's number blanked: the layer a stage holds, whichever EP rank's experts."""
+    return _EXPERT.sub(lambda m: f"{m.group(1)}*{m.group(3)}" if m.group(1) else f"{m.group(4)}*", name, count=1)
+
+
 def stages_holding(held: Mapping[int, Iterable[tuple[int, str]]], layout: tuple[int, int, int | None],
                    num_layers: int, wanted: Collection[str]) -> list[int]:
     """The saved pipeline ranks whose shards hold any of ``wanted`` (canonical global names): the ones a rank of
     another layout reads for its own tensors. ``held``: per saved pipeline rank, its (model chunk, state-dict name)s
-    (from the checkpoint's index; every tensor-parallel rank of a stage holds the same names)."""
+    (from the checkpoint's index; every tensor-parallel rank of a stage holds the same names, every EP rank the same
+    layers)."""
     _, pp, vpp = layout
-    names = {p: {_global(name, layer_offset(p, v, num_layers, pp, vpp)) for v, name in held.get(p, ())}
+    names = {p: {_any_expert(_global(name, layer_offset(p, v, num_layers, pp, vpp))) for v, name in held.get(p, ())}
              for p in range(pp)}
-    wanted = set(wanted)
+    wanted = {_any_expert(name) for name in wanted}
     if "output_layer.weight" in wanted and not any("output_layer.weight" in n for n in names.values()):
         wanted.add("embedding.word_embeddings.weight")  # a tied head saved at one stage: the embedding is its state
     return [p for p in range(pp) if names[p] & wanted]
@@ -215,6 +266,8 @@ def saved_param_states(optimizer: Mapping[str, Any]) -> dict[tuple[int, str], di
     for k, entry in enumerate(optimizer["param_index"]):
         if "buffers" in entry:
             gathered = optimizer["param_state"][k]
+            if gathered is None:  # gathered at another rank: EP rank > 0's payload has its experts' state only
+                continue
             for b, rows in entry["buffers"].items():
                 (world,) = gathered[b].values()  # {dtype: {key: the buffer's gathered state}}
                 for chunk, name, start, numel, shape in rows:
