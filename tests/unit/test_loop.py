@@ -145,6 +145,19 @@ def test_run_config_checks_the_sequence_split(tmp_path):
     check_run_config({**cfg, "model": {**model, "seq_length": 128}}, world_size=2)
 
 
+def test_an_moe_model_under_tensor_parallelism_needs_sequence_parallelism():
+    """Megatron-Core's MoELayer raises at the first training forward pass under TP without sequence parallelism
+    (it was an internal error with a traceback, after the data and the model were built): one line before."""
+    moe = {"num_moe_experts": 4, "moe_ffn_hidden_size": 256, "hidden_size": 128}
+    tp2 = TrainerConfig.from_cfg({"tensor_model_parallel_size": 2})
+    with pytest.raises(ValueError, match=r"^trainer\.tensor_model_parallel_size=2 with an MoE model needs trainer\."
+                                         r"sequence_parallel=true .* at tensor_model_parallel_size=1$"):
+        tp2.check_experts(moe, 2)
+    tp2.check_experts({"hidden_size": 128}, 2)  # a dense model: TP alone
+    TrainerConfig.from_cfg({"tensor_model_parallel_size": 2, "sequence_parallel": True}).check_experts(moe, 2)
+    TrainerConfig.from_cfg({"expert_tensor_parallel_size": 2}).check_experts(moe, 2)  # experts split, TP 1
+
+
 def test_run_config_refuses_a_split_without_the_share_the_run_reads(tmp_path):
     """A zero train share, or a zero valid share while trainer.eval_iters > 0: Megatron-Core builds no dataset for
     that split, which failed later as an internal error with a half-written run directory."""

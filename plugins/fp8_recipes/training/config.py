@@ -285,9 +285,16 @@ class TrainerConfig:
     def check_experts(self, model: Mapping[str, Any], world_size: int) -> None:
         """Refuse in one line an expert-parallel layout Megatron-Core cannot build: expert parallelism of a dense model,
         experts that do not split evenly over the EP ranks or over expert TP, ranks that do not split into expert TP x
-        EP x PP (the rules' one home: ParallelLayout.check_experts). After check_layout (the ranks split into TP x PP x
-        CP)."""
+        EP x PP (the rules' one home: ParallelLayout.check_experts), and tensor parallelism of an MoE model without
+        sequence parallelism (Megatron-Core's MoELayer refuses to train so, at the first forward pass). After
+        check_layout (the ranks split into TP x PP x CP)."""
         experts = model.get("num_moe_experts")
+        if experts is not None and self.tensor_model_parallel_size > 1 and not self.sequence_parallel:
+            raise ConfigError(f"trainer.tensor_model_parallel_size={self.tensor_model_parallel_size} with an MoE model "
+                              f"needs trainer.sequence_parallel=true (Megatron-Core's MoE layer trains tensor "
+                              f"parallelism only with it; the te backend); or split the experts with "
+                              f"trainer.expert_tensor_parallel_size or expert_model_parallel_size at "
+                              f"tensor_model_parallel_size=1")
         ffn = None if experts is None else expert_ffn_size(model)
         layout = ParallelLayout(tp=self.tensor_model_parallel_size, pp=self.pipeline_model_parallel_size,
                                 cp=self.context_parallel_size, dp=world_size // self.model_parallel_size,
