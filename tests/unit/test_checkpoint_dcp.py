@@ -459,15 +459,19 @@ def _meta_only(tmp_path: Path, **meta) -> Path:
      "trainer.expert_tensor_parallel_size: 2 differs from the checkpoint's 1"),
     ({"expert_model_parallel_size": 1, "expert_tensor_parallel_size": 2},
      {"expert_model_parallel_size": 1, "expert_tensor_parallel_size": 2, "pipeline_model_parallel_size": 2},
-     "trainer.pipeline_model_parallel_size: 2 differs from the checkpoint's 1 (STEP was written at "
-     "trainer.expert_tensor_parallel_size=2; experts are resharded only where expert TP equals TP"),
+     "trainer.pipeline_model_parallel_size: 2 differs from the checkpoint's 1 (STEP: expert TP 2 at TP 1 there, 2 "
+     "at 1 here; experts are resharded only where expert TP equals TP"),
+    ({"expert_model_parallel_size": 1}, {"tensor_model_parallel_size": 2, "expert_tensor_parallel_size": 1},
+     "trainer.tensor_model_parallel_size: 2 differs from the checkpoint's 1 (STEP: expert TP 1 at TP 1 there, 1 at 2 "
+     "here; experts are resharded only where expert TP equals TP"),
     ({"expert_model_parallel_size": 2, "reshardable": False}, {"expert_model_parallel_size": 1},
      "trainer.expert_model_parallel_size: 1 differs from the checkpoint's 2 (STEP; it was written before "
      "checkpoints could be resharded"),
 ])
 def test_resume_refuses_what_cannot_reshard_experts(tmp_path, saved, wanted, says):
-    """An expert TP other than TP (before or after: the experts cut otherwise than the dense layers), or another EP
-    size of a checkpoint written before resharding: one line naming the key and the checkpoint's value."""
+    """An expert TP other than TP (before or after: the experts cut otherwise than the dense layers, so neither
+    expert TP nor TP may change), or another EP size of a checkpoint written before resharding: one line naming
+    the key and the checkpoint's value."""
     from fp8_recipes.training.checkpoint import resume_skip
 
     step_dir = _meta_only(tmp_path, tensor_model_parallel_size=1, **saved)
@@ -590,3 +594,17 @@ def test_a_model_config_describes_the_record_of_its_model(changes, tiny_model_cf
     with pytest.raises(ValueError, match=rf"^SOURCE: not a checkpoint of this run's model: model.hidden_size is 128 "
                                          rf"in {step_dir}, 256 in cfg.yaml; restore model.hidden_size: 128 in that"):
         check_config_matches(step_dir, {**cfg, "hidden_size": 256}, "cfg.yaml", "SOURCE")
+
+
+def test_meta_records_the_expert_count_so_a_resume_names_it(tmp_path):
+    """meta.json's model record holds num_moe_experts (the EP joins number experts by it): a run config with another
+    count is named by its key, and a dense model records null."""
+    from fp8_recipes.training.checkpoint import _cfg_model_fields, _model_difference
+
+    moe = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 256, "num_moe_experts": 4}
+    meta = {"model": _cfg_model_fields(moe, 1)}
+    assert meta["model"]["num_moe_experts"] == 4
+    assert _model_difference(meta, _cfg_model_fields({**moe, "num_moe_experts": 8}, 1), same_tp=True) == (
+        "num_moe_experts", "4", "8")
+    dense = {k: v for k, v in moe.items() if k != "num_moe_experts"}
+    assert _cfg_model_fields(dense, 1)["num_moe_experts"] is None

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fp8_recipes.training.reshard import (
-    expert_global, join_shards, join_tp, rank_slice, saved_param_states, stages_holding,
+    expert_global, join_shards, join_tp, rank_slice, saved_ep_ranks, saved_param_states, stages_holding,
 )
 
 NAMES = ["decoder.layers.3.mlp.linear_fc1.weight", "decoder.layers.0.self_attention.linear_qkv.weight",
@@ -87,7 +87,8 @@ def test_a_rank_reads_only_the_stages_holding_its_tensors():
     assert stages_holding(tied, (1, 2, None), 4, {*_layers(2, 3), "output_layer.weight"}) == [0, 1]
     read = []
     join_shards(lambda t, p, e: read.append((t, p, e)) or {"model": [{}]}, (2, 4, None), 8, stages=[3, 1])
-    assert read == [(0, 1, None), (1, 1, None), (0, 3, None), (1, 3, None)]  # every tensor-parallel part of the stages asked for, in order
+    # every tensor-parallel part of the stages asked for, in order
+    assert read == [(0, 1, None), (1, 1, None), (0, 3, None), (1, 3, None)]
 
 
 def _main_params_and_steps(engine) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -195,14 +196,15 @@ def test_stages_holding_finds_a_layer_whatever_its_experts():
 
 
 def test_scaling_state_joins_ep_ranks_and_resets_grouped_experts_at_another_ep_size():
-    """Per-expert entries (the emulated backend's, global numbers) are joined over the EP ranks; TE's grouped
-    experts' one entry per layer and fc is this EP rank's where the EP size is kept, and left out where it changed."""
+    """Per-expert entries (the emulated backend's, global numbers) are joined over the EP ranks, dense ones taken
+    from EP rank 0 (as the weights are); TE's grouped experts' one entry per layer and fc is this EP rank's where the
+    EP size is kept, and left out where it changed."""
     from fp8_recipes.training.checkpoint import _scaling_state
 
-    def state(e):
+    def state(e):  # (the dense entries differ per EP rank, as amaxes do without a reduction over DP: EP 0's win)
         return {"recipe": "delayed", "scalers": {f"decoder.layers.0.mlp.experts.local_experts.{2 * e}.linear_fc1": e,
-                                                 "decoder.layers.0.self_attention.linear_qkv": 7},
-                "delayed": {"decoder.layers.0.mlp.experts.linear_fc1": f"ep{e}", "output_layer": 9}}
+                                                 "decoder.layers.0.self_attention.linear_qkv": 7 + e},
+                "delayed": {"decoder.layers.0.mlp.experts.linear_fc1": f"ep{e}", "output_layer": 9 + e}}
 
     shards = {(0, 0, e): state(e) for e in (0, 1)}
     kept, dropped = _scaling_state(shards, 1, 0, ep_rank=1)
@@ -228,3 +230,16 @@ def test_live_names_of_grouped_experts_are_global():
     assert live_global_name(gpt, "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight") == \
         "decoder.layers.3.mlp.experts.local_experts.6.linear_fc1.weight"
     assert live_global_name(gpt, "decoder.layers.0.mlp.router.weight") == "decoder.layers.3.mlp.router.weight"
+
+
+def test_a_rank_reads_the_ep_payloads_holding_its_experts():
+    """At EP 4 with 8 experts a layer, a rank of EP 2 holding experts 4-7 reads EP ranks 2 and 3 (and 0, the dense
+    tensors), not all four; a dense rank reads EP rank 0 alone."""
+    wanted = {"decoder.layers.0.mlp.router.weight", "decoder.layers.0.self_attention.linear_qkv.weight",
+              *(f"decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc1.weight" for e in (4, 5, 6, 7))}
+    assert saved_ep_ranks(wanted, (4, 8)) == [0, 2, 3]
+    assert saved_ep_ranks({"decoder.layers.1.mlp.experts.linear_fc2.weight1"}, (4, 8)) == [0]
+    assert saved_ep_ranks({"output_layer.weight"}, (1, 0)) == [0]
+    read = []
+    join_shards(lambda t, p, e: read.append(e) or {"model": [{}]}, (1, 1, None), 1, experts=(4, 8), ep_ranks=[0, 3])
+    assert read == [0, 3]

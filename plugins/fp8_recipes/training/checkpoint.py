@@ -2,7 +2,8 @@
 plus a ``latest`` pointer file.
 
 Every rank takes part in the save (``dcp.save`` is collective). Each rank offers the payload of its model shard,
-its (pipeline, tensor)-parallel rank, under the key ``ppPPtpRR``: the data- (and context-) parallel replicas of a
+its (pipeline, tensor)-parallel rank, under the key ``ppPPtpRR`` (``ppPPtpRRepEE`` at expert parallelism > 1: each
+EP rank holds other experts; :func:`_shard_key`): the data- (and context-) parallel replicas of a
 shard offer the same keys and DCP's save planner keeps one copy of each, written by the lowest rank that holds it
 (data-parallel rank 0 of that shard), so a checkpoint is as large at DP=8 as at DP=1. The step dir holds DCP's
 ``.metadata`` and ``__R_0.distcp`` files. A payload holds: the model state of each of the rank's model chunks (the
@@ -41,9 +42,10 @@ Resuming (``trainer.resume``, see :func:`find_resume`): the data position is the
 batch; training/run.py starts the global micro-batch stream there, megatron/data.py:data_parallel_batches), so a
 run resumes exactly at another data-parallel size with the same global batch size: every rank reads its shard's
 payload, and the distributed optimizer scatters the parameter state from data-parallel rank 0 to the new
-data-parallel ranks. At another tensor-parallel, pipeline or virtual-pipeline layout every rank reads the payloads
-of the saved pipeline stages that hold its layers (all of them at PP=1), joins their tensors whole and loads its
-part (training/reshard.py; the optimizer state through the ``param_index`` each payload records). Another global
+data-parallel ranks. At another tensor-parallel, pipeline, virtual-pipeline or expert-parallel layout every rank
+reads the payloads of the saved pipeline stages that hold its layers (all of them at PP=1; each of their EP ranks'),
+joins their tensors whole and loads its part (training/reshard.py; the optimizer state through the ``param_index``
+each payload records); experts split over an expert TP other than TP resume only at their own layout. Another global
 batch size or a switch between the plain and the distributed optimizer is refused in one line, as is another layout
 from a checkpoint without that index. The recipe's schedule stage follows from the step. A checkpoint of another
 recipe (its precision state's
@@ -84,6 +86,7 @@ from fp8_recipes.training.reshard import (
     load_optimizer_resharded,
     optimizer_param_index,
     rank_slice,
+    saved_ep_ranks,
     saved_optimizer_step,
     stages_holding,
 )
@@ -244,8 +247,9 @@ def _single_process_quiet() -> Iterator[None]:
 
 
 def _write_payload(step_dir: Path, key: str, payload: dict[str, Any]) -> None:
-    """Save ``payload`` as ``key`` (:func:`_shard_key`) into the DCP dir ``step_dir``. Collective over all ranks (when a group exists):
-    replicas of the same key (data-parallel ranks) are written once, by the lowest rank holding it."""
+    """Save ``payload`` as ``key`` (:func:`_shard_key`) into the DCP dir ``step_dir``. Collective over all ranks (when
+    a group exists): replicas of the same key (data-parallel ranks) are written once, by the lowest rank holding
+    it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
@@ -620,8 +624,9 @@ def intact_checkpoint(path: str | os.PathLike, key: str) -> Path:
     ConfigError naming ``key`` when there is none, it is of an earlier format, :func:`checkpoint_damage` finds it
     damaged (a missing shard or index, a file that no longer matches its checksum: the check a resume makes, so
     that what a resume refuses is not exported or evaluated either), or its experts were split over an expert
-    tensor-parallel size other than TP (which the readers do not join; at any EP size they are joined as a resume at
-    another one joins them), before any of it is loaded. The files are digested here, in each process (an evaluation under torchrun reads them once per rank)."""
+    tensor-parallel size other than TP (which the readers do not join; at any EP size they are joined as a resume
+    at another one joins them), before any of it is loaded. The files are digested here, in each process (an
+    evaluation under torchrun reads them once per rank)."""
     try:
         step_dir = resolve_checkpoint(path)
     except FileNotFoundError as e:
@@ -702,8 +707,8 @@ def checkpoint_meta(step_dir: str | os.PathLike) -> dict[str, Any]:
     if (step_dir / "meta.json").is_file():
         return json.loads((step_dir / "meta.json").read_text(encoding="utf-8"))
     shards = _saved_payloads(step_dir)
-    return {"step": checkpoint_step(step_dir),
-            "tensor_model_parallel_size": len([k for k in shards if k.startswith("pp00")]) or len(shards)}
+    tp_ranks = {m.group(1) for m in map(re.compile(r"pp00tp(\d+)").match, shards) if m}
+    return {"step": checkpoint_step(step_dir), "tensor_model_parallel_size": len(tp_ranks) or len(shards)}
 
 
 def resume_skip(step_dir: str | os.PathLike, *, global_batch_size: int, micro_batch_size: int,
@@ -767,15 +772,15 @@ def _check_expert_layout(step_dir: str | os.PathLike, meta: dict[str, Any], tp: 
         return
     refusal = ("experts are resharded only where expert TP equals TP" if saved_etp != saved_tp or etp != tp
                else "it was written before checkpoints could be resharded")
-    if saved_etp != saved_tp:
+    if saved_etp != saved_tp or etp != tp:
         for key, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
                            ("virtual_pipeline_model_parallel_size", vpp)):
             saved = meta.get(key, {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}.get(key))
             if saved != value:
                 shown = "null" if saved is None else saved
                 raise ConfigError(f"trainer.{key}: {'null' if value is None else value} differs from the "
-                                  f"checkpoint's {shown} ({step_dir} was written at trainer.expert_tensor_parallel_"
-                                  f"size={saved_etp}; {refusal}; resume with trainer.{key}={shown})")
+                                  f"checkpoint's {shown} ({step_dir}: expert TP {saved_etp} at TP {saved_tp} there, "
+                                  f"{etp} at {tp} here; {refusal}; resume with trainer.{key}={shown})")
     for key, value, saved in (("expert_model_parallel_size", ep, saved_ep),
                               ("expert_tensor_parallel_size", etp, saved_etp)):
         if value != saved:
@@ -800,7 +805,7 @@ def _model_fields(chunks: list[torch.nn.Module]) -> dict[str, Any]:
              "num_query_groups": c.num_query_groups or c.num_attention_heads, "normalization": c.normalization,
              "activation": "swiglu" if c.gated_linear_unit else "gelu", "add_bias_linear": c.add_bias_linear,
              "share_embeddings_and_output_weights": bool(getattr(gpt, "share_embeddings_and_output_weights", False)),
-             "vocab_size": getattr(gpt, "vocab_size", None)}
+             "vocab_size": getattr(gpt, "vocab_size", None), "num_moe_experts": getattr(c, "num_moe_experts", None)}
     return {"model": model, "params_dtype": _DTYPES.get(c.params_dtype, str(c.params_dtype))}
 
 
@@ -815,7 +820,8 @@ def _cfg_model_fields(model_cfg: dict[str, Any], tensor_parallel: int) -> dict[s
             "activation": "swiglu" if model_cfg.get("activation", "gelu") == "swiglu" else "gelu",
             "add_bias_linear": bool(model_cfg.get("add_bias_linear", False)),
             "share_embeddings_and_output_weights": bool(model_cfg.get("share_embeddings_and_output_weights", False)),
-            "vocab_size": pad_vocab_size(int(model_cfg["vocab_size"]), tensor_parallel)}
+            "vocab_size": pad_vocab_size(int(model_cfg["vocab_size"]), tensor_parallel),
+            "num_moe_experts": None if model_cfg.get("num_moe_experts") is None else int(model_cfg["num_moe_experts"])}
 
 
 def _model_difference(meta: dict[str, Any], here: dict[str, Any], same_tp: bool) -> tuple[str, str, str] | None:
@@ -916,9 +922,11 @@ def _ep(meta: dict[str, Any]) -> int:
 
 
 def _experts(meta: dict[str, Any], gpt: torch.nn.Module) -> tuple[int, int]:
-    """(the checkpoint's expert-parallel size, routed experts per MoE layer) for join_shards (the model's own count:
-    check_model_matches refuses a checkpoint of another model)."""
-    return _ep(meta), int(getattr(gpt.config, "num_moe_experts", None) or 0)
+    """(the checkpoint's expert-parallel size, routed experts per MoE layer) for join_shards: meta.json's record, or
+    for a checkpoint written before it held the count, the model's (check_model_matches refuses another model)."""
+    record = meta.get("model") if isinstance(meta.get("model"), dict) else {}
+    count = record["num_moe_experts"] if "num_moe_experts" in record else getattr(gpt.config, "num_moe_experts", None)
+    return _ep(meta), int(count or 0)
 
 
 def _resharding(step_dir: str | os.PathLike) -> bool:
@@ -1029,12 +1037,15 @@ def _scaling_state(shards: dict[tuple[int, int, int], Any], tp: int, tp_rank: in
                 if key == "fp8_params":
                     continue
                 if not isinstance(value, dict):
-                    out[key] = value
+                    out[key] = value if e == 0 else out.get(key, value)
                     continue
                 for name, entry in value.items():
-                    if _GROUPED_EXPERTS.search(str(name)) and e != ep_rank:
-                        dropped.update([name] if ep_rank is None else [])
-                        continue
+                    if _GROUPED_EXPERTS.search(str(name)):
+                        if e != ep_rank:  # another EP rank's experts under the same name
+                            dropped.update([name] if ep_rank is None else [])
+                            continue
+                    elif e and ".mlp.experts." not in str(name):
+                        continue  # a dense module: EP rank 0's, as the weights are (amaxes may differ per DP rank)
                     out.setdefault(key, {})[name] = entry
         return out
 
@@ -1070,7 +1081,8 @@ def _read_joined(step_dir: Path, gpts: list, optimizer: bool, map_location: str 
         return payload
 
     whole, states = join_shards(read_shard, saved, num_layers, gated=bool(gpts[0].config.gated_linear_unit),
-                                optimizer=optimizer, stages=stages, experts=experts)
+                                optimizer=optimizer, stages=stages, experts=experts,
+                                ep_ranks=saved_ep_ranks(wanted, experts))  # (a rank of EP 8: its experts' only)
     return whole, states, kept, stages
 
 

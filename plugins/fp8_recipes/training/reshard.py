@@ -1,6 +1,8 @@
-"""Resharding: a model's tensors and its optimizer state across tensor / pipeline / virtual-pipeline layouts.
+"""Resharding: a model's tensors and its optimizer state across tensor / pipeline / virtual-pipeline / expert-parallel
+layouts.
 
-A checkpoint holds one payload per (pipeline, tensor) shard (training/checkpoint.py). Here every shard's tensors are
+A checkpoint holds one payload per (pipeline, tensor) shard, and per EP rank at expert parallelism > 1
+(training/checkpoint.py). Here every shard's tensors are
 named as in a one-rank model (canonical names: the local layer spec's, with global layer numbers) and joined into
 whole tensors; a rank of any other layout then cuts its part out of them, reading only the saved stages that hold
 its tensors:
@@ -44,6 +46,7 @@ from fp8_recipes.training.engine import untie_step_tensors
 __all__ = [
     "canonical_name",
     "expert_global",
+    "expert_number",
     "join_shards",
     "join_tp",
     "layer_offset",
@@ -52,6 +55,7 @@ __all__ = [
     "optimizer_param_index",
     "rank_slice",
     "saved_optimizer_step",
+    "saved_ep_ranks",
     "saved_param_states",
     "stages_holding",
 ]
@@ -67,7 +71,8 @@ FC1 = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")  # column-parallel; [gate
 _FC1 = re.compile(r"\.mlp\.(?:shared_experts\.|experts\.(?:local_experts\.\d+\.)?)?linear_fc1\.(?:weight|bias)\d*$")
 _FC2 = re.compile(r"\.mlp\.(?:shared_experts\.|experts\.(?:local_experts\.\d+\.)?)?linear_fc2\.weight\d*$")
 # a routed expert's tensor, its number local to an EP rank's payload: (local_experts.)<i>(.) or (weight|bias)<i>
-_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)(\.)|(\.mlp\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")
+_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)(\.)"
+                     r"|(\.mlp\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")
 
 
 def canonical_name(local_name: str) -> str:
@@ -102,6 +107,21 @@ def expert_global(name: str, ep_rank: int, per_rank: int) -> str:
             return f"{m.group(1)}{int(m.group(2)) + ep_rank * per_rank}{m.group(3)}"
         return f"{m.group(4)}{int(m.group(5)) + ep_rank * per_rank}"
     return _EXPERT.sub(number, name, count=1)
+
+
+def expert_number(name: str) -> int | None:
+    """The expert number in a routed expert's tensor name (local or global, as the name has it); None if dense."""
+    m = _EXPERT.search(name)
+    return None if m is None else int(m.group(2) if m.group(1) else m.group(5))
+
+
+def saved_ep_ranks(wanted: Iterable[str], experts: tuple[int, int]) -> list[int]:
+    """The saved EP ranks whose payloads hold any of ``wanted`` (canonical global names): EP rank 0 (the dense
+    tensors) and those holding a wanted expert. ``experts``: the checkpoint's (EP size, experts per MoE layer)."""
+    ep, num_experts = experts
+    per_rank = max(num_experts // ep, 1)
+    numbers = (expert_number(name) for name in wanted)
+    return sorted({0} | {n // per_rank for n in numbers if n is not None and n // per_rank < ep})
 
 
 def is_routed_expert(name: str) -> bool:
@@ -147,18 +167,21 @@ def rank_slice(name: str, whole: torch.Tensor, tp: int, tp_rank: int, gated: boo
 def join_shards(read_shard: Callable[[int, int, int | None], Mapping[str, Any]],
                 layout: tuple[int, int, int | None], num_layers: int, *, gated: bool = True, optimizer: bool = False,
                 progress: Callable[[str], None] | None = None, stages: Iterable[int] | None = None,
-                experts: tuple[int, int] = (1, 0)) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+                experts: tuple[int, int] = (1, 0),
+                ep_ranks: Iterable[int] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     """(model, optimizer) of a checkpoint as whole tensors under canonical global names: every model tensor, and with
     ``optimizer`` every parameter's optimizer state ({"param": fp32 main, "exp_avg": ..., "exp_avg_sq": ...}).
     ``read_shard(tp_rank, pp_rank, ep_rank)`` gives a payload (``ep_rank`` None at EP 1); ``layout`` = the
-    checkpoint's (tp, pp, vpp); ``experts`` = its (EP size, routed experts per MoE layer); ``stages``: the saved
-    pipeline ranks to read (:func:`stages_holding`), all by default."""
+    checkpoint's (tp, pp, vpp); ``experts`` = its (EP size, routed experts per MoE layer); ``stages`` and
+    ``ep_ranks``: the saved pipeline and EP ranks to read (:func:`stages_holding`, :func:`saved_ep_ranks`), all by
+    default."""
     tp, pp, vpp = layout
     ep, num_experts = experts
     stages = range(pp) if stages is None else sorted(stages)
     model: dict[str, list[torch.Tensor]] = {}
     states: dict[str, dict[str, list[torch.Tensor]]] = {}
-    shards = [(p, t, e) for p in stages for t in range(tp) for e in range(ep)]
+    eps = range(ep) if ep_ranks is None else sorted(ep_ranks)
+    shards = [(p, t, e) for p in stages for t in range(tp) for e in eps]
     for i, (p, t, e) in enumerate(shards):
         if progress is not None:
             progress(f"reading shard pp{p:02d}tp{t:02d}{f'ep{e:02d}' if ep > 1 else ''} ({i + 1}/{len(shards)})")
