@@ -236,3 +236,21 @@ def test_every_rank_takes_the_same_actions(layout, dataset, tmp_path):  # noqa: 
     assert rows and rows[0]["module"] == STALE and len(lines) == len(rows), (rows, lines)
     if layout == "dp2":
         assert r0["scales"] == r1["scales"]
+
+
+def test_an_action_at_the_last_step_is_evaluated_and_checkpointed(dataset, tmp_path):  # noqa: F811
+    """A hostile-input sweep: hair-trigger limits made the autopilot move a role to BF16 at every statistics step,
+    the last one at the final step, and the evaluation right after it ended in an internal error (the emulated
+    modules still held that step's old plan, their delayed scalers already the new plan's). The step's modules now
+    take their new plans with their new scalers: the run evaluates, checkpoints and finishes."""
+    run = tmp_path / "run"
+    hair_trigger = ["++autopilot.interval=1", "++autopilot.patience=1", "++autopilot.limits.cosine_drop=1e-9",
+                    "++autopilot.limits.underflow_pct=1e-6", "++autopilot.cooldown_steps=0"]
+    p = subprocess.run([sys.executable, "scripts/train.py", "+recipe=delayed", "autopilot=on", *hair_trigger, *dataset,
+                        *small_run(run, steps=4), "trainer.save_checkpoints=true", "trainer.save_interval=2",
+                        "trainer.eval_interval=2"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0 and "Traceback" not in p.stdout + p.stderr, p.stderr[-3000:]
+    assert 4 in [r["step"] for r in actions(run)], actions(run)
+    assert [r["step"] for r in read_metrics(run, "eval") if "val_loss" in r] == [2, 4]
+    assert (run / "checkpoints" / "step_4").is_dir() and json.loads((run / "summary.json").read_text())["steps"] == 4

@@ -249,6 +249,7 @@ class EmulatedPrecision:
         """This rank's core attentions by global layer number (their scalers only with ``attention: fp8``)."""
         self._attention_policies()
         self.full_precision_eval_interval = plan.recipe.schedule.full_precision_eval_interval
+        self._step: int | None = None  # the step begun last (replan gives its modules their new plans)
         # amax_reduction is delayed scaling's: current scaling takes each rank's own amax, as TE does (it reduces
         # one only for a sequence-parallel operand, over the TP ranks; no sequence parallelism on the CPU), so each
         # state's amax_reducers stay empty
@@ -277,25 +278,34 @@ class EmulatedPrecision:
             state.scalers = _carried_scalers(state.scalers, state.policies)
 
     def replan(self, plan: PrecisionPlan) -> None:
-        """Run `plan` from the next begin_step on (the autopilot changed the recipe between steps; the same model
-        layout): each module's delayed state carried where its policy is unchanged, resized where only the history
-        or another delayed setting changed (:meth:`DelayedScaler.resized`), new for a role that turns delayed,
-        dropped for one that stops being delayed."""
+        """Run `plan` from now on (the autopilot changed the recipe between steps; the same model layout): each
+        module's delayed state carried where its policy is unchanged, resized where only the history or another
+        delayed setting changed (:meth:`DelayedScaler.resized`), new for a role that turns delayed, dropped for one
+        that stops being delayed. The step that decided it is over (its optimizer step taken), but an evaluation may
+        follow it: the modules take their plans of that step from `plan` too, matching their new scalers."""
         if plan.layout.module_names != self.plan.layout.module_names:
             raise ValueError("emulated backend: replan needs a plan of the same model layout")
         self.plan = plan
         for name, state in self.states.items():
             state.scalers = _carried_scalers(state.scalers, plan.module_policies(name))
         self._attention_policies()
+        if self._step is not None:
+            self._step_plans(plan.at(self._step))
 
     def begin_step(self, step: int) -> str:
+        self._step = step
         step_plan = self.plan.at(step)
+        self._step_plans(step_plan)
+        for state in self.states.values():
+            state.step, state.backwards = step, 0
+        return step_plan.stage
+
+    def _step_plans(self, step_plan) -> None:
+        """Each module's and attention's plan of one step."""
         for name, state in self.states.items():
             state.plan = step_plan.modules[name]
-            state.step, state.backwards = step, 0
         for layer, attention in self.attention.items():
             attention.fp8 = layer in step_plan.attention
-        return step_plan.stage
 
     def _all_states(self) -> list[EmulatedLinearState | EmulatedAttentionState]:
         return [*self.states.values(), *self.attention.values()]
