@@ -47,7 +47,7 @@ def _exit_written(code: int) -> None:
 def main(cfg: DictConfig) -> None:
     from omegaconf.errors import OmegaConfBaseException
 
-    from fp8_recipes.checks import ConfigError, clipped
+    from fp8_recipes.checks import ConfigError, clipped, first_problem
     from fp8_recipes.rundir import RunDirError
     from fp8_recipes.training.errors import (
         CHECKPOINT_WRITE_EXIT, INTERNAL_ERROR_EXIT, NONFINITE_EXIT, PREEMPTED_EXIT, USER_ERROR_EXIT,
@@ -60,7 +60,7 @@ def main(cfg: DictConfig) -> None:
         summary = run_training(cfg)
     except (ConfigError, OmegaConfBaseException) as e:  # a user error: one line naming the key, nothing half-written
         lines = [f"{e.full_key}: {str(e).splitlines()[0]}"] if isinstance(e, OmegaConfBaseException) else \
-            str(e).splitlines()
+            [first_problem(e)]
         if not isinstance(e, RunDirError):  # another run's directory: none of it is this run's to remove
             remove_partial_run_dir(run_dir)
         if getattr(e, "same_on_every_rank", False):  # a config error: torchrun/srun ranks all raise it, said once
@@ -102,7 +102,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    from fp8_recipes.checks import clipped
+    from fp8_recipes.checks import clipped, first_problem
     from fp8_recipes.launcher import LaunchError, check_launch_env
     from fp8_recipes.recipe.pack import recipe_file_overrides
     from fp8_recipes.training.errors import (
@@ -118,7 +118,7 @@ if __name__ == "__main__":
     try:  # +recipe=path/to/mine.yaml: a recipe file anywhere (as fp8-recipes show/validate/explain take it)
         sys.argv[1:] = recipe_file_overrides(sys.argv[1:]) + worker_hydra_overrides()  # (rank 0 alone writes run_dir)
     except ValueError as e:
-        print_error_once(str(e).splitlines())
+        print_error_once([first_problem(e)])
         sys.exit(USER_ERROR_EXIT)
     with hydra_errors_as_one_line():  # Hydra's own errors (unknown key, group option, run_dir) as one line, exit 2
         main()

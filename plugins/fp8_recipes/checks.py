@@ -22,7 +22,8 @@ from collections.abc import Callable, Iterable, Mapping
 from enum import StrEnum
 from typing import Any
 
-__all__ = ["ConfigError", "KeyReader", "check_keys", "choice_error", "did_you_mean", "fmt", "is_int", "is_number", "unknown_key"]
+__all__ = ["ConfigError", "KeyReader", "check_keys", "choice_error", "did_you_mean", "first_problem", "fmt", "is_int",
+           "is_number", "unknown_key"]
 
 
 def did_you_mean(word: Any, choices: Iterable[Any], hints: Mapping[str, str] | None = None) -> str:
@@ -181,6 +182,14 @@ MAX_ERROR_CHARS = 1000
 def clipped(line: str) -> str:
     """An error line of at most MAX_ERROR_CHARS characters (the cut says how long it was)."""
     return line if len(line) <= MAX_ERROR_CHARS else f"{line[:MAX_ERROR_CHARS]}... ({len(line):,} characters)"
+
+
+def first_problem(e: BaseException) -> str:
+    """A user error's one line: the first of the problems it names (a recipe with several wrong keys names each on
+    a line of its own: ``fp8-recipes validate`` lists them all), and how many more there are."""
+    lines = [line for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+    more = len(lines) - 1
+    return lines[0] + (f" (and {more} more problem{'s' if more > 1 else ''})" if more else "")
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-from fp8_recipes.checks import MAX_ERROR_CHARS, OneLineArgumentParser, clipped
+from fp8_recipes.checks import MAX_ERROR_CHARS, OneLineArgumentParser, clipped, first_problem
 from fp8_recipes.megatron.model_config import MODEL_MAX, check_model_cfg, layout_of, read_model_conf
 from fp8_recipes.observe.config import DebugConfig
 from fp8_recipes.plan.precision import Hardware, ModelLayout, ParallelLayout, PrecisionPlan, expert_ffn_size
@@ -285,9 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.fn(args)
-    except ValueError as e:  # RecipeError and other user errors: their text is the message, as `error: ...` lines
-        for line in str(e).splitlines():
-            print(_error_line(line), file=sys.stderr)
+    except ValueError as e:  # RecipeError and other user errors: the first problem, as one `error: ...` line
+        print(_error_line(first_problem(e)), file=sys.stderr)
         return 1
     except BrokenPipeError:  # `fp8-recipes show x | head`
         return 0

@@ -153,6 +153,17 @@ def test_validate_one_line_per_problem_naming_file_and_key(capsys, tmp_path):
     assert "did you mean 'mxfp8'" in lines[0]
 
 
+@pytest.mark.parametrize("command", ["show", "explain"])
+def test_a_recipe_with_several_problems_is_one_error_line(capsys, tmp_path, command):
+    """show / explain (and scripts/train.py) say the first problem and how many more, in one `error:` line; validate
+    lists them all (above)."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: bad\nweights: {scaling: mxfp9}\nschedule: {bf16_warmup_steps: -1}\n")
+    rc, out, err = run_cli(capsys, command, str(bad))
+    assert rc != 0 and len(err.splitlines()) == 1, err
+    assert err.startswith("error: ") and "weights.scaling" in err and err.rstrip().endswith("(and 1 more problem)")
+
+
 def test_validate_every_broken_recipe(capsys):
     rc, out, err = run_cli(capsys, "validate", *map(str, BROKEN))
     assert rc == 1 and out == ""
