@@ -512,7 +512,8 @@ def test_a_dense_checkpoint_still_reshards_across_tensor_parallel_sizes(tmp_path
 
 
 def test_export_and_evaluation_refuse_experts_split_over_another_expert_tp(tmp_path):
-    """Experts cut over expert TP != TP are refused in one line; an EP > 1 checkpoint is read (joined over EP)."""
+    """Experts cut over expert TP != TP are refused in one line; a meta.json whose EP size its payloads were not
+    written at is damage (a hand edit: naming the model or a trainer key instead would mislead)."""
     import json
 
     from fp8_recipes.checks import ConfigError
@@ -522,7 +523,9 @@ def test_export_and_evaluation_refuse_experts_split_over_another_expert_tp(tmp_p
     step_dir = save_checkpoint(tmp_path, 1, models=model)
     meta = json.loads((step_dir / "meta.json").read_text())
     (step_dir / "meta.json").write_text(json.dumps({**meta, "expert_model_parallel_size": 2}))
-    assert intact_checkpoint(step_dir, "SOURCE") == step_dir
+    with pytest.raises(ConfigError, match=r"is damaged: its meta.json says expert_model_parallel_size 2, its "
+                                          r"payloads were written at 1 \(pp00tp00\)"):
+        intact_checkpoint(step_dir, "SOURCE")
     (step_dir / "meta.json").write_text(json.dumps({**meta, "expert_tensor_parallel_size": 2}))
     with pytest.raises(ConfigError, match=r"^SOURCE: .* was written at trainer.expert_tensor_parallel_size=2 "
                                           r"\(tensor parallel 1\): its experts are split otherwise"):
@@ -608,3 +611,44 @@ def test_meta_records_the_expert_count_so_a_resume_names_it(tmp_path):
         "num_moe_experts", "4", "8")
     dense = {k: v for k, v in moe.items() if k != "num_moe_experts"}
     assert _cfg_model_fields(dense, 1)["num_moe_experts"] is None
+
+
+@pytest.mark.parametrize("edit, says", [
+    ({"expert_model_parallel_size": "abc"}, "its meta.json's 'expert_model_parallel_size' is \"abc\", not an integer >= 1"),
+    ({"expert_tensor_parallel_size": [2]}, "its meta.json's 'expert_tensor_parallel_size' is [2], not an integer >= 1"),
+    ({"expert_model_parallel_size": 0}, "its meta.json's 'expert_model_parallel_size' is 0, not an integer >= 1"),
+    ({"consumed_samples": "lots"}, "its meta.json's 'consumed_samples' is \"lots\", not an integer >= 0"),
+    ({"model": [1, 2]}, "its meta.json's 'model' is a list, not a mapping of model config keys"),
+    ({"model": {"num_moe_experts": -4}}, "its meta.json's model 'num_moe_experts' is -4, not an integer >= 1 or null"),
+])
+def test_hand_edited_meta_values_are_damage(tmp_path, edit, says):
+    """A hostile-input sweep: wrongly typed meta.json values ended in an internal error (int('abc')) or were read
+    as another layout; now the checkpoint is damaged, in the line a resume, export and evaluation give."""
+    import json
+
+    from fp8_recipes.training.checkpoint import checkpoint_damage
+
+    model, _, _ = trained_model_and_optimizer()
+    step_dir = save_checkpoint(tmp_path, 1, models=model)
+    meta = json.loads((step_dir / "meta.json").read_text())
+    (step_dir / "meta.json").write_text(json.dumps({**meta, **edit}))
+    assert checkpoint_damage(step_dir) == says
+
+
+def test_a_shard_gone_without_its_checksum_record_is_damage_not_a_traceback(tmp_path):
+    """checksums.json deleted (or {}) and a .distcp file deleted: the index still names it (was a raw traceback
+    from DCP's CheckpointException, a BaseException); a file cut short reads as damage in one line too."""
+    from fp8_recipes.checks import ConfigError
+    from fp8_recipes.training.checkpoint import checkpoint_damage, read_checkpoint
+
+    model, _, _ = trained_model_and_optimizer()
+    step_dir = save_checkpoint(tmp_path, 1, models=model)
+    (step_dir / "checksums.json").unlink()
+    shard = next(step_dir.glob("__0_*.distcp"))
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ConfigError, match=r"is damaged: its shard pp00tp00 does not read \(.*\); resume from an "
+                                          r"intact step_N dir"):
+        read_checkpoint(step_dir)
+    shard.unlink()
+    assert checkpoint_damage(step_dir) == f"{shard.name} (named by its .metadata) is missing"

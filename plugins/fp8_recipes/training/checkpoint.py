@@ -312,8 +312,16 @@ def read_checkpoint(step_dir: str | os.PathLike, tp_rank: int = 0,
                 not skip_optimizer or not path[1].startswith("optimizer/")):
             template["tensors"][path[1]] = torch.empty(storage.size, dtype=storage.properties.dtype,
                                                        device=map_location)
-    with _single_process_quiet():
-        dcp.load({key: template}, storage_reader=dcp.FileSystemReader(step_dir), no_dist=True)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with _single_process_quiet():
+            dcp.load({key: template}, storage_reader=dcp.FileSystemReader(step_dir), no_dist=True)
+    except (CheckpointException, OSError, RuntimeError) as e:  # (DCP's is a BaseException: a file gone or cut short)
+        failures = getattr(e, "failures", None)
+        cause = next(iter(failures.values()))[0] if failures else e
+        raise ConfigError(f"{step_dir} is damaged: its shard {key} does not read ({_first_line(cause)}); resume "
+                          f"from an intact step_N dir (trainer.resume=auto takes the newest intact one)") from None
     skeleton = torch.load(io.BytesIO(template["skeleton"]), map_location=map_location, weights_only=True)
     return _join_tensors(skeleton, template["tensors"], missing_ok=skip_optimizer)
 
@@ -496,8 +504,10 @@ def checkpoint_damage(step_dir: str | os.PathLike, *, contents: bool = True,
         return "does not exist"
     if not (step_dir / _METADATA).is_file():
         return f"its {_METADATA} (the index of its shards) is missing"
-    problem = _records_damage(step_dir)
+    problem = _records_damage(step_dir) or _indexed_files_damage(step_dir)
     if problem:
+        return problem
+    if (step_dir / "meta.json").is_file() and (problem := _payloads_damage(step_dir, checkpoint_meta(step_dir))):
         return problem
     record = step_dir / _CHECKSUMS
     if not record.is_file():  # written before the record existed: the files DCP indexed are there
@@ -533,9 +543,65 @@ def _records_damage(step_dir: Path) -> str | None:
                        if not isinstance(data.get(k), int) or isinstance(data.get(k), bool)]
             if missing:
                 return f"its meta.json has no integer {' or '.join(repr(k) for k in missing)}"
+            if problem := _meta_values_damage(data):
+                return problem
         elif not all(isinstance(v, dict) and isinstance(v.get("bytes"), int) and isinstance(v.get("crc32"), str)
                      for v in data.values()):
             return f"its {name} is not a record of file sizes and checksums"
+    return None
+
+
+_META_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+               "data_parallel_size", "context_parallel_size", "expert_model_parallel_size",
+               "expert_tensor_parallel_size", "global_batch_size", "micro_batch_size")
+_META_COUNTS = ("step", "consumed_samples")
+
+
+def _meta_values_damage(meta: dict[str, Any]) -> str | None:
+    """What is wrong with the values save_checkpoint writes in meta.json (sizes: integers >= 1, or null where a size
+    may be unset; the step and samples: integers >= 0; the model record: a mapping), or None. A hand-edited value
+    would otherwise end deep in a resume, or be read as another layout."""
+    def whole(v: Any, low: int) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+    for key in (*_META_SIZES, *_META_COUNTS):
+        value, low = meta.get(key), 0 if key in _META_COUNTS else 1
+        if key in meta and not whole(value, low) and not (value is None and key in _META_SIZES[2:] and
+                                                          key != "expert_model_parallel_size"):
+            return f"its meta.json's {key!r} is {json.dumps(value)[:40]}, not an integer >= {low}"
+    model = meta.get("model")
+    if "model" in meta and not isinstance(model, dict):
+        return f"its meta.json's 'model' is a {type(model).__name__}, not a mapping of model config keys"
+    experts = (model or {}).get("num_moe_experts")
+    if experts is not None and not whole(experts, 1):
+        return f"its meta.json's model 'num_moe_experts' is {json.dumps(experts)[:40]}, not an integer >= 1 or null"
+    return None
+
+
+def _indexed_files_damage(step_dir: Path) -> str | None:
+    """A data file DCP's index names that is not there (checksums.json may be gone or empty: its list is not the only
+    one), or None; an index that does not read is left to the checks that name it."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(step_dir).read_metadata().storage_data or {}
+    except Exception:  # noqa: BLE001 - an unreadable index is damage reported where the payloads are read
+        return None
+    names = {getattr(info, "relative_path", None) for info in storage.values()} - {None}
+    missing = sorted(name for name in names if not (step_dir / name).is_file())
+    return f"{missing[0]} (named by its {_METADATA}) is missing" if missing else None
+
+
+def _payloads_damage(step_dir: Path, meta: dict[str, Any]) -> str | None:
+    """A meta.json whose expert-parallel size is not the one its payloads were written at (``ppPPtpRRepEE`` keys:
+    one per EP rank), or None."""
+    keys = _readable_payloads(step_dir)
+    ranks = {int(m.group(1)) for m in map(re.compile(r"pp\d+tp\d+ep(\d+)").match, keys) if m}
+    written = max(ranks) + 1 if ranks else 1
+    saved = meta.get("expert_model_parallel_size") or 1
+    if keys and written != saved:
+        return (f"its meta.json says expert_model_parallel_size {saved}, its payloads were written at "
+                f"{written} ({', '.join(sorted(keys)[:4])})")
     return None
 
 
@@ -781,8 +847,8 @@ def _check_expert_layout(step_dir: str | os.PathLike, meta: dict[str, Any], tp: 
                 raise ConfigError(f"trainer.{key}: {'null' if value is None else value} differs from the "
                                   f"checkpoint's {shown} ({step_dir}: expert TP {saved_etp} at TP {saved_tp} there, "
                                   f"{etp} at {tp} here; {refusal}; resume with trainer.{key}={shown})")
-    for key, value, saved in (("expert_model_parallel_size", ep, saved_ep),
-                              ("expert_tensor_parallel_size", etp, saved_etp)):
+    for key, value, saved in (("expert_tensor_parallel_size", etp, saved_etp),  # (what cannot reshard, first)
+                              ("expert_model_parallel_size", ep, saved_ep)):
         if value != saved:
             raise ConfigError(f"trainer.{key}: {value} differs from the checkpoint's {saved} ({step_dir}; {refusal}; "
                               f"resume with trainer.{key}={saved})")
