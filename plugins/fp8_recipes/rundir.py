@@ -20,8 +20,8 @@ A run directory has one owner (docs/distributed.md, "what is guaranteed"): the d
 from the recipe name; a running run holds ``.lock`` (``claim``); a fresh start into a directory that holds another
 run's results, and any start in a directory inside another run's outputs (its checkpoints/), is refused in one line;
 a resumed run drops the metrics and numerics rows past its checkpoint (``drop_rows_after``), so every step keeps one
-row across kill -9 and resume. Imports nothing of ours but the guarded YAML reader (neither torch nor Hydra): any
-floor may use it.
+row across kill -9 and resume. Imports nothing of ours but the guarded YAML reader and the recipe's roles (neither
+torch nor Hydra): any floor may use it.
 """
 
 from __future__ import annotations
@@ -37,9 +37,10 @@ import socket
 import time
 import unicodedata
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 from fp8_recipes.checks import ConfigError
+from fp8_recipes.recipe.schema import ROLES
 from fp8_recipes.recipe.yaml_guard import load_yaml
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "TENSORBOARD",
     "TRAIN_LOG",
     "RunFileError",
+    "json_number",
     "jsonable",
     "last_metrics_step",
     "load_run_config",
@@ -208,7 +210,8 @@ def numerics_files(run_dir: str | os.PathLike) -> list[Path]:
 
 def read_numerics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     """Every row of the run's statistics (numerics.jsonl and, for a pipelined run, each stage's file); RunFileError
-    at a row whose step, names or statistics have the wrong type (a damaged or hand-edited file)."""
+    at a row whose step, names or statistics have the wrong type, or a statistic a value it cannot take (a damaged
+    or hand-edited file)."""
     return [row for path in numerics_files(run_dir) for row in read_jsonl(path, _numerics_row_problem)]
 
 
@@ -216,18 +219,64 @@ _NAMES = ("module", "gemm", "role", "tensor", "policy")
 _NOT_FINITE = ("nan", "inf", "-inf")  # how jsonable() writes them
 
 
+class _Range(NamedTuple):
+    """What a statistic can be (observe/stats.py's definitions): from `low` to `high`, give or take `slack`, and
+    of the non-finite values only those the recorder can write (jsonable()'s names)."""
+
+    low: float
+    high: float = math.inf
+    nonfinite: tuple[str, ...] = ()
+    slack: float = 0.0
+
+    def words(self) -> str:
+        span = f"from {self.low:g} to {self.high:g}" if self.high < math.inf else f">= {self.low:g}"
+        return f"a number {span}" + (f" (or {' / '.join(self.nonfinite)})" if self.nonfinite else "")
+
+
+_PERCENT = _Range(0.0, 100.0)
+"""Every ``*_pct``: a share of counted elements or blocks (never NaN or inf: counts over a count >= 1)."""
+
+_STAT_RANGES = {
+    "numel": _Range(0.0), "min_nonzero": _Range(0.0),  # (null for an all-zero tensor)
+    "amax": _Range(0.0, nonfinite=("inf",)),  # max |x|, NaN ignored: inf when the tensor holds one
+    "mse": _Range(0.0, nonfinite=("nan", "inf")),  # NaN or inf elements make it so
+    # float32 dot products may round a cosine of about 1 past it, never by 0.01
+    "cosine": _Range(-1.0, 1.0, ("nan",), slack=0.01),
+    **{k: _Range(0.0, nonfinite=("nan", "inf")) for k in ("scale", "scale_min", "scale_median", "scale_ratio")},
+}
+
+
+def _stat_problem(key: str, value: Any) -> str | None:
+    """Why statistic `key` of a row cannot be `value` (null passes), or None."""
+    if value is None:
+        return None
+    number = json_number(value)
+    if number is None:
+        return f"{key!r} is {value!r:.60}, not a number"
+    rule = _PERCENT if key.endswith("_pct") else _STAT_RANGES.get(key)
+    if rule is None:
+        return None
+    if math.isnan(number) or math.isinf(number):
+        ok = ("nan" if math.isnan(number) else str(number)) in rule.nonfinite
+    else:
+        ok = rule.low - rule.slack <= number <= rule.high + rule.slack
+    return None if ok else f"{key!r} is {value!r:.60}, not {rule.words()}"
+
+
 def _numerics_row_problem(row: dict[str, Any]) -> str | None:
-    """What makes a statistics row unreadable, or None: an integer step, text names, numbers (or null, or the
-    strings jsonable() writes for NaN and inf) elsewhere."""
+    """What makes a statistics row unreadable, or None: an integer step, text names (a role of the recipe's), and
+    elsewhere numbers (or null, or the strings jsonable() writes for NaN and inf) that the statistic can take
+    (:data:`_STAT_RANGES`: a percentage above 100, a cosine of 2, a negative amax are a damaged row)."""
     if not isinstance(row.get("step"), int) or isinstance(row["step"], bool):
         return f"'step' is {row.get('step')!r}, not an integer"
     for key, value in row.items():
-        if key in _NAMES:
-            ok = isinstance(value, str)
-        else:
-            ok = value is None or _number(value)
-        if key != "step" and not ok:
-            return f"{key!r} is {value!r:.60}, not {'text' if key in _NAMES else 'a number'}"
+        if key in _NAMES and not isinstance(value, str):
+            return f"{key!r} is {value!r:.60}, not text"
+        if key == "role" and value not in ROLES:
+            return f"'role' is {value!r:.60}, not one of {' | '.join(ROLES)}"
+        problem = None if key in (*_NAMES, "step") else _stat_problem(key, value)
+        if problem:
+            return problem
     return None
 
 
@@ -251,9 +300,23 @@ def _moe_experts(run_dir: str | os.PathLike) -> int | None:
     return experts if isinstance(experts, int) and not isinstance(experts, bool) and experts > 0 else None
 
 
+def json_number(value: Any) -> float | None:
+    """`value` as a float when it is a JSON number or a string jsonable() writes for NaN and inf ("nan", "inf",
+    "-inf"; not "NaN", " 1", "1e3": no writer of ours writes them), else None; an integer too large for a float
+    is inf."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return None
+    if isinstance(value, str):
+        return float(value) if value in _NOT_FINITE else None
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
 def _number(value: Any) -> bool:
     """A JSON number, or a string jsonable() writes for NaN and inf."""
-    return value in _NOT_FINITE or (isinstance(value, (int, float)) and not isinstance(value, bool))
+    return json_number(value) is not None
 
 
 def _routing_row_check(experts: int | None):

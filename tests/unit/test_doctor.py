@@ -336,10 +336,13 @@ def test_bad_inputs_end_in_one_line_exit_2(tmp_path, capsys):
         (tmp_path / name / "metrics.jsonl").write_bytes(content)
         rc, out, err = doctor(capsys, tmp_path / name)
         assert rc == 2 and out == "" and err.startswith("error: RUN_DIR: ") and says in err and err.count("\n") == 1
-    good = '{"step": 1, "module": "m", "gemm": "fprop", "role": "activations", "underflow_pct": "nan", "amax": 2.0}'
+    good = '{"step": 1, "module": "m", "gemm": "fprop", "role": "activations", "underflow_pct": 0.5, "mse": "nan"}'
     for field, value, says in (("step", '"a"', "'step' is 'a', not an integer"), ("step", "null", "'step' is None"),
                                ("underflow_pct", '"x"', "'underflow_pct' is 'x', not a number"),
-                               ("role", '["a"]', "'role' is ['a'], not text")):
+                               ("role", '["a"]', "'role' is ['a'], not text"),
+                               # (the doctor printed a 309-digit underflow and "verdict healthy")
+                               ("underflow_pct", "1e308", "'underflow_pct' is 1e+308, not a number from 0 to 100"),
+                               ("role", '"bias"', "'role' is 'bias', not one of weights | activations | gradients")):
         (run / "numerics.jsonl").write_text(good + "\n" + good.replace(f'"{field}": ', f'"{field}": {value}, "_":')
                                             + "\n")
         rc, out, err = doctor(capsys, run)

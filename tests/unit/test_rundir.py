@@ -15,8 +15,8 @@ import pytest
 
 from fp8_recipes import rundir
 from fp8_recipes.rundir import (
-    LOCK, METRICS, ROUTING, RunDirError, RunFileError, check_run_dir, claim, default_run_name, drop_rows_after,
-    read_metrics, read_routing, release, safe_name,
+    LOCK, METRICS, NUMERICS, ROUTING, RunDirError, RunFileError, check_run_dir, claim, default_run_name,
+    drop_rows_after, read_metrics, read_numerics, read_routing, release, safe_name,
 )
 
 SINGLE: dict[str, str] = {}  # no launcher variables: one process
@@ -201,6 +201,48 @@ def test_routing_rows_are_one_per_expert_of_the_runs_model(tmp_path):
     (tmp_path / "dir" / ROUTING).mkdir(parents=True)  # was "has no routing.jsonl" in the heat map
     with pytest.raises(RunFileError, match=r"routing.jsonl is not a readable file \(it is a directory\)$"):
         read_routing(tmp_path / "dir")
+
+
+STATS_ROW = {"step": 3, "module": "decoder.layers.0.mlp.linear_fc1", "gemm": "fprop", "role": "activations",
+             "policy": "delayed e4m3 hist 16 max", "numel": 4096, "amax": 2.5, "min_nonzero": 1e-6,
+             "underflow_pct": 0.0, "saturation_pct": 100.0, "mse": 1e-5, "cosine": 0.99, "scale": 179.2,
+             "scale_ratio": 1.0}
+
+
+@pytest.mark.parametrize("change", [
+    {}, {"amax": "inf", "mse": "nan", "cosine": "nan"},  # an inf or NaN in the tensor: what the recorder writes
+    {"cosine": 1.0000003, "min_nonzero": None, "scale_ratio": None}, {"cosine": -1.0, "amax": 0},
+    {"policy": "nvfp4 e2m1 1x16", "block_underflow_pct": 5.0, "block_saturation_pct": 0.0},
+])
+def test_statistics_the_recorder_writes_are_read(tmp_path, change):
+    (tmp_path / NUMERICS).write_text(json.dumps({**STATS_ROW, **change}) + "\n")
+    assert read_numerics(tmp_path) == [{**STATS_ROW, **change}]
+
+
+@pytest.mark.parametrize("text, says", [
+    ('"underflow_pct": 1e308', "'underflow_pct' is 1e+308, not a number from 0 to 100"),
+    ('"underflow_pct": Infinity', "'underflow_pct' is inf, not a number from 0 to 100"),
+    ('"underflow_pct": "nan"', "'underflow_pct' is 'nan', not a number from 0 to 100"),
+    ('"saturation_pct": -0.5', "'saturation_pct' is -0.5, not a number from 0 to 100"),
+    ('"block_underflow_pct": 100.5', "'block_underflow_pct' is 100.5, not a number from 0 to 100"),
+    ('"cosine": 2.0', "'cosine' is 2.0, not a number from -1 to 1 (or nan)"),
+    ('"cosine": "-inf"', "'cosine' is '-inf', not a number from -1 to 1 (or nan)"),
+    ('"cosine": "NaN"', "'cosine' is 'NaN', not a number"),
+    ('"amax": -1.0', "'amax' is -1.0, not a number >= 0 (or inf)"),
+    ('"amax": NaN', "'amax' is nan, not a number >= 0 (or inf)"),
+    ('"mse": -1e-9', "'mse' is -1e-09, not a number >= 0 (or nan / inf)"),
+    ('"numel": ' + "9" * 400, "'numel' is 9999"),
+    ('"role": "bias"', "'role' is 'bias', not one of weights | activations | gradients"),
+])
+def test_an_impossible_statistic_is_refused_naming_the_file_line_and_key(tmp_path, text, says):
+    """The doctor read an underflow of 1e308 % (and said "healthy"), a cosine of 2, a negative amax or MSE, a role
+    "bias"; the heat map drew them, or died in matplotlib."""
+    key = text.split(":")[0].strip('"')
+    bad = json.dumps({k: v for k, v in STATS_ROW.items() if k != key})[:-1] + f", {text}}}"
+    (tmp_path / NUMERICS).write_text(json.dumps(STATS_ROW) + "\n" + bad + "\n")
+    with pytest.raises(RunFileError) as e:
+        read_numerics(tmp_path)
+    assert str(e.value).startswith(f"{tmp_path / NUMERICS} line 2 is not a row of statistics ({says}"), str(e.value)
 
 
 @pytest.mark.parametrize("text, says", [(": : :\n", "line 1: YAML syntax error: "), ("- a\n", "has no model group"),
