@@ -359,6 +359,11 @@ def rewrite_metrics(run: Path, edit) -> Path:
 @pytest.mark.parametrize("edit, says", [
     (lambda rows: [{**r, "loss": "high"} if r["kind"] == "train" else r for r in rows],
      "metrics.jsonl line 1 is not a row of statistics ('loss' of a train row is 'high', not a number)"),
+    # (float() read "NaN", "Infinity" or " 3" where numerics.jsonl refused them: jsonable() writes "nan", "inf")
+    (lambda rows: [{**r, "loss": "NaN"} if r["step"] == 7 else r for r in rows],
+     "metrics.jsonl line 7 is not a row of statistics ('loss' of a train row is 'NaN', not a number)"),
+    (lambda rows: [{**r, "val_loss": " 3"} if r["kind"] == "eval" else r for r in rows],
+     f"metrics.jsonl line {STEPS + 1} is not a row of statistics ('val_loss' of a eval row is ' 3', not a number)"),
     (lambda rows: [{k: v for k, v in r.items() if k != "loss"} for r in rows],
      'metrics.jsonl has no "loss" in its train rows'),
     (lambda rows: rows + [{"kind": "autopilot", "step": 2, "action": "fly", "module": "x", "role": "weights"}],

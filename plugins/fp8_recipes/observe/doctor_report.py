@@ -24,6 +24,7 @@ from fp8_recipes.rundir import (
     METRICS,
     RECIPE,
     RunFileError,
+    json_number,
     read_jsonl,
     read_numerics,
     read_recipe,
@@ -90,9 +91,10 @@ _READ = {"train": ("loss", "grad_norm", "lr"), "eval": ("val_loss", "val_loss_fu
 
 def _metrics_row_problem(row: dict[str, Any]) -> str | None:
     """What makes a metrics.jsonl row unreadable for the doctor, or None: a value it reads that is no number (nor
-    null, nor a string jsonable() writes for NaN and inf), an autopilot row of an action training never takes."""
+    null, nor a string jsonable() writes for NaN and inf: "NaN" is refused here as in numerics.jsonl), an autopilot
+    row of an action training never takes."""
     kind = row.get("kind")
-    bad = next((k for k in _READ.get(kind, ()) if row.get(k) is not None and _value(row, k) is None), None)
+    bad = next((k for k in _READ.get(kind, ()) if row.get(k) is not None and json_number(row[k]) is None), None)
     if bad:
         return f"{bad!r} of a {kind} row is {row[bad]!r:.60}, not a number"
     if kind != "autopilot":
