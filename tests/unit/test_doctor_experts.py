@@ -166,6 +166,34 @@ def test_a_routing_jsonl_that_is_a_directory_is_named(tmp_path, capsys):
     assert rc == 1 and "routing.jsonl is not a readable file (it is a directory)" in err and err.count("\n") == 1
 
 
+def with_weight(rows: list[dict], step: int, weight: float) -> list[dict]:
+    return [{**r, "weight": [weight, *r["weight"][1:]]} if r["step"] == step else r for r in rows]
+
+
+def with_underflow(rows: list[dict], step: int, pct: float) -> list[dict]:
+    return [{**r, "underflow_pct": pct} if r["step"] == step else r for r in rows]
+
+
+@pytest.mark.parametrize("routing_rows, numerics_rows, stat, says", [
+    (with_weight(shifted(), 4, 1e308), [], "weight",
+     "error: --stat weight: '{run}' has values from 0.0005 to 1e+308, too far apart for a colour bar (a damaged or "
+     "hand-edited routing.jsonl); give a run directory written by scripts/train.py"),
+    (with_weight(shifted(), 4, -1e308), [], "weight", "error: --stat weight: '{run}' has values from -1e+308 to"),
+    (shifted(), with_underflow(numerics({}), 9, 1e308), "underflow_pct",
+     "error: RUN_DIR: {run}/numerics.jsonl line 3 is not a row of statistics ('underflow_pct' is 1e+308, not a "
+     "number from 0 to 100)"),
+])
+def test_values_matplotlib_cannot_draw_are_one_line_of_ours(tmp_path, capsys, routing_rows, numerics_rows, stat,
+                                                           says):
+    """Were matplotlib's RuntimeWarnings and `error: arange: cannot compute length`, or a garbled PNG, exit 0."""
+    run = moe_run(tmp_path / "run", routing_rows, numerics_rows)
+    (run / f"experts_{stat}.png").write_bytes(b"an earlier plot")
+    rc, out, err = heatmap(capsys, run, "--stat", stat)
+    assert rc == 1 and out == "" and err.count("\n") == 1 and err.startswith(says.format(run=run)), err
+    assert (run / f"experts_{stat}.png").read_bytes() == b"an earlier plot"
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith(".")) == []  # (no temporary file left)
+
+
 def nvfp4(rows: list[dict]) -> list[dict]:
     return [{**{k: v for k, v in r.items() if k != "scale_ratio"}, "policy": "nvfp4 e2m1 1x16",
              "block_underflow_pct": 0.0} for r in rows]

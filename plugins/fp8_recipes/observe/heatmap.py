@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -44,12 +45,14 @@ _NUMERICS = ("underflow_pct", "block_underflow_pct", "scale_gap")
 
 def plot_heatmap(heat: dict[str, dict[int, float]], path: Path, what: str = "underflow % of fprop activations",
                  unit: str = "%", strip: str = "decoder."):
-    """Rows (in the mapping's order) x steps (columns), colour = `what`; blank where a row has no value."""
+    """Rows (in the mapping's order) x steps (columns), colour = `what`; blank where a row has no value. The PNG is
+    written atomically: a plot that fails half-way leaves nothing (and an earlier file as it was)."""
     import matplotlib
     matplotlib.use("Agg")  # no display on cluster nodes; must precede pyplot's import
     import matplotlib.pyplot as plt
     import numpy as np
 
+    path = Path(path)
     modules = list(heat)
     steps = sorted({s for per in heat.values() for s in per})
     grid = np.full((len(modules), len(steps)), np.nan)
@@ -57,16 +60,21 @@ def plot_heatmap(heat: dict[str, dict[int, float]], path: Path, what: str = "und
         for j, s in enumerate(steps):
             grid[i, j] = heat[m].get(s, np.nan)
     fig, ax = plt.subplots(figsize=(min(4 + 0.35 * len(steps), 16), min(2 + 0.3 * len(modules), 20)), dpi=110)
-    im = ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest")
-    ax.set_yticks(range(len(modules)), [m.removeprefix(strip) for m in modules], fontsize=7)
-    ticks = list(range(0, len(steps), max(1, len(steps) // 12)))
-    ax.set_xticks(ticks, [str(steps[j]) for j in ticks], fontsize=7)
-    ax.set_xlabel("step")
-    ax.set_title(what, fontsize=9)
-    fig.colorbar(im, ax=ax, label=unit)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        im = ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest")
+        ax.set_yticks(range(len(modules)), [m.removeprefix(strip) for m in modules], fontsize=7)
+        ticks = list(range(0, len(steps), max(1, len(steps) // 12)))
+        ax.set_xticks(ticks, [str(steps[j]) for j in ticks], fontsize=7)
+        ax.set_xlabel("step")
+        ax.set_title(what, fontsize=9)
+        fig.colorbar(im, ax=ax, label=unit)
+        fig.tight_layout()
+        fig.savefig(tmp, format="png")
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
     return path
 
 
@@ -80,6 +88,7 @@ def expert_grid(numerics: list[dict[str, Any]], routing: list[dict[str, Any]], s
     the routing rows has a row, even one without a value."""
     from fp8_recipes.observe.doctor_experts import expert_of  # (pure: no torch)
     from fp8_recipes.observe.doctor_findings import _usable_rows
+    from fp8_recipes.rundir import json_number
 
     if stat not in EXPERT_STATS:
         raise ValueError(f"--stat: {stat!r} is not one of {' | '.join(EXPERT_STATS)}")
@@ -88,8 +97,9 @@ def expert_grid(numerics: list[dict[str, Any]], routing: list[dict[str, Any]], s
         values = r.get("weight") if stat == "weight" else r.get("tokens")
         for e, v in enumerate(values or []):
             cell = grid[(int(r["layer"]), e)]
-            if stat in ("tokens", "weight") and v is not None:
-                cell[int(r["step"])] = float(v)
+            value = json_number(v) if stat in ("tokens", "weight") else None  # ("nan", "inf": blank, as below)
+            if value is not None and math.isfinite(value):
+                cell[int(r["step"])] = value
     if stat in _NUMERICS:
         # the doctor's rows: a delayed operand's first row (scale 1 from an empty history, as TE) says nothing
         kept = [r for (module, r_role), rows in _usable_rows(numerics).items()
@@ -136,10 +146,18 @@ def expert_heatmap(run_dir: str | os.PathLike, stat: str = "scale_gap", role: st
     path = _out_path(out) if out is not None else run_dir / f"experts_{stat}.png"
     what = EXPERT_STATS[stat] if stat in ("tokens", "weight") else f"{stat} of the experts' {role}"
     try:
-        return plot_heatmap(grid, path, what=f"{what} (experts x steps)", unit=EXPERT_STATS[stat], strip="")
+        with warnings.catch_warnings():  # numpy overflowing inside matplotlib: a wrong picture, not a warning
+            warnings.simplefilter("error", RuntimeWarning)
+            return plot_heatmap(grid, path, what=f"{what} (experts x steps)", unit=EXPERT_STATS[stat], strip="")
     except OSError as e:
         raise ValueError(f"--out: cannot write '{path}' ({e.strerror or type(e).__name__}); give a writable "
                          f".png path") from None
+    except (ArithmeticError, ValueError, RuntimeWarning):  # matplotlib's own words name nothing of ours
+        values = [v for cells in grid.values() for v in cells.values()]
+        source = "routing.jsonl" if stat in ("tokens", "weight") else "numerics.jsonl"
+        raise ValueError(f"--stat {stat}: '{run_dir}' has values from {min(values):.3g} to {max(values):.3g}, too "
+                         f"far apart for a colour bar (a damaged or hand-edited {source}); give a run directory "
+                         f"written by scripts/train.py") from None
 
 
 def _nothing_because(numerics: list[dict[str, Any]], routing: list[dict[str, Any]], stat: str, role: str) -> str:
