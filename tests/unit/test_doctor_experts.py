@@ -194,6 +194,18 @@ def test_values_matplotlib_cannot_draw_are_one_line_of_ours(tmp_path, capsys, ro
     assert sorted(p.name for p in run.iterdir() if p.name.startswith(".")) == []  # (no temporary file left)
 
 
+@pytest.mark.parametrize("out, says", [
+    ("", "--out: '' names no file; give a .png file path, e.g. experts.png"),
+    ("/", "--out: '/' names no file; give a .png file path"), ("..", "--out: '..' names no file"),
+    ("x.jpg", "--out: 'x.jpg' is not a .png file path; give one, e.g. x.png"),
+])
+def test_an_out_that_names_no_png_file_is_named(tmp_path, capsys, out, says):
+    """--out "" was `error: PosixPath('.') has an empty name`."""
+    rc, stdout, err = heatmap(capsys, moe_run(tmp_path / "run", starved()), "--stat", "tokens", "--out", out)
+    assert rc == 1 and stdout == "" and err.count("\n") == 1 and err.startswith(f"error: {says}"), err
+    assert not list((tmp_path / "run").glob("*.png"))
+
+
 def nvfp4(rows: list[dict]) -> list[dict]:
     return [{**{k: v for k, v in r.items() if k != "scale_ratio"}, "policy": "nvfp4 e2m1 1x16",
              "block_underflow_pct": 0.0} for r in rows]

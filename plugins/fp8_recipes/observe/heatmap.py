@@ -191,6 +191,8 @@ def _nothing_because(numerics: list[dict[str, Any]], routing: list[dict[str, Any
 def _out_path(out: str | os.PathLike) -> Path:
     """--out as given: a .png file in a directory that exists (what is printed is what was written)."""
     path = Path(out)
+    if path.name in ("", ".", ".."):  # "", "/", "dir/..": no file named (with_suffix() below would raise)
+        raise ValueError(f"--out: {str(out)!r} names no file; give a .png file path, e.g. experts.png")
     if path.suffix.lower() != ".png":
         raise ValueError(f"--out: '{out}' is not a .png file path; give one, e.g. {path.with_suffix('.png')}")
     if path.is_dir() or not path.parent.is_dir():
