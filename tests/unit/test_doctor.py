@@ -350,6 +350,12 @@ def test_bad_inputs_end_in_one_line_exit_2(tmp_path, capsys):
             f"statistics ({says}" in err, err
 
 
+PILOT = {"kind": "autopilot", "step": 5, "action": "to_current", "module": "*", "role": "activations",
+         "before": "delayed e4m3", "after": "tensorwise e4m3", "reason": "scale gap", "dry": False,
+         "changes": {"activations": {"scaling": "tensorwise"}}}
+"""An autopilot row as training/autopilot.py writes it (Action.to_dict())."""
+
+
 def rewrite_metrics(run: Path, edit) -> Path:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in edit(rows)))
@@ -371,6 +377,16 @@ def rewrite_metrics(run: Path, edit) -> Path:
      f"of shorten_history | to_current"),
     (lambda rows: rows + [{"kind": "autopilot", "step": 2, "action": "to_bf16", "module": "x", "role": "wieghts"}],
      "'role' of an autopilot row is 'wieghts', not one of weights | activations | gradients | *"),
+    # (a note "'str' object has no attribute 'items'", exit 0 or 1; a row without a step was dropped, and --write
+    # patched a recipe the run never ended with)
+    (lambda rows: rows + [{**PILOT, "changes": "activations.scaling=tensorwise"}],
+     f"metrics.jsonl line {STEPS + 2} is not a row of statistics ('changes' of an autopilot row is "
+     f"'activations.scaling=tensorwise', not a mapping of recipe keys to values)"),
+    (lambda rows: rows + [{**PILOT, "step": None}],
+     f"metrics.jsonl line {STEPS + 2} is not a row of statistics ('step' of an autopilot row is None, not an "
+     f"integer >= 0)"),
+    (lambda rows: rows + [{**PILOT, "step": "three"}], "('step' of an autopilot row is 'three', not an integer"),
+    (lambda rows: rows + [{**PILOT, "step": 3.5}], "('step' of an autopilot row is 3.5, not an integer"),
 ])
 def test_damaged_metrics_rows_are_one_line_exit_2(tmp_path, capsys, edit, says):
     """A non-numeric loss was an IndexError traceback (run and --baseline alike); an unknown autopilot action was

@@ -9,7 +9,8 @@ changed shows no finding (the doctor's limits, :func:`~fp8_recipes.observe.docto
 the statistics rows recorded after it, up to its module and role's next action; it *did not hold* when they show
 one (the worst named); a role-wide one says in how many of the role's modules it held. A module (or a role) put in
 BF16 has no FP8 rows to judge: its line says so (a re-promotion is an action of its own, judged as any). Dry-run
-actions changed nothing: listed as such. Rows without an integer step are left out.
+actions changed nothing: listed as such. Rows without an integer step are left out (load_run refuses such an
+action row in metrics.jsonl).
 
 The doctor's proposals for such a run patch the recipe it ended with (:func:`ended_with`: recipe.yaml with the
 applied actions, in order, as the run replayed them on a resume) and read, per (module, role), only the statistics

@@ -92,7 +92,8 @@ _READ = {"train": ("loss", "grad_norm", "lr"), "eval": ("val_loss", "val_loss_fu
 def _metrics_row_problem(row: dict[str, Any]) -> str | None:
     """What makes a metrics.jsonl row unreadable for the doctor, or None: a value it reads that is no number (nor
     null, nor a string jsonable() writes for NaN and inf: "NaN" is refused here as in numerics.jsonl), an autopilot
-    row of an action training never takes."""
+    row of an action training never takes, without an integer step (such a row was dropped, and --write patched
+    a recipe the run never ended with) or whose changes are no mapping (Action.to_dict() writes one, {} if none)."""
     kind = row.get("kind")
     bad = next((k for k in _READ.get(kind, ()) if row.get(k) is not None and json_number(row[k]) is None), None)
     if bad:
@@ -102,8 +103,14 @@ def _metrics_row_problem(row: dict[str, Any]) -> str | None:
     for key, known in (("action", (*ACTION_KINDS, "cap_reached")), ("role", (*ROLES, "*"))):
         if row.get(key) not in known:
             return f"{key!r} of an autopilot row is {row.get(key)!r:.60}, not one of {' | '.join(known)}"
-    module = row.get("module")
-    return None if isinstance(module, str) else f"'module' of an autopilot row is {module!r:.60}, not text"
+    module, step, changes = row.get("module"), row.get("step"), row.get("changes", {})
+    if not isinstance(module, str):
+        return f"'module' of an autopilot row is {module!r:.60}, not text"
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return f"'step' of an autopilot row is {step!r:.60}, not an integer >= 0"
+    if not isinstance(changes, dict):
+        return f"'changes' of an autopilot row is {changes!r:.60}, not a mapping of recipe keys to values"
+    return None
 
 
 def patched_recipe(d: Diagnosis) -> dict[str, Any] | None:
