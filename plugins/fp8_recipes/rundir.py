@@ -47,6 +47,8 @@ __all__ = [
     "CHECKPOINTS",
     "HYDRA",
     "LOSS_PLOT",
+    "MAX_ROW_STEP",
+    "MAX_TOKENS",
     "METRICS",
     "NUMERICS",
     "PLAN",
@@ -68,6 +70,7 @@ __all__ = [
     "read_recipe",
     "read_routing",
     "read_summary",
+    "step_problem",
     "write_summary",
     "write_text",
 ]
@@ -215,6 +218,26 @@ def read_numerics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     return [row for path in numerics_files(run_dir) for row in read_jsonl(path, _numerics_row_problem)]
 
 
+MAX_ROW_STEP = 10**12
+"""The largest step a row of a run's files may hold. Training refuses a run of more than 2**31 - 1 samples
+(training/config.py: MAX_SAMPLES), so no run reaches step 2**31: a step past this bound is a damaged or
+hand-edited row (one of 10**30 was read as a step, and drawn)."""
+
+MAX_TOKENS = 2**53
+"""The largest token count a routing row may hold: a float holds every integer up to it, and no step routes
+nearly as many (int 10**400 was an OverflowError in the heat map)."""
+
+
+def step_problem(value: Any, low: int = 0) -> str | None:
+    """Why `value` is no row's step, or None: "is ..., not ..." for an integer from `low` to MAX_ROW_STEP (1e9 in
+    JSON is a float: not one)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        return f"is {value!r:.60}, not an integer >= {low}"
+    if value > MAX_ROW_STEP:
+        return f"is {value!r:.60}, more than any run takes (at most {MAX_ROW_STEP:,})"
+    return None
+
+
 _NAMES = ("module", "gemm", "role", "tensor", "policy")
 _NOT_FINITE = ("nan", "inf", "-inf")  # how jsonable() writes them
 
@@ -267,8 +290,9 @@ def _numerics_row_problem(row: dict[str, Any]) -> str | None:
     """What makes a statistics row unreadable, or None: an integer step, text names (a role of the recipe's), and
     elsewhere numbers (or null, or the strings jsonable() writes for NaN and inf) that the statistic can take
     (:data:`_STAT_RANGES`: a percentage above 100, a cosine of 2, a negative amax are a damaged row)."""
-    if not isinstance(row.get("step"), int) or isinstance(row["step"], bool):
-        return f"'step' is {row.get('step')!r}, not an integer"
+    problem = step_problem(row.get("step"))
+    if problem:
+        return f"'step' {problem}"
     for key, value in row.items():
         if key in _NAMES and not isinstance(value, str):
             return f"{key!r} is {value!r:.60}, not text"
@@ -320,20 +344,22 @@ def _number(value: Any) -> bool:
 
 
 def _routing_row_check(experts: int | None):
-    """routing.jsonl's row check for read_jsonl (row -> a problem or None): integer step >= 1 and layer >= 0, a
-    count >= 0 per expert, a weight (or null) per expert. Without `experts` the first row sets the count."""
+    """routing.jsonl's row check for read_jsonl (row -> a problem or None): integer step >= 1 (at most
+    MAX_ROW_STEP) and layer >= 0, a count from 0 to MAX_TOKENS per expert, a weight (or null) per expert. Without
+    `experts` the first row sets the count."""
     where = "model.num_moe_experts" if experts else "in the first row"
 
     def problem(row: dict[str, Any]) -> str | None:
         nonlocal experts
-        for key, low in (("step", 1), ("layer", 0)):
-            value = row.get(key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                return f"{key!r} is {value!r:.60}, not an integer >= {low}"
+        layer, bad_step = row.get("layer"), step_problem(row.get("step"), 1)
+        if bad_step:
+            return f"'step' {bad_step}"
+        if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
+            return f"'layer' is {layer!r:.60}, not an integer >= 0"
         tokens, weight = row.get("tokens"), row.get("weight")
         if not isinstance(tokens, list) or not tokens or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
-            return f"'tokens' is {tokens!r:.60}, not a list of token counts"
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKENS for t in tokens):
+            return f"'tokens' is {tokens!r:.60}, not a list of token counts (0 to 2**53)"
         experts = experts or len(tokens)
         if len(tokens) != experts:
             return f"'tokens' has {len(tokens)} entries, not one per expert ({experts}, as {where})"

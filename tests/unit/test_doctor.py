@@ -387,6 +387,13 @@ def rewrite_metrics(run: Path, edit) -> Path:
      f"integer >= 0)"),
     (lambda rows: rows + [{**PILOT, "step": "three"}], "('step' of an autopilot row is 'three', not an integer"),
     (lambda rows: rows + [{**PILOT, "step": 3.5}], "('step' of an autopilot row is 3.5, not an integer"),
+    # (a step past any run's was read as one, and drawn)
+    (lambda rows: [{**r, "step": 10**30} if r["step"] == 9 else r for r in rows],
+     "metrics.jsonl line 9 is not a row of statistics ('step' of a train row is 1000000000000000000000000000000, "
+     "more than any run takes (at most 1,000,000,000,000))"),
+    (lambda rows: [{**r, "step": -3} if r["step"] == 9 else r for r in rows],
+     "('step' of a train row is -3, not an integer >= 0)"),
+    (lambda rows: rows + [{**PILOT, "step": 10**13}], "('step' of an autopilot row is 10000000000000, more than"),
 ])
 def test_damaged_metrics_rows_are_one_line_exit_2(tmp_path, capsys, edit, says):
     """A non-numeric loss was an IndexError traceback (run and --baseline alike); an unknown autopilot action was

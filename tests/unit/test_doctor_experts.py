@@ -147,6 +147,9 @@ def heatmap(capsys, *argv) -> tuple[int, str, str]:
     ('{"step": 1, "layer": 0, "tokens": [{"a": 1}, 2, 3, 4], "weight": [1, 1, 1, 1]}', "'tokens' is [{'a': 1}"),
     ('{"step": "x", "layer": 0, "tokens": [1, 2, 3, 4]}', "'step' is 'x', not an integer >= 1"),
     ('{"step": 2, "layer": 0, "tokens": [1, 2]}', "'tokens' has 2 entries, not one per expert (4, as in the first"),
+    ('{"step": 1e9, "layer": 0, "tokens": [1, 2, 3, 4]}', "'step' is 1000000000.0, not an integer >= 1"),
+    ('{"step": 10000000000000, "layer": 0, "tokens": [1, 2, 3, 4]}', "'step' is 10000000000000, more than any run"),
+    ('{"step": 2, "layer": 0, "tokens": [1e400, 2, 3, 4]}', "'tokens' is [inf, 2, 3, 4], not a list of token"),
 ])
 def test_the_heat_map_refuses_a_damaged_routing_row_in_one_line(tmp_path, capsys, line, says):
     """Was a TypeError traceback, or `error: invalid literal for int()` naming no file, line or key."""

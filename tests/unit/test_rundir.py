@@ -173,10 +173,13 @@ ROUTED = {"step": 1, "layer": 0, "tokens": [3, 0, 2, 1], "imbalance": 2.0, "idle
 
 
 @pytest.mark.parametrize("change, says", [
-    ({"tokens": [{"a": 1}, 2, 3, 4]}, "'tokens' is [{'a': 1}, 2, 3, 4], not a list of token counts"),
-    ({"tokens": "many"}, "'tokens' is 'many', not a list of token counts"),
+    ({"tokens": [{"a": 1}, 2, 3, 4]}, "'tokens' is [{'a': 1}, 2, 3, 4], not a list of token counts (0 to 2**53)"),
+    ({"tokens": "many"}, "'tokens' is 'many', not a list of token counts (0 to 2**53)"),
+    ({"tokens": [10**400, 0, 0, 0]}, f"'tokens' is [1{'0' * 58}, not a list of token counts (0 to 2**53)"),
     ({"step": "x"}, "'step' is 'x', not an integer >= 1"),
     ({"step": 1.5}, "'step' is 1.5, not an integer >= 1"),
+    ({"step": 1e9}, "'step' is 1000000000.0, not an integer >= 1"),  # (JSON's 1e9 is a float)
+    ({"step": 10**13}, "'step' is 10000000000000, more than any run takes (at most 1,000,000,000,000)"),
     ({"layer": -7}, "'layer' is -7, not an integer >= 0"),
     ({"tokens": [5, 6]}, "'tokens' has 2 entries, not one per expert (4, as in the first row)"),
     ({"weight": [0.5]}, "'weight' is [0.5], not a list of 4 numbers or nulls"),
@@ -232,6 +235,8 @@ def test_statistics_the_recorder_writes_are_read(tmp_path, change):
     ('"amax": NaN', "'amax' is nan, not a number >= 0 (or inf)"),
     ('"mse": -1e-9', "'mse' is -1e-09, not a number >= 0 (or nan / inf)"),
     ('"numel": ' + "9" * 400, "'numel' is 9999"),
+    ('"step": 1e9', "'step' is 1000000000.0, not an integer >= 0"),
+    ('"step": 1000000000001', "'step' is 1000000000001, more than any run takes (at most 1,000,000,000,000)"),
     ('"role": "bias"', "'role' is 'bias', not one of weights | activations | gradients"),
 ])
 def test_an_impossible_statistic_is_refused_naming_the_file_line_and_key(tmp_path, text, says):

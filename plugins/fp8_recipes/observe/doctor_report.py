@@ -30,6 +30,7 @@ from fp8_recipes.rundir import (
     read_recipe,
     read_routing,
     read_summary,
+    step_problem,
 )
 from fp8_recipes.recipe.schema import ROLES, Recipe, RecipeError
 from fp8_recipes.recipe.yaml_guard import UnsafeYAML
@@ -94,20 +95,22 @@ def _metrics_row_problem(row: dict[str, Any]) -> str | None:
     null, nor a string jsonable() writes for NaN and inf: "NaN" is refused here as in numerics.jsonl), an autopilot
     row of an action training never takes, without an integer step (such a row was dropped, and --write patched
     a recipe the run never ended with) or whose changes are no mapping (Action.to_dict() writes one, {} if none)."""
-    kind = row.get("kind")
+    kind, step = row.get("kind"), row.get("step")
     bad = next((k for k in _READ.get(kind, ()) if row.get(k) is not None and json_number(row[k]) is None), None)
     if bad:
         return f"{bad!r} of a {kind} row is {row[bad]!r:.60}, not a number"
+    if kind in _READ and isinstance(step, int) and step_problem(step):  # (no integer at all: load_run says so)
+        return f"'step' of a {kind} row {step_problem(step)}"
     if kind != "autopilot":
         return None
     for key, known in (("action", (*ACTION_KINDS, "cap_reached")), ("role", (*ROLES, "*"))):
         if row.get(key) not in known:
             return f"{key!r} of an autopilot row is {row.get(key)!r:.60}, not one of {' | '.join(known)}"
-    module, step, changes = row.get("module"), row.get("step"), row.get("changes", {})
+    module, changes = row.get("module"), row.get("changes", {})
     if not isinstance(module, str):
         return f"'module' of an autopilot row is {module!r:.60}, not text"
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        return f"'step' of an autopilot row is {step!r:.60}, not an integer >= 0"
+    if step_problem(step):
+        return f"'step' of an autopilot row {step_problem(step)}"
     if not isinstance(changes, dict):
         return f"'changes' of an autopilot row is {changes!r:.60}, not a mapping of recipe keys to values"
     return None
