@@ -114,6 +114,12 @@ def test_settings_it_cannot_act_on_get_one_warning_each():
     assert autopilot_notices({"enabled": True}, on, delayed, 100) == []
     (line,) = autopilot_notices({"enabled": True}, on, nvfp4, 100)
     assert "NVFP4 operands (8 module(s)" in line and "non-finite recovery only" in line
+    # a run too short for patience statistics steps in a row (the preset's 3 x every 10: step 21)
+    preset_on = autopilot_config({**preset, "enabled": True})
+    assert autopilot_notices({**preset, "enabled": True}, preset_on, delayed, 21) == []
+    (line,) = autopilot_notices({**preset, "enabled": True}, preset_on, delayed, 20)
+    assert line.startswith("autopilot: it acts after autopilot.patience=3 statistics steps in a row, one every "
+                           "autopilot.interval=10 steps: at step 21 at the earliest, after trainer.max_steps=20")
 
 
 @pytest.mark.parametrize("recipe, actions, says", [

@@ -83,6 +83,12 @@ def autopilot_notices(raw: Any, autopilot: AutopilotConfig, plan: PrecisionPlan,
     nvfp4 = sorted({name for name, module in modules for gemm in module.gemms.values() for _, p in gemm.operands
                     if p is not None and p.scaling is Scaling.NVFP4})
     out = [line] if (line := _idle_actions_notice(autopilot.actions, plan.recipe)) else []
+    earliest = 1 + autopilot.interval * (autopilot.patience - 1)  # (statistics at steps 1, 1 + interval, ...)
+    if earliest > max_steps:
+        out.append(f"autopilot: it acts after autopilot.patience={autopilot.patience} statistics steps in a row, "
+                   f"one every autopilot.interval={autopilot.interval} steps: at step {earliest} at the earliest, "
+                   f"after trainer.max_steps={max_steps} (only its non-finite recovery can act); lower "
+                   f"autopilot.interval or patience, or autopilot=off")
     if nvfp4:
         out.append(f"autopilot: the NVFP4 operands ({len(nvfp4)} module(s), e.g. {nvfp4[0]}) get its non-finite "
                    f"recovery only: its signals and actions are FP8 scaling's (the doctor reads NVFP4's statistics: "
