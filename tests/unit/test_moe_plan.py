@@ -72,6 +72,10 @@ def test_gpu_only_moe_keys_are_refused_on_the_cpu_and_idle_ones_warned():
     [line] = model_notices({**MOE, "moe_grouped_gemm": True}, device="cpu")
     assert line.startswith("model.moe_grouped_gemm=true does nothing on the CPU")
     assert model_notices({**MOE, "moe_grouped_gemm": True}, device="cuda") == []
+    # (a hostile-input sweep: Megatron-Core's get_aux_loss_coeff is 0 under balancing type none)
+    [line] = model_notices({**MOE, "moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.5}, device="cpu")
+    assert line.startswith("model.moe_aux_loss_coeff=0.5 does nothing with model.moe_router_load_balancing_type=none")
+    assert model_notices({**MOE, "moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0}, device="cpu") == []
 
 
 def test_moe_keys_of_a_dense_model_are_named_in_one_line_and_the_expert_width_said():

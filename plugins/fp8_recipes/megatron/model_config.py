@@ -249,6 +249,10 @@ def model_notices(cfg: Mapping[str, Any], *, device: str) -> list[str]:
                                                                  "allgather") == "allgather":
         out.append("model.moe_pad_expert_input_to_capacity=true does nothing with the allgather dispatcher: it drops "
                    "tokens past the capacity but pads none; the alltoall dispatcher (GPU) pads every expert to it")
+    if cfg.get("moe_router_load_balancing_type") == "none" and cfg.get("moe_aux_loss_coeff"):
+        out.append(f"model.moe_aux_loss_coeff={cfg['moe_aux_loss_coeff']} does nothing with "
+                   f"model.moe_router_load_balancing_type=none (Megatron-Core adds no load-balancing loss); set a "
+                   f"balancing type (e.g. aux_loss), or moe_aux_loss_coeff=0")
     return out
 
 
