@@ -31,12 +31,14 @@ def main() -> None:
     args = p.parse_args()
 
     from fp8_recipes.bench.output import save_json
+    from fp8_recipes.launcher import launch_rank
     from fp8_recipes.training.config import check_writable_file
-    from fp8_recipes.training.errors import USER_ERROR_EXIT, ConsoleFormatter
+    from fp8_recipes.training.errors import USER_ERROR_EXIT, ConsoleFormatter, print_error_once
 
     console = logging.StreamHandler()
     console.setFormatter(ConsoleFormatter("%(message)s"))  # `warning: ...`, as scripts/train.py's console says it
-    logging.basicConfig(level=logging.WARNING, handlers=[console])
+    # under torchrun every rank evaluates alike: rank 0 says it (the warnings, the error, the result) and writes it
+    logging.basicConfig(level=logging.WARNING if launch_rank() == 0 else logging.ERROR, handlers=[console])
     from fp8_recipes.training.evaluate import evaluate_checkpoint, format_parity
 
     out = args.out or args.run_dir / "parity.json"
@@ -48,10 +50,11 @@ def main() -> None:
         result = evaluate_checkpoint(args.run_dir, checkpoint=args.checkpoint, recipe=args.recipe,
                                      eval_iters=args.eval_iters)
     except ValueError as e:  # a user error: one line naming the argument, nothing written
-        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        print_error_once([str(e).splitlines()[0]])
         sys.exit(USER_ERROR_EXIT)
-    save_json(out, result)
-    print(format_parity(result))
+    if launch_rank() == 0:
+        save_json(out, result)
+        print(format_parity(result))
 
 
 if __name__ == "__main__":

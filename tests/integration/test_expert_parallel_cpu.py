@@ -271,18 +271,25 @@ def test_a_checkpoint_resumes_at_another_expert_parallel_size(runs, name):
 
 
 @pytest.mark.slow
-def test_an_expert_parallel_checkpoint_is_evaluated_in_one_process(runs):
+def test_an_expert_parallel_checkpoint_is_evaluated_in_one_process(runs, caplog):
     """scripts/eval_checkpoint.py's evaluation of EP=2's step-2 checkpoint in one process (EP=1): the EP ranks'
-    experts joined on load, as a resume at EP=1 joins them; FP8 and BF16 losses finite and apart."""
+    experts joined on load, as a resume at EP=1 joins them; FP8 and BF16 losses finite and apart. Under a recipe
+    whose layer rules keep both layers BF16 (safe) it says so in one warning (a hostile-input sweep: a +0.000% gap
+    without a word)."""
     import math
 
     from fp8_recipes.training.evaluate import evaluate_checkpoint
 
-    result = evaluate_checkpoint(runs["delayed-ep2"]["run_dir"], checkpoint=runs["delayed-ep2"]["run_dir"] /
-                                 "checkpoints" / f"step_{SAVED}", eval_iters=2)
+    step_dir = runs["delayed-ep2"]["run_dir"] / "checkpoints" / f"step_{SAVED}"
+    result = evaluate_checkpoint(runs["delayed-ep2"]["run_dir"], checkpoint=step_dir, eval_iters=2)
     assert result["trained_steps"] == SAVED and math.isfinite(result["fp8_loss"]), result
     assert result["fp8_loss"] != result["bf16_loss"], result
     assert abs(result["fp8_loss"] / runs["delayed-ep2"]["ranks"][0]["losses"][SAVED] - 1) < 0.05, result
+    assert not [r for r in caplog.records if "no GEMM of this model runs FP8" in r.getMessage()]
+    safe = evaluate_checkpoint(runs["delayed-ep2"]["run_dir"], checkpoint=step_dir, eval_iters=1, recipe="safe")
+    assert safe["fp8_loss"] == safe["bf16_loss"], safe
+    said = [r.getMessage() for r in caplog.records if "no GEMM of this model runs FP8" in r.getMessage()]
+    assert said and said[0].startswith("--recipe safe: no GEMM of this model runs FP8 at the evaluated step"), said
 
 
 @pytest.mark.slow

@@ -52,6 +52,16 @@ def gap_pct(value: float, reference: float) -> float:
     return 100.0 * (value - reference) / reference if reference else math.nan
 
 
+def _warn_if_all_bf16(plan: PrecisionPlan, recipe: Any, step: int) -> None:
+    """One warning when the evaluated step runs no GEMM in FP8 (its layer rules keep every layer of this model BF16):
+    the FP8 and BF16 losses are then the same model's, and the gap says nothing."""
+    at = plan.at(step)
+    if recipe.is_fp8 and not at.attention and not any(m.any_fp8 for m in at.modules.values()):
+        logger.warning("--recipe %s: no GEMM of this model runs FP8 at the evaluated step (recipe.layers keeps all %d "
+                       "layers BF16): the FP8 and BF16 losses are the same; evaluate with a recipe that quantizes "
+                       "this model", recipe.name, plan.layout.num_layers)
+
+
 def eval_step_all_on(recipe: Any, trained_steps: int) -> int:
     """The 0-based step whose plan evaluates: the checkpoint's last training step, or later when the schedule's
     last stage had not begun by then (every FP8 role on: the recipe's steady state, what inference would run)."""
@@ -166,6 +176,7 @@ def _evaluate(cfg: Any, recipe: Any, step_dir: Path, eval_iters: int, train_dp: 
         engine = Engine(chunks, None, trainer, seq_length=int(cfg.model.seq_length), num_microbatches=len(valid),
                         device=device)
         step = eval_step_all_on(recipe, checkpoint_step(step_dir))
+        _warn_if_all_bf16(plan, recipe, step)
         stage = precision.begin_step(step)
         fp8_loss = engine.evaluate(valid)
         with precision.high_precision():
