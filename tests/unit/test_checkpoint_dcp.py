@@ -611,6 +611,11 @@ def test_meta_records_the_expert_count_so_a_resume_names_it(tmp_path):
         "num_moe_experts", "4", "8")
     dense = {k: v for k, v in moe.items() if k != "num_moe_experts"}
     assert _cfg_model_fields(dense, 1)["num_moe_experts"] is None
+    # (a sweep: another expert width was named by a tensor's shape, not the key)
+    assert meta["model"]["moe_ffn_hidden_size"] == 4 * 64  # (no width given: Megatron-Core's default)
+    assert _model_difference(meta, _cfg_model_fields({**moe, "moe_ffn_hidden_size": 128}, 1), same_tp=True) == (
+        "moe_ffn_hidden_size", "256", "128")
+    assert _cfg_model_fields({**dense, "moe_ffn_hidden_size": 128}, 1)["moe_ffn_hidden_size"] is None  # (idle there)
 
 
 @pytest.mark.parametrize("edit, says", [

@@ -68,7 +68,7 @@ import re
 import shutil
 import warnings
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -871,7 +871,7 @@ def _model_fields(chunks: list[torch.nn.Module]) -> dict[str, Any]:
              "num_query_groups": c.num_query_groups or c.num_attention_heads, "normalization": c.normalization,
              "activation": "swiglu" if c.gated_linear_unit else "gelu", "add_bias_linear": c.add_bias_linear,
              "share_embeddings_and_output_weights": bool(getattr(gpt, "share_embeddings_and_output_weights", False)),
-             "vocab_size": getattr(gpt, "vocab_size", None), "num_moe_experts": getattr(c, "num_moe_experts", None)}
+             "vocab_size": getattr(gpt, "vocab_size", None), **_moe_fields(c)}
     return {"model": model, "params_dtype": _DTYPES.get(c.params_dtype, str(c.params_dtype))}
 
 
@@ -886,8 +886,21 @@ def _cfg_model_fields(model_cfg: dict[str, Any], tensor_parallel: int) -> dict[s
             "activation": "swiglu" if model_cfg.get("activation", "gelu") == "swiglu" else "gelu",
             "add_bias_linear": bool(model_cfg.get("add_bias_linear", False)),
             "share_embeddings_and_output_weights": bool(model_cfg.get("share_embeddings_and_output_weights", False)),
-            "vocab_size": pad_vocab_size(int(model_cfg["vocab_size"]), tensor_parallel),
-            "num_moe_experts": None if model_cfg.get("num_moe_experts") is None else int(model_cfg["num_moe_experts"])}
+            "vocab_size": pad_vocab_size(int(model_cfg["vocab_size"]), tensor_parallel), **_moe_fields(model_cfg)}
+
+
+def _moe_fields(c: Any) -> dict[str, Any]:
+    """The MoE part of the model record, from a built model's TransformerConfig or a model config group alike: the
+    routed experts' count and FFN width and the shared experts' width (all null for a dense model, whatever MoE keys
+    its config holds: they do nothing there)."""
+    get = c.get if isinstance(c, Mapping) else lambda key: getattr(c, key, None)
+    if get("num_moe_experts") is None:
+        return {"num_moe_experts": None, "moe_ffn_hidden_size": None, "moe_shared_expert_intermediate_size": None}
+    shared = get("moe_shared_expert_intermediate_size")
+    return {"num_moe_experts": int(get("num_moe_experts")),
+            "moe_ffn_hidden_size": int(get("moe_ffn_hidden_size") or get("ffn_hidden_size")
+                                       or 4 * int(get("hidden_size"))),  # (plan/precision.py's expert_ffn_size)
+            "moe_shared_expert_intermediate_size": None if shared is None else int(shared)}
 
 
 def _model_difference(meta: dict[str, Any], here: dict[str, Any], same_tp: bool) -> tuple[str, str, str] | None:
@@ -1207,7 +1220,7 @@ def _load_scaling(step_dir: Path, precision, kept: dict[tuple[int, int, int], di
         saved_tp = 1 + max(t for t, _, _ in kept)
         why = (f"was written by recipe {scaling.get('recipe')!r}, this run uses {current!r}" if scaling is not None
                else f"holds a different scaling state on each of its {saved_tp} tensor-parallel ranks")
-        logger.warning("resume: %s %s: scaling state reset (model, optimizer, LR schedule and step resharded)",
+        logger.warning("resume: %s %s: scaling state reset (the weights and the rest resharded)",
                        step_dir, why)
 
 
