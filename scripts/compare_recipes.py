@@ -63,6 +63,9 @@ def main() -> None:
         if args.plot_only and not args.plot_only.is_dir():
             raise ValueError(f"--plot-only: '{args.plot_only}' is not a directory; give a directory written by "
                              f"scripts/compare_recipes.py")
+        if not args.plot_only and set(args.recipes) <= {"bf16"}:  # (the BF16 reference runs anyway: nothing beside it)
+            raise ValueError("--recipes: bf16 alone compares nothing (every comparison runs the BF16 reference "
+                             "anyway); name FP8 recipes, e.g. --recipes tensorwise blockwise")
         if args.plot_only:
             result = collect(args.plot_only)
         else:

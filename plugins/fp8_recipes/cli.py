@@ -143,6 +143,10 @@ def _cmd_doctor(args) -> int:
         run = load_run(args.run_dir)
         baselines = [load_run(b, "--baseline") for b in args.baseline or []]
         baseline, seeds = (baselines[0], baselines[1:]) if baselines else (None, [])
+        for given, b in zip(args.baseline or [], baselines):  # (a silent gap against another FP8 run: said once)
+            if b.recipe is not None and b.recipe.is_fp8:
+                print(f"warning: --baseline {given} trained recipe {b.recipe.name!r}, not BF16: the gaps below are "
+                      f"to that FP8 run; give a +recipe=bf16 run of the same config and seed", file=sys.stderr)
         if args.write is not None and (not args.write or Path(args.write).is_dir()
                                        or not Path(args.write).resolve().parent.is_dir()):
             raise DoctorInputError(f"--write: '{args.write}' is a directory or its directory does not exist (give a "

@@ -157,6 +157,7 @@ def test_plot_only_redraws_from_the_run_dirs(shootout):
     (["--recipes", "tensorwise", "trainer.max_stepz=3"], "error: trainer.max_stepz: not in the config"),
     (["--plot-only", "no/such/shootout"], "error: --plot-only: 'no/such/shootout' is not a directory"),
     (["--parity-iters", "0"], "error: --parity-iters: 0 must be >= 1"),
+    (["--recipes", "bf16"], "error: --recipes: bf16 alone compares nothing"),  # (it ran 200 steps of BF16 alone)
 ])
 def test_bad_input_is_one_line_exit_2(args, expected, tmp_path):
     out = tmp_path / "out"

@@ -553,6 +553,17 @@ def test_a_seed_baseline_that_is_not_a_run_or_too_short_is_a_user_error(tmp_path
     assert err.startswith("error: --baseline: ") and "lacks 10 of the steps" in err, err
 
 
+def test_an_fp8_baseline_is_warned_about(tmp_path, capsys):
+    """--baseline takes a BF16 run: another FP8 run was accepted silently (a hostile-input sweep); one warning."""
+    run = write_run(tmp_path / "run", gapped_losses(0.03, opens=1))
+    fp8 = write_run(tmp_path / "fp8", smooth_losses(), recipe="delayed")
+    rc, out, err = doctor(capsys, run, "--baseline", fp8)
+    assert err.count("\n") == 1 and err.startswith(f"warning: --baseline {fp8} trained recipe 'delayed', not BF16"), err
+    bf16 = write_run(tmp_path / "bf16", smooth_losses(), recipe="bf16", stage="bf16")
+    rc, out, err = doctor(capsys, run, "--baseline", bf16)
+    assert "warning: --baseline" not in err, err
+
+
 def test_the_role_with_the_worst_evidence_comes_first_even_when_another_is_role_wide():
     """One dead layer's activations (100 % underflow: the cause) and, as its consequence, stale delayed gradient
     scales in half the linears (role-wide, mild): the activations' change comes first, as the stale-history run
