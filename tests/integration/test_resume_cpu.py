@@ -207,6 +207,9 @@ def test_a_finished_run_resumed_under_another_model_is_refused_as_with_steps_lef
         lines.append(str(e.value))
     assert lines[0] == lines[1] and lines[0].startswith("model.num_moe_experts: the checkpoint has null, this run 4 ("), \
         lines
+    # (a sweep: "resume with model.num_moe_experts=4" on a dense config is a key it does not have; the group is)
+    assert lines[0].endswith("resume with the model group it was saved with (a dense model: its run dir's "
+                             ".hydra/config.yaml names it), or start a fresh run)"), lines
     overrides = [o for o in small_run(tmp_path / "new", steps=STEPS) if not o.startswith("trainer.save_checkpoints=")]
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     p = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "+recipe=bf16", f"trainer.resume={run}",

@@ -948,8 +948,12 @@ def _check_model_fields(step_dir: Path, models: list[torch.nn.Module]) -> None:
         key, shown, value = diff
         note = f" (padded to a multiple of {VOCAB_MULTIPLE} x TP; set by model.vocab_size or the tokenizer)" \
             if key == "vocab_size" else ""
-        raise ConfigError(f"model.{key}: the checkpoint has {shown}, this run {value}{note} {where} "
-                          f"model.{key}={shown}, or start a fresh run)")
+        fix = f"model.{key}={shown}"
+        if key.startswith("num_moe_experts") and "null" in (shown, value):  # (a dense model vs an MoE one: a group)
+            kind = "a dense model" if shown == "null" else "a Mixture-of-Experts model"
+            fix = f"the model group it was saved with ({kind}: its run dir's .hydra/config.yaml names it)"
+        raise ConfigError(f"model.{key}: the checkpoint has {shown}, this run {value}{note} {where} {fix}, or start "
+                          f"a fresh run)")
 
 
 def _saved_params_dtype(step_dir: Path) -> str | None:
