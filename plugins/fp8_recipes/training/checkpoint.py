@@ -202,6 +202,10 @@ def _shard_key(tp_rank: int, pp_rank: int = 0, ep_rank: int | None = None, etp_r
             + (f"et{etp_rank:02d}" if etp_rank is not None else ""))
 
 
+_SHARD_KEY = re.compile(r"pp(\d+)tp(\d+)(?:ep(\d+))?(?:et(\d+))?$")
+"""A :func:`_shard_key` read back: pipeline, tensor-parallel, and (when there) expert-parallel and expert TP rank."""
+
+
 def _split_tensors(obj: Any, path: tuple[str, ...], tensors: dict[str, torch.Tensor]) -> Any:
     """``obj`` with each tensor moved into ``tensors`` (named by its key path) and a ``(_TENSOR, name)`` marker left.
 
@@ -264,10 +268,14 @@ def _write_payload(step_dir: Path, key: str, payload: dict[str, Any]) -> None:
 
 def _saved_payloads(step_dir: Path) -> dict[str, list[tuple[tuple, Any]]]:
     """Per shard key in the DCP dir ``step_dir``, its entries as (key path below the key, storage metadata),
-    read from ``.metadata`` only (``planner_data`` maps each flattened key to its path)."""
+    read from ``.metadata`` only."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    metadata = FileSystemReader(step_dir).read_metadata()
+    return _payloads_in(FileSystemReader(step_dir).read_metadata())
+
+
+def _payloads_in(metadata: Any) -> dict[str, list[tuple[tuple, Any]]]:
+    """:func:`_saved_payloads` of DCP's index once read (``planner_data`` maps each flattened key to its path)."""
     per_tp: dict[str, list[tuple[tuple, Any]]] = {}
     for fqn, storage in metadata.state_dict_metadata.items():
         path = (metadata.planner_data or {}).get(fqn)
@@ -504,10 +512,8 @@ def checkpoint_damage(step_dir: str | os.PathLike, *, contents: bool = True,
         return "does not exist"
     if not (step_dir / _METADATA).is_file():
         return f"its {_METADATA} (the index of its shards) is missing"
-    problem = _records_damage(step_dir) or _indexed_files_damage(step_dir)
+    problem = _records_damage(step_dir) or _index_damage(step_dir)
     if problem:
-        return problem
-    if (step_dir / "meta.json").is_file() and (problem := _payloads_damage(step_dir, checkpoint_meta(step_dir))):
         return problem
     record = step_dir / _CHECKSUMS
     if not record.is_file():  # written before the record existed: the files DCP indexed are there
@@ -554,6 +560,9 @@ def _records_damage(step_dir: Path) -> str | None:
 _META_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
                "data_parallel_size", "context_parallel_size", "expert_model_parallel_size",
                "expert_tensor_parallel_size", "global_batch_size", "micro_batch_size")
+_META_NULLABLE = frozenset({"virtual_pipeline_model_parallel_size", "data_parallel_size", "context_parallel_size",
+                            "expert_tensor_parallel_size", "global_batch_size", "micro_batch_size"})
+"""The sizes a meta.json may hold as null (readers take a default for them)."""
 _META_COUNTS = ("step", "consumed_samples")
 
 
@@ -566,8 +575,7 @@ def _meta_values_damage(meta: dict[str, Any]) -> str | None:
 
     for key in (*_META_SIZES, *_META_COUNTS):
         value, low = meta.get(key), 0 if key in _META_COUNTS else 1
-        if key in meta and not whole(value, low) and not (value is None and key in _META_SIZES[2:] and
-                                                          key != "expert_model_parallel_size"):
+        if key in meta and not whole(value, low) and not (value is None and key in _META_NULLABLE):
             return f"its meta.json's {key!r} is {json.dumps(value)[:40]}, not an integer >= {low}"
     model = meta.get("model")
     if "model" in meta and not isinstance(model, dict):
@@ -578,28 +586,27 @@ def _meta_values_damage(meta: dict[str, Any]) -> str | None:
     return None
 
 
-def _indexed_files_damage(step_dir: Path) -> str | None:
-    """A data file DCP's index names that is not there (checksums.json may be gone or empty: its list is not the only
-    one), or None; an index that does not read is left to the checks that name it."""
+def _index_damage(step_dir: Path) -> str | None:
+    """What DCP's index says is wrong, or None: a data file it names that is not there (checksums.json may be gone or
+    empty: its list is not the only one), or a meta.json whose expert-parallel size is not the one the payloads were
+    written at (``ppPPtpRRepEE`` keys: one per EP rank). An index that does not read is left to the checks that name
+    it."""
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
-        storage = FileSystemReader(step_dir).read_metadata().storage_data or {}
+        metadata = FileSystemReader(step_dir).read_metadata()
     except Exception:  # noqa: BLE001 - an unreadable index is damage reported where the payloads are read
         return None
-    names = {getattr(info, "relative_path", None) for info in storage.values()} - {None}
+    names = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()} - {None}
     missing = sorted(name for name in names if not (step_dir / name).is_file())
-    return f"{missing[0]} (named by its {_METADATA}) is missing" if missing else None
-
-
-def _payloads_damage(step_dir: Path, meta: dict[str, Any]) -> str | None:
-    """A meta.json whose expert-parallel size is not the one its payloads were written at (``ppPPtpRRepEE`` keys:
-    one per EP rank), or None."""
-    keys = _readable_payloads(step_dir)
-    ranks = {int(m.group(1)) for m in map(re.compile(r"pp\d+tp\d+ep(\d+)").match, keys) if m}
-    written = max(ranks) + 1 if ranks else 1
-    saved = meta.get("expert_model_parallel_size") or 1
-    if keys and written != saved:
+    if missing:
+        return f"{missing[0]} (named by its {_METADATA}) is missing"
+    keys = _payloads_in(metadata)
+    if not keys or not (step_dir / "meta.json").is_file():
+        return None
+    ranks = {int(m.group(3)) for m in map(_SHARD_KEY.match, keys) if m and m.group(3) is not None}
+    written, saved = max(ranks, default=0) + 1, checkpoint_meta(step_dir).get("expert_model_parallel_size") or 1
+    if written != saved:
         return (f"its meta.json says expert_model_parallel_size {saved}, its payloads were written at "
                 f"{written} ({', '.join(sorted(keys)[:4])})")
     return None
@@ -773,7 +780,7 @@ def checkpoint_meta(step_dir: str | os.PathLike) -> dict[str, Any]:
     if (step_dir / "meta.json").is_file():
         return json.loads((step_dir / "meta.json").read_text(encoding="utf-8"))
     shards = _saved_payloads(step_dir)
-    tp_ranks = {m.group(1) for m in map(re.compile(r"pp00tp(\d+)").match, shards) if m}
+    tp_ranks = {m.group(2) for m in map(_SHARD_KEY.match, shards) if m and int(m.group(1)) == 0}
     return {"step": checkpoint_step(step_dir), "tensor_model_parallel_size": len(tp_ranks) or len(shards)}
 
 
@@ -1125,7 +1132,8 @@ def _scaling_state(shards: dict[tuple[int, int, int], Any], tp: int, tp_rank: in
                 for name, entry in value.items():
                     if _GROUPED_EXPERTS.search(str(name)):
                         if e != ep_rank:  # another EP rank's experts under the same name
-                            dropped.update([name] if ep_rank is None else [])
+                            if ep_rank is None:
+                                dropped.add(name)
                             continue
                     elif e and ".mlp.experts." not in str(name):
                         continue  # a dense module: EP rank 0's, as the weights are (amaxes may differ per DP rank)
