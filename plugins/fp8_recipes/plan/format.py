@@ -238,7 +238,7 @@ def format_plan(plan: PrecisionPlan, max_steps: int | None = None, parallel: Par
         lines.append(f"warning: modules pattern '{pat}' matches no module of this model: its policies do nothing")
     for pat, why in plan.idle_module_patterns:
         lines.append(f"warning: modules pattern '{pat}' {why}")
-    if r.is_fp8 and not final.attention and not any(m.any_fp8 for m in final.modules.values()):
+    if r.is_fp8 and not final.any_fp8:
         rules = r.layers
         lines.append(f"warning: no GEMM of this model runs FP8, every linear layer stays BF16 (why BF16 above: "
                      f"recipe.layers.bf16_first={rules.bf16_first}, bf16_last={rules.bf16_last}"

@@ -420,6 +420,11 @@ class StepPlan:
     which its core attention runs; a linear whose TE recipe differs (a ``modules:`` override, a BF16 pattern) runs
     under its own inside it."""
 
+    @property
+    def any_fp8(self) -> bool:
+        """Whether any GEMM or core attention runs FP8 this step."""
+        return bool(self.attention) or any(m.any_fp8 for m in self.modules.values())
+
 
 class PrecisionPlan:
     """Resolves a recipe for one model on one machine. Pure: same inputs, same plan."""

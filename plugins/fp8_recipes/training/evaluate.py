@@ -55,8 +55,7 @@ def gap_pct(value: float, reference: float) -> float:
 def _warn_if_all_bf16(plan: PrecisionPlan, recipe: Any, step: int) -> None:
     """One warning when the evaluated step runs no GEMM in FP8 (its layer rules keep every layer of this model BF16):
     the FP8 and BF16 losses are then the same model's, and the gap says nothing."""
-    at = plan.at(step)
-    if recipe.is_fp8 and not at.attention and not any(m.any_fp8 for m in at.modules.values()):
+    if recipe.is_fp8 and not plan.at(step).any_fp8:
         logger.warning("--recipe %s: no GEMM of this model runs FP8 at the evaluated step (recipe.layers keeps all %d "
                        "layers BF16): the FP8 and BF16 losses are the same; evaluate with a recipe that quantizes "
                        "this model", recipe.name, plan.layout.num_layers)
