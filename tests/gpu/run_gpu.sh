@@ -19,6 +19,8 @@
 #     SEED=4321 NAME=cmp4321 bash tests/gpu/run_gpu.sh shootout   # gpt_125m shoot-out, 1000 steps, 4 runs at once
 #     MODEL=moe_small RECIPES="delayed tensorwise blockwise moe_blockwise" PARALLEL=5 PARITY=0 \
 #         bash tests/gpu/run_gpu.sh shootout  # the MoE shoot-out (issue 28)
+#     bash tests/gpu/run_gpu.sh pilot-shootout  # issue 30: the shoot-out with autopilot=on, GPU tests beside it
+#     bash tests/gpu/run_gpu.sh nvfp4-profile   # issue 29: bench_train --profile, bf16 / emulated parts / nvfp4
 #     bash tests/gpu/run_gpu.sh moe          # MoE on TE: its GPU tests + bench_train on mixtral_8x7b_4l (caps 240 + 300 s)
 #         (ENGINE=1: bench_train --engine, scripts/train.py's step; TESTS: other test files or node ids)
 #     bash tests/gpu/run_gpu.sh moe-stats    # statistics overhead at interval 10 on moe_small's grouped experts
@@ -36,7 +38,7 @@
 # BASELINE: a checkout of the engine before (git archive 107c97b plugins conf scripts recipes setup.cfg | tar -x -C .oldsrc)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${OUT:-runs/gpu}
+export OUT=${OUT:-runs/gpu}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/plugins${PYTHONPATH:+:$PYTHONPATH}"
@@ -81,14 +83,53 @@ handoff)
   echo; stamp "summary"; grep -E "^hf_gpu:| passed| failed|^FAILED|^ERROR" "$OUT/handoff.log" | tail -20
   ;;
 shootout)
-  # One shoot-out of gpt_125m, 1000 steps (docs/benchmarks.md): RECIPES, SEED and EXTRA (more overrides) vary it.
+  # One shoot-out of gpt_125m, 1000 steps (docs/benchmarks.md): RECIPES, SEED, MBS and EXTRA (more overrides) vary it.
+  # The runs live in $WORK (default /tmp/shootout; only 8 files come back): $OUT gets the table, JSON and plot, and
+  # NAME-runs.tar.gz with each run's metrics, numerics, summary, plan and log (compare_recipes.py --plot-only redraws)
+  W=${WORK:-/tmp/shootout}; N=${NAME:-cmp}; mkdir -p "$W"
   stamp "compare_recipes: ${MODEL:-gpt_125m} ${RECIPES:-fast delayed tensorwise} seed ${SEED:-1234} ${EXTRA:-}" \
-      | tee "$OUT/shootout.log"
+      | tee "$OUT/$N.log"
   timeout -s INT ${SHOOT_CAP:-580} "$PY" scripts/compare_recipes.py --recipes ${RECIPES:-fast delayed tensorwise} \
       --parallel ${PARALLEL:-4} $([ "${PARITY:-1}" = 0 ] && echo --no-parity) \
-      --out "$OUT/${NAME:-cmp}" model=${MODEL:-gpt_125m} trainer=gpu trainer.max_steps=1000 trainer.micro_batch_size=8 \
+      --out "$W/$N" model=${MODEL:-gpt_125m} trainer=gpu trainer.max_steps=1000 trainer.micro_batch_size=${MBS:-8} \
       trainer.global_batch_size=16 trainer.eval_interval=1000 trainer.eval_iters=16 trainer.seed=${SEED:-1234} \
-      ${EXTRA:-} 2>&1 | grep -v -E "it/s\]|step/s" | tail -40 | tee -a "$OUT/shootout.log"
+      ${EXTRA:-} 2>&1 | grep -v -E "it/s\]|step/s" | tail -40 | tee -a "$OUT/$N.log"
+  cp "$W/$N"/compare.md "$W/$N"/compare.json "$W/$N"/compare.png "$OUT/" 2>/dev/null
+  for f in compare.md compare.json compare.png; do [ -f "$OUT/$f" ] && mv "$OUT/$f" "$OUT/$N-$f"; done
+  tar -czf "$OUT/$N-runs.tar.gz" -C "$W" --exclude=checkpoints --exclude=tb "$N" 2>/dev/null
+  ;;
+pilot-shootout)
+  # Issue 30 item 6: the gpt_125m shoot-out with autopilot=on in every run (no action expected on the shipped
+  # recipes; the table's "autopilot actions" column), the GPU tests left from the 2026-12-06 burst running beside it
+  # (compiled NVFP4 signs, the TE autopilot, delayed scaling in one direction). Loss is the claim: tokens/s shared
+  # the device with the tests.
+  ( EXTRA="autopilot=on ${EXTRA:-}" PARITY=${PARITY:-0} NAME=${NAME:-pilot} bash "$0" shootout ) &
+  shoot=$!
+  sleep 20  # (the shoot-out prepares its data first)
+  stamp "GPU tests beside the shoot-out" | tee "$OUT/tests.log"
+  timeout -s INT ${TEST_CAP:-240} "$PY" -m pytest tests/gpu/test_nvfp4_ref.py tests/gpu/test_te_autopilot.py \
+      "tests/gpu/test_te_training.py::test_delayed_scaling_in_one_direction_trains" -q -p no:cacheprovider \
+      -o addopts="" -rfEs --tb=short 2>&1 | grep -v "^DEBUG " >> "$OUT/tests.log"
+  wait $shoot
+  echo; stamp "summary"
+  grep -E " passed| failed|^FAILED|^ERROR" "$OUT/tests.log" | tail -12
+  cat "$OUT/${NAME:-pilot}-compare.md" 2>/dev/null || tail -5 "$OUT/${NAME:-pilot}.log"
+  ;;
+nvfp4-profile)
+  # Issue 29 item 6: where an emulated NVFP4 step's time goes, beside its parts (the local spec without
+  # quantization, emulated FP8) and BF16 on TE's layers; 16 Llama-3-8B layers on a card with >100 GiB, else 8
+  mem=$("$PY" -c "import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)")
+  model=${MODELS:-llama3_8b_16l}; [ -z "${MODELS:-}" ] && [ "$mem" -lt 100 ] && model=llama3_8b_8l
+  stamp "$("$PY" -c "import torch; print(torch.cuda.get_device_name())"), ${mem} GiB: bench_train $model --profile" \
+      | tee "$OUT/nvfp4_profile.log"
+  timeout -s INT ${BENCH_CAP:-420} "$PY" scripts/bench_train.py --models $model --seq 4096 --mbs 2 --warmup 2 \
+      --steps ${STEPS:-4} --configs ${CONFIGS:-bf16 bf16+emulated tensorwise+emulated nvfp4} --profile \
+      --out /tmp/nvfp4_profile 2>&1 | tee -a "$OUT/nvfp4_profile.log"
+  cp /tmp/nvfp4_profile/bench_train.json "$OUT/bench_nvfp4_profile.json" 2>/dev/null
+  cp /tmp/nvfp4_profile/*.png "$OUT/" 2>/dev/null
+  echo; stamp "summary"
+  [ -f "$OUT/bench_nvfp4_profile.json" ] && "$PY" scripts/bench_train.py --plot-only "$OUT/bench_nvfp4_profile.json" \
+      2>&1 | grep '^|'
   ;;
 levers)
   stamp "GPU tests: TE training (FP8 LM head included) and statistics" | tee "$OUT/tests.log"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fp8_recipes.bench.compare import (
-    REFERENCE, add_gaps, check_runs, collect, final_loss, routing_summary, run_overrides, save, steady_tokens_per_s,
+    REFERENCE, add_gaps, autopilot_summary, check_runs, collect, final_loss, routing_summary, run_overrides, save, steady_tokens_per_s,
     summarize, summarize_run,
 )
 from fp8_recipes.recipe.pack import load_recipe
@@ -125,6 +125,30 @@ def test_an_moe_runs_routing_is_summarized_and_tabulated(tmp_path):
     assert lines[3].endswith(f"| {summary['imbalance']:.3f} | 25.0% | ok |") and lines[2].endswith("| - | - | ok |")
     dense = collect(tmp_path, ["bf16"])  # a dense shoot-out's table has no routing columns
     assert "routing" not in summarize(dense)
+
+
+def test_the_autopilots_actions_are_counted_and_tabulated_when_it_was_on(tmp_path):
+    n = 20
+    for name in ("bf16", "delayed", "tensorwise"):
+        _write_run(tmp_path / name, [5.0 - 0.05 * i for i in range(n)], 3.1)
+    (tmp_path / "delayed" / ".hydra").mkdir()
+    (tmp_path / "delayed" / ".hydra" / "config.yaml").write_text("autopilot:\n  enabled: true\n  dry_run: false\n")
+    (tmp_path / "tensorwise" / ".hydra").mkdir()
+    (tmp_path / "tensorwise" / ".hydra" / "config.yaml").write_text("autopilot:\n  enabled: true\n  dry_run: true\n")
+    actions = [{"kind": "autopilot", "step": 11, "action": "to_current", "dry": True},
+               {"kind": "autopilot", "step": 31, "action": "shorten_history", "dry": True},
+               {"kind": "autopilot", "step": 41, "action": "cap_reached"}]
+    with open(tmp_path / "tensorwise" / "metrics.jsonl", "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in actions))
+    result = collect(tmp_path, ["bf16", "delayed", "tensorwise"])
+    assert [r["autopilot"] for r in result["runs"]] == [None, {"actions": 0, "dry_run": False},
+                                                        {"actions": 2, "dry_run": True}]
+    lines = summarize(result).splitlines()
+    assert "| autopilot actions | status |" in lines[0]
+    assert lines[2].endswith("| - | ok |") and lines[3].endswith("| 0 | ok |")
+    assert lines[4].endswith("| 2 (dry run) | ok |")
+    assert "autopilot" not in summarize(collect(tmp_path, ["bf16"]))  # off everywhere: no column
+    assert autopilot_summary({"autopilot": {"enabled": "yes"}}, []) is None  # (only a real true means on)
 
 
 def test_summarize_run_of_a_missing_dir_is_a_not_run_row(tmp_path):

@@ -18,7 +18,9 @@ What the table says, from each run's own metrics.jsonl:
 - eval loss: the last ``val_loss`` the run logged (same validation batches in every run);
 - parity: the FP8-trained checkpoint's eval loss with FP8 and with BF16 GEMMs, and their gap;
 - routing (an MoE model): the mean load imbalance over steps and MoE layers and the share of idle expert slots, from
-  the run's routing.jsonl (a recipe that moves the router's inputs can move its routing).
+  the run's routing.jsonl (a recipe that moves the router's inputs can move its routing);
+- autopilot (a run with ``autopilot=on``): the actions it took (its ``kind: autopilot`` metrics rows, the
+  ``cap_reached`` note left out; a dry run's are counted as what it would have done).
 """
 
 from __future__ import annotations
@@ -40,14 +42,14 @@ from typing import Any, Sequence
 from fp8_recipes.bench.output import markdown_table, save_json
 from fp8_recipes.megatron.data import prepare_dataset
 from fp8_recipes.recipe.pack import check_pack_names, conf_dir, project_root
-from fp8_recipes.rundir import METRICS, ROUTING, last_metrics_step, read_jsonl, read_metrics, read_summary
+from fp8_recipes.rundir import HYDRA, METRICS, ROUTING, last_metrics_step, read_jsonl, read_metrics, read_summary
 from fp8_recipes.training.config import check_run_config
 from fp8_recipes.training.errors import one_line
 from fp8_recipes.training.evaluate import evaluate_checkpoint, format_parity, gap_pct
 from fp8_recipes.training.progress import PlainBar
 from fp8_recipes.training.run import resolve_recipe
 
-__all__ = ["REFERENCE", "add_gaps", "check_runs", "child_main", "collect", "compare_recipes", "final_loss",
+__all__ = ["REFERENCE", "add_gaps", "autopilot_summary", "check_runs", "child_main", "collect", "compare_recipes", "final_loss",
            "plot_curves", "routing_summary", "run_overrides", "save", "steady_tokens_per_s", "summarize",
            "summarize_run"]
 
@@ -99,6 +101,26 @@ def routing_summary(rows: Sequence[dict]) -> dict[str, float] | None:
             "idle_pct": 100 * sum(int(r["idle"]) for r in rows) / slots if slots else 0.0}
 
 
+def autopilot_summary(config: dict, rows: Sequence[dict]) -> dict[str, Any] | None:
+    """A run's autopilot from its resolved config (``.hydra/config.yaml``) and its ``kind: autopilot`` metrics rows:
+    None when it was off, else its action count (``cap_reached``, a note, left out) and whether it was a dry run."""
+    section = config.get("autopilot") if isinstance(config, dict) else None
+    if not isinstance(section, dict) or section.get("enabled") is not True:
+        return None
+    actions = [r for r in rows if r.get("action") != "cap_reached"]
+    return {"actions": len(actions), "dry_run": section.get("dry_run") is True}
+
+
+def _read_config(run_dir: Path) -> dict:
+    import yaml
+
+    try:
+        data = yaml.safe_load((run_dir / HYDRA / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def _gap(value: float | None, reference: float | None) -> float | None:
     if value is None or reference is None or not math.isfinite(value) or not math.isfinite(reference):
         return None
@@ -136,6 +158,7 @@ def summarize_run(run_dir: Path, name: str) -> dict[str, Any]:
         "peak_memory_kind": None if not peak_bytes else "cpu peak rss" if device == "CPU" else "cuda max allocated",
         "skipped_steps": summary.get("skipped_steps"),
         "routing": routing_summary(read_jsonl(run_dir / ROUTING)) if (run_dir / ROUTING).is_file() else None,
+        "autopilot": autopilot_summary(_read_config(run_dir), read_metrics(run_dir, "autopilot") if train else []),
         "parity": {k: parity[k] for k in ("fp8_loss", "bf16_loss", "fp8_ppl", "bf16_ppl", "gap_pct", "eval_step",
                                           "stage", "eval_tokens") if k in parity} or None,
     }
@@ -197,6 +220,11 @@ def summarize(result: dict[str, Any]) -> str:
             routing = r.get("routing") or {}
             row[-1:-1] = [_fmt(routing.get("imbalance"), ".3f"),
                           _fmt(routing.get("idle_pct"), ".1f") and f"{routing['idle_pct']:.1f}%"]
+    if any(r.get("autopilot") for r in result["runs"]):  # autopilot=on: what it did in each run
+        header[-1:-1] = ["autopilot actions"]
+        for row, r in zip(rows, result["runs"]):
+            pilot = r.get("autopilot")
+            row[-1:-1] = [None if pilot is None else f"{pilot['actions']}{' (dry run)' * pilot['dry_run']}"]
     kinds = sorted({r["peak_memory_kind"] for r in result["runs"] if r.get("peak_memory_kind")})
     k = max((r["final_k"] for r in result["runs"]), default=0)
     notes = [f"final loss: mean of the last {k} logged training losses ({FINAL_FRACTION:.0%} of the steps); "
@@ -206,6 +234,9 @@ def summarize(result: dict[str, Any]) -> str:
     if any(r.get("routing") for r in result["runs"]):
         notes.append("routing imbalance: max / mean tokens per expert (1.000 = balanced), averaged over steps and MoE "
                      "layers (routing.jsonl); idle experts: the share of those slots in which an expert got no token.")
+    if any(r.get("autopilot") for r in result["runs"]):
+        notes.append("autopilot actions: the kind: autopilot rows of the run's metrics.jsonl (its cap_reached note left "
+                     "out); '-': the autopilot was off.")
     if int(result.get("parallel") or 1) > 1:
         notes.append(f"{result['parallel']} runs at a time shared the device: tokens/s compare within this table only.")
     return markdown_table(header, rows) + "\n\n" + "\n".join(notes)
