@@ -167,7 +167,8 @@ def test_compiled_fake_quant_is_the_eager_quantizer_bit_for_bit(kind, dtype):
                     continue  # (the quantizer refuses it: the emulated backend pads such tokens first)
                 kw = dict(block=block, columnwise=columnwise, rht=rht, stochastic_rounding=sr, seed=3 if sr else None)
                 assert_same(dequantize_nvfp4(quantize_nvfp4(x, **kw)), fake_quant_nvfp4(x, **kw), f"{shape} {kw}")
-    assert all(nvfp4._COMPILED.get(name) not in (None, False) for name in nvfp4._EAGER), nvfp4._COMPILED
+    eager = {"rht"} if dtype == torch.float32 else set()  # (a float32 RHT runs eagerly: subnormal products)
+    assert all(nvfp4._COMPILED.get(name) not in (None, False) for name in set(nvfp4._EAGER) - eager), nvfp4._COMPILED
     # no form fell back to eager at the recompile limit: a form per dtype and memory layout, not per shape (this
     # test runs both dtypes in one process: about 4; the sizes of one token, of 16, equal sizes add none)
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list

@@ -423,3 +423,36 @@ def test_errors_name_the_setting():
     for dtype in (torch.int32, torch.float64, torch.float8_e4m3fn):
         with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
             quantize_nvfp4(torch.ones(4, 16).to(dtype))
+
+
+def test_a_float32_rht_on_the_gpu_runs_eagerly_and_the_cpu_never_compiles():
+    """The compiled RHT rounded float32 subnormals' inexact products otherwise than cuBLAS (tests/gpu, the H100):
+    a float32 tensor's RHT takes the eager in-order FMAs there; the CPU runs every pass eagerly."""
+    from types import SimpleNamespace
+
+    from fp8_recipes.numerics import nvfp4
+
+    cuda_fp32 = SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.float32, numel=lambda: 16)
+    assert nvfp4._kernel("rht", cuda_fp32) is nvfp4.apply_rht
+    for name, eager in nvfp4._EAGER.items():
+        assert nvfp4._kernel(name, torch.ones(16, 16)) is eager
+    assert "rht" not in nvfp4._COMPILED
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_rht_of_a_transposed_view_runs_in_its_base_layout_with_the_same_bits(dtype):
+    """The columnwise copy's RHT reads x^T, a transposed view: it sums 16 rows of x in x's layout (whole rows per
+    pass), each output the same in-order sum as through the view, and returns a transposed view as the copy
+    without the RHT does."""
+    from fp8_recipes.numerics import apply_rht
+
+    torch.manual_seed(7)
+    base = torch.randn(64, 48) * torch.logspace(-40, 30, 48)  # float32 subnormals to huge, per column
+    base[3, :5] = torch.tensor([0.0, -0.0, float("inf"), float("nan"), 1e-45])
+    base = base.to(dtype)
+    x = base.t()
+    assert not x.is_contiguous()
+    fast, through = apply_rht(x), apply_rht(x.contiguous())
+    ints = torch.int32 if dtype == torch.float32 else torch.int16
+    assert fast.shape == through.shape == x.shape and fast.t().is_contiguous()
+    assert torch.equal(fast.contiguous().view(ints), through.view(ints))

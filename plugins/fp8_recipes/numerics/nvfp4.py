@@ -129,11 +129,27 @@ def apply_rht(x: torch.Tensor) -> torch.Tensor:
     if x.shape[-1] % NVFP4_BLOCK:
         raise ValueError(f"rht: the last dim ({x.shape[-1]}) must be a multiple of {NVFP4_BLOCK}")
     h = rht_matrix(x.device)
-    blocks = x.reshape(-1, NVFP4_BLOCK).float()  # (a copy of a transposed view: compiled, one pass with the sums)
+    if x.dim() == 2 and x.shape[0] > 1 and not x.is_contiguous() and x.t().is_contiguous():
+        return _rht_of_transposed(x, h)
+    blocks = x.reshape(-1, NVFP4_BLOCK).float()
     out = torch.zeros_like(blocks)
     for k in range(NVFP4_BLOCK):  # products are exact (x * ±1/4): only the order of the sums matters
         out.addcmul_(blocks[:, k:k + 1], h[k])
     return out.reshape(x.shape).to(x.dtype)
+
+
+def _rht_of_transposed(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """apply_rht of x = base^T (the columnwise copy's view of a contiguous base) in base's layout: the 16 values a
+    sum reads are 16 consecutive rows of base, so each pass reads whole rows (read through the transposed view, a
+    GPU kernel read 2 bytes of each 32-byte sector: 82 ms of an emulated NVFP4 step's 446 on 8 Llama-3-8B
+    layers, the H100, 2026-12-06). Every output is the same in-order sum of the same products (the same bits);
+    the result is a transposed view again, as the copy without the RHT."""
+    base = x.t()
+    blocks = base.reshape(-1, NVFP4_BLOCK, base.shape[1]).float()  # (rows / 16, 16, cols)
+    out = torch.zeros_like(blocks)
+    for k in range(NVFP4_BLOCK):
+        out.addcmul_(blocks[:, k:k + 1, :], h[k][None, :, None])
+    return out.reshape(base.shape).to(x.dtype).t()
 
 
 def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -456,10 +472,13 @@ def _kernel(name: str, x: torch.Tensor):
     dynamic shapes at its first call: the shapes of a run's GEMMs and an expert's token counts change no kernel;
     a form per dtype and memory layout (a rowwise copy, a transposed view). The tensors go in detached: a view's
     base would add guards of its own. A failure to compile logs one warning and leaves the eager one for the rest
-    of the run. (Triton contracts a * b + c into an FMA, as nvcc does in the eager CUDA kernels: the same bits
-    wherever the products are exact, i.e. everywhere but the RHT of float32 subnormals, which tests/gpu checks;
-    inductor's CPU code differs from the CPU's eager kernels there, so the CPU runs eagerly.)"""
-    if x.device.type != "cuda" or not x.numel() or _COMPILED.get(name) is False:
+    of the run. The RHT of a float32 tensor runs eagerly too: its products x * (+-1/4) are inexact for float32
+    subnormals, and there the compiled sum rounded otherwise than cuBLAS and the eager in-order FMAs (3 of 6.3M
+    values of tests/gpu's subnormal case, the H100, 2026-12-06); a bf16 x's products are exact (its smallest
+    subnormal / 4 is a float32 subnormal), and a run's operands are bf16 on the GPU. (The other passes' products
+    are exact. Inductor's CPU code differs from the CPU's eager kernels on subnormals, so the CPU runs eagerly.)"""
+    if x.device.type != "cuda" or not x.numel() or _COMPILED.get(name) is False or (
+            name == "rht" and x.dtype == torch.float32):
         return _EAGER[name]
     if name not in _COMPILED:
         _COMPILED[name] = torch.compile(_EAGER[name], dynamic=True)
