@@ -34,6 +34,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -294,8 +295,8 @@ def plot_curves(result: dict[str, Any], path: Path) -> Path | None:
     top.set_ylabel(f"training loss (mean of {window} steps)")
     bottom.set_ylabel("vs BF16 (%)")
     bottom.set_xlabel("step")
-    top.set_title(f"{result.get('device') or ''}: {', '.join(r['name'] for r in runs)}; dots: eval loss",
-                  fontsize=9)
+    title = f"{result.get('device') or ''}: {', '.join(r['name'] for r in runs)}; dots: eval loss"
+    top.set_title("\n".join(textwrap.wrap(title, 100)), fontsize=9)  # (six runs' names overran the figure)
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
