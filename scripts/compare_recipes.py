@@ -6,6 +6,8 @@ BF16, a table (final-loss gap %, eval loss, tokens/s, peak memory) and inference
         trainer.max_steps=150 trainer.eval_interval=50
     python scripts/compare_recipes.py --recipes tensorwise blockwise hybrid --parallel 4 --out runs/cmp125m \
         model=gpt_125m trainer=gpu trainer.max_steps=1000 trainer.eval_interval=1000       # one H200, real FP8
+    python scripts/compare_recipes.py --recipes nvfp4 tests/gpu/nvfp4_ablations/*.yaml   # recipe files: runs
+                                                                                   # named by their stems
     python scripts/compare_recipes.py --plot-only runs/cmp                         # redraw table and PNG
 
 BF16 is always run, as the reference. Every other argument is a Hydra override of scripts/train.py, given to every
@@ -35,8 +37,9 @@ def main() -> None:
     from fp8_recipes.checks import OneLineArgumentParser  # (one error line for a usage error)
 
     p = OneLineArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--recipes", nargs="+", default=["tensorwise", "blockwise", "hybrid"], metavar="NAME",
-                   help="recipes of the pack to compare with BF16 (default: tensorwise blockwise hybrid)")
+    p.add_argument("--recipes", nargs="+", default=["tensorwise", "blockwise", "hybrid"], metavar="NAME|FILE",
+                   help="recipes of the pack or recipe files (each run named by the file's stem) to compare with "
+                   "BF16 (default: tensorwise blockwise hybrid)")
     p.add_argument("--out", type=Path, default=None, help="output directory (default: runs/compare-<time>)")
     p.add_argument("--parallel", type=int, default=1, help="runs at once (default 1; one H200 fits 4 gpt_125m)")
     p.add_argument("--no-parity", dest="parity", action="store_false", help="skip the inference-parity evaluation")

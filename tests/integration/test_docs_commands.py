@@ -333,8 +333,8 @@ def test_gpu_and_setup_commands_name_what_exists(command):
 
                 check_configs(env["CONFIGS"].split(), engine=bool(env.get("ENGINE")))
             if part[0] == "shootout":
-                _launcher_checked(["+launcher=slurm", "+recipe=fast", "model=gpt_125m", "trainer=gpu",
-                                   *env.get("EXTRA", "").split()])
+                _launcher_checked(["+launcher=slurm", "+recipe=fast", f"model={env.get('MODEL', 'gpt_125m')}",
+                                   "trainer=gpu", *env.get("EXTRA", "").split()])
         if not any(s.endswith(".py") for s in scripts):
             return
     script = next(w for w in words if w.endswith(".py"))

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from fp8_recipes.bench.compare import (
-    REFERENCE, add_gaps, autopilot_summary, check_runs, collect, final_loss, routing_summary, run_overrides, save, steady_tokens_per_s,
+    REFERENCE, add_gaps, autopilot_summary, check_runs, collect, final_loss, routing_summary, run_entries,
+    run_overrides, save, steady_tokens_per_s,
     summarize, summarize_run,
 )
 from fp8_recipes.recipe.pack import load_recipe
@@ -167,7 +168,9 @@ def test_run_overrides_keep_recipe_edits_off_the_bf16_reference(tmp_path):
 @pytest.mark.parametrize("names, overrides, expected", [
     (["bf16", "tensorwize"], [], "--recipes: 'tensorwize' is not a recipe of the pack (did you mean 'tensorwise'?); "
                                  "choose from bf16, blockwise, delayed,"),
-    (["bf16", "r/nv7.yaml"], [], "--recipes: 'r/nv7.yaml' is a path, not a recipe of the pack; choose from bf16,"),
+    (["bf16", "r/nv7.yaml"], [], "--recipes: file 'r/nv7.yaml' does not exist; give a recipe name (bf16,"),
+    (["bf16", "tests"], [], "--recipes: 'tests' is not a recipe of the pack; choose from bf16,"),
+    (["bf16", "tests/gpu"], [], "--recipes: 'tests/gpu' is a directory, not a YAML file"),
     (["bf16"], ["+recipe=delayed"], "recipe: chosen by --recipes"),
     (["bf16"], ["run_dir=/tmp/x"], "run_dir: each run's directory is OUT/NAME"),
     (["bf16"], ["trainer.max_stepz=3"], "trainer.max_stepz: not in the config (did you mean 'max_steps'?)"),
@@ -177,6 +180,27 @@ def test_check_runs_refuses_with_one_line(names, overrides, expected, tmp_path):
     with pytest.raises(ValueError) as e:
         check_runs(names, overrides, tmp_path / "out", parity=True)
     assert str(e.value).startswith(expected) and "\n" not in str(e.value)
+
+
+ABLATIONS = sorted(str(p) for p in (Path(__file__).resolve().parents[1] / "gpu" / "nvfp4_ablations").glob("*.yaml"))
+
+
+def test_recipe_files_run_under_their_stems_and_compose_as_train_py_takes_them(tmp_path):
+    """--recipes takes recipe files beside the pack's names (nvfp4's ablations: `defaults: [nvfp4, _self_]` and
+    one key changed); each run is named by the file's stem, its +recipe= the file's absolute path."""
+    entries = run_entries(["nvfp4", *ABLATIONS])
+    assert list(entries) == ["bf16", "nvfp4", "nvfp4_1d_weights", "nvfp4_no_rht", "nvfp4_no_sr"]
+    assert entries["nvfp4_no_rht"] == str(Path(ABLATIONS[1]).resolve()) and entries["nvfp4"] == "nvfp4"
+    assert run_overrides("nvfp4_no_rht", ["trainer.max_steps=3"], tmp_path / "x", entries["nvfp4_no_rht"])[0] == (
+        f"+recipe={entries['nvfp4_no_rht']}")
+    cfg = check_runs(entries, ["trainer.max_steps=3"], tmp_path / "out", parity=False)
+    assert cfg.trainer.max_steps == 3  # (the BF16 reference's config; every run composed and checked)
+    (tmp_path / "bf16.yaml").write_text("defaults: [tensorwise, _self_]\nname: mine\n")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "nvfp4_no_rht.yaml").write_text("defaults: [nvfp4, _self_]\n")
+    for clash in ([str(tmp_path / "bf16.yaml")], [ABLATIONS[1], str(tmp_path / "b" / "nvfp4_no_rht.yaml")]):
+        with pytest.raises(ValueError, match=r"^--recipes: two runs would be named '(bf16|nvfp4_no_rht)' .*rename"):
+            run_entries(clash)
 
 
 def test_check_runs_refuses_an_existing_run_dir(tmp_path):

@@ -42,7 +42,9 @@ from typing import Any, Sequence
 
 from fp8_recipes.bench.output import markdown_table, save_json
 from fp8_recipes.megatron.data import prepare_dataset
-from fp8_recipes.recipe.pack import check_pack_names, conf_dir, project_root
+from fp8_recipes.recipe.pack import (
+    check_pack_names, conf_dir, is_recipe_file, project_root, recipe_file_overrides, resolve_recipe_file,
+)
 from fp8_recipes.rundir import HYDRA, METRICS, ROUTING, last_metrics_step, read_jsonl, read_metrics, read_summary
 from fp8_recipes.training.config import check_run_config
 from fp8_recipes.training.errors import one_line
@@ -51,7 +53,7 @@ from fp8_recipes.training.progress import PlainBar
 from fp8_recipes.training.run import resolve_recipe
 
 __all__ = ["REFERENCE", "add_gaps", "autopilot_summary", "check_runs", "child_main", "collect", "compare_recipes", "final_loss",
-           "plot_curves", "routing_summary", "run_overrides", "save", "steady_tokens_per_s", "summarize",
+           "plot_curves", "routing_summary", "run_entries", "run_overrides", "save", "steady_tokens_per_s", "summarize",
            "summarize_run"]
 
 REFERENCE = "bf16"        # the run every gap is measured against
@@ -335,28 +337,49 @@ def _reserved(overrides: Sequence[str]) -> None:
             raise ValueError(f"{key}: each run's directory is OUT/NAME; set --out instead of {o!r}")
 
 
-def run_overrides(name: str, overrides: Sequence[str], run_dir: Path) -> list[str]:
-    """scripts/train.py's overrides for one run. ``recipe.*`` overrides edit the FP8 recipes only (the BF16
-    reference has no schedule or policies to edit)."""
+def run_entries(recipes: Sequence[str]) -> dict[str, str]:
+    """Each run's name -> what its ``+recipe=`` names, BF16 first: a recipe of the pack by its name, a recipe file
+    (``PATH.yaml`` anywhere, e.g. an ablation that starts ``defaults: [nvfp4, _self_]``) by its stem, its path made
+    absolute. ValueError, one line, for a name of neither kind or two runs of one name."""
+    entries = {REFERENCE: REFERENCE}
+    for recipe in recipes:
+        if is_recipe_file(recipe):
+            path = resolve_recipe_file(recipe, "--recipes")
+            name, ref = path.stem, str(path.resolve())
+        else:
+            check_pack_names("--recipes", [recipe])
+            name, ref = recipe, recipe
+        if entries.get(name, ref) != ref:
+            raise ValueError(f"--recipes: two runs would be named {name!r} ({entries[name]}, {ref}): each run's "
+                             f"directory is OUT/NAME; rename the file")
+        entries[name] = ref
+    return entries
+
+
+def run_overrides(name: str, overrides: Sequence[str], run_dir: Path, recipe: str | None = None) -> list[str]:
+    """scripts/train.py's overrides for one run (``recipe``: its ``+recipe=`` value, default `name`). ``recipe.*``
+    overrides edit the FP8 recipes only (the BF16 reference has no schedule or policies to edit)."""
     own = [o for o in overrides if name != REFERENCE or not o.lstrip("+~").startswith("recipe.")]
-    return [f"+recipe={name}", *own, f"run_dir={run_dir}"]
+    return [f"+recipe={recipe or name}", *own, f"run_dir={run_dir}"]
 
 
-def check_runs(names: Sequence[str], overrides: Sequence[str], out_dir: Path, parity: bool) -> Any:
+def check_runs(runs: Sequence[str] | dict[str, str], overrides: Sequence[str], out_dir: Path, parity: bool) -> Any:
     """Every run's config composed and checked as scripts/train.py would, before any run starts (a typo costs a
-    second, not N trainings); returns the BF16 run's config (for the data to prepare). ValueError: one line."""
+    second, not N trainings); returns the BF16 run's config (for the data to prepare). `runs`: names of the pack,
+    or run_entries' mapping. ValueError: one line."""
     from hydra import compose, initialize_config_dir
 
-    check_pack_names("--recipes", names)
+    entries = runs if isinstance(runs, dict) else run_entries([r for r in runs if r != REFERENCE])
     _reserved(overrides)
     configs = {}
-    for name in names:
+    for name, recipe in entries.items():
         if (out_dir / name).exists():
             raise ValueError(f"--out: {str(out_dir / name)!r} already exists (a run dir appends to its metrics); "
                              f"choose a new --out, or redraw with --plot-only {out_dir}")
         try:
             with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-                cfg = compose("train", overrides=run_overrides(name, overrides, out_dir / name))
+                cfg = compose("train", overrides=recipe_file_overrides(
+                    run_overrides(name, overrides, out_dir / name, recipe)))
             check_run_config(cfg)
             resolve_recipe(cfg)
         except ValueError:
@@ -458,14 +481,14 @@ def _run_all(jobs: dict[str, list[str]], parallel: int, out_dir: Path) -> dict[s
     return codes
 
 
-def _child_command(name: str, overrides: Sequence[str], out_dir: Path, train_script: Path, parity: bool,
-                   parity_iters: int | None) -> list[str]:
+def _child_command(name: str, recipe: str, overrides: Sequence[str], out_dir: Path, train_script: Path,
+                   parity: bool, parity_iters: int | None) -> list[str]:
     run_dir = out_dir / name
     cmd = [sys.executable, "-c", "from fp8_recipes.bench.compare import child_main; child_main()",
            "--script", str(train_script), "--run-dir", str(run_dir)]
     if parity and name != REFERENCE:
         cmd += ["--parity"] + (["--parity-iters", str(parity_iters)] if parity_iters else [])
-    return cmd + ["--", *run_overrides(name, overrides, run_dir)]
+    return cmd + ["--", *run_overrides(name, overrides, run_dir, recipe)]
 
 
 def compare_recipes(recipes: Sequence[str], overrides: Sequence[str], out_dir: Path, *, parallel: int = 1,
@@ -476,13 +499,14 @@ def compare_recipes(recipes: Sequence[str], overrides: Sequence[str], out_dir: P
     any run starts. A failed run becomes a row with status ``failed`` (its log says why)."""
     if parallel < 1:
         raise ValueError(f"--parallel: {parallel} must be >= 1")
-    names = [REFERENCE] + list(dict.fromkeys(r for r in recipes if r != REFERENCE))
+    entries = run_entries([r for r in recipes if r != REFERENCE])
+    names = list(entries)
     script = train_script or (project_root() or Path(".")) / "scripts" / "train.py"
     if not script.is_file():
         raise ValueError(f"--train-script: {str(script)!r} does not exist; run from a checkout of fp8-recipes")
-    reference_cfg = check_runs(names, overrides, out_dir, parity)
+    reference_cfg = check_runs(entries, overrides, out_dir, parity)
     _prepare_data(reference_cfg)
-    jobs = {n: _child_command(n, overrides, out_dir, script, parity, parity_iters) for n in names}
+    jobs = {n: _child_command(n, entries[n], overrides, out_dir, script, parity, parity_iters) for n in names}
     meta = {"command": command, "overrides": list(overrides), "parallel": parallel,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": [{"name": n} for n in names]}
     save_json(out_dir / "compare.json", meta)  # the run list first, so --plot-only works on a cut-short shoot-out

@@ -21,7 +21,7 @@ from fp8_recipes.recipe.yaml_guard import UnsafeYAML, load_yaml
 
 __all__ = [
     "conf_dir", "conf_search_path", "load_recipe", "load_recipe_dict", "project_root", "recipe_file_overrides",
-    "check_pack_names", "recipe_names", "recipes_dir",
+    "check_pack_names", "is_recipe_file", "recipe_names", "recipes_dir", "resolve_recipe_file",
 ]
 
 
@@ -176,6 +176,17 @@ def load_recipe(ref: str | Path | Mapping[str, Any]) -> Recipe:
 
 def _is_file_ref(value: str) -> bool:
     return value.endswith((".yaml", ".yml")) or "/" in value
+
+
+def is_recipe_file(ref: str) -> bool:
+    """Whether ``+recipe=REF`` names a file (``*.yaml``, ``*.yml`` or a path) rather than a recipe by name."""
+    return _is_file_ref(ref)
+
+
+def resolve_recipe_file(ref: str, key: str = "recipe") -> Path:
+    """The recipe file `ref` names; RecipeError (a ValueError, one line naming `key`) for a missing file, a
+    directory or anything but a regular file."""
+    return _resolve_ref(ref, key=key)
 
 
 def _search_path_groups(args: list[str]) -> tuple[Path, ...]:
