@@ -45,6 +45,8 @@ def main() -> None:
     p.add_argument("--no-parity", dest="parity", action="store_false", help="skip the inference-parity evaluation")
     p.add_argument("--parity-iters", type=int, help="validation micro-batches for parity (default: trainer.eval_iters)")
     p.add_argument("--plot-only", type=Path, metavar="DIR", help="redraw table and PNG of a shoot-out directory")
+    p.add_argument("--reference", type=Path, metavar="RUN_DIR", help="a finished BF16 run of the same config (e.g. "
+                   "OUT/bf16 of an earlier shoot-out), linked as OUT/bf16 instead of training BF16 again")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every run, e.g. model=gpt_125m trainer=gpu")
     # KEY=VALUE words are overrides wherever they stand (else `--recipes a b trainer.max_steps=9` would take the
     # override for a recipe name); recipe names and option values never hold '='.
@@ -66,6 +68,11 @@ def main() -> None:
         if args.plot_only and not args.plot_only.is_dir():
             raise ValueError(f"--plot-only: '{args.plot_only}' is not a directory; give a directory written by "
                              f"scripts/compare_recipes.py")
+        if args.reference is not None and args.plot_only:
+            raise ValueError("--reference: --plot-only trains nothing; drop one of them")
+        if args.reference is not None and not args.reference.is_dir():
+            raise ValueError(f"--reference: '{args.reference}' is not a directory; give the run dir of a finished "
+                             f"BF16 run (e.g. OUT/bf16 of an earlier shoot-out)")
         if not args.plot_only and set(args.recipes) <= {"bf16"}:  # (the BF16 reference runs anyway: nothing beside it)
             raise ValueError("--recipes: bf16 alone compares nothing (every comparison runs the BF16 reference "
                              "anyway); name FP8 recipes, e.g. --recipes tensorwise blockwise")
@@ -74,7 +81,8 @@ def main() -> None:
         else:
             check_writable_dir("--out", str(out))  # (else the first run's run_dir is named: OUT/bf16)
             result = compare_recipes(args.recipes, args.overrides, out, parallel=args.parallel, parity=args.parity,
-                                     parity_iters=args.parity_iters, command=shlex.join(["python", *sys.argv]))
+                                     parity_iters=args.parity_iters, command=shlex.join(["python", *sys.argv]),
+                                     reference=args.reference)
     except ValueError as e:  # a user error: one line naming the key, no run started
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT)

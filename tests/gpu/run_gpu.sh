@@ -83,20 +83,21 @@ handoff)
   echo; stamp "summary"; grep -E "^hf_gpu:| passed| failed|^FAILED|^ERROR" "$OUT/handoff.log" | tail -20
   ;;
 shootout)
-  # One shoot-out of gpt_125m, 1000 steps (docs/benchmarks.md): RECIPES, SEED, MBS and EXTRA (more overrides) vary it.
+  # One shoot-out of gpt_125m, 1000 steps (docs/benchmarks.md): RECIPES (names or recipe files), SEED, MBS and EXTRA
+  # (more overrides) vary it; REFERENCE: an earlier call's BF16 run dir on this machine, not trained again.
   # The runs live in $WORK (default /tmp/shootout; only 8 files come back): $OUT gets the table, JSON and plot, and
   # NAME-runs.tar.gz with each run's metrics, numerics, summary, plan and log (compare_recipes.py --plot-only redraws)
   W=${WORK:-/tmp/shootout}; N=${NAME:-cmp}; mkdir -p "$W"
   stamp "compare_recipes: ${MODEL:-gpt_125m} ${RECIPES:-fast delayed tensorwise} seed ${SEED:-1234} ${EXTRA:-}" \
       | tee "$OUT/$N.log"
   timeout -s INT ${SHOOT_CAP:-580} "$PY" scripts/compare_recipes.py --recipes ${RECIPES:-fast delayed tensorwise} \
-      --parallel ${PARALLEL:-4} $([ "${PARITY:-1}" = 0 ] && echo --no-parity) \
+      --parallel ${PARALLEL:-4} $([ "${PARITY:-1}" = 0 ] && echo --no-parity) ${REFERENCE:+--reference "$REFERENCE"} \
       --out "$W/$N" model=${MODEL:-gpt_125m} trainer=gpu trainer.max_steps=1000 trainer.micro_batch_size=${MBS:-8} \
       trainer.global_batch_size=16 trainer.eval_interval=1000 trainer.eval_iters=16 trainer.seed=${SEED:-1234} \
       ${EXTRA:-} 2>&1 | grep -v -E "it/s\]|step/s" | tail -40 | tee -a "$OUT/$N.log"
   cp "$W/$N"/compare.md "$W/$N"/compare.json "$W/$N"/compare.png "$OUT/" 2>/dev/null
   for f in compare.md compare.json compare.png; do [ -f "$OUT/$f" ] && mv "$OUT/$f" "$OUT/$N-$f"; done
-  tar -czf "$OUT/$N-runs.tar.gz" -C "$W" --exclude=checkpoints --exclude=tb "$N" 2>/dev/null
+  tar -czhf "$OUT/$N-runs.tar.gz" -C "$W" --exclude=checkpoints --exclude=tb "$N" 2>/dev/null  # (-h: a REFERENCE run too)
   ;;
 pilot-shootout)
   # Issue 30 item 6: the gpt_125m shoot-out with autopilot=on in every run (no action expected on the shipped

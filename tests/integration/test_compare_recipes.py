@@ -221,3 +221,33 @@ def test_eval_checkpoint_refuses_an_out_that_is_a_directory_before_evaluating(tm
 def _is_import_noise(line: str) -> bool:
     """torch's and Megatron-Core's import-time warnings on a machine without CUDA or Transformer Engine."""
     return "No CUDA runtime is found" in line or "Warning" in line or line.strip().startswith("warnings.warn")
+
+
+def test_a_later_shootout_reuses_the_bf16_run_and_a_recipe_file(shootout, dataset, tmp_path):  # noqa: F811
+    """--reference: the first shoot-out's BF16 run stands in for this one's (linked, not trained again: its rows
+    are the same file), a recipe file runs under its stem, and its gap is measured against that BF16 run. Another
+    config is refused in one line naming the key."""
+    first, _ = shootout
+    recipe = tmp_path / "tensorwise_e5m2.yaml"
+    recipe.write_text("defaults: [tensorwise, _self_]\nname: tensorwise_e5m2\ngradients: {scaling: tensorwise, "
+                      "format: e5m2}\nactivations: {scaling: tensorwise, format: e5m2}\n")
+    out = tmp_path / "second"
+    base = [sys.executable, SCRIPT, "--recipes", str(recipe), "--no-parity", "--reference", str(first / "bf16"),
+            *dataset]
+    proc = subprocess.run([*base, "--out", str(out), *_overrides(first)], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (out / "bf16").is_symlink() and (out / "bf16").resolve() == (first / "bf16").resolve()
+    assert not (out / "logs" / "bf16.log").exists()  # (not trained again)
+    runs = {r["name"]: r for r in json.loads((out / "compare.json").read_text())["runs"]}
+    assert list(runs) == ["bf16", "tensorwise_e5m2"] and runs["tensorwise_e5m2"]["status"] == "ok"
+    first_bf16 = json.loads((first / "compare.json").read_text())["runs"][0]
+    assert runs["bf16"]["final_loss"] == first_bf16["final_loss"]
+    gap = 100 * (runs["tensorwise_e5m2"]["final_loss"] - first_bf16["final_loss"]) / first_bf16["final_loss"]
+    assert runs["tensorwise_e5m2"]["loss_gap_pct"] == pytest.approx(gap)
+    assert "e5m2" in (out / "tensorwise_e5m2" / "plan.txt").read_text()
+    other = subprocess.run([*base, "--out", str(tmp_path / "third"), *_overrides(first), "trainer.seed=7"],
+                           capture_output=True, text=True, timeout=600, cwd=ROOT)
+    err = other.stderr.strip()
+    assert other.returncode == 2 and err.startswith("error: --reference: ") and "trainer.seed=7" in err, err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "third").exists()

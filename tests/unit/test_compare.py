@@ -9,9 +9,10 @@ import math
 from pathlib import Path
 
 import pytest
+import yaml
 
 from fp8_recipes.bench.compare import (
-    REFERENCE, add_gaps, autopilot_summary, check_runs, collect, final_loss, routing_summary, run_entries,
+    REFERENCE, add_gaps, autopilot_summary, check_reference, check_runs, collect, final_loss, routing_summary, run_entries,
     run_overrides, save, steady_tokens_per_s,
     summarize, summarize_run,
 )
@@ -189,8 +190,9 @@ def test_recipe_files_run_under_their_stems_and_compose_as_train_py_takes_them(t
     """--recipes takes recipe files beside the pack's names (nvfp4's ablations: `defaults: [nvfp4, _self_]` and
     one key changed); each run is named by the file's stem, its +recipe= the file's absolute path."""
     entries = run_entries(["nvfp4", *ABLATIONS])
-    assert list(entries) == ["bf16", "nvfp4", "nvfp4_1d_weights", "nvfp4_no_rht", "nvfp4_no_sr"]
-    assert entries["nvfp4_no_rht"] == str(Path(ABLATIONS[1]).resolve()) and entries["nvfp4"] == "nvfp4"
+    assert list(entries) == ["bf16", "nvfp4", "mxfp8_emulated", "nvfp4_1d_weights", "nvfp4_no_rht", "nvfp4_no_sr"]
+    no_rht = next(a for a in ABLATIONS if a.endswith("nvfp4_no_rht.yaml"))
+    assert entries["nvfp4_no_rht"] == str(Path(no_rht).resolve()) and entries["nvfp4"] == "nvfp4"
     assert run_overrides("nvfp4_no_rht", ["trainer.max_steps=3"], tmp_path / "x", entries["nvfp4_no_rht"])[0] == (
         f"+recipe={entries['nvfp4_no_rht']}")
     cfg = check_runs(entries, ["trainer.max_steps=3"], tmp_path / "out", parity=False)
@@ -198,7 +200,7 @@ def test_recipe_files_run_under_their_stems_and_compose_as_train_py_takes_them(t
     (tmp_path / "bf16.yaml").write_text("defaults: [tensorwise, _self_]\nname: mine\n")
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "nvfp4_no_rht.yaml").write_text("defaults: [nvfp4, _self_]\n")
-    for clash in ([str(tmp_path / "bf16.yaml")], [ABLATIONS[1], str(tmp_path / "b" / "nvfp4_no_rht.yaml")]):
+    for clash in ([str(tmp_path / "bf16.yaml")], [no_rht, str(tmp_path / "b" / "nvfp4_no_rht.yaml")]):
         with pytest.raises(ValueError, match=r"^--recipes: two runs would be named '(bf16|nvfp4_no_rht)' .*rename"):
             run_entries(clash)
 
@@ -215,3 +217,30 @@ def test_parity_evaluates_with_every_stage_on():
     assert eval_step_all_on(safe, trained_steps=50) == max(starts) == 300
     assert eval_step_all_on(safe, trained_steps=400) == 399  # the checkpoint's own last step
     assert eval_step_all_on(load_recipe("tensorwise"), trained_steps=1) == 0
+
+
+def test_check_reference_takes_a_finished_bf16_run_of_the_same_config_only(tmp_path):
+    from omegaconf import OmegaConf
+
+    cfg = check_runs(["bf16"], ["trainer.max_steps=3"], tmp_path / "out", parity=False)
+    ref = tmp_path / "ref"
+    (ref / ".hydra").mkdir(parents=True)
+    saved = OmegaConf.to_container(cfg, resolve=False)
+    saved["run_dir"] = "/elsewhere/bf16"  # (its own run dir: not a difference)
+    (ref / ".hydra" / "config.yaml").write_text(yaml.safe_dump(saved))
+    (ref / "summary.json").write_text(json.dumps({"recipe": "bf16", "stopped": None, "preempted": None}))
+    check_reference(ref, cfg)
+    saved["trainer"]["lr"] = 1.0
+    (ref / ".hydra" / "config.yaml").write_text(yaml.safe_dump(saved))
+    with pytest.raises(ValueError, match=r"^--reference: .* ran trainer\.lr=1\.0, this shoot-out runs trainer\.lr="):
+        check_reference(ref, cfg)
+    (ref / "summary.json").write_text(json.dumps({"recipe": "bf16", "stopped": "max_time"}))
+    with pytest.raises(ValueError, match=r"^--reference: .* holds no finished BF16 run"):
+        check_reference(ref, cfg)
+    (ref / "summary.json").write_text(json.dumps({"recipe": "delayed"}))
+    with pytest.raises(ValueError, match=r"summary\.json: recipe delayed\)"):
+        check_reference(ref, cfg)
+    (ref / "summary.json").write_text(json.dumps({"recipe": "bf16"}))
+    (ref / ".hydra" / "config.yaml").unlink()
+    with pytest.raises(ValueError, match=r"^--reference: .* has no readable \.hydra/config\.yaml"):
+        check_reference(ref, cfg)

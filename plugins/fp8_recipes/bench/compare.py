@@ -52,7 +52,7 @@ from fp8_recipes.training.evaluate import evaluate_checkpoint, format_parity, ga
 from fp8_recipes.training.progress import PlainBar
 from fp8_recipes.training.run import resolve_recipe
 
-__all__ = ["REFERENCE", "add_gaps", "autopilot_summary", "check_runs", "child_main", "collect", "compare_recipes", "final_loss",
+__all__ = ["REFERENCE", "add_gaps", "autopilot_summary", "check_reference", "check_runs", "child_main", "collect", "compare_recipes", "final_loss",
            "plot_curves", "routing_summary", "run_entries", "run_overrides", "save", "steady_tokens_per_s", "summarize",
            "summarize_run"]
 
@@ -396,6 +396,40 @@ def check_runs(runs: Sequence[str] | dict[str, str], overrides: Sequence[str], o
     return configs[REFERENCE]
 
 
+def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested config as {dotted key: leaf}; an empty mapping is a leaf."""
+    if not isinstance(data, dict) or not data:
+        return {prefix: data}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def check_reference(reference: Path, cfg: Any) -> None:
+    """A finished BF16 run dir may stand in for the shoot-out's BF16 run (``--reference``, e.g. a second GPU call's
+    recipes against the first call's BF16 run) when it ran the config this shoot-out's would (``cfg``: composed by
+    check_runs; run_dir aside). ValueError, one line naming the first key that differs."""
+    from omegaconf import OmegaConf
+
+    summary = read_summary(reference)
+    if not summary or summary.get("stopped") or summary.get("preempted") or summary.get("recipe") != REFERENCE:
+        raise ValueError(f"--reference: {str(reference)!r} holds no finished BF16 run (its summary.json: "
+                         f"{'none' if not summary else 'recipe ' + str(summary.get('recipe'))}); give the run dir "
+                         f"of a finished +recipe=bf16 run, e.g. OUT/bf16 of an earlier shoot-out")
+    saved = _read_config(reference)
+    if not saved:
+        raise ValueError(f"--reference: {str(reference)!r} has no readable .hydra/config.yaml (the config "
+                         f"scripts/train.py writes); give the run dir of a scripts/train.py run")
+    want = _flat(OmegaConf.to_container(cfg, resolve=False))
+    have = _flat(saved)
+    for key in sorted(set(want) | set(have)):
+        if key != "run_dir" and want.get(key, "(unset)") != have.get(key, "(unset)"):
+            raise ValueError(f"--reference: {str(reference)!r} ran {key}={have.get(key, '(unset)')}, this shoot-out "
+                             f"runs {key}={want.get(key, '(unset)')}; give the overrides it ran with, or drop "
+                             f"--reference to train BF16 again")
+
+
 def _prepare_data(cfg: Any) -> None:
     """Build (or reuse) the dataset once here: N runs starting at once must not all build it in one place."""
     data = cfg.data
@@ -493,8 +527,9 @@ def _child_command(name: str, recipe: str, overrides: Sequence[str], out_dir: Pa
 
 def compare_recipes(recipes: Sequence[str], overrides: Sequence[str], out_dir: Path, *, parallel: int = 1,
                     parity: bool = True, parity_iters: int | None = None, train_script: Path | None = None,
-                    command: str | None = None) -> dict[str, Any]:
+                    command: str | None = None, reference: Path | None = None) -> dict[str, Any]:
     """Train BF16 and each recipe with the same overrides (so the same model, data and seed), then collect.
+    `reference`: a finished BF16 run of the same config, linked as OUT/bf16 instead of training BF16 again.
     User errors (a bad recipe name or override, an existing run dir) are ValueErrors of one line, raised before
     any run starts. A failed run becomes a row with status ``failed`` (its log says why)."""
     if parallel < 1:
@@ -505,12 +540,21 @@ def compare_recipes(recipes: Sequence[str], overrides: Sequence[str], out_dir: P
     if not script.is_file():
         raise ValueError(f"--train-script: {str(script)!r} does not exist; run from a checkout of fp8-recipes")
     reference_cfg = check_runs(entries, overrides, out_dir, parity)
+    if reference is not None:
+        check_reference(reference, reference_cfg)
     _prepare_data(reference_cfg)
-    jobs = {n: _child_command(n, entries[n], overrides, out_dir, script, parity, parity_iters) for n in names}
+    jobs = {n: _child_command(n, entries[n], overrides, out_dir, script, parity, parity_iters) for n in names
+            if reference is None or n != REFERENCE}
+    if reference is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / REFERENCE).symlink_to(reference.resolve(), target_is_directory=True)
     meta = {"command": command, "overrides": list(overrides), "parallel": parallel,
+            "reference": str(reference.resolve()) if reference is not None else None,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": [{"name": n} for n in names]}
     save_json(out_dir / "compare.json", meta)  # the run list first, so --plot-only works on a cut-short shoot-out
-    codes = _run_all(jobs, min(parallel, len(names)), out_dir)
+    codes = _run_all(jobs, min(parallel, len(jobs)), out_dir) if jobs else {}
+    if reference is not None:
+        codes[REFERENCE] = 0  # (it finished: check_reference read its summary)
     result = collect(out_dir, names)
     for row in result["runs"]:  # trained, then failed after (the parity evaluation): not a clean row either
         if row["status"] == "ok" and codes.get(row["name"]) != 0:
