@@ -456,3 +456,26 @@ def test_the_rht_of_a_transposed_view_runs_in_its_base_layout_with_the_same_bits
     ints = torch.int32 if dtype == torch.float32 else torch.int16
     assert fast.shape == through.shape == x.shape and fast.t().is_contiguous()
     assert torch.equal(fast.contiguous().view(ints), through.view(ints))
+
+
+def test_a_columnwise_copy_is_quantized_in_its_base_layout(monkeypatch):
+    """x^T's 1x16 segments are 16 rows of a column of x: the amaxes and values passes read x row by row (not the
+    transposed view) where x's rows are whole segments, and give the same bits as the quantizer; the output is
+    x's layout. Rows that need padding (17) take the copy's own layout."""
+    from fp8_recipes.numerics import nvfp4
+
+    calls = []
+    for name in ("column_amax", "column_values", "column_values_sr"):
+        f = nvfp4._EAGER[name]
+        monkeypatch.setitem(nvfp4._EAGER, name, lambda *a, _f=f, _n=name: calls.append(_n) or _f(*a))
+    x = edge_tensor("normal", torch.bfloat16, (64, 48))
+    for rht, sr in ((False, False), (True, False), (True, True)):
+        kw = dict(columnwise=True, rht=rht, stochastic_rounding=sr, seed=5 if sr else None)
+        out = fake_quant_nvfp4(x, **kw)
+        assert out.is_contiguous() and same_bits(out, dequantize_nvfp4(quantize_nvfp4(x, **kw))), kw
+    assert calls == ["column_amax", "column_values"] * 2 + ["column_amax", "column_values_sr"]
+    calls.clear()
+    fake_quant_nvfp4(edge_tensor("normal", torch.bfloat16, (17, 48)), columnwise=True)
+    fake_quant_nvfp4(x, columnwise=True, block=(16, 16))
+    fake_quant_nvfp4(x, columnwise=False)
+    assert calls == []

@@ -397,7 +397,11 @@ def fake_quant_nvfp4(
     block = _check_inputs("fake_quant_nvfp4", x, block, stochastic_rounding, generator, seed)
     copy = nvfp4_copy_2d(x, columnwise=columnwise, rht=rht, rotate=_kernel("rht", x))  # x's dtype
     r, c = copy.shape
-    amax_of = _kernel("segment_amax" if block[0] == 1 else "tile_amax", x)
+    by_rows = columnwise and block[0] == 1 and c % NVFP4_BLOCK == 0 and copy.t().is_contiguous()
+    if by_rows:  # x^T's 1x16 segments are 16 rows of a column of its base: each pass reads whole base rows
+        amax_of = lambda view: _kernel("column_amax", x)(view.t()).t()  # noqa: E731
+    else:
+        amax_of = _kernel("segment_amax" if block[0] == 1 else "tile_amax", x)
     padded, amax, _, block_scales, multiplier = _scales(copy, block, amax_of)
     decode = _decode_factors(block_scales, amax)
     pr, pc = padded.shape
@@ -405,22 +409,26 @@ def fake_quant_nvfp4(
     if stochastic_rounding:
         gen = _sr_generator(x.device, generator, seed)
         u = torch.rand((pr, pc), generator=gen, dtype=torch.float32, device=x.device)  # e2m1_codes' draws
-        u = u.reshape(pr, pc // NVFP4_BLOCK, NVFP4_BLOCK)
+    if by_rows:  # (the values in x's layout: the copy's transposed back, contiguous)
+        args = (padded.t(), multiplier.t(), decode.t(), *(() if u is None else (u.t(),)))
+        return _kernel("column_values" if u is None else "column_values_sr", x)(*args, x.dtype).reshape(x.shape)
     blocks = padded.reshape(pr, pc // NVFP4_BLOCK, NVFP4_BLOCK)
     if u is None:
-        values = _kernel("values", x)(blocks, multiplier, decode, x.dtype)
+        values = _kernel("values", x)(blocks, multiplier[..., None], decode[..., None], x.dtype)
     else:
-        values = _kernel("values_sr", x)(blocks, multiplier, decode, u, x.dtype)
+        u = u.reshape(pr, pc // NVFP4_BLOCK, NVFP4_BLOCK)
+        values = _kernel("values_sr", x)(blocks, multiplier[..., None], decode[..., None], u, x.dtype)
     values = values.reshape(pr, pc)[:r, :c]
     return (values.t() if columnwise else values).reshape(x.shape)
 
 
 def _dequantized_values(blocks: torch.Tensor, multiplier: torch.Tensor, decode: torch.Tensor,
                         u: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """(R, C/16, 16) values (float32 or x's dtype, read as float32) -> their NVFP4 values in `dtype`: e2m1_codes'
-    rounding (nearest even, or up where u < the fraction of a step) as steps x the step size, signed, times the
-    block's decode factor."""
-    scaled = (blocks.float() * multiplier[..., None]).clamp(-E2M1_MAX, E2M1_MAX)
+    """Values (float32 or x's dtype, read as float32) -> their NVFP4 values in `dtype`: e2m1_codes' rounding
+    (nearest even, or up where u < the fraction of a step) as steps x the step size, signed, times the block's
+    decode factor. `multiplier` and `decode` broadcast over the values of each block: (R, C/16, 1) against
+    (R, C/16, 16) blocks, or (R/16, 1, C) against a base's (R/16, 16, C) columns."""
+    scaled = (blocks.float() * multiplier).clamp(-E2M1_MAX, E2M1_MAX)
     a = scaled.abs().nan_to_num(nan=0.0)
     region = _e2m1_region(a)
     in_steps = a * _region_inv_step(region)
@@ -434,7 +442,7 @@ def _dequantized_values(blocks: torch.Tensor, multiplier: torch.Tensor, decode: 
     # -0.0 for a small negative, as code 8 decodes: copysign, not `-value`, which Triton computes as 0 - value
     # (+0.0 from 0; the compiled pass on the H200 gave +0.0 where the codes decode to -0.0, 2026-12-06)
     signed = torch.copysign(value, torch.where(scaled < 0, -1.0, 1.0))
-    return (signed * decode[..., None]).to(dtype)
+    return (signed * decode).to(dtype)
 
 
 def _values(blocks, multiplier, decode, dtype):
@@ -445,8 +453,30 @@ def _values_sr(blocks, multiplier, decode, u, dtype):
     return _dequantized_values(blocks, multiplier, decode, u, dtype)
 
 
+def _column_amax(base: torch.Tensor) -> torch.Tensor:
+    """max |base| over each 16 rows of each column, (R/16, C) float32: the 1x16 segment amaxes of base^T,
+    transposed (the same maxima, read row by row). NaN propagates."""
+    r, c = base.shape
+    return base.reshape(r // NVFP4_BLOCK, NVFP4_BLOCK, c).abs().amax(dim=1).float()
+
+
+def _column_values(base, multiplier_t, decode_t, dtype):
+    """The NVFP4 values of base^T's 1x16 segments, in base's (R, C) layout: multiplier_t and decode_t are the
+    segments' (R/16, C), the copy's transposed."""
+    r, c = base.shape
+    blocks = base.reshape(r // NVFP4_BLOCK, NVFP4_BLOCK, c)
+    return _dequantized_values(blocks, multiplier_t[:, None, :], decode_t[:, None, :], None, dtype).reshape(r, c)
+
+
+def _column_values_sr(base, multiplier_t, decode_t, u_t, dtype):
+    r, c = base.shape
+    blocks, u = base.reshape(r // NVFP4_BLOCK, NVFP4_BLOCK, c), u_t.reshape(r // NVFP4_BLOCK, NVFP4_BLOCK, c)
+    return _dequantized_values(blocks, multiplier_t[:, None, :], decode_t[:, None, :], u, dtype).reshape(r, c)
+
+
 _EAGER = {"rht": apply_rht, "segment_amax": _segment_amax, "tile_amax": _tile_amax, "values": _values,
-          "values_sr": _values_sr}
+          "values_sr": _values_sr, "column_amax": _column_amax, "column_values": _column_values,
+          "column_values_sr": _column_values_sr}
 """The passes over a tensor's size, one function (one code object: its own torch.compile cache) per variant."""
 _COMPILED: dict[str, object] = {}
 
