@@ -393,7 +393,9 @@ def fake_quant_nvfp4(
     its rounded count of grid steps times the step, which is what the code decodes to, times the block's decode
     factor. The passes over x's size read x's dtype (no float32 copy of x): on a GPU the three of them, the RHT,
     the block amaxes and the values, are torch.compile'd (no division in any: float32 products, in-order sums and
-    maxima, as the eager ones); anywhere else, and if compiling fails, they run eagerly."""
+    maxima, as the eager ones); anywhere else, and if compiling fails, they run eagerly. A columnwise copy's
+    passes read x in its own layout where x's rows are whole 1x16 segments of x^T (16 rows of a column of x),
+    and its values come back in x's layout."""
     block = _check_inputs("fake_quant_nvfp4", x, block, stochastic_rounding, generator, seed)
     copy = nvfp4_copy_2d(x, columnwise=columnwise, rht=rht, rotate=_kernel("rht", x))  # x's dtype
     r, c = copy.shape
