@@ -29,8 +29,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))  # a checkout without `pip install -e`
 
 
-def _is_override(arg: str) -> bool:
-    return "=" in arg and not arg.startswith("-")
+PATH_OPTIONS = ("--out", "--reference", "--plot-only")
+
+
+def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the options and recipe names, the Hydra overrides): KEY=VALUE words are overrides wherever they stand, but
+    not a path option's value or a path that exists (a recipe file or run dir may hold '=': runs/lr=3e-4/bf16)."""
+    words, overrides = [], []
+    for i, arg in enumerate(argv):
+        path = (i > 0 and argv[i - 1] in PATH_OPTIONS) or Path(arg).exists()
+        (overrides if "=" in arg and not arg.startswith("-") and not path else words).append(arg)
+    return words, overrides
 
 
 def main() -> None:
@@ -50,9 +59,9 @@ def main() -> None:
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every run, e.g. model=gpt_125m trainer=gpu")
     # KEY=VALUE words are overrides wherever they stand (else `--recipes a b trainer.max_steps=9` would take the
     # override for a recipe name); recipe names and option values never hold '='.
-    argv = sys.argv[1:]
-    args = p.parse_args([a for a in argv if not _is_override(a)])
-    args.overrides += [a for a in argv if _is_override(a)]
+    words, overrides = _split_overrides(sys.argv[1:])
+    args = p.parse_args(words)
+    args.overrides += overrides
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
 
     from fp8_recipes.bench.compare import collect, compare_recipes, save

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -244,3 +246,47 @@ def test_check_reference_takes_a_finished_bf16_run_of_the_same_config_only(tmp_p
     (ref / ".hydra" / "config.yaml").unlink()
     with pytest.raises(ValueError, match=r"^--reference: .* has no readable \.hydra/config\.yaml"):
         check_reference(ref, cfg)
+
+
+def test_reference_and_recipe_file_edges_are_one_line_errors(tmp_path):
+    """The review's cases: a stem a run dir override cannot hold, a reference that overlaps --out, a dangling link
+    at OUT/bf16, a resumed reference (trainer.resume differs: same training), the reference kept in compare.json,
+    and '=' in a recipe file's or a reference's path (a path, not a Hydra override)."""
+    from omegaconf import OmegaConf
+
+    odd = tmp_path / "x(1).yaml"
+    odd.write_text("defaults: [tensorwise, _self_]\n")
+    with pytest.raises(ValueError, match=r"^--recipes: .*'x\(1\)'.*rename the file$"):
+        run_entries([str(odd)])
+    cfg = check_runs(["bf16"], ["trainer.max_steps=3"], tmp_path / "out", parity=False)
+    ref = tmp_path / "ref"
+    (ref / ".hydra").mkdir(parents=True)
+    saved = {**OmegaConf.to_container(cfg, resolve=False), "run_dir": str(ref)}
+    saved["trainer"] = {**saved["trainer"], "resume": "auto"}  # (preempted, then resumed)
+    (ref / ".hydra" / "config.yaml").write_text(yaml.safe_dump(saved))
+    (ref / "summary.json").write_text(json.dumps({"recipe": "bf16"}))
+    check_reference(ref, cfg, tmp_path / "out")
+    for out in (ref, ref / "cmp", tmp_path):
+        with pytest.raises(ValueError, match=r"^--reference: .* overlap"):
+            check_reference(ref, cfg, out)
+    saved["trainer"]["seed"] = None
+    (ref / ".hydra" / "config.yaml").write_text(yaml.safe_dump(saved))
+    with pytest.raises(ValueError, match=r"ran trainer\.seed=null, this shoot-out runs trainer\.seed=1234;"):
+        check_reference(ref, cfg)
+    (tmp_path / "dangling").mkdir()
+    (tmp_path / "dangling" / "bf16").symlink_to(tmp_path / "gone")
+    with pytest.raises(ValueError, match=r"^--out: .*bf16' already exists"):
+        check_runs(["bf16"], [], tmp_path / "dangling", parity=False)
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "compare.json").write_text(json.dumps({"reference": str(ref), "runs": []}))
+    _write_run(tmp_path / "kept" / "bf16", [5.0, 4.0], 3.0)
+    assert collect(tmp_path / "kept", ["bf16"])["reference"] == str(ref)
+    script = Path(__file__).resolve().parents[2] / "scripts" / "compare_recipes.py"
+    eq_file, eq_ref = tmp_path / "e=f.yaml", tmp_path / "lr=3e-4"
+    eq_file.write_text("defaults: [tensorwise, _self_]\n")
+    eq_ref.mkdir()
+    for args, said in (([str(eq_file)], "--recipes: "), (["tensorwise", "--reference", str(eq_ref)], "--reference: ")):
+        proc = subprocess.run([sys.executable, str(script), "--recipes", *args, "--out", str(tmp_path / "o")],
+                              capture_output=True, text=True, timeout=300)
+        err = proc.stderr.strip()
+        assert proc.returncode == 2 and err.startswith(f"error: {said}") and len(err.splitlines()) == 1, err

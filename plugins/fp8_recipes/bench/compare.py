@@ -30,6 +30,7 @@ import functools
 import json
 import math
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -191,7 +192,7 @@ def collect(out_dir: Path, names: Sequence[str] | None = None) -> dict[str, Any]
                          "written by compare_recipes.py")
     rows = add_gaps([summarize_run(out_dir / n, n) for n in names])
     device = next((r["device"] for r in rows if r.get("device")), None)
-    keep = {k: previous[k] for k in ("command", "overrides", "parallel", "date") if k in previous}
+    keep = {k: previous[k] for k in ("command", "overrides", "parallel", "date", "reference") if k in previous}
     return {"kind": "compare", **keep, "device": device, "final_fraction": FINAL_FRACTION,
             "warmup_fraction": WARMUP_FRACTION, "runs": rows}
 
@@ -346,6 +347,9 @@ def run_entries(recipes: Sequence[str]) -> dict[str, str]:
         if is_recipe_file(recipe):
             path = resolve_recipe_file(recipe, "--recipes")
             name, ref = path.stem, str(path.resolve())
+            if not re.fullmatch(r"[\w.+-]+", name):
+                raise ValueError(f"--recipes: {recipe!r}: its run is named by the file's stem, {name!r}, and a run "
+                                 f"name holds letters, digits, '.', '_', '-' and '+' only; rename the file")
         else:
             check_pack_names("--recipes", [recipe])
             name, ref = recipe, recipe
@@ -373,7 +377,7 @@ def check_runs(runs: Sequence[str] | dict[str, str], overrides: Sequence[str], o
     _reserved(overrides)
     configs = {}
     for name, recipe in entries.items():
-        if (out_dir / name).exists():
+        if os.path.lexists(out_dir / name):  # (a dangling link too: --reference would fail to link over it)
             raise ValueError(f"--out: {str(out_dir / name)!r} already exists (a run dir appends to its metrics); "
                              f"choose a new --out, or redraw with --plot-only {out_dir}")
         try:
@@ -406,12 +410,22 @@ def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def check_reference(reference: Path, cfg: Any) -> None:
+UNTRAINED_KEYS = ("run_dir", "trainer.resume")
+"""Config keys that do not change what a run trains: a reference run may differ in them (its own run dir; a
+preempted run resumed with trainer.resume=auto)."""
+
+
+def check_reference(reference: Path, cfg: Any, out_dir: Path | None = None) -> None:
     """A finished BF16 run dir may stand in for the shoot-out's BF16 run (``--reference``, e.g. a second GPU call's
     recipes against the first call's BF16 run) when it ran the config this shoot-out's would (``cfg``: composed by
     check_runs; run_dir aside). ValueError, one line naming the first key that differs."""
     from omegaconf import OmegaConf
 
+    if out_dir is not None:
+        ref, out = reference.resolve(), out_dir.resolve()
+        if ref == out or out in ref.parents or ref in out.parents:
+            raise ValueError(f"--reference: '{reference}' and --out '{out_dir}' overlap: the shoot-out would write "
+                             f"into the reference run (or link it into itself); give another --out")
     summary = read_summary(reference)
     if not summary or summary.get("stopped") or summary.get("preempted") or summary.get("recipe") != REFERENCE:
         raise ValueError(f"--reference: {str(reference)!r} holds no finished BF16 run (its summary.json: "
@@ -423,11 +437,14 @@ def check_reference(reference: Path, cfg: Any) -> None:
                          f"scripts/train.py writes); give the run dir of a scripts/train.py run")
     want = _flat(OmegaConf.to_container(cfg, resolve=False))
     have = _flat(saved)
+    def said(value: Any) -> str:
+        return "null" if value is None else str(value)
+
     for key in sorted(set(want) | set(have)):
-        if key != "run_dir" and want.get(key, "(unset)") != have.get(key, "(unset)"):
-            raise ValueError(f"--reference: {str(reference)!r} ran {key}={have.get(key, '(unset)')}, this shoot-out "
-                             f"runs {key}={want.get(key, '(unset)')}; give the overrides it ran with, or drop "
-                             f"--reference to train BF16 again")
+        if key not in UNTRAINED_KEYS and want.get(key, "(unset)") != have.get(key, "(unset)"):
+            raise ValueError(f"--reference: {str(reference)!r} ran {key}={said(have.get(key, '(unset)'))}, this "
+                             f"shoot-out runs {key}={said(want.get(key, '(unset)'))}; give the overrides it ran with, "
+                             f"or drop --reference to train BF16 again")
 
 
 def _prepare_data(cfg: Any) -> None:
@@ -541,13 +558,17 @@ def compare_recipes(recipes: Sequence[str], overrides: Sequence[str], out_dir: P
         raise ValueError(f"--train-script: {str(script)!r} does not exist; run from a checkout of fp8-recipes")
     reference_cfg = check_runs(entries, overrides, out_dir, parity)
     if reference is not None:
-        check_reference(reference, reference_cfg)
+        check_reference(reference, reference_cfg, out_dir)
     _prepare_data(reference_cfg)
     jobs = {n: _child_command(n, entries[n], overrides, out_dir, script, parity, parity_iters) for n in names
             if reference is None or n != REFERENCE}
     if reference is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / REFERENCE).symlink_to(reference.resolve(), target_is_directory=True)
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / REFERENCE).symlink_to(reference.resolve(), target_is_directory=True)
+        except OSError as e:
+            raise ValueError(f"--out: cannot link '{out_dir / REFERENCE}' to the reference run "
+                             f"({e.strerror or e}); choose another --out") from None
     meta = {"command": command, "overrides": list(overrides), "parallel": parallel,
             "reference": str(reference.resolve()) if reference is not None else None,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": [{"name": n} for n in names]}
