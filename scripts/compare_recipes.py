@@ -58,7 +58,7 @@ def main() -> None:
                    "OUT/bf16 of an earlier shoot-out), linked as OUT/bf16 instead of training BF16 again")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every run, e.g. model=gpt_125m trainer=gpu")
     # KEY=VALUE words are overrides wherever they stand (else `--recipes a b trainer.max_steps=9` would take the
-    # override for a recipe name); recipe names and option values never hold '='.
+    # override for a recipe name), unless they are a path (_split_overrides).
     words, overrides = _split_overrides(sys.argv[1:])
     args = p.parse_args(words)
     args.overrides += overrides

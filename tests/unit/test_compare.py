@@ -14,9 +14,8 @@ import pytest
 import yaml
 
 from fp8_recipes.bench.compare import (
-    REFERENCE, add_gaps, autopilot_summary, check_reference, check_runs, collect, final_loss, routing_summary, run_entries,
-    run_overrides, save, steady_tokens_per_s,
-    summarize, summarize_run,
+    REFERENCE, add_gaps, autopilot_summary, check_reference, check_runs, collect, final_loss, routing_summary,
+    run_entries, run_overrides, save, steady_tokens_per_s, summarize, summarize_run,
 )
 from fp8_recipes.recipe.pack import load_recipe
 from fp8_recipes.recipe.schema import ROLES
@@ -244,7 +243,7 @@ def test_check_reference_takes_a_finished_bf16_run_of_the_same_config_only(tmp_p
         check_reference(ref, cfg)
     (ref / "summary.json").write_text(json.dumps({"recipe": "bf16"}))
     (ref / ".hydra" / "config.yaml").unlink()
-    with pytest.raises(ValueError, match=r"^--reference: .* has no readable \.hydra/config\.yaml"):
+    with pytest.raises(ValueError, match=r"^--reference: .* has no \.hydra/config\.yaml; give a directory written by"):
         check_reference(ref, cfg)
 
 

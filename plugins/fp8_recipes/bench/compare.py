@@ -46,16 +46,19 @@ from fp8_recipes.megatron.data import prepare_dataset
 from fp8_recipes.recipe.pack import (
     check_pack_names, conf_dir, is_recipe_file, project_root, recipe_file_overrides, resolve_recipe_file,
 )
-from fp8_recipes.rundir import HYDRA, METRICS, ROUTING, last_metrics_step, read_jsonl, read_metrics, read_summary
+from fp8_recipes.recipe.yaml_guard import load_yaml
+from fp8_recipes.rundir import (
+    HYDRA, METRICS, ROUTING, last_metrics_step, load_run_config, read_jsonl, read_metrics, read_summary,
+)
 from fp8_recipes.training.config import check_run_config
 from fp8_recipes.training.errors import one_line
 from fp8_recipes.training.evaluate import evaluate_checkpoint, format_parity, gap_pct
 from fp8_recipes.training.progress import PlainBar
 from fp8_recipes.training.run import resolve_recipe
 
-__all__ = ["REFERENCE", "add_gaps", "autopilot_summary", "check_reference", "check_runs", "child_main", "collect", "compare_recipes", "final_loss",
-           "plot_curves", "routing_summary", "run_entries", "run_overrides", "save", "steady_tokens_per_s", "summarize",
-           "summarize_run"]
+__all__ = ["REFERENCE", "add_gaps", "autopilot_summary", "check_reference", "check_runs", "child_main", "collect",
+           "compare_recipes", "final_loss", "plot_curves", "routing_summary", "run_entries", "run_overrides", "save",
+           "steady_tokens_per_s", "summarize", "summarize_run"]
 
 REFERENCE = "bf16"        # the run every gap is measured against
 FINAL_FRACTION = 0.05     # final loss = mean of the last 5% of logged training losses
@@ -116,11 +119,10 @@ def autopilot_summary(config: dict, rows: Sequence[dict]) -> dict[str, Any] | No
 
 
 def _read_config(run_dir: Path) -> dict:
-    import yaml
-
+    """The run's composed config through the guarded YAML reader; {} when it cannot be read (no autopilot then)."""
     try:
-        data = yaml.safe_load((run_dir / HYDRA / "config.yaml").read_text())
-    except (OSError, yaml.YAMLError):
+        data = load_yaml((run_dir / HYDRA / "config.yaml").read_bytes())
+    except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
 
@@ -239,8 +241,8 @@ def summarize(result: dict[str, Any]) -> str:
         notes.append("routing imbalance: max / mean tokens per expert (1.000 = balanced), averaged over steps and MoE "
                      "layers (routing.jsonl); idle experts: the share of those slots in which an expert got no token.")
     if any(r.get("autopilot") for r in result["runs"]):
-        notes.append("autopilot actions: the kind: autopilot rows of the run's metrics.jsonl (its cap_reached note left "
-                     "out); '-': the autopilot was off.")
+        notes.append("autopilot actions: the kind: autopilot rows of the run's metrics.jsonl (its cap_reached note "
+                     "left out); '-': the autopilot was off.")
     if int(result.get("parallel") or 1) > 1:
         notes.append(f"{result['parallel']} runs at a time shared the device: tokens/s compare within this table only.")
     return markdown_table(header, rows) + "\n\n" + "\n".join(notes)
@@ -431,12 +433,9 @@ def check_reference(reference: Path, cfg: Any, out_dir: Path | None = None) -> N
         raise ValueError(f"--reference: {str(reference)!r} holds no finished BF16 run (its summary.json: "
                          f"{'none' if not summary else 'recipe ' + str(summary.get('recipe'))}); give the run dir "
                          f"of a finished +recipe=bf16 run, e.g. OUT/bf16 of an earlier shoot-out")
-    saved = _read_config(reference)
-    if not saved:
-        raise ValueError(f"--reference: {str(reference)!r} has no readable .hydra/config.yaml (the config "
-                         f"scripts/train.py writes); give the run dir of a scripts/train.py run")
+    have = _flat(OmegaConf.to_container(load_run_config(reference, "--reference"), resolve=False))
     want = _flat(OmegaConf.to_container(cfg, resolve=False))
-    have = _flat(saved)
+
     def said(value: Any) -> str:
         return "null" if value is None else str(value)
 
