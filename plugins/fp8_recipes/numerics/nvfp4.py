@@ -128,28 +128,24 @@ def apply_rht(x: torch.Tensor) -> torch.Tensor:
     k = 0..15 in order, rounded once to x's dtype (see the module docstring for how that matches cuBLAS)."""
     if x.shape[-1] % NVFP4_BLOCK:
         raise ValueError(f"rht: the last dim ({x.shape[-1]}) must be a multiple of {NVFP4_BLOCK}")
-    h = rht_matrix(x.device)
     if x.dim() == 2 and x.shape[0] > 1 and not x.is_contiguous() and x.t().is_contiguous():
-        return _rht_of_transposed(x, h)
-    blocks = x.reshape(-1, NVFP4_BLOCK).float()
+        # x = base^T (the columnwise copy's view): its 16-value sums read 16 consecutive rows of base, so sum in
+        # base's layout, each pass over whole rows, and hand back a transposed view as the copy without the RHT
+        # (through the view, a GPU kernel read 2 bytes of each 32-byte sector: 82 ms of an emulated NVFP4 step's
+        # 446 on 8 Llama-3-8B layers, the H100, 2026-12-06). The same in-order sums: the same bits.
+        base = x.t()
+        return _rht_sums(base.reshape(-1, NVFP4_BLOCK, base.shape[1]), x.device).reshape(base.shape).to(x.dtype).t()
+    return _rht_sums(x.reshape(-1, NVFP4_BLOCK, 1), x.device).reshape(x.shape).to(x.dtype)
+
+
+def _rht_sums(blocks: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """(B, 16, C) -> float32 out[b, j, c] = sum over k = 0..15, in order, of blocks[b, k, c] * H[k, j]."""
+    h = rht_matrix(device)
+    blocks = blocks.float()
     out = torch.zeros_like(blocks)
     for k in range(NVFP4_BLOCK):  # products are exact (x * ±1/4): only the order of the sums matters
-        out.addcmul_(blocks[:, k:k + 1], h[k])
-    return out.reshape(x.shape).to(x.dtype)
-
-
-def _rht_of_transposed(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """apply_rht of x = base^T (the columnwise copy's view of a contiguous base) in base's layout: the 16 values a
-    sum reads are 16 consecutive rows of base, so each pass reads whole rows (read through the transposed view, a
-    GPU kernel read 2 bytes of each 32-byte sector: 82 ms of an emulated NVFP4 step's 446 on 8 Llama-3-8B
-    layers, the H100, 2026-12-06). Every output is the same in-order sum of the same products (the same bits);
-    the result is a transposed view again, as the copy without the RHT."""
-    base = x.t()
-    blocks = base.reshape(-1, NVFP4_BLOCK, base.shape[1]).float()  # (rows / 16, 16, cols)
-    out = torch.zeros_like(blocks)
-    for k in range(NVFP4_BLOCK):
         out.addcmul_(blocks[:, k:k + 1, :], h[k][None, :, None])
-    return out.reshape(base.shape).to(x.dtype).t()
+    return out
 
 
 def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
