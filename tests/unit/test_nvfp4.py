@@ -479,3 +479,30 @@ def test_a_columnwise_copy_is_quantized_in_its_base_layout(monkeypatch):
     fake_quant_nvfp4(x, columnwise=True, block=(16, 16))
     fake_quant_nvfp4(x, columnwise=False)
     assert calls == []
+
+
+def test_every_pass_traces_under_symbolic_shapes(monkeypatch):
+    """The GPU compiles each pass with every size a symbol (_symbolic_shapes): a pass that cannot trace so fell back
+    to eager on every call (a size-1 input dimension does not broadcast there; the H100, 2026-12-06: emulated nvfp4
+    at 0.32x BF16's speed instead of 0.63x). Here dynamo traces each pass on the CPU (backend "eager", fullgraph:
+    no inductor, the same aten ops), for each copy, block, RHT and rounding, and the result is the eager one."""
+    from fp8_recipes.numerics import fake_quant_nvfp4, nvfp4
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(nvfp4, "_COMPILED", {})
+    monkeypatch.setattr(nvfp4, "_COMPILE_ON", ("cpu",))
+    monkeypatch.setattr(nvfp4, "_COMPILE_OPTIONS", {"backend": "eager", "fullgraph": True})
+    gen = torch.Generator().manual_seed(0)
+    for shape in ((64, 96), (2, 32, 48), (16, 48)):
+        x = (3 * torch.randn(shape, generator=gen)).to(torch.bfloat16)
+        for block in ((1, 16), (16, 16)):
+            for columnwise, rht, sr in ((False, False, False), (True, True, False), (True, False, False),
+                                        (False, False, True), (True, True, True)):
+                kw = dict(block=block, columnwise=columnwise, rht=rht, stochastic_rounding=sr, seed=3 if sr else None)
+                got = fake_quant_nvfp4(x, **kw)
+                with monkeypatch.context() as m:
+                    m.setattr(nvfp4, "_COMPILE_ON", ())
+                    assert torch.equal(got, fake_quant_nvfp4(x, **kw)), f"{shape} {kw}"
+    assert set(nvfp4._COMPILED) == set(nvfp4._EAGER), nvfp4._COMPILED
+    assert False not in nvfp4._COMPILED.values(), nvfp4._COMPILED  # (a failed trace leaves False: eager ever after)
+    torch._dynamo.reset()

@@ -412,10 +412,10 @@ def fake_quant_nvfp4(
         return _kernel("column_values" if u is None else "column_values_sr", x)(*args, x.dtype).reshape(x.shape)
     blocks = padded.reshape(pr, pc // NVFP4_BLOCK, NVFP4_BLOCK)
     if u is None:
-        values = _kernel("values", x)(blocks, multiplier[..., None], decode[..., None], x.dtype)
+        values = _kernel("values", x)(blocks, multiplier, decode, x.dtype)
     else:
         u = u.reshape(pr, pc // NVFP4_BLOCK, NVFP4_BLOCK)
-        values = _kernel("values_sr", x)(blocks, multiplier[..., None], decode[..., None], u, x.dtype)
+        values = _kernel("values_sr", x)(blocks, multiplier, decode, u, x.dtype)
     values = values.reshape(pr, pc)[:r, :c]
     return (values.t() if columnwise else values).reshape(x.shape)
 
@@ -444,11 +444,14 @@ def _dequantized_values(blocks: torch.Tensor, multiplier: torch.Tensor, decode: 
 
 
 def _values(blocks, multiplier, decode, dtype):
-    return _dequantized_values(blocks, multiplier, decode, None, dtype)
+    """The NVFP4 values of (R, C/16, 16) blocks; multiplier and decode are the blocks' (R, C/16). Their size-1
+    dimension is made here, inside the compiled graph: an input's size 1 is a symbol under _symbolic_shapes, which
+    does not broadcast (torch.compile failed on every call, the H100, 2026-12-06)."""
+    return _dequantized_values(blocks, multiplier[..., None], decode[..., None], None, dtype)
 
 
 def _values_sr(blocks, multiplier, decode, u, dtype):
-    return _dequantized_values(blocks, multiplier, decode, u, dtype)
+    return _dequantized_values(blocks, multiplier[..., None], decode[..., None], u, dtype)
 
 
 def _column_amax(base: torch.Tensor) -> torch.Tensor:
@@ -477,6 +480,9 @@ _EAGER = {"rht": apply_rht, "segment_amax": _segment_amax, "tile_amax": _tile_am
           "column_values_sr": _column_values_sr}
 """The passes over a tensor's size, one function (one code object: its own torch.compile cache) per variant."""
 _COMPILED: dict[str, object] = {}
+_COMPILE_ON, _COMPILE_OPTIONS = ("cuda",), {}
+"""The devices whose passes compile, and torch.compile's options (a CPU test traces every pass with dynamo alone:
+backend "eager", fullgraph, so a graph that cannot trace under _symbolic_shapes fails there, not on the GPU)."""
 
 
 def _symbolic_shapes():
@@ -505,11 +511,11 @@ def _kernel(name: str, x: torch.Tensor):
     values of tests/gpu's subnormal case, the H100, 2026-12-06); a bf16 x's products are exact (its smallest
     subnormal / 4 is a float32 subnormal), and a run's operands are bf16 on the GPU. (The other passes' products
     are exact. Inductor's CPU code differs from the CPU's eager kernels on subnormals, so the CPU runs eagerly.)"""
-    if x.device.type != "cuda" or not x.numel() or _COMPILED.get(name) is False or (
+    if x.device.type not in _COMPILE_ON or not x.numel() or _COMPILED.get(name) is False or (
             name == "rht" and x.dtype == torch.float32):
         return _EAGER[name]
     if name not in _COMPILED:
-        _COMPILED[name] = torch.compile(_EAGER[name], dynamic=True)
+        _COMPILED[name] = torch.compile(_EAGER[name], dynamic=True, **_COMPILE_OPTIONS)
         if name == "rht":
             rht_matrix(x.device)  # (made before tracing: the graph reads the cached tensor and never recompiles for it)
 
