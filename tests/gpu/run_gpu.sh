@@ -21,6 +21,8 @@
 #         bash tests/gpu/run_gpu.sh shootout  # the MoE shoot-out (issue 28)
 #     bash tests/gpu/run_gpu.sh pilot-shootout  # issue 30: the shoot-out with autopilot=on, GPU tests beside it
 #     bash tests/gpu/run_gpu.sh nvfp4-profile   # issue 29: bench_train --profile, bf16 / emulated parts / nvfp4
+#     bash tests/gpu/run_gpu.sh bridge-moe      # issue 28: Megatron-Bridge pretrain with MoE keys (.bwhl carried;
+#         RECIPES: the --recipe of each run, MOE: the conf/model whose MoE keys, SKIP_TESTS=1: the runs alone)
 #     bash tests/gpu/run_gpu.sh moe          # MoE on TE: its GPU tests + bench_train on mixtral_8x7b_4l (caps 240 + 300 s)
 #         (ENGINE=1: bench_train --engine, scripts/train.py's step; TESTS: other test files or node ids)
 #     bash tests/gpu/run_gpu.sh moe-stats    # statistics overhead at interval 10 on moe_small's grouped experts
@@ -115,6 +117,30 @@ pilot-shootout)
   echo; stamp "summary"
   grep -E " passed| failed|^FAILED|^ERROR" "$OUT/tests.log" | tail -12
   cat "$OUT/${NAME:-pilot}-compare.md" 2>/dev/null || tail -5 "$OUT/${NAME:-pilot}.log"
+  ;;
+bridge-moe)
+  # Issue 28 item 9: Megatron-Bridge's own pretrain with our MoE keys and recipes, from the wheels carried in .bwhl
+  # (tests/gpu/offline/README.md); the Bridge / TE integration tests beside. Logs: $OUT/bridge_moe.log
+  L="$OUT/bridge_moe.log"; S=/tmp/bsite
+  [ -d .bwhl ] || { echo "error: .bwhl is missing: carry it (tests/gpu/offline/README.md)" | tee "$L"; exit 2; }
+  "$PY" -m pip install -q --no-index --no-deps --target $S .bwhl/*.whl 2>&1 | grep -v WARNING
+  export PYTHONPATH="$S:$PYTHONPATH"
+  stamp "Bridge's import path (tests/gpu/offline/bridge_check_imports.py)" | tee "$L"
+  "$PY" tests/gpu/offline/bridge_check_imports.py 2>&1 | grep -E "FAIL|passed" >> "$L"
+  stamp "Bridge + MoE integration tests" | tee -a "$L"
+  [ "${SKIP_TESTS:-0}" = 1 ] || timeout -s INT ${TEST_CAP:-200} "$PY" -m pytest tests/gpu/test_integrations_gpu.py \
+      tests/unit/test_integrations.py::test_bridge_mixed_precision_in_real_bridge -q -p no:cacheprovider \
+      -o addopts="" -rfEs --tb=short > "$OUT/bridge_tests.log" 2>&1
+  grep -E "^(FAILED|ERROR) | passed| failed" "$OUT/bridge_tests.log" | cut -c1-300 >> "$L"
+  for r in ${RECIPES:-moe_blockwise tests/gpu/offline/safe_short.yaml}; do
+    stamp "torchrun bridge_pretrain.py --recipe $r --moe ${MOE:-mixtral_8x7b_4l} --layers 4 --steps 40" | tee -a "$L"
+    timeout -s INT ${RUN_CAP:-200} torchrun --nproc-per-node 1 scripts/bridge_pretrain.py --recipe $r \
+        --moe ${MOE:-mixtral_8x7b_4l} --layers 4 --steps 40 --out /tmp/bridge-moe/$(basename $r .yaml) > /tmp/bridge.out 2>&1
+    echo "exit $?" >> /tmp/bridge.out
+    grep -E "fp8-recipes|^recipe |iteration +(1|10|20|30|40)/|max allocated|^error|Error|exit [0-9]" /tmp/bridge.out \
+        | cut -c1-400 | head -40 >> "$L"; cp /tmp/bridge.out "$OUT/bridge_$(basename $r .yaml).out"
+  done
+  stamp "done" | tee -a "$L"; grep -E " passed| failed|^exit|iteration +40/" "$L"
   ;;
 nvfp4-profile)
   # Issue 29 item 6: where an emulated NVFP4 step's time goes, beside its parts (the local spec without

@@ -145,8 +145,10 @@ def test_megatron_runs_an_moe_model_under_the_mapped_fields(ref, padding, megatr
     assert all(math.isfinite(x) for x in losses), losses
     experts = {n: m for n, m in model.named_modules() if n.endswith(("experts.linear_fc1", "experts.linear_fc2"))}
     assert sorted(experts) == [f"decoder.layers.{i}.mlp.experts.linear_fc{k}" for i in (0, 2) for k in (1, 2)]
-    for name, module in experts.items():
-        assert type(module).__name__ == "TEGroupedLinear" and module.fp8, f"{name} did not run FP8"
+    from megatron.core.extensions.transformer_engine import TEGroupedLinear
+
+    for name, module in experts.items():  # (TEColumnParallelGroupedLinear / TERowParallelGroupedLinear)
+        assert isinstance(module, TEGroupedLinear) and module.fp8, f"{name} did not run FP8"
         assert type(module.fp8_meta["recipe"]).__name__ == mp.te.recipe, (name, mp.te.describe())
     router = model.decoder.layers[0].mlp.router  # not a TE module: Megatron-Core's own GEMM, outside FP8
     assert router.weight.grad is not None and torch.isfinite(router.weight.grad).all()

@@ -183,6 +183,24 @@ def _pad_expert_tokens(gpts: list[torch.nn.Module], plan: PrecisionPlan, router_
                 mlp.token_dispatcher.config = config
 
 
+def _hook_new_modules(chunks: list[torch.nn.Module]) -> None:
+    """Chunks already wrapped in Megatron-Core's DDP with its forward pre-hooks on (``overlap_param_gather`` with the
+    distributed optimizer; Megatron-Bridge's callback attaches after wrapping): the modules the attach added (the
+    experts' Fp8Padding, the FP8 head's TE linear) get DDP's hook as its own modules have it, and a module no longer
+    in the tree loses its own. DDP's ``disable_forward_pre_hook`` looks every module up and raised ``KeyError:
+    Fp8Padding()`` in Bridge's pretrain (the H100, 2026-12-06)."""
+    for chunk in chunks:
+        handles = getattr(chunk, "remove_forward_pre_hook_handles", None)
+        if not handles:  # not DDP, or its hooks are off: enable_forward_pre_hook will hook every module then
+            continue
+        modules = list(chunk.module.modules())
+        for module in set(handles) - set(modules):
+            handles.pop(module).remove()
+        for module in modules:
+            if module not in handles:
+                handles[module] = module.register_forward_pre_hook(chunk._make_forward_pre_hook())
+
+
 def attach_te_backend(model: torch.nn.Module | list[torch.nn.Module], plan: PrecisionPlan, *,
                       count: bool = True, recipes: dict[TERecipe, Any] | None = None,
                       router_padding: bool = False) -> TEPrecision:
@@ -234,6 +252,7 @@ def attach_te_backend(model: torch.nn.Module | list[torch.nn.Module], plan: Prec
                          f"layer_init=FP8ParamInit(plan)")
     kind = plan.recipe.amax_reduction
     experts = te_expert_amax_reduction_group(kind) if plan.layout.experts else None
+    _hook_new_modules(chunks)
     return TEPrecision(plan, layers=layers, linears=te_linears, chunks=gpts, attention=attention,
                        amax_group=te_amax_reduction_group(kind), count=count, recipes=recipes,
                        fp8_params=fp8_params, rows={n: grouped[n] for n in te_linears if n in grouped},

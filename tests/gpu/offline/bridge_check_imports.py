@@ -104,7 +104,7 @@ for mod, attr in ATTRS:
 
 # a light functional check: build the config exactly as scripts/bridge_pretrain.py does (no GPU work)
 try:
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "scripts"))
     import bridge_pretrain
     cfg = bridge_pretrain.build_config(bridge_pretrain.parse_args(["--steps", "4"]))
     print(f"OK    build_config: model={type(cfg.model).__name__} tokenizer={cfg.tokenizer.tokenizer_type}")
