@@ -9,6 +9,8 @@ BF16, a table (final-loss gap %, eval loss, tokens/s, peak memory) and inference
     python scripts/compare_recipes.py --recipes nvfp4 tests/gpu/nvfp4_ablations/*.yaml   # recipe files: runs
                                                                                    # named by their stems
     python scripts/compare_recipes.py --plot-only runs/cmp                         # redraw table and PNG
+    python scripts/compare_recipes.py --recipes tensorwise blockwise --out runs/cmp --resume   # go on after an
+                                      # interruption (the same arguments): finished runs kept, the others resumed
 
 BF16 is always run, as the reference. Every other argument is a Hydra override of scripts/train.py, given to every
 run (`recipe.*` ones to the FP8 runs only); each run is scripts/train.py in a subprocess with its run dir OUT/NAME
@@ -56,6 +58,9 @@ def main() -> None:
     p.add_argument("--plot-only", type=Path, metavar="DIR", help="redraw table and PNG of a shoot-out directory")
     p.add_argument("--reference", type=Path, metavar="RUN_DIR", help="a finished BF16 run of the same config (e.g. "
                    "OUT/bf16 of an earlier shoot-out), linked as OUT/bf16 instead of training BF16 again")
+    p.add_argument("--resume", action="store_true", help="continue the shoot-out in --out (the same recipes and "
+                   "overrides): finished runs are kept, interrupted ones go on from their checkpoints, missing ones "
+                   "start")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every run, e.g. model=gpt_125m trainer=gpu")
     # KEY=VALUE words are overrides wherever they stand (else `--recipes a b trainer.max_steps=9` would take the
     # override for a recipe name), unless they are a path (_split_overrides).
@@ -82,6 +87,11 @@ def main() -> None:
         if args.reference is not None and not args.reference.is_dir():
             raise ValueError(f"--reference: '{args.reference}' is not a directory; give the run dir of a finished "
                              f"BF16 run (e.g. OUT/bf16 of an earlier shoot-out)")
+        if args.resume and (args.plot_only or args.out is None):
+            raise ValueError("--resume: continues the shoot-out in --out; give --out DIR (and no --plot-only)")
+        if args.resume and not (args.out / "compare.json").is_file():
+            raise ValueError(f"--resume: '{args.out}' holds no shoot-out (no compare.json); check --out, or drop "
+                             f"--resume to start one there")
         if not args.plot_only and set(args.recipes) <= {"bf16"}:  # (the BF16 reference runs anyway: nothing beside it)
             raise ValueError("--recipes: bf16 alone compares nothing (every comparison runs the BF16 reference "
                              "anyway); name FP8 recipes, e.g. --recipes tensorwise blockwise")
@@ -91,12 +101,13 @@ def main() -> None:
             check_writable_dir("--out", str(out))  # (else the first run's run_dir is named: OUT/bf16)
             result = compare_recipes(args.recipes, args.overrides, out, parallel=args.parallel, parity=args.parity,
                                      parity_iters=args.parity_iters, command=shlex.join(["python", *sys.argv]),
-                                     reference=args.reference)
+                                     reference=args.reference, resume=args.resume)
     except ValueError as e:  # a user error: one line naming the key, no run started
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM (e.g. `timeout`): the runs checkpointed; tabulate what they logged
-        print(f"interrupted: the runs stopped after their current step (checkpoints in {out}/*/checkpoints)",
+        print(f"interrupted: the runs stopped after their current step (checkpoints in {out}/*/checkpoints; "
+              f"continue with the same arguments and --resume)",
               file=sys.stderr)
         if any(out.glob("*/metrics.jsonl")):
             print(save(collect(out), out))

@@ -86,7 +86,9 @@ handoff)
   ;;
 shootout)
   # One shoot-out of gpt_125m, 1000 steps (docs/benchmarks.md): RECIPES (names or recipe files), SEED, MBS and EXTRA
-  # (more overrides) vary it; REFERENCE: an earlier call's BF16 run dir on this machine, not trained again.
+  # (more overrides) vary it; REFERENCE: an earlier call's BF16 run dir on this machine, not trained again;
+  # RESUME=1: the same shoot-out (same variables) continued in a later call on this machine (its runs stopped at the
+  # cap with a checkpoint each: the finished ones are kept, the others go on).
   # The runs live in $WORK (default /tmp/shootout; only 8 files come back): $OUT gets the table, JSON and plot, and
   # NAME-runs.tar.gz with each run's metrics, numerics, summary, plan and log (compare_recipes.py --plot-only redraws)
   W=${WORK:-/tmp/shootout}; N=${NAME:-cmp}; mkdir -p "$W"
@@ -94,6 +96,7 @@ shootout)
       | tee "$OUT/$N.log"
   timeout -s INT ${SHOOT_CAP:-580} "$PY" scripts/compare_recipes.py --recipes ${RECIPES:-fast delayed tensorwise} \
       --parallel ${PARALLEL:-4} $([ "${PARITY:-1}" = 0 ] && echo --no-parity) ${REFERENCE:+--reference "$REFERENCE"} \
+      ${RESUME:+--resume} \
       --out "$W/$N" model=${MODEL:-gpt_125m} trainer=gpu trainer.max_steps=1000 trainer.micro_batch_size=${MBS:-8} \
       trainer.global_batch_size=16 trainer.eval_interval=1000 trainer.eval_iters=16 trainer.seed=${SEED:-1234} \
       ${EXTRA:-} 2>&1 | grep -v -E "it/s\]|step/s" | tail -40 | tee -a "$OUT/$N.log"

@@ -289,3 +289,23 @@ def test_reference_and_recipe_file_edges_are_one_line_errors(tmp_path):
                               capture_output=True, text=True, timeout=300)
         err = proc.stderr.strip()
         assert proc.returncode == 2 and err.startswith(f"error: {said}") and len(err.splitlines()) == 1, err
+
+
+def test_run_states_for_resume(tmp_path):
+    """--resume: no run dir = new, a summary of a run that ended on its own = done (a stopped one too), a preempted
+    run or one without a summary (killed) = resume; OUT/bf16 must be the --reference run, linked."""
+    from fp8_recipes.bench.compare import run_states
+
+    for name, summary in (("a", {"recipe": "a"}), ("b", {"stopped": "non-finite loss"}),
+                          ("c", {"preempted": {"signal": "SIGTERM", "step": 3}}), ("d", None)):
+        (tmp_path / name).mkdir()
+        if summary is not None:
+            (tmp_path / name / "summary.json").write_text(json.dumps(summary))
+    assert run_states(tmp_path, ["a", "b", "c", "d", "e"]) == dict(a="done", b="done", c="resume", d="resume",
+                                                                    e="new")
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    (tmp_path / "bf16").symlink_to(ref, target_is_directory=True)
+    assert run_states(tmp_path, ["bf16"], ref) == {"bf16": "resume"}  # (its summary decides, as for any run)
+    with pytest.raises(ValueError, match=r"^--reference: .*bf16' holds another BF16 run than .*/a'; drop"):
+        run_states(tmp_path, ["bf16"], tmp_path / "a")

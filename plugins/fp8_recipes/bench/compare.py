@@ -330,10 +330,13 @@ def save(result: dict[str, Any], out_dir: Path) -> str:
 # Running the shoot-out
 
 
-def _reserved(overrides: Sequence[str]) -> None:
+def _reserved(overrides: Sequence[str], resume: bool = False) -> None:
     """Keys the shoot-out sets itself may not come in as overrides (one line naming the key)."""
     for o in overrides:
         key = o.split("=", 1)[0].lstrip("+~")
+        if key == "trainer.resume" and resume:
+            raise ValueError(f"{key}: --resume continues each unfinished run from its checkpoints (trainer.resume="
+                             f"auto); drop {o!r}")
         if key == "recipe":
             raise ValueError(f"{key}: chosen by --recipes, not by an override ({o!r}); e.g. --recipes tensorwise")
         if key == "run_dir":
@@ -369,19 +372,23 @@ def run_overrides(name: str, overrides: Sequence[str], run_dir: Path, recipe: st
     return [f"+recipe={recipe or name}", *own, f"run_dir={run_dir}"]
 
 
-def check_runs(runs: Sequence[str] | dict[str, str], overrides: Sequence[str], out_dir: Path, parity: bool) -> Any:
+def check_runs(runs: Sequence[str] | dict[str, str], overrides: Sequence[str], out_dir: Path, parity: bool,
+               resume: bool = False) -> Any:
     """Every run's config composed and checked as scripts/train.py would, before any run starts (a typo costs a
     second, not N trainings); returns the BF16 run's config (for the data to prepare). `runs`: names of the pack,
-    or run_entries' mapping. ValueError: one line."""
+    or run_entries' mapping. ``resume``: a run dir already in OUT must have run the config this run would
+    (--resume). ValueError: one line."""
     from hydra import compose, initialize_config_dir
 
     entries = runs if isinstance(runs, dict) else run_entries([r for r in runs if r != REFERENCE])
-    _reserved(overrides)
+    _reserved(overrides, resume)
     configs = {}
     for name, recipe in entries.items():
-        if os.path.lexists(out_dir / name):  # (a dangling link too: --reference would fail to link over it)
+        exists = os.path.lexists(out_dir / name)  # (a dangling link too: --reference would fail to link over it)
+        if exists and not resume:
             raise ValueError(f"--out: {str(out_dir / name)!r} already exists (a run dir appends to its metrics); "
-                             f"choose a new --out, or redraw with --plot-only {out_dir}")
+                             f"choose a new --out, continue the shoot-out with --resume, or redraw with "
+                             f"--plot-only {out_dir}")
         try:
             with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
                 cfg = compose("train", overrides=recipe_file_overrides(
@@ -395,6 +402,9 @@ def check_runs(runs: Sequence[str] | dict[str, str], overrides: Sequence[str], o
             if line is None:
                 raise
             raise ValueError(line) from None
+        if exists:
+            same_config(out_dir / name, cfg, "--resume", "give the overrides and recipes it ran with (OUT/compare.json "
+                        "has the command), or choose a new --out")
         configs[name] = cfg
     if parity and not configs[REFERENCE].trainer.save_checkpoints:
         raise ValueError("trainer.save_checkpoints: false leaves no checkpoint for the inference-parity evaluation; "
@@ -421,8 +431,6 @@ def check_reference(reference: Path, cfg: Any, out_dir: Path | None = None) -> N
     """A finished BF16 run dir may stand in for the shoot-out's BF16 run (``--reference``, e.g. a second GPU call's
     recipes against the first call's BF16 run) when it ran the config this shoot-out's would (``cfg``: composed by
     check_runs; run_dir aside). ValueError, one line naming the first key that differs."""
-    from omegaconf import OmegaConf
-
     if out_dir is not None:
         ref, out = reference.resolve(), out_dir.resolve()
         if ref == out or out in ref.parents or ref in out.parents:
@@ -433,7 +441,16 @@ def check_reference(reference: Path, cfg: Any, out_dir: Path | None = None) -> N
         raise ValueError(f"--reference: {str(reference)!r} holds no finished BF16 run (its summary.json: "
                          f"{'none' if not summary else 'recipe ' + str(summary.get('recipe'))}); give the run dir "
                          f"of a finished +recipe=bf16 run, e.g. OUT/bf16 of an earlier shoot-out")
-    have = _flat(OmegaConf.to_container(load_run_config(reference, "--reference"), resolve=False))
+    same_config(reference, cfg, "--reference", "give the overrides it ran with, or drop --reference to train BF16 "
+                "again")
+
+
+def same_config(run_dir: Path, cfg: Any, flag: str, fix: str) -> None:
+    """ValueError (one line: ``flag``, the first key that differs, ``fix``) unless ``run_dir`` ran the config ``cfg``
+    (composed by check_runs), UNTRAINED_KEYS aside."""
+    from omegaconf import OmegaConf
+
+    have = _flat(OmegaConf.to_container(load_run_config(run_dir, flag), resolve=False))
     want = _flat(OmegaConf.to_container(cfg, resolve=False))
 
     def said(value: Any) -> str:
@@ -441,9 +458,8 @@ def check_reference(reference: Path, cfg: Any, out_dir: Path | None = None) -> N
 
     for key in sorted(set(want) | set(have)):
         if key not in UNTRAINED_KEYS and want.get(key, "(unset)") != have.get(key, "(unset)"):
-            raise ValueError(f"--reference: {str(reference)!r} ran {key}={said(have.get(key, '(unset)'))}, this "
-                             f"shoot-out runs {key}={said(want.get(key, '(unset)'))}; give the overrides it ran with, "
-                             f"or drop --reference to train BF16 again")
+            raise ValueError(f"{flag}: {str(run_dir)!r} ran {key}={said(have.get(key, '(unset)'))}, this shoot-out "
+                             f"runs {key}={said(want.get(key, '(unset)'))}; {fix}")
 
 
 def _prepare_data(cfg: Any) -> None:
@@ -543,11 +559,12 @@ def _child_command(name: str, recipe: str, overrides: Sequence[str], out_dir: Pa
 
 def compare_recipes(recipes: Sequence[str], overrides: Sequence[str], out_dir: Path, *, parallel: int = 1,
                     parity: bool = True, parity_iters: int | None = None, train_script: Path | None = None,
-                    command: str | None = None, reference: Path | None = None) -> dict[str, Any]:
+                    command: str | None = None, reference: Path | None = None, resume: bool = False) -> dict[str, Any]:
     """Train BF16 and each recipe with the same overrides (so the same model, data and seed), then collect.
     `reference`: a finished BF16 run of the same config, linked as OUT/bf16 instead of training BF16 again.
-    User errors (a bad recipe name or override, an existing run dir) are ValueErrors of one line, raised before
-    any run starts. A failed run becomes a row with status ``failed`` (its log says why)."""
+    `resume`: continue a shoot-out in OUT (see run_states). User errors (a bad recipe name or override, an existing
+    run dir without `resume`) are ValueErrors of one line, raised before any run starts. A failed run becomes a row
+    with status ``failed`` (its log says why)."""
     if parallel < 1:
         raise ValueError(f"--parallel: {parallel} must be >= 1")
     entries = run_entries([r for r in recipes if r != REFERENCE])
@@ -555,13 +572,15 @@ def compare_recipes(recipes: Sequence[str], overrides: Sequence[str], out_dir: P
     script = train_script or (project_root() or Path(".")) / "scripts" / "train.py"
     if not script.is_file():
         raise ValueError(f"--train-script: {str(script)!r} does not exist; run from a checkout of fp8-recipes")
-    reference_cfg = check_runs(entries, overrides, out_dir, parity)
+    reference_cfg = check_runs(entries, overrides, out_dir, parity, resume)
     if reference is not None:
         check_reference(reference, reference_cfg, out_dir)
+    states = run_states(out_dir, names, reference)
     _prepare_data(reference_cfg)
-    jobs = {n: _child_command(n, entries[n], overrides, out_dir, script, parity, parity_iters) for n in names
-            if reference is None or n != REFERENCE}
-    if reference is not None:
+    jobs = {n: _child_command(n, entries[n], [*overrides, *(["trainer.resume=auto"] if states[n] == "resume" else [])],
+                              out_dir, script, parity, parity_iters)
+            for n in names if states[n] in ("new", "resume") and (reference is None or n != REFERENCE)}
+    if reference is not None and states[REFERENCE] == "new":
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / REFERENCE).symlink_to(reference.resolve(), target_is_directory=True)
@@ -573,6 +592,7 @@ def compare_recipes(recipes: Sequence[str], overrides: Sequence[str], out_dir: P
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": [{"name": n} for n in names]}
     save_json(out_dir / "compare.json", meta)  # the run list first, so --plot-only works on a cut-short shoot-out
     codes = _run_all(jobs, min(parallel, len(jobs)), out_dir) if jobs else {}
+    codes.update({n: 0 for n in names if states[n] == "done"})  # (finished before: kept as they are)
     if reference is not None:
         codes[REFERENCE] = 0  # (it finished: check_reference read its summary)
     result = collect(out_dir, names)
@@ -580,6 +600,25 @@ def compare_recipes(recipes: Sequence[str], overrides: Sequence[str], out_dir: P
         if row["status"] == "ok" and codes.get(row["name"]) != 0:
             row["status"] = f"exit {codes.get(row['name'])}"
     return result
+
+
+def run_states(out_dir: Path, names: Sequence[str], reference: Path | None = None) -> dict[str, str]:
+    """Each run's state in OUT before the shoot-out trains: ``new`` (no run dir), ``done`` (a summary.json of a run
+    that ended on its own: finished, or stopped by its own checks; kept as it is), ``resume`` (a run dir without one,
+    or a preempted run: it continues from its newest intact checkpoint, trainer.resume=auto, or starts again without
+    one). With ``reference``, OUT/bf16 must be that run (linked) or absent: ValueError, one line."""
+    states = {}
+    for name in names:
+        run_dir = out_dir / name
+        if not os.path.lexists(run_dir):
+            states[name] = "new"
+            continue
+        if name == REFERENCE and reference is not None and run_dir.resolve() != reference.resolve():
+            raise ValueError(f"--reference: '{run_dir}' holds another BF16 run than '{reference}'; drop --reference "
+                             f"to keep it, or choose a new --out")
+        summary = read_summary(run_dir)
+        states[name] = "done" if summary and not summary.get("preempted") else "resume"
+    return states
 
 
 # ----------------------------------------------------------------------------------------------------------
