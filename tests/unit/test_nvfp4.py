@@ -506,3 +506,72 @@ def test_every_pass_traces_under_symbolic_shapes(monkeypatch):
     assert set(nvfp4._COMPILED) == set(nvfp4._EAGER), nvfp4._COMPILED
     assert False not in nvfp4._COMPILED.values(), nvfp4._COMPILED  # (a failed trace leaves False: eager ever after)
     torch._dynamo.reset()
+
+
+def triton_rht_operands():
+    """bf16 / fp16 copies x^T (the base layout) of x with rows in 16s: normal values, values over the dtype's whole
+    range (subnormals and the largest finite included), inf, -inf, NaN, -0.0, and a column of zeros."""
+    gen = torch.Generator().manual_seed(7)
+    for dtype, lo, hi in ((torch.bfloat16, -133, 127), (torch.float16, -24, 15)):
+        for rows, cols in ((32, 48), (48, 300), (16, 16)):
+            spread = torch.exp2(torch.empty(rows, cols).uniform_(lo, hi, generator=gen))
+            spread *= torch.where(torch.rand(rows, cols, generator=gen) < 0.5, -1.0, 1.0)
+            for x in (3 * torch.randn(rows, cols, generator=gen), spread):
+                x = x.to(dtype)
+                x[1, 2], x[5, 3], x[7, 4], x[0, 5], x[:, 6] = float("inf"), float("-inf"), float("nan"), -0.0, 0.0
+                yield x.t()
+
+
+def check_triton_rht() -> int:
+    """The Triton RHT (Triton's CPU interpreter) against apply_rht, bit for bit (NaN where NaN), directly and inside
+    fake_quant_nvfp4; the count checked. Run by the test below with TRITON_INTERPRET=1."""
+    from fp8_recipes.numerics import fake_quant_nvfp4, nvfp4, nvfp4_kernels
+
+    def same(a, b):
+        nan = torch.isnan(a.float())
+        assert torch.equal(nan, torch.isnan(b.float())) and a.shape == b.shape and a.stride() == b.stride()
+        assert torch.equal(a[~nan].view(torch.int16), b[~nan].view(torch.int16))
+
+    n = 0
+    for v in triton_rht_operands():
+        assert nvfp4_kernels.is_base_layout(v)
+        same(nvfp4_kernels.rht_base_layout(v, nvfp4.rht_matrix("cpu")), nvfp4.apply_rht(v))
+        x = v.t()  # (fake_quant_nvfp4 takes x and makes the columnwise copy x^T itself)
+        for sr in (False, True):
+            kw = dict(columnwise=True, rht=True, stochastic_rounding=sr, seed=3 if sr else None)
+            nvfp4._TRITON_ON = ("cpu",)
+            got = fake_quant_nvfp4(x, **kw)
+            nvfp4._TRITON_ON = ()
+            same(got, fake_quant_nvfp4(x, **kw))
+        n += 1
+    assert not nvfp4._TRITON.get("failed")
+    return n
+
+
+@pytest.mark.timeout(600)
+def test_the_triton_rht_is_apply_rht_bit_for_bit_in_the_interpreter():
+    """On a GPU a bf16 / fp16 columnwise copy's RHT is a Triton kernel (numerics/nvfp4_kernels.py); here it runs in
+    Triton's CPU interpreter against the eager sums, over the dtypes' whole range and inf / NaN / -0.0."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton", reason="the RHT kernel needs Triton (a dependency of torch on Linux)")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
+    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_nvfp4 as t; " \
+           "print('checked', t.check_triton_rht())"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "checked 12" in done.stdout, done.stdout[-2000:]
+
+
+def test_only_a_gpus_16_bit_base_layout_copy_takes_the_triton_rht(monkeypatch):
+    from fp8_recipes.numerics import nvfp4
+
+    x = torch.ones(32, 16, dtype=torch.bfloat16)
+    assert nvfp4._rotate(x) is nvfp4.apply_rht  # (the CPU: eager)
+    monkeypatch.setattr(nvfp4, "_TRITON_ON", ("cpu",))
+    assert nvfp4._rotate(x) is not nvfp4.apply_rht and nvfp4._rotate(x.float()) is nvfp4.apply_rht
+    monkeypatch.setattr(nvfp4, "_TRITON", {"failed": True})
+    assert nvfp4._rotate(x) is nvfp4.apply_rht

@@ -389,11 +389,12 @@ def fake_quant_nvfp4(
     its rounded count of grid steps times the step, which is what the code decodes to, times the block's decode
     factor. The passes over x's size read x's dtype (no float32 copy of x): on a GPU the three of them, the RHT,
     the block amaxes and the values, are torch.compile'd (no division in any: float32 products, in-order sums and
-    maxima, as the eager ones); anywhere else, and if compiling fails, they run eagerly. A columnwise copy's
+    maxima, as the eager ones), the RHT of a bf16 / fp16 columnwise copy a Triton kernel of the same sums
+    (numerics/nvfp4_kernels.py); anywhere else, and if compiling fails, they run eagerly. A columnwise copy's
     passes read x in its own layout where x's rows are whole 1x16 segments of x^T (16 rows of a column of x),
     and its values come back in x's layout."""
     block = _check_inputs("fake_quant_nvfp4", x, block, stochastic_rounding, generator, seed)
-    copy = nvfp4_copy_2d(x, columnwise=columnwise, rht=rht, rotate=_kernel("rht", x))  # x's dtype
+    copy = nvfp4_copy_2d(x, columnwise=columnwise, rht=rht, rotate=_rotate(x))  # x's dtype
     r, c = copy.shape
     by_rows = columnwise and block[0] == 1 and c % NVFP4_BLOCK == 0 and copy.t().is_contiguous()
     if by_rows:  # x^T's 1x16 segments are 16 rows of a column of its base: each pass reads whole base rows
@@ -499,6 +500,37 @@ def _symbolic_shapes():
 
 COMPILE_LIMIT = 32
 """Compiled forms a pass may hold (one per dtype and memory layout is the rule: 2 per dtype, checked on the GPU)."""
+
+
+def _rotate(x: torch.Tensor):
+    """The RHT fake_quant_nvfp4 runs for x's columnwise copy: on a GPU, a bf16 / fp16 copy in its base layout (x^T
+    of a contiguous x, the emulated backend's case) goes to the Triton kernel of numerics/nvfp4_kernels.py (the same
+    sums in the same order, one pass over memory); any other copy to _kernel("rht", x). A failed launch logs one
+    warning and leaves _kernel's form for the rest of the run."""
+    other = _kernel("rht", x)
+    if x.device.type not in _TRITON_ON or x.dtype not in (torch.bfloat16, torch.float16) or _TRITON.get("failed"):
+        return other
+
+    def rotate(v: torch.Tensor) -> torch.Tensor:
+        from fp8_recipes.numerics import nvfp4_kernels  # (Triton: imported on first use, where it runs)
+
+        if _TRITON.get("failed") or not nvfp4_kernels.is_base_layout(v):
+            return other(v)
+        try:
+            return nvfp4_kernels.rht_base_layout(v, rht_matrix(v.device))
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - no Triton, a launch failure: the other form computes the same
+            logger.warning("NVFP4 rht: the Triton kernel failed (%s); using %s", str(e).splitlines()[0] if str(e)
+                           else type(e).__name__, "torch.compile" if x.device.type == "cuda" else "eager")
+            _TRITON["failed"] = True
+            return other(v)
+    return rotate
+
+
+_TRITON: dict[str, bool] = {}
+_TRITON_ON = ("cuda",)
+"""The devices whose RHT runs the Triton kernel (a test adds "cpu" under Triton's interpreter)."""
 
 
 def _kernel(name: str, x: torch.Tensor):
