@@ -96,7 +96,7 @@ shootout)
       | tee "$OUT/$N.log"
   timeout -s INT ${SHOOT_CAP:-580} "$PY" scripts/compare_recipes.py --recipes ${RECIPES:-fast delayed tensorwise} \
       --parallel ${PARALLEL:-4} $([ "${PARITY:-1}" = 0 ] && echo --no-parity) ${REFERENCE:+--reference "$REFERENCE"} \
-      ${RESUME:+--resume} \
+      $([ "${RESUME:-0}" = 1 ] && echo --resume) \
       --out "$W/$N" model=${MODEL:-gpt_125m} trainer=gpu trainer.max_steps=1000 trainer.micro_batch_size=${MBS:-8} \
       trainer.global_batch_size=16 trainer.eval_interval=1000 trainer.eval_iters=16 trainer.seed=${SEED:-1234} \
       ${EXTRA:-} 2>&1 | grep -v -E "it/s\]|step/s" | tail -40 | tee -a "$OUT/$N.log"

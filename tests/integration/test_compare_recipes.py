@@ -290,3 +290,46 @@ def test_resume_keeps_finished_runs_and_continues_an_interrupted_one(dataset, tm
     proc = subprocess.run([*base[:base.index("--out") + 1], str(tmp_path / "none"), "--resume"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 2 and proc.stderr.startswith("error: --resume: ") and "no compare.json" in proc.stderr
+
+
+def test_an_interrupted_shootout_checkpoints_and_resumes(dataset, tmp_path):  # noqa: F811
+    """Ctrl-C at a terminal, or `timeout -s INT` as the GPU script caps a call, signals the whole process group: the
+    runs have sessions of their own, so only the shoot-out gets it, and it stops them with SIGTERM: each checkpoints
+    and ends preempted (exit 130 for the shoot-out). --resume then finishes them (one row per step), and a finished
+    FP8 run whose parity.json is missing is evaluated again without training."""
+    import os
+    import signal
+    import time
+
+    from fp8_recipes.rundir import read_summary
+
+    steps, out = 60, tmp_path / "cmp"
+    overrides = [o for o in _overrides(out) if not o.startswith(("trainer.max_steps=", "trainer.eval_interval="))]
+    base = [sys.executable, SCRIPT, "--recipes", "tensorwise", "--parallel", "2", "--out", str(out), *dataset,
+            *overrides, f"trainer.max_steps={steps}", f"trainer.eval_interval={steps}"]
+    proc = subprocess.Popen(base, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not all((out / n / "metrics.jsonl").is_file() and len(
+            read_metrics(out / n, "train")) >= 3 for n in ("bf16", "tensorwise")):
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGINT)  # the group, as a terminal's Ctrl-C
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130 and "--resume" in err, err[-2000:]
+    for name in ("bf16", "tensorwise"):
+        summary = read_summary(out / name)
+        assert summary.get("preempted") and (out / name / "checkpoints" / "latest").is_file(), (name, summary)
+        assert len(read_metrics(out / name, "train")) < steps
+
+    done = subprocess.run([*base, "--resume"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for name in ("bf16", "tensorwise"):
+        assert [r["step"] for r in read_metrics(out / name, "train")] == list(range(1, steps + 1)), name
+        assert "preempted" in (out / "logs" / f"{name}.log").read_text()  # (the first attempt's log kept)
+    rows = read_metrics(out / "tensorwise", "train")
+    (out / "tensorwise" / "parity.json").unlink()
+    again = subprocess.run([*base, "--resume"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert (out / "tensorwise" / "parity.json").is_file() and read_metrics(out / "tensorwise", "train") == rows
+    runs = {r["name"]: r for r in json.loads((out / "compare.json").read_text())["runs"]}
+    assert runs["tensorwise"]["status"] == "ok" and runs["tensorwise"]["parity"]["gap_pct"] is not None, runs

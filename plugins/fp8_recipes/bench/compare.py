@@ -495,10 +495,23 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def _run_all(jobs: dict[str, list[str]], parallel: int, out_dir: Path) -> dict[str, int]:
+def _term_with_parent() -> None:
+    """In a run's process before it starts (Linux): SIGTERM when the shoot-out's process dies, so that a run
+    outlives it by no more than its checkpoint (elsewhere nothing: the runs then go on to their end)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _run_all(jobs: dict[str, list[str]], parallel: int, out_dir: Path, append: bool = False) -> dict[str, int]:
     """Run the commands, ``parallel`` at a time, under a progress bar over runs; each run's output goes to
-    ``OUT/logs/NAME.log``. Ctrl-C or SIGTERM (a batch job's preemption) passes SIGTERM on to the runs, which
-    checkpoint and stop (exit 4, resumable with trainer.resume=auto). Returns exit codes."""
+    ``OUT/logs/NAME.log`` (appended to with ``append``: a resumed shoot-out keeps the earlier attempt's). The runs
+    have a session of their own, so a signal to the shoot-out's process group (Ctrl-C at a terminal, ``timeout -s
+    INT``) reaches the shoot-out only; it (or SIGTERM, a batch job's preemption) passes SIGTERM on to the runs,
+    which checkpoint and stop (exit 4, resumable: --resume). Returns exit codes."""
     try:
         from tqdm.auto import tqdm
     except ImportError:  # a bare GPU image may lack it: a line per finished run only
@@ -517,9 +530,10 @@ def _run_all(jobs: dict[str, list[str]], parallel: int, out_dir: Path) -> dict[s
         while pending or running:
             while pending and free_slots:
                 name, slot = pending.pop(0), free_slots.pop(0)
-                with open(logs / f"{name}.log", "w") as log:
+                with open(logs / f"{name}.log", "a" if append else "w") as log:
                     proc = subprocess.Popen(jobs[name], stdout=log, stderr=subprocess.STDOUT,
-                                            env=_child_env(slot, parallel))
+                                            env=_child_env(slot, parallel), start_new_session=True,
+                                            preexec_fn=_term_with_parent)
                 running[name] = (proc, slot, time.perf_counter())
             time.sleep(1.0)
             for name, (proc, slot, t0) in list(running.items()):
@@ -575,7 +589,9 @@ def compare_recipes(recipes: Sequence[str], overrides: Sequence[str], out_dir: P
     reference_cfg = check_runs(entries, overrides, out_dir, parity, resume)
     if reference is not None:
         check_reference(reference, reference_cfg, out_dir)
-    states = run_states(out_dir, names, reference)
+    if resume and reference is None and (out_dir / REFERENCE).is_symlink():  # (linked by an earlier call's)
+        reference = (out_dir / REFERENCE).resolve()
+    states = run_states(out_dir, names, reference, parity)
     _prepare_data(reference_cfg)
     jobs = {n: _child_command(n, entries[n], [*overrides, *(["trainer.resume=auto"] if states[n] == "resume" else [])],
                               out_dir, script, parity, parity_iters)
@@ -591,7 +607,7 @@ def compare_recipes(recipes: Sequence[str], overrides: Sequence[str], out_dir: P
             "reference": str(reference.resolve()) if reference is not None else None,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": [{"name": n} for n in names]}
     save_json(out_dir / "compare.json", meta)  # the run list first, so --plot-only works on a cut-short shoot-out
-    codes = _run_all(jobs, min(parallel, len(jobs)), out_dir) if jobs else {}
+    codes = _run_all(jobs, min(parallel, len(jobs)), out_dir, append=resume) if jobs else {}
     codes.update({n: 0 for n in names if states[n] == "done"})  # (finished before: kept as they are)
     if reference is not None:
         codes[REFERENCE] = 0  # (it finished: check_reference read its summary)
@@ -602,11 +618,13 @@ def compare_recipes(recipes: Sequence[str], overrides: Sequence[str], out_dir: P
     return result
 
 
-def run_states(out_dir: Path, names: Sequence[str], reference: Path | None = None) -> dict[str, str]:
+def run_states(out_dir: Path, names: Sequence[str], reference: Path | None = None,
+               parity: bool = False) -> dict[str, str]:
     """Each run's state in OUT before the shoot-out trains: ``new`` (no run dir), ``done`` (a summary.json of a run
     that ended on its own: finished, or stopped by its own checks; kept as it is), ``resume`` (a run dir without one,
     or a preempted run: it continues from its newest intact checkpoint, trainer.resume=auto, or starts again without
-    one). With ``reference``, OUT/bf16 must be that run (linked) or absent: ValueError, one line."""
+    one; with ``parity`` also a finished FP8 run without its parity.json, whose resume trains nothing and evaluates).
+    With ``reference``, OUT/bf16 must be that run (linked) or absent: ValueError, one line."""
     states = {}
     for name in names:
         run_dir = out_dir / name
@@ -617,7 +635,9 @@ def run_states(out_dir: Path, names: Sequence[str], reference: Path | None = Non
             raise ValueError(f"--reference: '{run_dir}' holds another BF16 run than '{reference}'; drop --reference "
                              f"to keep it, or choose a new --out")
         summary = read_summary(run_dir)
-        states[name] = "done" if summary and not summary.get("preempted") else "resume"
+        done = summary and not summary.get("preempted") and (
+            not parity or name == REFERENCE or summary.get("stopped") or (run_dir / PARITY_FILE).is_file())
+        states[name] = "done" if done else "resume"
     return states
 
 
