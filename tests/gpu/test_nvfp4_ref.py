@@ -167,6 +167,7 @@ def test_compiled_fake_quant_is_the_eager_quantizer_bit_for_bit(kind, dtype):
                     continue  # (the quantizer refuses it: the emulated backend pads such tokens first)
                 kw = dict(block=block, columnwise=columnwise, rht=rht, stochastic_rounding=sr, seed=3 if sr else None)
                 assert_same(dequantize_nvfp4(quantize_nvfp4(x, **kw)), fake_quant_nvfp4(x, **kw), f"{shape} {kw}")
+    assert not nvfp4._TRITON.get("failed")  # (a bf16 copy's RHT ran the Triton kernel, not its fallback)
     eager = {"rht"} if dtype == torch.float32 else set()  # (a float32 RHT runs eagerly: subnormal products)
     assert all(nvfp4._COMPILED.get(name) not in (None, False) for name in set(nvfp4._EAGER) - eager), nvfp4._COMPILED
     # no form fell back to eager at the recompile limit: a form per dtype and memory layout, not per shape (this
@@ -175,3 +176,19 @@ def test_compiled_fake_quant_is_the_eager_quantizer_bit_for_bit(kind, dtype):
 
     forms = {name: len(_debug_get_cache_entry_list(f.__code__)) for name, f in nvfp4._EAGER.items()}
     assert max(forms.values()) < nvfp4.COMPILE_LIMIT, forms
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_triton_rht_is_the_eager_one_bit_for_bit(kind, dtype):
+    """numerics/nvfp4_kernels.py on the GPU against apply_rht's in-order float32 sums on the GPU, each edge kind,
+    shapes of a training step's columnwise copies (NaN where NaN: their bits are the kernel's own)."""
+    from fp8_recipes.numerics import nvfp4, nvfp4_kernels
+
+    for shape in ((256, 384), (8192, 768), (768, 3072), (16, 768)):
+        x = (edge_tensor(kind, dtype, shape, SEED) if shape[0] >= 64 else 3 * torch.randn(shape).to(dtype)).cuda()
+        got, want = nvfp4_kernels.rht_base_layout(x.t(), nvfp4.rht_matrix(x.device)), nvfp4.apply_rht(x.t())
+        nan = torch.isnan(want.float())
+        assert torch.equal(nan, torch.isnan(got.float())) and got.stride() == want.stride(), (kind, shape)
+        assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16)), (kind, shape)
+

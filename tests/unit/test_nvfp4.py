@@ -534,7 +534,7 @@ def check_triton_rht() -> int:
 
     n = 0
     for v in triton_rht_operands():
-        assert nvfp4_kernels.is_base_layout(v)
+        assert nvfp4._base_layout(v)
         same(nvfp4_kernels.rht_base_layout(v, nvfp4.rht_matrix("cpu")), nvfp4.apply_rht(v))
         x = v.t()  # (fake_quant_nvfp4 takes x and makes the columnwise copy x^T itself)
         for sr in (False, True):

@@ -185,8 +185,8 @@ def _pad_expert_tokens(gpts: list[torch.nn.Module], plan: PrecisionPlan, router_
 
 def _hook_new_modules(chunks: list[torch.nn.Module]) -> None:
     """Chunks already wrapped in Megatron-Core's DDP with its forward pre-hooks on (``overlap_param_gather`` with the
-    distributed optimizer; Megatron-Bridge's callback attaches after wrapping): the modules the attach added (the
-    experts' Fp8Padding, the FP8 head's TE linear) get DDP's hook as its own modules have it, and a module no longer
+    distributed optimizer; Megatron-Bridge's callback attaches after wrapping): the modules the attach added to the
+    tree (the experts' Fp8Padding / Fp8Unpadding) get DDP's hook as its own modules have it, and a module no longer
     in the tree loses its own. DDP's ``disable_forward_pre_hook`` looks every module up and raised ``KeyError:
     Fp8Padding()`` in Bridge's pretrain (the H100, 2026-12-06)."""
     for chunk in chunks:

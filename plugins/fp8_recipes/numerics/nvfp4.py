@@ -512,12 +512,13 @@ def _rotate(x: torch.Tensor):
         return other
 
     def rotate(v: torch.Tensor) -> torch.Tensor:
-        from fp8_recipes.numerics import nvfp4_kernels  # (Triton: imported on first use, where it runs)
-
-        if _TRITON.get("failed") or not nvfp4_kernels.is_base_layout(v):
+        if _TRITON.get("failed") or not _base_layout(v):
             return other(v)
         try:
-            return nvfp4_kernels.rht_base_layout(v, rht_matrix(v.device))
+            from fp8_recipes.numerics import nvfp4_kernels  # (Triton: imported on first use, where it runs)
+
+            with torch.cuda.device(v.device) if v.is_cuda else contextlib.nullcontext():
+                return nvfp4_kernels.rht_base_layout(v, rht_matrix(v.device))
         except torch.OutOfMemoryError:
             raise
         except Exception as e:  # noqa: BLE001 - no Triton, a launch failure: the other form computes the same
@@ -526,6 +527,12 @@ def _rotate(x: torch.Tensor):
             _TRITON["failed"] = True
             return other(v)
     return rotate
+
+
+def _base_layout(v: torch.Tensor) -> bool:
+    """Whether ``v`` is the transposed view of a contiguous 2-D tensor whose rows come in 16s (a columnwise copy)."""
+    return v.dim() == 2 and v.shape[0] > 1 and not v.is_contiguous() and v.t().is_contiguous() \
+        and v.shape[1] % NVFP4_BLOCK == 0
 
 
 _TRITON: dict[str, bool] = {}

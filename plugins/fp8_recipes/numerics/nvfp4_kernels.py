@@ -21,8 +21,9 @@ BLOCK_M = 256  # columns per program: 16 x 256 float32 sums, 32 registers a thre
 
 @triton.jit
 def _bf16_bits(acc):
-    """float32 -> the bits of bf16 (int16), rounded to nearest even as torch rounds (NaN: 0x7FC0, as c10 gives),
-    in integer arithmetic: Triton's interpreter casts to bf16 by truncation."""
+    """float32 -> the bits of bf16 (int16), rounded to nearest even as torch rounds finite values and infinities, in
+    integer arithmetic (Triton's interpreter casts to bf16 by truncation); NaN -> 0x7FC0, a quiet NaN (torch's own
+    NaN bits differ by device; the tests compare where NaN is, not its bits)."""
     bits = acc.to(tl.uint32, bitcast=True)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     return tl.where(acc != acc, 0x7FC0, rounded).to(tl.uint16).to(tl.int16, bitcast=True)
@@ -49,14 +50,8 @@ def _rht_rows_kernel(x_ptr, h_ptr, out_ptr, groups, cols, BLOCK_M: tl.constexpr,
         tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=keep[None, :])
 
 
-def is_base_layout(v: torch.Tensor) -> bool:
-    """Whether ``v`` is the transposed view of a contiguous 2-D tensor whose rows come in 16s (the columnwise copy)."""
-    return v.dim() == 2 and v.shape[0] > 1 and not v.is_contiguous() and v.t().is_contiguous() \
-        and v.shape[1] % 16 == 0
-
-
 def rht_base_layout(v: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """apply_rht(v) for ``v`` = base^T (:func:`is_base_layout`), bf16 or fp16, ``h`` the float32 RHT matrix on v's
+    """apply_rht(v) for ``v`` = base^T (nvfp4._base_layout: base contiguous, its rows in 16s), bf16 or fp16, ``h`` the float32 RHT matrix on v's
     device: a transposed view of a new tensor in base's layout, as apply_rht returns it."""
     base = v.t()
     out = torch.empty_like(base)
