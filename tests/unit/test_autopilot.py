@@ -286,6 +286,16 @@ def test_an_underflow_the_cosine_does_not_show_is_not_acted_on():
     assert first.kind == "to_bf16" and "underflow 3.00% (dgrad, cosine 0.9930)" in first.reason, first.reason
 
 
+def test_a_tensor_nearly_all_flushed_acts_whatever_its_cosine():
+    """An outlier channel keeps the cosine near 1 (the channel carries the norm) while every other value is
+    flushed: 99.8 % underflow at cosine 0.9996 acts (FLUSHED_PCT); the healthy runs' worst, 32 % at 0.9994, does not."""
+    outlier = planted(role="activations", underflow_pct=99.8, cosine=0.9996)
+    (first, *_) = run(Autopilot(CONFIG, load_recipe("delayed")), stat_steps(1, 5), outlier)
+    assert first.kind == "to_bf16" and "underflow 99.80% (fprop, cosine 0.9996)" in first.reason, first.reason
+    healthy = planted(role="gradients", underflow_pct=32.0, cosine=0.9994)
+    assert run(Autopilot(CONFIG, load_recipe("delayed")), stat_steps(1, 20), healthy) == []
+
+
 def test_a_short_history_goes_to_current_scaling_at_once():
     recipe = Recipe.from_dict({"name": "short", "weights": "delayed",
                                "activations": {"scaling": "delayed", "amax_history_len": 16}, "gradients": "delayed"})
