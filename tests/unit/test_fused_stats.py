@@ -10,10 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +18,7 @@ from fp8_recipes.numerics import DelayedScaler, dequantize, quantize
 from fp8_recipes.observe import stats as stats_mod
 from fp8_recipes.observe.stats import measure, measure_fused
 from fp8_recipes.recipe.schema import Format, MxRounding, Scaling, TensorPolicy
+from triton_interpreter import interpreted
 
 POLICIES = {
     "tensorwise": TensorPolicy(scaling=Scaling.TENSORWISE),
@@ -116,12 +113,7 @@ def check_all(device: str = "cpu", shapes=((40, 96), (33, 50)), dtypes=(torch.bf
 @pytest.mark.timeout(600)
 def test_fused_statistics_equal_the_numerics_core_in_the_triton_interpreter():
     pytest.importorskip("triton", reason="the fused statistics need Triton (a dependency of torch on Linux)")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
-    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_fused_stats as t; " \
-           "print('checked', t.check_all())"
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert f"checked {2 * 2 * 2 * len(POLICIES) * 2}" in done.stdout
+    assert f"checked {2 * 2 * 2 * len(POLICIES) * 2}" in interpreted("test_fused_stats", "check_all")
 
 
 def test_measure_without_a_copy_quantizes_like_the_core(monkeypatch):

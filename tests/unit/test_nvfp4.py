@@ -552,18 +552,11 @@ def check_triton_rht() -> int:
 def test_the_triton_rht_is_apply_rht_bit_for_bit_in_the_interpreter():
     """On a GPU a bf16 / fp16 columnwise copy's RHT is a Triton kernel (numerics/nvfp4_kernels.py); here it runs in
     Triton's CPU interpreter against the eager sums, over the dtypes' whole range and inf / NaN / -0.0."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from triton_interpreter import interpreted
 
     pytest.importorskip("triton", reason="the RHT kernel needs Triton (a dependency of torch on Linux)")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
-    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_nvfp4 as t; " \
-           "print('checked', t.check_triton_rht())"
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "checked 12" in done.stdout, done.stdout[-2000:]
+    out = interpreted("test_nvfp4", "check_triton_rht")
+    assert "checked 12" in out, out[-2000:]
 
 
 def test_only_a_gpus_16_bit_base_layout_copy_takes_the_triton_rht(monkeypatch):

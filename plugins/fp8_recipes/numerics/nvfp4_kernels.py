@@ -51,8 +51,9 @@ def _rht_rows_kernel(x_ptr, h_ptr, out_ptr, groups, cols, BLOCK_M: tl.constexpr,
 
 
 def rht_base_layout(v: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """apply_rht(v) for ``v`` = base^T (nvfp4._base_layout: base contiguous, its rows in 16s), bf16 or fp16, ``h`` the float32 RHT matrix on v's
-    device: a transposed view of a new tensor in base's layout, as apply_rht returns it."""
+    """apply_rht(v) for ``v`` = base^T (nvfp4._base_layout: base contiguous, its rows in 16s), bf16 or fp16, ``h``
+    the float32 RHT matrix on v's device: a transposed view of a new tensor in base's layout, as apply_rht returns
+    it."""
     base = v.t()
     out = torch.empty_like(base)
     rows, cols = base.shape

@@ -7,10 +7,10 @@ A row is flagged by any signal at or beyond its limit (:class:`~fp8_recipes.obse
 the doctor's): non-finite values, saturation, a delayed scale >= 4x the current one (:data:`SCALE_RATIO_HIGH`) --
 all *clipping* --; a delayed scale <= 1/scale_gap of the current one where it costs (:data:`COST`: *stale*,
 the history remembers larger values); underflow where it costs (a cosine drop of :data:`COST` x its limit, or
-:data:`FLUSHED_PCT` of the values lost: *underflow*); a cosine drop (*precision*). A (module, role) is flagged when any of its rows
-(any GEMM) is, and put down to the first of these causes; it is calm when every row's every signal is below
-``calm_fraction`` of its limit (the scale ratio within scale_gap^f below and 4^f above). Pure functions over plain
-rows (no torch).
+:data:`FLUSHED_PCT` of the values lost: *underflow*); a cosine drop (*precision*). A (module, role) is flagged when
+any of its rows (any GEMM) is, and put down to the first of these causes; it is calm when every row's every signal
+is below ``calm_fraction`` of its limit (the scale ratio within scale_gap^f below and 4^f above). Pure functions
+over plain rows (no torch).
 """
 
 from __future__ import annotations
