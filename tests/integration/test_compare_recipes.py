@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import subprocess
 import sys
 
@@ -254,49 +253,13 @@ def test_a_later_shootout_reuses_the_bf16_run_and_a_recipe_file(shootout, datase
     assert len(err.splitlines()) == 1 and not (tmp_path / "third").exists()
 
 
-def test_resume_keeps_finished_runs_and_continues_an_interrupted_one(dataset, tmp_path):  # noqa: F811
-    """--resume: a shoot-out cut short (here: the FP8 run killed after its step-8 checkpoint, its summary and later
-    checkpoints gone, its rows past step 8 left behind) goes on with the same arguments. The finished BF16 run is
-    kept as it was (not trained again), the FP8 run continues from step 8 and ends as the uninterrupted run did, bit
-    for bit, one row per step. Another config, a trainer.resume override or an --out without a shoot-out: one line."""
-    out = tmp_path / "cmp"
-    base = [sys.executable, SCRIPT, "--recipes", "tensorwise", "--no-parity", "--out", str(out), *dataset,
-            *_overrides(out), "trainer.save_interval=4"]
-    proc = subprocess.run(base, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run = out / "tensorwise"
-    whole = [r["loss"] for r in read_metrics(run, "train")]
-    bf16_rows, bf16_log = (out / "bf16" / "metrics.jsonl").read_bytes(), (out / "logs" / "bf16.log").read_bytes()
-    (run / "summary.json").unlink()
-    for step in (12, 16):
-        shutil.rmtree(run / "checkpoints" / f"step_{step}")
-    (run / "checkpoints" / "latest").write_text("step_8\n")
-
-    proc = subprocess.run([*base, "--resume"], capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert (out / "bf16" / "metrics.jsonl").read_bytes() == bf16_rows
-    assert (out / "logs" / "bf16.log").read_bytes() == bf16_log  # (no job: its log was not opened again)
-    rows = read_metrics(run, "train")
-    assert [r["step"] for r in rows] == sorted({r["step"] for r in rows}) and rows[-1]["step"] == STEPS
-    assert [r["loss"] for r in rows] == whole
-    assert "resum" in (out / "logs" / "tensorwise.log").read_text().lower()
-    result = json.loads((out / "compare.json").read_text())
-    assert [(r["name"], r["status"]) for r in result["runs"]] == [("bf16", "ok"), ("tensorwise", "ok")]
-
-    for extra, said in ((["trainer.seed=7"], "trainer.seed=7"), (["trainer.resume=auto"], "trainer.resume")):
-        proc = subprocess.run([*base, "--resume", *extra], capture_output=True, text=True, timeout=300, cwd=ROOT)
-        err = proc.stderr.strip()
-        assert proc.returncode == 2 and err.startswith("error: ") and said in err and len(err.splitlines()) == 1, err
-    proc = subprocess.run([*base[:base.index("--out") + 1], str(tmp_path / "none"), "--resume"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 2 and proc.stderr.startswith("error: --resume: ") and "no compare.json" in proc.stderr
-
-
 def test_an_interrupted_shootout_checkpoints_and_resumes(dataset, tmp_path):  # noqa: F811
     """Ctrl-C at a terminal, or `timeout -s INT` as the GPU script caps a call, signals the whole process group: the
     runs have sessions of their own, so only the shoot-out gets it, and it stops them with SIGTERM: each checkpoints
-    and ends preempted (exit 130 for the shoot-out). --resume then finishes them (one row per step), and a finished
-    FP8 run whose parity.json is missing is evaluated again without training."""
+    and ends preempted (exit 130 for the shoot-out). --resume with the same arguments then finishes them from their
+    checkpoints (one row per step, the first attempt's log kept), and a finished FP8 run whose parity.json is
+    missing is evaluated again without training. Another config, a trainer.resume override or an --out without a
+    shoot-out: one line, exit 2."""
     import os
     import signal
     import time
@@ -333,3 +296,11 @@ def test_an_interrupted_shootout_checkpoints_and_resumes(dataset, tmp_path):  # 
     assert (out / "tensorwise" / "parity.json").is_file() and read_metrics(out / "tensorwise", "train") == rows
     runs = {r["name"]: r for r in json.loads((out / "compare.json").read_text())["runs"]}
     assert runs["tensorwise"]["status"] == "ok" and runs["tensorwise"]["parity"]["gap_pct"] is not None, runs
+
+    for extra, said in ((["trainer.seed=7"], "trainer.seed=7"), (["trainer.resume=auto"], "trainer.resume")):
+        proc = subprocess.run([*base, "--resume", *extra], capture_output=True, text=True, timeout=300, cwd=ROOT)
+        err = proc.stderr.strip()
+        assert proc.returncode == 2 and err.startswith("error: ") and said in err and len(err.splitlines()) == 1, err
+    proc = subprocess.run([*base[:base.index("--out") + 1], str(tmp_path / "none"), "--resume"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --resume: ") and "no compare.json" in proc.stderr
