@@ -644,28 +644,41 @@ def replace_output_layer_class(model: torch.nn.Module, cls: type) -> torch.nn.Mo
 
 
 _LINEAR_SUFFIXES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")
-_LOCAL_NAME = re.compile(r"decoder\.layers\.(\d+)\.(?:mlp\.experts\.local_experts\.(\d+)\.)?")
-_GROUPED_PARAM = re.compile(r"(mlp\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")  # TE GroupedLinear's GEMM i
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)(\.)"
+                     r"|(\.mlp\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")
+"""A routed expert's number in a module or parameter name: SequentialMLP's ``.mlp.experts.local_experts.<i>.``, or
+TE GroupedLinear's ``.mlp.experts.linear_fc1.weight<i>`` (its GEMM i); a shared expert's names have none."""
+
+
+def expert_number(name: str) -> int | None:
+    """The routed expert's number in ``name`` (local or global, as the name has it); None for any other name."""
+    m = _EXPERT.search(name)
+    return None if m is None else int(m.group(2) if m.group(1) else m.group(5))
+
+
+def renumber_expert(name: str, new: Callable[[int], object]) -> str:
+    """``name`` with its routed expert's number i replaced by ``new(i)`` (e.g. local -> global, or "*"); any other
+    name as it is."""
+    def sub(m: re.Match) -> str:
+        if m.group(1):
+            return f"{m.group(1)}{new(int(m.group(2)))}{m.group(3)}"
+        return f"{m.group(4)}{new(int(m.group(5)))}"
+    return _EXPERT.sub(sub, name, count=1)
 
 
 def global_name(gpt: torch.nn.Module, name: str) -> str:
     """A (pipeline-stage, expert-parallel) GPTModel's module or parameter name with global numbers:
     ``decoder.layers.<local>.`` -> ``decoder.layers.<global>.`` (each TransformerLayer's ``layer_number`` is
-    Megatron-Core's global 1-based number: local index + layer offset), and an MoE layer's
-    ``mlp.experts.local_experts.<local>.`` -> ``...<global>.`` (MoELayer's ``local_expert_indices``: the experts this
-    expert-parallel rank holds), as is a grouped experts' parameter ``mlp.experts.linear_fc1.weight<local>``."""
-    m = _LOCAL_NAME.match(name)
+    Megatron-Core's global 1-based number: local index + layer offset), and a routed expert's number (see
+    :data:`_EXPERT`) local -> global (MoELayer's ``local_expert_indices``: the experts this expert-parallel rank
+    holds)."""
+    m = _LAYER.match(name)
     if m is None:
         return name
     layer = gpt.decoder.layers[int(m.group(1))]
-    out = f"decoder.layers.{layer.layer_number - 1}."
-    if m.group(2) is not None:
-        out += f"mlp.experts.local_experts.{layer.mlp.local_expert_indices[int(m.group(2))]}."
-    rest = name[m.end():]
-    grouped = _GROUPED_PARAM.fullmatch(rest)
-    if grouped is not None:
-        rest = f"{grouped.group(1)}{layer.mlp.local_expert_indices[int(grouped.group(2))]}"
-    return out + rest
+    out = f"decoder.layers.{layer.layer_number - 1}.{name[m.end():]}"
+    return renumber_expert(out, lambda i: layer.mlp.local_expert_indices[i])
 
 
 def named_linear_modules(model: torch.nn.Module | list[torch.nn.Module]) -> list[tuple[str, torch.nn.Module]]:

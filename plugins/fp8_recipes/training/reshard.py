@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from fp8_recipes.megatron.cpu_shim import cuda_as_cpu
-from fp8_recipes.megatron.model import global_name
+from fp8_recipes.megatron.model import expert_number, global_name, renumber_expert
 from fp8_recipes.training.engine import untie_step_tensors
 
 __all__ = [
@@ -70,9 +70,6 @@ FC1 = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")  # column-parallel; [gate
 # TE's grouped experts (``linear_fc1.weight<i>``)
 _FC1 = re.compile(r"\.mlp\.(?:shared_experts\.|experts\.(?:local_experts\.\d+\.)?)?linear_fc1\.(?:weight|bias)\d*$")
 _FC2 = re.compile(r"\.mlp\.(?:shared_experts\.|experts\.(?:local_experts\.\d+\.)?)?linear_fc2\.weight\d*$")
-# a routed expert's tensor, its number local to an EP rank's payload: (local_experts.)<i>(.) or (weight|bias)<i>
-_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)(\.)"
-                     r"|(\.mlp\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")
 
 
 def canonical_name(local_name: str) -> str:
@@ -102,17 +99,7 @@ def _global(name: str, offset: int) -> str:
 def expert_global(name: str, ep_rank: int, per_rank: int) -> str:
     """A routed expert's tensor name in EP rank ``ep_rank``'s payload (``per_rank`` experts each) with its global
     expert number; any other name as it is."""
-    def number(m: re.Match) -> str:
-        if m.group(1):
-            return f"{m.group(1)}{int(m.group(2)) + ep_rank * per_rank}{m.group(3)}"
-        return f"{m.group(4)}{int(m.group(5)) + ep_rank * per_rank}"
-    return _EXPERT.sub(number, name, count=1)
-
-
-def expert_number(name: str) -> int | None:
-    """The expert number in a routed expert's tensor name (local or global, as the name has it); None if dense."""
-    m = _EXPERT.search(name)
-    return None if m is None else int(m.group(2) if m.group(1) else m.group(5))
+    return renumber_expert(name, lambda i: i + ep_rank * per_rank)
 
 
 def saved_ep_ranks(wanted: Iterable[str], experts: tuple[int, int]) -> list[int]:
@@ -126,7 +113,7 @@ def saved_ep_ranks(wanted: Iterable[str], experts: tuple[int, int]) -> list[int]
 
 def is_routed_expert(name: str) -> bool:
     """Whether ``name`` is a routed expert's tensor (held by one EP rank), not a dense one (held by every EP rank)."""
-    return _EXPERT.search(name) is not None
+    return expert_number(name) is not None
 
 
 def _fc1(name: str) -> bool:
@@ -213,7 +200,7 @@ def _joined_name(name: str, offset: int, ep_rank: int, per_rank: int) -> str | N
 
 def _any_expert(name: str) -> str:
     """``name`` with a routed expert's number blanked: the layer a stage holds, whichever EP rank's experts."""
-    return _EXPERT.sub(lambda m: f"{m.group(1)}*{m.group(3)}" if m.group(1) else f"{m.group(4)}*", name, count=1)
+    return renumber_expert(name, lambda i: "*")
 
 
 def stages_holding(held: Mapping[int, Iterable[tuple[int, str]]], layout: tuple[int, int, int | None],
