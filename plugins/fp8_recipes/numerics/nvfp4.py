@@ -128,7 +128,7 @@ def apply_rht(x: torch.Tensor) -> torch.Tensor:
     k = 0..15 in order, rounded once to x's dtype (see the module docstring for how that matches cuBLAS)."""
     if x.shape[-1] % NVFP4_BLOCK:
         raise ValueError(f"rht: the last dim ({x.shape[-1]}) must be a multiple of {NVFP4_BLOCK}")
-    if x.dim() == 2 and x.shape[0] > 1 and not x.is_contiguous() and x.t().is_contiguous():
+    if _base_layout(x):
         # x = base^T (the columnwise copy's view): its 16-value sums read 16 consecutive rows of base, so sum in
         # base's layout, each pass over whole rows, and hand back a transposed view as the copy without the RHT
         # (through the view, a GPU kernel read 2 bytes of each 32-byte sector: 82 ms of an emulated NVFP4 step's

@@ -46,10 +46,10 @@ FLUSHED_PCT = 90.0
 tensor's norm and so its cosine. An outlier channel (one input channel of a linear at 2^24 x the others, the
 weights' column at 2^-24: the same GEMM in BF16) flushes the others under a per-tensor scale: 99.8 % underflow with
 cosine 0.9996 and the loss 5.7 % above BF16's (tests/integration/test_autopilot_cpu.py, 2026-12-06; +0.1 % with the
-one action this rule allows). Healthy runs flush far less: at most 32 % (the LM
-head's E5M2 gradients in the gpt_125m 1000-step shoot-out with the `fast` preset, cosine 0.9994, the H100,
-2026-12-06); only the first step of delayed scaling, before any history, flushes everything (cosine 0: flagged
-anyway, and the autopilot acts on streaks)."""
+one action this rule allows). Healthy runs flush far less: at most 32 % (the LM head's E5M2 gradients in the
+gpt_125m 1000-step shoot-out with the `fast` preset, cosine 0.9994, the H100, 2026-12-06); only the first step of
+delayed scaling, before any history, flushes everything (cosine 0: flagged anyway, and the autopilot acts on
+streaks)."""
 CAUSES = ("clipping", "stale", "underflow", "precision")
 """What a flagged reading is put down to, in the order a reading's cause is chosen."""
 NONFINITE_SEVERITY = 1e9
