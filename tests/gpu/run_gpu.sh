@@ -21,6 +21,8 @@
 #         bash tests/gpu/run_gpu.sh shootout  # the MoE shoot-out (issue 28)
 #     bash tests/gpu/run_gpu.sh pilot-shootout  # issue 30: the shoot-out with autopilot=on, GPU tests beside it
 #     bash tests/gpu/run_gpu.sh nvfp4-profile   # issue 29: bench_train --profile, bf16 / emulated parts / nvfp4
+#     SEED=1234 bash tests/gpu/run_gpu.sh nvfp4-shootout   # issue 29: gpt_125m, nvfp4 + ablations + mxfp8 vs BF16
+#         (six runs at once; RESUME=1 continues it in the next call; DEADLINE, TESTS=1: see the part)
 #     bash tests/gpu/run_gpu.sh bridge-moe      # issue 28: Megatron-Bridge pretrain with MoE keys (.bwhl carried;
 #         RECIPES: the --recipe of each run, MOE: the conf/model whose MoE keys, SKIP_TESTS=1: the runs alone)
 #     bash tests/gpu/run_gpu.sh moe          # MoE on TE: its GPU tests + bench_train on mixtral_8x7b_4l (caps 240 + 300 s)
@@ -144,6 +146,28 @@ bridge-moe)
         | cut -c1-400 | head -40 >> "$L"; cp /tmp/bridge.out "$OUT/bridge_$(basename $r .yaml).out"
   done
   stamp "done" | tee -a "$L"; grep -E " passed| failed|^exit|iteration +40/" "$L"
+  ;;
+nvfp4-shootout)
+  # Issue 29 item 6: the gpt_125m shoot-out of nvfp4, its three ablations and emulated mxfp8 beside BF16, all six
+  # runs at once; one seed is one shoot-out, continued call after call on the same machine with RESUME=1 (the runs
+  # checkpoint at the cap). DEADLINE (epoch seconds): the shoot-out stops 45 s before it (checkpoints, the tarball);
+  # TESTS=1: tests/gpu/test_nvfp4_ref.py beside it (the Triton RHT bit for bit with the eager one included).
+  A=tests/gpu/nvfp4_ablations
+  export RECIPES=${RECIPES:-"nvfp4 $A/nvfp4_no_rht.yaml $A/nvfp4_no_sr.yaml $A/nvfp4_1d_weights.yaml $A/mxfp8_emulated.yaml"}
+  export PARALLEL=${PARALLEL:-6} PARITY=${PARITY:-0} NAME=${NAME:-nv${SEED:-1234}}
+  [ -n "${DEADLINE:-}" ] && export SHOOT_CAP=$(( DEADLINE - $(date +%s) - 45 ))
+  ( bash "$0" shootout ) &
+  shoot=$!
+  if [ "${TESTS:-0}" = 1 ]; then
+    sleep 20  # (the shoot-out prepares its data first)
+    stamp "tests/gpu/test_nvfp4_ref.py beside the shoot-out" | tee "$OUT/tests.log"
+    timeout -s INT ${TEST_CAP:-240} "$PY" -m pytest tests/gpu/test_nvfp4_ref.py -q -p no:cacheprovider -o addopts="" \
+        -rfEs --tb=short 2>&1 | grep -v "^DEBUG " >> "$OUT/tests.log"
+  fi
+  wait $shoot
+  echo; stamp "summary"
+  [ -f "$OUT/tests.log" ] && grep -E " passed| failed|^FAILED|^ERROR" "$OUT/tests.log" | tail -12
+  cat "$OUT/$NAME-compare.md" 2>/dev/null || tail -8 "$OUT/$NAME.log"
   ;;
 nvfp4-profile)
   # Issue 29 item 6: where an emulated NVFP4 step's time goes, beside its parts (the local spec without
