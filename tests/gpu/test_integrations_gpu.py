@@ -130,7 +130,7 @@ def test_megatron_runs_an_moe_model_under_the_mapped_fields(ref, padding, megatr
     autocast; the experts' TE GroupedLinears run the mapped TE recipe in FP8, forward and backward, with and without
     the router padding each expert's tokens to the FP8 GEMMs' multiple of 16."""
     from fp8_recipes.integrations.common import megatron_precision
-    from fp8_recipes.megatron.model import build_gpt_model
+    from fp8_recipes.megatron.model import build_gpt_model, unwrap_model
     from fp8_recipes.megatron.model_config import layout_of
 
     cfg = {**TINY, **MOE, "moe_router_padding_for_quantization": padding}
@@ -143,12 +143,13 @@ def test_megatron_runs_an_moe_model_under_the_mapped_fields(ref, padding, megatr
         losses.append(loss_and_backward(model, batch(megatron_gpu[2])))
         model.zero_grad(set_to_none=False)
     assert all(math.isfinite(x) for x in losses), losses
-    experts = {n: m for n, m in model.named_modules() if n.endswith(("experts.linear_fc1", "experts.linear_fc2"))}
+    gpt = unwrap_model(model)  # (a Float16Module around the GPTModel for bf16 params)
+    experts = {n: m for n, m in gpt.named_modules() if n.endswith(("experts.linear_fc1", "experts.linear_fc2"))}
     assert sorted(experts) == [f"decoder.layers.{i}.mlp.experts.linear_fc{k}" for i in (0, 2) for k in (1, 2)]
     from megatron.core.extensions.transformer_engine import TEGroupedLinear
 
     for name, module in experts.items():  # (TEColumnParallelGroupedLinear / TERowParallelGroupedLinear)
         assert isinstance(module, TEGroupedLinear) and module.fp8, f"{name} did not run FP8"
         assert type(module.fp8_meta["recipe"]).__name__ == mp.te.recipe, (name, mp.te.describe())
-    router = model.decoder.layers[0].mlp.router  # not a TE module: Megatron-Core's own GEMM, outside FP8
+    router = gpt.decoder.layers[0].mlp.router  # not a TE module: Megatron-Core's own GEMM, outside FP8
     assert router.weight.grad is not None and torch.isfinite(router.weight.grad).all()
