@@ -104,3 +104,37 @@ def test_emulated_lever_runs_the_emulated_backend():
         run = _decide(cfg, label)
         assert run.ours and run.emulated and run.plan.backend is Backend.EMULATED and run.skipped is None, label
     assert not _decide(cfg, "bf16").ours
+
+
+def test_graphs_lever_is_megatrons_own_cuda_graphs(megatron_cpu):
+    """Lever graphs: Megatron-Core's TE CUDA graphs, on the engine's step, for bf16 and NAME:raw only (its capture and
+    replay bypass this project's per-layer autocast); the scopes Megatron-Core allows a dropless MoE, which its own
+    TransformerConfig accepts (built on the CPU)."""
+    import torch
+
+    from fp8_recipes.bench.train import GRAPH_CAPTURE_STEP, cuda_graph_fields, load_model_cfg
+    from fp8_recipes.megatron.model import build_gpt_model, unwrap_model
+
+    check_configs(["bf16+graphs", "delayed+graphs:raw", "blockwise+pad+graphs:raw"], engine=True, warmup=3)
+    assert with_levers(load_recipe("delayed"), ["graphs"]) == load_recipe("delayed")  # the step's lever
+    for label, configs, kwargs, match in (
+            ("delayed+graphs", ["delayed+graphs"], {"engine": True}, "replay it without the forward .* "
+                                                                     r"delayed\+graphs:raw$"),
+            ("bf16+graphs", ["bf16+graphs"], {}, "a lever of the engine's step; add --engine$"),
+            ("bf16+graphs", ["bf16+graphs"], {"engine": True, "warmup": GRAPH_CAPTURE_STEP},
+             f"--warmup {GRAPH_CAPTURE_STEP + 1} or more$")):
+        with pytest.raises(ValueError, match=rf"^--configs {label.replace('+', '[+]')}: .*{match}"):
+            check_configs(configs, **kwargs)
+    moe = {**load_model_cfg("tiny_moe"), "vocab_size": 256}
+    assert cuda_graph_fields({**load_model_cfg("tiny"), "vocab_size": 256})["cuda_graph_modules"] == ["attn"]
+    assert cuda_graph_fields(moe)["cuda_graph_modules"] == ["attn", "moe_router", "moe_preprocess"]
+    alltoall = {**moe, "moe_token_dispatcher_type": "alltoall"}
+    for host_copy in ({"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True},
+                      {"moe_router_padding_for_quantization": True}):  # (the dispatcher copies counts to the host)
+        assert cuda_graph_fields({**alltoall, **host_copy})["cuda_graph_modules"] == ["attn", "moe_router"]
+    assert cuda_graph_fields({**alltoall, "moe_expert_capacity_factor": 1.0,
+                              "moe_pad_expert_input_to_capacity": True})["cuda_graph_impl"] == "transformer_engine"
+    model = build_gpt_model(moe, params_dtype=torch.float32, device="cpu", config_overrides=cuda_graph_fields(moe))
+    config = unwrap_model(model).config
+    assert config.cuda_graph_impl == "transformer_engine"
+    assert [m.name for m in config.cuda_graph_modules] == ["attn", "moe_router", "moe_preprocess"]

@@ -34,6 +34,12 @@ Per model, configs run one after another on a freshly built model (same seed, sa
   With --engine (on bf16 too):
                nogaf  trainer.gradient_accumulation_fusion: false (each micro-batch's weight gradient computed
                      apart and added to the fp32 buffer by DDP's hook, as Megatron-LM without APEX runs)
+               graphs Megatron-Core's per-layer CUDA graphs through TE (Megatron-LM's --cuda-graph-impl
+                     transformer_engine): the attention, and in MoE layers the router and the dispatcher's
+                     preprocessing (where it copies nothing to the host), captured after the first warmup step
+                     and replayed per micro-batch, so the host launches far fewer kernels before each MoE layer's
+                     token-count sync. On bf16 and NAME:raw only: Megatron-Core captures under its own FP8 config
+                     and replays a layer without calling its forward, where this project's per-layer autocast sits
 Recipes with BF16 warmup or staged enablement are timed in their final stage (all roles FP8), the steady state.
 A step is ``accum`` micro-batches, each forward (per-token loss, mean) + backward, as a training step accumulates
 them (weights quantized once per step: TE's is_first_microbatch), then plain fused torch AdamW on the BF16 params
@@ -93,17 +99,20 @@ MODEL_LEVERS = {"pad": {"moe_router_padding_for_quantization": True}, "nofuse": 
                 "router": {"moe_router_fusion": True},
                 "capacity": {"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}}
 """Levers that are MoE model keys (bench config ``NAME+pad``, ``bf16+nofuse``)."""
-ENGINE_LEVERS = ("nogaf",)
+ENGINE_LEVERS = ("nogaf", "graphs")
 """Levers of the engine's step (``--engine``; on bf16 too)."""
 EMULATED = "emulated"
 """The lever that runs a config on the emulated backend (recipe ``backend: emulated``; on bf16 too: the bf16 recipe
 there, Megatron-Core's local spec without quantization), what an NVFP4 step on Hopper is made of."""
 OWN_OPTIMIZER = ("fp8param", "masters", "moments16")
 """Levers that choose the benchmark's optimizer (the engine has its own)."""
+GRAPH_CAPTURE_STEP = 1
+"""Lever graphs: the step before which the graphs are captured (after one eager warmup step; --warmup must be more)."""
 
 
-def check_configs(configs: list[str], engine: bool = False) -> None:
-    """ValueError (one line, naming the config) for a config label bench_train cannot run, before anything runs."""
+def check_configs(configs: list[str], engine: bool = False, warmup: int | None = None) -> None:
+    """ValueError (one line, naming the config) for a config label bench_train cannot run, before anything runs
+    (``warmup``: the untimed steps, which lever graphs needs more than GRAPH_CAPTURE_STEP of)."""
     for label in configs:
         name, _, mode = label.partition(":")
         name, *levers = name.split("+")
@@ -125,8 +134,15 @@ def check_configs(configs: list[str], engine: bool = False) -> None:
             raise ValueError(f"--configs {label}: --engine runs the trainer's optimizer; drop the "
                              f"{'/'.join(OWN_OPTIMIZER)} levers or --engine")
         if not engine and set(ENGINE_LEVERS) & set(levers):
-            raise ValueError(f"--configs {label}: {'/'.join(ENGINE_LEVERS)}: a lever of the engine's step; add "
-                             f"--engine")
+            used = [lever for lever in levers if lever in ENGINE_LEVERS]
+            raise ValueError(f"--configs {label}: {'/'.join(used)}: a lever of the engine's step; add --engine")
+        if "graphs" in levers and (EMULATED in levers or (name != "bf16" and mode != "raw")):
+            raise ValueError(f"--configs {label}: graphs: Megatron-Core's CUDA graphs capture a layer under its own "
+                             f"FP8 config and replay it without the forward this project's autocast wraps; time "
+                             f"bf16+graphs and {name if name != 'bf16' else 'NAME'}+graphs:raw")
+        if "graphs" in levers and warmup is not None and warmup <= GRAPH_CAPTURE_STEP:
+            raise ValueError(f"--configs {label}: graphs are captured before step {GRAPH_CAPTURE_STEP}, which "
+                             f"--warmup {warmup} times; give --warmup {GRAPH_CAPTURE_STEP + 1} or more")
         if EMULATED in levers and (engine or mode == "raw" or set(OWN_OPTIMIZER) & set(levers)):
             raise ValueError(f"--configs {label}: {EMULATED} runs the emulated backend's local-spec model: not with "
                              f"--engine, :raw, {'/'.join(OWN_OPTIMIZER)}")
@@ -245,8 +261,8 @@ def _bench_model(model_cfg: dict, run: _BenchConfig, seed: int, engine: bool = F
                                                torch.device("cuda"), config_overrides=run.overrides)
         return chunks[0], precision
     fp8_param = FP8ParamInit(run.plan) if run.ours and run.recipe.fp8_param else None
-    overrides = {**(run.overrides or {}), "gradient_accumulation_fusion": "nogaf" not in run.levers} if engine \
-        else run.overrides
+    overrides = {**(run.overrides or {}), "gradient_accumulation_fusion": "nogaf" not in run.levers,
+                 **(cuda_graph_fields(model_cfg) if "graphs" in run.levers else {})} if engine else run.overrides
     model = build_gpt_model(model_cfg, use_te_spec=True, params_dtype=torch.bfloat16, device="cuda",
                             config_overrides=overrides, layer_init=fp8_param)
     precision = None
@@ -284,6 +300,49 @@ def _step_function(model: torch.nn.Module, precision: Any, optimizer: torch.opti
     return one_step
 
 
+def cuda_graph_fields(model_cfg: dict) -> dict:
+    """Megatron-Core's TransformerConfig fields of lever ``graphs``: TE's per-layer CUDA graphs of the attention and,
+    in MoE layers, of the router and the dispatcher's preprocessing, the scopes Megatron-Core allows a dropless MoE
+    (the preprocessing only where it copies nothing to the host: not with a capacity factor or router padding)."""
+    modules = ["attn"]
+    if model_cfg.get("num_moe_experts"):
+        modules.append("moe_router")
+        host_copy = model_cfg.get("moe_token_dispatcher_type") == "alltoall" and (
+            model_cfg.get("moe_expert_capacity_factor") is not None
+            or model_cfg.get("moe_router_padding_for_quantization"))
+        if not host_copy:
+            modules.append("moe_preprocess")
+    return {"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": modules}
+
+
+def _graph_capture(engine: Any, *, seq: int, mbs: int, accum: int) -> Callable[[], None]:
+    """What Megatron-LM's training loop does at --cuda-graph-warmup-steps: capture every layer's graphs for each of
+    the step's micro-batches (TECudaGraphHelper), with DDP's forward pre-hooks off during the capture and set by hand
+    on the graphed modules after it. The helper reads the step's micro-batch count from Megatron-Core's calculator."""
+    from megatron.core.num_microbatches_calculator import (init_num_microbatches_calculator,
+                                                           unset_num_microbatches_calculator)
+    from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
+
+    unset_num_microbatches_calculator()
+    init_num_microbatches_calculator(0, None, mbs * accum, mbs, 1)
+    helper = TECudaGraphHelper(model=engine.chunks, config=engine.config, seq_length=seq, micro_batch_size=mbs,
+                               optimizers=[engine.optimizer])
+    hooks = engine.cfg.overlap_param_gather
+
+    def capture() -> None:
+        if hooks:
+            for chunk in engine.chunks:
+                chunk.disable_forward_pre_hook(param_sync=False)
+        helper.create_cudagraphs()
+        if hooks:
+            for chunk in engine.chunks:
+                chunk.enable_forward_pre_hook()
+            helper.cuda_graph_set_manual_hooks()
+        if not helper.graphs_created():
+            raise RuntimeError("graphs: Megatron-Core's TECudaGraphHelper found no layer to capture")
+    return capture
+
+
 def _engine_step_function(model: torch.nn.Module, precision: Any, run: _BenchConfig, model_cfg: dict, *, seq: int,
                           mbs: int, seed: int, accum: int) -> Callable[[int], torch.Tensor]:
     """One training step of scripts/train.py's engine (training/engine.py at the GPU trainer's defaults) on
@@ -304,10 +363,13 @@ def _engine_step_function(model: torch.nn.Module, precision: Any, run: _BenchCon
              "loss_mask": torch.ones(mbs, seq, device="cuda"),
              "position_ids": torch.arange(seq, device="cuda").expand(mbs, seq)}
     steady = run.steady
+    capture = _graph_capture(engine, seq=seq, mbs=mbs, accum=accum) if "graphs" in run.levers else None
 
     def one_step(i: int) -> torch.Tensor:
         if precision is not None:
             precision.begin_step(steady + i)
+        if capture is not None and i == GRAPH_CAPTURE_STEP:
+            capture()
         result = engine.train_step(itertools.repeat(batch))  # (Megatron's schedule: set_is_first_microbatch)
         if result.skipped:
             raise RuntimeError(f"{run.label}: the engine skipped step {i} (loss {result.loss}, grad norm "
