@@ -134,10 +134,15 @@ def test_the_autopilots_actions_are_counted_and_tabulated_when_it_was_on(tmp_pat
     n = 20
     for name in ("bf16", "delayed", "tensorwise"):
         _write_run(tmp_path / name, [5.0 - 0.05 * i for i in range(n)], 3.1)
+    groups = "model: {num_layers: 2}\ndata: {seq_length: 64}\ntrainer: {max_steps: 20}\n"  # (a run's config has them)
     (tmp_path / "delayed" / ".hydra").mkdir()
-    (tmp_path / "delayed" / ".hydra" / "config.yaml").write_text("autopilot:\n  enabled: true\n  dry_run: false\n")
+    (tmp_path / "delayed" / ".hydra" / "config.yaml").write_text(groups + "autopilot:\n  enabled: true\n  "
+                                                                  "dry_run: false\n")
     (tmp_path / "tensorwise" / ".hydra").mkdir()
-    (tmp_path / "tensorwise" / ".hydra" / "config.yaml").write_text("autopilot:\n  enabled: true\n  dry_run: true\n")
+    (tmp_path / "tensorwise" / ".hydra" / "config.yaml").write_text(groups + "autopilot:\n  enabled: true\n  "
+                                                                     "dry_run: true\n")
+    (tmp_path / "bf16" / ".hydra").mkdir()  # damaged: read as no autopilot, as the table reads a run without one
+    (tmp_path / "bf16" / ".hydra" / "config.yaml").write_text("autopilot: {enabled: true}\n")
     actions = [{"kind": "autopilot", "step": 11, "action": "to_current", "dry": True},
                {"kind": "autopilot", "step": 31, "action": "shorten_history", "dry": True},
                {"kind": "autopilot", "step": 41, "action": "cap_reached"}]

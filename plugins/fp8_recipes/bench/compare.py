@@ -46,7 +46,6 @@ from fp8_recipes.megatron.data import prepare_dataset
 from fp8_recipes.recipe.pack import (
     check_pack_names, conf_dir, is_recipe_file, project_root, recipe_file_overrides, resolve_recipe_file,
 )
-from fp8_recipes.recipe.yaml_guard import load_yaml
 from fp8_recipes.rundir import (
     HYDRA, METRICS, ROUTING, last_metrics_step, load_run_config, read_jsonl, read_metrics, read_summary,
 )
@@ -119,12 +118,14 @@ def autopilot_summary(config: dict, rows: Sequence[dict]) -> dict[str, Any] | No
 
 
 def _read_config(run_dir: Path) -> dict:
-    """The run's composed config through the guarded YAML reader; {} when it cannot be read (no autopilot then)."""
+    """The run's composed config (rundir.load_run_config, as --resume and --reference read it); {} when it cannot be
+    read: the table's row then has no autopilot column, where those flags refuse in one line."""
+    from omegaconf import OmegaConf
+
     try:
-        data = load_yaml((run_dir / HYDRA / "config.yaml").read_bytes())
-    except (OSError, ValueError):
+        return OmegaConf.to_container(load_run_config(run_dir), resolve=False)
+    except ValueError:  # (a ConfigError: missing, damaged, not a run's config)
         return {}
-    return data if isinstance(data, dict) else {}
 
 
 def _gap(value: float | None, reference: float | None) -> float | None:
