@@ -264,18 +264,25 @@ def test_an_interrupted_shootout_checkpoints_and_resumes(dataset, tmp_path):  # 
     import signal
     import time
 
-    from fp8_recipes.rundir import read_summary
+    from fp8_recipes.rundir import RunFileError, read_summary
 
-    steps, out = 60, tmp_path / "cmp"
+    # (a step takes ~0.05 s: the signal must come after both runs logged 3 steps and before either ends; the runs
+    # start seconds apart, so 60 steps left a window that a loaded machine could miss)
+    steps, out = 400, tmp_path / "cmp"
     overrides = [o for o in _overrides(out) if not o.startswith(("trainer.max_steps=", "trainer.eval_interval="))]
     base = [sys.executable, SCRIPT, "--recipes", "tensorwise", "--parallel", "2", "--out", str(out), *dataset,
             *overrides, f"trainer.max_steps={steps}", f"trainer.eval_interval={steps}"]
     proc = subprocess.Popen(base, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             start_new_session=True)
     deadline = time.time() + 300
-    while time.time() < deadline and not all((out / n / "metrics.jsonl").is_file() and len(
-            read_metrics(out / n, "train")) >= 3 for n in ("bf16", "tensorwise")):
-        time.sleep(0.5)
+    def logged(name: str) -> int:
+        try:
+            return len(read_metrics(out / name, "train"))
+        except (FileNotFoundError, RunFileError):  # not there yet, or a row half-written
+            return 0
+
+    while time.time() < deadline and not all(logged(n) >= 3 for n in ("bf16", "tensorwise")):
+        time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGINT)  # the group, as a terminal's Ctrl-C
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 130 and "--resume" in err, err[-2000:]
