@@ -626,4 +626,9 @@ def load_run_config(run_dir: str | os.PathLike, key: str = "run_dir") -> Any:
     missing = [g for g in ("model", "data", "trainer") if not isinstance(groups.get(g), dict)]
     if missing:
         raise ConfigError(f"{key}: {path} has no {missing[0]} group (a mapping of its keys); {fix}")
-    return OmegaConf.load(path)  # (its YAML 1.2 floats: 1e-5 is a number there, a string to the plain reader)
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return OmegaConf.load(path)  # (its YAML 1.2 floats: 1e-5 is a number there, a string to the plain reader)
+    except OmegaConfBaseException as e:  # (e.g. a malformed ${...} interpolation)
+        raise ConfigError(f"{key}: {path}: {str(e).splitlines()[0]}; {fix}") from None

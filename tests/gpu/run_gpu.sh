@@ -155,13 +155,19 @@ nvfp4-shootout)
   A=tests/gpu/nvfp4_ablations
   export RECIPES=${RECIPES:-"nvfp4 $A/nvfp4_no_rht.yaml $A/nvfp4_no_sr.yaml $A/nvfp4_1d_weights.yaml $A/mxfp8_emulated.yaml"}
   export PARALLEL=${PARALLEL:-6} PARITY=${PARITY:-0} NAME=${NAME:-nv${SEED:-1234}}
-  [ -n "${DEADLINE:-}" ] && export SHOOT_CAP=$(( DEADLINE - $(date +%s) - 45 ))
+  rm -f "$OUT/tests.log" "$OUT/$NAME-compare.md"  # (an earlier call's, not this one's)
+  cap=${TEST_CAP:-240}
+  if [ -n "${DEADLINE:-}" ]; then
+    left=$(( DEADLINE - $(date +%s) ))
+    [ $left -lt 105 ] && { echo "error: DEADLINE is ${left}s away: too little for a shoot-out call (105 s at least)"; exit 2; }
+    export SHOOT_CAP=$(( left - 45 )); [ $cap -gt $(( left - 80 )) ] && cap=$(( left - 80 ))
+  fi
   ( bash "$0" shootout ) &
   shoot=$!
   if [ "${TESTS:-0}" = 1 ]; then
     sleep 20  # (the shoot-out prepares its data first)
-    stamp "tests/gpu/test_nvfp4_ref.py beside the shoot-out" | tee "$OUT/tests.log"
-    timeout -s INT ${TEST_CAP:-240} "$PY" -m pytest tests/gpu/test_nvfp4_ref.py -q -p no:cacheprovider -o addopts="" \
+    stamp "tests/gpu/test_nvfp4_ref.py beside the shoot-out (cap ${cap}s)" | tee "$OUT/tests.log"
+    timeout -s INT $cap "$PY" -m pytest tests/gpu/test_nvfp4_ref.py -q -p no:cacheprovider -o addopts="" \
         -rfEs --tb=short 2>&1 | grep -v "^DEBUG " >> "$OUT/tests.log"
   fi
   wait $shoot

@@ -192,3 +192,19 @@ def test_grouped_experts_compute_the_emulated_experts_product(megatron_gpu):
         rel(te_fc1, em_fc1), rel(te_fc1, hp_fc1))
     assert te_out.shape == em_out.shape == bf16.shape
     assert rel(te_out, bf16) > 2 * rel(te_out, em_out), (rel(te_out, em_out), rel(te_out, bf16))
+
+
+@pytest.mark.parametrize("label", ["bf16+graphs", "delayed+graphs:raw"])
+def test_the_graphs_lever_captures_and_steps_as_the_eager_engine(label):
+    """bench_train's lever graphs (Megatron-Core's TE CUDA graphs of the attention, the router and the dispatcher's
+    preprocessing, captured before step 1) on the engine's step of the tiny MoE: the capture succeeds (it raises when
+    no layer was graphed) and the step computes what the eager step does, from the same weights and tokens."""
+    from fp8_recipes.bench.train import _run_config_apart, load_model_cfg
+
+    cfg = {**load_model_cfg("tiny_moe"), "vocab_size": 256, "moe_token_dispatcher_type": "alltoall",
+           "moe_grouped_gemm": True, "moe_permute_fusion": True}
+    kwargs = {"seq": 128, "mbs": 2, "warmup": 2, "steps": 2, "seed": 1234, "accum": 2, "engine": True}
+    eager = _run_config_apart(cfg, label.replace("+graphs", ""), **kwargs)
+    graphed = _run_config_apart(cfg, label, **kwargs)
+    assert math.isfinite(graphed["loss"]) and graphed["loss"] == pytest.approx(eager["loss"], rel=1e-3), \
+        (eager["loss"], graphed["loss"])

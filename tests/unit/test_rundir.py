@@ -252,7 +252,8 @@ def test_an_impossible_statistic_is_refused_naming_the_file_line_and_key(tmp_pat
 
 @pytest.mark.parametrize("text, says", [(": : :\n", "line 1: YAML syntax error: "), ("- a\n", "has no model group"),
                                         ("model: {}\ndata: {}\ntrainer: 3\n", "has no trainer group"),
-                                        ("a: &a [*a]\n", "line 1: an alias refers to a value that contains it")])
+                                        ("a: &a [*a]\n", "line 1: an alias refers to a value that contains it"),
+                                        ("model: {}\ndata: {}\ntrainer: {}\nlr: ${foo\n", "at input '${foo'")])
 def test_a_damaged_run_config_is_one_line_naming_it(tmp_path, text, says):
     """export and eval_checkpoint read a run's .hydra/config.yaml: damaged or edited into another shape, it was a
     YAML traceback (or a later AttributeError); now one ConfigError naming the caller's key and the file."""

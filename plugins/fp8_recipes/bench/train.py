@@ -252,7 +252,10 @@ def _bench_model(model_cfg: dict, run: _BenchConfig, seed: int, engine: bool = F
     from fp8_recipes.megatron.te_layers import FP8ParamInit, attach_te_backend
 
     torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    # (CUDA graphs need TE's RNG tracker, whose states TE can register with a graph: Megatron-LM switches it on
+    # for them; engine configs run in a process each, so the switch does not outlive the config)
+    graphs = engine and "graphs" in run.levers
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, te_rng_tracker=graphs, force_reset_rng=graphs)
     torch.cuda.reset_peak_memory_stats()
     if run.emulated:
         from fp8_recipes.training.run import attach_emulated
@@ -316,9 +319,10 @@ def cuda_graph_fields(model_cfg: dict) -> dict:
 
 
 def _graph_capture(engine: Any, *, seq: int, mbs: int, accum: int) -> Callable[[], None]:
-    """What Megatron-LM's training loop does at --cuda-graph-warmup-steps: capture every layer's graphs for each of
-    the step's micro-batches (TECudaGraphHelper), with DDP's forward pre-hooks off during the capture and set by hand
-    on the graphed modules after it. The helper reads the step's micro-batch count from Megatron-Core's calculator."""
+    """What Megatron-LM's training loop does at --cuda-graph-warmup-steps: capture each layer's graphs
+    (TECudaGraphHelper: with one pipeline stage one micro-batch's, replayed for every micro-batch of a step), with
+    DDP's forward pre-hooks off during the capture and set by hand on the graphed modules after it. (The helper
+    reads Megatron-Core's micro-batch calculator, initialised here as Megatron-LM does.)"""
     from megatron.core.num_microbatches_calculator import (init_num_microbatches_calculator,
                                                            unset_num_microbatches_calculator)
     from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
@@ -327,7 +331,7 @@ def _graph_capture(engine: Any, *, seq: int, mbs: int, accum: int) -> Callable[[
     init_num_microbatches_calculator(0, None, mbs * accum, mbs, 1)
     helper = TECudaGraphHelper(model=engine.chunks, config=engine.config, seq_length=seq, micro_batch_size=mbs,
                                optimizers=[engine.optimizer])
-    hooks = engine.cfg.overlap_param_gather
+    hooks = all(getattr(chunk, "use_forward_hook", False) for chunk in engine.chunks)  # (DDP's, with param gather)
 
     def capture() -> None:
         if hooks:
