@@ -259,21 +259,23 @@ def test_an_interrupted_shootout_checkpoints_and_resumes(dataset, tmp_path):  # 
     and ends preempted (exit 130 for the shoot-out). --resume with the same arguments then finishes them from their
     checkpoints (one row per step, the first attempt's log kept), and a finished FP8 run whose parity.json is
     missing is evaluated again without training. Another config, a trainer.resume override or an --out without a
-    shoot-out: one line, exit 2."""
+    shoot-out: one line, exit 2. (The shoot-out is started with SIGINT ignored, as a script's `cmd &` starts it.)"""
     import os
     import signal
     import time
 
     from fp8_recipes.rundir import RunFileError, read_summary
 
-    # (a step takes ~0.05 s: the signal must come after both runs logged 3 steps and before either ends; the runs
-    # start seconds apart, so 60 steps left a window that a loaded machine could miss)
+    # (a step takes ~0.05 s: the signal must come after both runs logged 3 steps and before either ends, and the
+    # runs start seconds apart: 400 steps leave a wide window)
     steps, out = 400, tmp_path / "cmp"
     overrides = [o for o in _overrides(out) if not o.startswith(("trainer.max_steps=", "trainer.eval_interval="))]
     base = [sys.executable, SCRIPT, "--recipes", "tensorwise", "--parallel", "2", "--out", str(out), *dataset,
             *overrides, f"trainer.max_steps={steps}", f"trainer.eval_interval={steps}"]
+    # started with SIGINT ignored, as a shell starts `cmd &` in a script (run_gpu.sh's parts do): Python keeps it
+    # ignored unless the shoot-out handles it itself
     proc = subprocess.Popen(base, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     deadline = time.time() + 300
     def logged(name: str) -> int:
         try:

@@ -518,9 +518,10 @@ def _run_all(jobs: dict[str, list[str]], parallel: int, out_dir: Path, append: b
     except ImportError:  # a bare GPU image may lack it: a line per finished run only
         tqdm = functools.partial(PlainBar, disable=True)
 
-    previous = None
+    previous = {}  # SIGINT too: a shell ignores it in the commands it starts in the background (`cmd &` in a
+    # script), and Python then leaves it ignored, so `timeout -s INT` would not stop such a shoot-out
     if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _interrupt)
+        previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
 
     logs = out_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -557,8 +558,8 @@ def _run_all(jobs: dict[str, list[str]], parallel: int, out_dir: Path, append: b
         raise
     finally:
         bar.close()
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return codes
 
 
