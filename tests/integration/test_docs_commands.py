@@ -319,7 +319,10 @@ def test_gpu_and_setup_commands_name_what_exists(command):
             setup = (ROOT / "setup.cfg").read_text()
             assert all(re.search(rf"^{e}\s*=", setup, re.M) for e in extras), extras
             return
-        scripts = [w for w in words if w.endswith((".sh", ".py"))]
+        assigned = [w for w in words if re.fullmatch(r"[A-Z_]+=.*", w, re.S)]
+        scripts = [w for w in words if w.endswith((".sh", ".py")) and w not in assigned]
+        for s in [p for w in assigned for p in w.split("=", 1)[1].split() if p.endswith((".py", ".yaml"))]:
+            assert (ROOT / s).is_file(), s  # (a file a variable names: TESTS=tests/gpu/x.py, RECIPES=a.yaml)
         for s in scripts:
             assert (ROOT / s).is_file(), s
             if s.endswith(".sh"):
