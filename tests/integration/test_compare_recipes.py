@@ -264,7 +264,9 @@ def test_an_interrupted_shootout_checkpoints_and_resumes(dataset, tmp_path):  # 
     import signal
     import time
 
-    from fp8_recipes.rundir import RunFileError, read_summary
+    from test_preemption_cpu import train_rows  # (rows so far: none while the file is missing or a row half-written)
+
+    from fp8_recipes.rundir import read_summary
 
     # (a step takes ~0.05 s: the signal must come after both runs logged 3 steps and before either ends, and the
     # runs start seconds apart: 400 steps leave a wide window)
@@ -277,13 +279,7 @@ def test_an_interrupted_shootout_checkpoints_and_resumes(dataset, tmp_path):  # 
     proc = subprocess.Popen(base, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     deadline = time.time() + 300
-    def logged(name: str) -> int:
-        try:
-            return len(read_metrics(out / name, "train"))
-        except (FileNotFoundError, RunFileError):  # not there yet, or a row half-written
-            return 0
-
-    while time.time() < deadline and not all(logged(n) >= 3 for n in ("bf16", "tensorwise")):
+    while time.time() < deadline and not all(len(train_rows(out / n)) >= 3 for n in ("bf16", "tensorwise")):
         time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGINT)  # the group, as a terminal's Ctrl-C
     _, err = proc.communicate(timeout=300)
