@@ -9,6 +9,8 @@ BF16, a table (final-loss gap %, eval loss, tokens/s, peak memory) and inference
     python scripts/compare_recipes.py --recipes nvfp4 tests/gpu/nvfp4_ablations/*.yaml   # recipe files: runs
                                                                                    # named by their stems
     python scripts/compare_recipes.py --plot-only runs/cmp                         # redraw table and PNG
+    python scripts/compare_recipes.py --over-seeds runs/cmp1234 runs/cmp4321 --out runs/seeds   # one shoot-out's
+                                      # seeds side by side: gaps per seed and their mean (seeds.md, .json, .png)
     python scripts/compare_recipes.py --recipes tensorwise blockwise --out runs/cmp --resume   # go on after an
                                       # interruption (the same arguments): finished runs kept, the others resumed
 
@@ -31,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))  # a checkout without `pip install -e`
 
 
-PATH_OPTIONS = ("--out", "--reference", "--plot-only")
+PATH_OPTIONS = ("--out", "--reference", "--plot-only", "--over-seeds")
 
 
 def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -42,6 +44,27 @@ def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
         path = (i > 0 and argv[i - 1] in PATH_OPTIONS) or Path(arg).exists()
         (overrides if "=" in arg and not arg.startswith("-") and not path else words).append(arg)
     return words, overrides
+
+
+def _over_seeds(args) -> None:
+    """--over-seeds: merge the shoot-outs' tables; a user error is one line (exit 2), nothing written."""
+    from fp8_recipes.bench.seeds import load_shootout, merge_seeds, save_seeds
+    from fp8_recipes.training.config import check_writable_dir
+    from fp8_recipes.training.errors import USER_ERROR_EXIT
+
+    out = args.out or Path("runs") / f"seeds-{time.strftime('%Y%m%d-%H%M%S')}"
+    try:
+        others = [flag for flag, on in (("--plot-only", args.plot_only), ("--reference", args.reference),
+                                        ("--resume", args.resume), ("overrides", args.overrides)) if on]
+        if others:
+            raise ValueError(f"--over-seeds: merges finished shoot-outs and trains nothing; drop {others[0]}")
+        merged = merge_seeds([load_shootout(path) for path in args.over_seeds])
+        check_writable_dir("--out", str(out))
+    except ValueError as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        sys.exit(USER_ERROR_EXIT)
+    print(save_seeds(merged, out))
+    print(f"(seeds.json, seeds.md, seeds.png in {out})")
 
 
 def main() -> None:
@@ -61,6 +84,9 @@ def main() -> None:
     p.add_argument("--resume", action="store_true", help="continue the shoot-out in --out (the same recipes and "
                    "overrides): finished runs are kept, interrupted ones go on from their checkpoints, missing ones "
                    "start")
+    p.add_argument("--over-seeds", nargs="+", type=Path, metavar="DIR|JSON", help="shoot-outs of one experiment "
+                   "under different trainer.seed (directories or their compare.json): write the gaps per seed and "
+                   "their mean to --out (seeds.md, seeds.json, seeds.png); trains nothing")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every run, e.g. model=gpt_125m trainer=gpu")
     # KEY=VALUE words are overrides wherever they stand (else `--recipes a b trainer.max_steps=9` would take the
     # override for a recipe name), unless they are a path (_split_overrides).
@@ -75,6 +101,9 @@ def main() -> None:
     from fp8_recipes.training.run import quiet_third_party_logs
 
     quiet_third_party_logs()
+    if args.over_seeds:
+        _over_seeds(args)
+        return
     out = args.plot_only or args.out or Path("runs") / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
         if args.parity_iters is not None and args.parity_iters < 1:

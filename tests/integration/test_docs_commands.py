@@ -3,7 +3,7 @@ never fail again.
 
 Commands are read from ```bash blocks and from 4-space indented blocks (```console transcripts show outputs of
 runs that are not rebuilt here). Each one is run, in document order, from a scratch directory that looks like the
-checkout (scripts/, conf/, recipes/, plugins/, tests/, .venv linked), so `runs/...` and `mine/...` land there:
+checkout (scripts/, conf/, recipes/, plugins/, tests/, docs/, .venv linked), so `runs/...` and `mine/...` land there:
 
 - scripts/train.py and torchrun (2 CPU ranks, gloo): trained for 2 steps of a 2-layer tiny model on a small byte
   corpus (appended overrides; the command's own batch sizes and layout stay); exit 0 and a `done:` line;
@@ -126,7 +126,7 @@ def test_every_doc_command_is_covered():
 def sandbox(tmp_path_factory, dataset) -> tuple[Path, list[str]]:  # noqa: F811
     """A directory that looks like the checkout, and the data overrides of the tiny byte corpus."""
     box = tmp_path_factory.mktemp("docs")
-    for name in ("scripts", "conf", "recipes", "plugins", "tests", "setup.cfg", ".venv"):
+    for name in ("scripts", "conf", "recipes", "plugins", "tests", "docs", "setup.cfg", ".venv"):
         if (ROOT / name).exists():
             (box / name).symlink_to(ROOT / name)
     (box / "corpus.jsonl").write_text('{"text": "def f():\\n    return 1\\n"}\n' * 50)
@@ -179,7 +179,7 @@ def run_command(command: str, box: Path, data: list[str], port: int) -> tuple[st
         if "scripts/prepare_data.py" in command:  # the small corpus unless the command names its own inputs
             extra = [] if "--inputs" in command else ["--inputs", "more_text"]
             argv = _python(words) + extra + (["--out", "data/docs-stdlib"] if "--out" not in command else [])
-        elif "scripts/compare_recipes.py" in command:
+        elif "scripts/compare_recipes.py" in command and "--over-seeds" not in command:  # (that one trains nothing)
             argv = _python(words) + data + FAST + ["trainer.micro_batch_size=4", "trainer.global_batch_size=4"]
         elif "scripts/eval_checkpoint.py" in command:
             argv = _python(words) + ["--eval-iters", "1"]
