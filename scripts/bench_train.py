@@ -36,7 +36,7 @@ DEFAULT_CONFIGS = ["delayed", "delayed:raw", "tensorwise", "tensorwise:raw", "bl
 
 
 def main() -> None:
-    from fp8_recipes.bench.train import bench_train, check_configs, plot, summarize
+    from fp8_recipes.bench.train import bench_train, check_configs, check_fits, check_models, plot, summarize
     from fp8_recipes.bench.output import load_result
     from fp8_recipes.plan.precision import Hardware
     from fp8_recipes.training.config import check_writable_dir
@@ -62,6 +62,8 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     with script_user_errors():  # (a config it cannot run, an unwritable --out: one line, before any model)
         check_configs(args.configs, engine=args.engine, warmup=args.warmup)
+        if not args.plot_only:
+            check_models(args.models)
         if not args.plot_only:  # (results are saved after each config: an unwritable --out would fail the first)
             check_writable_dir("--out", str(args.out))
     if args.plot_only:
@@ -70,6 +72,11 @@ def main() -> None:
     elif not Hardware.detect().has_te:
         sys.exit("error: bench_train: needs a CUDA GPU with Transformer Engine (or --plot-only FILE.json)")
     else:
+        import torch
+
+        with script_user_errors():  # (a model the engine's step cannot fit: one line, not an out-of-memory trace)
+            check_fits(args.models, seq=args.seq, mbs=args.mbs, engine=args.engine,
+                       gpu_bytes=torch.cuda.get_device_properties(0).total_memory)
         from fp8_recipes.training.run import quiet_third_party_logs
 
         quiet_third_party_logs()

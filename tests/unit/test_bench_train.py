@@ -115,19 +115,23 @@ def test_graphs_lever_is_megatrons_own_cuda_graphs(megatron_cpu):
     from fp8_recipes.bench.train import GRAPH_CAPTURE_STEP, cuda_graph_fields, load_model_cfg
     from fp8_recipes.megatron.model import build_gpt_model, unwrap_model
 
-    check_configs(["bf16+graphs", "delayed+graphs:raw", "blockwise+pad+graphs:raw"], engine=True, warmup=3)
+    check_configs(["bf16+graphs", "delayed+graphs:raw", "blockwise+pad+graphs:raw", "bf16+attngraphs"], engine=True,
+                  warmup=3)
     assert with_levers(load_recipe("delayed"), ["graphs"]) == load_recipe("delayed")  # the step's lever
     for label, configs, kwargs, match in (
             ("delayed+graphs", ["delayed+graphs"], {"engine": True}, "replay it without the forward .* "
                                                                      r"delayed\+graphs:raw$"),
             ("bf16+graphs", ["bf16+graphs"], {}, "a lever of the engine's step; add --engine$"),
             ("bf16+graphs", ["bf16+graphs"], {"engine": True, "warmup": GRAPH_CAPTURE_STEP},
-             f"--warmup {GRAPH_CAPTURE_STEP + 1} or more$")):
+             f"--warmup {GRAPH_CAPTURE_STEP + 1} or more$"),
+            ("bf16+graphs+attngraphs", ["bf16+graphs+attngraphs"], {"engine": True}, "keep one$"),
+            ("tensorwise+attngraphs", ["tensorwise+attngraphs"], {"engine": True}, r"tensorwise\+attngraphs:raw$")):
         with pytest.raises(ValueError, match=rf"^--configs {label.replace('+', '[+]')}: .*{match}"):
             check_configs(configs, **kwargs)
     moe = {**load_model_cfg("tiny_moe"), "vocab_size": 256}
     assert cuda_graph_fields({**load_model_cfg("tiny"), "vocab_size": 256})["cuda_graph_modules"] == ["attn"]
     assert cuda_graph_fields(moe)["cuda_graph_modules"] == ["attn", "moe_router", "moe_preprocess"]
+    assert cuda_graph_fields(moe, attn_only=True)["cuda_graph_modules"] == ["attn"]  # lever attngraphs
     alltoall = {**moe, "moe_token_dispatcher_type": "alltoall"}
     for host_copy in ({"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True},
                       {"moe_router_padding_for_quantization": True}):  # (the dispatcher copies counts to the host)
@@ -136,3 +140,23 @@ def test_graphs_lever_is_megatrons_own_cuda_graphs(megatron_cpu):
     config = unwrap_model(model).config
     assert config.cuda_graph_impl == "transformer_engine"
     assert [m.name for m in config.cuda_graph_modules] == ["attn", "moe_router", "moe_preprocess"]
+
+
+def test_models_the_benchmark_cannot_build_or_fit_are_refused_before_any_run():
+    """bench_train refuses in one line, before a model is built: a model without its own vocabulary (its random tokens
+    need one) and, with --engine, a model whose BF16 weights, fp32 gradients and optimizer state exceed the GPU (on
+    2026-12-06 4 Mixtral layers ran out of an H100's 79 GiB at the optimizer's first step, with a traceback; the
+    estimate says ~106 GiB, which the H200's 139 GiB hold)."""
+    from fp8_recipes.bench.train import check_fits, check_models
+
+    check_models(["mixtral_8x7b_4l", "llama3_8b_8l"])
+    with pytest.raises(ValueError, match=r"^--models moe_small: its vocab_size is '\$\{data.vocab_size\}'.* "
+                                         r"\(gpt_125m, .*mixtral_8x7b_4l"):
+        check_models(["llama3_8b_8l", "moe_small"])
+    h100, h200 = int(79.2 * 2**30), int(139.8 * 2**30)
+    check_fits(["mixtral_8x7b_4l"], seq=4096, mbs=1, engine=True, gpu_bytes=h200)
+    check_fits(["mixtral_8x7b_4l"], seq=4096, mbs=1, engine=False, gpu_bytes=h100)  # plain AdamW: not checked
+    check_fits(["qwen3_30b_a3b_4l", "llama3_8b_8l"], seq=4096, mbs=1, engine=True, gpu_bytes=h100)
+    with pytest.raises(ValueError, match=r"^--models mixtral_8x7b_4l: --engine's step needs about 10\d GiB .*"
+                                         r"this one has 79 GiB; run it on a larger GPU, or without --engine$"):
+        check_fits(["llama3_8b_8l", "mixtral_8x7b_4l"], seq=4096, mbs=1, engine=True, gpu_bytes=h100)

@@ -40,6 +40,8 @@ Per model, configs run one after another on a freshly built model (same seed, sa
                      and replayed per micro-batch, so the host launches far fewer kernels before each MoE layer's
                      token-count sync. On bf16 and NAME:raw only: Megatron-Core captures under its own FP8 config
                      and replays a layer without calling its forward, where this project's per-layer autocast sits
+               attngraphs  the same, of the attention alone (Megatron-LM's --cuda-graph-scope attn): on a MoE
+                     model it tells the attention's share of graphs from the router's and the dispatcher's
 Recipes with BF16 warmup or staged enablement are timed in their final stage (all roles FP8), the steady state.
 A step is ``accum`` micro-batches, each forward (per-token loss, mean) + backward, as a training step accumulates
 them (weights quantized once per step: TE's is_first_microbatch), then plain fused torch AdamW on the BF16 params
@@ -99,7 +101,9 @@ MODEL_LEVERS = {"pad": {"moe_router_padding_for_quantization": True}, "nofuse": 
                 "router": {"moe_router_fusion": True},
                 "capacity": {"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}}
 """Levers that are MoE model keys (bench config ``NAME+pad``, ``bf16+nofuse``)."""
-ENGINE_LEVERS = ("nogaf", "graphs")
+GRAPH_LEVERS = ("graphs", "attngraphs")
+"""Levers that capture Megatron-Core's TE CUDA graphs (cuda_graph_fields: which scopes)."""
+ENGINE_LEVERS = ("nogaf", *GRAPH_LEVERS)
 """Levers of the engine's step (``--engine``; on bf16 too)."""
 EMULATED = "emulated"
 """The lever that runs a config on the emulated backend (recipe ``backend: emulated``; on bf16 too: the bf16 recipe
@@ -136,11 +140,14 @@ def check_configs(configs: list[str], engine: bool = False, warmup: int | None =
         if not engine and set(ENGINE_LEVERS) & set(levers):
             used = [lever for lever in levers if lever in ENGINE_LEVERS]
             raise ValueError(f"--configs {label}: {'/'.join(used)}: a lever of the engine's step; add --engine")
-        if "graphs" in levers and (EMULATED in levers or (name != "bf16" and mode != "raw")):
-            raise ValueError(f"--configs {label}: graphs: Megatron-Core's CUDA graphs capture a layer under its own "
-                             f"FP8 config and replay it without the forward this project's autocast wraps; time "
-                             f"bf16+graphs and {name if name != 'bf16' else 'NAME'}+graphs:raw")
-        if "graphs" in levers and warmup is not None and warmup <= GRAPH_CAPTURE_STEP:
+        graphs = [lever for lever in levers if lever in GRAPH_LEVERS]
+        if len(graphs) > 1:
+            raise ValueError(f"--configs {label}: {' and '.join(graphs)} choose the graphs' scopes both; keep one")
+        if graphs and (EMULATED in levers or (name != "bf16" and mode != "raw")):
+            raise ValueError(f"--configs {label}: {graphs[0]}: Megatron-Core's CUDA graphs capture a layer under its "
+                             f"own FP8 config and replay it without the forward this project's autocast wraps; time "
+                             f"bf16+{graphs[0]} and {name if name != 'bf16' else 'NAME'}+{graphs[0]}:raw")
+        if graphs and warmup is not None and warmup <= GRAPH_CAPTURE_STEP:
             raise ValueError(f"--configs {label}: graphs are captured before step {GRAPH_CAPTURE_STEP}, which "
                              f"--warmup {warmup} times; give --warmup {GRAPH_CAPTURE_STEP + 1} or more")
         if EMULATED in levers and (engine or mode == "raw" or set(OWN_OPTIMIZER) & set(levers)):
@@ -254,7 +261,9 @@ def _bench_model(model_cfg: dict, run: _BenchConfig, seed: int, engine: bool = F
     torch.manual_seed(seed)
     # (CUDA graphs need TE's RNG tracker, whose states TE can register with a graph: Megatron-LM switches it on
     # for them; engine configs run in a process each, so the switch does not outlive the config)
-    graphs = engine and "graphs" in run.levers
+    graphs = engine and bool(set(GRAPH_LEVERS) & set(run.levers))
+    if graphs:  # (what Megatron-LM's initialize does for them: see graph_side_stream)
+        graph_side_stream()
     tensor_parallel.model_parallel_cuda_manual_seed(seed, te_rng_tracker=graphs, force_reset_rng=graphs)
     torch.cuda.reset_peak_memory_stats()
     if run.emulated:
@@ -265,7 +274,8 @@ def _bench_model(model_cfg: dict, run: _BenchConfig, seed: int, engine: bool = F
         return chunks[0], precision
     fp8_param = FP8ParamInit(run.plan) if run.ours and run.recipe.fp8_param else None
     overrides = {**(run.overrides or {}), "gradient_accumulation_fusion": "nogaf" not in run.levers,
-                 **(cuda_graph_fields(model_cfg) if "graphs" in run.levers else {})} if engine else run.overrides
+                 **(cuda_graph_fields(model_cfg, attn_only="attngraphs" in run.levers) if graphs else {})} \
+        if engine else run.overrides
     model = build_gpt_model(model_cfg, use_te_spec=True, params_dtype=torch.bfloat16, device="cuda",
                             config_overrides=overrides, layer_init=fp8_param)
     precision = None
@@ -303,12 +313,13 @@ def _step_function(model: torch.nn.Module, precision: Any, optimizer: torch.opti
     return one_step
 
 
-def cuda_graph_fields(model_cfg: dict) -> dict:
+def cuda_graph_fields(model_cfg: dict, attn_only: bool = False) -> dict:
     """Megatron-Core's TransformerConfig fields of lever ``graphs``: TE's per-layer CUDA graphs of the attention and,
     in MoE layers, of the router and the dispatcher's preprocessing, the scopes Megatron-Core allows a dropless MoE
-    (the preprocessing only where it copies nothing to the host: not with a capacity factor or router padding)."""
+    (the preprocessing only where it copies nothing to the host: not with a capacity factor or router padding);
+    ``attn_only`` (lever ``attngraphs``): the attention's alone."""
     modules = ["attn"]
-    if model_cfg.get("num_moe_experts"):
+    if model_cfg.get("num_moe_experts") and not attn_only:
         modules.append("moe_router")
         host_copy = model_cfg.get("moe_token_dispatcher_type") == "alltoall" and (
             model_cfg.get("moe_expert_capacity_factor") is not None
@@ -316,6 +327,16 @@ def cuda_graph_fields(model_cfg: dict) -> dict:
         if not host_copy:
             modules.append("moe_preprocess")
     return {"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": modules}
+
+
+def graph_side_stream() -> None:
+    """Make a side stream the process's current stream, before the model, DDP and the eager steps exist, as
+    Megatron-LM's initialize does for --cuda-graph-impl transformer_engine. DDP keeps each parameter's AccumulateGrad
+    node, and torch (2.11) runs a node on the stream current at its creation; TE captures the backward with
+    torch.autograd.backward, so the captured gradients reach those nodes, and a node made on the default (legacy)
+    stream cannot join the capture ("operation would make the legacy stream depend on a capturing blocking stream",
+    the 2026-12-06 H100 run). A side stream joins it."""
+    torch.cuda.set_stream(torch.cuda.Stream())
 
 
 def _graph_capture(engine: Any, *, seq: int, mbs: int, accum: int) -> Callable[[], None]:
@@ -367,7 +388,8 @@ def _engine_step_function(model: torch.nn.Module, precision: Any, run: _BenchCon
              "loss_mask": torch.ones(mbs, seq, device="cuda"),
              "position_ids": torch.arange(seq, device="cuda").expand(mbs, seq)}
     steady = run.steady
-    capture = _graph_capture(engine, seq=seq, mbs=mbs, accum=accum) if "graphs" in run.levers else None
+    graphs = set(GRAPH_LEVERS) & set(run.levers)
+    capture = _graph_capture(engine, seq=seq, mbs=mbs, accum=accum) if graphs else None
 
     def one_step(i: int) -> torch.Tensor:
         if precision is not None:
@@ -472,6 +494,37 @@ def _free() -> None:
         FP8GlobalStateManager.reset()  # its amax buffers hold the freed model's delayed-scaling tensors
     except Exception:  # noqa: BLE001
         pass
+
+
+def check_models(models: list[str]) -> None:
+    """ValueError (one line naming the model) for a model bench_train cannot build: not in conf/model/, or its
+    vocab_size taken from the data (``${data.vocab_size}``: the benchmark's random tokens have no tokenizer)."""
+    for name in models:
+        vocab = load_model_cfg(name).get("vocab_size")
+        if not isinstance(vocab, int):
+            own = sorted(p.stem for p in (conf_dir() / "model").glob("*.yaml")
+                         if isinstance(load_model_cfg(p.stem).get("vocab_size"), int))
+            raise ValueError(f"--models {name}: its vocab_size is {vocab!r}, the data's tokenizer's; the benchmark "
+                             f"feeds random tokens: choose a model with its own vocab_size ({', '.join(own)})")
+
+
+def check_fits(models: list[str], *, seq: int, mbs: int, engine: bool, gpu_bytes: int) -> None:
+    """ValueError (one line naming the model) where the engine's step cannot fit one GPU of ``gpu_bytes``: BF16
+    weights, fp32 gradients and the distributed optimizer's fp32 state on one rank, activations of one micro-batch
+    (plan/memory.py, `fp8-recipes memory`), which every config of that model holds at least. Without --engine the
+    plain AdamW on BF16 parameters holds much less, and is not checked."""
+    from fp8_recipes.plan.memory import estimate_memory
+    from fp8_recipes.plan.precision import ParallelLayout
+
+    if not engine:
+        return
+    for name in models:
+        need = estimate_memory({**load_model_cfg(name), "seq_length": seq}, ParallelLayout(), micro_batch_size=mbs,
+                               seq_length=seq, fp8=False, distributed_optimizer=True).total_gib
+        if need > gpu_bytes / 2**30:
+            raise ValueError(f"--models {name}: --engine's step needs about {need:.0f} GiB on one GPU (`fp8-recipes "
+                             f"memory {name} --mbs {mbs} --seq {seq}`: BF16, fp32 optimizer state), this one has "
+                             f"{gpu_bytes / 2**30:.0f} GiB; run it on a larger GPU, or without --engine")
 
 
 def bench_train(models: list[str], configs: list[str], *, seq: int = 4096, mbs: int = 2, warmup: int = 3,
