@@ -239,6 +239,9 @@ moe)
   [ -z "${SKIP_TESTS:-}" ] && timeout -s INT ${TEST_CAP:-240} "$PY" -m pytest \
       ${TESTS:-tests/gpu/test_te_moe.py tests/gpu/test_te_grouped.py} -q -p no:cacheprovider -o addopts="" -rfEs \
       ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee -a "$OUT/tests.log"
+  # (the engine's step on 4 Mixtral layers needs ~106 GiB: an 80 GiB card times the 4 Qwen3-30B-A3B layers instead)
+  BIG=$("$PY" -c 'import torch; print(int(torch.cuda.get_device_properties(0).total_memory > 110 * 2**30))')
+  [ -n "${ENGINE:-}" ] && [ "$BIG" = 0 ] && : ${MODELS:=qwen3_30b_a3b_4l}
   stamp "bench_train: ${MODELS:-mixtral_8x7b_4l}" | tee "$OUT/bench_train.log"
   timeout -s INT ${BENCH_CAP:-300} "$PY" scripts/bench_train.py --models ${MODELS:-mixtral_8x7b_4l} --seq 4096 --mbs 1 \
       --accum 8 --warmup 2 --steps ${STEPS:-4} --configs ${CONFIGS:-delayed delayed:raw tensorwise tensorwise:raw \
