@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from fp8_recipes.bench.output import markdown_table, save_json
+from fp8_recipes.bench.output import markdown_table, save_json, save_outputs
 from fp8_recipes.megatron.data import prepare_dataset
 from fp8_recipes.recipe.pack import (
     check_pack_names, conf_dir, is_recipe_file, project_root, recipe_file_overrides, resolve_recipe_file,
@@ -320,11 +320,7 @@ def _eval_points(run_dir: Path) -> tuple[list[int], list[float]]:
 
 def save(result: dict[str, Any], out_dir: Path) -> str:
     """compare.json, compare.md and compare.png in ``out_dir``; returns the table."""
-    save_json(out_dir / "compare.json", result)
-    table = summarize(result)
-    (out_dir / "compare.md").write_text(table + "\n")
-    plot_curves(result, out_dir / "compare.png")
-    return table
+    return save_outputs(out_dir, "compare", result, summarize, plot_curves)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 __all__ = ["RESULTS", "bar_chart", "load_result", "markdown_table", "save_json"]
 
@@ -85,6 +85,16 @@ def save_json(path: Path, data: Any) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")
     return path
+
+
+def save_outputs(out_dir: Path, stem: str, result: Any, summarize: Callable[[Any], str],
+                 plot: Callable[[Any, Path], Any]) -> str:
+    """STEM.json (the result), STEM.md (its table) and STEM.png (its plot) in ``out_dir``; returns the table."""
+    save_json(out_dir / f"{stem}.json", result)
+    table = summarize(result)
+    (out_dir / f"{stem}.md").write_text(table + "\n")
+    plot(result, out_dir / f"{stem}.png")
+    return table
 
 
 def _cell(v: Any) -> str:

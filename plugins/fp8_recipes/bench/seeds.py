@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fp8_recipes.bench.compare import REFERENCE
-from fp8_recipes.bench.output import markdown_table, save_json
+from fp8_recipes.bench.output import markdown_table, save_outputs
 
 __all__ = ["load_shootout", "merge_seeds", "plot_seeds", "save_seeds", "summarize_seeds"]
 
@@ -154,8 +154,4 @@ def plot_seeds(merged: dict[str, Any], path: Path) -> Path | None:
 
 def save_seeds(merged: dict[str, Any], out_dir: Path) -> str:
     """seeds.json, seeds.md and seeds.png in ``out_dir``; returns the table."""
-    save_json(out_dir / "seeds.json", merged)
-    table = summarize_seeds(merged)
-    (out_dir / "seeds.md").write_text(table + "\n")
-    plot_seeds(merged, out_dir / "seeds.png")
-    return table
+    return save_outputs(out_dir, "seeds", merged, summarize_seeds, plot_seeds)
