@@ -62,9 +62,8 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     with script_user_errors():  # (a config it cannot run, an unwritable --out: one line, before any model)
         check_configs(args.configs, engine=args.engine, warmup=args.warmup)
-        if not args.plot_only:
-            check_models(args.models)
         if not args.plot_only:  # (results are saved after each config: an unwritable --out would fail the first)
+            check_models(args.models)
             check_writable_dir("--out", str(args.out))
     if args.plot_only:
         result = load_result(args.plot_only, "train")

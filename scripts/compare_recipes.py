@@ -46,7 +46,12 @@ def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     return words, overrides
 
 
-def _over_seeds(args) -> None:
+TRAINING_OPTIONS = ("--recipes", "--parallel", "--no-parity", "--parity-iters", "--plot-only", "--reference",
+                    "--resume")
+"""What --over-seeds, which trains nothing, refuses beside it (rather than ignore)."""
+
+
+def _over_seeds(args, words: list[str]) -> None:
     """--over-seeds: merge the shoot-outs' tables; a user error is one line (exit 2), nothing written."""
     from fp8_recipes.bench.seeds import load_shootout, merge_seeds, save_seeds
     from fp8_recipes.training.config import check_writable_dir
@@ -54,8 +59,8 @@ def _over_seeds(args) -> None:
 
     out = args.out or Path("runs") / f"seeds-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
-        others = [flag for flag, on in (("--plot-only", args.plot_only), ("--reference", args.reference),
-                                        ("--resume", args.resume), ("overrides", args.overrides)) if on]
+        others = [w.split("=")[0] for w in words if w.split("=")[0] in TRAINING_OPTIONS] + \
+            ["overrides"] * bool(args.overrides)
         if others:
             raise ValueError(f"--over-seeds: merges finished shoot-outs and trains nothing; drop {others[0]}")
         merged = merge_seeds([load_shootout(path) for path in args.over_seeds])
@@ -64,7 +69,7 @@ def _over_seeds(args) -> None:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT)
     print(save_seeds(merged, out))
-    print(f"(seeds.json, seeds.md, seeds.png in {out})")
+    print(f"({', '.join(f.name for f in sorted(out.glob('seeds.*')))} in {out})")
 
 
 def main() -> None:
@@ -84,8 +89,8 @@ def main() -> None:
     p.add_argument("--resume", action="store_true", help="continue the shoot-out in --out (the same recipes and "
                    "overrides): finished runs are kept, interrupted ones go on from their checkpoints, missing ones "
                    "start")
-    p.add_argument("--over-seeds", nargs="+", type=Path, metavar="DIR|JSON", help="shoot-outs of one experiment "
-                   "under different trainer.seed (directories or their compare.json): write the gaps per seed and "
+    p.add_argument("--over-seeds", nargs="+", action="extend", type=Path, metavar="DIR|JSON",
+                   help="shoot-outs of one experiment under different trainer.seed (directories or their compare.json): write the gaps per seed and "
                    "their mean to --out (seeds.md, seeds.json, seeds.png); trains nothing")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every run, e.g. model=gpt_125m trainer=gpu")
     # KEY=VALUE words are overrides wherever they stand (else `--recipes a b trainer.max_steps=9` would take the
@@ -102,7 +107,7 @@ def main() -> None:
 
     quiet_third_party_logs()
     if args.over_seeds:
-        _over_seeds(args)
+        _over_seeds(args, words)
         return
     out = args.plot_only or args.out or Path("runs") / f"compare-{time.strftime('%Y%m%d-%H%M%S')}"
     try:

@@ -26,7 +26,8 @@
 #     bash tests/gpu/run_gpu.sh bridge-moe      # issue 28: Megatron-Bridge pretrain with MoE keys (.bwhl carried;
 #         RECIPES: the --recipe of each run, MOE: the conf/model whose MoE keys, SKIP_TESTS=1: the runs alone)
 #     bash tests/gpu/run_gpu.sh moe          # MoE on TE: its GPU tests + bench_train on mixtral_8x7b_4l (caps 240 + 300 s)
-#         (ENGINE=1: bench_train --engine, scripts/train.py's step; TESTS: other test files or node ids)
+#         (ENGINE=1: bench_train --engine, scripts/train.py's step, on qwen3_30b_a3b_4l below 110 GiB of GPU
+#         memory; TESTS: other test files or node ids)
 #     bash tests/gpu/run_gpu.sh moe-stats    # statistics overhead at interval 10 on moe_small's grouped experts
 #     bash tests/gpu/run_gpu.sh nvfp4        # issue 29: NVFP4 vs TE's reference + emulated nvfp4 / mxfp8 vs BF16 step time
 #     bash tests/gpu/run_gpu.sh autopilot    # issue 30: its GPU tests on TE, then its cost at interval 10 on gpt_125m
@@ -234,14 +235,17 @@ engine-bench)
   ;;
 moe)
   # Issue 28 on the H200: the TE backend on Megatron-Core's MoE layers (tests), then bench_train on 4 Mixtral-8x7B
-  # layers (seq 4096, micro-batch 1, 8 micro-batches per step; CONFIGS, MODELS, PROFILE vary it)
+  # layers (seq 4096, micro-batch 1, 8 micro-batches per step; CONFIGS, MODELS, PROFILE vary it; with ENGINE on an
+  # 80 GiB card: 4 Qwen3-30B-A3B layers)
   stamp "GPU tests: TE MoE (grouped and sequential experts) and GroupedLinear numerics" | tee "$OUT/tests.log"
   [ -z "${SKIP_TESTS:-}" ] && timeout -s INT ${TEST_CAP:-240} "$PY" -m pytest \
       ${TESTS:-tests/gpu/test_te_moe.py tests/gpu/test_te_grouped.py} -q -p no:cacheprovider -o addopts="" -rfEs \
       ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee -a "$OUT/tests.log"
   # (the engine's step on 4 Mixtral layers needs ~106 GiB: an 80 GiB card times the 4 Qwen3-30B-A3B layers instead)
-  BIG=$("$PY" -c 'import torch; print(int(torch.cuda.get_device_properties(0).total_memory > 110 * 2**30))')
-  [ -n "${ENGINE:-}" ] && [ "$BIG" = 0 ] && : ${MODELS:=qwen3_30b_a3b_4l}
+  if [ -n "${ENGINE:-}" ] && [ -z "${MODELS:-}" ]; then
+    BIG=$("$PY" -c 'import torch; print(int(torch.cuda.get_device_properties(0).total_memory > 110 * 2**30))')
+    [ "$BIG" = 0 ] && MODELS=qwen3_30b_a3b_4l
+  fi
   stamp "bench_train: ${MODELS:-mixtral_8x7b_4l}" | tee "$OUT/bench_train.log"
   timeout -s INT ${BENCH_CAP:-300} "$PY" scripts/bench_train.py --models ${MODELS:-mixtral_8x7b_4l} --seq 4096 --mbs 1 \
       --accum 8 --warmup 2 --steps ${STEPS:-4} --configs ${CONFIGS:-delayed delayed:raw tensorwise tensorwise:raw \

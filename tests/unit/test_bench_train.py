@@ -158,5 +158,8 @@ def test_models_the_benchmark_cannot_build_or_fit_are_refused_before_any_run():
     check_fits(["mixtral_8x7b_4l"], seq=4096, mbs=1, engine=False, gpu_bytes=h100)  # plain AdamW: not checked
     check_fits(["qwen3_30b_a3b_4l", "llama3_8b_8l"], seq=4096, mbs=1, engine=True, gpu_bytes=h100)
     with pytest.raises(ValueError, match=r"^--models mixtral_8x7b_4l: --engine's step needs about 10\d GiB .*"
-                                         r"this one has 79 GiB; run it on a larger GPU, or without --engine$"):
+                                         r"this one has 79 GiB \(75 usable\); run it on a larger GPU, or without "
+                                         r"--engine$"):
         check_fits(["llama3_8b_8l", "mixtral_8x7b_4l"], seq=4096, mbs=1, engine=True, gpu_bytes=h100)
+    with pytest.raises(ValueError, match=r"has 110 GiB \(104 usable\)"):  # (CUDA's context, NCCL, fragmentation)
+        check_fits(["mixtral_8x7b_4l"], seq=4096, mbs=1, engine=True, gpu_bytes=110 * 2**30)

@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["RESULTS", "bar_chart", "load_result", "markdown_table", "save_json"]
+__all__ = ["RESULTS", "bar_chart", "load_result", "markdown_table", "save_json", "save_outputs"]
 
 
 RESULTS: dict[str, tuple[str, tuple[str, ...], str, tuple[str, ...]]] = {

@@ -16,14 +16,20 @@ import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
+import yaml
+
 from fp8_recipes.bench.compare import REFERENCE
 from fp8_recipes.bench.output import markdown_table, save_outputs
+from fp8_recipes.recipe.pack import conf_dir
 
 __all__ = ["load_shootout", "merge_seeds", "plot_seeds", "save_seeds", "summarize_seeds"]
 
 KEY = "--over-seeds"
-SEED = "trainer.seed="
+"""The option every error line names (scripts/compare_recipes.py)."""
+SEED_KEY = "trainer.seed"
+"""The one override in which the merged shoot-outs may differ."""
 GAPS = {"final": "loss_gap_pct", "eval": "val_gap_pct"}
+"""The gaps merged (compare.json's fields): final training loss and eval loss, in % of BF16's."""
 
 
 def load_shootout(path: Path) -> dict[str, Any]:
@@ -37,23 +43,46 @@ def load_shootout(path: Path) -> dict[str, Any]:
     except ValueError:
         raise ValueError(f"{KEY}: '{file}' is not JSON; give a compare.json written by scripts/compare_recipes.py"
                          ) from None
-    if not isinstance(result, dict) or result.get("kind") != "compare" or not isinstance(result.get("runs"), list):
-        raise ValueError(f"{KEY}: '{file}' is not a shoot-out's compare.json (no kind: compare and runs)")
+    runs = result.get("runs") if isinstance(result, dict) else None
+    if isinstance(runs, list) and result.get("kind") is None:  # (the run list a shoot-out writes first)
+        raise ValueError(f"{KEY}: '{file}' is an unfinished shoot-out's; finish it with --resume (the same arguments) "
+                         f"or collect what it logged with --plot-only DIR first")
+    if result.get("kind") != "compare" or not isinstance(runs, list) or not all(
+            isinstance(r, dict) and isinstance(r.get("name"), str) for r in runs):
+        raise ValueError(f"{KEY}: '{file}' is not a shoot-out's compare.json (kind: compare and named runs)")
     result["source"] = str(path)
     return result
 
 
+def _override(override: str) -> tuple[str, str]:
+    """(key, value) of a Hydra override, its +, ++ or ~ prefix dropped."""
+    key, _, value = override.lstrip("+~").partition("=")
+    return key, value
+
+
 def _seed(result: dict[str, Any]) -> str:
-    seeds = [o[len(SEED):] for o in result.get("overrides") or [] if o.startswith(SEED)]
-    return seeds[-1] if seeds else "default"
+    """The shoot-out's trainer.seed: its override, else the trainer config's own (conf/trainer/NAME.yaml)."""
+    pairs = [_override(o) for o in result.get("overrides") or []]
+    seeds = [value for key, value in pairs if key == SEED_KEY]
+    if seeds:
+        return seeds[-1]
+    trainer = next((value for key, value in reversed(pairs) if key == "trainer"), "cpu")  # (conf/train.yaml's)
+    try:
+        return str(yaml.safe_load((conf_dir() / "trainer" / f"{trainer}.yaml").read_text())["seed"])
+    except (OSError, KeyError, TypeError, yaml.YAMLError):
+        return "default"
+
+
+def _without_seed(result: dict[str, Any]) -> list[str]:
+    return sorted(o for o in result.get("overrides") or [] if _override(o)[0] != SEED_KEY)
 
 
 def _check_same_experiment(results: Sequence[dict[str, Any]]) -> None:
     """The same overrides but the seed, and no seed twice (one line naming the shoot-out that differs)."""
     first = results[0]
-    common = sorted(o for o in first.get("overrides") or [] if not o.startswith(SEED))
+    common = _without_seed(first)
     for other in results[1:]:
-        mine = sorted(o for o in other.get("overrides") or [] if not o.startswith(SEED))
+        mine = _without_seed(other)
         if mine != common:
             here = ", ".join(sorted(set(mine) - set(common))) or "no override"
             there = ", ".join(sorted(set(common) - set(mine))) or "no override"
@@ -84,6 +113,7 @@ def merge_seeds(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
         per_seed = []
         for result in results:
             run = next((x for x in result["runs"] if x["name"] == name and x.get("status") == "ok"), None)
+            # (a run that did not end ok, or that this seed's shoot-out lacks: no numbers from it)
             per_seed.append(None if run is None else
                             {"final_loss": run.get("final_loss"), "val_loss": run.get("val_loss"),
                              **{kind: run.get(field) for kind, field in GAPS.items()}})
@@ -91,7 +121,7 @@ def merge_seeds(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
         rows.append({"name": name, "seeds": per_seed, "mean": means})
     return {"kind": "seeds", "seeds": seeds, "sources": [r["source"] for r in results],
             "devices": sorted({r.get("device") or "-" for r in results}),
-            "overrides": sorted(o for o in results[0].get("overrides") or [] if not o.startswith(SEED)),
+            "overrides": _without_seed(results[0]),
             "rows": rows}
 
 
@@ -113,7 +143,7 @@ def summarize_seeds(merged: dict[str, Any]) -> str:
                 cells += [None if s is None else _pct(s[kind]) for s in row["seeds"]] + [_pct(row["mean"][kind])]
         table.append(cells)
     notes = [f"gaps to BF16 in % (100 x (recipe - BF16) / BF16; the BF16 row: its final and eval losses); mean: over "
-             f"the {len(seeds)} seeds, '-' where a seed's run did not end ok. Overrides: "
+             f"the {len(seeds)} seeds, '-' where a seed's run did not end ok or is absent. Overrides: "
              f"{' '.join(merged['overrides']) or '-'}; device: {'; '.join(merged['devices'])}."]
     return markdown_table(header, table) + "\n\n" + "\n".join(notes)
 
@@ -131,19 +161,24 @@ def plot_seeds(merged: dict[str, Any], path: Path) -> Path | None:
     rows = [r for r in merged["rows"] if r["name"] != REFERENCE]
     fig, axes = plt.subplots(1, 2, figsize=(10, 0.5 * len(rows) + 2.2), dpi=120, sharey=True)
     for ax, kind in zip(axes, ("eval", "final")):
+        labelled: set[str] = set()  # (each series named once, by the first point it draws)
+
+        def label(name: str) -> str | None:
+            return None if name in labelled or labelled.add(name) else name
         for y, row in enumerate(rows):
             if row["mean"][kind] is not None:
-                ax.barh(y, row["mean"][kind], color="tab:blue", alpha=0.45, label="mean" if y == 0 else None)
+                ax.barh(y, row["mean"][kind], color="tab:blue", alpha=0.45, label=label("mean"))
             for i, (seed, s) in enumerate(zip(merged["seeds"], row["seeds"])):
                 if s is not None and s[kind] is not None:
-                    ax.plot(s[kind], y, "o", color=f"C{i + 1}", label=f"seed {seed}" if y == 0 else None)
+                    ax.plot(s[kind], y, "o", color=f"C{i + 1}", label=label(f"seed {seed}"))
         ax.axvline(0.0, color="black", linewidth=1.2)
         ax.axvspan(-0.5, 0.5, color="grey", alpha=0.15)
         ax.set_xlabel(f"{kind} loss vs BF16 (%)")
         ax.grid(alpha=0.3, axis="x")
     axes[0].set_yticks(range(len(rows)), [r["name"] for r in rows])
     axes[0].invert_yaxis()
-    axes[0].legend(fontsize=8)
+    if axes[0].get_legend_handles_labels()[0]:
+        axes[0].legend(fontsize=8)
     fig.suptitle(f"{len(merged['seeds'])} seeds; {'; '.join(merged['devices'])}; grey: +-0.5 %", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -110,6 +110,9 @@ EMULATED = "emulated"
 there, Megatron-Core's local spec without quantization), what an NVFP4 step on Hopper is made of."""
 OWN_OPTIMIZER = ("fp8param", "masters", "moments16")
 """Levers that choose the benchmark's optimizer (the engine has its own)."""
+USABLE_MEMORY = 0.95
+"""check_fits: the share of a GPU's memory a model's estimate may fill (the rest: CUDA's context, NCCL's buffers,
+fragmentation)."""
 GRAPH_CAPTURE_STEP = 1
 """Lever graphs: the step before which the graphs are captured (after one eager warmup step; --warmup must be more)."""
 
@@ -262,7 +265,7 @@ def _bench_model(model_cfg: dict, run: _BenchConfig, seed: int, engine: bool = F
     # (CUDA graphs need TE's RNG tracker, whose states TE can register with a graph: Megatron-LM switches it on
     # for them; engine configs run in a process each, so the switch does not outlive the config)
     graphs = engine and bool(set(GRAPH_LEVERS) & set(run.levers))
-    if graphs:  # (what Megatron-LM's initialize does for them: see graph_side_stream)
+    if engine:  # (every engine config, so that graphed and eager steps compare on the same kind of stream)
         graph_side_stream()
     tensor_parallel.model_parallel_cuda_manual_seed(seed, te_rng_tracker=graphs, force_reset_rng=graphs)
     torch.cuda.reset_peak_memory_stats()
@@ -335,7 +338,8 @@ def graph_side_stream() -> None:
     node, and torch (2.11) runs a node on the stream current at its creation; TE captures the backward with
     torch.autograd.backward, so the captured gradients reach those nodes, and a node made on the default (legacy)
     stream cannot join the capture ("operation would make the legacy stream depend on a capturing blocking stream",
-    the 2026-12-06 H100 run). A side stream joins it."""
+    the 2026-12-06 H100 run). A side stream joins it. The engine's configs run in a process each: the stream is
+    that config's."""
     torch.cuda.set_stream(torch.cuda.Stream())
 
 
@@ -511,8 +515,9 @@ def check_models(models: list[str]) -> None:
 def check_fits(models: list[str], *, seq: int, mbs: int, engine: bool, gpu_bytes: int) -> None:
     """ValueError (one line naming the model) where the engine's step cannot fit one GPU of ``gpu_bytes``: BF16
     weights, fp32 gradients and the distributed optimizer's fp32 state on one rank, activations of one micro-batch
-    (plan/memory.py, `fp8-recipes memory`), which every config of that model holds at least. Without --engine the
-    plain AdamW on BF16 parameters holds much less, and is not checked."""
+    (plan/memory.py, `fp8-recipes memory`), which every config of that model holds at least, against 95% of the
+    GPU's memory (CUDA's context, NCCL's buffers and fragmentation take the rest). Without --engine the plain AdamW
+    on BF16 parameters holds much less, and is not checked."""
     from fp8_recipes.plan.memory import estimate_memory
     from fp8_recipes.plan.precision import ParallelLayout
 
@@ -521,10 +526,12 @@ def check_fits(models: list[str], *, seq: int, mbs: int, engine: bool, gpu_bytes
     for name in models:
         need = estimate_memory({**load_model_cfg(name), "seq_length": seq}, ParallelLayout(), micro_batch_size=mbs,
                                seq_length=seq, fp8=False, distributed_optimizer=True).total_gib
-        if need > gpu_bytes / 2**30:
+        usable = USABLE_MEMORY * gpu_bytes / 2**30
+        if need > usable:
             raise ValueError(f"--models {name}: --engine's step needs about {need:.0f} GiB on one GPU (`fp8-recipes "
                              f"memory {name} --mbs {mbs} --seq {seq}`: BF16, fp32 optimizer state), this one has "
-                             f"{gpu_bytes / 2**30:.0f} GiB; run it on a larger GPU, or without --engine")
+                             f"{gpu_bytes / 2**30:.0f} GiB ({usable:.0f} usable); run it on a larger GPU, or without "
+                             f"--engine")
 
 
 def bench_train(models: list[str], configs: list[str], *, seq: int = 4096, mbs: int = 2, warmup: int = 3,
