@@ -338,8 +338,8 @@ def graph_side_stream() -> None:
     node, and torch (2.11) runs a node on the stream current at its creation; TE captures the backward with
     torch.autograd.backward, so the captured gradients reach those nodes, and a node made on the default (legacy)
     stream cannot join the capture ("operation would make the legacy stream depend on a capturing blocking stream",
-    the 2026-12-06 H100 run). A side stream joins it. The engine's configs run in a process each: the stream is
-    that config's."""
+    the 2026-12-06 H100 run). A side stream joins it (docs/facts.md, "Transformer Engine's CUDA graphs under
+    Megatron-Core's DDP"). The engine's configs run in a process each: the stream is that config's."""
     torch.cuda.set_stream(torch.cuda.Stream())
 
 
