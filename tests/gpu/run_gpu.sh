@@ -179,11 +179,12 @@ nvfp4-shootout)
 nvfp4-profile)
   # Issue 29 item 6: where an emulated NVFP4 step's time goes, beside its parts (the local spec without
   # quantization, emulated FP8) and BF16 on TE's layers; 16 Llama-3-8B layers on a card with >100 GiB, else 8
+  # (MODELS=llama3_8b_16l MBS=1: the issue's 16 layers on an 80 GiB card, at half the micro-batch)
   mem=$("$PY" -c "import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)")
   model=${MODELS:-llama3_8b_16l}; [ -z "${MODELS:-}" ] && [ "$mem" -lt 100 ] && model=llama3_8b_8l
   stamp "$("$PY" -c "import torch; print(torch.cuda.get_device_name())"), ${mem} GiB: bench_train $model --profile" \
       | tee "$OUT/nvfp4_profile.log"
-  timeout -s INT ${BENCH_CAP:-420} "$PY" scripts/bench_train.py --models $model --seq 4096 --mbs 2 --warmup 2 \
+  timeout -s INT ${BENCH_CAP:-420} "$PY" scripts/bench_train.py --models $model --seq 4096 --mbs ${MBS:-2} --warmup 2 \
       --steps ${STEPS:-4} --configs ${CONFIGS:-bf16 bf16+emulated tensorwise+emulated nvfp4} --profile \
       --out /tmp/nvfp4_profile 2>&1 | tee -a "$OUT/nvfp4_profile.log"
   cp /tmp/nvfp4_profile/bench_train.json "$OUT/bench_nvfp4_profile.json" 2>/dev/null
