@@ -59,8 +59,8 @@ def _over_seeds(args, words: list[str]) -> None:
 
     out = args.out or Path("runs") / f"seeds-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
-        others = [w.split("=")[0] for w in words if w.split("=")[0] in TRAINING_OPTIONS] + \
-            ["overrides"] * bool(args.overrides)
+        options = [w.split("=")[0] for w in words]  # (--parallel=2 is the option --parallel)
+        others = [o for o in options if o in TRAINING_OPTIONS] + ["overrides"] * bool(args.overrides)
         if others:
             raise ValueError(f"--over-seeds: merges finished shoot-outs and trains nothing; drop {others[0]}")
         merged = merge_seeds([load_shootout(path) for path in args.over_seeds])
@@ -90,8 +90,9 @@ def main() -> None:
                    "overrides): finished runs are kept, interrupted ones go on from their checkpoints, missing ones "
                    "start")
     p.add_argument("--over-seeds", nargs="+", action="extend", type=Path, metavar="DIR|JSON",
-                   help="shoot-outs of one experiment under different trainer.seed (directories or their compare.json): write the gaps per seed and "
-                   "their mean to --out (seeds.md, seeds.json, seeds.png); trains nothing")
+                   help="shoot-outs of one experiment under different trainer.seed (directories or their "
+                   "compare.json): write the gaps per seed and their mean to --out (seeds.md, seeds.json, "
+                   "seeds.png); trains nothing")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every run, e.g. model=gpt_125m trainer=gpu")
     # KEY=VALUE words are overrides wherever they stand (else `--recipes a b trainer.max_steps=9` would take the
     # override for a recipe name), unless they are a path (_split_overrides).

@@ -49,6 +49,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/plugins${PYTHONPATH:+:$PYTHONPATH}"
 start=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - start ))s] $*"; }
+gpu_gib() { "$PY" -c "import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)"; }
 
 case "${1:-all}" in
 engine)
@@ -180,7 +181,7 @@ nvfp4-profile)
   # Issue 29 item 6: where an emulated NVFP4 step's time goes, beside its parts (the local spec without
   # quantization, emulated FP8) and BF16 on TE's layers; 16 Llama-3-8B layers on a card with >100 GiB, else 8
   # (MODELS=llama3_8b_16l MBS=1: the issue's 16 layers on an 80 GiB card, at half the micro-batch)
-  mem=$("$PY" -c "import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)")
+  mem=$(gpu_gib)
   model=${MODELS:-llama3_8b_16l}; [ -z "${MODELS:-}" ] && [ "$mem" -lt 100 ] && model=llama3_8b_8l
   stamp "$("$PY" -c "import torch; print(torch.cuda.get_device_name())"), ${mem} GiB: bench_train $model --profile" \
       | tee "$OUT/nvfp4_profile.log"
@@ -243,9 +244,8 @@ moe)
       ${TESTS:-tests/gpu/test_te_moe.py tests/gpu/test_te_grouped.py} -q -p no:cacheprovider -o addopts="" -rfEs \
       ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee -a "$OUT/tests.log"
   # (the engine's step on 4 Mixtral layers needs ~106 GiB: an 80 GiB card times the 4 Qwen3-30B-A3B layers instead)
-  if [ -n "${ENGINE:-}" ] && [ -z "${MODELS:-}" ]; then
-    BIG=$("$PY" -c 'import torch; print(int(torch.cuda.get_device_properties(0).total_memory > 110 * 2**30))')
-    [ "$BIG" = 0 ] && MODELS=qwen3_30b_a3b_4l
+  if [ -n "${ENGINE:-}" ] && [ -z "${MODELS:-}" ] && [ "$(gpu_gib)" -lt 110 ]; then
+    MODELS=qwen3_30b_a3b_4l
   fi
   stamp "bench_train: ${MODELS:-mixtral_8x7b_4l}" | tee "$OUT/bench_train.log"
   timeout -s INT ${BENCH_CAP:-300} "$PY" scripts/bench_train.py --models ${MODELS:-mixtral_8x7b_4l} --seq 4096 --mbs 1 \
@@ -376,7 +376,7 @@ burst)
   # limit still returns what the parts before wrote. At most 8 files come back from $OUT, so the runs live in
   # /tmp/burst and only burst.log, the JSONs and tests.log land in $OUT.
   W=/tmp/burst; mkdir -p $W; LOG="$OUT/burst.log"
-  mem=$("$PY" -c "import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)")
+  mem=$(gpu_gib)
   stamp "$("$PY" -c "import torch; print(torch.cuda.get_device_name(), torch.__version__)"), ${mem} GiB" | tee "$LOG"
   stamp "1. MoE speed: mixtral_8x7b_4l, dropless and with the capacity lever (issue 28 item 6)" | tee -a "$LOG"
   timeout -s INT ${MOE_CAP:-150} "$PY" scripts/bench_train.py --models mixtral_8x7b_4l --seq 4096 --mbs 1 --accum 8 \

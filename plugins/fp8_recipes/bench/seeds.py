@@ -77,8 +77,9 @@ def _without_seed(result: dict[str, Any]) -> list[str]:
     return sorted(o for o in result.get("overrides") or [] if _override(o)[0] != SEED_KEY)
 
 
-def _check_same_experiment(results: Sequence[dict[str, Any]]) -> None:
-    """The same overrides but the seed, and no seed twice (one line naming the shoot-out that differs)."""
+def _check_same_experiment(results: Sequence[dict[str, Any]], seeds: list[str]) -> None:
+    """The same overrides but the seed, and no seed twice (``seeds``: the results' own; one line naming the
+    shoot-out that differs)."""
     first = results[0]
     common = _without_seed(first)
     for other in results[1:]:
@@ -89,7 +90,6 @@ def _check_same_experiment(results: Sequence[dict[str, Any]]) -> None:
             raise ValueError(f"{KEY}: '{other['source']}' is another experiment than '{first['source']}' (beyond "
                              f"trainer.seed it has {here} where the first has {there}); merge shoot-outs of one "
                              f"experiment")
-    seeds = [_seed(r) for r in results]
     twice = sorted({s for s in seeds if seeds.count(s) > 1})
     if twice:
         raise ValueError(f"{KEY}: seed {twice[0]} comes more than once; give each seed's shoot-out once (set "
@@ -105,8 +105,8 @@ def merge_seeds(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     mean gap when every seed's did."""
     if len(results) < 2:
         raise ValueError(f"{KEY}: give two shoot-outs or more (one per seed); one seed is its own compare.md")
-    _check_same_experiment(results)
     seeds = [_seed(r) for r in results]
+    _check_same_experiment(results, seeds)
     names = list(dict.fromkeys(run["name"] for r in results for run in r["runs"]))
     rows = []
     for name in names:

@@ -211,6 +211,11 @@ class _BenchConfig:
         """This project's backend drives the model (a recipe, not NAME:raw)."""
         return (self.name != "bf16" or EMULATED in self.levers) and self.mode != "raw"
 
+    @property
+    def graphs(self) -> str | None:
+        """The config's graph lever (GRAPH_LEVERS; check_configs allows one), or None."""
+        return next((lever for lever in self.levers if lever in GRAPH_LEVERS), None)
+
 
 def _decide(model_cfg: dict, label: str, engine: bool = False) -> _BenchConfig:
     """What a config label runs, decided on the plan before any model is built."""
@@ -264,7 +269,7 @@ def _bench_model(model_cfg: dict, run: _BenchConfig, seed: int, engine: bool = F
     torch.manual_seed(seed)
     # (CUDA graphs need TE's RNG tracker, whose states TE can register with a graph: Megatron-LM switches it on
     # for them; engine configs run in a process each, so the switch does not outlive the config)
-    graphs = engine and bool(set(GRAPH_LEVERS) & set(run.levers))
+    graphs = engine and run.graphs is not None
     if engine:  # (every engine config, so that graphed and eager steps compare on the same kind of stream)
         graph_side_stream()
     tensor_parallel.model_parallel_cuda_manual_seed(seed, te_rng_tracker=graphs, force_reset_rng=graphs)
@@ -277,7 +282,7 @@ def _bench_model(model_cfg: dict, run: _BenchConfig, seed: int, engine: bool = F
         return chunks[0], precision
     fp8_param = FP8ParamInit(run.plan) if run.ours and run.recipe.fp8_param else None
     overrides = {**(run.overrides or {}), "gradient_accumulation_fusion": "nogaf" not in run.levers,
-                 **(cuda_graph_fields(model_cfg, attn_only="attngraphs" in run.levers) if graphs else {})} \
+                 **(cuda_graph_fields(model_cfg, attn_only=run.graphs == "attngraphs") if graphs else {})} \
         if engine else run.overrides
     model = build_gpt_model(model_cfg, use_te_spec=True, params_dtype=torch.bfloat16, device="cuda",
                             config_overrides=overrides, layer_init=fp8_param)
@@ -392,8 +397,7 @@ def _engine_step_function(model: torch.nn.Module, precision: Any, run: _BenchCon
              "loss_mask": torch.ones(mbs, seq, device="cuda"),
              "position_ids": torch.arange(seq, device="cuda").expand(mbs, seq)}
     steady = run.steady
-    graphs = set(GRAPH_LEVERS) & set(run.levers)
-    capture = _graph_capture(engine, seq=seq, mbs=mbs, accum=accum) if graphs else None
+    capture = _graph_capture(engine, seq=seq, mbs=mbs, accum=accum) if run.graphs else None
 
     def one_step(i: int) -> torch.Tensor:
         if precision is not None:
