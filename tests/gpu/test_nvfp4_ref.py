@@ -147,6 +147,16 @@ def test_stochastic_rounding_on_cuda_is_seeded_and_unbiased():
     assert not torch.equal(a.codes, quantize_nvfp4(x, stochastic_rounding=True, seed=6).codes)
     mean = dequantize_nvfp4(a).double()[1:, 1:15].mean(dim=0)
     assert torch.all((mean - vs.double()).abs() < 5 * 0.5 / math.sqrt(65535))
+    # fake_quant_nvfp4's Triton kernel draws its uniforms in registers: the ones the quantizer's codes read
+    from fp8_recipes.numerics import fake_quant_nvfp4, nvfp4, nvfp4_kernels
+
+    calls, values_sr = [], nvfp4_kernels.values_sr
+    nvfp4_kernels.values_sr = lambda *args, **kw: calls.append(1) or values_sr(*args, **kw)
+    try:
+        assert torch.equal(fake_quant_nvfp4(x, stochastic_rounding=True, seed=5), dequantize_nvfp4(a)) and calls
+    finally:
+        nvfp4_kernels.values_sr = values_sr
+    assert not nvfp4._TRITON.get("failed")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -167,8 +177,9 @@ def test_compiled_fake_quant_is_the_eager_quantizer_bit_for_bit(kind, dtype):
                     continue  # (the quantizer refuses it: the emulated backend pads such tokens first)
                 kw = dict(block=block, columnwise=columnwise, rht=rht, stochastic_rounding=sr, seed=3 if sr else None)
                 assert_same(dequantize_nvfp4(quantize_nvfp4(x, **kw)), fake_quant_nvfp4(x, **kw), f"{shape} {kw}")
-    assert not nvfp4._TRITON.get("failed")  # (a bf16 copy's RHT ran the Triton kernel, not its fallback)
+    assert not nvfp4._TRITON.get("failed")  # (a bf16 copy's RHT and SR ran the Triton kernels, not a fallback)
     eager = {"rht"} if dtype == torch.float32 else set()  # (a float32 RHT runs eagerly: subnormal products)
+    eager.add("column_values_sr")  # (a base layout's SR values: always the Triton kernel that draws its uniforms)
     assert all(nvfp4._COMPILED.get(name) not in (None, False) for name in set(nvfp4._EAGER) - eager), nvfp4._COMPILED
     # no form fell back to eager at the recompile limit: a form per dtype and memory layout, not per shape (this
     # test runs both dtypes in one process: about 4; the sizes of one token, of 16, equal sizes add none)

@@ -568,3 +568,86 @@ def test_only_a_gpus_16_bit_base_layout_copy_takes_the_triton_rht(monkeypatch):
     assert nvfp4._rotate(x) is not nvfp4.apply_rht and nvfp4._rotate(x.float()) is nvfp4.apply_rht
     monkeypatch.setattr(nvfp4, "_TRITON", {"failed": True})
     assert nvfp4._rotate(x) is nvfp4.apply_rht
+
+
+def check_triton_stochastic_rounding() -> int:
+    """Stochastic rounding in Triton (the CPU interpreter): fake_quant_nvfp4's fused values kernel, which draws its
+    uniforms itself, against the quantizer's codes rounded on the uniforms Triton writes out, bit for bit (NaN where
+    NaN), on the edge operands, rowwise and columnwise (with and without the RHT), 1x16 and 16x16; the fused kernel
+    taken where it applies; seeded and unbiased. The count checked. Run below with TRITON_INTERPRET=1."""
+    from fp8_recipes.numerics import nvfp4, nvfp4_kernels
+
+    fused = []
+    values_sr = nvfp4_kernels.values_sr
+    nvfp4_kernels.values_sr = lambda *a, **k: fused.append(k["column"]) or values_sr(*a, **k)
+    nvfp4._TRITON_ON = ("cpu",)
+    n = 0
+    for m, v in enumerate(triton_rht_operands()):
+        for x in (v.t(), v.t().float())[:1 if m % 4 else 2]:  # (x as a step holds it; a few in float32 as well)
+            for kw in (dict(), dict(columnwise=True), dict(columnwise=True, rht=True), dict(block=(16, 16)),
+                       dict(columnwise=True, block=(16, 16))):
+                if kw.get("rht") and x.dtype == torch.float32:
+                    continue  # (a float32 RHT runs eagerly: covered by the tests of the compiled passes)
+                kw.update(stochastic_rounding=True, seed=2 ** 62 + n)  # (a 63-bit seed, as stochastic_rounding_seed's)
+                got, want = fake_quant_nvfp4(x, **kw), dequantize_nvfp4(quantize_nvfp4(x, **kw))
+                nan = torch.isnan(want.float())
+                assert torch.equal(nan, torch.isnan(got.float())), kw
+                assert torch.equal(got[~nan].view(torch.int16) if got.itemsize == 2 else got[~nan].view(torch.int32),
+                                   want[~nan].view(torch.int16) if got.itemsize == 2 else want[~nan].view(torch.int32))
+                n += 1
+    assert fused.count(True) >= 12 and fused.count(False) >= 12, fused  # (both layouts of the fused kernel)
+    u = nvfp4_kernels.uniforms(5, (256, 256), "cpu")
+    assert torch.equal(u, nvfp4_kernels.uniforms(5, (256, 256), "cpu"))
+    assert not torch.equal(u, nvfp4_kernels.uniforms(6, (256, 256), "cpu"))
+    assert 0 <= u.min() and u.max() < 1 and abs(u.double().mean() - 0.5) < 5 * (1 / 12 / u.numel()) ** 0.5
+    # unbiased through the fused kernel: blocks [3, v...] beside a global amax of 5.25 (multiplier 2), 16 blocks a
+    # row, as test_stochastic_rounding_unbiased_through_the_quantizer (16384 draws of each value)
+    vs = torch.tensor([0.1, 0.2, 0.3, 0.45, 0.55, 0.8, 1.1, 1.3, 1.6, 1.9, 2.2, 2.9, -0.7, -1.7])
+    x = torch.zeros(16, 1024, 16)
+    x[..., 0], x[..., 1:15] = 3.0, vs
+    x[0, 0, 15] = 5.25
+    before = len(fused)
+    y = fake_quant_nvfp4(x.reshape(16, 16384), stochastic_rounding=True, seed=99).double().reshape(-1, 16)
+    assert len(fused) == before + 1
+    mean = y[1:, 1:15].mean(dim=0)
+    sigma = 0.5 / math.sqrt(y.shape[0] - 1)
+    assert torch.all((mean - vs.double()).abs() < 5 * sigma), (mean - vs.double()).abs().max()
+    assert not nvfp4._TRITON.get("failed")
+    return n
+
+
+@pytest.mark.timeout(600)
+def test_the_fused_stochastic_rounding_is_the_quantizers_bit_for_bit_in_the_interpreter():
+    """On a GPU stochastic rounding draws Philox uniforms inside a Triton kernel (numerics/nvfp4_kernels.py); here
+    it runs in Triton's CPU interpreter against the quantizer on the same uniforms, and for its law."""
+    from triton_interpreter import interpreted
+
+    pytest.importorskip("triton", reason="the stochastic rounding kernels need Triton (a dependency of torch)")
+    out = interpreted("test_nvfp4", "check_triton_stochastic_rounding")
+    assert "checked 72" in out, out[-2000:]
+
+
+def test_stochastic_rounding_takes_triton_on_a_gpu_only_with_a_seed(monkeypatch):
+    """The CPU draws from torch's generator; with a generator (not a seed) every device does; a failed Triton
+    leaves torch's generator, seeded the same."""
+    from fp8_recipes.numerics import nvfp4
+
+    pytest.importorskip("triton", reason="the stochastic rounding kernels need Triton (a dependency of torch)")
+    from fp8_recipes.numerics import nvfp4_kernels
+
+    x = torch.randn(32, 32)
+    calls = []
+    monkeypatch.setattr(nvfp4, "_TRITON", {})
+    monkeypatch.setattr(nvfp4_kernels, "uniforms", lambda *a: calls.append("u") or torch.rand(32, 32))
+    monkeypatch.setattr(nvfp4_kernels, "values_sr", lambda *a, **k: calls.append("v") or a[0].clone())
+    monkeypatch.setattr(nvfp4, "_TRITON_ON", ())
+    cpu = fake_quant_nvfp4(x, stochastic_rounding=True, seed=3)
+    assert calls == [] and torch.equal(cpu, dequantize_nvfp4(quantize_nvfp4(x, stochastic_rounding=True, seed=3)))
+    monkeypatch.setattr(nvfp4, "_TRITON_ON", ("cpu",))
+    fake_quant_nvfp4(x, stochastic_rounding=True, seed=3)
+    quantize_nvfp4(x, stochastic_rounding=True, seed=3)
+    assert calls == ["v", "u"]
+    fake_quant_nvfp4(x, stochastic_rounding=True, generator=torch.Generator().manual_seed(3))
+    assert calls == ["v", "u"]
+    monkeypatch.setattr(nvfp4_kernels, "values_sr", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no Triton")))
+    assert torch.equal(fake_quant_nvfp4(x, stochastic_rounding=True, seed=3), cpu) and nvfp4._TRITON["failed"]

@@ -36,8 +36,11 @@ and with an independent float64 reference on the CPU (tests/unit/test_nvfp4.py).
   step the grid spacing at |x|, then t floored onto the grid at t, at most 6, sign of x: up with probability
   P(u >= 1 - f) for a value a fraction f of a step above its lower neighbour. With u on a 1/256 grid that is
   floor(256 f) / 256: biased towards zero by up to 1/256 of a step. We round up where u < f (the same law, and
-  exact in float32: f is computed without rounding) with u a float32 uniform (24 bits) from the caller's
-  generator or seed: unbiased to 2^-24 of a step, deterministic given the seed; not TE's Philox stream.
+  exact in float32: f is computed without rounding) with u a float32 uniform (24 bits or more) from the caller's
+  generator or seed: unbiased to 2^-24 of a step, deterministic given the seed; not TE's Philox stream. With a
+  seed on a GPU, u of the copy's element k is Triton's ``tl.rand(seed, k)`` (Philox), drawn inside the values
+  kernel (numerics/nvfp4_kernels.py) and written out only for the quantizer's codes; elsewhere a torch generator
+  seeded with it: the same law, other draws.
 """
 
 from __future__ import annotations
@@ -174,18 +177,21 @@ def _float32_max(like: torch.Tensor) -> torch.Tensor:
     return torch.full((), FLOAT32_MAX, dtype=torch.float32, device=like.device)
 
 
-def e2m1_codes(scaled: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def e2m1_codes(scaled: torch.Tensor, generator: torch.Generator | None = None, *,
+               uniforms: torch.Tensor | None = None) -> torch.Tensor:
     """E2M1 codes (uint8, 0..15, unpacked) of float32 values already clamped to ±6: round to nearest even, or
-    stochastic rounding with one float32 uniform per element from `generator` (the tensor's device). NaN -> 0."""
+    stochastic rounding with one float32 uniform per element, from `generator` (the tensor's device) or given as
+    `uniforms` (scaled's shape). NaN -> 0."""
     a = scaled.abs().nan_to_num(nan=0.0)
     region = _e2m1_region(a)
     in_steps = a * _region_inv_step(region)  # exact (the step is a power of two); region r starts at code 2r
-    if generator is None:
+    if generator is None and uniforms is None:
         mag = torch.round(in_steps)  # round() is half-to-even: ties go to the even code
     else:
         mag = torch.floor(in_steps)
         fraction = in_steps - mag  # exact: the part of a step above the lower neighbour
-        u = torch.rand(a.shape, generator=generator, dtype=torch.float32, device=a.device)
+        u = uniforms if uniforms is not None else torch.rand(a.shape, generator=generator, dtype=torch.float32,
+                                                              device=a.device)
         mag += (u < fraction).float()  # up with probability fraction (TE: |x| + u * step reaches the upper one)
     codes = (mag + 2 * region).clamp_(max=7).to(torch.uint8)
     return codes | ((scaled < 0).to(torch.uint8) << 3)
@@ -310,6 +316,43 @@ def _sr_generator(device: torch.device, generator: torch.Generator | None, seed:
     return generator
 
 
+def _sr_uniforms(shape, device: torch.device, generator: torch.Generator | None, seed: int | None) -> torch.Tensor:
+    """Stochastic rounding's float32 uniforms, one per element of a copy's padded 2-D view: from `generator`, or
+    from `seed` (on a GPU Triton's Philox stream, nvfp4_kernels.uniforms: what the fused values kernel draws, so
+    the quantizer's codes and fake_quant_nvfp4's values agree; elsewhere a torch generator seeded with it)."""
+    if generator is None and seed is not None and _triton_here(device):
+        try:
+            from fp8_recipes.numerics import nvfp4_kernels
+
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                return nvfp4_kernels.uniforms(seed, shape, device)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - no Triton: torch's generator, seeded the same (another stream)
+            _triton_failed("stochastic rounding", e)
+    return torch.rand(shape, generator=_sr_generator(device, generator, seed), dtype=torch.float32, device=device)
+
+
+def _values_sr_in_triton(padded: torch.Tensor, multiplier: torch.Tensor, decode: torch.Tensor,
+                         generator: torch.Generator | None, seed: int | None, by_rows: bool) -> torch.Tensor | None:
+    """fake_quant_nvfp4's stochastically rounded values in one Triton kernel that draws its uniforms itself (as
+    _sr_uniforms would write them): (pr, pc) rowwise, or in x's layout `by_rows`; None where it does not apply
+    (a generator, not a GPU, a copy that is not a contiguous rowwise one or a base's transposed view)."""
+    x = padded.t() if by_rows else padded
+    if generator is not None or seed is None or not _triton_here(x.device) or not x.is_contiguous():
+        return None
+    try:
+        from fp8_recipes.numerics import nvfp4_kernels
+
+        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+            return nvfp4_kernels.values_sr(x, multiplier, decode, seed, x.dtype, column=by_rows)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - no Triton: the compiled form with torch's uniforms
+        _triton_failed("stochastic rounding", e)
+        return None
+
+
 def nvfp4_copy_2d(x: torch.Tensor, *, columnwise: bool, rht: bool, rotate=apply_rht) -> torch.Tensor:
     """The 2-D values one copy of `x` quantizes, in x's dtype: x (leading dims flattened), or x^T for the columnwise
     copy, H-rotated there with `rht` (in x's dtype, as TE's reference: its amax and codes see the rounding)."""
@@ -350,8 +393,8 @@ def quantize_nvfp4(
     pr, pc = padded.shape
     scaled = padded.reshape(pr, pc // NVFP4_BLOCK, NVFP4_BLOCK) * multiplier[..., None]
     scaled = scaled.clamp_(-E2M1_MAX, E2M1_MAX).reshape(pr, pc)
-    gen = _sr_generator(hp.device, generator, seed) if stochastic_rounding else None
-    codes = e2m1_codes(scaled, gen)[:r, :c]
+    u = _sr_uniforms((pr, pc), hp.device, generator, seed) if stochastic_rounding else None
+    codes = e2m1_codes(scaled, uniforms=u)[:r, :c]
     return NVFP4Quantized(codes=pack_e2m1(codes), block_scales=block_scales[:r], global_amax=amax,
                           global_scale=global_scale, shape=shape, dtype=x.dtype, block=block, columnwise=columnwise,
                           rht=rht and columnwise, rotated=copy if rht and columnwise else None)
@@ -406,8 +449,11 @@ def fake_quant_nvfp4(
     pr, pc = padded.shape
     u = None
     if stochastic_rounding:
-        gen = _sr_generator(x.device, generator, seed)
-        u = torch.rand((pr, pc), generator=gen, dtype=torch.float32, device=x.device)  # e2m1_codes' draws
+        fused = _values_sr_in_triton(padded, multiplier, decode, generator, seed, by_rows)
+        if fused is not None:
+            values = fused if by_rows else fused[:r, :c]
+            return (values if by_rows or not columnwise else values.t()).reshape(x.shape)
+        u = _sr_uniforms((pr, pc), x.device, generator, seed)  # e2m1_codes' draws
     if by_rows:  # (the values in x's layout: the copy's transposed back, contiguous)
         args = (padded.t(), multiplier.t(), decode.t(), *(() if u is None else (u.t(),)))
         return _kernel("column_values" if u is None else "column_values_sr", x)(*args, x.dtype).reshape(x.shape)
@@ -522,9 +568,7 @@ def _rotate(x: torch.Tensor):
         except torch.OutOfMemoryError:
             raise
         except Exception as e:  # noqa: BLE001 - no Triton, a launch failure: the other form computes the same
-            logger.warning("NVFP4 rht: the Triton kernel failed (%s); using %s", str(e).splitlines()[0] if str(e)
-                           else type(e).__name__, "torch.compile" if x.device.type == "cuda" else "eager")
-            _TRITON["failed"] = True
+            _triton_failed("rht", e)
             return other(v)
     return rotate
 
@@ -537,7 +581,20 @@ def _base_layout(v: torch.Tensor) -> bool:
 
 _TRITON: dict[str, bool] = {}
 _TRITON_ON = ("cuda",)
-"""The devices whose RHT runs the Triton kernel (a test adds "cpu" under Triton's interpreter)."""
+"""The devices whose RHT and stochastic rounding run the Triton kernels (a test adds "cpu" under Triton's
+interpreter)."""
+
+
+def _triton_here(device: torch.device) -> bool:
+    return device.type in _TRITON_ON and not _TRITON.get("failed")
+
+
+def _triton_failed(what: str, e: Exception) -> None:
+    """One warning; the Triton kernels are left for the rest of the run (the RHT's other forms compute the same
+    bits; stochastic rounding draws from torch's generator instead, seeded the same: other draws)."""
+    logger.warning("NVFP4 %s: a Triton kernel failed (%s); using torch's forms for the rest of the run", what,
+                   str(e).splitlines()[0] if str(e) else type(e).__name__)
+    _TRITON["failed"] = True
 
 
 def _kernel(name: str, x: torch.Tensor):

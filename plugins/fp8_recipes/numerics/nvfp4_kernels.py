@@ -62,3 +62,80 @@ def rht_base_layout(v: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         _rht_rows_kernel[(rows // 16, triton.cdiv(cols, BLOCK_M))](
             base, h, out.view(torch.int16) if bf16 else out, rows // 16, cols, BLOCK_M=BLOCK_M, BF16=bf16, num_warps=4)
     return out.t()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stochastic rounding with the random numbers drawn in the kernel
+#
+# The uniform of element k of a copy (its padded 2-D view, row-major) is tl.rand(seed, k): Philox (10 rounds) of
+# the 64-bit seed and the 64-bit offset, 31 of its bits scaled into [0, 1) (Triton's uint_to_uniform_float). The
+# same number whether a kernel draws it beside the value it rounds (values_sr) or writes it out (uniforms, which
+# the quantizer's codes read): fake_quant_nvfp4 and dequantize_nvfp4(quantize_nvfp4(...)) agree bit for bit. Drawn
+# in the values kernel, no float32 uniform goes through memory: torch.rand's 4 bytes a value written and read back
+# cost 26 of the 92 ms six emulated NVFP4 layers add to a step (the H100, 2026-12-06).
+
+BLOCK_SR = 1024  # values per program of uniforms
+TILE_SR = (16, 128)  # rows x columns of x per program of values_sr (16 rows: one block of a column of x^T)
+
+
+@triton.jit
+def _uniforms_kernel(out_ptr, n, seed, BLOCK: tl.constexpr):
+    k = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + k, tl.rand(seed, k), mask=k < n)
+
+
+def uniforms(seed: int, shape, device) -> torch.Tensor:
+    """float32 uniforms in [0, 1), u.flatten()[k] = tl.rand(seed, k): what values_sr draws for element k."""
+    out = torch.empty(shape, dtype=torch.float32, device=device)
+    if out.numel():
+        _uniforms_kernel[(triton.cdiv(out.numel(), BLOCK_SR),)](out, out.numel(), seed, BLOCK=BLOCK_SR)
+    return out
+
+
+@triton.jit
+def _values_sr_kernel(x_ptr, mult_ptr, dec_ptr, out_ptr, n0, n1, m0, m1, d0, d1, seed,
+                      COLUMN: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, BF16: tl.constexpr):
+    """out = the NVFP4 value of each x (contiguous (n0, n1)), rounded stochastically: nvfp4._dequantized_values
+    with u = tl.rand(seed, k), k the value's index in the copy. Rows: the copy is x, its blocks 1x16 along a row,
+    the factors of block (i, j // 16) (multiplier at i * m0 + (j // 16) * m1, decode by d0, d1). COLUMN: the copy
+    is x^T (x its base), a block is 16 rows of a column of x: the factors of x^T's block (j, i // 16)."""
+    i = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+    j = tl.program_id(1).to(tl.int64) * COLS + tl.arange(0, COLS)[None, :]
+    keep = (i < n0) & (j < n1)
+    e = i * n1 + j
+    if COLUMN:
+        p, q, k = j, i // 16, j * n0 + i
+    else:
+        p, q, k = i, j // 16, e
+    multiplier = tl.load(mult_ptr + p * m0 + q * m1, mask=keep, other=1.0)
+    scaled = tl.load(x_ptr + e, mask=keep, other=0.0).to(tl.float32) * multiplier
+    scaled = tl.where(scaled > 6.0, 6.0, tl.where(scaled < -6.0, -6.0, scaled))  # (NaN stays NaN)
+    a = tl.abs(scaled)
+    a = tl.where(a != a, 0.0, a)
+    in_steps = a * tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))  # exact: the steps are powers of two
+    mag = tl.floor(in_steps)
+    mag += tl.where(tl.rand(seed, k) < in_steps - mag, 1.0, 0.0)  # up with probability the fraction of a step
+    value = mag * tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
+    # the sign as a bit, so that a small negative rounded to 0 is -0.0 (code 8), as copysign in the eager form
+    sign = tl.where(scaled < 0.0, 0x80000000, 0).to(tl.uint32)
+    signed = (value.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    out = signed * tl.load(dec_ptr + p * d0 + q * d1, mask=keep, other=1.0)
+    if BF16:
+        tl.store(out_ptr + e, _bf16_bits(out), mask=keep)
+    else:
+        tl.store(out_ptr + e, out.to(out_ptr.dtype.element_ty), mask=keep)
+
+
+def values_sr(x: torch.Tensor, multiplier: torch.Tensor, decode: torch.Tensor, seed: int, dtype: torch.dtype,
+              column: bool) -> torch.Tensor:
+    """The stochastically rounded NVFP4 values of contiguous 2-D ``x`` in ``dtype``, x's layout: the copy is x
+    (``column`` False: multiplier and decode (rows, cols / 16)) or x^T (True: (cols, rows / 16)), any strides."""
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    if x.numel():
+        bf16 = dtype == torch.bfloat16
+        rows, cols = TILE_SR
+        _values_sr_kernel[(triton.cdiv(x.shape[0], rows), triton.cdiv(x.shape[1], cols))](
+            x, multiplier, decode, out.view(torch.int16) if bf16 else out, x.shape[0], x.shape[1],
+            *multiplier.stride(), *decode.stride(), seed, COLUMN=column, ROWS=rows, COLS=cols, BF16=bf16,
+            num_warps=4)
+    return out
