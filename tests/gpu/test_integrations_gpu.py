@@ -151,7 +151,9 @@ def test_megatron_runs_an_moe_model_under_the_mapped_fields(ref, padding, megatr
 
     for name, module in experts.items():  # (TEColumnParallelGroupedLinear / TERowParallelGroupedLinear)
         assert isinstance(module, TEGroupedLinear) and module.fp8, f"{name} did not run FP8"
-        assert type(module.fp8_meta["recipe"]).__name__ == mp.te.recipe, (name, mp.te.describe())
+        # (Megatron-Core builds its own subclass of TE's recipe for delayed scaling: TEDelayedScaling)
+        kinds = {cls.__name__ for cls in type(module.fp8_meta["recipe"]).__mro__}
+        assert getattr(mp.te.recipe, "value", mp.te.recipe) in kinds, (name, kinds, mp.te.describe())
     router = gpt.decoder.layers[0].mlp.router  # not a TE module: Megatron-Core's own GEMM, outside FP8
     grad = router.weight.grad  # (the second step's)
     assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0

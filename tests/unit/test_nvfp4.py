@@ -581,9 +581,13 @@ def check_triton_stochastic_rounding() -> int:
     values_sr = nvfp4_kernels.values_sr
     nvfp4_kernels.values_sr = lambda *a, **k: fused.append(k["column"]) or values_sr(*a, **k)
     nvfp4._TRITON_ON = ("cpu",)
-    n = 0
+    n = compared = 0
     for m, v in enumerate(triton_rht_operands()):
-        for x in (v.t(), v.t().float())[:1 if m % 4 else 2]:  # (x as a step holds it; a few in float32 as well)
+        x = v.t()  # (each operand holds inf and NaN, which make every value NaN: all but the first without them)
+        x = x if m == 0 else torch.where(x.isfinite(), x, 1.5).to(x.dtype)
+        if x.dtype == torch.bfloat16:  # (the interpreter converts bf16 subnormals wrongly: tests/gpu has them)
+            x = torch.where(x.abs() < torch.finfo(x.dtype).tiny, 0.0, x).to(x.dtype)
+        for x in (x, x.float())[:1 if m % 4 else 2]:  # (x as a step holds it; a few in float32 as well)
             for kw in (dict(), dict(columnwise=True), dict(columnwise=True, rht=True), dict(block=(16, 16)),
                        dict(columnwise=True, block=(16, 16))):
                 if kw.get("rht") and x.dtype == torch.float32:
@@ -592,10 +596,12 @@ def check_triton_stochastic_rounding() -> int:
                 got, want = fake_quant_nvfp4(x, **kw), dequantize_nvfp4(quantize_nvfp4(x, **kw))
                 nan = torch.isnan(want.float())
                 assert torch.equal(nan, torch.isnan(got.float())), kw
+                compared += int(not nan.any())
                 assert torch.equal(got[~nan].view(torch.int16) if got.itemsize == 2 else got[~nan].view(torch.int32),
                                    want[~nan].view(torch.int16) if got.itemsize == 2 else want[~nan].view(torch.int32))
                 n += 1
     assert fused.count(True) >= 12 and fused.count(False) >= 12, fused  # (both layouts of the fused kernel)
+    assert compared >= 50, compared  # (the cases whose values are not all NaN)
     u = nvfp4_kernels.uniforms(5, (256, 256), "cpu")
     assert torch.equal(u, nvfp4_kernels.uniforms(5, (256, 256), "cpu"))
     assert not torch.equal(u, nvfp4_kernels.uniforms(6, (256, 256), "cpu"))

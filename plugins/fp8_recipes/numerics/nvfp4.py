@@ -38,9 +38,9 @@ and with an independent float64 reference on the CPU (tests/unit/test_nvfp4.py).
   floor(256 f) / 256: biased towards zero by up to 1/256 of a step. We round up where u < f (the same law, and
   exact in float32: f is computed without rounding) with u a float32 uniform (24 bits or more) from the caller's
   generator or seed: unbiased to 2^-24 of a step, deterministic given the seed; not TE's Philox stream. With a
-  seed on a GPU, u of the copy's element k is Triton's ``tl.rand(seed, k)`` (Philox), drawn inside the values
-  kernel (numerics/nvfp4_kernels.py) and written out only for the quantizer's codes; elsewhere a torch generator
-  seeded with it: the same law, other draws.
+  seed on a GPU, u of the copy's element k is word k % 4 of Triton's ``tl.rand4x(seed, k // 4)`` (Philox), drawn
+  inside the values kernel (numerics/nvfp4_kernels.py) and written out only for the quantizer's codes; elsewhere
+  a torch generator seeded with it: the same law, other draws.
 """
 
 from __future__ import annotations

@@ -67,46 +67,78 @@ def rht_base_layout(v: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------------
 # Stochastic rounding with the random numbers drawn in the kernel
 #
-# The uniform of element k of a copy (its padded 2-D view, row-major) is tl.rand(seed, k): Philox (10 rounds) of
-# the 64-bit seed and the 64-bit offset, 31 of its bits scaled into [0, 1) (Triton's uint_to_uniform_float). The
-# same number whether a kernel draws it beside the value it rounds (values_sr) or writes it out (uniforms, which
-# the quantizer's codes read): fake_quant_nvfp4 and dequantize_nvfp4(quantize_nvfp4(...)) agree bit for bit. Drawn
-# in the values kernel, no float32 uniform goes through memory: torch.rand's 4 bytes a value written and read back
-# cost 26 of the 92 ms six emulated NVFP4 layers add to a step (the H100, 2026-12-06).
+# The uniform of element k of a copy (its padded 2-D view, row-major) is component k % 4 of tl.rand4x(seed, k // 4):
+# Philox4x32 (10 rounds) of the 64-bit seed and the 64-bit counter k // 4, each of its four 32-bit words scaled into
+# [0, 1) (Triton's uint_to_uniform_float: 31 bits). The same number whether a kernel draws it beside the value it
+# rounds (values_sr) or writes it out (uniforms, which the quantizer's codes read): fake_quant_nvfp4 and
+# dequantize_nvfp4(quantize_nvfp4(...)) agree bit for bit. Drawn in the values kernel, no float32 uniform goes
+# through memory: torch.rand's 4 bytes a value written and read back cost 26 of the 92 ms six emulated NVFP4 layers
+# add to a step (the H100, 2026-12-06). All four words of a Philox call are used: one call a value (tl.rand) made
+# the kernel compute-bound, 24.5 ms a step on 16 Llama-3-8B layers at micro-batch 1 (the H100, 2026-12-06).
 
-BLOCK_SR = 1024  # values per program of uniforms
+BLOCK_SR = 256  # Philox calls (of 4 values each) per program of uniforms
 TILE_SR = (16, 128)  # rows x columns of x per program of values_sr (16 rows: one block of a column of x^T)
 
 
 @triton.jit
 def _uniforms_kernel(out_ptr, n, seed, BLOCK: tl.constexpr):
-    k = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(out_ptr + k, tl.rand(seed, k), mask=k < n)
+    g = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    u0, u1, u2, u3 = tl.rand4x(seed, g)
+    tl.store(out_ptr + 4 * g, u0, mask=4 * g < n)
+    tl.store(out_ptr + 4 * g + 1, u1, mask=4 * g + 1 < n)
+    tl.store(out_ptr + 4 * g + 2, u2, mask=4 * g + 2 < n)
+    tl.store(out_ptr + 4 * g + 3, u3, mask=4 * g + 3 < n)
 
 
 def uniforms(seed: int, shape, device) -> torch.Tensor:
-    """float32 uniforms in [0, 1), u.flatten()[k] = tl.rand(seed, k): what values_sr draws for element k."""
+    """float32 uniforms in [0, 1): u.flatten()[k] is component k % 4 of tl.rand4x(seed, k // 4), what values_sr
+    draws for element k."""
     out = torch.empty(shape, dtype=torch.float32, device=device)
     if out.numel():
-        _uniforms_kernel[(triton.cdiv(out.numel(), BLOCK_SR),)](out, out.numel(), seed, BLOCK=BLOCK_SR)
+        _uniforms_kernel[(triton.cdiv(out.numel(), 4 * BLOCK_SR),)](out, out.numel(), seed, BLOCK=BLOCK_SR)
     return out
+
+
+@triton.jit
+def _interleave4(u0, u1, u2, u3):
+    """(..., n) x 4 -> (..., 4 n): u_c's element b at 4 b + c."""
+    return tl.interleave(tl.interleave(u0, u2), tl.interleave(u1, u3))
+
+
+@triton.jit
+def _tile_uniforms(seed, first, n0, n1, COLUMN: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """The (ROWS, COLS) tile of uniforms whose element (0, 0) is x's (i0, j0) (first = (i0, j0)): rowwise, k = the
+    element's index in x (runs of 4 along a row: n1 % 4 == 0); COLUMN, its index in x^T (runs of 4 down a column:
+    n0 % 4 == 0). One Philox call per 4 values, interleaved back to the elements."""
+    i0, j0 = first
+    if COLUMN:  # (drawn as the x^T tile, (COLS, ROWS), and transposed)
+        j = j0 + tl.arange(0, COLS)[:, None]
+        a = tl.arange(0, ROWS // 4)[None, :]
+        u0, u1, u2, u3 = tl.rand4x(seed, (j * n0 + i0) // 4 + a)
+        return tl.trans(_interleave4(u0, u1, u2, u3))
+    i = i0 + tl.arange(0, ROWS)[:, None]
+    b = tl.arange(0, COLS // 4)[None, :]
+    u0, u1, u2, u3 = tl.rand4x(seed, (i * n1 + j0) // 4 + b)
+    return _interleave4(u0, u1, u2, u3)
 
 
 @triton.jit
 def _values_sr_kernel(x_ptr, mult_ptr, dec_ptr, out_ptr, n0, n1, m0, m1, d0, d1, seed,
                       COLUMN: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, BF16: tl.constexpr):
     """out = the NVFP4 value of each x (contiguous (n0, n1)), rounded stochastically: nvfp4._dequantized_values
-    with u = tl.rand(seed, k), k the value's index in the copy. Rows: the copy is x, its blocks 1x16 along a row,
-    the factors of block (i, j // 16) (multiplier at i * m0 + (j // 16) * m1, decode by d0, d1). COLUMN: the copy
-    is x^T (x its base), a block is 16 rows of a column of x: the factors of x^T's block (j, i // 16)."""
-    i = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
-    j = tl.program_id(1).to(tl.int64) * COLS + tl.arange(0, COLS)[None, :]
+    with the uniforms of _tile_uniforms. Rows: the copy is x, its blocks 1x16 along a row, the factors of block
+    (i, j // 16) (multiplier at i * m0 + (j // 16) * m1, decode by d0, d1). COLUMN: the copy is x^T (x its base),
+    a block is 16 rows of a column of x: the factors of x^T's block (j, i // 16)."""
+    i0 = tl.program_id(0).to(tl.int64) * ROWS
+    j0 = tl.program_id(1).to(tl.int64) * COLS
+    i = i0 + tl.arange(0, ROWS)[:, None]
+    j = j0 + tl.arange(0, COLS)[None, :]
     keep = (i < n0) & (j < n1)
     e = i * n1 + j
     if COLUMN:
-        p, q, k = j, i // 16, j * n0 + i
+        p, q = j, i // 16
     else:
-        p, q, k = i, j // 16, e
+        p, q = i, j // 16
     multiplier = tl.load(mult_ptr + p * m0 + q * m1, mask=keep, other=1.0)
     scaled = tl.load(x_ptr + e, mask=keep, other=0.0).to(tl.float32) * multiplier
     scaled = tl.where(scaled > 6.0, 6.0, tl.where(scaled < -6.0, -6.0, scaled))  # (NaN stays NaN)
@@ -114,7 +146,8 @@ def _values_sr_kernel(x_ptr, mult_ptr, dec_ptr, out_ptr, n0, n1, m0, m1, d0, d1,
     a = tl.where(a != a, 0.0, a)
     in_steps = a * tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))  # exact: the steps are powers of two
     mag = tl.floor(in_steps)
-    mag += tl.where(tl.rand(seed, k) < in_steps - mag, 1.0, 0.0)  # up with probability the fraction of a step
+    u = _tile_uniforms(seed, (i0, j0), n0, n1, COLUMN, ROWS, COLS)
+    mag += tl.where(u < in_steps - mag, 1.0, 0.0)  # up with probability the fraction of a step
     value = mag * tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
     # the sign as a bit, so that a small negative rounded to 0 is -0.0 (code 8), as copysign in the eager form
     sign = tl.where(scaled < 0.0, 0x80000000, 0).to(tl.uint32)
@@ -129,7 +162,10 @@ def _values_sr_kernel(x_ptr, mult_ptr, dec_ptr, out_ptr, n0, n1, m0, m1, d0, d1,
 def values_sr(x: torch.Tensor, multiplier: torch.Tensor, decode: torch.Tensor, seed: int, dtype: torch.dtype,
               column: bool) -> torch.Tensor:
     """The stochastically rounded NVFP4 values of contiguous 2-D ``x`` in ``dtype``, x's layout: the copy is x
-    (``column`` False: multiplier and decode (rows, cols / 16)) or x^T (True: (cols, rows / 16)), any strides."""
+    (``column`` False: multiplier and decode (rows, cols / 16); cols a multiple of 4) or x^T (True: (cols, rows /
+    16); rows a multiple of 4), the factors in any strides."""
+    if x.shape[0 if column else 1] % 4:
+        raise ValueError(f"values_sr: the copy's rows must be runs of 4 values; x is {tuple(x.shape)}")
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     if x.numel():
         bf16 = dtype == torch.bfloat16
