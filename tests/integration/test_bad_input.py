@@ -112,3 +112,31 @@ def test_stale_launcher_variables_are_one_line(tmp_path, stale, says):
         "unset RANK WORLD_SIZE to run one process, or launch with torchrun (torchrun --nproc-per-node N ...)"
     assert lines[0].startswith(f"error: {says}") and lines[0].endswith(fix), lines
     assert not (tmp_path / "run").exists()
+
+
+RANKS_SCRIPT = """
+import os, sys, time
+sys.path.insert(0, {plugins!r})
+from fp8_recipes.training.errors import print_error_once
+rank = int(os.environ["RANK"])
+if {every_rank} or rank == 1:  # (the others wait, as in a collective, until torchrun stops them)
+    print_error_once(["the config is wrong" if {every_rank} else "checkpoint: rank 1's shard is damaged"])
+    sys.exit(2)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("every_rank", [True, False], ids=["every-rank", "one-rank"])
+def test_a_user_error_under_torchrun_reads_once_and_one_ranks_own_is_not_lost(tmp_path, every_rank, free_port):
+    """Two ranks under torchrun: an error both raise prints once (rank 0's; torchrun stops rank 1 while it waits);
+    one that rank 1 alone raises while rank 0 waits prints too, with its rank (it was lost: rank 0 alone printed)."""
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS_SCRIPT.format(plugins=str(ROOT / "plugins"), every_rank=every_rank))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS")}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                           f"--master-port={free_port()}", str(script)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
+    want = "error: the config is wrong" if every_rank else "error: checkpoint: rank 1's shard is damaged (rank 1)"
+    assert proc.returncode != 0 and errors == [want], proc.stderr[-3000:]

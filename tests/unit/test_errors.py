@@ -161,3 +161,38 @@ def test_half_of_torchruns_pair_is_warned(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "2")
     check_launch_env()
     assert capsys.readouterr().err.startswith("warning: WORLD_SIZE=2 is set without RANK: not torchrun's")
+
+
+def test_an_error_reads_once_per_launch_and_one_ranks_own_error_is_not_lost(monkeypatch, tmp_path, capsys):
+    """Rank 0 prints at once; another rank, after QUIET_RANK_DELAY_S, only lines no rank of the launch printed (its
+    own error: a shard of a damaged checkpoint, say), with its rank; another launch prints again; one process
+    leaves no mark; without a writable temporary directory rank 0 alone prints."""
+    from fp8_recipes.training import errors
+
+    slept = []
+    monkeypatch.setattr(errors.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(errors.time, "sleep", slept.append)
+    for key, value in {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}.items():
+        monkeypatch.setenv(key, value)
+
+    def as_rank(rank: int, *lines: str) -> str:
+        monkeypatch.setenv("RANK", str(rank))
+        errors.print_error_once(list(lines))
+        return capsys.readouterr().err
+
+    assert as_rank(0, "model.hidden_size: 7 is not a multiple of 16") == \
+        "error: model.hidden_size: 7 is not a multiple of 16\n" and slept == []
+    assert as_rank(1, "model.hidden_size: 7 is not a multiple of 16") == "" and slept == [errors.QUIET_RANK_DELAY_S]
+    assert as_rank(1, "checkpoint: shard 3 is damaged") == "error: checkpoint: shard 3 is damaged (rank 1)\n"
+    assert as_rank(0, "checkpoint: shard 3 is damaged") == ""  # (the launch has read it)
+    monkeypatch.setenv("MASTER_PORT", "29512")  # another launch
+    assert as_rank(1, "checkpoint: shard 3 is damaged") == "error: checkpoint: shard 3 is damaged (rank 1)\n"
+    marks = sorted((tmp_path / errors.ERROR_MARKS).iterdir())
+    assert len(marks) == 3
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert as_rank(0, "x") == as_rank(0, "x") == "error: x\n"  # (one process: no mark)
+    assert sorted((tmp_path / errors.ERROR_MARKS).iterdir()) == marks
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setattr(errors.tempfile, "gettempdir", lambda: str(tmp_path / "a-file"))  # (no folder there)
+    assert as_rank(0, "y") == "error: y\n" and as_rank(1, "y") == "" and as_rank(0, "y") == "error: y\n"

@@ -13,18 +13,20 @@ checkpoint is checked) is one ``error:`` line; anything else is a bug and keeps 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import re
 import shutil
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from fp8_recipes.checks import clipped, did_you_mean
-from fp8_recipes.launcher import launch_rank
+from fp8_recipes.launcher import launch_rank, launch_world_size
 from fp8_recipes.rundir import (HYDRA, RUN_OUTPUTS, TRAIN_LOG, RunDirError, check_run_dir, held_by_another,
                                 release)
 
@@ -293,17 +295,56 @@ def report_internal_error(e: BaseException, run_dir: str | os.PathLike) -> str:
         (f" (rank {rank})" if rank else "")
 
 QUIET_RANK_DELAY_S = 5.0
-"""How long a rank other than 0 waits before leaving with an error rank 0 prints: torchrun stops the other workers
-as soon as one exits, and a silent rank that left first would cut rank 0 off before its line."""
+"""How long a rank other than 0 waits before it prints (or not) and leaves: rank 0 claims an error every rank
+raises alike first, and torchrun stops the other workers as soon as one exits, so a rank that left at once would
+cut rank 0 off before its line."""
 
 
 def print_error_once(lines: list[str]) -> None:
-    """``error: <line>`` on stderr, by the launcher's rank 0 only (for errors every rank raises alike)."""
-    if launch_rank() == 0:
-        for line in lines:
-            print(clipped(f"error: {line}"), file=sys.stderr, flush=True)
-    else:
+    """``error: <line>`` on stderr once per launch: rank 0 prints at once; another rank waits QUIET_RANK_DELAY_S and
+    prints only lines no rank of its node has printed (``(rank N)`` added): an error every rank raises alike (a
+    config) reads once, and one that a single rank raises (its shard of a damaged checkpoint) is not lost while the
+    others wait for it in a collective. Ranks on other nodes than rank 0's print such an error once per node."""
+    rank = launch_rank()
+    if rank != 0:
         time.sleep(QUIET_RANK_DELAY_S)
+    if not _first_to_print(lines, rank):
+        return
+    for line in lines:
+        print(clipped(f"error: {line}" + (f" (rank {rank})" if rank else "")), file=sys.stderr, flush=True)
+
+
+ERROR_MARKS = "fp8-recipes-errors"
+"""The folder (in the temporary directory) of the marks by which a launch's ranks print an error once."""
+
+
+def _first_to_print(lines: list[str], rank: int) -> bool:
+    """Whether this rank is the first of its launch on this node to print `lines`: the first to create their mark
+    (exclusive create), keyed by the launcher's process (the ranks' parent: torchrun's agent, or srun's step daemon)
+    and job ids. Marks older than a day are removed; one process alone always prints; without a writable temporary
+    directory, rank 0 alone prints (the behaviour before the marks)."""
+    if launch_world_size() == 1:
+        return True
+    env = os.environ
+    launch = "-".join([str(os.getppid()), env.get("SLURM_JOB_ID", ""), env.get("SLURM_STEP_ID", ""),
+                       env.get("TORCHELASTIC_RUN_ID", ""), env.get("MASTER_PORT", "")])
+    key = hashlib.blake2b("\n".join([launch, *lines]).encode(), digest_size=12).hexdigest()
+    marks = Path(tempfile.gettempdir()) / ERROR_MARKS
+    try:
+        marks.mkdir(exist_ok=True)
+        for old in marks.iterdir():
+            with contextlib.suppress(OSError):
+                if time.time() - old.stat().st_mtime > 86400:
+                    old.unlink()
+    except OSError:  # (no folder of marks: a file in its place, a read-only temporary directory)
+        return rank == 0
+    try:
+        os.close(os.open(marks / key, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        return True
+    except FileExistsError:
+        return False
+    except OSError:
+        return rank == 0
 
 
 WORKER_HYDRA_OVERRIDES = ("hydra.run.dir=.", "hydra.output_subdir=null", "~hydra.job_logging.handlers.file",
