@@ -117,23 +117,32 @@ def test_stale_launcher_variables_are_one_line(tmp_path, stale, says):
 RANKS_SCRIPT = """
 import os, sys, time
 sys.path.insert(0, {plugins!r})
+import torch.distributed as dist
 from fp8_recipes.training.errors import print_error_once
-rank = int(os.environ["RANK"])
-if {every_rank} or rank == 1:  # (the others wait, as in a collective, until torchrun stops them)
-    print_error_once(["the config is wrong" if {every_rank} else "checkpoint: rank 1's shard is damaged"])
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+if {every_rank}:
+    print_error_once(["the config is wrong"])
+    if rank == 0:
+        time.sleep(15)  # (rank 1 reaches the store's counter before torchrun stops it)
     sys.exit(2)
-time.sleep(60)
+if rank == 1:
+    print_error_once(["checkpoint: rank 1's shard is damaged"])
+    sys.exit(2)
+dist.barrier()  # rank 0 waits in a collective until torchrun stops it
 """
 
 
 @pytest.mark.parametrize("every_rank", [True, False], ids=["every-rank", "one-rank"])
 def test_a_user_error_under_torchrun_reads_once_and_one_ranks_own_is_not_lost(tmp_path, every_rank, free_port):
-    """Two ranks under torchrun: an error both raise prints once (rank 0's; torchrun stops rank 1 while it waits);
-    one that rank 1 alone raises while rank 0 waits prints too, with its rank (it was lost: rank 0 alone printed)."""
+    """Two gloo ranks under torchrun: an error both raise prints once (rank 0's; rank 1 finds the store's counter
+    taken); one that rank 1 alone raises while rank 0 waits in a barrier prints too, with its rank (it was lost when
+    rank 0 alone printed)."""
     script = tmp_path / "ranks.py"
     script.write_text(RANKS_SCRIPT.format(plugins=str(ROOT / "plugins"), every_rank=every_rank))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS")}
+    env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
                            f"--master-port={free_port()}", str(script)], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=120)

@@ -163,14 +163,17 @@ def test_half_of_torchruns_pair_is_warned(monkeypatch, capsys):
     assert capsys.readouterr().err.startswith("warning: WORLD_SIZE=2 is set without RANK: not torchrun's")
 
 
-def test_an_error_reads_once_per_launch_and_one_ranks_own_error_is_not_lost(monkeypatch, tmp_path, capsys):
+def test_an_error_reads_once_per_launch_and_one_ranks_own_error_is_not_lost(monkeypatch, capsys):
     """Rank 0 prints at once; another rank, after QUIET_RANK_DELAY_S, only lines no rank of the launch printed (its
-    own error: a shard of a damaged checkpoint, say), with its rank; another launch prints again; one process
-    leaves no mark; without a writable temporary directory rank 0 alone prints."""
+    own error: a shard of a damaged checkpoint, say), with its rank; the ranks count in the process group's store
+    (another launch has another store); one process always prints; without a store rank 0 alone prints."""
+    import torch.distributed as dist
+
     from fp8_recipes.training import errors
 
     slept = []
-    monkeypatch.setattr(errors.tempfile, "gettempdir", lambda: str(tmp_path))
+    store = dist.HashStore()  # (the launch's store: what _launch_store returns after init_process_group)
+    monkeypatch.setattr(errors, "_launch_store", lambda: store)
     monkeypatch.setattr(errors.time, "sleep", slept.append)
     for key, value in {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}.items():
         monkeypatch.setenv(key, value)
@@ -185,14 +188,11 @@ def test_an_error_reads_once_per_launch_and_one_ranks_own_error_is_not_lost(monk
     assert as_rank(1, "model.hidden_size: 7 is not a multiple of 16") == "" and slept == [errors.QUIET_RANK_DELAY_S]
     assert as_rank(1, "checkpoint: shard 3 is damaged") == "error: checkpoint: shard 3 is damaged (rank 1)\n"
     assert as_rank(0, "checkpoint: shard 3 is damaged") == ""  # (the launch has read it)
-    monkeypatch.setenv("MASTER_PORT", "29512")  # another launch
+    store = dist.HashStore()  # another launch
     assert as_rank(1, "checkpoint: shard 3 is damaged") == "error: checkpoint: shard 3 is damaged (rank 1)\n"
-    marks = sorted((tmp_path / errors.ERROR_MARKS).iterdir())
-    assert len(marks) == 3
     monkeypatch.setenv("WORLD_SIZE", "1")
-    assert as_rank(0, "x") == as_rank(0, "x") == "error: x\n"  # (one process: no mark)
-    assert sorted((tmp_path / errors.ERROR_MARKS).iterdir()) == marks
+    assert as_rank(0, "x") == as_rank(0, "x") == "error: x\n"  # (one process: no counter)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    (tmp_path / "a-file").write_text("")
-    monkeypatch.setattr(errors.tempfile, "gettempdir", lambda: str(tmp_path / "a-file"))  # (no folder there)
+    monkeypatch.setattr(errors, "_launch_store", lambda: None)  # (before init_process_group)
     assert as_rank(0, "y") == "error: y\n" and as_rank(1, "y") == "" and as_rank(0, "y") == "error: y\n"
+    assert errors._launch_store is not None and dist.is_initialized() is False

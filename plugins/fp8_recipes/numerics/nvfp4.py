@@ -381,8 +381,10 @@ def quantize_nvfp4(
     block: (1, 16), or (16, 16) for 2-D weight blocks. columnwise: quantize x^T (TE's columnwise copy, the wgrad
     GEMM's operand) instead of x. rht: TE's ``with_rht``: the columnwise copy is transformed (x's rows must then be
     a multiple of 16); the rowwise copy never is. stochastic_rounding: round the codes stochastically with
-    uniforms from `generator` (on x's device, advanced by one draw per padded element) or from a fresh generator
-    seeded with `seed`: derive the seed from (run seed, step, layer, role) and a resumed run rounds the same.
+    uniforms from `generator` (on x's device, advanced by one draw per padded element) or from `seed` (on a GPU
+    Triton's Philox stream, elsewhere a fresh torch generator seeded with it; runs before 2026-12-06 drew from a
+    torch generator on the GPU too): derive the seed from (run seed, step, layer, role) and a resumed run rounds
+    the same.
     """
     block = _check_inputs("quantize_nvfp4", x, block, stochastic_rounding, generator, seed)
     shape = x.shape

@@ -19,7 +19,6 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -301,50 +300,45 @@ cut rank 0 off before its line."""
 
 
 def print_error_once(lines: list[str]) -> None:
-    """``error: <line>`` on stderr once per launch: rank 0 prints at once; another rank waits QUIET_RANK_DELAY_S and
-    prints only lines no rank of its node has printed (``(rank N)`` added): an error every rank raises alike (a
-    config) reads once, and one that a single rank raises (its shard of a damaged checkpoint) is not lost while the
-    others wait for it in a collective. Ranks on other nodes than rank 0's print such an error once per node."""
+    """``error: <line>`` on stderr once per launch. Rank 0 prints at once. Another rank waits QUIET_RANK_DELAY_S,
+    then prints (with ``(rank N)``) only lines no rank has printed: an error every rank raises alike (a config)
+    reads once, and one a single rank raises (its shard of a damaged checkpoint) is not lost while the others wait
+    for it in a collective. The ranks agree through the process group's store (one counter per error, every node
+    alike); before the process group exists every rank raises what rank 0 does, and rank 0 alone prints."""
     rank = launch_rank()
     if rank != 0:
         time.sleep(QUIET_RANK_DELAY_S)
     if not _first_to_print(lines, rank):
         return
     for line in lines:
-        print(clipped(f"error: {line}" + (f" (rank {rank})" if rank else "")), file=sys.stderr, flush=True)
-
-
-ERROR_MARKS = "fp8-recipes-errors"
-"""The folder (in the temporary directory) of the marks by which a launch's ranks print an error once."""
+        print(clipped(f"error: {line}") + (f" (rank {rank})" if rank else ""), file=sys.stderr, flush=True)
 
 
 def _first_to_print(lines: list[str], rank: int) -> bool:
-    """Whether this rank is the first of its launch on this node to print `lines`: the first to create their mark
-    (exclusive create), keyed by the launcher's process (the ranks' parent: torchrun's agent, or srun's step daemon)
-    and job ids. Marks older than a day are removed; one process alone always prints; without a writable temporary
-    directory, rank 0 alone prints (the behaviour before the marks)."""
+    """Whether this rank is the first of its launch to print `lines`: the first to add to their counter in the
+    default process group's store (torchrun's or srun's rendezvous store, shared by every rank and gone with the
+    launch). One process always prints; without a process group, or if the store fails, rank 0 alone prints."""
     if launch_world_size() == 1:
         return True
-    env = os.environ
-    launch = "-".join([str(os.getppid()), env.get("SLURM_JOB_ID", ""), env.get("SLURM_STEP_ID", ""),
-                       env.get("TORCHELASTIC_RUN_ID", ""), env.get("MASTER_PORT", "")])
-    key = hashlib.blake2b("\n".join([launch, *lines]).encode(), digest_size=12).hexdigest()
-    marks = Path(tempfile.gettempdir()) / ERROR_MARKS
-    try:
-        marks.mkdir(exist_ok=True)
-        for old in marks.iterdir():
-            with contextlib.suppress(OSError):
-                if time.time() - old.stat().st_mtime > 86400:
-                    old.unlink()
-    except OSError:  # (no folder of marks: a file in its place, a read-only temporary directory)
+    store = _launch_store()
+    if store is None:
         return rank == 0
+    key = "fp8-recipes/error/" + hashlib.blake2b("\n".join(lines).encode(), digest_size=12).hexdigest()
     try:
-        os.close(os.open(marks / key, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-        return True
-    except FileExistsError:
-        return False
-    except OSError:
+        return store.add(key, 1) == 1
+    except Exception:  # noqa: BLE001 - a store gone with a rank that left: print as before the counters did
         return rank == 0
+
+
+def _launch_store():
+    """The default process group's store, or None before init_process_group (or without torch.distributed)."""
+    try:
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store() if dist.is_available() and dist.is_initialized() else None
+    except Exception:  # noqa: BLE001 - no distributed build: one process's behaviour
+        return None
 
 
 WORKER_HYDRA_OVERRIDES = ("hydra.run.dir=.", "hydra.output_subdir=null", "~hydra.job_logging.handlers.file",
