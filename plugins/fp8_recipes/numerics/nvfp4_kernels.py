@@ -106,11 +106,10 @@ def _interleave4(u0, u1, u2, u3):
 
 
 @triton.jit
-def _tile_uniforms(seed, first, n0, n1, COLUMN: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """The (ROWS, COLS) tile of uniforms whose element (0, 0) is x's (i0, j0) (first = (i0, j0)): rowwise, k = the
+def _tile_uniforms(seed, i0, j0, n0, n1, COLUMN: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """The (ROWS, COLS) tile of uniforms whose element (0, 0) is x's (i0, j0): rowwise, k = the
     element's index in x (runs of 4 along a row: n1 % 4 == 0); COLUMN, its index in x^T (runs of 4 down a column:
     n0 % 4 == 0). One Philox call per 4 values, interleaved back to the elements."""
-    i0, j0 = first
     if COLUMN:  # (drawn as the x^T tile, (COLS, ROWS), and transposed)
         j = j0 + tl.arange(0, COLS)[:, None]
         a = tl.arange(0, ROWS // 4)[None, :]
@@ -146,7 +145,7 @@ def _values_sr_kernel(x_ptr, mult_ptr, dec_ptr, out_ptr, n0, n1, m0, m1, d0, d1,
     a = tl.where(a != a, 0.0, a)
     in_steps = a * tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))  # exact: the steps are powers of two
     mag = tl.floor(in_steps)
-    u = _tile_uniforms(seed, (i0, j0), n0, n1, COLUMN, ROWS, COLS)
+    u = _tile_uniforms(seed, i0, j0, n0, n1, COLUMN, ROWS, COLS)
     mag += tl.where(u < in_steps - mag, 1.0, 0.0)  # up with probability the fraction of a step
     value = mag * tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
     # the sign as a bit, so that a small negative rounded to 0 is -0.0 (code 8), as copysign in the eager form
