@@ -321,15 +321,9 @@ def _sr_uniforms(shape, device: torch.device, generator: torch.Generator | None,
     from `seed` (on a GPU Triton's Philox stream, nvfp4_kernels.uniforms: what the fused values kernel draws, so
     the quantizer's codes and fake_quant_nvfp4's values agree; elsewhere a torch generator seeded with it)."""
     if generator is None and seed is not None and _triton_here(device):
-        try:
-            from fp8_recipes.numerics import nvfp4_kernels
-
-            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-                return nvfp4_kernels.uniforms(seed, shape, device)
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as e:  # noqa: BLE001 - no Triton: torch's generator, seeded the same (another stream)
-            _triton_failed("stochastic rounding", e)
+        u = _in_triton("stochastic rounding", device, lambda kernels: kernels.uniforms(seed, shape, device))
+        if u is not None:
+            return u  # (else torch's generator, seeded the same: another stream)
     return torch.rand(shape, generator=_sr_generator(device, generator, seed), dtype=torch.float32, device=device)
 
 
@@ -341,16 +335,8 @@ def _values_sr_in_triton(padded: torch.Tensor, multiplier: torch.Tensor, decode:
     x = padded.t() if by_rows else padded
     if generator is not None or seed is None or not _triton_here(x.device) or not x.is_contiguous():
         return None
-    try:
-        from fp8_recipes.numerics import nvfp4_kernels
-
-        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-            return nvfp4_kernels.values_sr(x, multiplier, decode, seed, x.dtype, column=by_rows)
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as e:  # noqa: BLE001 - no Triton: the compiled form with torch's uniforms
-        _triton_failed("stochastic rounding", e)
-        return None
+    return _in_triton("stochastic rounding", x.device,
+                      lambda kernels: kernels.values_sr(x, multiplier, decode, seed, x.dtype, column=by_rows))
 
 
 def nvfp4_copy_2d(x: torch.Tensor, *, columnwise: bool, rht: bool, rotate=apply_rht) -> torch.Tensor:
@@ -556,22 +542,14 @@ def _rotate(x: torch.Tensor):
     sums in the same order, one pass over memory); any other copy to _kernel("rht", x). A failed launch logs one
     warning and leaves _kernel's form for the rest of the run."""
     other = _kernel("rht", x)
-    if x.device.type not in _TRITON_ON or x.dtype not in (torch.bfloat16, torch.float16) or _TRITON.get("failed"):
+    if not _triton_here(x.device) or x.dtype not in (torch.bfloat16, torch.float16):
         return other
 
     def rotate(v: torch.Tensor) -> torch.Tensor:
-        if _TRITON.get("failed") or not _base_layout(v):
+        if not _triton_here(v.device) or not _base_layout(v):
             return other(v)
-        try:
-            from fp8_recipes.numerics import nvfp4_kernels  # (Triton: imported on first use, where it runs)
-
-            with torch.cuda.device(v.device) if v.is_cuda else contextlib.nullcontext():
-                return nvfp4_kernels.rht_base_layout(v, rht_matrix(v.device))
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as e:  # noqa: BLE001 - no Triton, a launch failure: the other form computes the same
-            _triton_failed("rht", e)
-            return other(v)
+        out = _in_triton("rht", v.device, lambda kernels: kernels.rht_base_layout(v, rht_matrix(v.device)))
+        return out if out is not None else other(v)  # (a failed launch: the other form computes the same)
     return rotate
 
 
@@ -589,6 +567,21 @@ interpreter)."""
 
 def _triton_here(device: torch.device) -> bool:
     return device.type in _TRITON_ON and not _TRITON.get("failed")
+
+
+def _in_triton(what: str, device: torch.device, launch: Callable):
+    """launch(numerics/nvfp4_kernels) on `device` (Triton: imported on first use, where it runs), or None after one
+    warning (_triton_failed) if it fails; running out of memory is raised (the other forms need more, not less)."""
+    try:
+        from fp8_recipes.numerics import nvfp4_kernels
+
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            return launch(nvfp4_kernels)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - no Triton, a launch failure
+        _triton_failed(what, e)
+        return None
 
 
 def _triton_failed(what: str, e: Exception) -> None:
