@@ -203,3 +203,22 @@ def test_the_triton_rht_is_the_eager_one_bit_for_bit(kind, dtype):
         assert torch.equal(nan, torch.isnan(got.float())) and got.stride() == want.stride(), (kind, shape)
         assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16)), (kind, shape)
 
+
+
+def test_the_fused_block_scales_are_the_eager_ones_bit_for_bit():
+    """numerics/nvfp4_kernels.block_factors on the GPU against the eager functions on the GPU: S_enc, the E4M3
+    block scales, the encode multipliers and decode factors over float32's range (zeros, subnormals, each E4M3
+    scale's rounding boundaries, inf, NaN), rowwise and transposed; and taken by the quantizer there."""
+    from test_nvfp4 import check_block_factors
+
+    from fp8_recipes.numerics import nvfp4, nvfp4_kernels
+
+    assert check_block_factors("cuda") == 24
+    calls = []
+    fused = nvfp4_kernels.block_factors
+    nvfp4_kernels.block_factors = lambda *a: calls.append(1) or fused(*a)
+    try:
+        quantize_nvfp4(torch.randn(64, 64, device="cuda"))
+    finally:
+        nvfp4_kernels.block_factors = fused
+    assert calls == [1] and not nvfp4._TRITON.get("failed")

@@ -630,6 +630,56 @@ def test_the_fused_stochastic_rounding_is_the_quantizers_bit_for_bit_in_the_inte
     assert "checked 72" in out, out[-2000:]
 
 
+def block_factor_cases(device="cpu"):
+    """(block amaxes, global amax) pairs over float32's range: zeros, subnormals, values near every E4M3 scale's
+    rounding boundary, inf and NaN, beside global amaxes from subnormal to inf and NaN; rowwise and transposed."""
+    gen = torch.Generator().manual_seed(11)
+    spread = torch.exp2(torch.empty(64, 48).uniform_(-149, 128, generator=gen))
+    spread[0, :8] = torch.tensor([0.0, float("inf"), float("nan"), 1e-45, 1e-40, 448.0, 6.0, 3e38])
+    e4m3 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    e4m3 = e4m3[e4m3.isfinite() & (e4m3 > 0)]
+    near = torch.cat([e4m3, e4m3 * (1 + 2 ** -4), e4m3 * (1 - 2 ** -5), torch.nextafter(e4m3 * 1.0625, e4m3)])
+    near = torch.cat([near, near.new_zeros(-near.numel() % 16)]).reshape(-1, 16)
+    for block_amax in (spread, spread.t(), near * 6 / 2688, near):
+        block_amax = block_amax.to(device)
+        peak = block_amax.amax()
+        for amax in (peak, peak * 3, torch.tensor(1e-42), torch.tensor(float("inf")), torch.tensor(float("nan")),
+                     torch.tensor(0.0)):
+            yield block_amax, amax.to(device)
+
+
+def check_block_factors(device="cpu") -> int:
+    """nvfp4_kernels.block_factors (Triton: its CPU interpreter, or the GPU) against the eager functions, bit for
+    bit (NaN where NaN), in block_amax's layout; the count checked."""
+    from fp8_recipes.numerics import nvfp4, nvfp4_kernels
+
+    n = 0
+    for block_amax, amax in block_factor_cases(device):
+        got = nvfp4_kernels.block_factors(block_amax, amax)
+        want = nvfp4._block_factors_eager(block_amax, amax)
+        for name, g, w in zip(("S_enc", "scales", "multiplier", "decode"), got, want, strict=True):
+            assert g.shape == w.shape and g.dtype == w.dtype, name
+            assert g.stride() == block_amax.stride() or g.dim() < 2, name  # (the layout of the blocks)
+            if g.dtype == torch.float8_e4m3fn:
+                g, w = g.view(torch.uint8).float(), w.view(torch.uint8).float()
+            nan = torch.isnan(w)
+            assert torch.equal(nan, torch.isnan(g)), (name, amax)
+            assert torch.equal(g[~nan].view(torch.int32), w[~nan].view(torch.int32)), (name, amax, (g != w).sum())
+        n += 1
+    return n
+
+
+@pytest.mark.timeout(600)
+def test_the_fused_block_scales_are_the_eager_ones_bit_for_bit_in_the_interpreter():
+    """On a GPU the block scales' arithmetic is one Triton kernel (numerics/nvfp4_kernels.block_factors); here it
+    runs in Triton's CPU interpreter against the eager functions (tests/gpu/test_nvfp4_ref.py: on the GPU)."""
+    from triton_interpreter import interpreted
+
+    pytest.importorskip("triton", reason="the block scales kernel needs Triton (a dependency of torch)")
+    out = interpreted("test_nvfp4", "check_block_factors")
+    assert "checked 24" in out, out[-2000:]
+
+
 def test_stochastic_rounding_takes_triton_on_a_gpu_only_with_a_seed(monkeypatch):
     """The CPU draws from torch's generator; with a generator (not a seed) every device does; a failed Triton
     leaves torch's generator, seeded the same."""
@@ -643,6 +693,7 @@ def test_stochastic_rounding_takes_triton_on_a_gpu_only_with_a_seed(monkeypatch)
     monkeypatch.setattr(nvfp4, "_TRITON", {})
     monkeypatch.setattr(nvfp4_kernels, "uniforms", lambda *a: calls.append("u") or torch.rand(32, 32))
     monkeypatch.setattr(nvfp4_kernels, "values_sr", lambda *a, **k: calls.append("v") or a[0].clone())
+    monkeypatch.setattr(nvfp4_kernels, "block_factors", nvfp4._block_factors_eager)  # (Triton's, outside a GPU)
     monkeypatch.setattr(nvfp4, "_TRITON_ON", ())
     cpu = fake_quant_nvfp4(x, stochastic_rounding=True, seed=3)
     assert calls == [] and torch.equal(cpu, dequantize_nvfp4(quantize_nvfp4(x, stochastic_rounding=True, seed=3)))

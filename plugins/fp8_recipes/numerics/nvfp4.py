@@ -254,16 +254,32 @@ def _check_inputs(who: str, x: torch.Tensor, block, stochastic_rounding: bool, g
 
 def _scales(hp: torch.Tensor, block: tuple[int, int], block_amax_of: Callable | None = None):
     """One copy's scales from its 2-D values (float32, or x's dtype: every step is exact in either): (the values
-    zero-padded to whole blocks, the global amax, S_enc, the E4M3 block scales, each block's encode multiplier).
-    The global amax is the largest block amax: the same number as max |x| (blocks cover x, padding adds zeros, NaN
-    propagates), from the pass the blocks need. `block_amax_of`: the block's amax function compiled (padded ->
-    block amaxes; default _block_amax's)."""
+    zero-padded to whole blocks, the global amax, S_enc, the E4M3 block scales, each block's encode multiplier, its
+    decode factor). The global amax is the largest block amax: the same number as max |x| (blocks cover x, padding
+    adds zeros, NaN propagates), from the pass the blocks need. `block_amax_of`: the block's amax function compiled
+    (padded -> block amaxes; default _block_amax's)."""
     padded = _padded_blocks(hp, block)
     block_amax = block_amax_of(padded) if block_amax_of else _block_amax(padded, block)
     amax = block_amax.amax() if hp.numel() else torch.zeros((), dtype=torch.float32, device=hp.device)
+    return padded, amax, *_block_factors(block_amax, amax)
+
+
+def _block_factors(block_amax: torch.Tensor, amax: torch.Tensor):
+    """(S_enc, the E4M3 block scales, each block's encode multiplier, its decode factor): on a GPU one Triton kernel
+    (numerics/nvfp4_kernels.block_factors: the same arithmetic, checked bit for bit in tests/gpu/test_nvfp4_ref.py),
+    elsewhere, or if it fails, the eager functions."""
+    if block_amax.numel() and _triton_here(block_amax.device):
+        fused = _in_triton("block scales", block_amax.device, lambda kernels: kernels.block_factors(block_amax, amax))
+        if fused is not None:
+            return fused
+    return _block_factors_eager(block_amax, amax)
+
+
+def _block_factors_eager(block_amax: torch.Tensor, amax: torch.Tensor):
     global_scale = nvfp4_global_scale(amax)
     block_scales = nvfp4_block_scales(block_amax, global_scale)
-    return padded, amax, global_scale, block_scales, _encode_multiplier(block_scales, global_scale)
+    return (global_scale, block_scales, _encode_multiplier(block_scales, global_scale),
+            _decode_factors(block_scales, amax))
 
 
 def _decode_factors(block_scales: torch.Tensor, global_amax: torch.Tensor) -> torch.Tensor:
@@ -377,7 +393,7 @@ def quantize_nvfp4(
     copy = nvfp4_copy_2d(x, columnwise=columnwise, rht=rht)
     hp = copy.float()
     r, c = hp.shape
-    padded, amax, global_scale, block_scales, multiplier = _scales(hp, block)
+    padded, amax, global_scale, block_scales, multiplier, _ = _scales(hp, block)
     pr, pc = padded.shape
     scaled = padded.reshape(pr, pc // NVFP4_BLOCK, NVFP4_BLOCK) * multiplier[..., None]
     scaled = scaled.clamp_(-E2M1_MAX, E2M1_MAX).reshape(pr, pc)
@@ -432,8 +448,7 @@ def fake_quant_nvfp4(
         amax_of = lambda view: _kernel("column_amax", x)(view.t()).t()  # noqa: E731
     else:
         amax_of = _kernel("segment_amax" if block[0] == 1 else "tile_amax", x)
-    padded, amax, _, block_scales, multiplier = _scales(copy, block, amax_of)
-    decode = _decode_factors(block_scales, amax)
+    padded, amax, _, _, multiplier, decode = _scales(copy, block, amax_of)
     pr, pc = padded.shape
     u = None
     if stochastic_rounding:
