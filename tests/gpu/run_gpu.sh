@@ -21,7 +21,7 @@
 #         bash tests/gpu/run_gpu.sh shootout  # the MoE shoot-out (issue 28)
 #     bash tests/gpu/run_gpu.sh pilot-shootout  # issue 30: the shoot-out with autopilot=on, GPU tests beside it
 #     bash tests/gpu/run_gpu.sh nvfp4-profile   # issue 29: bench_train --profile, bf16 / emulated parts / nvfp4
-#         (TESTS=1: its GPU tests first, TESTS=only: them alone; MODELS, MBS, CONFIGS, STEPS, BENCH_CAP)
+#         (TESTS=1: its GPU tests first, TESTS=only: them alone, TESTS_K: -k; MODELS, MBS, CONFIGS, STEPS, BENCH_CAP)
 #     SEED=1234 bash tests/gpu/run_gpu.sh nvfp4-shootout   # issue 29: gpt_125m, nvfp4 + ablations + mxfp8 vs BF16
 #         (six runs at once; RESUME=1 continues it in the next call; DEADLINE, TESTS=1: see the part)
 #     bash tests/gpu/run_gpu.sh bridge-moe      # issue 28: Megatron-Bridge pretrain with MoE keys (.bwhl carried;
@@ -188,7 +188,7 @@ nvfp4-profile)
     # backend's training on the GPU among them; cap 300 s; TESTS=only: the tests alone)
     stamp "GPU tests: tests/gpu/test_nvfp4_ref.py, test_te_training.py -k emulated" | tee "$OUT/nvfp4_tests.log"
     timeout -s INT 300 "$PY" -m pytest tests/gpu/test_nvfp4_ref.py tests/gpu/test_te_training.py -k \
-        "nvfp4_ref or emulated" -q -p no:cacheprovider -o addopts="" -rfEs 2>&1 | tail -15 \
+        "${TESTS_K:-nvfp4_ref or emulated}" -q -p no:cacheprovider -o addopts="" -rfEs 2>&1 | tail -15 \
         | tee -a "$OUT/nvfp4_tests.log"
     [ "$TESTS" = only ] && exit 0
   fi
