@@ -213,15 +213,14 @@ def _block_factors_kernel(bamax_ptr, amax_ptr, enc_ptr, scale_ptr, mult_ptr, dec
                           BLOCK: tl.constexpr):
     """For each of n blocks (block amax at bamax_ptr, float32): its E4M3 scale (bits, uint8), encode multiplier and
     decode factor (float32); S_enc at enc_ptr (program 0). fp4_max_inv = fp32(1/6), factor_inv = fp32(1/2688)."""
-    nan = tl.PropagateNan.ALL
     amax = tl.load(amax_ptr)
-    enc = tl.minimum(tl.math.div_rn(tl.full([], 2688.0, tl.float32), amax), FLOAT32_MAX, propagate_nan=nan)
+    enc = tl.minimum(tl.math.div_rn(tl.full([], 2688.0, tl.float32), amax), FLOAT32_MAX, propagate_nan=tl.PropagateNan.ALL)
     enc = tl.where((amax == 0.0) | (enc == 0.0), 1.0, enc)
     tl.store(enc_ptr, enc, mask=tl.program_id(0) == 0)
     k = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     keep = k < n
     scale = tl.minimum(tl.load(bamax_ptr + k, mask=keep, other=0.0) * (enc * fp4_max_inv), FLOAT32_MAX,
-                       propagate_nan=nan)
+                       propagate_nan=tl.PropagateNan.ALL)
     scale = tl.abs(scale)
     scale = tl.where(scale > 448.0, 448.0, scale)  # (NaN stays NaN)
     code = _e4m3_code(scale)
@@ -229,7 +228,7 @@ def _block_factors_kernel(bamax_ptr, amax_ptr, enc_ptr, scale_ptr, mult_ptr, dec
     decoded = tl.where(scale != scale, scale, _e4m3_value(code))
     global_decode = tl.math.div_rn(tl.full([], 1.0, tl.float32), enc)
     multiplier = tl.minimum(tl.math.div_rn(tl.full([BLOCK], 1.0, tl.float32), decoded * global_decode),
-                            FLOAT32_MAX, propagate_nan=nan)
+                            FLOAT32_MAX, propagate_nan=tl.PropagateNan.ALL)
     tl.store(mult_ptr + k, multiplier, mask=keep)
     tl.store(dec_ptr + k, decoded * amax * factor_inv, mask=keep)
 
