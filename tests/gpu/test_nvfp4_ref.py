@@ -156,7 +156,7 @@ def test_stochastic_rounding_on_cuda_is_seeded_and_unbiased():
         assert torch.equal(fake_quant_nvfp4(x, stochastic_rounding=True, seed=5), dequantize_nvfp4(a)) and calls
     finally:
         nvfp4_kernels.values_sr = values_sr
-    assert not nvfp4._TRITON.get("failed")
+    assert not nvfp4._TRITON
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -177,7 +177,7 @@ def test_compiled_fake_quant_is_the_eager_quantizer_bit_for_bit(kind, dtype):
                     continue  # (the quantizer refuses it: the emulated backend pads such tokens first)
                 kw = dict(block=block, columnwise=columnwise, rht=rht, stochastic_rounding=sr, seed=3 if sr else None)
                 assert_same(dequantize_nvfp4(quantize_nvfp4(x, **kw)), fake_quant_nvfp4(x, **kw), f"{shape} {kw}")
-    assert not nvfp4._TRITON.get("failed")  # (a bf16 copy's RHT and SR ran the Triton kernels, not a fallback)
+    assert not nvfp4._TRITON  # (a bf16 copy's RHT and SR ran the Triton kernels, not a fallback)
     eager = {"rht"} if dtype == torch.float32 else set()  # (a float32 RHT runs eagerly: subnormal products)
     eager.add("column_values_sr")  # (a base layout's SR values: always the Triton kernel that draws its uniforms)
     assert all(nvfp4._COMPILED.get(name) not in (None, False) for name in set(nvfp4._EAGER) - eager), nvfp4._COMPILED
@@ -221,4 +221,4 @@ def test_the_fused_block_scales_are_the_eager_ones_bit_for_bit():
         quantize_nvfp4(torch.randn(64, 64, device="cuda"))
     finally:
         nvfp4_kernels.block_factors = fused
-    assert calls == [1] and not nvfp4._TRITON.get("failed")
+    assert calls == [1] and not nvfp4._TRITON

@@ -544,7 +544,7 @@ def check_triton_rht() -> int:
             nvfp4._TRITON_ON = ()
             same(got, fake_quant_nvfp4(x, **kw))
         n += 1
-    assert not nvfp4._TRITON.get("failed")
+    assert not nvfp4._TRITON
     return n
 
 
@@ -566,7 +566,7 @@ def test_only_a_gpus_16_bit_base_layout_copy_takes_the_triton_rht(monkeypatch):
     assert nvfp4._rotate(x) is nvfp4.apply_rht  # (the CPU: eager)
     monkeypatch.setattr(nvfp4, "_TRITON_ON", ("cpu",))
     assert nvfp4._rotate(x) is not nvfp4.apply_rht and nvfp4._rotate(x.float()) is nvfp4.apply_rht
-    monkeypatch.setattr(nvfp4, "_TRITON", {"failed": True})
+    monkeypatch.setattr(nvfp4, "_TRITON", {"rht": True})
     assert nvfp4._rotate(x) is nvfp4.apply_rht
 
 
@@ -615,7 +615,7 @@ def check_triton_stochastic_rounding() -> int:
     mean = y[1:, 1:15].mean(dim=0)
     sigma = 0.5 / math.sqrt(y.shape[0] - 1)
     assert torch.all((mean - vs.double()).abs() < 5 * sigma), (mean - vs.double()).abs().max()
-    assert not nvfp4._TRITON.get("failed")
+    assert not nvfp4._TRITON
     return n
 
 
@@ -704,4 +704,6 @@ def test_stochastic_rounding_takes_triton_on_a_gpu_only_with_a_seed(monkeypatch)
     fake_quant_nvfp4(x, stochastic_rounding=True, generator=torch.Generator().manual_seed(3))
     assert calls == ["v", "u"]
     monkeypatch.setattr(nvfp4_kernels, "values_sr", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no Triton")))
-    assert torch.equal(fake_quant_nvfp4(x, stochastic_rounding=True, seed=3), cpu) and nvfp4._TRITON["failed"]
+    assert torch.equal(fake_quant_nvfp4(x, stochastic_rounding=True, seed=3), cpu)
+    assert nvfp4._TRITON == {"stochastic rounding": True}  # (the other kernels run on)
+    assert nvfp4._triton_here(x.device, "block scales") and not nvfp4._triton_here(x.device, "stochastic rounding")
