@@ -190,7 +190,9 @@ nvfp4-profile)
     timeout -s INT 300 "$PY" -m pytest tests/gpu/test_nvfp4_ref.py tests/gpu/test_te_training.py -k \
         "${TESTS_K:-nvfp4_ref or emulated}" -q -p no:cacheprovider -o addopts="" -rfEs 2>&1 | tail -15 \
         | tee -a "$OUT/nvfp4_tests.log"
-    [ "$TESTS" = only ] && exit 0
+    rc=${PIPESTATUS[0]}
+    [ "$TESTS" = only ] && exit "$rc"
+    [ "$rc" = 0 ] || stamp "the GPU tests failed (exit $rc): the benchmark below runs on" | tee -a "$OUT/nvfp4_tests.log"
   fi
   stamp "$("$PY" -c "import torch; print(torch.cuda.get_device_name())"), ${mem} GiB: bench_train $model --profile" \
       | tee "$OUT/nvfp4_profile.log"

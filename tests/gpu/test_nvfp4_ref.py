@@ -213,7 +213,7 @@ def test_the_fused_block_scales_are_the_eager_ones_bit_for_bit():
 
     from fp8_recipes.numerics import nvfp4, nvfp4_kernels
 
-    assert check_block_factors("cuda") == 24
+    assert check_block_factors("cuda") == 18
     calls = []
     fused = nvfp4_kernels.block_factors
     nvfp4_kernels.block_factors = lambda *a: calls.append(1) or fused(*a)

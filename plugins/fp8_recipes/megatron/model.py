@@ -377,9 +377,8 @@ def _transformer_config(cfg: dict, params_dtype: torch.dtype, device: torch.devi
     """Megatron-Core's TransformerConfig of a model config group, at parallel_state's layout, with the overrides."""
     import torch.nn.functional as F
     from megatron.core import parallel_state
+    from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.transformer import TransformerConfig
-
-    from fp8_recipes.backends.te import te_available
 
     swiglu = cfg.get("activation", "gelu") == "swiglu"
     hidden = int(cfg["hidden_size"])
@@ -422,9 +421,11 @@ def _transformer_config(cfg: dict, params_dtype: torch.dtype, device: torch.devi
         bias_activation_fusion=device.type == "cuda",
         masked_softmax_fusion=False,  # the local spec's softmax only; TE's attention is fused anyway
         bias_dropout_fusion=device.type == "cuda",
-        # TE's fused RoPE, in the local spec too (the emulated backend's): unfused, its muls, negation and cat took
-        # 7 of an emulated step's 11 ms above the TE spec's on 8 Llama-3-8B layers (the H100, 2026-12-06)
-        apply_rope_fusion=device.type == "cuda" and (use_te_spec or te_available()),
+        # TE's fused RoPE, in the local spec too (the emulated backend's) wherever Megatron-Core imported it: unfused,
+        # its muls, negation and cat took 7 of an emulated step's 11 ms above the TE spec's on 8 Llama-3-8B layers
+        # (the H100, 2026-12-06)
+        apply_rope_fusion=device.type == "cuda" and (
+            use_te_spec or rope_utils.fused_apply_rotary_pos_emb is not None),
         cross_entropy_loss_fusion=device.type == "cuda",
         # TE's wgrad GEMMs into DDP's main_grad: the trainer's key (training/run.py) turns it on for the TE spec
         gradient_accumulation_fusion=False,

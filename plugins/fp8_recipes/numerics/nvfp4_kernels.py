@@ -240,7 +240,7 @@ def block_factors(block_amax: torch.Tensor, amax: torch.Tensor):
     if block_amax.dim() == 2 and not block_amax.is_contiguous() and block_amax.t().is_contiguous():
         enc, *per_block = block_factors(block_amax.t(), amax)
         return enc, *(t.t() for t in per_block)
-    bamax = block_amax.contiguous()
+    bamax = block_amax.float().contiguous()  # (float32 factors from any block amaxes, as the eager functions')
     enc = torch.empty((), dtype=torch.float32, device=bamax.device)
     scales = torch.empty(bamax.shape, dtype=torch.uint8, device=bamax.device)
     multiplier, decode = torch.empty_like(bamax), torch.empty_like(bamax)
