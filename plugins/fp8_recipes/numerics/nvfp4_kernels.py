@@ -187,6 +187,8 @@ def values_sr(x: torch.Tensor, multiplier: torch.Tensor, decode: torch.Tensor, s
 # 28 ms of an emulated NVFP4 step of 16 Llama-3-8B layers on the H100 (2026-12-06).
 
 BLOCK_FACTORS = 1024  # blocks per program
+FP4_MAX_INV = float(torch.tensor(1.0) / torch.tensor(6.0))  # fp32(1/6) (a float32 quotient: exact as a Python float)
+FACTOR_INV = float(torch.tensor(1.0) / torch.tensor(2688.0))  # fp32(1/2688)
 FLOAT32_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)  # (a global a kernel reads is a constexpr)
 
 
@@ -214,7 +216,8 @@ def _block_factors_kernel(bamax_ptr, amax_ptr, enc_ptr, scale_ptr, mult_ptr, dec
     """For each of n blocks (block amax at bamax_ptr, float32): its E4M3 scale (bits, uint8), encode multiplier and
     decode factor (float32); S_enc at enc_ptr (program 0). fp4_max_inv = fp32(1/6), factor_inv = fp32(1/2688)."""
     amax = tl.load(amax_ptr)
-    enc = tl.minimum(tl.math.div_rn(tl.full([], 2688.0, tl.float32), amax), FLOAT32_MAX, propagate_nan=tl.PropagateNan.ALL)
+    enc = tl.minimum(tl.math.div_rn(tl.full([], 2688.0, tl.float32), amax), FLOAT32_MAX,
+                     propagate_nan=tl.PropagateNan.ALL)
     enc = tl.where((amax == 0.0) | (enc == 0.0), 1.0, enc)
     tl.store(enc_ptr, enc, mask=tl.program_id(0) == 0)
     k = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -245,9 +248,7 @@ def block_factors(block_amax: torch.Tensor, amax: torch.Tensor):
     scales = torch.empty(bamax.shape, dtype=torch.uint8, device=bamax.device)
     multiplier, decode = torch.empty_like(bamax), torch.empty_like(bamax)
     n = bamax.numel()
-    fp4_max_inv = float(torch.tensor(1.0) / torch.tensor(6.0))  # (float32's quotients, exact as Python floats)
-    factor_inv = float(torch.tensor(1.0) / torch.tensor(2688.0))
     _block_factors_kernel[(max(1, triton.cdiv(n, BLOCK_FACTORS)),)](
-        bamax, amax.float().contiguous(), enc, scales, multiplier, decode, n, fp4_max_inv, factor_inv,
+        bamax, amax.float().contiguous(), enc, scales, multiplier, decode, n, FP4_MAX_INV, FACTOR_INV,
         BLOCK=BLOCK_FACTORS, num_warps=4)
     return enc, scales.view(torch.float8_e4m3fn), multiplier, decode
