@@ -484,14 +484,26 @@ def default_run_name(recipe_name: str, env: Mapping[str, str] | None = None) -> 
     return f"{safe_name(recipe_name)}-{stamp}{token}"
 
 
+LOCK_SETTLE_S = 2.0
+"""How long a reader waits for an unreadable lock to become a complete record before it names "an unreadable lock":
+claim() writes the record whole (a hard link of a complete file), but a lock of an older version, or one written
+where hard links fail, exists empty for a moment before its record is in it."""
+
+
 def _holder(run_dir: Path) -> dict[str, Any] | None:
-    try:
-        holder = json.loads((run_dir / LOCK).read_text(encoding="utf-8"))
-    except (FileNotFoundError, NotADirectoryError):
-        return None  # no lock (a run_dir under a file is no one's: the writability check names it)
-    except (OSError, ValueError):
-        return {}  # half-written or garbage: nobody we can name
-    return holder if isinstance(holder, dict) else {}
+    deadline = time.monotonic() + LOCK_SETTLE_S
+    while True:
+        try:
+            holder = json.loads((run_dir / LOCK).read_text(encoding="utf-8"))
+        except (FileNotFoundError, NotADirectoryError):
+            return None  # no lock (a run_dir under a file is no one's: the writability check names it)
+        except (OSError, ValueError):
+            holder = None  # being written, or garbage
+        if isinstance(holder, dict):
+            return holder
+        if time.monotonic() >= deadline:
+            return {}  # half-written or garbage for good: nobody we can name
+        time.sleep(0.05)
 
 
 def _alive(pid: Any) -> bool:
@@ -554,22 +566,41 @@ def claim(run_dir: str | os.PathLike, env: Mapping[str, str] | None = None) -> N
     token, _ = job_identity(env)
     record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "job": token, "since": time.time()})
     for _ in range(3):
-        try:
-            fd = os.open(run_dir / LOCK, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            holder = _holder(run_dir)
-            if holder and _ours(holder):
-                return  # this process holds it already (a second run_training in one process)
-            check_run_dir(run_dir, fresh=False, env=env)  # refuses a live other job
-            logger.warning("run_dir: taking over the stale lock %s (%s)", run_dir / LOCK,
-                           f"pid {holder.get('pid')} on {holder.get('host')}" if holder else "unreadable")
-            (run_dir / LOCK).unlink(missing_ok=True)
-            continue
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(record)
-        atexit.register(release, run_dir)
-        return
+        if _create_whole(run_dir / LOCK, record):
+            atexit.register(release, run_dir)
+            return
+        holder = _holder(run_dir)
+        if holder and _ours(holder):
+            return  # this process holds it already (a second run_training in one process)
+        check_run_dir(run_dir, fresh=False, env=env)  # refuses a live other job
+        logger.warning("run_dir: taking over the stale lock %s (%s)", run_dir / LOCK,
+                       f"pid {holder.get('pid')} on {holder.get('host')}" if holder else "unreadable")
+        (run_dir / LOCK).unlink(missing_ok=True)
     raise RunDirError(f"run_dir: {str(run_dir)!r}: another run keeps taking its {LOCK}; choose another run_dir")
+
+
+def _create_whole(path: Path, text: str) -> bool:
+    """Create ``path`` holding ``text``, never seen without it: the other ranks of a job check the lock while rank 0
+    takes it, and an empty lock reads as another job's (a CI run's rank 1 refused its own job so). A complete file
+    hard-linked into place, which fails when ``path`` exists; where hard links fail (some file systems), an
+    exclusive create and a write, which readers wait out (_holder). False when ``path`` exists."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{time.monotonic_ns()}")
+    tmp.write_text(text, encoding="utf-8")
+    try:
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    except OSError:  # no hard links here
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        return True
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def release(run_dir: str | os.PathLike) -> None:

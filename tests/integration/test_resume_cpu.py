@@ -366,7 +366,8 @@ def dp_runs(dataset, tmp_path_factory, free_port) -> dict[str, Path]:
                                      f"trainer.resume={dirs['dp1'] / 'checkpoints' / f'step_{DP_SAVED}'}")
         for name, proc in procs.items():
             _, stderr = proc.communicate(timeout=300)
-            assert proc.returncode == 0 and "Traceback" not in stderr, f"{name}: {stderr[-4000:]}"
+            errors = "\n".join(line for line in stderr.splitlines() if "error" in line.lower())
+            assert proc.returncode == 0 and "Traceback" not in stderr, f"{name}: {errors}\n...\n{stderr[-3000:]}"
             if name == "dp2":
                 in_process(dirs["dp2_to_1"], dataset,
                            f"trainer.resume={dirs['dp2'] / 'checkpoints' / f'step_{DP_SAVED}'}")

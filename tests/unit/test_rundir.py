@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -136,6 +137,45 @@ def test_the_same_jobs_lock_is_taken_over(tmp_path):
     claim(tmp_path, env={"SLURM_JOB_ID": "5", "SLURM_STEP_ID": "0"})  # a requeued Slurm job on another node
     assert json.loads((tmp_path / LOCK).read_text())["pid"] == os.getpid()
     release(tmp_path)
+
+
+def test_a_lock_being_written_is_waited_for_not_taken_for_another_jobs(tmp_path):
+    """A rank checks the lock while rank 0 of its job takes it (a CI run's rank 1 read the lock empty, between its
+    creation and its record, and refused its own job): the reader waits for the record."""
+    token = rundir.job_identity({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"})[0]
+    (tmp_path / LOCK).write_text("")
+    writer = threading.Timer(0.3, _lock, (tmp_path, 1, "elsewhere.invalid", token))
+    writer.start()
+    try:
+        check_run_dir(tmp_path, fresh=False, env={"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"})  # its own job's
+    finally:
+        writer.join()
+    (tmp_path / LOCK).write_text("{not json")  # garbage for good: nobody to name, refused after the wait
+    with pytest.raises(RunDirError, match="an unreadable lock"):
+        check_run_dir(tmp_path, fresh=False)
+
+
+@pytest.mark.parametrize("links", [True, False], ids=["hard link", "no hard links"])
+def test_claim_writes_the_lock_whole_and_leaves_nothing_else(tmp_path, monkeypatch, links):
+    seen = []
+    real_link = os.link
+
+    def link(src, dst):
+        if not links:
+            raise OSError(1, "Operation not permitted")
+        real_link(src, dst)
+        seen.append(json.loads(Path(dst).read_text()))  # the lock as any reader first finds it
+
+    monkeypatch.setattr(rundir.os, "link", link)
+    claim(tmp_path)
+    holder = json.loads((tmp_path / LOCK).read_text())
+    assert holder["pid"] == os.getpid() and seen == ([holder] if links else [])
+    assert [p.name for p in tmp_path.iterdir()] == [LOCK]
+    _lock(tmp_path, 1, host="elsewhere.invalid")
+    with pytest.raises(RunDirError, match="elsewhere.invalid"):
+        claim(tmp_path)  # another host's lock: the create found it, nothing overwritten
+    assert json.loads((tmp_path / LOCK).read_text())["host"] == "elsewhere.invalid"
+    assert [p.name for p in tmp_path.iterdir()] == [LOCK]
 
 
 def test_rows_past_the_checkpoint_are_dropped_atomically(tmp_path):
