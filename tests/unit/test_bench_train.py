@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fp8_recipes.bench.train import check_configs, raw_megatron_fp8, summarize, with_levers
+from fp8_recipes.bench.train import MODEL_LEVERS, check_configs, raw_megatron_fp8, summarize, with_levers
 from fp8_recipes.integrations.common import megatron_fp8_fields
 from fp8_recipes.plan.precision import Hardware, ModelLayout, PrecisionPlan
 from fp8_recipes.recipe.pack import load_recipe
@@ -133,13 +133,22 @@ def test_graphs_lever_is_megatrons_own_cuda_graphs(megatron_cpu):
     assert cuda_graph_fields(moe)["cuda_graph_modules"] == ["attn", "moe_router", "moe_preprocess"]
     assert cuda_graph_fields(moe, attn_only=True)["cuda_graph_modules"] == ["attn"]  # lever attngraphs
     alltoall = {**moe, "moe_token_dispatcher_type": "alltoall"}
-    for host_copy in ({"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True},
+    for host_copy in ({"moe_expert_capacity_factor": 1.0},  # dropping without padding: dynamic sizes
                       {"moe_router_padding_for_quantization": True}):  # (the dispatcher copies counts to the host)
         assert cuda_graph_fields({**alltoall, **host_copy})["cuda_graph_modules"] == ["attn", "moe_router"]
-    model = build_gpt_model(moe, params_dtype=torch.float32, device="cpu", config_overrides=cuda_graph_fields(moe))
-    config = unwrap_model(model).config
-    assert config.cuda_graph_impl == "transformer_engine"
-    assert [m.name for m in config.cuda_graph_modules] == ["attn", "moe_router", "moe_preprocess"]
+    padded = {**alltoall, **MODEL_LEVERS["capacity"]}  # lever capacity: static shapes, the whole MoE block graphed
+    assert cuda_graph_fields(padded)["cuda_graph_modules"] == ["attn", "moe"]
+    assert cuda_graph_fields(padded, attn_only=True)["cuda_graph_modules"] == ["attn"]
+    padded_cpu = {**padded, "moe_token_dispatcher_type": "allgather"}  # (the alltoall dispatcher: GPU only)
+    for cfg, want in ((moe, ["attn", "moe_router", "moe_preprocess"]), (padded_cpu, ["attn", "moe"])):
+        # Megatron-Core's own TransformerConfig checks accept each (it refuses "moe" on a dropless MoE)
+        model = build_gpt_model(cfg, params_dtype=torch.float32, device="cpu", config_overrides=cuda_graph_fields(cfg))
+        config = unwrap_model(model).config
+        assert config.cuda_graph_impl == "transformer_engine"
+        assert [m.name for m in config.cuda_graph_modules] == want
+    with pytest.raises(AssertionError, match="only supported with drop-padding MoE"):
+        build_gpt_model(moe, params_dtype=torch.float32, device="cpu", config_overrides={
+            "cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ["attn", "moe"]})
 
 
 def test_models_the_benchmark_cannot_build_or_fit_are_refused_before_any_run():

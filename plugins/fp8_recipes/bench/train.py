@@ -38,8 +38,10 @@ Per model, configs run one after another on a freshly built model (same seed, sa
                      transformer_engine): the attention, and in MoE layers the router and the dispatcher's
                      preprocessing (where it copies nothing to the host), captured after the first warmup step
                      and replayed per micro-batch, so the host launches far fewer kernels before each MoE layer's
-                     token-count sync. On bf16 and NAME:raw only: Megatron-Core captures under its own FP8 config
-                     and replays a layer without calling its forward, where this project's per-layer autocast sits
+                     token-count sync; with lever capacity (static shapes) the whole layer, experts included,
+                     so no token count reaches the host. On bf16 and NAME:raw only: Megatron-Core captures
+                     under its own FP8 config and replays a layer without calling its forward, where this
+                     project's per-layer autocast sits
                attngraphs  the same, of the attention alone (Megatron-LM's --cuda-graph-scope attn): on a MoE
                      model it tells the attention's share of graphs from the router's and the dispatcher's
 Recipes with BF16 warmup or staged enablement are timed in their final stage (all roles FP8), the steady state.
@@ -323,11 +325,16 @@ def _step_function(model: torch.nn.Module, precision: Any, optimizer: torch.opti
 
 def cuda_graph_fields(model_cfg: dict, attn_only: bool = False) -> dict:
     """Megatron-Core's TransformerConfig fields of lever ``graphs``: TE's per-layer CUDA graphs of the attention and,
-    in MoE layers, of the router and the dispatcher's preprocessing, the scopes Megatron-Core allows a dropless MoE
-    (the preprocessing only where it copies nothing to the host: not with a capacity factor or router padding);
-    ``attn_only`` (lever ``attngraphs``): the attention's alone."""
+    in MoE layers, the scopes Megatron-Core allows that MoE. Dropless: the router and the dispatcher's preprocessing
+    (the preprocessing only where it copies nothing to the host: not with a capacity factor or router padding).
+    Dropped and padded to capacity (lever ``capacity``): the whole MoE block, experts and dispatch included (its
+    shapes are static: every expert gets its capacity), so the whole layer is one graph and no token count reaches
+    the host. ``attn_only`` (lever ``attngraphs``): the attention's alone."""
     modules = ["attn"]
     if model_cfg.get("num_moe_experts") and not attn_only:
+        if model_cfg.get("moe_expert_capacity_factor") is not None and model_cfg.get(
+                "moe_pad_expert_input_to_capacity"):
+            return {"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": [*modules, "moe"]}
         modules.append("moe_router")
         host_copy = model_cfg.get("moe_token_dispatcher_type") == "alltoall" and (
             model_cfg.get("moe_expert_capacity_factor") is not None
