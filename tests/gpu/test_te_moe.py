@@ -195,12 +195,15 @@ def test_grouped_experts_compute_the_emulated_experts_product(megatron_gpu):
 
 
 @pytest.mark.parametrize("model, label", [("tiny", "bf16+graphs"), ("tiny_moe", "bf16+attngraphs"),
-                                          ("tiny_moe", "bf16+graphs"), ("tiny_moe", "delayed+graphs:raw")])
+                                          ("tiny_moe", "bf16+graphs"), ("tiny_moe", "delayed+graphs:raw"),
+                                          ("tiny_moe", "bf16+capacity+graphs"),
+                                          ("tiny_moe", "delayed+capacity+graphs:raw")])
 def test_the_graphs_lever_captures_and_steps_as_the_eager_engine(model, label):
     """bench_train's levers graphs / attngraphs (Megatron-Core's TE CUDA graphs of the attention, the router and the
-    dispatcher's preprocessing / of the attention alone, captured before step 1) on the engine's step of a tiny dense
-    GPT and the tiny MoE: the capture succeeds (it raises when no layer was graphed) and the step computes what the
-    eager step does, from the same weights and tokens. (On 2026-12-06 both MoE cases failed in the backward's
+    dispatcher's preprocessing / of the attention alone, captured before step 1; under lever capacity, static
+    shapes, of the whole MoE block) on the engine's step of a tiny dense GPT and the tiny MoE: the capture succeeds
+    (it raises when no layer was graphed) and the step computes what the eager step does, from the same weights and
+    tokens. (On 2026-12-06 both MoE cases failed in the backward's
     capture, "operation would make the legacy stream depend on a capturing blocking stream": DDP's AccumulateGrad
     nodes were made on the default stream, fixed by bench/train.py's graph_side_stream. The dense and attention-only
     cases tell a capture that fails on the engine's step from one that fails on the MoE scopes.)"""
