@@ -9,6 +9,8 @@ from fp8_recipes.integrations.common import megatron_fp8_fields
 from fp8_recipes.plan.precision import Hardware, ModelLayout, PrecisionPlan
 from fp8_recipes.recipe.pack import load_recipe
 
+H200 = Hardware("cuda", (9, 0), "2.20.2", "NVIDIA H200")
+
 
 def test_levers_turn_on_what_they_name():
     plain = load_recipe("delayed")
@@ -106,26 +108,35 @@ def test_emulated_lever_runs_the_emulated_backend():
     assert not _decide(cfg, "bf16").ours
 
 
-def test_graphs_lever_is_megatrons_own_cuda_graphs(megatron_cpu):
-    """Lever graphs: Megatron-Core's TE CUDA graphs, on the engine's step, for bf16 and NAME:raw only (its capture and
-    replay bypass this project's per-layer autocast); the scopes Megatron-Core allows a dropless MoE, which its own
-    TransformerConfig accepts (built on the CPU)."""
+def test_graphs_lever_is_megatrons_own_cuda_graphs(megatron_cpu, monkeypatch):
+    """Lever graphs: Megatron-Core's TE CUDA graphs, on the engine's step, for bf16, NAME:raw and this project's TE
+    backend (captured under the plan's one TE recipe: a plan whose layers differ is skipped, saying why; not the
+    emulated backend); the scopes Megatron-Core allows a dropless MoE, which its own TransformerConfig accepts
+    (built on the CPU)."""
     import torch
 
-    from fp8_recipes.bench.train import GRAPH_CAPTURE_STEP, cuda_graph_fields, load_model_cfg
+    from fp8_recipes.bench import train as bench
+    from fp8_recipes.bench.train import GRAPH_CAPTURE_STEP, _decide, cuda_graph_fields, load_model_cfg
     from fp8_recipes.megatron.model import build_gpt_model, unwrap_model
 
-    check_configs(["bf16+graphs", "delayed+graphs:raw", "blockwise+pad+graphs:raw", "bf16+attngraphs"], engine=True,
-                  warmup=3)
+    check_configs(["bf16+graphs", "delayed+graphs:raw", "blockwise+pad+graphs:raw", "bf16+attngraphs",
+                   "delayed+graphs", "tensorwise+capacity+graphs", "blockwise+attngraphs"], engine=True, warmup=3)
     assert with_levers(load_recipe("delayed"), ["graphs"]) == load_recipe("delayed")  # the step's lever
+    monkeypatch.setattr(bench.Hardware, "detect", classmethod(lambda cls: H200))
+    tiny = {**load_model_cfg("tiny"), "vocab_size": 256}
+    for label in ("delayed+graphs", "fast+graphs", "safe+graphs"):  # (safe: BF16 first and last layers)
+        run = _decide(tiny, label, engine=True)
+        assert run.ours and run.graphs == "graphs" and run.plan.te is not None and run.skipped is None, label
+    monkeypatch.setattr("fp8_recipes.backends.te.graph_capture_problem", lambda sp, layers: "layer 1 runs other")
+    assert _decide(tiny, "delayed+graphs", engine=True).skipped == "layer 1 runs other"  # (test_te_backend.py)
+    assert _decide(tiny, "delayed+graphs:raw", engine=True).skipped is None  # Megatron-Core's own recipe
     for label, configs, kwargs, match in (
-            ("delayed+graphs", ["delayed+graphs"], {"engine": True}, "replay it without the forward .* "
-                                                                     r"delayed\+graphs:raw$"),
+            ("delayed+emulated+graphs", ["delayed+emulated+graphs"], {"engine": True},
+             "capture TE-spec layers; the emulated backend runs the local spec; drop [+]emulated or [+]graphs$"),
             ("bf16+graphs", ["bf16+graphs"], {}, "a lever of the engine's step; add --engine$"),
             ("bf16+graphs", ["bf16+graphs"], {"engine": True, "warmup": GRAPH_CAPTURE_STEP},
              f"--warmup {GRAPH_CAPTURE_STEP + 1} or more$"),
-            ("bf16+graphs+attngraphs", ["bf16+graphs+attngraphs"], {"engine": True}, "keep one$"),
-            ("tensorwise+attngraphs", ["tensorwise+attngraphs"], {"engine": True}, r"tensorwise\+attngraphs:raw$")):
+            ("bf16+graphs+attngraphs", ["bf16+graphs+attngraphs"], {"engine": True}, "keep one$")):
         with pytest.raises(ValueError, match=rf"^--configs {label.replace('+', '[+]')}: .*{match}"):
             check_configs(configs, **kwargs)
     moe = {**load_model_cfg("tiny_moe"), "vocab_size": 256}

@@ -5,6 +5,7 @@ and delayed-scaling state put back from a checkpoint before the module's next FP
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 
@@ -204,6 +205,77 @@ def test_a_pattern_disables_one_linear_inside_an_fp8_layer(fake_te):
     ran = step(precision, decoder, log, 0)
     assert ran == {n: BF16 if n.endswith("linear_qkv") else FP8 for n in ran}
     assert fake_te.reductions == 3  # no delayed state: no outer autocast, each layer's autocast is outermost
+
+
+class GraphedLayer(Layer):
+    """A layer as Megatron-Core's TE CUDA graphs run it once captured: TransformerLayer.__call__ replays the graph
+    through ``_te_cuda_graph_replay`` (the parts a partial graph leaves out run eagerly inside it), not forward."""
+
+    replay = False
+
+    def __call__(self, x):
+        return self._te_cuda_graph_replay(x) if self.replay else super().__call__(x)
+
+    def _te_cuda_graph_replay(self, x):
+        for m in self.linears:
+            x = m(x)
+        return x
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "delayed"])
+def test_a_graph_replay_runs_under_the_layers_autocast(fake_te, scaling):
+    """bench_train's lever graphs on this backend: the capture takes the plan's recipe (one TE recipe object, per
+    layer FP8 or not) where Megatron-Core's helper would take its own FP8 config; the replay, which does not call
+    the forward our per-layer autocast wraps, runs under that layer's autocast all the same (the experts a
+    dropless MoE's graph leaves eager, TE's weight caching and amax updates depend on it). Without the wrap every
+    replayed linear ran outside any autocast: BF16."""
+    plan = PrecisionPlan(Recipe.from_dict({"weights": scaling, "activations": scaling, "gradients": scaling,
+                                           "layers": {"bf16_first": 1}}), ModelLayout.gpt(3), H200)
+    log: list = []
+    linears = {f"decoder.layers.{i}.{m}": FakeLinear(fake_te, log, f"decoder.layers.{i}.{m}")
+               for i in range(3) for m in PER_LAYER}
+    blocks = [GraphedLayer([linears[f"decoder.layers.{i}.{m}"] for m in PER_LAYER]) for i in range(3)]
+    decoder = Decoder(blocks)
+    precision = TEPrecision(plan, layers=dict(enumerate(blocks)), linears=linears, chunks=[decoder])
+    eager = step(precision, decoder, log, 0)
+    capture = precision.graph_capture([0, 1, 2])
+    choice = precision.step_plan.layers_te[1]
+    assert capture == {"fp8_enabled": (False, True, True), "fp8_recipe": precision.te_recipe(choice),
+                       "fp8_weight_caching": True, "fp8_group": None}
+    for block in blocks:
+        block.replay = True
+    reductions = fake_te.reductions
+    assert step(precision, decoder, log, 1) == eager
+    assert {r.choice for _, on, r in log if on} == {choice}
+    assert fake_te.reductions == reductions + (1 if scaling == "delayed" else 2)  # as eagerly (the outer autocast)
+    assert fake_te.quantization_state.autocast_depth == 0
+
+
+def test_graphs_are_refused_where_the_layers_run_more_than_one_recipe(fake_te):
+    """One TE recipe per capture: a linear with its own autocast inside a graphed layer (a BF16 pattern, a
+    ``modules:`` policy) or layers of different recipes are refused in one line; a stage change after the capture
+    too (the graphs replay the stage they were captured in)."""
+    from fp8_recipes.backends.te import graph_capture_problem
+
+    precision, decoder, log = attach(fake_te, {"weights": "tensorwise", "activations": "tensorwise",
+                                               "gradients": "tensorwise", "layers": {"bf16_modules": ["*.2.mlp.*"]}})
+    precision.begin_step(0)
+    with pytest.raises(ValueError, match=r"^te backend: .*decoder\.layers\.2\.mlp\.linear_fc1 runs its own \(bf16,"):
+        precision.graph_capture([0, 1, 2])
+    assert precision.graph_capture([0, 1])["fp8_enabled"] == (True, True)  # layer 2 left eager
+    sp = precision.step_plan
+    other = dataclasses.replace(sp.layers_te[0], fp8_dpa=True)
+    mixed = dataclasses.replace(sp, layers_te={**sp.layers_te, 1: other})
+    assert graph_capture_problem(mixed, [0, 1, 2]).startswith("CUDA graphs capture every layer under one TE recipe; "
+                                                               "layer 1 runs ")
+    assert graph_capture_problem(mixed, [0, 2]) is None
+    staged_precision, _, _ = attach(fake_te, staged("tensorwise"))
+    staged_precision.begin_step(7)
+    staged_precision.graph_capture([0, 1, 2])
+    staged_precision.begin_step(8)  # the same stage: fine
+    with pytest.raises(ValueError, match=r"^te backend: CUDA graphs were captured in stage 'fp8 w\+a\+g' .* "
+                                         r"stage 'bf16 warmup'"):
+        staged_precision.begin_step(0)
 
 
 def test_high_precision_and_the_counters(fake_te):

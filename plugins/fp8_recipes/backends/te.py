@@ -54,8 +54,8 @@ from fp8_recipes.plan.precision import PrecisionPlan, StepPlan, TERecipe
 from fp8_recipes.plan.te import DELAYED_ANCHOR, TERecipeKind
 from fp8_recipes.recipe.schema import AmaxAlgo, AmaxReduction, Format, Role, Scaling, TensorPolicy
 
-__all__ = ["DelayedScaleUpdate", "PercentileAmax", "RoleQuantizers", "TEPrecision", "te_available", "te_recipe",
-           "what_ran"]
+__all__ = ["DelayedScaleUpdate", "PercentileAmax", "RoleQuantizers", "TEPrecision", "graph_capture_problem",
+           "te_available", "te_recipe", "what_ran"]
 
 FP8, FP8_FWD, BF16 = "fp8", "fp8 fwd", "bf16"  # what a TE linear ran, as counted by TEPrecision
 
@@ -239,6 +239,20 @@ def te_recipe(choice: TERecipe, *, reduce_amax: bool = True) -> Any:
 _FP8_ROWWISE = ("data", "fp8_scale_inv", "rowwise_data", "rowwise_scale_inv")  # TE's get_metadata() keys
 
 
+def graph_capture_problem(sp: StepPlan, layers: Sequence[int]) -> str | None:
+    """Why Megatron-Core's TE CUDA graphs cannot capture ``layers`` (plan layer numbers) under this step plan, or
+    None. TE's make_graphed_callables captures every callable under one recipe (each callable may be FP8 or not):
+    the FP8 layers must share one TE recipe. (TEPrecision.graph_capture also checks the linears inside them.)"""
+    choices = {i: sp.layers_te.get(i) for i in layers}
+    distinct = list(dict.fromkeys(c for c in choices.values() if c is not None))
+    if len(distinct) > 1:
+        first, other = distinct[0], distinct[1]
+        at = [i for i, c in choices.items() if c == other][0]
+        return (f"CUDA graphs capture every layer under one TE recipe; layer {at} runs {other.describe()}, "
+                f"layer {[i for i, c in choices.items() if c == first][0]} {first.describe()}")
+    return None
+
+
 def _fp8_data(param: Any) -> dict[str, torch.Tensor]:
     """The tensors a TE QuantizedTensor is made of (FP8 data, scale inverses, transposes: whichever it holds)."""
     return {k: v for k, v in param.get_metadata().items() if isinstance(v, torch.Tensor)}
@@ -313,6 +327,8 @@ class TEPrecision:
         self._layer_ctx: dict[int, tuple | None] = dict.fromkeys(layers, self._off)
         self._module_ctx: dict[str, tuple | None] = {}
         self._outer: tuple | None = None
+        self._graphed: str | None = None
+        """The stage Megatron-Core's CUDA graphs were captured in (graph_capture), or None."""
         self._choices: dict[str, TERecipe | None] = {}
         self._expected: dict[str, str] = {}
         self._roles: frozenset[Role] | None = None
@@ -329,6 +345,8 @@ class TEPrecision:
         self.mismatches: Counter = Counter()
         for i, layer in layers.items():
             self._wrap(layer, lambda i=i: self._layer_ctx[i])
+            if hasattr(layer, "_te_cuda_graph_replay"):  # Megatron-Core's TE graph replay: not through forward
+                self._wrap(layer, lambda i=i: self._layer_ctx[i], "_te_cuda_graph_replay")
         for name, module in self.linears.items():
             self._wrap(module, lambda name=name: self._module_ctx.get(name))
             if count:
@@ -343,8 +361,8 @@ class TEPrecision:
         self._cached_weights = [m for m in self.linears.values() if hasattr(m, "is_first_microbatch")]
 
     # -- wiring ----------------------------------------------------------------------------------------------------
-    def _wrap(self, module: torch.nn.Module, context: Callable[[], tuple | None]) -> None:
-        inner, autocast, manager = module.forward, self._autocast, self._fp8_state_manager
+    def _wrap(self, module: torch.nn.Module, context: Callable[[], tuple | None], attr: str = "forward") -> None:
+        inner, autocast, manager = getattr(module, attr), self._autocast, self._fp8_state_manager
 
         def forward(*args, **kwargs):
             ctx = context()
@@ -362,7 +380,7 @@ class TEPrecision:
                 state.is_first_fp8_module = False
             return out
 
-        module.forward = forward
+        setattr(module, attr, forward)
 
     def _counter(self, name: str) -> Callable:
         def hook(module, args, output):
@@ -388,6 +406,9 @@ class TEPrecision:
         """Derive every autocast of a stage from the plan: per layer its own TE recipe (``StepPlan.layers_te``), per
         linear an override where it differs (a ``modules:`` policy, a BF16 pattern), its own for a linear outside the
         layers (the LM head), and the outer autocast when any choice has delayed state."""
+        if self._graphed is not None:
+            raise ValueError(f"te backend: CUDA graphs were captured in stage {self._graphed!r} and replay its "
+                             f"recipe; the plan's stage {sp.stage!r} would need them captured again")
         choices = {n: sp.modules[self.rows[n][0]].te for n in self.linears}  # (a grouped linear's rows agree)
         by_layer: dict[int | None, list[str]] = defaultdict(list)
         for name in self.linears:
@@ -482,6 +503,30 @@ class TEPrecision:
         # (its schedules call set_is_first_microbatch(), which acts only when config.fp8 is set: not here).
         for m in self._cached_weights:
             m.is_first_microbatch = True
+
+    def graph_capture(self, layers: Sequence[int]) -> dict[str, Any]:
+        """TE make_graphed_callables' quantization arguments for capturing ``layers`` (plan layer numbers, in the
+        callables' order) in this step's stage, where Megatron-Core's TECudaGraphHelper would take them from its
+        own FP8 config: per layer FP8 or not, the one TE recipe (this backend's object: the delayed state TE
+        registers under it is the eager steps'), cached FP8 weights, the amax group. The replay runs under the
+        layer's own autocast (``_wrap`` wraps Megatron-Core's replay as it wraps the forward): TE's replay reads
+        the autocast (its "first FP8 module" flag, weight caching, delayed amax updates), and so do the layer
+        parts a partial graph leaves eager (a dropless MoE's experts). ValueError (one line) when the layers
+        differ in recipe or a linear inside runs its own (a ``modules:`` policy, a BF16 pattern), or later when
+        the stage changes (_apply)."""
+        problem = graph_capture_problem(self.step_plan, layers)
+        inside = [n for n, i in self._layer_of.items() if i in set(layers) and self._module_ctx.get(n) is not None]
+        if problem is None and inside:
+            problem = (f"CUDA graphs capture a layer under one TE recipe; {inside[0]} runs its own "
+                       f"({_kind(self._choices.get(inside[0]))}, a modules: policy or a BF16 pattern)")
+        if problem is not None:
+            raise ValueError(f"te backend: {problem}")
+        choice = next((c for i in layers if (c := self._layer_choices.get(i)) is not None), None)
+        self._graphed = self.step_plan.stage
+        if choice is None:
+            return {"fp8_enabled": False}
+        return {"fp8_enabled": tuple(self._layer_choices.get(i) is not None for i in layers),
+                "fp8_recipe": self.te_recipe(choice), "fp8_weight_caching": True, "fp8_group": self._group}
 
     @contextlib.contextmanager
     def high_precision(self) -> Iterator[None]:

@@ -39,9 +39,9 @@ Per model, configs run one after another on a freshly built model (same seed, sa
                      preprocessing (where it copies nothing to the host), captured after the first warmup step
                      and replayed per micro-batch, so the host launches far fewer kernels before each MoE layer's
                      token-count sync; with lever capacity (static shapes) the whole layer, experts included,
-                     so no token count reaches the host. On bf16 and NAME:raw only: Megatron-Core captures
-                     under its own FP8 config and replays a layer without calling its forward, where this
-                     project's per-layer autocast sits
+                     so no token count reaches the host. NAME:raw captures under Megatron-Core's FP8 config;
+                     NAME (this project's TE backend) under the plan's recipe, whose FP8 layers must share one
+                     TE recipe with no linear of its own inside (else the config is skipped, saying why)
                attngraphs  the same, of the attention alone (Megatron-LM's --cuda-graph-scope attn): on a MoE
                      model it tells the attention's share of graphs from the router's and the dispatcher's
 Recipes with BF16 warmup or staged enablement are timed in their final stage (all roles FP8), the steady state.
@@ -148,10 +148,9 @@ def check_configs(configs: list[str], engine: bool = False, warmup: int | None =
         graphs = [lever for lever in levers if lever in GRAPH_LEVERS]
         if len(graphs) > 1:
             raise ValueError(f"--configs {label}: {' and '.join(graphs)} choose the graphs' scopes both; keep one")
-        if graphs and (EMULATED in levers or (name != "bf16" and mode != "raw")):
-            raise ValueError(f"--configs {label}: {graphs[0]}: Megatron-Core's CUDA graphs capture a layer under its "
-                             f"own FP8 config and replay it without the forward this project's autocast wraps; time "
-                             f"bf16+{graphs[0]} and {name if name != 'bf16' else 'NAME'}+{graphs[0]}:raw")
+        if graphs and EMULATED in levers:
+            raise ValueError(f"--configs {label}: {graphs[0]}: Megatron-Core's CUDA graphs capture TE-spec layers; "
+                             f"the emulated backend runs the local spec; drop +{EMULATED} or +{graphs[0]}")
         if graphs and warmup is not None and warmup <= GRAPH_CAPTURE_STEP:
             raise ValueError(f"--configs {label}: graphs are captured before step {GRAPH_CAPTURE_STEP}, which "
                              f"--warmup {warmup} times; give --warmup {GRAPH_CAPTURE_STEP + 1} or more")
@@ -246,6 +245,12 @@ def _decide(model_cfg: dict, label: str, engine: bool = False) -> _BenchConfig:
     # the recipe's own TE recipe in its first FP8 layer (the layer's autocast; modules: overrides run their own)
     choice = next((te for te in plan.at(run.steady).layers_te.values() if te is not None), None)
     run.describe = choice.describe() if choice is not None else "BF16"
+    if run.graphs and mode != "raw":
+        from fp8_recipes.backends.te import graph_capture_problem
+
+        run.skipped = graph_capture_problem(plan.at(run.steady), range(plan.layout.num_layers))
+        if run.skipped:
+            return run
     if mode == "raw":
         run.overrides = raw_megatron_fp8(choice, recipe)
         if run.overrides is None:
@@ -355,19 +360,28 @@ def graph_side_stream() -> None:
     torch.cuda.set_stream(torch.cuda.Stream())
 
 
-def _graph_capture(engine: Any, *, seq: int, mbs: int, accum: int) -> Callable[[], None]:
+def _graph_capture(engine: Any, precision: Any, *, seq: int, mbs: int, accum: int) -> Callable[[], None]:
     """What Megatron-LM's training loop does at --cuda-graph-warmup-steps: capture each layer's graphs
     (TECudaGraphHelper: with one pipeline stage one micro-batch's, replayed for every micro-batch of a step), with
     DDP's forward pre-hooks off during the capture and set by hand on the graphed modules after it. (The helper
-    reads Megatron-Core's micro-batch calculator, initialised here as Megatron-LM does.)"""
+    reads Megatron-Core's micro-batch calculator, initialised here as Megatron-LM does.) With this project's TE
+    backend (``precision``) the quantization arguments of the capture are the plan's (TEPrecision.graph_capture),
+    not those of Megatron-Core's FP8 config, which this backend leaves unset."""
     from megatron.core.num_microbatches_calculator import (init_num_microbatches_calculator,
                                                            unset_num_microbatches_calculator)
     from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
 
+    class PlanGraphHelper(TECudaGraphHelper):
+        def _get_cuda_graph_input_data(self):
+            sample_args, kwargs = super()._get_cuda_graph_input_data()
+            if precision is not None:
+                kwargs.update(precision.graph_capture([c.layer_number - 1 for c in self.flattened_callables]))
+            return sample_args, kwargs
+
     unset_num_microbatches_calculator()
     init_num_microbatches_calculator(0, None, mbs * accum, mbs, 1)
-    helper = TECudaGraphHelper(model=engine.chunks, config=engine.config, seq_length=seq, micro_batch_size=mbs,
-                               optimizers=[engine.optimizer])
+    helper = PlanGraphHelper(model=engine.chunks, config=engine.config, seq_length=seq, micro_batch_size=mbs,
+                             optimizers=[engine.optimizer])
     hooks = all(getattr(chunk, "use_forward_hook", False) for chunk in engine.chunks)  # (DDP's, with param gather)
 
     def capture() -> None:
@@ -404,7 +418,7 @@ def _engine_step_function(model: torch.nn.Module, precision: Any, run: _BenchCon
              "loss_mask": torch.ones(mbs, seq, device="cuda"),
              "position_ids": torch.arange(seq, device="cuda").expand(mbs, seq)}
     steady = run.steady
-    capture = _graph_capture(engine, seq=seq, mbs=mbs, accum=accum) if run.graphs else None
+    capture = _graph_capture(engine, precision, seq=seq, mbs=mbs, accum=accum) if run.graphs else None
 
     def one_step(i: int) -> torch.Tensor:
         if precision is not None:
