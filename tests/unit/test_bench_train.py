@@ -117,7 +117,7 @@ def test_graphs_lever_is_megatrons_own_cuda_graphs(megatron_cpu, monkeypatch):
 
     from fp8_recipes.bench import train as bench
     from fp8_recipes.bench.train import GRAPH_CAPTURE_STEP, _decide, cuda_graph_fields, load_model_cfg
-    from fp8_recipes.megatron.model import build_gpt_model, unwrap_model
+    from fp8_recipes.megatron.model import _transformer_config, build_gpt_model, unwrap_model
 
     check_configs(["bf16+graphs", "delayed+graphs:raw", "blockwise+pad+graphs:raw", "bf16+attngraphs",
                    "delayed+graphs", "tensorwise+capacity+graphs", "blockwise+attngraphs"], engine=True, warmup=3)
@@ -150,15 +150,18 @@ def test_graphs_lever_is_megatrons_own_cuda_graphs(megatron_cpu, monkeypatch):
     padded = {**alltoall, **MODEL_LEVERS["capacity"]}  # lever capacity: static shapes, the whole MoE block graphed
     assert cuda_graph_fields(padded)["cuda_graph_modules"] == ["attn", "moe"]
     assert cuda_graph_fields(padded, attn_only=True)["cuda_graph_modules"] == ["attn"]
-    padded_cpu = {**padded, "moe_token_dispatcher_type": "allgather"}  # (the alltoall dispatcher: GPU only)
-    for cfg, want in ((moe, ["attn", "moe_router", "moe_preprocess"]), (padded_cpu, ["attn", "moe"])):
-        # Megatron-Core's own TransformerConfig checks accept each (it refuses "moe" on a dropless MoE)
-        model = build_gpt_model(cfg, params_dtype=torch.float32, device="cpu", config_overrides=cuda_graph_fields(cfg))
-        config = unwrap_model(model).config
-        assert config.cuda_graph_impl == "transformer_engine"
-        assert [m.name for m in config.cuda_graph_modules] == want
+    # the allgather dispatcher copies its token counts to the host even when padded: the router's scopes only
+    allgather = {**moe, **MODEL_LEVERS["capacity"]}
+    assert cuda_graph_fields(allgather)["cuda_graph_modules"] == ["attn", "moe_router", "moe_preprocess"]
+    model = build_gpt_model(moe, params_dtype=torch.float32, device="cpu", config_overrides=cuda_graph_fields(moe))
+    config = unwrap_model(model).config  # Megatron-Core's own checks accept the scopes (a model built on the CPU)
+    assert config.cuda_graph_impl == "transformer_engine"
+    assert [m.name for m in config.cuda_graph_modules] == ["attn", "moe_router", "moe_preprocess"]
+    # the alltoall dispatcher builds on the GPU only: its TransformerConfig, where Megatron-Core checks the scopes
+    config = _transformer_config(padded, torch.float32, torch.device("cpu"), False, cuda_graph_fields(padded))
+    assert [m.name for m in config.cuda_graph_modules] == ["attn", "moe"]
     with pytest.raises(AssertionError, match="only supported with drop-padding MoE"):
-        build_gpt_model(moe, params_dtype=torch.float32, device="cpu", config_overrides={
+        _transformer_config(alltoall, torch.float32, torch.device("cpu"), False, {
             "cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ["attn", "moe"]})
 
 

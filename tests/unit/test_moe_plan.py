@@ -45,6 +45,10 @@ def test_moe_layer_pattern_reads_moe_layer_freq_as_megatron_core_does():
     ({"moe_router_fusion": 1}, r"^model\.moe_router_fusion=1: must be true or false"),
     ({"moe_router_fusion": True, "moe_router_padding_for_quantization": True, "moe_token_dispatcher_type": "alltoall"},
      r"^model\.moe_router_fusion=true with model\.moe_router_padding_for_quantization=true: .*set one of them false$"),
+    ({"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True,
+      "moe_router_padding_for_quantization": True, "moe_token_dispatcher_type": "alltoall"},
+     r"^model\.moe_router_padding_for_quantization=true with model\.moe_pad_expert_input_to_capacity=true: .*"
+     r"set the router padding false$"),
     ({"moe_expert_count": 4}, r"^model\.moe_expert_count: unknown key"),
 ])
 def test_moe_keys_are_checked_one_line_each(change, says):

@@ -242,7 +242,8 @@ _FP8_ROWWISE = ("data", "fp8_scale_inv", "rowwise_data", "rowwise_scale_inv")  #
 def graph_capture_problem(sp: StepPlan, layers: Sequence[int]) -> str | None:
     """Why Megatron-Core's TE CUDA graphs cannot capture ``layers`` (plan layer numbers) under this step plan, or
     None. TE's make_graphed_callables captures every callable under one recipe (each callable may be FP8 or not):
-    the FP8 layers must share one TE recipe. (TEPrecision.graph_capture also checks the linears inside them.)"""
+    the FP8 layers must share one TE recipe, and no linear inside them may run its own (a ``modules:`` policy, a
+    BF16 pattern: its autocast would not be in the graph)."""
     choices = {i: sp.layers_te.get(i) for i in layers}
     distinct = list(dict.fromkeys(c for c in choices.values() if c is not None))
     if len(distinct) > 1:
@@ -250,6 +251,10 @@ def graph_capture_problem(sp: StepPlan, layers: Sequence[int]) -> str | None:
         at = [i for i, c in choices.items() if c == other][0]
         return (f"CUDA graphs capture every layer under one TE recipe; layer {at} runs {other.describe()}, "
                 f"layer {[i for i, c in choices.items() if c == first][0]} {first.describe()}")
+    own = next((row for row in sp.modules.values() if row.layer in choices and row.te != choices[row.layer]), None)
+    if own is not None:
+        return (f"CUDA graphs capture a layer under one TE recipe; {own.name} runs its own "
+                f"({own.te.describe() if own.te else 'BF16'}: a modules: policy or a BF16 pattern)")
     return None
 
 
@@ -516,9 +521,9 @@ class TEPrecision:
         the stage changes (_apply)."""
         problem = graph_capture_problem(self.step_plan, layers)
         inside = [n for n, i in self._layer_of.items() if i in set(layers) and self._module_ctx.get(n) is not None]
-        if problem is None and inside:
-            problem = (f"CUDA graphs capture a layer under one TE recipe; {inside[0]} runs its own "
-                       f"({_kind(self._choices.get(inside[0]))}, a modules: policy or a BF16 pattern)")
+        if problem is None and inside:  # (the plan agrees, but the experts reduce amaxes over a group of their own)
+            problem = (f"CUDA graphs capture a layer under one autocast; {inside[0]} runs its own (its amaxes "
+                       f"reduce over the ranks holding its expert)")
         if problem is not None:
             raise ValueError(f"te backend: {problem}")
         choice = next((c for i in layers if (c := self._layer_choices.get(i)) is not None), None)

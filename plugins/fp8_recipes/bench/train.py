@@ -332,13 +332,14 @@ def cuda_graph_fields(model_cfg: dict, attn_only: bool = False) -> dict:
     """Megatron-Core's TransformerConfig fields of lever ``graphs``: TE's per-layer CUDA graphs of the attention and,
     in MoE layers, the scopes Megatron-Core allows that MoE. Dropless: the router and the dispatcher's preprocessing
     (the preprocessing only where it copies nothing to the host: not with a capacity factor or router padding).
-    Dropped and padded to capacity (lever ``capacity``): the whole MoE block, experts and dispatch included (its
-    shapes are static: every expert gets its capacity), so the whole layer is one graph and no token count reaches
-    the host. ``attn_only`` (lever ``attngraphs``): the attention's alone."""
+    Dropped and padded to capacity (lever ``capacity``) with the alltoall dispatcher: the whole MoE block, experts
+    and dispatch included (its shapes are static: every expert gets its capacity), so the whole layer is one graph
+    and no token count reaches the host (the allgather dispatcher copies its counts to the host even then).
+    ``attn_only`` (lever ``attngraphs``): the attention's alone."""
     modules = ["attn"]
     if model_cfg.get("num_moe_experts") and not attn_only:
         if model_cfg.get("moe_expert_capacity_factor") is not None and model_cfg.get(
-                "moe_pad_expert_input_to_capacity"):
+                "moe_pad_expert_input_to_capacity") and model_cfg.get("moe_token_dispatcher_type") == "alltoall":
             return {"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": [*modules, "moe"]}
         modules.append("moe_router")
         host_copy = model_cfg.get("moe_token_dispatcher_type") == "alltoall" and (

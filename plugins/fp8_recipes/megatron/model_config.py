@@ -168,6 +168,11 @@ def _check_capacity(cfg: Mapping[str, Any]) -> None:
     if cfg.get("moe_pad_expert_input_to_capacity") and factor is None:
         raise ConfigError("model.moe_pad_expert_input_to_capacity=true pads each expert to its capacity, which "
                          "model.moe_expert_capacity_factor sets; set it (e.g. 1.0), or the padding false")
+    if cfg.get("moe_pad_expert_input_to_capacity") and cfg.get("moe_router_padding_for_quantization"):
+        raise ConfigError("model.moe_router_padding_for_quantization=true with "
+                         "model.moe_pad_expert_input_to_capacity=true: every expert already gets its capacity, and "
+                         "Megatron-Core 0.19.2 pads the filled routing map again, past a capacity that is no "
+                         "multiple of 16, which its permutation does not expect; set the router padding false")
 
 
 def layout_of(cfg: Mapping[str, Any]) -> ModelLayout:
