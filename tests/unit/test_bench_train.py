@@ -42,6 +42,36 @@ def test_lever_rows_compare_with_the_recipes_raw_megatron():
     assert series["delayed+head"] == [pytest.approx(1.48)]
 
 
+def test_a_failed_engine_config_is_a_row_and_the_others_run_on(monkeypatch, tmp_path, capsys):
+    """--engine runs each config in a process of its own: one that ends in an error (a capture that fails, an
+    out-of-memory) becomes a ``failed`` row with the error's last line (the traceback printed), and the configs
+    after it run, as a GPU burst needs; the table and --plot-only's reading take the row as unmeasured."""
+    import torch
+
+    from fp8_recipes.bench import train as bench
+    from fp8_recipes.bench.output import load_result
+
+    def apart(cfg, label, **kwargs):
+        if label == "delayed+graphs":
+            raise RuntimeError("Traceback (most recent call last):\n  File x\ntorch.OutOfMemoryError: CUDA out of "
+                               "memory (exit code 0)")
+        return {"config": label, "te_recipe": "x", "tokens_per_s": {"bf16": 100.0}.get(label, 130.0),
+                "peak_mem_gib": 1.0, "loss": 5.0, "step_ms": 1.0, "megatron_fp8": None}
+
+    monkeypatch.setattr(bench, "_run_config_apart", apart)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    result = bench.bench_train(["tiny"], ["delayed+graphs", "delayed"], engine=True, out_dir=tmp_path)
+    assert [(r["config"], r.get("failed")) for r in result["rows"]] == [
+        ("bf16", None), ("delayed+graphs", "torch.OutOfMemoryError: CUDA out of memory (exit code 0)"),
+        ("delayed", None)]
+    out = capsys.readouterr()
+    assert "tiny delayed+graphs: failed: torch.OutOfMemoryError" in out.out and "Traceback" in out.err
+    table, _, series = summarize(result)
+    assert "| tiny | delayed+graphs | failed: torch.OutOfMemoryError: CUDA out of memory (exit code 0) |" in table
+    assert series["delayed"] == [pytest.approx(1.3)] and "delayed+graphs" not in series
+    assert load_result(next(tmp_path.glob("*.json")), "train")["rows"][1]["failed"]
+
+
 def test_attn_lever_goes_through_the_schema():
     assert with_levers(load_recipe("delayed"), ["attn", "head"]).attention == "fp8"
     with pytest.raises(ValueError, match="set attention: bf16"):

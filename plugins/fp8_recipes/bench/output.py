@@ -27,7 +27,16 @@ RESULTS: dict[str, tuple[str, tuple[str, ...], str, tuple[str, ...]]] = {
 """What ``--plot-only`` reads of each benchmark's result (its ``kind``). Results written before the key ``kind``
 (bench_stats', bench_parallel's in docs/bench) are told by their keys."""
 MEASURED_TRAIN_ROW = ("te_recipe", "tokens_per_s", "peak_mem_gib")
-"""A bench_train row's keys unless it was skipped."""
+"""A bench_train row's keys unless it was skipped or failed (:func:`unmeasured`)."""
+
+
+def unmeasured(row: dict[str, Any]) -> str | None:
+    """Why a bench_train row holds no measurement: ``skipped: <reason>`` (decided before it ran) or ``failed:
+    <error>`` (its process ended in an error; the others ran on), else None."""
+    for key in ("skipped", "failed"):
+        if key in row:
+            return f"{key}: {row[key]}"
+    return None
 
 
 def load_result(path: Path, kind: str) -> dict[str, Any]:
@@ -74,7 +83,7 @@ def _result_problem(path: Path, data: Any, kind: str) -> tuple[str, str] | None:
         return f"'{path}' is not a complete {script} result (" + (
             f"no {missing[0]!r})" if missing else f"{rows_key!r} is not a list of rows)"), fix
     for i, row in enumerate(rows):
-        need = row_keys + (MEASURED_TRAIN_ROW if kind == "train" and "skipped" not in row else ())
+        need = row_keys + (MEASURED_TRAIN_ROW if kind == "train" and unmeasured(row) is None else ())
         lacking = [key for key in need if key not in row]
         if lacking:
             return f"'{path}' is not a complete {script} result ({rows_key}[{i}] has no {lacking[0]!r})", fix

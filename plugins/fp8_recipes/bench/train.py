@@ -66,7 +66,7 @@ from typing import Any
 
 import torch
 
-from fp8_recipes.bench.output import bar_chart, markdown_table, save_json
+from fp8_recipes.bench.output import bar_chart, markdown_table, save_json, unmeasured
 from fp8_recipes.bench.profile import format_profile, profile_steps
 from fp8_recipes.integrations.common import named_recipe_gaps, te_recipe_fields
 from fp8_recipes.megatron.model_config import layout_of
@@ -499,6 +499,19 @@ def _run_config_apart(model_cfg: dict, label: str, **kwargs: Any) -> dict[str, A
     return row
 
 
+def _run_apart_or_failed(model_cfg: dict, label: str, **kwargs: Any) -> dict[str, Any]:
+    """:func:`_run_config_apart`, or a ``failed`` row naming the error (its traceback printed) when the config's
+    process ended in one: its process is gone, so the next configs run on (a GPU burst keeps what they measure)."""
+    import sys
+
+    try:
+        return _run_config_apart(model_cfg, label, **kwargs)
+    except RuntimeError as e:
+        print(e, file=sys.stderr, flush=True)
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        return {"config": label, "failed": lines[-1] if lines else "its process ended in an error"}
+
+
 def _config_process(send: Any, model_cfg: dict, label: str, kwargs: dict) -> None:
     import traceback
 
@@ -569,7 +582,7 @@ def bench_train(models: list[str], configs: list[str], *, seq: int = 4096, mbs: 
 
     if not engine:  # (the engine's configs run each in its own process: _run_config_apart)
         init_distributed(seed=seed)
-    run = _run_config_apart if engine else _run_config
+    run = _run_config
     t0 = time.perf_counter()
     results: list[dict] = []
     result = {"kind": "train", "device": torch.cuda.get_device_name(), "torch": torch.__version__, "seq": seq,
@@ -580,12 +593,14 @@ def bench_train(models: list[str], configs: list[str], *, seq: int = 4096, mbs: 
             cfg = {**load_model_cfg(model_name), "seq_length": seq}
             for label in ["bf16"] + [c for c in configs if c != "bf16"]:
                 t = time.perf_counter()
-                row = {"model": model_name, **run(cfg, label, seq=seq, mbs=mbs, warmup=warmup, steps=steps,
-                                                  seed=seed, profile=profile, accum=accum, engine=engine)}
+                kwargs = dict(seq=seq, mbs=mbs, warmup=warmup, steps=steps, seed=seed, profile=profile, accum=accum,
+                              engine=engine)
+                row = {"model": model_name, **(_run_apart_or_failed(cfg, label, **kwargs) if engine else
+                                               run(cfg, label, **kwargs))}
                 row["wall_s"] = time.perf_counter() - t
                 results.append(row)
-                done = (f"{row['tokens_per_s']:,.0f} tok/s, {row['peak_mem_gib']:.1f} GiB, loss {row['loss']:.3f}"
-                        if "skipped" not in row else f"skipped: {row['skipped']}")
+                done = unmeasured(row) or (f"{row['tokens_per_s']:,.0f} tok/s, {row['peak_mem_gib']:.1f} GiB, "
+                                           f"loss {row['loss']:.3f}")
                 print(f"  {model_name} {label}: {done} ({row['wall_s']:.0f}s)", flush=True)
                 result["seconds"] = time.perf_counter() - t0
                 if out_dir is not None:
@@ -605,8 +620,8 @@ def summarize(result: dict[str, Any]) -> tuple[str, list[str], dict[str, list[fl
     for model, cfgs in by_model.items():
         base = cfgs.get("bf16", {}).get("tokens_per_s")
         for label, r in cfgs.items():
-            if "skipped" in r:
-                rows.append([model, label, r["skipped"], None, None, None, None])
+            if unmeasured(r):
+                rows.append([model, label, unmeasured(r), None, None, None, None])
                 continue
             raw = None
             if ":" not in label and label != "bf16":  # NAME+LEVER: NAME:raw, the best Megatron-Core runs there
@@ -619,7 +634,8 @@ def summarize(result: dict[str, Any]) -> tuple[str, list[str], dict[str, list[fl
         groups.append(model)
     for label in series:
         series[label] = [cfgs[label]["tokens_per_s"] / cfgs["bf16"]["tokens_per_s"]
-                         if label in cfgs and "skipped" not in cfgs[label] and "bf16" in cfgs else float("nan")
+                         if label in cfgs and not unmeasured(cfgs[label]) and "bf16" in cfgs
+                         and not unmeasured(cfgs["bf16"]) else float("nan")
                          for cfgs in by_model.values()]
     header = ["model", "config", "TE recipe", "tok/s", "x BF16", "ours / raw Megatron", "peak GiB"]
     return markdown_table(header, rows), groups, series
