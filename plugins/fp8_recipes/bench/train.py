@@ -582,7 +582,6 @@ def bench_train(models: list[str], configs: list[str], *, seq: int = 4096, mbs: 
 
     if not engine:  # (the engine's configs run each in its own process: _run_config_apart)
         init_distributed(seed=seed)
-    run = _run_config
     t0 = time.perf_counter()
     results: list[dict] = []
     result = {"kind": "train", "device": torch.cuda.get_device_name(), "torch": torch.__version__, "seq": seq,
@@ -596,7 +595,7 @@ def bench_train(models: list[str], configs: list[str], *, seq: int = 4096, mbs: 
                 kwargs = dict(seq=seq, mbs=mbs, warmup=warmup, steps=steps, seed=seed, profile=profile, accum=accum,
                               engine=engine)
                 row = {"model": model_name, **(_run_apart_or_failed(cfg, label, **kwargs) if engine else
-                                               run(cfg, label, **kwargs))}
+                                               _run_config(cfg, label, **kwargs))}
                 row["wall_s"] = time.perf_counter() - t
                 results.append(row)
                 done = unmeasured(row) or (f"{row['tokens_per_s']:,.0f} tok/s, {row['peak_mem_gib']:.1f} GiB, "
