@@ -245,12 +245,12 @@ def graph_capture_problem(sp: StepPlan, layers: Sequence[int]) -> str | None:
     the FP8 layers must share one TE recipe, and no linear inside them may run its own (a ``modules:`` policy, a
     BF16 pattern: its autocast would not be in the graph)."""
     choices = {i: sp.layers_te.get(i) for i in layers}
-    distinct = list(dict.fromkeys(c for c in choices.values() if c is not None))
-    if len(distinct) > 1:
-        first, other = distinct[0], distinct[1]
-        at = [i for i, c in choices.items() if c == other][0]
-        return (f"CUDA graphs capture every layer under one TE recipe; layer {at} runs {other.describe()}, "
-                f"layer {[i for i, c in choices.items() if c == first][0]} {first.describe()}")
+    fp8 = {i: c for i, c in choices.items() if c is not None}
+    first = next(iter(fp8), None)
+    other = next((i for i, c in fp8.items() if c != fp8[first]), None)
+    if other is not None:
+        return (f"CUDA graphs capture every layer under one TE recipe; layer {other} runs {fp8[other].describe()}, "
+                f"layer {first} {fp8[first].describe()}")
     own = next((row for row in sp.modules.values() if row.layer in choices and row.te != choices[row.layer]), None)
     if own is not None:
         return (f"CUDA graphs capture a layer under one TE recipe; {own.name} runs its own "

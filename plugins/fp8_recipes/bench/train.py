@@ -243,12 +243,13 @@ def _decide(model_cfg: dict, label: str, engine: bool = False) -> _BenchConfig:
                            else "fp8_param keeps TE's FP8 weights: the emulated backend has none")
         return run
     # the recipe's own TE recipe in its first FP8 layer (the layer's autocast; modules: overrides run their own)
-    choice = next((te for te in plan.at(run.steady).layers_te.values() if te is not None), None)
+    steady = plan.at(run.steady)
+    choice = next((te for te in steady.layers_te.values() if te is not None), None)
     run.describe = choice.describe() if choice is not None else "BF16"
     if run.graphs and mode != "raw":
         from fp8_recipes.backends.te import graph_capture_problem
 
-        run.skipped = graph_capture_problem(plan.at(run.steady), range(plan.layout.num_layers))
+        run.skipped = graph_capture_problem(steady, range(plan.layout.num_layers))
         if run.skipped:
             return run
     if mode == "raw":
