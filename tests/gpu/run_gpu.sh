@@ -29,6 +29,8 @@
 #     bash tests/gpu/run_gpu.sh moe          # MoE on TE: its GPU tests + bench_train on mixtral_8x7b_4l (caps 240 + 300 s)
 #         (ENGINE=1: bench_train --engine, scripts/train.py's step, on qwen3_30b_a3b_4l below 110 GiB of GPU
 #         memory; TESTS: other test files or node ids)
+#     bash tests/gpu/run_gpu.sh graphs       # CUDA graphs (model cuda_graph_impl): scripts/train.py's graphed run against
+#         its eager one, the bench lever on this project's TE backend and under capacity (TEST_CAP, default 400 s)
 #     bash tests/gpu/run_gpu.sh moe-stats    # statistics overhead at interval 10 on moe_small's grouped experts
 #     bash tests/gpu/run_gpu.sh nvfp4        # issue 29: NVFP4 vs TE's reference + emulated nvfp4 / mxfp8 vs BF16 step time
 #     bash tests/gpu/run_gpu.sh autopilot    # issue 30: its GPU tests on TE, then its cost at interval 10 on gpt_125m
@@ -267,6 +269,13 @@ moe)
   echo "GPU tests: $(grep -E ' in [0-9.]+s' "$OUT/tests.log" | tail -1)"
   grep -E '^(FAILED|ERROR) ' "$OUT/tests.log" | head -20
   [ -f "$OUT/bench_train.json" ] && "$PY" scripts/bench_train.py --plot-only "$OUT/bench_train.json"
+  ;;
+graphs)
+  stamp "GPU tests: CUDA graphs on TE (train.py and the bench lever)" | tee "$OUT/tests_graphs.log"
+  timeout -s INT ${TEST_CAP:-400} "$PY" -m pytest tests/gpu/test_te_moe.py -q -p no:cacheprovider -o addopts="" -rfEs \
+      -k "train_captures_graphs or (graphs_lever and (capacity or fast or safe or tiny_moe-delayed+graphs]))" 2>&1 \
+      | tee -a "$OUT/tests_graphs.log"
+  echo; stamp "summary"; grep -E ' in [0-9.]+s|^(FAILED|ERROR) ' "$OUT/tests_graphs.log" | head -20
   ;;
 moe-stats)
   # Issue 28, item 5: per-expert statistics every 10 steps on moe_small with TE's grouped experts (alltoall, fused

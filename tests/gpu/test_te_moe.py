@@ -21,7 +21,8 @@ from test_te_training import compose  # noqa: E402  (same directory)
 GPU_MOE = ["model=tiny_moe", "model.moe_token_dispatcher_type=alltoall", "model.moe_permute_fusion=true"]
 
 
-def train(tmp_path, monkeypatch, recipe: str, *extra: str, steps: int = 8) -> tuple[dict, list[float]]:
+def train(tmp_path, monkeypatch, recipe: str, *extra: str, steps: int = 8,
+          model: list[str] = GPU_MOE) -> tuple[dict, list[float]]:
     from fp8_recipes.rundir import read_metrics
     from fp8_recipes.training.run import run_training
 
@@ -29,7 +30,7 @@ def train(tmp_path, monkeypatch, recipe: str, *extra: str, steps: int = 8) -> tu
         monkeypatch.delenv(var, raising=False)
     run_dir = tmp_path / "run"
     summary = run_training(compose([
-        f"+recipe={recipe}", *GPU_MOE, "trainer=gpu", f"trainer.max_steps={steps}", "trainer.warmup_steps=2",
+        f"+recipe={recipe}", *model, "trainer=gpu", f"trainer.max_steps={steps}", "trainer.warmup_steps=2",
         "trainer.micro_batch_size=16", "trainer.global_batch_size=16", "trainer.lr=3e-3", "trainer.min_lr=3e-4",
         "trainer.eval_interval=0", "trainer.save_checkpoints=false", "data.tokenizer=bytes",
         f"data.path={tmp_path / 'data'}", f"run_dir={run_dir}", *extra]))
@@ -229,3 +230,23 @@ def test_the_graphs_lever_captures_and_steps_as_the_eager_engine(model, label):
     gap = abs(eager["loss"] - bf16["loss"])
     assert gap < 1e-4 or abs(graphed["loss"] - eager["loss"]) < gap / 4, (bf16["loss"], eager["loss"],
                                                                           graphed["loss"])
+
+
+@pytest.mark.parametrize("recipe, model", [("tensorwise", "capacity"), ("delayed", "dropless"), ("fast", "dense")])
+def test_train_captures_graphs_and_trains_as_the_eager_run(recipe, model, tmp_path, monkeypatch):
+    """scripts/train.py with model cuda_graph_impl=transformer_engine (megatron/graphs.py): captured after two eager
+    steps, replayed from step 3 on, and the losses are the eager run's, step by step. Capacity: the whole MoE layer
+    graphed (static shapes); dropless: the router's scopes, the experts eager under the replay (delayed scaling: the
+    eager part reads the layer's autocast); dense with the FP8 LM head (fast: outside the graphs)."""
+    extra = {"capacity": ["model.moe_grouped_gemm=true", "model.moe_expert_capacity_factor=1.0",
+                          "model.moe_pad_expert_input_to_capacity=true"],
+             "dropless": ["model.moe_grouped_gemm=true"], "dense": []}[model]
+    layers = ["model=tiny"] if model == "dense" else GPU_MOE
+    graphs = ["+model.cuda_graph_impl=transformer_engine", "+model.cuda_graph_warmup_steps=2"]
+    eager, eager_losses = train(tmp_path / "eager", monkeypatch, recipe, *extra, "trainer.on_nonfinite=stop", steps=6,
+                                model=layers)
+    summary, losses = train(tmp_path / "graphs", monkeypatch, recipe, *extra, *graphs, "trainer.on_nonfinite=stop",
+                            steps=6, model=layers)
+    assert summary["cuda_graphs"]["captured_before_step"] == 3, summary.get("cuda_graphs")
+    assert losses == pytest.approx(eager_losses, rel=1e-3), (eager_losses, losses)
+    assert losses[-1] < losses[0] - 0.5, losses

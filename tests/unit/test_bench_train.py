@@ -139,25 +139,24 @@ def test_emulated_lever_runs_the_emulated_backend():
 
 
 def test_graphs_lever_is_megatrons_own_cuda_graphs(megatron_cpu, monkeypatch):
-    """Lever graphs: Megatron-Core's TE CUDA graphs, on the engine's step, for bf16, NAME:raw and this project's TE
-    backend (captured under the plan's one TE recipe: a plan whose layers differ is skipped, saying why; not the
-    emulated backend); the scopes Megatron-Core allows a dropless MoE, which its own TransformerConfig accepts
-    (built on the CPU)."""
-    import torch
-
+    """Lever graphs: Megatron-Core's TE CUDA graphs as scripts/train.py runs them (model keys cuda_graph_impl and, for
+    attngraphs, cuda_graph_modules: [attn]; test_graphs.py), on the engine's step, for bf16, NAME:raw and this
+    project's TE backend (captured under the plan's one TE recipe: a plan whose layers differ is skipped, saying why;
+    not the emulated backend)."""
     from fp8_recipes.bench import train as bench
-    from fp8_recipes.bench.train import GRAPH_CAPTURE_STEP, _decide, cuda_graph_fields, load_model_cfg
-    from fp8_recipes.megatron.model import _transformer_config, build_gpt_model, unwrap_model
+    from fp8_recipes.bench.train import GRAPH_CAPTURE_STEP, GRAPH_LEVERS, _decide, load_model_cfg
+    from fp8_recipes.plan.precision import StepPlan
 
     check_configs(["bf16+graphs", "delayed+graphs:raw", "blockwise+pad+graphs:raw", "bf16+attngraphs",
                    "delayed+graphs", "tensorwise+capacity+graphs", "blockwise+attngraphs"], engine=True, warmup=3)
     assert with_levers(load_recipe("delayed"), ["graphs"]) == load_recipe("delayed")  # the step's lever
+    assert GRAPH_LEVERS["attngraphs"] == {"cuda_graph_modules": ["attn"]} and GRAPH_LEVERS["graphs"] == {}
     monkeypatch.setattr(bench.Hardware, "detect", classmethod(lambda cls: H200))
     tiny = {**load_model_cfg("tiny"), "vocab_size": 256}
     for label in ("delayed+graphs", "fast+graphs", "safe+graphs"):  # (safe: BF16 first and last layers)
         run = _decide(tiny, label, engine=True)
         assert run.ours and run.graphs == "graphs" and run.plan.te is not None and run.skipped is None, label
-    monkeypatch.setattr("fp8_recipes.backends.te.graph_capture_problem", lambda sp, layers: "layer 1 runs other")
+    monkeypatch.setattr(StepPlan, "graph_problem", lambda sp, layers: "layer 1 runs other")
     assert _decide(tiny, "delayed+graphs", engine=True).skipped == "layer 1 runs other"  # (test_te_backend.py)
     assert _decide(tiny, "delayed+graphs:raw", engine=True).skipped is None  # Megatron-Core's own recipe
     for label, configs, kwargs, match in (
@@ -169,30 +168,6 @@ def test_graphs_lever_is_megatrons_own_cuda_graphs(megatron_cpu, monkeypatch):
             ("bf16+graphs+attngraphs", ["bf16+graphs+attngraphs"], {"engine": True}, "keep one$")):
         with pytest.raises(ValueError, match=rf"^--configs {label.replace('+', '[+]')}: .*{match}"):
             check_configs(configs, **kwargs)
-    moe = {**load_model_cfg("tiny_moe"), "vocab_size": 256}
-    assert cuda_graph_fields({**load_model_cfg("tiny"), "vocab_size": 256})["cuda_graph_modules"] == ["attn"]
-    assert cuda_graph_fields(moe)["cuda_graph_modules"] == ["attn", "moe_router", "moe_preprocess"]
-    assert cuda_graph_fields(moe, attn_only=True)["cuda_graph_modules"] == ["attn"]  # lever attngraphs
-    alltoall = {**moe, "moe_token_dispatcher_type": "alltoall"}
-    for host_copy in ({"moe_expert_capacity_factor": 1.0},  # dropping without padding: dynamic sizes
-                      {"moe_router_padding_for_quantization": True}):  # (the dispatcher copies counts to the host)
-        assert cuda_graph_fields({**alltoall, **host_copy})["cuda_graph_modules"] == ["attn", "moe_router"]
-    padded = {**alltoall, **MODEL_LEVERS["capacity"]}  # lever capacity: static shapes, the whole MoE block graphed
-    assert cuda_graph_fields(padded)["cuda_graph_modules"] == ["attn", "moe"]
-    assert cuda_graph_fields(padded, attn_only=True)["cuda_graph_modules"] == ["attn"]
-    # the allgather dispatcher copies its token counts to the host even when padded: the router's scopes only
-    allgather = {**moe, **MODEL_LEVERS["capacity"]}
-    assert cuda_graph_fields(allgather)["cuda_graph_modules"] == ["attn", "moe_router", "moe_preprocess"]
-    model = build_gpt_model(moe, params_dtype=torch.float32, device="cpu", config_overrides=cuda_graph_fields(moe))
-    config = unwrap_model(model).config  # Megatron-Core's own checks accept the scopes (a model built on the CPU)
-    assert config.cuda_graph_impl == "transformer_engine"
-    assert [m.name for m in config.cuda_graph_modules] == ["attn", "moe_router", "moe_preprocess"]
-    # the alltoall dispatcher builds on the GPU only: its TransformerConfig, where Megatron-Core checks the scopes
-    config = _transformer_config(padded, torch.float32, torch.device("cpu"), False, cuda_graph_fields(padded))
-    assert [m.name for m in config.cuda_graph_modules] == ["attn", "moe"]
-    with pytest.raises(AssertionError, match="only supported with drop-padding MoE"):
-        _transformer_config(alltoall, torch.float32, torch.device("cpu"), False, {
-            "cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ["attn", "moe"]})
 
 
 def test_models_the_benchmark_cannot_build_or_fit_are_refused_before_any_run():

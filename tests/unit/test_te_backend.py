@@ -255,8 +255,6 @@ def test_graphs_are_refused_where_the_layers_run_more_than_one_recipe(fake_te):
     """One TE recipe per capture: a linear with its own autocast inside a graphed layer (a BF16 pattern, a
     ``modules:`` policy) or layers of different recipes are refused in one line; a stage change after the capture
     too (the graphs replay the stage they were captured in)."""
-    from fp8_recipes.backends.te import graph_capture_problem
-
     precision, decoder, log = attach(fake_te, {"weights": "tensorwise", "activations": "tensorwise",
                                                "gradients": "tensorwise", "layers": {"bf16_modules": ["*.2.mlp.*"]}})
     precision.begin_step(0)
@@ -266,9 +264,9 @@ def test_graphs_are_refused_where_the_layers_run_more_than_one_recipe(fake_te):
     sp = precision.step_plan
     other = dataclasses.replace(sp.layers_te[0], fp8_dpa=True)
     mixed = dataclasses.replace(sp, layers_te={**sp.layers_te, 1: other})
-    assert graph_capture_problem(mixed, [0, 1, 2]).startswith("CUDA graphs capture every layer under one TE recipe; "
-                                                               "layer 1 runs ")
-    assert graph_capture_problem(mixed, [0]) is None
+    assert mixed.graph_problem([0, 1, 2]).startswith("CUDA graphs capture every layer under one TE recipe; "
+                                                     "layer 1 runs ")
+    assert mixed.graph_problem([0]) is None
     staged_precision, _, _ = attach(fake_te, staged("tensorwise"))
     staged_precision.begin_step(7)
     staged_precision.graph_capture([0, 1, 2])

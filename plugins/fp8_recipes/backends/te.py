@@ -54,8 +54,8 @@ from fp8_recipes.plan.precision import PrecisionPlan, StepPlan, TERecipe
 from fp8_recipes.plan.te import DELAYED_ANCHOR, TERecipeKind
 from fp8_recipes.recipe.schema import AmaxAlgo, AmaxReduction, Format, Role, Scaling, TensorPolicy
 
-__all__ = ["DelayedScaleUpdate", "PercentileAmax", "RoleQuantizers", "TEPrecision", "graph_capture_problem",
-           "te_available", "te_recipe", "what_ran"]
+__all__ = ["DelayedScaleUpdate", "PercentileAmax", "RoleQuantizers", "TEPrecision", "te_available", "te_recipe",
+           "what_ran"]
 
 FP8, FP8_FWD, BF16 = "fp8", "fp8 fwd", "bf16"  # what a TE linear ran, as counted by TEPrecision
 
@@ -237,25 +237,6 @@ def te_recipe(choice: TERecipe, *, reduce_amax: bool = True) -> Any:
 
 
 _FP8_ROWWISE = ("data", "fp8_scale_inv", "rowwise_data", "rowwise_scale_inv")  # TE's get_metadata() keys
-
-
-def graph_capture_problem(sp: StepPlan, layers: Sequence[int]) -> str | None:
-    """Why Megatron-Core's TE CUDA graphs cannot capture ``layers`` (plan layer numbers) under this step plan, or
-    None. TE's make_graphed_callables captures every callable under one recipe (each callable may be FP8 or not):
-    the FP8 layers must share one TE recipe, and no linear inside them may run its own (a ``modules:`` policy, a
-    BF16 pattern: its autocast would not be in the graph)."""
-    choices = {i: sp.layers_te.get(i) for i in layers}
-    fp8 = {i: c for i, c in choices.items() if c is not None}
-    first = next(iter(fp8), None)
-    other = next((i for i, c in fp8.items() if c != fp8[first]), None)
-    if other is not None:
-        return (f"CUDA graphs capture every layer under one TE recipe; layer {other} runs {fp8[other].describe()}, "
-                f"layer {first} {fp8[first].describe()}")
-    own = next((row for row in sp.modules.values() if row.layer in choices and row.te != choices[row.layer]), None)
-    if own is not None:
-        return (f"CUDA graphs capture a layer under one TE recipe; {own.name} runs its own "
-                f"({own.te.describe() if own.te else 'BF16'}: a modules: policy or a BF16 pattern)")
-    return None
 
 
 def _fp8_data(param: Any) -> dict[str, torch.Tensor]:
@@ -519,7 +500,7 @@ class TEPrecision:
         parts a partial graph leaves eager (a dropless MoE's experts). ValueError (one line) when the layers
         differ in recipe or a linear inside runs its own (a ``modules:`` policy, a BF16 pattern), or later when
         the stage changes (_apply)."""
-        problem = graph_capture_problem(self.step_plan, layers)
+        problem = self.step_plan.graph_problem(layers)
         inside = [n for n, i in self._layer_of.items() if i in set(layers) and self._module_ctx.get(n) is not None]
         if problem is None and inside:  # (the plan agrees, but the experts reduce amaxes over a group of their own)
             problem = (f"CUDA graphs capture a layer under one autocast; {inside[0]} runs its own (its amaxes "

@@ -34,15 +34,17 @@ Per model, configs run one after another on a freshly built model (same seed, sa
   With --engine (on bf16 too):
                nogaf  trainer.gradient_accumulation_fusion: false (each micro-batch's weight gradient computed
                      apart and added to the fp32 buffer by DDP's hook, as Megatron-LM without APEX runs)
-               graphs Megatron-Core's per-layer CUDA graphs through TE (Megatron-LM's --cuda-graph-impl
-                     transformer_engine): the attention, and in MoE layers the router and the dispatcher's
+               graphs Megatron-Core's per-layer CUDA graphs through TE (model cuda_graph_impl: transformer_engine,
+                     Megatron-LM's --cuda-graph-impl transformer_engine, as scripts/train.py runs them; the
+                     model's own scopes, megatron/model_config.graph_modules): the attention, and in MoE layers
+                     the router and the dispatcher's
                      preprocessing (where it copies nothing to the host), captured after the first warmup step
                      and replayed per micro-batch, so the host launches far fewer kernels before each MoE layer's
                      token-count sync; with lever capacity (static shapes) the whole layer, experts included,
                      so no token count reaches the host. NAME:raw captures under Megatron-Core's FP8 config;
                      NAME (this project's TE backend) under the plan's recipe, whose FP8 layers must share one
                      TE recipe with no linear of its own inside (else the config is skipped, saying why)
-               attngraphs  the same, of the attention alone (Megatron-LM's --cuda-graph-scope attn): on a MoE
+               attngraphs  the same, of the attention alone (model cuda_graph_modules: [attn]): on a MoE
                      model it tells the attention's share of graphs from the router's and the dispatcher's
 Recipes with BF16 warmup or staged enablement are timed in their final stage (all roles FP8), the steady state.
 A step is ``accum`` micro-batches, each forward (per-token loss, mean) + backward, as a training step accumulates
@@ -103,8 +105,9 @@ MODEL_LEVERS = {"pad": {"moe_router_padding_for_quantization": True}, "nofuse": 
                 "router": {"moe_router_fusion": True},
                 "capacity": {"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}}
 """Levers that are MoE model keys (bench config ``NAME+pad``, ``bf16+nofuse``)."""
-GRAPH_LEVERS = ("graphs", "attngraphs")
-"""Levers that capture Megatron-Core's TE CUDA graphs (cuda_graph_fields: which scopes)."""
+GRAPH_LEVERS = {"graphs": {}, "attngraphs": {"cuda_graph_modules": ["attn"]}}
+"""Levers that capture Megatron-Core's TE CUDA graphs: model keys cuda_graph_impl: transformer_engine and these (graphs:
+the model's own scopes, megatron/model_config.graph_modules; attngraphs: the attention's alone)."""
 ENGINE_LEVERS = ("nogaf", *GRAPH_LEVERS)
 """Levers of the engine's step (``--engine``; on bf16 too)."""
 EMULATED = "emulated"
@@ -247,9 +250,7 @@ def _decide(model_cfg: dict, label: str, engine: bool = False) -> _BenchConfig:
     choice = next((te for te in steady.layers_te.values() if te is not None), None)
     run.describe = choice.describe() if choice is not None else "BF16"
     if run.graphs and mode != "raw":
-        from fp8_recipes.backends.te import graph_capture_problem
-
-        run.skipped = graph_capture_problem(steady, range(plan.layout.num_layers))
+        run.skipped = steady.graph_problem(range(plan.layout.num_layers))
         if run.skipped:
             return run
     if mode == "raw":
@@ -279,6 +280,8 @@ def _bench_model(model_cfg: dict, run: _BenchConfig, seed: int, engine: bool = F
     # for them; engine configs run in a process each, so the switch does not outlive the config)
     graphs = engine and run.graphs is not None
     if engine:  # (every engine config, so that graphed and eager steps compare on the same kind of stream)
+        from fp8_recipes.megatron.graphs import graph_side_stream
+
         graph_side_stream()
     tensor_parallel.model_parallel_cuda_manual_seed(seed, te_rng_tracker=graphs, force_reset_rng=graphs)
     torch.cuda.reset_peak_memory_stats()
@@ -289,8 +292,7 @@ def _bench_model(model_cfg: dict, run: _BenchConfig, seed: int, engine: bool = F
                                                torch.device("cuda"), config_overrides=run.overrides)
         return chunks[0], precision
     fp8_param = FP8ParamInit(run.plan) if run.ours and run.recipe.fp8_param else None
-    overrides = {**(run.overrides or {}), "gradient_accumulation_fusion": "nogaf" not in run.levers,
-                 **(cuda_graph_fields(model_cfg, attn_only=run.graphs == "attngraphs") if graphs else {})} \
+    overrides = {**(run.overrides or {}), "gradient_accumulation_fusion": "nogaf" not in run.levers} \
         if engine else run.overrides
     model = build_gpt_model(model_cfg, use_te_spec=True, params_dtype=torch.bfloat16, device="cuda",
                             config_overrides=overrides, layer_init=fp8_param)
@@ -329,77 +331,6 @@ def _step_function(model: torch.nn.Module, precision: Any, optimizer: torch.opti
     return one_step
 
 
-def cuda_graph_fields(model_cfg: dict, attn_only: bool = False) -> dict:
-    """Megatron-Core's TransformerConfig fields of lever ``graphs``: TE's per-layer CUDA graphs of the attention and,
-    in MoE layers, the scopes Megatron-Core allows that MoE. Dropless: the router and the dispatcher's preprocessing
-    (the preprocessing only where it copies nothing to the host: not with a capacity factor or router padding).
-    Dropped and padded to capacity (lever ``capacity``) with the alltoall dispatcher: the whole MoE block, experts
-    and dispatch included (its shapes are static: every expert gets its capacity), so the whole layer is one graph
-    and no token count reaches the host (the allgather dispatcher copies its counts to the host even then).
-    ``attn_only`` (lever ``attngraphs``): the attention's alone."""
-    modules = ["attn"]
-    if model_cfg.get("num_moe_experts") and not attn_only:
-        if model_cfg.get("moe_expert_capacity_factor") is not None and model_cfg.get(
-                "moe_pad_expert_input_to_capacity") and model_cfg.get("moe_token_dispatcher_type") == "alltoall":
-            return {"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": [*modules, "moe"]}
-        modules.append("moe_router")
-        host_copy = model_cfg.get("moe_token_dispatcher_type") == "alltoall" and (
-            model_cfg.get("moe_expert_capacity_factor") is not None
-            or model_cfg.get("moe_router_padding_for_quantization"))
-        if not host_copy:
-            modules.append("moe_preprocess")
-    return {"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": modules}
-
-
-def graph_side_stream() -> None:
-    """Make a side stream the process's current stream, before the model, DDP and the eager steps exist, as
-    Megatron-LM's initialize does for --cuda-graph-impl transformer_engine. DDP keeps each parameter's AccumulateGrad
-    node, and torch (2.11) runs a node on the stream current at its creation; TE captures the backward with
-    torch.autograd.backward, so the captured gradients reach those nodes, and a node made on the default (legacy)
-    stream cannot join the capture ("operation would make the legacy stream depend on a capturing blocking stream",
-    the 2026-12-06 H100 run). A side stream joins it (docs/facts.md, "Transformer Engine's CUDA graphs under
-    Megatron-Core's DDP"). The engine's configs run in a process each: the stream is that config's."""
-    torch.cuda.set_stream(torch.cuda.Stream())
-
-
-def _graph_capture(engine: Any, precision: Any, *, seq: int, mbs: int, accum: int) -> Callable[[], None]:
-    """What Megatron-LM's training loop does at --cuda-graph-warmup-steps: capture each layer's graphs
-    (TECudaGraphHelper: with one pipeline stage one micro-batch's, replayed for every micro-batch of a step), with
-    DDP's forward pre-hooks off during the capture and set by hand on the graphed modules after it. (The helper
-    reads Megatron-Core's micro-batch calculator, initialised here as Megatron-LM does.) With this project's TE
-    backend (``precision``) the quantization arguments of the capture are the plan's (TEPrecision.graph_capture),
-    not those of Megatron-Core's FP8 config, which this backend leaves unset."""
-    from megatron.core.num_microbatches_calculator import (init_num_microbatches_calculator,
-                                                           unset_num_microbatches_calculator)
-    from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
-
-    class PlanGraphHelper(TECudaGraphHelper):
-        def _get_cuda_graph_input_data(self):
-            sample_args, kwargs = super()._get_cuda_graph_input_data()
-            if precision is not None:
-                kwargs.update(precision.graph_capture([c.layer_number - 1 for c in self.flattened_callables]))
-            return sample_args, kwargs
-
-    unset_num_microbatches_calculator()
-    init_num_microbatches_calculator(0, None, mbs * accum, mbs, 1)
-    helper = PlanGraphHelper(model=engine.chunks, config=engine.config, seq_length=seq, micro_batch_size=mbs,
-                             optimizers=[engine.optimizer])
-    hooks = all(getattr(chunk, "use_forward_hook", False) for chunk in engine.chunks)  # (DDP's, with param gather)
-
-    def capture() -> None:
-        if hooks:
-            for chunk in engine.chunks:
-                chunk.disable_forward_pre_hook(param_sync=False)
-        helper.create_cudagraphs()
-        if hooks:
-            for chunk in engine.chunks:
-                chunk.enable_forward_pre_hook()
-            helper.cuda_graph_set_manual_hooks()
-        if not helper.graphs_created():
-            raise RuntimeError("graphs: Megatron-Core's TECudaGraphHelper found no layer to capture")
-    return capture
-
-
 def _engine_step_function(model: torch.nn.Module, precision: Any, run: _BenchConfig, model_cfg: dict, *, seq: int,
                           mbs: int, seed: int, accum: int) -> Callable[[int], torch.Tensor]:
     """One training step of scripts/train.py's engine (training/engine.py at the GPU trainer's defaults) on
@@ -420,13 +351,12 @@ def _engine_step_function(model: torch.nn.Module, precision: Any, run: _BenchCon
              "loss_mask": torch.ones(mbs, seq, device="cuda"),
              "position_ids": torch.arange(seq, device="cuda").expand(mbs, seq)}
     steady = run.steady
-    capture = _graph_capture(engine, precision, seq=seq, mbs=mbs, accum=accum) if run.graphs else None
 
     def one_step(i: int) -> torch.Tensor:
         if precision is not None:
             precision.begin_step(steady + i)
-        if capture is not None and i == GRAPH_CAPTURE_STEP:
-            capture()
+        if engine.graphs is not None and i == GRAPH_CAPTURE_STEP:  # (the model's graph keys: lever graphs)
+            engine.graphs.capture(precision, steady + i)
         result = engine.train_step(itertools.repeat(batch))  # (Megatron's schedule: set_is_first_microbatch)
         if result.skipped:
             raise RuntimeError(f"{run.label}: the engine skipped step {i} (loss {result.loss}, grad norm "
@@ -455,6 +385,9 @@ def _run_config(model_cfg: dict, label: str, *, seq: int, mbs: int, warmup: int,
                 profile: bool = False, accum: int = 1, engine: bool = False) -> dict[str, Any]:
     levers = label.partition(":")[0].split("+")[1:]
     model_cfg = {**model_cfg, **{k: v for lever in levers for k, v in MODEL_LEVERS.get(lever, {}).items()}}
+    for lever in set(levers) & set(GRAPH_LEVERS):  # (check_configs: with --engine, one of them)
+        model_cfg.update(cuda_graph_impl="transformer_engine", cuda_graph_warmup_steps=GRAPH_CAPTURE_STEP,
+                         **GRAPH_LEVERS[lever])
     run = _decide(model_cfg, label, engine)
     if run.skipped is not None:
         return {"config": label, "skipped": run.skipped}

@@ -29,7 +29,7 @@ from fp8_recipes.integrations.common import (
     EXTRA_FIELDS, NeedsPluginOwned, ScheduleDriver, activate_quantizer_factory, as_recipe, log_applied,
     megatron_precision, plugin_owned_plan, with_fields,
 )
-from fp8_recipes.megatron.model_config import (MODEL_OPTIONAL, MODEL_REQUIRED, MOE_KEYS, check_model_cfg,
+from fp8_recipes.megatron.model_config import (GRAPH_KEYS, MODEL_OPTIONAL, MODEL_REQUIRED, MOE_KEYS, check_model_cfg,
                                               config_layout, moe_config_fields, read_model_conf)
 from fp8_recipes.plan.precision import ModelLayout
 from fp8_recipes.recipe.schema import Recipe, RecipeError
@@ -170,7 +170,7 @@ def apply_moe(provider: Any, model: str | Mapping[str, Any]) -> dict[str, Any]:
 
 def _moe_keys(model: str | Mapping[str, Any]) -> dict[str, Any]:
     model = read_model_conf(model, "apply_moe") if isinstance(model, str) else model
-    unknown = sorted(set(model) - set(MOE_KEYS) - set(MODEL_REQUIRED + MODEL_OPTIONAL))
+    unknown = sorted(set(model) - set(MOE_KEYS) - set(MODEL_REQUIRED + MODEL_OPTIONAL + GRAPH_KEYS))
     if unknown:
         raise ValueError(f"apply_moe: {unknown[0]!r} is not a model key (the MoE keys: {', '.join(MOE_KEYS)})")
     keys = {key: model[key] for key in MOE_KEYS if key in model}

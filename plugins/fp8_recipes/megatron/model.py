@@ -51,8 +51,8 @@ import torch
 
 from fp8_recipes.launcher import launch_env, local_world_size
 from fp8_recipes.megatron.cpu_shim import cuda_as_cpu, install_cpu_shim
-from fp8_recipes.megatron.model_config import (VOCAB_MULTIPLE, check_model_cfg, config_layout, moe_config_fields,
-                                              pad_vocab_size)
+from fp8_recipes.megatron.model_config import (VOCAB_MULTIPLE, check_model_cfg, config_layout, graph_config_fields,
+                                               moe_config_fields, pad_vocab_size)
 
 __all__ = [
     "init_distributed",
@@ -91,7 +91,7 @@ def init_distributed(backend: str | None = None, *, tensor_model_parallel_size: 
                      pipeline_model_parallel_size: int = 1, virtual_pipeline_model_parallel_size: int | None = None,
                      context_parallel_size: int = 1, expert_model_parallel_size: int = 1,
                      expert_tensor_parallel_size: int | None = None, seed: int = 1234,
-                     timeout_minutes: int = 30) -> tuple[int, int, torch.device]:
+                     timeout_minutes: int = 30, cuda_graphs: bool = False) -> tuple[int, int, torch.device]:
     """Start torch.distributed and Megatron-Core's model-parallel groups; seed every RNG.
 
     Works under torchrun (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT), under srun without torchrun
@@ -99,7 +99,9 @@ def init_distributed(backend: str | None = None, *, tensor_model_parallel_size: 
     MASTER_PORT to one derived from the job id) and as a plain single process (world 1, a free port).
     ``backend`` defaults to NCCL when CUDA is available, else gloo (with the CPU shim installed).
     ``expert_model_parallel_size`` / ``expert_tensor_parallel_size`` (MoE): Megatron-Core's expert grid, expert TP x
-    EP x expert DP x PP over the same ranks (expert TP null = the TP size).
+    EP x expert DP x PP over the same ranks (expert TP null = the TP size). ``cuda_graphs`` (model
+    cuda_graph_impl=transformer_engine): TE's RNG tracker and a side stream, as Megatron-LM's initialize sets them up
+    for those graphs (megatron/graphs.py).
     Returns (rank, world_size, device).
     """
     import torch.distributed as dist
@@ -152,7 +154,13 @@ def init_distributed(backend: str | None = None, *, tensor_model_parallel_size: 
     # Same seed on every data-parallel rank: weights are initialised identically there without a broadcast;
     # tensor-parallel ranks get their own stream through the tracker (seed + 2718 + tp_rank).
     torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)  # the CPU shim's version when there is no CUDA
+    if cuda_graphs:
+        from fp8_recipes.megatron.graphs import graph_side_stream
+
+        graph_side_stream()
+    # (the CPU shim's version when there is no CUDA; for graphs TE's tracker, whose states a graph can register;
+    # a fresh tracker each time, as in a fresh process, also after another run's in this one)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, te_rng_tracker=cuda_graphs, force_reset_rng=True)
     if rank == 0:
         expert_tp = parallel_state.get_expert_tensor_parallel_world_size()
         experts = (f", EP {expert_model_parallel_size} x expert TP {expert_tp}"
@@ -431,6 +439,7 @@ def _transformer_config(cfg: dict, params_dtype: torch.dtype, device: torch.devi
         gradient_accumulation_fusion=False,
     )
     fields.update(moe_config_fields(cfg))
+    fields.update(graph_config_fields(cfg))
     fields.update(config_overrides or {})
     if not (fields.get("fp8") or fields.get("fp4")):
         # Megatron-Core pads the routing map only under its own FP8 path (and refuses the key without it); under

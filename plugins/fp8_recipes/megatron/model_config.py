@@ -17,10 +17,10 @@ from fp8_recipes.checks import ConfigError, check_keys, choice_error, is_int, is
 from fp8_recipes.plan.precision import ModelLayout, MoEShape, expert_ffn_size, moe_layer_pattern
 from fp8_recipes.recipe.pack import conf_dir
 
-__all__ = ["MODEL_CHOICES", "MODEL_MAX", "MODEL_OPTIONAL", "MODEL_REQUIRED", "MOE_KEYS", "VOCAB_MULTIPLE",
-           "LinearShape", "check_model_cfg", "check_model_device", "config_layout", "layout_of", "linear_shapes",
-           "model_notices", "moe_config_fields", "moe_layer_pattern", "pad_vocab_size", "read_model_conf",
-           "run_model_cfg"]
+__all__ = ["GRAPH_KEYS", "GRAPH_MODULES", "MODEL_CHOICES", "MODEL_MAX", "MODEL_OPTIONAL", "MODEL_REQUIRED",
+           "MOE_KEYS", "VOCAB_MULTIPLE", "LinearShape", "check_model_cfg", "check_model_device", "config_layout",
+           "graph_config_fields", "graph_modules", "graphs_on", "layout_of", "linear_shapes", "model_notices",
+           "moe_config_fields", "moe_layer_pattern", "pad_vocab_size", "read_model_conf", "run_model_cfg"]
 
 VOCAB_MULTIPLE = 128  # Megatron's make_vocab_size_divisible_by default; times TP so each shard is aligned
 
@@ -35,6 +35,12 @@ MOE_KEYS = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_sh
             "moe_pad_expert_input_to_capacity")
 """Mixture-of-Experts keys, named and meant as Megatron-Core's TransformerConfig fields (num_moe_experts null: a
 dense model, and the other keys do nothing)."""
+GRAPH_KEYS = ("cuda_graph_impl", "cuda_graph_modules", "cuda_graph_warmup_steps")
+"""Megatron-Core's per-layer CUDA graphs through Transformer Engine, as TransformerConfig names them (Megatron-LM's
+--cuda-graph-impl transformer_engine --cuda-graph-modules ... --cuda-graph-warmup-steps N): the training loop captures
+each layer's graphs after that many eager steps (megatron/graphs.py) and replays them from then on."""
+GRAPH_MODULES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess")
+"""The scopes cuda_graph_modules may list (Megatron-Core's CudaGraphModule names this plugin captures)."""
 MODEL_CHOICES = {"normalization": ("LayerNorm", "RMSNorm"), "activation": ("gelu", "swiglu"),
                  "position_embedding_type": ("rope", "learned_absolute"),
                  "moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"),
@@ -58,7 +64,7 @@ def check_model_cfg(cfg: Mapping[str, Any], *, vocab_may_be_unset: bool = False,
     user gave ``tensor_parallel`` (``--layout tp`` in the CLI), named with the widths it does not divide. ``device``:
     the machine it will run on ('cpu', 'cuda'); None while not yet known (training, before torch loads), the keys
     whose fix depends on it then left to :func:`check_model_device`."""
-    known = MODEL_REQUIRED + MODEL_OPTIONAL + MOE_KEYS
+    known = MODEL_REQUIRED + MODEL_OPTIONAL + MOE_KEYS + GRAPH_KEYS
     check_keys("model", cfg, known)
     for key in MODEL_REQUIRED:
         if cfg.get(key) is None and not (key == "vocab_size" and vocab_may_be_unset):
@@ -86,6 +92,7 @@ def check_model_cfg(cfg: Mapping[str, Any], *, vocab_may_be_unset: bool = False,
         if v is not None and not (is_number(v) and v > 0):
             raise ConfigError(f"model.{key}={v!r}: must be a number > 0")
     _check_moe(cfg)
+    _check_graphs(cfg)
     if device is not None:
         check_model_device(cfg, device)
     init_from = cfg.get("init_from")
@@ -175,6 +182,90 @@ def _check_capacity(cfg: Mapping[str, Any]) -> None:
                          "multiple of 16, which its permutation does not expect; set the router padding false")
 
 
+def graphs_on(cfg: Mapping[str, Any]) -> bool:
+    """Whether the model config asks for Megatron-Core's per-layer CUDA graphs through TE."""
+    return cfg.get("cuda_graph_impl") == "transformer_engine"
+
+
+def _static_moe(cfg: Mapping[str, Any]) -> bool:
+    """The MoE layer's shapes are static and no token count reaches the host: tokens dropped at a capacity and every
+    expert padded to it, with the alltoall dispatcher (the allgather one copies its counts to the host even then)."""
+    return (cfg.get("moe_expert_capacity_factor") is not None and bool(cfg.get("moe_pad_expert_input_to_capacity"))
+            and cfg.get("moe_token_dispatcher_type") == "alltoall")
+
+
+def _host_copy(cfg: Mapping[str, Any]) -> bool:
+    """The alltoall dispatcher's preprocessing copies the token counts to the host (a capacity, or router padding)."""
+    return cfg.get("moe_token_dispatcher_type") == "alltoall" and (
+        cfg.get("moe_expert_capacity_factor") is not None or bool(cfg.get("moe_router_padding_for_quantization")))
+
+
+def graph_modules(cfg: Mapping[str, Any], attn_only: bool = False) -> list[str]:
+    """The scopes graphed when model.cuda_graph_modules is not given: the attention and, in MoE layers, what
+    Megatron-Core allows that MoE. Dropless: the router and the dispatcher's preprocessing (the preprocessing only
+    where it copies nothing to the host). Static shapes (:func:`_static_moe`): the whole MoE block, experts and
+    dispatch included, so each layer is one graph and FP8's per-expert quantizers are inside it. ``attn_only``: the
+    attention's alone."""
+    if not cfg.get("num_moe_experts") or attn_only:
+        return ["attn"]
+    if _static_moe(cfg):
+        return ["attn", "moe"]
+    return ["attn", "moe_router"] + ([] if _host_copy(cfg) else ["moe_preprocess"])
+
+
+def graph_config_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The graph keys as TransformerConfig fields (none unless model.cuda_graph_impl=transformer_engine)."""
+    if not graphs_on(cfg):
+        return {}
+    modules = cfg.get("cuda_graph_modules")
+    return {"cuda_graph_impl": "transformer_engine",
+            "cuda_graph_modules": list(modules) if modules is not None else graph_modules(cfg),
+            "cuda_graph_warmup_steps": int(cfg.get("cuda_graph_warmup_steps", 3))}
+
+
+def _check_graphs(cfg: Mapping[str, Any]) -> None:
+    """The graph keys, and the scopes Megatron-Core would assert on (or capture and fail in) for this model."""
+    impl = cfg.get("cuda_graph_impl", "none")
+    if impl not in (None, "none", "transformer_engine"):
+        raise ConfigError(f"model.cuda_graph_impl={impl!r}: this plugin captures Megatron-Core's per-layer graphs "
+                         f"through Transformer Engine only; set model.cuda_graph_impl=transformer_engine or none")
+    steps = cfg.get("cuda_graph_warmup_steps")
+    if steps is not None and (not is_int(steps) or steps < 1):
+        raise ConfigError(f"model.cuda_graph_warmup_steps={steps!r}: the eager steps before the capture, an integer "
+                         f">= 1 (Megatron-LM's default: 3)")
+    modules = cfg.get("cuda_graph_modules")
+    if modules is None:
+        return
+    if (not isinstance(modules, (list, tuple)) or not modules or any(m not in GRAPH_MODULES for m in modules)
+            or len(set(modules)) != len(modules)):
+        raise ConfigError(f"model.cuda_graph_modules={modules!r}: a list of distinct scopes from "
+                         f"{', '.join(GRAPH_MODULES)} (e.g. [attn, moe_router]), or null for the model's own")
+    problem = _graph_scope_problem(cfg, set(modules))
+    if problem:
+        raise ConfigError(f"model.cuda_graph_modules={list(modules)}: {problem}")
+
+
+def _graph_scope_problem(cfg: Mapping[str, Any], modules: set[str]) -> str | None:
+    """Why Megatron-Core cannot graph these scopes of this model (its TransformerConfig checks, and the host copies a
+    capture cannot hold), or None."""
+    moe_scopes = modules & {"moe", "moe_router", "moe_preprocess"}
+    if not cfg.get("num_moe_experts"):
+        return f"{sorted(moe_scopes)[0]} is an MoE scope and this model is dense; drop it" if moe_scopes else None
+    if {"moe", "moe_router"} <= modules:
+        return "moe graphs the router too; keep one of moe and moe_router"
+    if "moe_preprocess" in modules and "moe_router" not in modules:
+        return "Megatron-Core graphs moe_preprocess only with moe_router; add moe_router"
+    if "mlp" in modules and len(moe_layer_pattern(cfg)) == int(cfg["num_layers"]):
+        return "mlp graphs a dense layer's MLP and every layer of this model is an MoE layer; drop mlp"
+    if "moe" in modules and not _static_moe(cfg):
+        return ("a whole MoE layer is graphed only with static shapes: set model.moe_expert_capacity_factor (e.g. 1.0), "
+                "model.moe_pad_expert_input_to_capacity=true and the alltoall dispatcher, or graph moe_router")
+    if "moe_preprocess" in modules and _host_copy(cfg):
+        return ("the alltoall dispatcher's preprocessing copies the token counts to the host here (a capacity or "
+                "router padding), which a graph cannot hold; drop moe_preprocess")
+    return None
+
+
 def layout_of(cfg: Mapping[str, Any]) -> ModelLayout:
     """The plan's view of a (checked) model config: its layers, and the experts of its MoE layers."""
     layers = moe_layer_pattern(cfg)
@@ -210,8 +301,11 @@ def config_layout(config: Any) -> ModelLayout:
 
 
 def check_model_device(cfg: Mapping[str, Any], device: str) -> None:
-    """The MoE keys that need a GPU (Transformer Engine, CUDA streams), refused on the CPU before anything is built,
-    and router padding, whose fix depends on the machine (``device``: 'cpu' or 'cuda')."""
+    """The keys that need a GPU (Transformer Engine, CUDA streams, CUDA graphs), refused on the CPU before anything is
+    built, and router padding, whose fix depends on the machine (``device``: 'cpu' or 'cuda')."""
+    if graphs_on(cfg) and device != "cuda":
+        raise ConfigError("model.cuda_graph_impl=transformer_engine: CUDA graphs need a GPU; on the CPU set "
+                         "model.cuda_graph_impl=none")
     if cfg.get("num_moe_experts") is None:
         return
     dispatcher = cfg.get("moe_token_dispatcher_type", "allgather")
@@ -238,6 +332,13 @@ def check_model_device(cfg: Mapping[str, Any], device: str) -> None:
 
 def model_notices(cfg: Mapping[str, Any], *, device: str) -> list[str]:
     """One-line warnings for model keys that do nothing here (``device``: 'cpu' or 'cuda')."""
+    idle_graphs = [k for k in GRAPH_KEYS[1:] if cfg.get(k) is not None] if not graphs_on(cfg) else []
+    graphs = [f"model.{idle_graphs[0]}={cfg[idle_graphs[0]]!r} does nothing: model.cuda_graph_impl is none; set "
+              f"model.cuda_graph_impl=transformer_engine to capture graphs"] if idle_graphs else []
+    return graphs + _moe_notices(cfg, device=device)
+
+
+def _moe_notices(cfg: Mapping[str, Any], *, device: str) -> list[str]:
     if cfg.get("num_moe_experts") is None:
         idle = [k for k in MOE_KEYS if k != "num_moe_experts" and cfg.get(k) not in (None, False)]
         more = f" (and {', '.join(idle[1:])})" if idle[1:] else ""

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cached_property
@@ -424,6 +424,25 @@ class StepPlan:
     def any_fp8(self) -> bool:
         """Whether any GEMM or core attention runs FP8 this step."""
         return bool(self.attention) or any(m.any_fp8 for m in self.modules.values())
+
+    def graph_problem(self, layers: Iterable[int]) -> str | None:
+        """Why Megatron-Core's TE CUDA graphs cannot capture ``layers`` (layer numbers) under this step's plan, or
+        None. TE's make_graphed_callables captures every callable under one recipe (each callable may be FP8 or not):
+        the FP8 layers must share one TE recipe, and no linear inside them may run its own (a ``modules:`` policy, a
+        BF16 pattern: its autocast would not be in the graph)."""
+        choices = {i: self.layers_te.get(i) for i in layers}
+        fp8 = {i: c for i, c in choices.items() if c is not None}
+        first = next(iter(fp8), None)
+        other = next((i for i, c in fp8.items() if c != fp8[first]), None)
+        if other is not None:
+            return (f"CUDA graphs capture every layer under one TE recipe; layer {other} runs {fp8[other].describe()}, "
+                    f"layer {first} {fp8[first].describe()}")
+        own = next((row for row in self.modules.values() if row.layer in choices and row.te != choices[row.layer]),
+                   None)
+        if own is not None:
+            return (f"CUDA graphs capture a layer under one TE recipe; {own.name} runs its own "
+                    f"({own.te.describe() if own.te else 'BF16'}: a modules: policy or a BF16 pattern)")
+        return None
 
 
 class PrecisionPlan:

@@ -89,6 +89,8 @@ class Engine:
         self._sums_eval = self.is_last_stage and ps.get_tensor_model_parallel_rank() == 0
         self._reports_loss = self._sums_eval and ps.get_context_parallel_rank() == 0
         self.dp_size = ps.get_data_parallel_world_size()
+        self.graphs = None
+        """The layers' CUDA graphs (megatron/graphs.py's LayerGraphs) when the model config asks for them."""
 
     # -- the model as one module, for code that reads it (checkpoints, statistics) --------------------------------
     @property
@@ -350,5 +352,11 @@ def build_engine(chunks: list[torch.nn.Module], cfg: TrainerConfig, *, seq_lengt
     if cfg.overlap_param_gather and ps.get_pipeline_model_parallel_world_size() > 1:
         config.param_sync_func = one_or_list([c.start_param_sync for c in wrapped])
     dp = ps.get_data_parallel_world_size()
-    return Engine(wrapped, optimizer, cfg, seq_length=seq_length,
-                  num_microbatches=cfg.gradient_accumulation_steps(dp), device=device)
+    engine = Engine(wrapped, optimizer, cfg, seq_length=seq_length,
+                    num_microbatches=cfg.gradient_accumulation_steps(dp), device=device)
+    if config.cuda_graph_impl == "transformer_engine":  # (model cuda_graph_impl: captured by the training loop)
+        from fp8_recipes.megatron.graphs import LayerGraphs
+
+        engine.graphs = LayerGraphs(engine, seq_length=seq_length, micro_batch_size=cfg.micro_batch_size,
+                                    global_batch_size=cfg.global_batch_size)
+    return engine

@@ -168,11 +168,14 @@ class Checkpoints:
 
 
 def _run_step(engine: Engine, batches: Any, precision: Precision, schedule: LRSchedule, faults: NonFinitePolicy,
-              signals: PreemptionSignals, step: int) -> tuple[StepResult, str, float]:
-    """One iteration: the plan's stage (or the BF16 fallback), the engine's step, then the LR schedule and the
-    precision backend told whether the optimizer stepped. Returns the result, the stage label and the step's time."""
+              signals: PreemptionSignals, step: int, capture: bool = False) -> tuple[StepResult, str, float]:
+    """One iteration: the plan's stage (or the BF16 fallback), the layers' CUDA graphs captured first when
+    ``capture``, the engine's step, then the LR schedule and the precision backend told whether the optimizer
+    stepped. Returns the result, the stage label and the step's time (the capture's not included)."""
     stage = precision.begin_step(step)
     in_fallback = faults.in_fallback
+    if capture:
+        engine.graphs.capture(precision, step)
     t0 = time.perf_counter()
     with precision.high_precision() if in_fallback else contextlib.nullcontext():
         result = engine.train_step(batches, preempt_requested=signals.received is not None)
@@ -183,6 +186,10 @@ def _run_step(engine: Engine, batches: Any, precision: Precision, schedule: LRSc
         engine.set_lr(schedule.lr())  # the next step's, as a scheduler leaves it (checkpoints)
         precision.after_optimizer_step(step)
     return result, "bf16 fallback" if in_fallback else stage, time.perf_counter() - t0
+
+
+def _scopes(engine: Engine) -> list[str]:
+    return [getattr(m, "name", str(m)) for m in engine.config.cuda_graph_modules] or ["whole layers"]
 
 
 def _autopilot_duties(precision: Precision, done: int, result: StepResult, log: StepLog) -> None:
@@ -283,12 +290,21 @@ def _leave_together(run_dir: Path, summary: dict[str, Any], stopped: str | None,
         raise NonFiniteStop(stopped)
 
 
+def _graphs_step(engine: Engine, start: int, steady_from: int) -> int | None:
+    """The step before which the layers' CUDA graphs are captured, or None without graphs: after the model config's
+    cuda_graph_warmup_steps eager steps of this run (Megatron-LM's rule, a resumed run's too), and not before the
+    recipe's last stage begins (``steady_from``: what the graphs replay cannot change)."""
+    if engine.graphs is None:
+        return None
+    return max(start + int(engine.config.cuda_graph_warmup_steps), steady_from)
+
+
 def train(engine: Engine, batches_train: Iterator[Mapping[str, Any]] | list[Iterator[Mapping[str, Any]]],
           batches_valid: Sequence[Mapping[str, Any]] | Iterator[Mapping[str, Any]] | None, trainer_cfg: Any,
           precision: Precision, run_dir: str | os.PathLike, *, rank: int = 0, world_size: int = 1,
           resume_from: str | os.PathLike | None = None,
           summary_extra: Mapping[str, Any] | None = None,
-          on_ready: Callable[[], None] | None = None) -> dict[str, Any]:
+          on_ready: Callable[[], None] | None = None, steady_from: int = 0) -> dict[str, Any]:
     """Train ``engine``'s model for ``trainer_cfg.max_steps`` optimizer steps; return the summary (also in
     summary.json, with ``summary_extra``'s keys, e.g. the recipe's name and the backend).
 
@@ -300,6 +316,7 @@ def train(engine: Engine, batches_train: Iterator[Mapping[str, Any]] | list[Iter
     ``batches_train`` at the checkpoint's data position (the samples it consumed, in its meta.json; training/run.py
     does, through checkpoint.resume_skip). ``on_ready`` runs once the checkpoint is loaded, before the first step
     (training/run.py writes the run's plan and recipe there, so a resume refused while loading rewrites nothing).
+    ``steady_from``: the first step of the recipe's last stage, before which no CUDA graph is captured.
     """
     cfg, run_dir = TrainerConfig.from_cfg(trainer_cfg), Path(run_dir)
     schedule = _start(engine, cfg, rank)
@@ -311,6 +328,7 @@ def train(engine: Engine, batches_train: Iterator[Mapping[str, Any]] | list[Iter
     checkpoints = Checkpoints(run_dir, cfg, engine, precision, schedule)
     state, faults = LoopState(done=start), NonFinitePolicy(cfg)
     tokens = cfg.global_batch_size * engine.seq_length  # per optimizer step, all ranks
+    graphs_at = _graphs_step(engine, start, steady_from)
     wall0 = time.perf_counter()
     # SIGTERM/SIGUSR1 -> a flag, for the loop's lifetime only; the log closed however the loop ends (a failed save:
     # the bar's line ended before the error's)
@@ -319,7 +337,9 @@ def train(engine: Engine, batches_train: Iterator[Mapping[str, Any]] | list[Iter
         for step in range(start, cfg.max_steps):
             lr = schedule.lr()  # a skipped step leaves the schedule where it was: the next step runs at this LR
             result, state.stage, step_time = _run_step(engine, batches_train, precision, schedule, faults, signals,
-                                                       step)
+                                                       step, capture=step == graphs_at)
+            if step == graphs_at:
+                log.note(f"step {step + 1}: CUDA graphs captured ({', '.join(_scopes(engine))}), replayed from here")
             verdict = faults.decide(result, step + 1)
             state.record(step + 1, result, tokens / step_time, signals.received)
             log.step(state, result, lr=lr, step_time=step_time, skipped_steps=faults.skipped_steps)
@@ -336,11 +356,16 @@ def train(engine: Engine, batches_train: Iterator[Mapping[str, Any]] | list[Iter
             evaluate(state, log)
             checkpoints.periodic(state.done)
         log.bar.close()
+        if engine.graphs is not None:
+            engine.graphs.delete()
         # still under the handlers (a second signal must not cut this save short); after a stop: the last good state
         saved = checkpoints.save(state.done) if state.done > start or resume_from is None else None
         if state.preempted and rank == 0:
             _warn_preempted(state, cfg, run_dir)
     stopped = state.stop.message(saved) if state.stop is not None else None
-    summary = _summary(state, faults, stopped, time.perf_counter() - wall0, engine.device, summary_extra)
+    graphed = {"captured_before_step": graphs_at + 1, "modules": _scopes(engine)} \
+        if graphs_at is not None and state.done > graphs_at else None  # (1-based, as the metrics rows count)
+    summary = _summary(state, faults, stopped, time.perf_counter() - wall0, engine.device,
+                       {"cuda_graphs": graphed, **(summary_extra or {})})
     _leave_together(run_dir, summary, stopped, rank)
     return summary

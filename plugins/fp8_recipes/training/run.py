@@ -28,7 +28,8 @@ from fp8_recipes.checks import ConfigError
 from fp8_recipes.launcher import launch_rank
 from fp8_recipes.megatron.data import (build_gpt_datasets, data_parallel_batches, fixed_batches, prepare_dataset,
                                        split_samples)
-from fp8_recipes.megatron.model_config import check_model_device, layout_of, linear_shapes, model_notices, run_model_cfg
+from fp8_recipes.megatron.model_config import (check_model_device, graph_modules, graphs_on, layout_of, linear_shapes,
+                                               model_notices, run_model_cfg)
 from fp8_recipes.observe.autopilot_config import autopilot_config
 from fp8_recipes.observe.config import debug_config
 from fp8_recipes.plan.precision import Execution, Hardware, ModelLayout, ParallelLayout, PrecisionPlan
@@ -133,6 +134,15 @@ def _route(precision, chunks, run_dir: Path):
     group = ps.get_expert_model_parallel_group() if ps.get_expert_model_parallel_world_size() > 1 else None
     routing = RoutingRecorder.attach(transformer_layers(chunks), run_dir, write=_first_of_stage(), group=group)
     return (precision, None) if routing is None else (ObservedPrecision(precision, routing), routing)
+
+
+def _graphs_route(model) -> bool:
+    """Whether CUDA graphs capture the router (model cuda_graph_modules moe or moe_router): then no routing statistics
+    are recorded (their hook copies each step's token counts to the host, which a capture cannot hold)."""
+    if not graphs_on(model) or not model.get("num_moe_experts"):
+        return False
+    modules = model.get("cuda_graph_modules")
+    return bool({"moe", "moe_router"} & set(modules if modules is not None else graph_modules(model)))
 
 
 @contextlib.contextmanager
@@ -345,6 +355,51 @@ def check_recompute(trainer, plan) -> None:
                            "trainer.recompute_granularity=null (or full), or recipe attention: bf16")])
 
 
+def check_graphs(trainer, model, plan) -> None:
+    """Model ``cuda_graph_impl: transformer_engine`` (megatron/graphs.py): what the graphs cannot hold, refused in one
+    line before anything is built. They capture TE-spec layers under one TE recipe (the plan's last stage: no
+    ``modules:`` policy or BF16 pattern inside a layer), replay it as captured (no BF16 fallback), and capture no
+    recompute, FP8-stored weights, or experts whose delayed amaxes reduce over a group of their own (EP > 1)."""
+    if not graphs_on(model):
+        return
+    off = "or set model.cuda_graph_impl=none"
+    if plan.backend is not Backend.TE:
+        raise ConfigError(f"model.cuda_graph_impl=transformer_engine: the graphs capture Transformer Engine's layers "
+                          f"and this run is on the {plan.backend} backend ({plan.backend_reason}); train on TE, {off}")
+    fp8 = _runs_on_te(plan) and any(plan.recipe.policy(r).is_fp8 for r in Role)
+    problem = plan.at(plan.stages()[-1][0]).graph_problem(range(plan.layout.num_layers)) if fp8 else None
+    for bad, line in (
+            (problem, f"{problem}; give the graphed layers one recipe, {off}"),
+            (fp8 and trainer.on_nonfinite == "skip_then_bf16",
+             "trainer.on_nonfinite=skip_then_bf16: the BF16 fallback cannot run under CUDA graphs, which replay the "
+             f"FP8 layers as captured; set trainer.on_nonfinite=stop, {off}"),
+            (trainer.recompute_granularity is not None,
+             f"trainer.recompute_granularity={trainer.recompute_granularity}: activation recompute under CUDA graphs "
+             f"is not supported here; set trainer.recompute_granularity=null, {off}"),
+            (fp8 and plan.recipe.fp8_param,
+             f"recipe fp8_param: true: FP8-stored weights under CUDA graphs are not supported here; set recipe "
+             f"fp8_param: false, {off}"),
+            (trainer.expert_model_parallel_size > 1 and _delayed_on_te(plan),
+             f"trainer.expert_model_parallel_size={trainer.expert_model_parallel_size} with delayed scaling: the "
+             f"experts' amaxes reduce over their own group, which one graph's autocast cannot; use current scaling "
+             f"(tensorwise, blockwise), {off}")):
+        if bad:
+            raise ConfigError(f"model.cuda_graph_impl=transformer_engine: {line}")
+
+
+def check_graph_observers(model, debug, autopilot) -> None:
+    """Statistics and the autopilot read the linears' forwards through hooks, which a CUDA graph's replay does not
+    call (and a capture cannot hold their host copies): refused in one line with model cuda_graph_impl."""
+    if not graphs_on(model):
+        return
+    if autopilot is not None and autopilot.enabled:
+        raise ConfigError("autopilot: it reads and changes the linears' numerics, which CUDA graphs replay as "
+                          "captured; set autopilot=off or model.cuda_graph_impl=none")
+    if debug is not None and debug.enabled:
+        raise ConfigError("debug: numerics statistics read each linear's forward, which a CUDA graph replays without "
+                          "calling it; set debug.interval=0 (and no dump steps) or model.cuda_graph_impl=none")
+
+
 def check_moe_statistics(trainer, model, debug) -> None:
     """Numerics statistics (``debug``) of an MoE model under context parallelism: each context-parallel rank's experts
     see its own tokens, so the recorder would fold them as it folds expert-parallel ranks' (an expert without a
@@ -453,6 +508,7 @@ def check_plan(trainer, model, plan) -> str | None:
     check_grouped_experts(model, plan)
     check_sequence_parallel_amax(trainer, plan)
     check_recompute(trainer, plan)
+    check_graphs(trainer, model, plan)
     return check_fp8_shapes(trainer, model, plan)
 
 
@@ -543,7 +599,7 @@ def run_training(cfg) -> dict:
         claim(run.run_dir)  # the lock, released when the run ends (at exit, if it ends in an exception before `try`)
     run.rank, run.world_size, run.device = init_distributed(**run.layout,
                                                             context_parallel_size=run.tcfg.context_parallel_size,
-                                                            seed=run.tcfg.seed)
+                                                            seed=run.tcfg.seed, cuda_graphs=graphs_on(cfg.model))
     try:
         _verify_resume(run)
         if run.saved is not None and (done := int(run.saved["step"])) >= run.tcfg.max_steps:
@@ -576,6 +632,7 @@ def _checked_run(cfg) -> _Run:
         if debug is not None and debug.dump.steps:  # written at the first dump step, hours in: checked now
             check_writable_dir("debug.dump.dir", str(debug.dump.path(cfg.run_dir)))
         check_moe_statistics(tcfg, cfg.model, debug)
+        check_graph_observers(cfg.model, debug, autopilot)
     one_cuda_connection(tcfg)
     import torch  # (CUDA starts at is_available() below on a GPU machine)
 
@@ -642,6 +699,8 @@ def _warn_notices(run: _Run) -> None:
     for line in [*model_notices(run.cfg.model, device=run.hardware.device),
                  _router_padding_notice(run.cfg.model, plan, fp8_modules),
                  _wgrad_fusion_notice(run.tcfg, plan),
+                 "model.cuda_graph_modules: the router runs inside CUDA graphs, so routing.jsonl is not written; set "
+                 "model.cuda_graph_modules=[attn] to keep it" if _graphs_route(run.cfg.model) else None,
                  *run_notices(run.tcfg, run.recipe, run.debug, start, fp8_modules,
                               debug_set=resolve_debug(run.cfg).enabled), run.shape_warning,
                  *autopilot_notices(_plain(run.cfg.get("autopilot")), run.autopilot, plan, run.tcfg.max_steps)]:
@@ -798,11 +857,14 @@ def _train(run: _Run, engine, plan, precision, data: _RunData, on_ready: Callabl
         precision = AutopilotPrecision(precision, recorder, plan, run.autopilot, run.run_dir, rank=run.rank,
                                        max_steps=int(run.trainer.max_steps),
                                        check=lambda new: check_plan(run.tcfg, run.cfg.model, new))
-    precision, routing = _route(precision, engine.chunks, run.run_dir)
+    routing = None
+    if not _graphs_route(run.cfg.model):
+        precision, routing = _route(precision, engine.chunks, run.run_dir)
     failed = True
     try:
         summary = train(engine, data.train_iters, data.valid, run.trainer, precision, run.run_dir, rank=run.rank,
                         world_size=run.world_size, resume_from=run.resume_from, on_ready=on_ready,
+                        steady_from=plan.stages()[-1][0],
                         summary_extra={"recipe": recipe.name, "backend": str(plan.backend),
                                        "fp8": any(str(recipe.policy(r).scaling) != "none"
                                                   for r in ("weights", "activations", "gradients")),
