@@ -657,3 +657,32 @@ def test_a_shard_gone_without_its_checksum_record_is_damage_not_a_traceback(tmp_
         read_checkpoint(step_dir)
     shard.unlink()
     assert checkpoint_damage(step_dir) == f"{shard.name} (named by its .metadata) is missing"
+
+
+def test_a_graph_safe_trackers_generators_are_saved_as_state_tensors(monkeypatch):
+    """Under CUDA graphs (model cuda_graph_impl) the model-parallel RNG tracker is TE's, whose states are torch
+    Generators: a checkpoint holds them as state tensors (weights_only loading takes no Generator), and a tracker that
+    is not graph-safe gets the tensors back as they are (a checkpoint of a graphed run resumed without graphs)."""
+    from megatron.core.tensor_parallel import random as mp_random
+
+    from fp8_recipes.training.checkpoint import _rng_state, _set_rng_state
+
+    gen = torch.Generator().manual_seed(7)
+
+    class Tracker:
+        states = {"model-parallel-rng": gen}
+
+        def get_states(self):
+            return dict(self.states)
+
+        def set_states(self, states):
+            self.states = states
+
+    tracker = Tracker()
+    monkeypatch.setattr(mp_random, "get_cuda_rng_tracker", lambda: tracker)
+    monkeypatch.setattr("megatron.core.tensor_parallel.get_cuda_rng_tracker", lambda: tracker)
+    saved = _rng_state()["tracker"]
+    assert isinstance(saved["model-parallel-rng"], torch.Tensor)
+    assert torch.equal(saved["model-parallel-rng"], gen.get_state())
+    _set_rng_state({"cpu": torch.get_rng_state(), "python": random.getstate(), "tracker": saved})
+    assert torch.equal(tracker.states["model-parallel-rng"], gen.get_state())

@@ -34,6 +34,7 @@ def test_each_model_gets_the_scopes_megatron_core_allows_it():
     for host_copy in ({"moe_expert_capacity_factor": 1.0}, {"moe_router_padding_for_quantization": True}):
         assert graph_modules({**ALLTOALL, **host_copy}) == ["attn", "moe_router"]
     assert graph_modules(PADDED) == ["attn", "moe"]
+    assert graph_modules({**MOE, "num_moe_experts": 1, "moe_router_topk": 1}) == ["attn"]  # (Megatron-Core: dense)
     assert graph_modules({**MOE, "moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}) == \
         ["attn", "moe_router", "moe_preprocess"]
     assert graph_config_fields(MOE) == {}
@@ -77,8 +78,9 @@ def test_megatron_cores_transformer_config_takes_the_scopes(megatron_cpu):
     ({**TINY, **GRAPHS, "cuda_graph_modules": "attn"}, r"cuda_graph_modules='attn': a list of distinct scopes"),
     ({**TINY, **GRAPHS, "cuda_graph_modules": []}, r"cuda_graph_modules=\[\]: a list of distinct scopes"),
     ({**TINY, **GRAPHS, "cuda_graph_modules": ["attn", "attn"]}, r"cuda_graph_modules=.*a list of distinct scopes from attn, mlp, moe"),
-    ({**TINY, **GRAPHS, "cuda_graph_modules": ["mlp", "moe_router"]}, r"cuda_graph_modules=.*moe_router is an MoE scope and this model "
-                                                                      r"is dense; drop it$"),
+    ({**TINY, **GRAPHS, "cuda_graph_modules": ["mlp", "moe_router"]}, r"cuda_graph_modules=.*moe_router is an MoE scope and Megatron-"
+                                                                      r"Core graphs it only with more than one "
+                                                                      r"expert; drop it$"),
     ({**PADDED, **GRAPHS, "cuda_graph_modules": ["moe", "moe_router"]}, r"cuda_graph_modules=.*keep one of moe and moe_router$"),
     ({**MOE, **GRAPHS, "cuda_graph_modules": ["moe_preprocess"]}, r"cuda_graph_modules=.*only with moe_router; add moe_router$"),
     ({**MOE, **GRAPHS, "cuda_graph_modules": ["attn", "mlp"]}, r"cuda_graph_modules=.*every layer of this model is an MoE layer; drop "
@@ -95,6 +97,8 @@ def test_graph_keys_are_refused_in_one_line(cfg, match):
 
 def test_graph_keys_need_a_gpu_and_say_when_they_do_nothing():
     check_model_cfg({**TINY, **GRAPHS, "cuda_graph_modules": ["attn"]}, device=None)
+    # static shapes: the preprocessing returns before any copy to the host, so it may be graphed beside the router
+    check_model_cfg({**PADDED, **GRAPHS, "cuda_graph_modules": ["attn", "moe_router", "moe_preprocess"]}, device=None)
     check_model_cfg({**MOE, "moe_layer_freq": 2, **GRAPHS, "cuda_graph_modules": ["mlp", "moe_router"]}, device=None)
     check_model_device({**TINY, **GRAPHS}, "cuda")
     with pytest.raises(ConfigError, match=r"^model\.cuda_graph_impl=transformer_engine: CUDA graphs need a GPU; on "
@@ -140,12 +144,28 @@ def test_the_run_refuses_what_the_graphs_cannot_hold():
         (_trainer(recompute_granularity="selective"), _plan("tensorwise"), r"trainer\.recompute_granularity="
                                                                            r"selective: activation recompute"),
         (_trainer(use_distributed_optimizer=True), _plan("tensorwise", fp8_param=True), r"recipe fp8_param: true"),
-        (_trainer(expert_model_parallel_size=2), _plan("delayed", model=MOE), r"trainer\.expert_model_parallel_"
-                                                                              r"size=2 with delayed scaling")]
+        (_trainer(expert_model_parallel_size=2), _plan("tensorwise", model=MOE), r"trainer\.expert_model_"
+                                                                                 r"parallel_size=2 with an FP8 recipe"),
+        (_trainer(params_dtype="fp32"), _plan("bf16"), r"trainer\.params_dtype=fp32: Megatron-Core's graphs take "
+                                                       r"BF16 activations")]
     for trainer, plan, match in cases:
         with pytest.raises(ConfigError, match=r"^model\.cuda_graph_impl=transformer_engine: .*" + match):
             check_plan(trainer, {**(MOE if plan.layout.experts else TINY), **GRAPHS}, plan)
-    check_plan(_trainer(expert_model_parallel_size=2), {**MOE, **GRAPHS}, _plan("tensorwise", model=MOE))
+    check_plan(_trainer(expert_model_parallel_size=2), {**MOE, **GRAPHS}, _plan("bf16", model=MOE))
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        env.delenv("NCCL_GRAPH_REGISTER", raising=False)
+        with pytest.raises(ConfigError, match=r"expandable_segments:True needs NCCL_GRAPH_REGISTER=0 .*; export "
+                                              r"NCCL_GRAPH_REGISTER=0, or set model\.cuda_graph_impl=none$"):
+            check_plan(_trainer(), model, _plan("bf16"))
+        env.setenv("NCCL_GRAPH_REGISTER", "0")
+        check_plan(_trainer(), model, _plan("bf16"))
+    from fp8_recipes.training.run import _graphs_notice
+
+    assert _graphs_notice(model, _plan("delayed"), 0, 4) is None  # captured before step 4 (3 warmup steps)
+    assert _graphs_notice(model, _plan("delayed"), 0, 3).startswith(
+        "model.cuda_graph_impl=transformer_engine does nothing: the graphs would be captured before step 4 ")
+    assert _graphs_notice(TINY, _plan("delayed"), 0, 3) is None
     from fp8_recipes.observe.autopilot_config import autopilot_config
     from fp8_recipes.observe.config import debug_config
 

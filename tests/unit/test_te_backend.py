@@ -276,6 +276,33 @@ def test_graphs_are_refused_where_the_layers_run_more_than_one_recipe(fake_te):
         staged_precision.begin_step(0)
 
 
+def test_a_capture_leaves_the_delayed_state_and_the_counters_as_the_step_found_them(fake_te):
+    """Megatron-Core's capture runs TE's warmup forwards and backwards on static inputs: their amaxes would reach the
+    delayed histories (TE puts back only its DelayedScaling recipe's state, not a per-role mix's CustomRecipe), and
+    the counting hooks would count forwards no step ran. ``graphs_captured`` puts back the state ``begin_step``
+    found; the hooks count nothing while Megatron-Core captures."""
+    from megatron.core.transformer import cuda_graphs
+
+    precision, decoder, log = attach(fake_te, {"weights": "delayed", "activations": "delayed",
+                                               "gradients": "delayed"})
+    step(precision, decoder, log, 0)
+    linear = precision.linears["decoder.layers.1.self_attention.linear_qkv"]
+    linear.init_fp8_meta_tensors(None)  # (TE's delayed state, as its first FP8 forward builds it)
+    meta = linear.fp8_meta["scaling_fwd"]
+    meta.amax_history.fill_(3.0)
+    precision.begin_step(1)
+    found, kinds = meta.amax_history.clone(), dict(precision.module_kinds)
+    cuda_graphs._set_capture_start()
+    try:
+        decoder(torch.zeros(1))  # a capture's warmup forward
+        meta.amax_history.fill_(1e4)  # the amaxes of the static inputs
+    finally:
+        cuda_graphs._set_capture_end()
+    assert dict(precision.module_kinds) == kinds
+    precision.graphs_captured()
+    assert torch.equal(meta.amax_history, found)
+
+
 def test_high_precision_and_the_counters(fake_te):
     precision, decoder, log = attach(fake_te, {"weights": "delayed", "activations": "delayed",
                                                "gradients": "delayed"})

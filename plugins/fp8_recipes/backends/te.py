@@ -369,7 +369,11 @@ class TEPrecision:
         setattr(module, attr, forward)
 
     def _counter(self, name: str) -> Callable:
+        from megatron.core.transformer.cuda_graphs import is_graph_capturing
+
         def hook(module, args, output):
+            if is_graph_capturing():  # (the graphs' warmup and capture: no step's forward; replays are not counted)
+                return
             got = what_ran(module)
             expected = self._expected.get(name, BF16)
             if got != expected:
@@ -513,6 +517,14 @@ class TEPrecision:
             return {"fp8_enabled": False}
         return {"fp8_enabled": tuple(self._layer_choices.get(i) is not None for i in layers),
                 "fp8_recipe": self.te_recipe(choice), "fp8_weight_caching": True, "fp8_group": self._group}
+
+    def graphs_captured(self) -> None:
+        """After the capture: put back the delayed state the step found. TE's capture runs warmup forwards and
+        backwards on the graphs' static inputs and uninitialised output gradients, whose amaxes reach the histories;
+        TE saves and restores that state only for its DelayedScaling recipe, not for the CustomRecipe of a per-role
+        mix (plan/te.py)."""
+        if self._outer is not None:
+            self._snapshot.restore(self._te_modules)
 
     @contextlib.contextmanager
     def high_precision(self) -> Iterator[None]:

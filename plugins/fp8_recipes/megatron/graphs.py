@@ -59,7 +59,10 @@ class LayerGraphs:
         # engine does not otherwise use)
         unset_num_microbatches_calculator()
         init_num_microbatches_calculator(0, None, global_batch_size, micro_batch_size, engine.dp_size)
+        from megatron.core import parallel_state as ps
+
         self._engine, self._precision = engine, None
+        self._stages = ps.get_pipeline_model_parallel_world_size()
         self._helper = PlanGraphHelper(model=engine.chunks, config=engine.config, seq_length=seq_length,
                                        micro_batch_size=micro_batch_size, optimizers=[engine.optimizer])
         self.captured_at: int | None = None
@@ -77,11 +80,14 @@ class LayerGraphs:
             for chunk in engine.chunks:
                 chunk.disable_forward_pre_hook(param_sync=False)
         self._helper.create_cudagraphs()
+        if self._precision is not None and hasattr(self._precision, "graphs_captured"):
+            self._precision.graphs_captured()  # (the delayed state as the step found it: TEPrecision)
         if hooks:
             for chunk in engine.chunks:
                 chunk.enable_forward_pre_hook()
             self._helper.cuda_graph_set_manual_hooks()
-        if not self._helper.graphs_created():
+        if not self._helper.graphs_created() and self._stages == 1:
+            # (with several pipeline stages a stage may hold none of the scopes' layers, and its peers go on)
             raise RuntimeError("cuda graphs: Megatron-Core's TECudaGraphHelper found no layer to capture")
         self.captured_at = step
 

@@ -195,9 +195,15 @@ def _static_moe(cfg: Mapping[str, Any]) -> bool:
 
 
 def _host_copy(cfg: Mapping[str, Any]) -> bool:
-    """The alltoall dispatcher's preprocessing copies the token counts to the host (a capacity, or router padding)."""
+    """The alltoall dispatcher's preprocessing copies the token counts to the host (a capacity, or router padding;
+    not with static shapes, where it returns before any copy)."""
     return cfg.get("moe_token_dispatcher_type") == "alltoall" and (
         cfg.get("moe_expert_capacity_factor") is not None or bool(cfg.get("moe_router_padding_for_quantization")))
+
+
+def _routed(cfg: Mapping[str, Any]) -> bool:
+    """Whether the model has MoE layers Megatron-Core graphs as such (more than one expert)."""
+    return (cfg.get("num_moe_experts") or 0) > 1
 
 
 def graph_modules(cfg: Mapping[str, Any], attn_only: bool = False) -> list[str]:
@@ -206,7 +212,7 @@ def graph_modules(cfg: Mapping[str, Any], attn_only: bool = False) -> list[str]:
     where it copies nothing to the host). Static shapes (:func:`_static_moe`): the whole MoE block, experts and
     dispatch included, so each layer is one graph and FP8's per-expert quantizers are inside it. ``attn_only``: the
     attention's alone."""
-    if not cfg.get("num_moe_experts") or attn_only:
+    if not _routed(cfg) or attn_only:
         return ["attn"]
     if _static_moe(cfg):
         return ["attn", "moe"]
@@ -249,8 +255,9 @@ def _graph_scope_problem(cfg: Mapping[str, Any], modules: set[str]) -> str | Non
     """Why Megatron-Core cannot graph these scopes of this model (its TransformerConfig checks, and the host copies a
     capture cannot hold), or None."""
     moe_scopes = modules & {"moe", "moe_router", "moe_preprocess"}
-    if not cfg.get("num_moe_experts"):
-        return f"{sorted(moe_scopes)[0]} is an MoE scope and this model is dense; drop it" if moe_scopes else None
+    if not _routed(cfg):
+        return (f"{sorted(moe_scopes)[0]} is an MoE scope and Megatron-Core graphs it only with more than one "
+                f"expert; drop it") if moe_scopes else None
     if {"moe", "moe_router"} <= modules:
         return "moe graphs the router too; keep one of moe and moe_router"
     if "moe_preprocess" in modules and "moe_router" not in modules:
@@ -260,7 +267,7 @@ def _graph_scope_problem(cfg: Mapping[str, Any], modules: set[str]) -> str | Non
     if "moe" in modules and not _static_moe(cfg):
         return ("a whole MoE layer is graphed only with static shapes: set model.moe_expert_capacity_factor (e.g. 1.0), "
                 "model.moe_pad_expert_input_to_capacity=true and the alltoall dispatcher, or graph moe_router")
-    if "moe_preprocess" in modules and _host_copy(cfg):
+    if "moe_preprocess" in modules and _host_copy(cfg) and not _static_moe(cfg):
         return ("the alltoall dispatcher's preprocessing copies the token counts to the host here (a capacity or "
                 "router padding), which a graph cannot hold; drop moe_preprocess")
     return None

@@ -169,12 +169,17 @@ def _parallel_sizes() -> dict[str, Any]:
 
 
 def _rng_state() -> dict[str, Any]:
+    """Every RNG's state, as tensors: the model-parallel tracker's too, whose graph-safe states (TE's tracker, under
+    model cuda_graph_impl) are torch Generators, which a checkpoint cannot load (weights_only) and another run's
+    tracker kind cannot take: saved as state tensors, as Megatron-LM saves them."""
     state: dict[str, Any] = {"cpu": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     try:
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
-        state["tracker"] = get_cuda_rng_tracker().get_states()
+        from megatron.core.tensor_parallel.random import convert_cuda_rng_state
+        state["tracker"] = {name: convert_cuda_rng_state(value, to_graphable=False)  # (a tensor stays itself)
+                            for name, value in get_cuda_rng_tracker().get_states().items()}
     except ImportError:
         pass
     return state
@@ -187,7 +192,12 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
     if "tracker" in state:
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
-        get_cuda_rng_tracker().set_states(state["tracker"])
+        from megatron.core.tensor_parallel.random import convert_cuda_rng_state, is_graph_safe_cuda_rng_tracker
+
+        tracker = get_cuda_rng_tracker()
+        graph_safe = is_graph_safe_cuda_rng_tracker(tracker)  # (the states this run's tracker takes: Generators)
+        tracker.set_states({name: convert_cuda_rng_state(value, to_graphable=True) if graph_safe else value
+                            for name, value in state["tracker"].items()})
 
 
 def _shard_key(tp_rank: int, pp_rank: int = 0, ep_rank: int | None = None, etp_rank: int | None = None) -> str:

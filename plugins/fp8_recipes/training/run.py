@@ -359,7 +359,8 @@ def check_graphs(trainer, model, plan) -> None:
     """Model ``cuda_graph_impl: transformer_engine`` (megatron/graphs.py): what the graphs cannot hold, refused in one
     line before anything is built. They capture TE-spec layers under one TE recipe (the plan's last stage: no
     ``modules:`` policy or BF16 pattern inside a layer), replay it as captured (no BF16 fallback), and capture no
-    recompute, FP8-stored weights, or experts whose delayed amaxes reduce over a group of their own (EP > 1)."""
+    recompute, FP8-stored weights, FP8 experts at EP > 1 (their amaxes reduce over a group of their own), or other
+    activations than BF16 (the static inputs Megatron-Core builds)."""
     if not graphs_on(model):
         return
     off = "or set model.cuda_graph_impl=none"
@@ -379,10 +380,17 @@ def check_graphs(trainer, model, plan) -> None:
             (fp8 and plan.recipe.fp8_param,
              f"recipe fp8_param: true: FP8-stored weights under CUDA graphs are not supported here; set recipe "
              f"fp8_param: false, {off}"),
-            (trainer.expert_model_parallel_size > 1 and _delayed_on_te(plan),
-             f"trainer.expert_model_parallel_size={trainer.expert_model_parallel_size} with delayed scaling: the "
-             f"experts' amaxes reduce over their own group, which one graph's autocast cannot; use current scaling "
-             f"(tensorwise, blockwise), {off}")):
+            (trainer.expert_model_parallel_size > 1 and fp8,
+             f"trainer.expert_model_parallel_size={trainer.expert_model_parallel_size} with an FP8 recipe: the "
+             f"experts run under an autocast of their own (their amaxes reduce over the ranks holding them), which a "
+             f"layer's graph cannot hold; set trainer.expert_model_parallel_size=1, {off}"),
+            (str(trainer.params_dtype) not in ("bf16", "bfloat16"),
+             f"trainer.params_dtype={trainer.params_dtype}: Megatron-Core's graphs take BF16 activations (their "
+             f"static inputs are BF16); set trainer.params_dtype=bf16, {off}"),
+            ("expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+             and os.environ.get("NCCL_GRAPH_REGISTER") != "0",
+             f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True needs NCCL_GRAPH_REGISTER=0 with CUDA graphs "
+             f"(Megatron-Core: illegal memory accesses otherwise); export NCCL_GRAPH_REGISTER=0, {off}")):
         if bad:
             raise ConfigError(f"model.cuda_graph_impl=transformer_engine: {line}")
 
@@ -701,11 +709,25 @@ def _warn_notices(run: _Run) -> None:
                  _wgrad_fusion_notice(run.tcfg, plan),
                  "model.cuda_graph_modules: the router runs inside CUDA graphs, so routing.jsonl is not written; set "
                  "model.cuda_graph_modules=[attn] to keep it" if _graphs_route(run.cfg.model) else None,
+                 _graphs_notice(run.cfg.model, plan, start, int(run.tcfg.max_steps)),
                  *run_notices(run.tcfg, run.recipe, run.debug, start, fp8_modules,
                               debug_set=resolve_debug(run.cfg).enabled), run.shape_warning,
                  *autopilot_notices(_plain(run.cfg.get("autopilot")), run.autopilot, plan, run.tcfg.max_steps)]:
         if line:
             logger.warning(line)
+
+
+def _graphs_notice(model, plan, start: int, max_steps: int) -> str | None:
+    """Graphs asked for where the run ends before their capture (training/loop.py's step: after the warmup steps, in
+    the recipe's last stage)."""
+    if not graphs_on(model):
+        return None
+    at = max(start + int(model.get("cuda_graph_warmup_steps") or 3), plan.stages()[-1][0])
+    if at < max_steps:
+        return None
+    return (f"model.cuda_graph_impl=transformer_engine does nothing: the graphs would be captured before step "
+            f"{at + 1} (after model.cuda_graph_warmup_steps eager steps, in the recipe's last stage) and the run "
+            f"ends at trainer.max_steps={max_steps}")
 
 
 def _router_padding_notice(model, plan, fp8_modules: set[str]) -> str | None:
@@ -884,4 +906,6 @@ def _train(run: _Run, engine, plan, precision, data: _RunData, on_ready: Callabl
         summary["numerics_write_s"] = recorder.write_seconds  # of which writing rows, between steps
     if hasattr(precision, "execution_summary"):  # what the TE linears really ran, against the plan
         summary["te_execution"] = precision.execution_summary()
+        if summary.get("cuda_graphs"):  # (a replay calls no forward, so no counting hook)
+            summary["te_execution"]["counted"] = "eager forwards only: the CUDA-graphed layers' replays are not"
     return summary
