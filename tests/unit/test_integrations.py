@@ -437,3 +437,25 @@ def test_fp8_param_maps_to_megatrons_own_fp8_weights():
     with pytest.raises(RecipeError, match=r"^fp8_param: true with plugin-owned precision") as e:
         plugin_owned_plan(recipe(weights="tensorwise", activations="tensorwise", gradients="tensorwise",
                                  fp8_param=True), compute_capability=H200, num_layers=4)
+
+
+def test_plugin_owned_precision_is_refused_under_the_frameworks_cuda_graphs():
+    """Bridge's (and NeMo's) training loop captures Megatron-Core's TE graphs under the model config's own fp8 fields,
+    which plugin-owned precision leaves unset: the graphed layers would replay BF16 whatever the plan says. Refused in
+    one line by apply_recipe before anything is built (and by the schedule callback's attach); a recipe Megatron-Core
+    runs natively keeps the graphs (its fp8 fields are what the capture reads)."""
+    from types import SimpleNamespace
+
+    from fp8_recipes.integrations.common import plugin_owned_graphs_problem
+    from fp8_recipes.recipe.schema import RecipeError
+
+    config = transformer_config({})
+    assert plugin_owned_graphs_problem(config) is None
+    config.cuda_graph_impl = "transformer_engine"
+    line = plugin_owned_graphs_problem(config)
+    assert line.startswith("model cuda_graph_impl='transformer_engine' with plugin-owned precision: ") \
+        and "\n" not in line and line.endswith("(no BF16 warmup, stages or BF16 patterns)")
+    bridge = pytest.importorskip("fp8_recipes.integrations.bridge")
+    container = SimpleNamespace(model=config, train=SimpleNamespace(train_iters=10))
+    with pytest.raises(RecipeError, match="with plugin-owned precision: the framework captures CUDA graphs"):
+        bridge.apply_recipe(container, "safe", compute_capability=H200)

@@ -27,7 +27,7 @@ from typing import Any, Mapping
 
 from fp8_recipes.integrations.common import (
     EXTRA_FIELDS, NeedsPluginOwned, ScheduleDriver, activate_quantizer_factory, as_recipe, log_applied,
-    megatron_precision, plugin_owned_plan, with_fields,
+    megatron_precision, plugin_owned_graphs_problem, plugin_owned_plan, with_fields,
 )
 from fp8_recipes.megatron.model_config import (GRAPH_KEYS, MODEL_OPTIONAL, MODEL_REQUIRED, MOE_KEYS, check_model_cfg,
                                               config_layout, moe_config_fields, read_model_conf)
@@ -132,6 +132,9 @@ def apply_recipe(config: Any, recipe: RecipeRef, *, compute_capability: tuple[in
     problem = plan.grouped_experts_problem() if getattr(config.model, "moe_grouped_gemm", False) else None
     if problem is not None:  # (what attach would refuse at train start, here before anything is built)
         raise RecipeError([f"recipe: {problem}"])
+    graphs = plugin_owned_graphs_problem(config.model)
+    if graphs is not None:  # (the callback's attach refuses it too, at train start)
+        raise RecipeError([graphs])
     config.mixed_precision = _bf16_mixed()  # fp8 stays unset: the callback owns every autocast
     if padding:  # built BF16, the model leaves the padding to our backend, which pads the FP8 layers' dispatchers
         _unpad(config.model, "built BF16; the schedule callback pads the FP8 layers' tokens")

@@ -46,7 +46,8 @@ from fp8_recipes.recipe.schema import (
 __all__ = [
     "EXTRA_FIELDS", "FACTORY_PATH", "QUANTIZER_ENV", "MegatronPrecision", "NeedsPluginOwned", "ScheduleDriver",
     "activate_quantizer_factory", "as_recipe", "fp8_quantizer_factory", "log_applied", "megatron_fp8_fields",
-    "megatron_precision", "named_recipe_gaps", "plugin_owned_plan", "runtime_only_keys", "target_hardware",
+    "megatron_precision", "named_recipe_gaps", "plugin_owned_graphs_problem", "plugin_owned_plan", "runtime_only_keys",
+    "target_hardware",
     "te_recipe_fields", "with_fields",
 ]
 
@@ -275,6 +276,19 @@ def plugin_owned_plan(recipe: Recipe | str | Path | Mapping[str, Any], *,
     return _plan(recipe, target_hardware(compute_capability), _layout(recipe, num_layers, layout))
 
 
+def plugin_owned_graphs_problem(model_config: Any) -> str | None:
+    """Why plugin-owned precision cannot run under the framework's CUDA graphs, or None: Megatron-Core's graph helper
+    (Bridge's and NeMo's training loops use it) captures under the model config's own ``fp8`` fields, which
+    plugin-owned precision leaves unset, so every graphed layer would replay BF16 kernels whatever the plan says."""
+    impl = getattr(model_config, "cuda_graph_impl", "none")
+    if impl in (None, "none"):
+        return None
+    return (f"model cuda_graph_impl={impl!r} with plugin-owned precision: the framework captures CUDA graphs under "
+            f"Megatron-Core's own fp8 config, which the plugin leaves unset, so the graphed layers would run BF16; set "
+            f"cuda_graph_impl='none', or use a recipe Megatron-Core runs natively (no BF16 warmup, stages or BF16 "
+            f"patterns)")
+
+
 def log_applied(mp: MegatronPrecision, recipe: Recipe, where: str) -> None:
     """Say what was applied and every substitution (STYLE: log each overridden field)."""
     log.info("fp8-recipes: %s runs recipe '%s' natively: %s", where, recipe.name,
@@ -360,6 +374,11 @@ class ScheduleDriver:
         from fp8_recipes.megatron.te_layers import attach_te_backend
 
         chunks = list(chunks)
+        from fp8_recipes.megatron.model import unwrap_model
+
+        graphs = plugin_owned_graphs_problem(unwrap_model(chunks[0]).config)
+        if graphs is not None:
+            raise RuntimeError(f"fp8-recipes schedule callback: {graphs}")
         self.plan = PrecisionPlan(self.recipe, model_layout(chunks), Hardware.detect())
         if self.plan.backend is not Backend.TE:
             raise RuntimeError(f"fp8-recipes schedule callback: recipe '{self.recipe.name}' cannot run on Transformer "
