@@ -273,7 +273,8 @@ moe)
 graphs)
   stamp "GPU tests: CUDA graphs on TE (train.py and the bench lever)" | tee "$OUT/tests_graphs.log"
   timeout -s INT ${TEST_CAP:-400} "$PY" -m pytest tests/gpu/test_te_moe.py -q -p no:cacheprovider -o addopts="" -rfEs \
-      -k "train_captures_graphs or (graphs_lever and (capacity or fast or safe or tiny_moe-delayed+graphs]))" 2>&1 \
+      -k "train_captures_graphs or graphed_run_resumes or (graphs_lever and (capacity or fast or safe or \
+      tiny_moe-delayed+graphs]))" 2>&1 \
       | tee -a "$OUT/tests_graphs.log"
   echo; stamp "summary"; grep -E ' in [0-9.]+s|^(FAILED|ERROR) ' "$OUT/tests_graphs.log" | head -20
   ;;

@@ -250,3 +250,19 @@ def test_train_captures_graphs_and_trains_as_the_eager_run(recipe, model, tmp_pa
     assert summary["cuda_graphs"]["captured_before_step"] == 3, summary.get("cuda_graphs")
     assert losses == pytest.approx(eager_losses, rel=1e-3), (eager_losses, losses)
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_a_graphed_run_resumes_from_its_checkpoint(tmp_path, monkeypatch):
+    """A graphed run's checkpoint holds TE's graph-safe RNG tracker states (torch Generators) as state tensors, which
+    the checkpoint's weights_only loading takes, and a resumed graphed run (eager again for its warmup step, then
+    captured) continues it: its steps' losses are the uninterrupted run's."""
+    extra = ["model.moe_grouped_gemm=true", "model.moe_expert_capacity_factor=1.0",
+             "model.moe_pad_expert_input_to_capacity=true", "+model.cuda_graph_impl=transformer_engine",
+             "+model.cuda_graph_warmup_steps=1", "trainer.on_nonfinite=stop", "trainer.save_checkpoints=true",
+             "trainer.save_interval=3"]
+    _, whole = train(tmp_path / "whole", monkeypatch, "tensorwise", *extra, steps=6)
+    step_3 = tmp_path / "whole" / "run" / "checkpoints" / "step_3"
+    summary, resumed = train(tmp_path / "resumed", monkeypatch, "tensorwise", *extra, f"trainer.resume={step_3}",
+                             steps=6)
+    assert summary["cuda_graphs"]["captured_before_step"] == 5, summary.get("cuda_graphs")
+    assert resumed == pytest.approx(whole[3:], rel=1e-3), (whole, resumed)
