@@ -299,6 +299,15 @@ def _graphs_step(engine: Engine, start: int, steady_from: int) -> int | None:
     return max(start + int(engine.config.cuda_graph_warmup_steps), steady_from)
 
 
+def _graphs_done(engine: Engine, graphs_at: int | None, done: int) -> dict[str, Any] | None:
+    """The graphs freed (Megatron-LM's end of training); what the summary says of them (steps 1-based, as the metrics
+    rows count them), or None when none were captured."""
+    if engine.graphs is None:
+        return None
+    engine.graphs.delete()
+    return {"captured_before_step": graphs_at + 1, "modules": _scopes(engine)} if done > graphs_at else None
+
+
 def train(engine: Engine, batches_train: Iterator[Mapping[str, Any]] | list[Iterator[Mapping[str, Any]]],
           batches_valid: Sequence[Mapping[str, Any]] | Iterator[Mapping[str, Any]] | None, trainer_cfg: Any,
           precision: Precision, run_dir: str | os.PathLike, *, rank: int = 0, world_size: int = 1,
@@ -356,15 +365,12 @@ def train(engine: Engine, batches_train: Iterator[Mapping[str, Any]] | list[Iter
             evaluate(state, log)
             checkpoints.periodic(state.done)
         log.bar.close()
-        if engine.graphs is not None:
-            engine.graphs.delete()
+        graphed = _graphs_done(engine, graphs_at, state.done)
         # still under the handlers (a second signal must not cut this save short); after a stop: the last good state
         saved = checkpoints.save(state.done) if state.done > start or resume_from is None else None
         if state.preempted and rank == 0:
             _warn_preempted(state, cfg, run_dir)
     stopped = state.stop.message(saved) if state.stop is not None else None
-    graphed = {"captured_before_step": graphs_at + 1, "modules": _scopes(engine)} \
-        if graphs_at is not None and state.done > graphs_at else None  # (1-based, as the metrics rows count)
     summary = _summary(state, faults, stopped, time.perf_counter() - wall0, engine.device,
                        {"cuda_graphs": graphed, **(summary_extra or {})})
     _leave_together(run_dir, summary, stopped, rank)
