@@ -184,8 +184,8 @@ class _Graphs:
     def __init__(self, precision):
         self.precision, self.captures, self.deleted = precision, [], False
 
-    def capture(self, precision, step):
-        self.captures.append((step, precision.begun[-1]))
+    def capture(self, precision):
+        self.captures.append((len(precision.begun) - 1, precision.begun[-1]))  # (the step in progress, its plan's)
 
     def delete(self):
         self.deleted = True

@@ -356,7 +356,7 @@ def _engine_step_function(model: torch.nn.Module, precision: Any, run: _BenchCon
         if precision is not None:
             precision.begin_step(steady + i)
         if engine.graphs is not None and i == GRAPH_CAPTURE_STEP:  # (the model's graph keys: lever graphs)
-            engine.graphs.capture(precision, steady + i)
+            engine.graphs.capture(precision)
         result = engine.train_step(itertools.repeat(batch))  # (Megatron's schedule: set_is_first_microbatch)
         if result.skipped:
             raise RuntimeError(f"{run.label}: the engine skipped step {i} (loss {result.loss}, grad norm "

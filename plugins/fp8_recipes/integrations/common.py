@@ -47,8 +47,7 @@ __all__ = [
     "EXTRA_FIELDS", "FACTORY_PATH", "QUANTIZER_ENV", "MegatronPrecision", "NeedsPluginOwned", "ScheduleDriver",
     "activate_quantizer_factory", "as_recipe", "fp8_quantizer_factory", "log_applied", "megatron_fp8_fields",
     "megatron_precision", "named_recipe_gaps", "plugin_owned_graphs_problem", "plugin_owned_plan", "runtime_only_keys",
-    "target_hardware",
-    "te_recipe_fields", "with_fields",
+    "target_hardware", "te_recipe_fields", "with_fields",
 ]
 
 log = logging.getLogger("fp8_recipes.integrations")
@@ -370,12 +369,10 @@ class ScheduleDriver:
     def attach(self, chunks: Sequence[Any]) -> None:
         # at the framework's train start only: megatron.core imports Transformer Engine where it is installed, which
         # this module must not do at import (the module docstring)
-        from fp8_recipes.megatron.model import model_layout
+        from fp8_recipes.megatron.model import model_layout, unwrap_model
         from fp8_recipes.megatron.te_layers import attach_te_backend
 
         chunks = list(chunks)
-        from fp8_recipes.megatron.model import unwrap_model
-
         graphs = plugin_owned_graphs_problem(unwrap_model(chunks[0]).config)
         if graphs is not None:
             raise RuntimeError(f"fp8-recipes schedule callback: {graphs}")

@@ -65,14 +65,12 @@ class LayerGraphs:
         self._stages = ps.get_pipeline_model_parallel_world_size()
         self._helper = PlanGraphHelper(model=engine.chunks, config=engine.config, seq_length=seq_length,
                                        micro_batch_size=micro_batch_size, optimizers=[engine.optimizer])
-        self.captured_at: int | None = None
-        """The step before which the graphs were captured (None: not yet)."""
 
-    def capture(self, precision: Any, step: int) -> None:
-        """Capture every layer's graphs now, before step ``step`` (after ``precision.begin_step(step)``: the plan's
-        stage is the one the graphs keep), with DDP's forward pre-hooks off during the capture and set by hand on the
-        graphed modules after it, as Megatron-LM does. ``precision``: this project's backend (its graph_capture) or
-        None (BF16 or Megatron-Core's own FP8 config)."""
+    def capture(self, precision: Any) -> None:
+        """Capture every layer's graphs now (after ``precision.begin_step``: the plan's stage is the one the graphs
+        keep), with DDP's forward pre-hooks off during the capture and set by hand on the graphed modules after it,
+        as Megatron-LM does. ``precision``: this project's backend (its graph_capture) or None (BF16 or
+        Megatron-Core's own FP8 config)."""
         engine = self._engine
         self._precision = precision if hasattr(precision, "graph_capture") else None
         hooks = all(getattr(chunk, "use_forward_hook", False) for chunk in engine.chunks)  # (with param gather)
@@ -80,8 +78,8 @@ class LayerGraphs:
             for chunk in engine.chunks:
                 chunk.disable_forward_pre_hook(param_sync=False)
         self._helper.create_cudagraphs()
-        if self._precision is not None and hasattr(self._precision, "graphs_captured"):
-            self._precision.graphs_captured()  # (the delayed state as the step found it: TEPrecision)
+        if self._precision is not None:
+            self._precision.graphs_captured()  # (the delayed state as the step found it)
         if hooks:
             for chunk in engine.chunks:
                 chunk.enable_forward_pre_hook()
@@ -89,7 +87,6 @@ class LayerGraphs:
         if not self._helper.graphs_created() and self._stages == 1:
             # (with several pipeline stages a stage may hold none of the scopes' layers, and its peers go on)
             raise RuntimeError("cuda graphs: Megatron-Core's TECudaGraphHelper found no layer to capture")
-        self.captured_at = step
 
     def delete(self) -> None:
         """Free the graphs (Megatron-LM's end of training)."""

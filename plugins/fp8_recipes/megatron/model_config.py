@@ -197,7 +197,7 @@ def _static_moe(cfg: Mapping[str, Any]) -> bool:
 def _host_copy(cfg: Mapping[str, Any]) -> bool:
     """The alltoall dispatcher's preprocessing copies the token counts to the host (a capacity, or router padding;
     not with static shapes, where it returns before any copy)."""
-    return cfg.get("moe_token_dispatcher_type") == "alltoall" and (
+    return cfg.get("moe_token_dispatcher_type") == "alltoall" and not _static_moe(cfg) and (
         cfg.get("moe_expert_capacity_factor") is not None or bool(cfg.get("moe_router_padding_for_quantization")))
 
 
@@ -267,7 +267,7 @@ def _graph_scope_problem(cfg: Mapping[str, Any], modules: set[str]) -> str | Non
     if "moe" in modules and not _static_moe(cfg):
         return ("a whole MoE layer is graphed only with static shapes: set model.moe_expert_capacity_factor (e.g. 1.0), "
                 "model.moe_pad_expert_input_to_capacity=true and the alltoall dispatcher, or graph moe_router")
-    if "moe_preprocess" in modules and _host_copy(cfg) and not _static_moe(cfg):
+    if "moe_preprocess" in modules and _host_copy(cfg):
         return ("the alltoall dispatcher's preprocessing copies the token counts to the host here (a capacity or "
                 "router padding), which a graph cannot hold; drop moe_preprocess")
     return None

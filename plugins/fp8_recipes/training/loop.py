@@ -175,7 +175,7 @@ def _run_step(engine: Engine, batches: Any, precision: Precision, schedule: LRSc
     stage = precision.begin_step(step)
     in_fallback = faults.in_fallback
     if capture:
-        engine.graphs.capture(precision, step)
+        engine.graphs.capture(precision)
     t0 = time.perf_counter()
     with precision.high_precision() if in_fallback else contextlib.nullcontext():
         result = engine.train_step(batches, preempt_requested=signals.received is not None)
@@ -290,13 +290,18 @@ def _leave_together(run_dir: Path, summary: dict[str, Any], stopped: str | None,
         raise NonFiniteStop(stopped)
 
 
+def graphs_capture_step(start: int, warmup_steps: int, steady_from: int) -> int:
+    """The step before which the layers' CUDA graphs are captured: after ``warmup_steps`` (the model config's
+    cuda_graph_warmup_steps) eager steps of this run from ``start`` (Megatron-LM's rule, a resumed run's too), and not
+    before the recipe's last stage begins (``steady_from``: what the graphs replay cannot change)."""
+    return max(start + int(warmup_steps), steady_from)
+
+
 def _graphs_step(engine: Engine, start: int, steady_from: int) -> int | None:
-    """The step before which the layers' CUDA graphs are captured, or None without graphs: after the model config's
-    cuda_graph_warmup_steps eager steps of this run (Megatron-LM's rule, a resumed run's too), and not before the
-    recipe's last stage begins (``steady_from``: what the graphs replay cannot change)."""
+    """:func:`graphs_capture_step` for the engine's model, or None without graphs."""
     if engine.graphs is None:
         return None
-    return max(start + int(engine.config.cuda_graph_warmup_steps), steady_from)
+    return graphs_capture_step(start, engine.config.cuda_graph_warmup_steps, steady_from)
 
 
 def _graphs_done(engine: Engine, graphs_at: int | None, done: int) -> dict[str, Any] | None:

@@ -28,8 +28,8 @@ from fp8_recipes.checks import ConfigError
 from fp8_recipes.launcher import launch_rank
 from fp8_recipes.megatron.data import (build_gpt_datasets, data_parallel_batches, fixed_batches, prepare_dataset,
                                        split_samples)
-from fp8_recipes.megatron.model_config import (check_model_device, graph_modules, graphs_on, layout_of, linear_shapes,
-                                               model_notices, run_model_cfg)
+from fp8_recipes.megatron.model_config import (check_model_device, graph_config_fields, graphs_on, layout_of,
+                                               linear_shapes, model_notices, run_model_cfg)
 from fp8_recipes.observe.autopilot_config import autopilot_config
 from fp8_recipes.observe.config import debug_config
 from fp8_recipes.plan.precision import Execution, Hardware, ModelLayout, ParallelLayout, PrecisionPlan
@@ -141,8 +141,7 @@ def _graphs_route(model) -> bool:
     are recorded (their hook copies each step's token counts to the host, which a capture cannot hold)."""
     if not graphs_on(model) or not model.get("num_moe_experts"):
         return False
-    modules = model.get("cuda_graph_modules")
-    return bool({"moe", "moe_router"} & set(modules if modules is not None else graph_modules(model)))
+    return bool({"moe", "moe_router"} & set(graph_config_fields(model)["cuda_graph_modules"]))
 
 
 @contextlib.contextmanager
@@ -722,7 +721,9 @@ def _graphs_notice(model, plan, start: int, max_steps: int) -> str | None:
     the recipe's last stage)."""
     if not graphs_on(model):
         return None
-    at = max(start + int(model.get("cuda_graph_warmup_steps") or 3), plan.stages()[-1][0])
+    from fp8_recipes.training.loop import graphs_capture_step  # (torch: loaded by now, after init_distributed)
+
+    at = graphs_capture_step(start, graph_config_fields(model)["cuda_graph_warmup_steps"], plan.stages()[-1][0])
     if at < max_steps:
         return None
     return (f"model.cuda_graph_impl=transformer_engine does nothing: the graphs would be captured before step "
