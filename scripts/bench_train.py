@@ -10,6 +10,8 @@
         delayed+pad delayed+pad:raw bf16+nofuse
     python scripts/bench_train.py --models mixtral_8x7b_4l --mbs 1 --accum 8 --engine --configs delayed \
         delayed:raw bf16+nogaf delayed+nogaf
+    python scripts/bench_train.py --models mixtral_8x7b_4l --layers 2 --mbs 1 --accum 8 --engine --configs \
+        bf16+capacity+graphs delayed+capacity+graphs      # the Mixtral layer on an 80 GiB card (rows: NAME@2l)
     python scripts/bench_train.py --models llama3_8b_16l --configs bf16+emulated tensorwise+emulated nvfp4 --profile
     python scripts/bench_train.py --plot-only runs/bench_train/bench_train.json
 
@@ -52,6 +54,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (gradient accumulation)")
+    p.add_argument("--layers", type=int, help="the models' layer count instead of their own: a model's layer shape "
+                   "on a GPU too small for all its layers (rows read NAME@Nl)")
     p.add_argument("--out", type=Path, default=Path("runs/bench_train"))
     p.add_argument("--profile", action="store_true",
                    help="after timing, profile 2 steps per config: GPU time per kernel category (bench/profile.py)")
@@ -64,6 +68,8 @@ def main() -> None:
         check_configs(args.configs, engine=args.engine, warmup=args.warmup)
         if not args.plot_only:  # (results are saved after each config: an unwritable --out would fail the first)
             check_models(args.models)
+            if args.layers is not None and args.layers < 1:
+                raise ValueError(f"--layers {args.layers}: give a layer count of 1 or more")
             check_writable_dir("--out", str(args.out))
     if args.plot_only:
         result = load_result(args.plot_only, "train")
@@ -75,13 +81,13 @@ def main() -> None:
 
         with script_user_errors():  # (a model the engine's step cannot fit: one line, not an out-of-memory trace)
             check_fits(args.models, seq=args.seq, mbs=args.mbs, engine=args.engine,
-                       gpu_bytes=torch.cuda.get_device_properties(0).total_memory)
+                       gpu_bytes=torch.cuda.get_device_properties(0).total_memory, layers=args.layers)
         from fp8_recipes.training.run import quiet_third_party_logs
 
         quiet_third_party_logs()
         result = bench_train(args.models, args.configs, seq=args.seq, mbs=args.mbs, warmup=args.warmup,
                              steps=args.steps, out_dir=args.out, profile=args.profile, accum=args.accum,
-                             engine=args.engine)
+                             engine=args.engine, layers=args.layers)
     print(summarize(result)[0])
     where = f"PNG: {args.plot_only.with_suffix('.png')}" if args.plot_only else f"JSON and PNG in {args.out}"
     step = "the engine's step" if result.get("engine") else "plain AdamW"

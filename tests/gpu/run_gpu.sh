@@ -28,9 +28,10 @@
 #         RECIPES: the --recipe of each run, MOE: the conf/model whose MoE keys, SKIP_TESTS=1: the runs alone)
 #     bash tests/gpu/run_gpu.sh moe          # MoE on TE: its GPU tests + bench_train on mixtral_8x7b_4l (caps 240 + 300 s)
 #         (ENGINE=1: bench_train --engine, scripts/train.py's step, on qwen3_30b_a3b_4l below 110 GiB of GPU
-#         memory; TESTS: other test files or node ids)
+#         memory unless MODELS or LAYERS (bench_train --layers: LAYERS=2 fits 2 Mixtral layers there); TESTS: other
+#         test files or node ids)
 #     bash tests/gpu/run_gpu.sh graphs       # CUDA graphs (model cuda_graph_impl): scripts/train.py's graphed run against
-#         its eager one and its resume, the bench lever on our TE backend and under capacity (TEST_CAP, default 480 s)
+#         its eager one and its resume, the bench lever on our TE backend and under capacity (TEST_CAP, default 540 s)
 #     bash tests/gpu/run_gpu.sh moe-stats    # statistics overhead at interval 10 on moe_small's grouped experts
 #     bash tests/gpu/run_gpu.sh nvfp4        # issue 29: NVFP4 vs TE's reference + emulated nvfp4 / mxfp8 vs BF16 step time
 #     bash tests/gpu/run_gpu.sh autopilot    # issue 30: its GPU tests on TE, then its cost at interval 10 on gpt_125m
@@ -257,13 +258,14 @@ moe)
       ${TESTS:-tests/gpu/test_te_moe.py tests/gpu/test_te_grouped.py} -q -p no:cacheprovider -o addopts="" -rfEs \
       ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee -a "$OUT/tests.log"
   # (the engine's step on 4 Mixtral layers needs ~106 GiB: an 80 GiB card times the 4 Qwen3-30B-A3B layers instead)
-  if [ -n "${ENGINE:-}" ] && [ -z "${MODELS:-}" ] && [ "$(gpu_gib)" -lt 110 ]; then
+  if [ -n "${ENGINE:-}" ] && [ -z "${MODELS:-}${LAYERS:-}" ] && [ "$(gpu_gib)" -lt 110 ]; then
     MODELS=qwen3_30b_a3b_4l
   fi
-  stamp "bench_train: ${MODELS:-mixtral_8x7b_4l}" | tee "$OUT/bench_train.log"
+  stamp "bench_train: ${MODELS:-mixtral_8x7b_4l}${LAYERS:+ at $LAYERS layers}" | tee "$OUT/bench_train.log"
   timeout -s INT ${BENCH_CAP:-300} "$PY" scripts/bench_train.py --models ${MODELS:-mixtral_8x7b_4l} --seq 4096 --mbs 1 \
       --accum 8 --warmup 2 --steps ${STEPS:-4} --configs ${CONFIGS:-delayed delayed:raw tensorwise tensorwise:raw \
-      blockwise blockwise:raw} ${PROFILE:+--profile} ${ENGINE:+--engine} --out "$OUT" 2>&1 \
+      blockwise blockwise:raw} ${PROFILE:+--profile} ${ENGINE:+--engine} ${LAYERS:+--layers $LAYERS} \
+      --out "$OUT" 2>&1 \
       | tee -a "$OUT/bench_train.log"
   echo; stamp "summary"
   echo "GPU tests: $(grep -E ' in [0-9.]+s' "$OUT/tests.log" | tail -1)"
@@ -272,7 +274,7 @@ moe)
   ;;
 graphs)
   stamp "GPU tests: CUDA graphs on TE (train.py and the bench lever)" | tee "$OUT/tests_graphs.log"
-  timeout -s INT ${TEST_CAP:-480} "$PY" -m pytest tests/gpu/test_te_moe.py -q -p no:cacheprovider -o addopts="" -rfEs \
+  timeout -s INT ${TEST_CAP:-540} "$PY" -m pytest tests/gpu/test_te_moe.py -q -p no:cacheprovider -o addopts="" -rfEs \
       -k "train_captures_graphs or graphed_run_resumes or (graphs_lever and (capacity or fast or safe or \
       tiny_moe-delayed+graphs]))" 2>&1 \
       | tee -a "$OUT/tests_graphs.log"

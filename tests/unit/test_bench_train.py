@@ -186,8 +186,34 @@ def test_models_the_benchmark_cannot_build_or_fit_are_refused_before_any_run():
     check_fits(["mixtral_8x7b_4l"], seq=4096, mbs=1, engine=False, gpu_bytes=h100)  # plain AdamW: not checked
     check_fits(["qwen3_30b_a3b_4l", "llama3_8b_8l"], seq=4096, mbs=1, engine=True, gpu_bytes=h100)
     with pytest.raises(ValueError, match=r"^--models mixtral_8x7b_4l: --engine's step needs about 10\d GiB .*"
-                                         r"this one has 79 GiB \(75 usable\); run it on a larger GPU, or without "
-                                         r"--engine$"):
+                                         r"this one has 79 GiB \(75 usable\); run it on a larger GPU, with "
+                                         r"fewer --layers, or without --engine$"):
         check_fits(["llama3_8b_8l", "mixtral_8x7b_4l"], seq=4096, mbs=1, engine=True, gpu_bytes=h100)
     with pytest.raises(ValueError, match=r"has 110 GiB \(104 usable\)"):  # (CUDA's context, NCCL, fragmentation)
         check_fits(["mixtral_8x7b_4l"], seq=4096, mbs=1, engine=True, gpu_bytes=110 * 2**30)
+
+
+def test_layers_time_a_models_layer_shape_on_a_smaller_gpu(monkeypatch):
+    """--layers N builds each model with N layers of its shape (4 Mixtral layers need the H200 on the engine's step,
+    2 fit an H100's 79 GiB) and names the rows NAME@Nl, so they never read as the whole model's."""
+    from fp8_recipes.bench.train import check_fits, load_model_cfg, model_label
+
+    h100 = int(79.2 * 2**30)
+    two = load_model_cfg("mixtral_8x7b_4l", layers=2)
+    assert two == {**load_model_cfg("mixtral_8x7b_4l"), "num_layers": 2}
+    assert model_label("mixtral_8x7b_4l", 2) == "mixtral_8x7b_4l@2l" and model_label("tiny") == "tiny"
+    check_fits(["mixtral_8x7b_4l"], seq=4096, mbs=1, engine=True, gpu_bytes=h100, layers=2)
+    with pytest.raises(ValueError, match=r"^--models mixtral_8x7b_4l: --engine's step at --layers 3 needs about "
+                                         r"\d+ GiB .* with fewer --layers, or without --engine$"):
+        check_fits(["mixtral_8x7b_4l"], seq=4096, mbs=1, engine=True, gpu_bytes=h100, layers=3)
+
+    import torch
+
+    from fp8_recipes.bench import train as bench
+
+    built = []
+    monkeypatch.setattr(bench, "_run_config_apart", lambda cfg, label, **kw: built.append(cfg["num_layers"]) or {
+        "config": label, "te_recipe": "x", "tokens_per_s": 1.0, "peak_mem_gib": 1.0, "loss": 5.0, "step_ms": 1.0})
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    result = bench.bench_train(["tiny"], ["delayed"], engine=True, layers=1)
+    assert built == [1, 1] and {r["model"] for r in result["rows"]} == {"tiny@1l"}

@@ -226,3 +226,26 @@ def test_the_loop_captures_once_after_the_warmup_steps_in_the_last_stage(tmp_pat
         assert _graphs_step(engine, start=0, steady_from=steady_from) is None
     assert summary["steps"] == 6 and graphs.captures == [(at, at)] and graphs.deleted
     assert summary["cuda_graphs"] == {"captured_before_step": at + 1, "modules": ["attn"]}
+
+
+def test_the_capture_takes_the_plans_arguments_and_skips_te_s_weight_gradient_clones():
+    """What LayerGraphs adds to Megatron-Core's make_graphed_callables arguments: the plan's (TEPrecision.graph_capture
+    for the callables' layers) and, under gradient_accumulation_fusion, clone_param_grads_on_return=False (the
+    returned weight gradients are placeholders DDP drops; TE's default clone copied every expert weight's size per
+    layer and micro-batch). Megatron-Core's capture as it is (the benchmark's :raw) keeps TE's clone, and so does a
+    model without the fusion. The graphed step's losses against the eager one's: tests/gpu/test_te_moe.py."""
+    from fp8_recipes.megatron.graphs import LayerGraphs
+
+    class Precision:
+        def graph_capture(self, layers):
+            return {"fp8_enabled": tuple(i > 0 for i in layers)}
+
+    def kwargs(precision, fusion, clone=False):
+        graphs = object.__new__(LayerGraphs)  # (the helper itself needs TE and a GPU)
+        graphs._precision, graphs._clone_param_grads = precision, clone
+        return graphs._capture_kwargs(dataclasses.make_dataclass("C", [("gradient_accumulation_fusion", bool)])(
+            fusion), [0, 1])
+
+    assert kwargs(Precision(), True) == {"fp8_enabled": (False, True), "clone_param_grads_on_return": False}
+    assert kwargs(None, True) == {"clone_param_grads_on_return": False}  # (BF16: the same step)
+    assert kwargs(None, True, clone=True) == {} and kwargs(Precision(), False) == {"fp8_enabled": (False, True)}

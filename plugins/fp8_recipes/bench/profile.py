@@ -21,11 +21,12 @@ CATEGORIES: list[tuple[str, re.Pattern]] = [
     ("attention", re.compile(r"flash|fmha|attn|attention|cudnn|sdpa", re.I)),
     # MoE: the router's top-k, token permutation and un-permutation, the experts' FP8 padding
     ("moe route/permute/pad", re.compile(r"permut|topk|radix|sort|moe|routing|padding|histogram|bincount", re.I)),
+    # (before FP8's: TE's multi_tensor_scale is the gradient clipping's scale, not a quantization)
+    ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.I)),
     ("fp8 quantize/amax/transpose", re.compile(
         r"transformer_engine.*(cast|quantiz|amax|transpose|scale)|cast_transpose|block_scaled|compute_amax|"
         r"fp8_quantize|delayed_scaling|amax_and_scale", re.I)),
     ("norm", re.compile(r"norm", re.I)),
-    ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.I)),
     ("loss / softmax / embedding", re.compile(r"softmax|cross_entropy|nll|log_softmax|embedding|index", re.I)),
     ("activation / elementwise", re.compile(r"elementwise|vectorized|silu|swiglu|gelu|mul|add|copy|fill", re.I)),
 ]

@@ -79,15 +79,22 @@ from fp8_recipes.recipe.schema import ROLES, Backend, Recipe
 __all__ = ["bench_train", "check_configs", "load_model_cfg", "summarize", "with_levers"]
 
 
-def load_model_cfg(name: str) -> dict:
-    """conf/model/NAME.yaml as a plain dict."""
+def load_model_cfg(name: str, layers: int | None = None) -> dict:
+    """conf/model/NAME.yaml as a plain dict; ``layers``: with that many layers instead of its own (--layers)."""
     from omegaconf import OmegaConf
 
     path = conf_dir() / "model" / f"{name}.yaml"
     if not path.is_file():
         raise ValueError(f"--models {name}: no {path}; choose from "
                          f"{sorted(p.stem for p in path.parent.glob('*.yaml'))}")
-    return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    return cfg if layers is None else {**cfg, "num_layers": layers}
+
+
+def model_label(name: str, layers: int | None = None) -> str:
+    """A result row's model: NAME, or NAME@Nl where --layers N replaced its layer count (``mixtral_8x7b_4l@2l``:
+    two layers of that shape)."""
+    return name if layers is None else f"{name}@{layers}l"
 
 
 def raw_megatron_fp8(choice: Any, recipe: Any) -> dict | None:
@@ -356,7 +363,7 @@ def _engine_step_function(model: torch.nn.Module, precision: Any, run: _BenchCon
         if precision is not None:
             precision.begin_step(steady + i)
         if engine.graphs is not None and i == GRAPH_CAPTURE_STEP:  # (the model's graph keys: lever graphs)
-            engine.graphs.capture(precision)
+            engine.graphs.capture(precision, clone_param_grads=run.mode == "raw")  # (raw: Megatron-Core's as is)
         result = engine.train_step(itertools.repeat(batch))  # (Megatron's schedule: set_is_first_microbatch)
         if result.skipped:
             raise RuntimeError(f"{run.label}: the engine skipped step {i} (loss {result.loss}, grad norm "
@@ -485,7 +492,8 @@ def check_models(models: list[str]) -> None:
                              f"feeds random tokens: choose a model with its own vocab_size ({', '.join(own)})")
 
 
-def check_fits(models: list[str], *, seq: int, mbs: int, engine: bool, gpu_bytes: int) -> None:
+def check_fits(models: list[str], *, seq: int, mbs: int, engine: bool, gpu_bytes: int,
+               layers: int | None = None) -> None:
     """ValueError (one line naming the model) where the engine's step cannot fit one GPU of ``gpu_bytes``: BF16
     weights, fp32 gradients and the distributed optimizer's fp32 state on one rank, activations of one micro-batch
     (plan/memory.py, `fp8-recipes memory`), which every config of that model holds at least, against 95% of the
@@ -497,21 +505,23 @@ def check_fits(models: list[str], *, seq: int, mbs: int, engine: bool, gpu_bytes
     if not engine:
         return
     for name in models:
-        need = estimate_memory({**load_model_cfg(name), "seq_length": seq}, ParallelLayout(), micro_batch_size=mbs,
-                               seq_length=seq, fp8=False, distributed_optimizer=True).total_gib
+        need = estimate_memory({**load_model_cfg(name, layers), "seq_length": seq}, ParallelLayout(),
+                               micro_batch_size=mbs, seq_length=seq, fp8=False, distributed_optimizer=True).total_gib
         usable = USABLE_MEMORY * gpu_bytes / 2**30
         if need > usable:
-            raise ValueError(f"--models {name}: --engine's step needs about {need:.0f} GiB on one GPU (`fp8-recipes "
-                             f"memory {name} --mbs {mbs} --seq {seq}`: BF16, fp32 optimizer state), this one has "
-                             f"{gpu_bytes / 2**30:.0f} GiB ({usable:.0f} usable); run it on a larger GPU, or without "
-                             f"--engine")
+            at = f" at --layers {layers}" if layers is not None else ""
+            raise ValueError(f"--models {name}: --engine's step{at} needs about {need:.0f} GiB on one GPU "
+                             f"(`fp8-recipes memory {name} --mbs {mbs} --seq {seq}`: BF16, fp32 optimizer state), this "
+                             f"one has {gpu_bytes / 2**30:.0f} GiB ({usable:.0f} usable); run it on a larger GPU, with "
+                             f"fewer --layers, or without --engine")
 
 
 def bench_train(models: list[str], configs: list[str], *, seq: int = 4096, mbs: int = 2, warmup: int = 3,
                 steps: int = 8, seed: int = 1234, out_dir: Path | None = None, profile: bool = False,
-                accum: int = 1, engine: bool = False) -> dict[str, Any]:
-    """Every config of every model; with ``out_dir`` the results so far are saved after each config (a run cut
-    short by a time limit keeps what it measured)."""
+                accum: int = 1, engine: bool = False, layers: int | None = None) -> dict[str, Any]:
+    """Every config of every model (``layers``: with that many layers each, rows named by :func:`model_label`);
+    with ``out_dir`` the results so far are saved after each config (a run cut short by a time limit keeps what it
+    measured)."""
     from fp8_recipes.megatron.model import destroy_distributed, init_distributed  # (see _run_config)
 
     if not engine:  # (the engine's configs run each in its own process: _run_config_apart)
@@ -522,8 +532,8 @@ def bench_train(models: list[str], configs: list[str], *, seq: int = 4096, mbs: 
               "mbs": mbs, "accum": accum, "engine": engine, "warmup": warmup, "steps": steps, "seconds": 0.0,
               "rows": results}
     try:
-        for model_name in models:
-            cfg = {**load_model_cfg(model_name), "seq_length": seq}
+        for name in models:
+            cfg, model_name = {**load_model_cfg(name, layers), "seq_length": seq}, model_label(name, layers)
             for label in ["bf16"] + [c for c in configs if c != "bf16"]:
                 t = time.perf_counter()
                 kwargs = dict(seq=seq, mbs=mbs, warmup=warmup, steps=steps, seed=seed, profile=profile, accum=accum,

@@ -50,9 +50,8 @@ class LayerGraphs:
         class PlanGraphHelper(TECudaGraphHelper):
             def _get_cuda_graph_input_data(helper):  # noqa: N805 - the helper, beside this object's self
                 sample_args, kwargs = super()._get_cuda_graph_input_data()
-                if self._precision is not None:  # the plan's arguments, for the layers in the callables' order
-                    kwargs.update(self._precision.graph_capture(
-                        [c.layer_number - 1 for c in helper.flattened_callables]))
+                kwargs.update(self._capture_kwargs(helper.config,
+                                                   [c.layer_number - 1 for c in helper.flattened_callables]))
                 return sample_args, kwargs
 
         # (the helper reads Megatron-Core's micro-batch calculator, which Megatron-LM initialises and this plugin's
@@ -61,18 +60,20 @@ class LayerGraphs:
         init_num_microbatches_calculator(0, None, global_batch_size, micro_batch_size, engine.dp_size)
         from megatron.core import parallel_state as ps
 
-        self._engine, self._precision = engine, None
+        self._engine, self._precision, self._clone_param_grads = engine, None, False
         self._stages = ps.get_pipeline_model_parallel_world_size()
         self._helper = PlanGraphHelper(model=engine.chunks, config=engine.config, seq_length=seq_length,
                                        micro_batch_size=micro_batch_size, optimizers=[engine.optimizer])
 
-    def capture(self, precision: Any) -> None:
+    def capture(self, precision: Any, *, clone_param_grads: bool = False) -> None:
         """Capture every layer's graphs now (after ``precision.begin_step``: the plan's stage is the one the graphs
         keep), with DDP's forward pre-hooks off during the capture and set by hand on the graphed modules after it,
         as Megatron-LM does. ``precision``: this project's backend (its graph_capture) or None (BF16 or
-        Megatron-Core's own FP8 config)."""
+        Megatron-Core's own FP8 config). ``clone_param_grads``: Megatron-Core 0.19.2's capture as it is (the
+        benchmark's ``:raw`` configs), see :meth:`_capture_kwargs`."""
         engine = self._engine
         self._precision = precision if hasattr(precision, "graph_capture") else None
+        self._clone_param_grads = clone_param_grads
         hooks = all(getattr(chunk, "use_forward_hook", False) for chunk in engine.chunks)  # (with param gather)
         if hooks:
             for chunk in engine.chunks:
@@ -87,6 +88,21 @@ class LayerGraphs:
         if not self._helper.graphs_created() and self._stages == 1:
             # (with several pipeline stages a stage may hold none of the scopes' layers, and its peers go on)
             raise RuntimeError("cuda graphs: Megatron-Core's TECudaGraphHelper found no layer to capture")
+
+    def _capture_kwargs(self, config: Any, layers: list[int]) -> dict[str, Any]:
+        """What this project adds to Megatron-Core's make_graphed_callables arguments: the plan's (TE recipe, FP8
+        per layer, cached weights, amax group: TEPrecision.graph_capture) for ``layers``, the callables' layer
+        indexes; and, where Megatron-Core's gradient_accumulation_fusion is on, ``clone_param_grads_on_return=False``.
+        TE 2.20.2 clones every weight gradient a graph's backward returns (its default), and Megatron-Core 0.19.2
+        keeps that default; under the fusion the wgrad GEMMs have written into DDP's main_grad inside the graph and
+        the returned weight gradients are placeholders that DDP's gradient hook drops (the others, a norm's or the
+        router's, it adds to main_grad in that hook, before the graph replays again). The clone copied the size of
+        every expert weight per layer and micro-batch: 32 ms of a 425 ms step on 2 Mixtral layers (H100,
+        2026-12-07, docs/benchmarks.md)."""
+        kwargs = self._precision.graph_capture(layers) if self._precision is not None else {}
+        if getattr(config, "gradient_accumulation_fusion", False) and not self._clone_param_grads:
+            kwargs["clone_param_grads_on_return"] = False
+        return kwargs
 
     def delete(self) -> None:
         """Free the graphs (Megatron-LM's end of training)."""

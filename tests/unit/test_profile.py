@@ -1,0 +1,42 @@
+"""bench/profile.py's kernel categories, on kernel names of a measured profile (2 Mixtral layers, delayed scaling,
+one H100, 2026-12-07: docs/bench/h100_2026-12-07_mixtral2l/bench_mixtral2l_te_clone_profile.json)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fp8_recipes.bench.profile import categorize
+
+PROFILE = Path(__file__).resolve().parents[2] / "docs" / "bench" / "h100_2026-12-07_mixtral2l" / \
+    "bench_mixtral2l_te_clone_profile.json"
+
+
+@pytest.mark.parametrize("name, category", [
+    ("nvjet_sm90_qrsss_128x160_128x5_2x1_v_badd_coopA_algo2_TNT", "gemm fp8"),  # E4M3 x E5M2: dgrad / wgrad
+    ("nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_TNT", "gemm bf16"),
+    ("void transformer_engine::(anonymous namespace)::multi_cast_transpose_kernel<4, 8, true, float, __nv_bfloat16, "
+     "__nv_fp8_e5m2>", "fp8 quantize/amax/transpose"),
+    ("cast_transpose_optimized_kernel(__nv_bfloat16 const*, float const*, __nv_fp8_e4m3*", "fp8 quantize/amax/transpose"),
+    # the gradient clipping's scale of every fp32 gradient: TE's multi-tensor kernel, the same in BF16 and FP8
+    ("void multi_tensor_apply_kernel<TensorListMetadata<2, false>, transformer_engine::multi_tensor_scale::"
+     "ScaleFunctor<float, float>, float>", "optimizer"),
+    ("void multi_tensor_apply_kernel<TensorListMetadata<4, false>, transformer_engine::multi_tensor_adam::AdamFuncto",
+     "optimizer"),
+    ("triton_poi_fused__to_copy_add_cat_mul_rsub_sigmoid_silu_split_0", "activation / elementwise"),
+    ("Memcpy DtoD (Device -> Device)", "other"),
+])
+def test_kernels_fall_in_their_category(name, category):
+    assert categorize(name) == category
+
+
+def test_a_bf16_step_has_no_fp8_kernels():
+    """The measured BF16 rows of that profile: no kernel lands in an FP8 category (the clipping's scale did, before
+    the optimizer's pattern came first)."""
+    rows = json.loads(PROFILE.read_text())["rows"]
+    bf16 = [r for r in rows if r["config"].startswith("bf16") and r.get("profile")]
+    assert bf16
+    for row in bf16:
+        assert not [k for k in row["profile"]["kernels"] if categorize(k).startswith(("fp8", "gemm fp8"))]
