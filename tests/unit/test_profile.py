@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fp8_recipes.bench.profile import categorize
+from fp8_recipes.bench.profile import categorize, format_profile
 
 PROFILE = Path(__file__).resolve().parents[2] / "docs" / "bench" / "h100_2026-12-07_mixtral2l" / \
     "bench_mixtral2l_te_clone_profile.json"
@@ -40,3 +40,17 @@ def test_a_bf16_step_has_no_fp8_kernels():
     assert bf16
     for row in bf16:
         assert not [k for k in row["profile"]["kernels"] if categorize(k).startswith(("fp8", "gemm fp8"))]
+
+
+def test_the_printed_profile_names_what_each_category_is_made_of():
+    """Each category's largest kernels under it (the 32 ms of "other" in the graphed step were TE's gradient clones,
+    Memcpy DtoD, which the overall top list showed only by luck), by the categories as they are sorted now."""
+    rows = json.loads(PROFILE.read_text())["rows"]
+    prof = next(r["profile"] for r in rows if r["config"] == "delayed+capacity+graphs")
+    text = format_profile("2-layer delayed+capacity+graphs", prof).splitlines()
+    assert text[0] == "2-layer delayed+capacity+graphs: 425.2 ms of GPU kernels per step"
+    other = next(i for i, line in enumerate(text) if line.startswith("  other "))
+    assert "Memcpy DtoD" in text[other + 1] and text[other + 1].strip().startswith("32.07 ms")
+    quantize = next(i for i, line in enumerate(text) if line.startswith("  fp8 quantize/amax/transpose "))
+    assert all("cast_transpose" in line for line in text[quantize + 1:quantize + 4])
+    assert text[quantize].split()[-3:] == ["22.3", "ms", "5.2%"]  # (saved as 31.6 ms: the clipping's scale in it)

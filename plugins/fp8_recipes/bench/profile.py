@@ -10,7 +10,7 @@ import re
 from collections import Counter
 from collections.abc import Callable
 
-__all__ = ["CATEGORIES", "categorize", "profile_steps"]
+__all__ = ["CATEGORIES", "categorize", "format_profile", "profile_steps"]
 
 # First match wins; the order matters (an FP8 GEMM is a GEMM before it is an FP8 kernel).
 # cuBLASLt's Hopper kernels are named nvjet_sm90_<operand types>_...: t = bf16, q = e4m3, r = e5m2 (measured:
@@ -56,20 +56,31 @@ def profile_steps(step: Callable[[int], object], first_step: int, n: int = 2) ->
             if us is None:
                 us = getattr(e, "self_cuda_time_total", 0)
             kernels[e.key] += us / 1000 / n
-    cats: Counter = Counter()
-    for name, ms in kernels.items():
-        cats[categorize(name)] += ms
-    total = sum(cats.values())
-    return {"total_ms": total, "categories": dict(cats.most_common()),
+    cats = _categories(kernels)
+    return {"total_ms": sum(cats.values()), "categories": cats,
             "top": [(name[:110], ms, categorize(name)) for name, ms in kernels.most_common(12)],
             "kernels": {name: ms for name, ms in kernels.most_common()}}  # all of them: re-bucket offline
 
 
-def format_profile(label: str, prof: dict) -> str:
+def _categories(kernels: dict[str, float]) -> dict[str, float]:
+    """ms per category, largest first."""
+    cats: Counter = Counter()
+    for name, ms in kernels.items():
+        cats[categorize(name)] += ms
+    return dict(cats.most_common())
+
+
+def format_profile(label: str, prof: dict, per_category: int = 3) -> str:
+    """The categories, largest first, each with its ``per_category`` largest kernels (what a category is made of:
+    a GEMM count, a copy, a clipping's scale), then the largest kernels overall. Categories are sorted anew from
+    the kernels where the result keeps them all (a result saved before a category changed reads as now)."""
     lines = [f"{label}: {prof['total_ms']:.1f} ms of GPU kernels per step"]
-    for cat, ms in prof["categories"].items():
+    kernels = prof.get("kernels", {})  # (all of them, largest first; results before it have only "top")
+    for cat, ms in (_categories(kernels) if kernels else prof["categories"]).items():
         lines.append(f"  {cat:<30} {ms:8.1f} ms  {100 * ms / prof['total_ms']:5.1f}%")
+        for name, kernel_ms in [(n, k) for n, k in kernels.items() if categorize(n) == cat][:per_category]:
+            lines.append(f"      {kernel_ms:7.2f} ms  {name[:100]}")
     lines.append("  top kernels:")
-    for name, ms, cat in prof["top"]:
-        lines.append(f"    {ms:7.2f} ms  [{cat}] {name}")
+    for name, ms, _ in prof["top"]:
+        lines.append(f"    {ms:7.2f} ms  [{categorize(name)}] {name}")
     return "\n".join(lines)
