@@ -19,7 +19,8 @@ PROFILE = Path(__file__).resolve().parents[2] / "docs" / "bench" / "h100_2026-12
     ("nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_TNT", "gemm bf16"),
     ("void transformer_engine::(anonymous namespace)::multi_cast_transpose_kernel<4, 8, true, float, __nv_bfloat16, "
      "__nv_fp8_e5m2>", "fp8 quantize/amax/transpose"),
-    ("cast_transpose_optimized_kernel(__nv_bfloat16 const*, float const*, __nv_fp8_e4m3*", "fp8 quantize/amax/transpose"),
+    ("cast_transpose_optimized_kernel(__nv_bfloat16 const*, float const*, __nv_fp8_e4m3*",
+     "fp8 quantize/amax/transpose"),
     # the gradient clipping's scale of every fp32 gradient: TE's multi-tensor kernel, the same in BF16 and FP8
     ("void multi_tensor_apply_kernel<TensorListMetadata<2, false>, transformer_engine::multi_tensor_scale::"
      "ScaleFunctor<float, float>, float>", "optimizer"),
