@@ -56,18 +56,18 @@ def profile_steps(step: Callable[[int], object], first_step: int, n: int = 2) ->
             if us is None:
                 us = getattr(e, "self_cuda_time_total", 0)
             kernels[e.key] += us / 1000 / n
-    cats = _categories(kernels)
+    cats = {cat: sum(ms for _, ms in members) for cat, members in _by_category(kernels).items()}
     return {"total_ms": sum(cats.values()), "categories": cats,
             "top": [(name[:110], ms, categorize(name)) for name, ms in kernels.most_common(12)],
             "kernels": {name: ms for name, ms in kernels.most_common()}}  # all of them: re-bucket offline
 
 
-def _categories(kernels: dict[str, float]) -> dict[str, float]:
-    """ms per category, largest first."""
-    cats: Counter = Counter()
-    for name, ms in kernels.items():
-        cats[categorize(name)] += ms
-    return dict(cats.most_common())
+def _by_category(kernels: dict[str, float]) -> dict[str, list[tuple[str, float]]]:
+    """The kernels (name, ms) of each category, each category's largest first; the categories largest first."""
+    groups: dict[str, list[tuple[str, float]]] = {}
+    for name, ms in sorted(kernels.items(), key=lambda kernel: -kernel[1]):
+        groups.setdefault(categorize(name), []).append((name, ms))
+    return dict(sorted(groups.items(), key=lambda group: -sum(ms for _, ms in group[1])))
 
 
 def format_profile(label: str, prof: dict, per_category: int = 3) -> str:
@@ -75,10 +75,11 @@ def format_profile(label: str, prof: dict, per_category: int = 3) -> str:
     a GEMM count, a copy, a clipping's scale), then the largest kernels overall. Categories are sorted anew from
     the kernels where the result keeps them all (a result saved before a category changed reads as now)."""
     lines = [f"{label}: {prof['total_ms']:.1f} ms of GPU kernels per step"]
-    kernels = prof.get("kernels", {})  # (all of them, largest first; results before it have only "top")
-    for cat, ms in (_categories(kernels) if kernels else prof["categories"]).items():
+    groups = _by_category(prof.get("kernels", {}))  # (all of them; results before it have only "top")
+    totals = {cat: sum(ms for _, ms in members) for cat, members in groups.items()} or prof["categories"]
+    for cat, ms in totals.items():
         lines.append(f"  {cat:<30} {ms:8.1f} ms  {100 * ms / prof['total_ms']:5.1f}%")
-        for name, kernel_ms in [(n, k) for n, k in kernels.items() if categorize(n) == cat][:per_category]:
+        for name, kernel_ms in groups.get(cat, [])[:per_category]:
             lines.append(f"      {kernel_ms:7.2f} ms  {name[:100]}")
     lines.append("  top kernels:")
     for name, ms, _ in prof["top"]:
