@@ -19,13 +19,15 @@ Configs: bf16 (always first, the baseline), NAME (a recipe through this project'
 same TE recipe through Megatron-Core's own fp8 config and get_fp8_context) and NAME+LEVER (a speed lever on:
 `head` runs the LM head in FP8, `attn` the core attention, `fp8param` stores the FP8 layers' weights in FP8 with
 fp32 master weights in TE's FusedAdam, `masters` is that optimizer on BF16-stored weights: fp8param's baseline,
-`moments16` its Adam moments in BF16; MoE models: `pad` pads each expert's tokens in the router,
-`nofuse` turns the fused token permutation off; `emulated`, on bf16 too, runs the emulated backend).
+`moments16` its Adam moments in BF16 (with --engine, on bf16 too: the distributed optimizer's); MoE models: `pad`
+pads each expert's tokens in the router, `nofuse` turns the fused token permutation off; `emulated`, on bf16 too,
+runs the emulated backend).
 --accum N: micro-batches per optimizer step.
 Same model, seed and random tokens; one GPU, plain fused torch AdamW (fp8param, masters: TE's FusedAdam).
 --engine: a step is scripts/train.py's instead (Megatron-Core's DDP with the TE wgrad GEMMs accumulating into its
 fp32 buffers, the distributed optimizer, the schedule; lever `nogaf` turns that accumulation fusion off).
-Prints tokens/s, the ratio to BF16, ours / raw and peak memory; writes bench_train.json and bench_train.png into --out. Needs a GPU with Transformer Engine.
+Prints tokens/s, the ratio to BF16 (and to BF16 at the config's model / step levers), ours / raw and peak memory;
+writes bench_train.json and bench_train.png into --out. Needs a GPU with Transformer Engine.
 """
 
 import logging

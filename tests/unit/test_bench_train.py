@@ -38,8 +38,28 @@ def test_lever_rows_compare_with_the_recipes_raw_megatron():
                        {"model": "m", "config": "delayed+head:raw", "skipped": "no flag"}]}
     table, _, series = summarize(result)
     line = next(r for r in table.splitlines() if "| delayed+head |" in r)
-    assert line == "| m | delayed+head | x | 148 | 1.48 | 1.10 | 1.00 |"  # x BF16, ours / delayed:raw
+    assert line == "| m | delayed+head | x | 148 | 1.48 | - | 1.10 | 1.00 |"  # x BF16, no BF16 twin, ours / delayed:raw
     assert series["delayed+head"] == [pytest.approx(1.48)]
+
+
+def test_lever_rows_compare_with_bf16_at_the_same_levers():
+    """A config's levers that BF16 runs too (model, engine step; with --engine moments16) name its BF16 twin, the
+    ratio issue 28's targets are read from; Megatron-Core's twin drops the head it has no FP8 version of."""
+    def row(config, tps):
+        return {"model": "m", "config": config, "te_recipe": "x", "tokens_per_s": tps, "peak_mem_gib": 1.0}
+
+    result = {"engine": True, "rows": [
+        row("bf16", 100.0), row("bf16+capacity+graphs", 120.0), row("bf16+capacity+graphs+moments16", 125.0),
+        row("delayed+capacity+graphs", 144.0), row("delayed+capacity+graphs:raw", 132.0),
+        row("delayed+capacity+graphs+head", 150.0), row("delayed+capacity+graphs+moments16", 160.0)]}
+    lines = {line.split(" | ")[1]: line for line in summarize(result)[0].splitlines()[2:]}
+    assert lines["delayed+capacity+graphs"] == "| m | delayed+capacity+graphs | x | 144 | 1.44 | 1.20 | 1.09 | 1.00 |"
+    assert lines["delayed+capacity+graphs+head"].endswith(" | 150 | 1.50 | 1.25 | 1.14 | 1.00 |")  # ours / raw
+    assert lines["delayed+capacity+graphs+moments16"].endswith(" | 160 | 1.60 | 1.28 | - | 1.00 |")
+    assert lines["bf16+capacity+graphs"].endswith(" | 120 | 1.20 | - | - | 1.00 |")  # (its own twin)
+    result["engine"] = False  # without --engine moments16 is the FP8 weights' optimizer's: not BF16's
+    lines = {line.split(" | ")[1]: line for line in summarize(result)[0].splitlines()[2:]}
+    assert lines["delayed+capacity+graphs+moments16"].endswith(" | 160 | 1.60 | 1.33 | - | 1.00 |")
 
 
 def test_a_failed_engine_config_is_a_row_and_the_others_run_on(monkeypatch, tmp_path, capsys):
@@ -115,6 +135,23 @@ def test_engine_step_levers():
         check_configs(["delayed+nogaf"])
     with pytest.raises(ValueError, match=r"^--configs delayed\+fp8param: --engine runs the trainer's optimizer"):
         check_configs(["delayed+fp8param"], engine=True)
+
+
+def test_moments16_with_the_engine_is_the_distributed_optimizers():
+    """--engine: moments16 (on bf16 too) keeps the trainer's distributed optimizer's moments in BF16 (Megatron-LM's
+    precision-aware optimizer); it never changes the recipe."""
+    from fp8_recipes.bench.train import ENGINE_MOMENTS16
+    from fp8_recipes.training.config import TrainerConfig
+
+    check_configs(["bf16+moments16", "delayed+capacity+graphs+moments16", "delayed+moments16:raw"], engine=True)
+    assert with_levers(load_recipe("delayed"), ["moments16", "graphs"]) == load_recipe("delayed")
+    trainer = TrainerConfig.from_cfg({"use_distributed_optimizer": True, **ENGINE_MOMENTS16})
+    assert (trainer.use_precision_aware_optimizer, trainer.exp_avg_dtype, trainer.exp_avg_sq_dtype) == (
+        True, "bf16", "bf16")
+    with pytest.raises(ValueError, match=r"^--configs bf16\+moments16: moments16 is a lever of a recipe, not of bf16"):
+        check_configs(["bf16+moments16"])  # (without --engine: the FP8 weights' optimizer's)
+    with pytest.raises(ValueError, match=r"add \+fp8param or \+masters, or --engine"):
+        check_configs(["delayed+moments16"])
 
 
 def test_emulated_lever_runs_the_emulated_backend():

@@ -19,7 +19,10 @@ Per model, configs run one after another on a freshly built model (same seed, sa
                      NAME+fp8param:raw is Megatron-Core's fp8_param=True with that optimizer
                masters  the optimizer of fp8param (fp32 master weights) on BF16-stored weights: NAME+masters is
                      the baseline NAME+fp8param differs from by the FP8 storage alone
-               moments16  with fp8param or masters: that optimizer's Adam moments in BF16 (not fp32)
+               moments16  with fp8param or masters: that optimizer's Adam moments in BF16 (not fp32); with
+                     --engine (on bf16 too): the distributed optimizer's (trainer use_precision_aware_optimizer:
+                     true, exp_avg_dtype and exp_avg_sq_dtype: bf16, Megatron-LM's --use-precision-aware-optimizer
+                     --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16; fp32 master weights kept)
   MoE models' levers (model keys; on bf16 too, e.g. bf16+nofuse):
                pad   model moe_router_padding_for_quantization: true (the alltoall dispatcher pads each expert's
                      tokens to FP8's multiple, so the experts skip their own padding copies)
@@ -121,7 +124,9 @@ EMULATED = "emulated"
 """The lever that runs a config on the emulated backend (recipe ``backend: emulated``; on bf16 too: the bf16 recipe
 there, Megatron-Core's local spec without quantization), what an NVFP4 step on Hopper is made of."""
 OWN_OPTIMIZER = ("fp8param", "masters", "moments16")
-"""Levers that choose the benchmark's optimizer (the engine has its own)."""
+"""Levers that choose the benchmark's optimizer (the engine has its own, whose moments moments16 sets)."""
+ENGINE_MOMENTS16 = {"use_precision_aware_optimizer": True, "exp_avg_dtype": "bf16", "exp_avg_sq_dtype": "bf16"}
+"""Lever moments16 with --engine: the trainer keys that keep the distributed optimizer's Adam moments in BF16."""
 USABLE_MEMORY = 0.95
 """check_fits: the share of a GPU's memory a model's estimate may fill (the rest: CUDA's context, NCCL's buffers,
 fragmentation)."""
@@ -140,8 +145,9 @@ def check_configs(configs: list[str], engine: bool = False, warmup: int | None =
         if mode not in ("", "raw"):
             raise ValueError(f"--configs {label}: unknown mode {mode!r}; write NAME or NAME:raw")
         bad = [lever for lever in levers if lever not in (*LEVERS, *MODEL_LEVERS, *ENGINE_LEVERS, EMULATED)]
-        if not bad and name == "bf16" and set(LEVERS) & set(levers):  # (a known lever, of the FP8 recipes)
-            lever = next(lever for lever in levers if lever in LEVERS)
+        recipe_levers = [lever for lever in levers if lever in LEVERS and not (engine and lever == "moments16")]
+        if not bad and name == "bf16" and recipe_levers:  # (a known lever, of the FP8 recipes)
+            lever = recipe_levers[0]
             raise ValueError(f"--configs {label}: {lever} is a lever of a recipe, not of bf16; put it on a recipe, "
                              f"e.g. delayed+{lever}; bf16 takes the model levers "
                              f"({', '.join(MODEL_LEVERS)}), {EMULATED} and, with --engine, {', '.join(ENGINE_LEVERS)}")
@@ -149,9 +155,9 @@ def check_configs(configs: list[str], engine: bool = False, warmup: int | None =
             raise ValueError(f"--configs {label}: unknown lever {bad[0]!r}; levers (on a recipe): {', '.join(LEVERS)}; "
                              f"model levers (MoE, on bf16 too): {', '.join(MODEL_LEVERS)}; with --engine (on bf16 "
                              f"too): {', '.join(ENGINE_LEVERS)}")
-        if engine and set(OWN_OPTIMIZER) & set(levers):
-            raise ValueError(f"--configs {label}: --engine runs the trainer's optimizer; drop the "
-                             f"{'/'.join(OWN_OPTIMIZER)} levers or --engine")
+        if engine and {"fp8param", "masters"} & set(levers):
+            raise ValueError(f"--configs {label}: --engine runs the trainer's optimizer; drop the fp8param/masters "
+                             f"levers or --engine (moments16 alone sets its moments in BF16)")
         if not engine and set(ENGINE_LEVERS) & set(levers):
             used = [lever for lever in levers if lever in ENGINE_LEVERS]
             raise ValueError(f"--configs {label}: {'/'.join(used)}: a lever of the engine's step; add --engine")
@@ -167,14 +173,14 @@ def check_configs(configs: list[str], engine: bool = False, warmup: int | None =
         if EMULATED in levers and (engine or mode == "raw" or set(OWN_OPTIMIZER) & set(levers)):
             raise ValueError(f"--configs {label}: {EMULATED} runs the emulated backend's local-spec model: not with "
                              f"--engine, :raw, {'/'.join(OWN_OPTIMIZER)}")
-        if "moments16" in levers and not {"fp8param", "masters"} & set(levers):
+        if "moments16" in levers and not engine and not {"fp8param", "masters"} & set(levers):
             raise ValueError(f"--configs {label}: moments16 is the fp8param / masters optimizer's; add +fp8param or "
-                             f"+masters")
+                             f"+masters, or --engine (the trainer's distributed optimizer)")
 
 
 def with_levers(recipe: Any, levers: list[str]) -> Any:
     """``recipe`` with the named speed levers on (bench config ``NAME+LEVER``)."""
-    levers = [lever for lever in levers if lever not in ENGINE_LEVERS]  # (the step's, not the recipe's)
+    levers = [lever for lever in levers if lever not in (*ENGINE_LEVERS, "moments16")]  # (the step's, the optimizer's)
     check_configs([f"{recipe.name}+{'+'.join(levers)}"] if levers else [])
     if "head" in levers:
         recipe = dataclasses.replace(recipe, layers=dataclasses.replace(recipe.layers, fp8_output_layer=True))
@@ -349,7 +355,8 @@ def _engine_step_function(model: torch.nn.Module, precision: Any, run: _BenchCon
 
     trainer = TrainerConfig.from_cfg({"micro_batch_size": mbs, "global_batch_size": mbs * accum, "lr": 1e-5,
                                       "min_lr": 0.0, "use_distributed_optimizer": True, "overlap_grad_reduce": True,
-                                      "overlap_param_gather": True})
+                                      "overlap_param_gather": True,
+                                      **(ENGINE_MOMENTS16 if "moments16" in run.levers else {})})
     engine = build_engine([model], trainer, seq_length=seq, lr=trainer.lr, device=torch.device("cuda"))
     vocab = int(model_cfg["vocab_size"])
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -554,8 +561,28 @@ def bench_train(models: list[str], configs: list[str], *, seq: int = 4096, mbs: 
     return result
 
 
+def _bf16_twin(label: str, engine: bool) -> str | None:
+    """The bf16 config at ``label``'s levers that BF16 runs too (model, engine step, emulated; with --engine
+    moments16): ``delayed+capacity+graphs+head`` -> ``bf16+capacity+graphs``; None where it has none of them."""
+    name, *levers = label.partition(":")[0].split("+")
+    shared = [lever for lever in levers if lever in (*MODEL_LEVERS, *ENGINE_LEVERS, EMULATED)
+              or (engine and lever == "moments16")]
+    return "+".join(["bf16", *shared]) if shared and name != "bf16" else None
+
+
+def _raw_tokens_per_s(label: str, cfgs: dict[str, dict]) -> float | None:
+    """tokens/s of the Megatron-Core config ``label`` is compared with: ``label:raw``; else, the same without the
+    levers Megatron-Core has no equivalent of here (head); else ``NAME:raw``, the best Megatron-Core runs there."""
+    name, *levers = label.split("+")
+    for twin in (label, "+".join([name, *(lever for lever in levers if lever != "head")]), name):
+        if tokens := cfgs.get(f"{twin}:raw", {}).get("tokens_per_s"):
+            return tokens
+    return None
+
+
 def summarize(result: dict[str, Any]) -> tuple[str, list[str], dict[str, list[float]]]:
-    """(Markdown table: tokens/s, x BF16, x raw Megatron-Core, memory; x labels; series x BF16) per model."""
+    """(Markdown table: tokens/s, x BF16, x BF16 at the same levers, x raw Megatron-Core, memory; x labels; series
+    x BF16) per model."""
     rows, groups, series = [], [], {}
     by_model: dict[str, dict[str, dict]] = {}
     for r in result["rows"]:
@@ -564,15 +591,14 @@ def summarize(result: dict[str, Any]) -> tuple[str, list[str], dict[str, list[fl
         base = cfgs.get("bf16", {}).get("tokens_per_s")
         for label, r in cfgs.items():
             if unmeasured(r):
-                rows.append([model, label, unmeasured(r), None, None, None, None])
+                rows.append([model, label, unmeasured(r), None, None, None, None, None])
                 continue
-            raw = None
-            if ":" not in label and label != "bf16":  # NAME+LEVER: NAME:raw, the best Megatron-Core runs there
-                raw = (cfgs.get(f"{label}:raw", {}).get("tokens_per_s")
-                       or cfgs.get(f"{label.split('+')[0]}:raw", {}).get("tokens_per_s"))
+            raw = _raw_tokens_per_s(label, cfgs) if ":" not in label and label != "bf16" else None
+            twin = cfgs.get(_bf16_twin(label, bool(result.get("engine"))) or "", {}).get("tokens_per_s")
             vs_bf16 = r["tokens_per_s"] / base if base else float("nan")
             rows.append([model, label, r["te_recipe"], r["tokens_per_s"], vs_bf16,
-                         r["tokens_per_s"] / raw if raw else None, r["peak_mem_gib"]])
+                         r["tokens_per_s"] / twin if twin else None, r["tokens_per_s"] / raw if raw else None,
+                         r["peak_mem_gib"]])
             series.setdefault(label, [])
         groups.append(model)
     for label in series:
@@ -580,7 +606,8 @@ def summarize(result: dict[str, Any]) -> tuple[str, list[str], dict[str, list[fl
                          if label in cfgs and not unmeasured(cfgs[label]) and "bf16" in cfgs
                          and not unmeasured(cfgs["bf16"]) else float("nan")
                          for cfgs in by_model.values()]
-    header = ["model", "config", "TE recipe", "tok/s", "x BF16", "ours / raw Megatron", "peak GiB"]
+    header = ["model", "config", "TE recipe", "tok/s", "x BF16", "x BF16 same levers", "ours / raw Megatron",
+              "peak GiB"]
     return markdown_table(header, rows), groups, series
 
 
