@@ -31,7 +31,8 @@
 #         memory unless MODELS or LAYERS (bench_train --layers: LAYERS=2 fits 2 Mixtral layers there); TESTS: other
 #         test files or node ids)
 #     bash tests/gpu/run_gpu.sh graphs       # CUDA graphs (model cuda_graph_impl): scripts/train.py's graphed run against
-#         its eager one and its resume, the bench lever on our TE backend and under capacity (TEST_CAP, default 540 s)
+#         its eager one and its resume, the bench lever on our TE backend and under capacity (TEST_CAP, default 540 s;
+#         TESTS_K: -k instead)
 #     bash tests/gpu/run_gpu.sh moe-stats    # statistics overhead at interval 10 on moe_small's grouped experts
 #     bash tests/gpu/run_gpu.sh nvfp4        # issue 29: NVFP4 vs TE's reference + emulated nvfp4 / mxfp8 vs BF16 step time
 #     bash tests/gpu/run_gpu.sh autopilot    # issue 30: its GPU tests on TE, then its cost at interval 10 on gpt_125m
@@ -275,8 +276,8 @@ moe)
 graphs)
   stamp "GPU tests: CUDA graphs on TE (train.py and the bench lever)" | tee "$OUT/tests_graphs.log"
   timeout -s INT ${TEST_CAP:-540} "$PY" -m pytest tests/gpu/test_te_moe.py -q -p no:cacheprovider -o addopts="" -rfEs \
-      -k "train_captures_graphs or graphed_run_resumes or (graphs_lever and (capacity or fast or safe or \
-      tiny_moe-delayed+graphs]))" 2>&1 \
+      -k "${TESTS_K:-train_captures_graphs or graphed_run_resumes or (graphs_lever and (capacity or fast or safe or \
+      tiny_moe-delayed+graphs]))}" 2>&1 \
       | tee -a "$OUT/tests_graphs.log"
   echo; stamp "summary"; grep -E ' in [0-9.]+s|^(FAILED|ERROR) ' "$OUT/tests_graphs.log" | head -20
   ;;
