@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fp8_recipes.bench.profile import categorize, format_profile
+from fp8_recipes.bench.profile import categorize, format_profile, timeline
 
 PROFILE = Path(__file__).resolve().parents[2] / "docs" / "bench" / "h100_2026-12-07_mixtral2l" / \
     "bench_mixtral2l_te_clone_profile.json"
@@ -55,3 +55,19 @@ def test_the_printed_profile_names_what_each_category_is_made_of():
     quantize = next(i for i, line in enumerate(text) if line.startswith("  fp8 quantize/amax/transpose "))
     assert all("cast_transpose" in line for line in text[quantize + 1:quantize + 4])
     assert text[quantize].split()[-3:] == ["22.3", "ms", "5.2%"]  # (saved as 31.6 ms: the clipping's scale in it)
+
+
+def test_the_timeline_tells_idle_from_concurrent():
+    """busy is the union of the GPU's intervals: a gap is the GPU waiting on the host, an overlap two streams at
+    once; both per step."""
+    spans = [(0.0, 1000.0), (500.0, 1500.0), (1500.0, 2000.0), (3000.0, 4000.0)]  # microseconds, 2 steps
+    assert timeline(spans, 2) == {"span_ms": 2.0, "busy_ms": 1.5}  # 4 ms window, 3 ms busy, 1 ms idle
+    assert timeline(list(reversed(spans)), 1) == {"span_ms": 4.0, "busy_ms": 3.0}
+    assert timeline([], 2) == {}
+    prof = {"total_ms": 3.5 / 2, "categories": {"gemm bf16": 1.75}, "top": [],
+            "kernels": {"nvjet_sm90_tst": 1.75}, **timeline(spans, 2)}
+    assert format_profile("x", prof).splitlines()[1] == (
+        "  GPU busy 1.5 of 2.0 ms per step: idle 0.5 ms (waiting on the host), 0.2 ms of kernels beside others "
+        "(other streams)")
+    saved = json.loads(PROFILE.read_text())["rows"][-1]["profile"]  # (before the timeline: no such line)
+    assert "GPU busy" not in format_profile("x", saved)

@@ -10,7 +10,7 @@ import re
 from collections import Counter
 from collections.abc import Callable
 
-__all__ = ["CATEGORIES", "categorize", "format_profile", "profile_steps"]
+__all__ = ["CATEGORIES", "categorize", "format_profile", "profile_steps", "timeline"]
 
 # First match wins; the order matters (an FP8 GEMM is a GEMM before it is an FP8 kernel).
 # cuBLASLt's Hopper kernels are named nvjet_sm90_<operand types>_...: t = bf16, q = e4m3, r = e5m2 (measured:
@@ -40,7 +40,8 @@ def categorize(name: str) -> str:
 
 
 def profile_steps(step: Callable[[int], object], first_step: int, n: int = 2) -> dict:
-    """Run `step(i)` n times under torch.profiler; return {categories: {label: ms per step}, top: [...]}."""
+    """Run `step(i)` n times under torch.profiler; return {categories: {label: ms per step}, top: [...], kernels:
+    {name: ms per step}} and the GPU's timeline per step (:func:`timeline`: span_ms, busy_ms)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -51,15 +52,38 @@ def profile_steps(step: Callable[[int], object], first_step: int, n: int = 2) ->
         torch.cuda.synchronize()
     kernels: Counter = Counter()
     for e in prof.key_averages():
-        if str(getattr(e, "device_type", "")).endswith("CUDA"):
+        if _on_gpu(e):
             us = getattr(e, "self_device_time_total", None)
             if us is None:
                 us = getattr(e, "self_cuda_time_total", 0)
             kernels[e.key] += us / 1000 / n
     cats = {cat: sum(ms for _, ms in members) for cat, members in _by_category(kernels).items()}
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events() if _on_gpu(e)]
     return {"total_ms": sum(cats.values()), "categories": cats,
             "top": [(name[:110], ms, categorize(name)) for name, ms in kernels.most_common(12)],
-            "kernels": {name: ms for name, ms in kernels.most_common()}}  # all of them: re-bucket offline
+            "kernels": {name: ms for name, ms in kernels.most_common()},  # all of them: re-bucket offline
+            **timeline(spans, n)}
+
+
+def _on_gpu(event: object) -> bool:
+    """A profiler event that ran on the GPU (a kernel, a copy, a memset)."""
+    return str(getattr(event, "device_type", "")).endswith("CUDA")
+
+
+def timeline(spans: list[tuple[float, float]], n: int) -> dict[str, float]:
+    """Per step of ``n``, from the GPU's (start, end) intervals in microseconds: ``span_ms`` from the first start to
+    the last end, ``busy_ms`` their union (span - busy: the GPU idle, waiting on the host; the kernels' sum - busy:
+    kernels that ran beside others, on other streams); {} without any."""
+    if not spans:
+        return {}
+    busy, (start, end) = 0.0, min(spans)
+    for s, e in sorted(spans):
+        if s > end:
+            busy, start = busy + end - start, s
+        end = max(end, e)
+    busy += end - start
+    first, last = min(s for s, _ in spans), max(e for _, e in spans)
+    return {"span_ms": (last - first) / 1000 / n, "busy_ms": busy / 1000 / n}
 
 
 def _by_category(kernels: dict[str, float]) -> dict[str, list[tuple[str, float]]]:
@@ -75,6 +99,10 @@ def format_profile(label: str, prof: dict, per_category: int = 3) -> str:
     a GEMM count, a copy, a clipping's scale), then the largest kernels overall. Categories are sorted anew from
     the kernels where the result keeps them all (a result saved before a category changed reads as now)."""
     lines = [f"{label}: {prof['total_ms']:.1f} ms of GPU kernels per step"]
+    if "busy_ms" in prof:  # (results before the timeline have none)
+        lines.append(f"  GPU busy {prof['busy_ms']:.1f} of {prof['span_ms']:.1f} ms per step: idle "
+                     f"{prof['span_ms'] - prof['busy_ms']:.1f} ms (waiting on the host), "
+                     f"{max(prof['total_ms'] - prof['busy_ms'], 0.0):.1f} ms of kernels beside others (other streams)")
     groups = _by_category(prof.get("kernels", {}))  # (all of them; results before it have only "top")
     totals = {cat: sum(ms for _, ms in members) for cat, members in groups.items()} or prof["categories"]
     for cat, ms in totals.items():
