@@ -148,7 +148,8 @@ def test_moments16_with_the_engine_is_the_distributed_optimizers():
     trainer = TrainerConfig.from_cfg({"use_distributed_optimizer": True, **ENGINE_MOMENTS16})
     assert (trainer.use_precision_aware_optimizer, trainer.exp_avg_dtype, trainer.exp_avg_sq_dtype) == (
         True, "bf16", "bf16")
-    with pytest.raises(ValueError, match=r"^--configs bf16\+moments16: moments16 is a lever of a recipe, not of bf16"):
+    with pytest.raises(ValueError, match=r"^--configs bf16\+moments16: moments16 on bf16 is the trainer's "
+                                         r"optimizer's: add --engine \(without it"):
         check_configs(["bf16+moments16"])  # (without --engine: the FP8 weights' optimizer's)
     with pytest.raises(ValueError, match=r"add \+fp8param or \+masters, or --engine"):
         check_configs(["delayed+moments16"])

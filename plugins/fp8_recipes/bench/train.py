@@ -146,15 +146,19 @@ def check_configs(configs: list[str], engine: bool = False, warmup: int | None =
             raise ValueError(f"--configs {label}: unknown mode {mode!r}; write NAME or NAME:raw")
         bad = [lever for lever in levers if lever not in (*LEVERS, *MODEL_LEVERS, *ENGINE_LEVERS, EMULATED)]
         recipe_levers = [lever for lever in levers if lever in LEVERS and not (engine and lever == "moments16")]
+        if not bad and name == "bf16" and recipe_levers == ["moments16"]:
+            raise ValueError(f"--configs {label}: moments16 on bf16 is the trainer's optimizer's: add --engine "
+                             f"(without it, moments16 is the fp8param / masters optimizer's, on a recipe)")
         if not bad and name == "bf16" and recipe_levers:  # (a known lever, of the FP8 recipes)
             lever = recipe_levers[0]
             raise ValueError(f"--configs {label}: {lever} is a lever of a recipe, not of bf16; put it on a recipe, "
                              f"e.g. delayed+{lever}; bf16 takes the model levers "
-                             f"({', '.join(MODEL_LEVERS)}), {EMULATED} and, with --engine, {', '.join(ENGINE_LEVERS)}")
+                             f"({', '.join(MODEL_LEVERS)}), {EMULATED} and, with --engine, "
+                             f"{', '.join(ENGINE_LEVERS)}, moments16")
         if bad:
             raise ValueError(f"--configs {label}: unknown lever {bad[0]!r}; levers (on a recipe): {', '.join(LEVERS)}; "
                              f"model levers (MoE, on bf16 too): {', '.join(MODEL_LEVERS)}; with --engine (on bf16 "
-                             f"too): {', '.join(ENGINE_LEVERS)}")
+                             f"too): {', '.join(ENGINE_LEVERS)}, moments16")
         if engine and {"fp8param", "masters"} & set(levers):
             raise ValueError(f"--configs {label}: --engine runs the trainer's optimizer; drop the fp8param/masters "
                              f"levers or --engine (moments16 alone sets its moments in BF16)")
