@@ -76,14 +76,15 @@ def timeline(spans: list[tuple[float, float]], n: int) -> dict[str, float]:
     kernels that ran beside others, on other streams); {} without any."""
     if not spans:
         return {}
-    busy, (start, end) = 0.0, min(spans)
-    for s, e in sorted(spans):
+    spans = sorted(spans)
+    busy, (first, end) = 0.0, spans[0]
+    start = first
+    for s, e in spans:
         if s > end:
             busy, start = busy + end - start, s
-        end = max(end, e)
+        end = max(end, e)  # (after the last span: the last end)
     busy += end - start
-    first, last = min(s for s, _ in spans), max(e for _, e in spans)
-    return {"span_ms": (last - first) / 1000 / n, "busy_ms": busy / 1000 / n}
+    return {"span_ms": (end - first) / 1000 / n, "busy_ms": busy / 1000 / n}
 
 
 def _by_category(kernels: dict[str, float]) -> dict[str, list[tuple[str, float]]]:

@@ -127,6 +127,12 @@ OWN_OPTIMIZER = ("fp8param", "masters", "moments16")
 """Levers that choose the benchmark's optimizer (the engine has its own, whose moments moments16 sets)."""
 ENGINE_MOMENTS16 = {"use_precision_aware_optimizer": True, "exp_avg_dtype": "bf16", "exp_avg_sq_dtype": "bf16"}
 """Lever moments16 with --engine: the trainer keys that keep the distributed optimizer's Adam moments in BF16."""
+
+
+def bf16_levers(engine: bool) -> tuple[str, ...]:
+    """The levers bf16 takes as the recipes do: the model's, the engine step's, emulated and, with --engine,
+    moments16 (the trainer's optimizer; without --engine it is the FP8 weights' optimizer's, a recipe's)."""
+    return (*MODEL_LEVERS, *ENGINE_LEVERS, EMULATED, *(("moments16",) if engine else ()))
 USABLE_MEMORY = 0.95
 """check_fits: the share of a GPU's memory a model's estimate may fill (the rest: CUDA's context, NCCL's buffers,
 fragmentation)."""
@@ -145,7 +151,7 @@ def check_configs(configs: list[str], engine: bool = False, warmup: int | None =
         if mode not in ("", "raw"):
             raise ValueError(f"--configs {label}: unknown mode {mode!r}; write NAME or NAME:raw")
         bad = [lever for lever in levers if lever not in (*LEVERS, *MODEL_LEVERS, *ENGINE_LEVERS, EMULATED)]
-        recipe_levers = [lever for lever in levers if lever in LEVERS and not (engine and lever == "moments16")]
+        recipe_levers = [lever for lever in levers if lever in LEVERS and lever not in bf16_levers(engine)]
         if not bad and name == "bf16" and recipe_levers == ["moments16"]:
             raise ValueError(f"--configs {label}: moments16 on bf16 is the trainer's optimizer's: add --engine "
                              f"(without it, moments16 is the fp8param / masters optimizer's, on a recipe)")
@@ -569,8 +575,7 @@ def _bf16_twin(label: str, engine: bool) -> str | None:
     """The bf16 config at ``label``'s levers that BF16 runs too (model, engine step, emulated; with --engine
     moments16): ``delayed+capacity+graphs+head`` -> ``bf16+capacity+graphs``; None where it has none of them."""
     name, *levers = label.partition(":")[0].split("+")
-    shared = [lever for lever in levers if lever in (*MODEL_LEVERS, *ENGINE_LEVERS, EMULATED)
-              or (engine and lever == "moments16")]
+    shared = [lever for lever in levers if lever in bf16_levers(engine)]
     return "+".join(["bf16", *shared]) if shared and name != "bf16" else None
 
 
