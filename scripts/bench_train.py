@@ -12,6 +12,8 @@
         delayed:raw bf16+nogaf delayed+nogaf
     python scripts/bench_train.py --models mixtral_8x7b_4l --layers 2 --mbs 1 --accum 8 --engine --configs \
         bf16+capacity+graphs delayed+capacity+graphs      # the Mixtral layer on an 80 GiB card (rows: NAME@2l)
+    python scripts/bench_train.py --models mixtral_8x7b_4l --mbs 1 --accum 8 --engine --configs \
+        bf16+capacity+graphs+grads16+moments16 delayed+capacity+graphs+grads16+moments16   # 4 layers, 80 GiB
     python scripts/bench_train.py --models llama3_8b_16l --configs bf16+emulated tensorwise+emulated nvfp4 --profile
     python scripts/bench_train.py --plot-only runs/bench_train/bench_train.json
 
@@ -25,7 +27,9 @@ runs the emulated backend).
 --accum N: micro-batches per optimizer step.
 Same model, seed and random tokens; one GPU, plain fused torch AdamW (fp8param, masters: TE's FusedAdam).
 --engine: a step is scripts/train.py's instead (Megatron-Core's DDP with the TE wgrad GEMMs accumulating into its
-fp32 buffers, the distributed optimizer, the schedule; lever `nogaf` turns that accumulation fusion off).
+fp32 buffers, the distributed optimizer, the schedule; lever `nogaf` turns that accumulation fusion off, `grads16`
+keeps those buffers in BF16; on bf16 too). A config whose step cannot fit the GPU is refused before anything runs;
+where the plain bf16 baseline cannot fit but the configs' levers do, it is skipped and rows read x BF16 same levers.
 Prints tokens/s, the ratio to BF16 (and to BF16 at the config's model / step levers), ours / raw and peak memory;
 writes bench_train.json and bench_train.png into --out. Needs a GPU with Transformer Engine.
 """
@@ -82,14 +86,14 @@ def main() -> None:
         import torch
 
         with script_user_errors():  # (a model the engine's step cannot fit: one line, not an out-of-memory trace)
-            check_fits(args.models, seq=args.seq, mbs=args.mbs, engine=args.engine,
-                       gpu_bytes=torch.cuda.get_device_properties(0).total_memory, layers=args.layers)
+            skip = check_fits(args.models, args.configs, seq=args.seq, mbs=args.mbs, engine=args.engine,
+                              gpu_bytes=torch.cuda.get_device_properties(0).total_memory, layers=args.layers)
         from fp8_recipes.training.run import quiet_third_party_logs
 
         quiet_third_party_logs()
         result = bench_train(args.models, args.configs, seq=args.seq, mbs=args.mbs, warmup=args.warmup,
                              steps=args.steps, out_dir=args.out, profile=args.profile, accum=args.accum,
-                             engine=args.engine, layers=args.layers)
+                             engine=args.engine, layers=args.layers, skip_baseline=skip)
     print(summarize(result)[0])
     where = f"PNG: {args.plot_only.with_suffix('.png')}" if args.plot_only else f"JSON and PNG in {args.out}"
     step = "the engine's step" if result.get("engine") else "plain AdamW"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from fp8_recipes.bench.train import MODEL_LEVERS, check_configs, raw_megatron_fp8, summarize, with_levers
@@ -220,15 +222,56 @@ def test_models_the_benchmark_cannot_build_or_fit_are_refused_before_any_run():
                                          r"\(gpt_125m, .*mixtral_8x7b_4l"):
         check_models(["llama3_8b_8l", "moe_small"])
     h100, h200 = int(79.2 * 2**30), int(139.8 * 2**30)
-    check_fits(["mixtral_8x7b_4l"], seq=4096, mbs=1, engine=True, gpu_bytes=h200)
-    check_fits(["mixtral_8x7b_4l"], seq=4096, mbs=1, engine=False, gpu_bytes=h100)  # plain AdamW: not checked
-    check_fits(["qwen3_30b_a3b_4l", "llama3_8b_8l"], seq=4096, mbs=1, engine=True, gpu_bytes=h100)
-    with pytest.raises(ValueError, match=r"^--models mixtral_8x7b_4l: --engine's step needs about 10\d GiB .*"
-                                         r"this one has 79 GiB \(75 usable\); run it on a larger GPU, with "
+    check_fits(["mixtral_8x7b_4l"], [], seq=4096, mbs=1, engine=True, gpu_bytes=h200)
+    check_fits(["mixtral_8x7b_4l"], [], seq=4096, mbs=1, engine=False, gpu_bytes=h100)  # plain AdamW: not checked
+    check_fits(["qwen3_30b_a3b_4l", "llama3_8b_8l"], ["delayed"], seq=4096, mbs=1, engine=True, gpu_bytes=h100)
+    with pytest.raises(ValueError, match=r"^--configs bf16: --engine's step of mixtral_8x7b_4l needs about 10\d GiB "
+                                         r".*this one has 79 GiB \(75 usable\); add \+grads16\+moments16 \(BF16 "
+                                         r"gradients and Adam moments: about 6\d GiB\), run it on a larger GPU, with "
                                          r"fewer --layers, or without --engine$"):
-        check_fits(["llama3_8b_8l", "mixtral_8x7b_4l"], seq=4096, mbs=1, engine=True, gpu_bytes=h100)
+        check_fits(["llama3_8b_8l", "mixtral_8x7b_4l"], ["bf16"], seq=4096, mbs=1, engine=True, gpu_bytes=h100)
     with pytest.raises(ValueError, match=r"has 110 GiB \(104 usable\)"):  # (CUDA's context, NCCL, fragmentation)
-        check_fits(["mixtral_8x7b_4l"], seq=4096, mbs=1, engine=True, gpu_bytes=110 * 2**30)
+        check_fits(["mixtral_8x7b_4l"], ["delayed"], seq=4096, mbs=1, engine=True, gpu_bytes=110 * 2**30)
+
+
+def test_grads16_and_moments16_fit_four_mixtral_layers_on_an_h100(monkeypatch):
+    """--engine with grads16 (DDP's gradient buffer in BF16) and moments16 (Adam's moments in BF16): the 4 Mixtral
+    layers' step (~106 GiB in fp32, an H200's) fits an H100's 79 GiB; the plain bf16 baseline, which does not, is
+    skipped with its reason and the table and plot read each row against BF16 at its levers."""
+    import torch
+
+    from fp8_recipes.bench import train as bench
+    from fp8_recipes.training.config import TrainerConfig
+
+    h100 = int(79.2 * 2**30)
+    both = ["bf16+capacity+graphs+grads16+moments16", "delayed+capacity+graphs+head+grads16+moments16"]
+    bench.check_configs(both, engine=True, warmup=2)
+    assert bench.engine_trainer(["capacity", "grads16", "moments16"]) == {**bench.ENGINE_MOMENTS16,
+                                                                          "grad_reduce_in_fp32": False}
+    trainer = TrainerConfig.from_cfg({"use_distributed_optimizer": True, **bench.engine_trainer(["grads16"])})
+    assert trainer.grad_reduce_in_fp32 is False
+    skip = bench.check_fits(["mixtral_8x7b_4l"], both, seq=4096, mbs=1, engine=True, gpu_bytes=h100)
+    assert list(skip) == ["mixtral_8x7b_4l"]
+    assert re.fullmatch(r"the plain BF16 step needs about 10\d GiB \(75 usable\): read x BF16 same levers",
+                        skip["mixtral_8x7b_4l"])
+    with pytest.raises(ValueError, match=r"^--configs delayed\+moments16: --engine's step of mixtral_8x7b_4l needs "
+                                         r"about 8\d GiB .*\(75 usable\); add \+grads16\+moments16 "):
+        bench.check_fits(["mixtral_8x7b_4l"], ["delayed+moments16"], seq=4096, mbs=1, engine=True, gpu_bytes=h100)
+    with pytest.raises(ValueError, match=r"^--configs delayed\+grads16: grads16: a lever of the engine's step; add --engine$"):
+        bench.check_configs(["delayed+grads16"])
+
+    runs = []
+    monkeypatch.setattr(bench, "_run_config_apart", lambda cfg, label, **kw: runs.append(label) or {
+        "config": label, "te_recipe": "x", "tokens_per_s": 130.0 if "delayed" in label else 100.0,
+        "peak_mem_gib": 1.0, "loss": 5.0, "step_ms": 1.0})
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    result = bench.bench_train(["tiny"], both, engine=True, skip_baseline={"tiny": "too big"})
+    assert runs == both and result["rows"][0] == {"model": "tiny", "config": "bf16", "skipped": "too big",
+                                                  "wall_s": pytest.approx(0, abs=1)}
+    table, _, series = summarize(result)
+    assert "| tiny | bf16 | skipped: too big |" in table
+    assert "| tiny | delayed+capacity+graphs+head+grads16+moments16 | x | 130 | - | 1.30 | - | 1.00 |" in table
+    assert series == {both[0]: [1.0], both[1]: [pytest.approx(1.3)]}
 
 
 def test_layers_time_a_models_layer_shape_on_a_smaller_gpu(monkeypatch):
@@ -240,10 +283,10 @@ def test_layers_time_a_models_layer_shape_on_a_smaller_gpu(monkeypatch):
     two = load_model_cfg("mixtral_8x7b_4l", layers=2)
     assert two == {**load_model_cfg("mixtral_8x7b_4l"), "num_layers": 2}
     assert model_label("mixtral_8x7b_4l", 2) == "mixtral_8x7b_4l@2l" and model_label("tiny") == "tiny"
-    check_fits(["mixtral_8x7b_4l"], seq=4096, mbs=1, engine=True, gpu_bytes=h100, layers=2)
-    with pytest.raises(ValueError, match=r"^--models mixtral_8x7b_4l: --engine's step at --layers 3 needs about "
-                                         r"\d+ GiB .* with fewer --layers, or without --engine$"):
-        check_fits(["mixtral_8x7b_4l"], seq=4096, mbs=1, engine=True, gpu_bytes=h100, layers=3)
+    check_fits(["mixtral_8x7b_4l"], [], seq=4096, mbs=1, engine=True, gpu_bytes=h100, layers=2)
+    with pytest.raises(ValueError, match=r"^--configs delayed: --engine's step of mixtral_8x7b_4l at --layers 3 "
+                                         r"needs about \d+ GiB .* with fewer --layers, or without --engine$"):
+        check_fits(["mixtral_8x7b_4l"], ["delayed"], seq=4096, mbs=1, engine=True, gpu_bytes=h100, layers=3)
 
     import torch
 

@@ -118,7 +118,7 @@ MODEL_LEVERS = {"pad": {"moe_router_padding_for_quantization": True}, "nofuse": 
 GRAPH_LEVERS = {"graphs": {}, "attngraphs": {"cuda_graph_modules": ["attn"]}}
 """Levers that capture Megatron-Core's TE CUDA graphs: model keys cuda_graph_impl: transformer_engine and these (graphs:
 the model's own scopes, megatron/model_config.graph_modules; attngraphs: the attention's alone)."""
-ENGINE_LEVERS = ("nogaf", *GRAPH_LEVERS)
+ENGINE_LEVERS = ("nogaf", *GRAPH_LEVERS, "grads16")
 """Levers of the engine's step (``--engine``; on bf16 too)."""
 EMULATED = "emulated"
 """The lever that runs a config on the emulated backend (recipe ``backend: emulated``; on bf16 too: the bf16 recipe
@@ -127,6 +127,14 @@ OWN_OPTIMIZER = ("fp8param", "masters", "moments16")
 """Levers that choose the benchmark's optimizer (the engine has its own, whose moments moments16 sets)."""
 ENGINE_MOMENTS16 = {"use_precision_aware_optimizer": True, "exp_avg_dtype": "bf16", "exp_avg_sq_dtype": "bf16"}
 """Lever moments16 with --engine: the trainer keys that keep the distributed optimizer's Adam moments in BF16."""
+ENGINE_TRAINER = {"moments16": ENGINE_MOMENTS16, "grads16": {"grad_reduce_in_fp32": False}}
+"""The engine's levers that are trainer keys (grads16: DDP's gradient buffer, which the wgrad GEMMs accumulate the
+micro-batches into, in BF16: Megatron-LM without --accumulate-allreduce-grads-in-fp32)."""
+
+
+def engine_trainer(levers: list[str]) -> dict[str, Any]:
+    """The trainer keys a config's levers set on the engine's step (:data:`ENGINE_TRAINER`)."""
+    return {k: v for lever in levers for k, v in ENGINE_TRAINER.get(lever, {}).items()}
 
 
 def bf16_levers(engine: bool) -> tuple[str, ...]:
@@ -366,7 +374,7 @@ def _engine_step_function(model: torch.nn.Module, precision: Any, run: _BenchCon
     trainer = TrainerConfig.from_cfg({"micro_batch_size": mbs, "global_batch_size": mbs * accum, "lr": 1e-5,
                                       "min_lr": 0.0, "use_distributed_optimizer": True, "overlap_grad_reduce": True,
                                       "overlap_param_gather": True,
-                                      **(ENGINE_MOMENTS16 if "moments16" in run.levers else {})})
+                                      **engine_trainer(run.levers)})
     engine = build_engine([model], trainer, seq_length=seq, lr=trainer.lr, device=torch.device("cuda"))
     vocab = int(model_cfg["vocab_size"])
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -509,36 +517,63 @@ def check_models(models: list[str]) -> None:
                              f"feeds random tokens: choose a model with its own vocab_size ({', '.join(own)})")
 
 
-def check_fits(models: list[str], *, seq: int, mbs: int, engine: bool, gpu_bytes: int,
-               layers: int | None = None) -> None:
-    """ValueError (one line naming the model) where the engine's step cannot fit one GPU of ``gpu_bytes``: BF16
-    weights, fp32 gradients and the distributed optimizer's fp32 state on one rank, activations of one micro-batch
-    (plan/memory.py, `fp8-recipes memory`), which every config of that model holds at least, against 95% of the
-    GPU's memory (CUDA's context, NCCL's buffers and fragmentation take the rest). Without --engine the plain AdamW
-    on BF16 parameters holds much less, and is not checked."""
-    from fp8_recipes.plan.memory import estimate_memory
+def check_fits(models: list[str], configs: list[str], *, seq: int, mbs: int, engine: bool, gpu_bytes: int,
+               layers: int | None = None) -> dict[str, str]:
+    """ValueError (one line naming the config) where the engine's step of a listed config cannot fit one GPU of
+    ``gpu_bytes``: BF16 weights, per-tensor FP8 copies of them (a recipe), DDP's gradients and the distributed
+    optimizer's state on one rank in the dtypes the config's levers set (fp32, or BF16 with grads16 / moments16),
+    activations of one micro-batch (plan/memory.py, `fp8-recipes memory`), against 95% of the GPU's memory (CUDA's
+    context, NCCL's buffers and fragmentation take the rest). Returns, per model, why the plain ``bf16`` baseline
+    cannot fit where it is not listed (:func:`bench_train` skips it; the rows read x BF16 at the same levers). Without
+    --engine the plain AdamW on BF16 parameters holds much less, and is not checked."""
+    if not engine:
+        return {}
+    usable = USABLE_MEMORY * gpu_bytes / 2**30
+    skip = {}
+    for name in models:
+        for label in ["bf16", *configs]:
+            recipe, *levers = label.partition(":")[0].split("+")
+            need, command = _engine_gib(name, recipe, levers, seq=seq, mbs=mbs, layers=layers)
+            if need <= usable:
+                continue
+            at = f" at --layers {layers}" if layers is not None else ""
+            if label == "bf16" and label not in configs:
+                skip[name] = (f"the plain BF16 step{at} needs about {need:.0f} GiB ({usable:.0f} usable): read x BF16 "
+                              f"same levers")
+                continue
+            small, _ = _engine_gib(name, recipe, [*levers, "grads16", "moments16"], seq=seq, mbs=mbs, layers=layers)
+            hint = (f"add +grads16+moments16 (BF16 gradients and Adam moments: about {small:.0f} GiB), "
+                    if small <= usable and not {"grads16", "moments16"} <= set(levers) else "")
+            raise ValueError(f"--configs {label}: --engine's step of {name}{at} needs about {need:.0f} GiB on one GPU "
+                             f"({f'`{command}`' if layers is None else 'its estimate'}), this one has {gpu_bytes / 2**30:.0f} GiB ({usable:.0f} usable); {hint}"
+                             f"run it on a larger GPU, with fewer --layers, or without --engine")
+    return skip
+
+
+def _engine_gib(name: str, recipe: str, levers: list[str], *, seq: int, mbs: int,
+                layers: int | None) -> tuple[float, str]:
+    """GiB the engine's step of model ``name`` holds at least under ``recipe`` with ``levers`` (a recipe: per-tensor
+    FP8 weight copies), and the `fp8-recipes memory` command that says so."""
+    from fp8_recipes.plan.memory import OptimizerPrecision, estimate_memory
     from fp8_recipes.plan.precision import ParallelLayout
 
-    if not engine:
-        return
-    for name in models:
-        need = estimate_memory({**load_model_cfg(name, layers), "seq_length": seq}, ParallelLayout(),
-                               micro_batch_size=mbs, seq_length=seq, fp8=False, distributed_optimizer=True).total_gib
-        usable = USABLE_MEMORY * gpu_bytes / 2**30
-        if need > usable:
-            at = f" at --layers {layers}" if layers is not None else ""
-            raise ValueError(f"--models {name}: --engine's step{at} needs about {need:.0f} GiB on one GPU "
-                             f"(`fp8-recipes memory {name} --mbs {mbs} --seq {seq}`: BF16, fp32 optimizer state), this "
-                             f"one has {gpu_bytes / 2**30:.0f} GiB ({usable:.0f} usable); run it on a larger GPU, with "
-                             f"fewer --layers, or without --engine")
+    trainer = engine_trainer(levers)
+    fp8 = recipe != "bf16"
+    gib = estimate_memory({**load_model_cfg(name, layers), "seq_length": seq}, ParallelLayout(), micro_batch_size=mbs,
+                          seq_length=seq, fp8=fp8, distributed_optimizer=True,
+                          optimizer=OptimizerPrecision.from_trainer(trainer)).total_gib
+    flags = [*(["--fp8"] if fp8 else []), *(["--grad-reduce-in-bf16"] if "grads16" in levers else []),
+             *(["--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16"] if "moments16" in levers else [])]
+    return gib, " ".join(["fp8-recipes memory", name, f"--mbs {mbs} --seq {seq}", *flags])
 
 
 def bench_train(models: list[str], configs: list[str], *, seq: int = 4096, mbs: int = 2, warmup: int = 3,
                 steps: int = 8, seed: int = 1234, out_dir: Path | None = None, profile: bool = False,
-                accum: int = 1, engine: bool = False, layers: int | None = None) -> dict[str, Any]:
+                accum: int = 1, engine: bool = False, layers: int | None = None,
+                skip_baseline: dict[str, str] | None = None) -> dict[str, Any]:
     """Every config of every model (``layers``: with that many layers each, rows named by :func:`model_label`);
     with ``out_dir`` the results so far are saved after each config (a run cut short by a time limit keeps what it
-    measured)."""
+    measured). ``skip_baseline``: models whose plain bf16 row is skipped, and why (:func:`check_fits`)."""
     from fp8_recipes.megatron.model import destroy_distributed, init_distributed  # (see _run_config)
 
     if not engine:  # (the engine's configs run each in its own process: _run_config_apart)
@@ -555,8 +590,11 @@ def bench_train(models: list[str], configs: list[str], *, seq: int = 4096, mbs: 
                 t = time.perf_counter()
                 kwargs = dict(seq=seq, mbs=mbs, warmup=warmup, steps=steps, seed=seed, profile=profile, accum=accum,
                               engine=engine)
-                row = {"model": model_name, **(_run_apart_or_failed(cfg, label, **kwargs) if engine else
-                                               _run_config(cfg, label, **kwargs))}
+                if label == "bf16" and name in (skip_baseline or {}):
+                    row = {"model": model_name, "config": label, "skipped": skip_baseline[name]}
+                else:
+                    row = {"model": model_name, **(_run_apart_or_failed(cfg, label, **kwargs) if engine else
+                                                   _run_config(cfg, label, **kwargs))}
                 row["wall_s"] = time.perf_counter() - t
                 results.append(row)
                 done = unmeasured(row) or (f"{row['tokens_per_s']:,.0f} tok/s, {row['peak_mem_gib']:.1f} GiB, "
@@ -591,8 +629,8 @@ def _raw_tokens_per_s(label: str, cfgs: dict[str, dict]) -> float | None:
 
 def summarize(result: dict[str, Any]) -> tuple[str, list[str], dict[str, list[float]]]:
     """(Markdown table: tokens/s, x BF16, x BF16 at the same levers, x raw Megatron-Core, memory; x labels; series
-    x BF16) per model."""
-    rows, groups, series = [], [], {}
+    x BF16 per model: at the same levers where the plain bf16 row was not measured)."""
+    rows, groups, plotted = [], [], {}
     by_model: dict[str, dict[str, dict]] = {}
     for r in result["rows"]:
         by_model.setdefault(r["model"], {})[r["config"]] = r
@@ -605,16 +643,13 @@ def summarize(result: dict[str, Any]) -> tuple[str, list[str], dict[str, list[fl
             raw = _raw_tokens_per_s(label, cfgs) if ":" not in label and label != "bf16" else None
             twin = cfgs.get(_bf16_twin(label, bool(result.get("engine"))) or "", {}).get("tokens_per_s")
             vs_bf16 = r["tokens_per_s"] / base if base else float("nan")
-            rows.append([model, label, r["te_recipe"], r["tokens_per_s"], vs_bf16,
-                         r["tokens_per_s"] / twin if twin else None, r["tokens_per_s"] / raw if raw else None,
-                         r["peak_mem_gib"]])
-            series.setdefault(label, [])
+            vs_twin = r["tokens_per_s"] / twin if twin else None
+            rows.append([model, label, r["te_recipe"], r["tokens_per_s"], vs_bf16, vs_twin,
+                         r["tokens_per_s"] / raw if raw else None, r["peak_mem_gib"]])
+            same = 1.0 if label.startswith("bf16") else (vs_twin or float("nan"))  # (bf16+...: its own twin)
+            plotted.setdefault(label, {})[model] = vs_bf16 if base else same
         groups.append(model)
-    for label in series:
-        series[label] = [cfgs[label]["tokens_per_s"] / cfgs["bf16"]["tokens_per_s"]
-                         if label in cfgs and not unmeasured(cfgs[label]) and "bf16" in cfgs
-                         and not unmeasured(cfgs["bf16"]) else float("nan")
-                         for cfgs in by_model.values()]
+    series = {label: [values.get(model, float("nan")) for model in by_model] for label, values in plotted.items()}
     header = ["model", "config", "TE recipe", "tok/s", "x BF16", "x BF16 same levers", "ours / raw Megatron",
               "peak GiB"]
     return markdown_table(header, rows), groups, series
@@ -628,5 +663,6 @@ def save(result: dict[str, Any], out_dir: Path) -> None:
 def plot(result: dict[str, Any], png: Path) -> None:
     """The configs' tokens/s relative to BF16, per model, as bars."""
     _, groups, series = summarize(result)
-    bar_chart(png, groups, series, ylabel="tokens/s relative to BF16",
+    plain = all(not unmeasured(r) for r in result["rows"] if r["config"] == "bf16")
+    bar_chart(png, groups, series, ylabel="tokens/s relative to BF16" + ("" if plain else " (at the same levers)"),
               title=f"Megatron-Core GPT, seq {result['seq']}, mbs {result['mbs']}, {result['device']}")
