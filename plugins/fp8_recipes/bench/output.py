@@ -145,6 +145,6 @@ def bar_chart(path: Path, groups: list[str], series: dict[str, list[float]], *, 
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    fig.savefig(path, bbox_inches="tight")  # (the legend beside the axes, a long title: all kept)
     plt.close(fig)
     return path
