@@ -30,8 +30,9 @@ Same model, seed and random tokens; one GPU, plain fused torch AdamW (fp8param, 
 fp32 buffers, the distributed optimizer, the schedule; lever `nogaf` turns that accumulation fusion off, `grads16`
 keeps those buffers in BF16; on bf16 too). A config whose step cannot fit the GPU is refused before anything runs;
 where the plain bf16 baseline cannot fit but the configs' levers do, it is skipped and rows read x BF16 same levers.
-Prints tokens/s, the ratio to BF16 (and to BF16 at the config's model / step levers), ours / raw and peak memory;
-writes bench_train.json and bench_train.png into --out. Needs a GPU with Transformer Engine.
+Prints tokens/s, the ratio to BF16 (and to BF16 at the config's model / step levers), ours / raw and peak memory
+(--profile: then each config's GPU time per kernel category, side by side); writes bench_train.json and
+bench_train.png (--profile: bench_train_profile.png) into --out. Needs a GPU with Transformer Engine.
 """
 
 import logging
@@ -46,6 +47,7 @@ DEFAULT_CONFIGS = ["delayed", "delayed:raw", "tensorwise", "tensorwise:raw", "bl
 def main() -> None:
     from fp8_recipes.bench.train import bench_train, check_configs, check_fits, check_models, plot, summarize
     from fp8_recipes.bench.output import load_result
+    from fp8_recipes.bench.profile import profile_table
     from fp8_recipes.plan.precision import Hardware
     from fp8_recipes.training.config import check_writable_dir
     from fp8_recipes.training.errors import script_user_errors
@@ -95,6 +97,8 @@ def main() -> None:
                              steps=args.steps, out_dir=args.out, profile=args.profile, accum=args.accum,
                              engine=args.engine, layers=args.layers, skip_baseline=skip)
     print(summarize(result)[0])
+    if table := profile_table(result["rows"]):  # (--profile: the configs' kernels side by side, ms per step)
+        print(f"\nGPU time per step by kernel category, ms:\n{table}")
     where = f"PNG: {args.plot_only.with_suffix('.png')}" if args.plot_only else f"JSON and PNG in {args.out}"
     step = "the engine's step" if result.get("engine") else "plain AdamW"
     print(f"({result['device']}, seq {result['seq']}, mbs {result['mbs']} x {result.get('accum', 1)} micro-batches, "

@@ -71,3 +71,28 @@ def test_the_timeline_tells_idle_from_concurrent():
         "(other streams)")
     saved = json.loads(PROFILE.read_text())["rows"][-1]["profile"]  # (before the timeline: no such line)
     assert "GPU busy" not in format_profile("x", saved)
+
+
+def test_profiled_configs_read_side_by_side_in_a_table_and_a_plot(tmp_path):
+    """--profile's configs in one table (a line per config: the step's GPU span, idle time, ms per category in the
+    categories' order) and a stacked plot beside bench_train.png, from the measured 4-layer Mixtral profile (H100,
+    2026-12-07): BF16's GEMMs against FP8's, the optimizer alike in both, raw Megatron-Core's clones in "other"."""
+    from fp8_recipes.bench.profile import profile_parts, profile_table
+    from fp8_recipes.bench.train import plot
+
+    saved = PROFILE.parents[1] / "h100_2026-12-07_mixtral4l" / "bench_mixtral4l.json"
+    result = json.loads(saved.read_text())
+    profiled, parts = profile_parts(result["rows"])
+    assert len(profiled) == 8 and list(parts)[:2] == ["gemm fp8", "gemm bf16"] and list(parts)[-1] == "other"
+    lines = {line.split(" | ")[1]: line for line in profile_table(result["rows"]).splitlines()[2:]}
+    header = profile_table(result["rows"]).splitlines()[0]
+    assert header.startswith("| model | config | step (GPU span) | GPU idle | gemm fp8 | gemm bf16 | attention |")
+    assert lines["bf16+capacity+graphs+grads16+moments16"].startswith(
+        "| mixtral_8x7b_4l | bf16+capacity+graphs+grads16+moments16 | 728.0 | 11.1 | 0.0 | 624.6 | 40.1 |")
+    bf16, fp8 = ({cat: ms[i] for cat, ms in parts.items()} for i in (0, 2))  # (bf16, delayed+head)
+    assert profiled[2]["config"] == "delayed+capacity+graphs+head+grads16+moments16"
+    assert abs(bf16["optimizer"] - fp8["optimizer"]) < 1 and fp8["gemm fp8"] < 0.6 * bf16["gemm bf16"]
+    assert parts["other"][3] > 60  # (delayed:raw: TE's weight-gradient clones, 64 ms of Memcpy DtoD)
+    assert profile_table([{"model": "m", "config": "bf16", "tokens_per_s": 1.0}]) is None
+    plot(result, tmp_path / "bench_train.png")
+    assert (tmp_path / "bench_train.png").stat().st_size and (tmp_path / "bench_train_profile.png").stat().st_size

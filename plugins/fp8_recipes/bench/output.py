@@ -1,4 +1,4 @@
-"""Writing benchmark results: JSON, a Markdown table, and a bar chart when matplotlib is installed.
+"""Writing benchmark results: JSON, a Markdown table, and bar charts when matplotlib is installed.
 
 A bare GPU image may lack matplotlib: the JSON is always written, and ``python scripts/bench_*.py --plot-only
 FILE.json`` draws the PNG later wherever matplotlib is (e.g. the CPU machine's .venv).
@@ -120,16 +120,35 @@ def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
-def bar_chart(path: Path, groups: list[str], series: dict[str, list[float]], *, ylabel: str, title: str,
-              baseline: float | None = 1.0) -> Path | None:
-    """Grouped bars (one group per x label, one bar per series); None (and a note) without matplotlib."""
+def _pyplot(path: Path) -> Any:
+    """matplotlib's pyplot on the Agg backend (no display on GPU nodes); None, with a note naming ``path``, where
+    matplotlib is not installed."""
     try:
         import matplotlib
 
-        matplotlib.use("Agg")  # no display on GPU nodes; must precede pyplot's import
+        matplotlib.use("Agg")  # must precede pyplot's import
         import matplotlib.pyplot as plt
     except ImportError:
         print(f"note: matplotlib is not installed: no {path.name}; draw it elsewhere with --plot-only")
+        return None
+    return plt
+
+
+def _save(fig: Any, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, bbox_inches="tight")  # (the legend beside the axes, a long title: all kept)
+    plt.close(fig)
+    return path
+
+
+def bar_chart(path: Path, groups: list[str], series: dict[str, list[float]], *, ylabel: str, title: str,
+              baseline: float | None = 1.0) -> Path | None:
+    """Grouped bars (one group per x label, one bar per series); None (and a note) without matplotlib."""
+    plt = _pyplot(path)
+    if plt is None:
         return None
     width = 0.8 / max(len(series), 1)
     fig, ax = plt.subplots(figsize=(max(7.0, 1.1 * len(groups) + 3.5), 4.0), dpi=120)
@@ -143,8 +162,26 @@ def bar_chart(path: Path, groups: list[str], series: dict[str, list[float]], *, 
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, never over them
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, bbox_inches="tight")  # (the legend beside the axes, a long title: all kept)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
+
+
+def stacked_bars(path: Path, labels: list[str], parts: dict[str, list[float]], *, xlabel: str,
+                 title: str) -> Path | None:
+    """One horizontal bar per label (top to bottom), made of ``parts`` (name: a value per label) stacked left to
+    right; None (and a note) without matplotlib."""
+    plt = _pyplot(path)
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(10.0, 1.2 + 0.45 * len(labels)), dpi=120)
+    left = [0.0] * len(labels)
+    ys = range(len(labels))
+    for name, values in parts.items():
+        ax.barh(ys, values, left=left, label=name)
+        left = [a + b for a, b in zip(left, values, strict=True)]
+    ax.set_yticks(ys, labels, fontsize=8)
+    ax.invert_yaxis()  # (the first label on top)
+    ax.set_xlabel(xlabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.grid(axis="x", alpha=0.3)
+    return _save(fig, path)

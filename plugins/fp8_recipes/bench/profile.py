@@ -10,7 +10,8 @@ import re
 from collections import Counter
 from collections.abc import Callable
 
-__all__ = ["CATEGORIES", "categorize", "format_profile", "profile_steps", "timeline"]
+__all__ = ["CATEGORIES", "categorize", "category_ms", "format_profile", "profile_parts", "profile_steps",
+           "profile_table", "timeline"]
 
 # First match wins; the order matters (an FP8 GEMM is a GEMM before it is an FP8 kernel).
 # cuBLASLt's Hopper kernels are named nvjet_sm90_<operand types>_...: t = bf16, q = e4m3, r = e5m2 (measured:
@@ -105,7 +106,7 @@ def format_profile(label: str, prof: dict, per_category: int = 3) -> str:
                      f"{prof['span_ms'] - prof['busy_ms']:.1f} ms (waiting on the host), "
                      f"{max(prof['total_ms'] - prof['busy_ms'], 0.0):.1f} ms of kernels beside others (other streams)")
     groups = _by_category(prof.get("kernels", {}))  # (all of them; results before it have only "top")
-    totals = {cat: sum(ms for _, ms in members) for cat, members in groups.items()} or prof["categories"]
+    totals = dict(sorted(category_ms(prof).items(), key=lambda category: -category[1]))
     for cat, ms in totals.items():
         lines.append(f"  {cat:<30} {ms:8.1f} ms  {100 * ms / prof['total_ms']:5.1f}%")
         for name, kernel_ms in groups.get(cat, [])[:per_category]:
@@ -114,3 +115,39 @@ def format_profile(label: str, prof: dict, per_category: int = 3) -> str:
     for name, ms, _ in prof["top"]:
         lines.append(f"    {ms:7.2f} ms  [{categorize(name)}] {name}")
     return "\n".join(lines)
+
+
+def category_ms(prof: dict) -> dict[str, float]:
+    """ms per step of each category, in :data:`CATEGORIES`' order ("other" last), from the kernels where the result
+    keeps them all (re-bucketed as now), else its saved categories; categories without a kernel left out."""
+    totals = {cat: sum(ms for _, ms in members) for cat, members in _by_category(prof.get("kernels", {})).items()}
+    totals = totals or prof["categories"]
+    order = [label for label, _ in CATEGORIES] + ["other"]
+    return {cat: totals[cat] for cat in order if totals.get(cat)}
+
+
+def profile_parts(rows: list[dict]) -> tuple[list[dict], dict[str, list[float]]]:
+    """The rows with a profile, and each category's ms per step in each of them (:data:`CATEGORIES`' order, "other"
+    last; a category no row has left out)."""
+    profiled = [r for r in rows if r.get("profile")]
+    per_row = [category_ms(r["profile"]) for r in profiled]
+    order = [label for label, _ in CATEGORIES] + ["other"]
+    return profiled, {cat: [c.get(cat, 0.0) for c in per_row] for cat in order if any(cat in c for c in per_row)}
+
+
+def profile_table(rows: list[dict]) -> str | None:
+    """Markdown: one line per profiled row (model, config) with its step's GPU span, idle time and ms per category,
+    side by side, so a config's kernels read against BF16's; None where no row has a profile."""
+    from fp8_recipes.bench.output import markdown_table
+
+    profiled, parts = profile_parts(rows)
+    if not profiled:
+        return None
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1f}"
+
+    lines = [[r["model"], r["config"], ms(r["profile"].get("span_ms")),
+              ms(r["profile"]["span_ms"] - r["profile"]["busy_ms"] if "busy_ms" in r["profile"] else None),
+              *(ms(values[i]) for values in parts.values())] for i, r in enumerate(profiled)]
+    return markdown_table(["model", "config", "step (GPU span)", "GPU idle", *parts], lines)

@@ -71,8 +71,8 @@ from typing import Any
 
 import torch
 
-from fp8_recipes.bench.output import bar_chart, markdown_table, save_json, unmeasured
-from fp8_recipes.bench.profile import format_profile, profile_steps
+from fp8_recipes.bench.output import bar_chart, markdown_table, save_json, stacked_bars, unmeasured
+from fp8_recipes.bench.profile import format_profile, profile_parts, profile_steps
 from fp8_recipes.integrations.common import named_recipe_gaps, te_recipe_fields
 from fp8_recipes.megatron.model_config import layout_of
 from fp8_recipes.plan.precision import Hardware, PrecisionPlan
@@ -661,8 +661,16 @@ def save(result: dict[str, Any], out_dir: Path) -> None:
 
 
 def plot(result: dict[str, Any], png: Path) -> None:
-    """The configs' tokens/s relative to BF16, per model, as bars."""
+    """The configs' tokens/s relative to BF16, per model, as bars; with --profile, beside it (NAME_profile.png)
+    each profiled config's step as its kernel categories' ms, stacked."""
     _, groups, series = summarize(result)
     plain = all(not unmeasured(r) for r in result["rows"] if r["config"] == "bf16")
+    title = f"Megatron-Core GPT, seq {result['seq']}, mbs {result['mbs']}, {result['device']}"
     bar_chart(png, groups, series, ylabel="tokens/s relative to BF16" + ("" if plain else " (at the same levers)"),
-              title=f"Megatron-Core GPT, seq {result['seq']}, mbs {result['mbs']}, {result['device']}")
+              title=title)
+    profiled, parts = profile_parts(result["rows"])
+    if profiled:
+        many = len({r["model"] for r in profiled}) > 1
+        stacked_bars(png.with_name(f"{png.stem}_profile.png"),
+                     [f"{r['model']} {r['config']}" if many else r["config"] for r in profiled], parts,
+                     xlabel="GPU kernel time per training step (ms)", title=title)
