@@ -222,12 +222,13 @@ def test_models_the_benchmark_cannot_build_or_fit_are_refused_before_any_run():
                                          r"\(gpt_125m, .*mixtral_8x7b_4l"):
         check_models(["llama3_8b_8l", "moe_small"])
     h100, h200 = int(79.2 * 2**30), int(139.8 * 2**30)
-    check_fits(["mixtral_8x7b_4l"], [], seq=4096, mbs=1, engine=True, gpu_bytes=h200)
-    check_fits(["mixtral_8x7b_4l"], [], seq=4096, mbs=1, engine=False, gpu_bytes=h100)  # plain AdamW: not checked
-    check_fits(["qwen3_30b_a3b_4l", "llama3_8b_8l"], ["delayed"], seq=4096, mbs=1, engine=True, gpu_bytes=h100)
+    assert check_fits(["mixtral_8x7b_4l"], [], seq=4096, mbs=1, engine=True, gpu_bytes=h200) == {}
+    assert check_fits(["mixtral_8x7b_4l"], [], seq=4096, mbs=1, engine=False, gpu_bytes=h100) == {}  # plain AdamW
+    assert check_fits(["qwen3_30b_a3b_4l", "llama3_8b_8l"], ["delayed"], seq=4096, mbs=1, engine=True,
+                      gpu_bytes=h100) == {}
     with pytest.raises(ValueError, match=r"^--configs bf16: --engine's step of mixtral_8x7b_4l needs about 10\d GiB "
                                          r".*this one has 79 GiB \(75 usable\); add \+grads16\+moments16 \(BF16 "
-                                         r"gradients and Adam moments: about 6\d GiB\), run it on a larger GPU, with "
+                                         r"gradients / Adam moments: about 6\d GiB\), run it on a larger GPU, with "
                                          r"fewer --layers, or without --engine$"):
         check_fits(["llama3_8b_8l", "mixtral_8x7b_4l"], ["bf16"], seq=4096, mbs=1, engine=True, gpu_bytes=h100)
     with pytest.raises(ValueError, match=r"has 110 GiB \(104 usable\)"):  # (CUDA's context, NCCL, fragmentation)
@@ -255,9 +256,19 @@ def test_grads16_and_moments16_fit_four_mixtral_layers_on_an_h100(monkeypatch):
     assert re.fullmatch(r"the plain BF16 step needs about 10\d GiB \(75 usable\): read x BF16 same levers",
                         skip["mixtral_8x7b_4l"])
     with pytest.raises(ValueError, match=r"^--configs delayed\+moments16: --engine's step of mixtral_8x7b_4l needs "
-                                         r"about 8\d GiB .*\(75 usable\); add \+grads16\+moments16 "):
+                                         r"about 8\d GiB .*\(75 usable\); add \+grads16 \(BF16 gradients / Adam "
+                                         r"moments: about 7\d GiB\), run it"):  # (only the lever it lacks)
         bench.check_fits(["mixtral_8x7b_4l"], ["delayed+moments16"], seq=4096, mbs=1, engine=True, gpu_bytes=h100)
-    with pytest.raises(ValueError, match=r"^--configs delayed\+grads16: grads16: a lever of the engine's step; add --engine$"):
+    # the plain baseline skipped, a config whose BF16 at the same levers is not listed has nothing to be read against
+    with pytest.raises(ValueError, match=r"^--configs delayed\+capacity\+graphs\+head\+grads16\+moments16: the plain "
+                                         r"bf16 baseline cannot fit this GPU, and nothing else measures BF16 at this "
+                                         r"config's levers; add bf16\+capacity\+graphs\+grads16\+moments16 to "
+                                         r"--configs$"):
+        bench.check_fits(["mixtral_8x7b_4l"], both[1:], seq=4096, mbs=1, engine=True, gpu_bytes=h100)
+    assert list(bench.check_fits(["mixtral_8x7b_4l"], ["bf16+moments16+graphs+grads16+capacity", both[1]], seq=4096,
+                                 mbs=1, engine=True, gpu_bytes=h100)) == ["mixtral_8x7b_4l"]  # (twin, lever order)
+    with pytest.raises(ValueError, match=r"^--configs delayed\+grads16: grads16: a lever of the engine's step; "
+                                         r"add --engine$"):
         bench.check_configs(["delayed+grads16"])
 
     runs = []
@@ -272,6 +283,13 @@ def test_grads16_and_moments16_fit_four_mixtral_layers_on_an_h100(monkeypatch):
     assert "| tiny | bf16 | skipped: too big |" in table
     assert "| tiny | delayed+capacity+graphs+head+grads16+moments16 | x | 130 | - | 1.30 | - | 1.00 |" in table
     assert series == {both[0]: [1.0], both[1]: [pytest.approx(1.3)]}
+    # a second model whose plain bf16 ran: the plot still reads one kind of ratio, BF16 at the same levers, for both
+    result["rows"] += [{"model": "big", "config": label, "te_recipe": "x", "tokens_per_s": tps, "peak_mem_gib": 1.0}
+                       for label, tps in (("bf16", 50.0), ("bf16+graphs+capacity+moments16+grads16", 100.0),
+                                          (both[1], 120.0))]
+    table, _, series = summarize(result)
+    assert "| big | delayed+capacity+graphs+head+grads16+moments16 | x | 120 | 2.40 | 1.20 | - | 1.00 |" in table
+    assert series[both[1]] == [pytest.approx(1.3), pytest.approx(1.2)]  # (not 2.40: x plain BF16)
 
 
 def test_layers_time_a_models_layer_shape_on_a_smaller_gpu(monkeypatch):
@@ -283,7 +301,7 @@ def test_layers_time_a_models_layer_shape_on_a_smaller_gpu(monkeypatch):
     two = load_model_cfg("mixtral_8x7b_4l", layers=2)
     assert two == {**load_model_cfg("mixtral_8x7b_4l"), "num_layers": 2}
     assert model_label("mixtral_8x7b_4l", 2) == "mixtral_8x7b_4l@2l" and model_label("tiny") == "tiny"
-    check_fits(["mixtral_8x7b_4l"], [], seq=4096, mbs=1, engine=True, gpu_bytes=h100, layers=2)
+    assert check_fits(["mixtral_8x7b_4l"], [], seq=4096, mbs=1, engine=True, gpu_bytes=h100, layers=2) == {}
     with pytest.raises(ValueError, match=r"^--configs delayed: --engine's step of mixtral_8x7b_4l at --layers 3 "
                                          r"needs about \d+ GiB .* with fewer --layers, or without --engine$"):
         check_fits(["mixtral_8x7b_4l"], ["delayed"], seq=4096, mbs=1, engine=True, gpu_bytes=h100, layers=3)

@@ -123,6 +123,7 @@ def category_ms(prof: dict) -> dict[str, float]:
     totals = {cat: sum(ms for _, ms in members) for cat, members in _by_category(prof.get("kernels", {})).items()}
     totals = totals or prof["categories"]
     order = [label for label, _ in CATEGORIES] + ["other"]
+    order += [cat for cat in totals if cat not in order]  # (a saved result's category since renamed: kept, last)
     return {cat: totals[cat] for cat in order if totals.get(cat)}
 
 
@@ -131,7 +132,7 @@ def profile_parts(rows: list[dict]) -> tuple[list[dict], dict[str, list[float]]]
     last; a category no row has left out)."""
     profiled = [r for r in rows if r.get("profile")]
     per_row = [category_ms(r["profile"]) for r in profiled]
-    order = [label for label, _ in CATEGORIES] + ["other"]
+    order = list(dict.fromkeys([label for label, _ in CATEGORIES] + ["other"] + [cat for c in per_row for cat in c]))
     return profiled, {cat: [c.get(cat, 0.0) for c in per_row] for cat in order if any(cat in c for c in per_row)}
 
 

@@ -529,6 +529,7 @@ def check_fits(models: list[str], configs: list[str], *, seq: int, mbs: int, eng
     if not engine:
         return {}
     usable = USABLE_MEMORY * gpu_bytes / 2**30
+    at = f" at --layers {layers}" if layers is not None else ""
     skip = {}
     for name in models:
         for label in ["bf16", *configs]:
@@ -536,18 +537,34 @@ def check_fits(models: list[str], configs: list[str], *, seq: int, mbs: int, eng
             need, command = _engine_gib(name, recipe, levers, seq=seq, mbs=mbs, layers=layers)
             if need <= usable:
                 continue
-            at = f" at --layers {layers}" if layers is not None else ""
             if label == "bf16" and label not in configs:
                 skip[name] = (f"the plain BF16 step{at} needs about {need:.0f} GiB ({usable:.0f} usable): read x BF16 "
                               f"same levers")
                 continue
-            small, _ = _engine_gib(name, recipe, [*levers, "grads16", "moments16"], seq=seq, mbs=mbs, layers=layers)
-            hint = (f"add +grads16+moments16 (BF16 gradients and Adam moments: about {small:.0f} GiB), "
-                    if small <= usable and not {"grads16", "moments16"} <= set(levers) else "")
+            missing = [lever for lever in ("grads16", "moments16") if lever not in levers]
+            small, _ = _engine_gib(name, recipe, [*levers, *missing], seq=seq, mbs=mbs, layers=layers)
+            hint = (f"add +{'+'.join(missing)} (BF16 gradients / Adam moments: about {small:.0f} GiB), "
+                    if missing and small <= usable else "")
+            where = f"`{command}`" if layers is None else "its estimate"
             raise ValueError(f"--configs {label}: --engine's step of {name}{at} needs about {need:.0f} GiB on one GPU "
-                             f"({f'`{command}`' if layers is None else 'its estimate'}), this one has {gpu_bytes / 2**30:.0f} GiB ({usable:.0f} usable); {hint}"
-                             f"run it on a larger GPU, with fewer --layers, or without --engine")
+                             f"({where}), this one has {gpu_bytes / 2**30:.0f} GiB ({usable:.0f} usable); {hint}run "
+                             f"it on a larger GPU, with fewer --layers, or without --engine")
+    if skip:
+        _check_twins_listed(configs)
     return skip
+
+
+def _check_twins_listed(configs: list[str]) -> None:
+    """ValueError (one line) where the plain bf16 baseline is skipped and a config's BF16 at the same levers is not
+    among ``configs`` either: nothing would be measured to read it against."""
+    listed = {frozenset(c.split("+")[1:]) for c in configs if c.split("+")[0] == "bf16" and ":" not in c}
+    for label in configs:
+        twin = _twin_levers(label, engine=True)
+        if label.split("+")[0] != "bf16" and twin not in listed:
+            levers = label.partition(":")[0].split("+")[1:]
+            add = "+".join(["bf16", *(lever for lever in levers if lever in twin)]) if twin else "bf16 at its levers"
+            raise ValueError(f"--configs {label}: the plain bf16 baseline cannot fit this GPU, and nothing else "
+                             f"measures BF16 at this config's levers; add {add} to --configs")
 
 
 def _engine_gib(name: str, recipe: str, levers: list[str], *, seq: int, mbs: int,
@@ -609,12 +626,18 @@ def bench_train(models: list[str], configs: list[str], *, seq: int = 4096, mbs: 
     return result
 
 
-def _bf16_twin(label: str, engine: bool) -> str | None:
-    """The bf16 config at ``label``'s levers that BF16 runs too (model, engine step, emulated; with --engine
-    moments16): ``delayed+capacity+graphs+head`` -> ``bf16+capacity+graphs``; None where it has none of them."""
+def _twin_levers(label: str, engine: bool) -> frozenset[str] | None:
+    """The levers of ``label`` that BF16 runs too (model, engine step, emulated; with --engine moments16): the bf16
+    config with just those, in any order, is its twin (``delayed+capacity+graphs+head`` -> ``bf16+capacity+graphs``);
+    None for a bf16 config or one with none of them."""
     name, *levers = label.partition(":")[0].split("+")
-    shared = [lever for lever in levers if lever in bf16_levers(engine)]
-    return "+".join(["bf16", *shared]) if shared and name != "bf16" else None
+    shared = frozenset(lever for lever in levers if lever in bf16_levers(engine))
+    return shared if shared and name != "bf16" else None
+
+
+def _plain_baselines(result: dict[str, Any]) -> bool:
+    """Every model's plain bf16 row measured: the plot reads x BF16; else (a baseline skipped) x BF16 same levers."""
+    return all(not unmeasured(r) for r in result["rows"] if r["config"] == "bf16")
 
 
 def _raw_tokens_per_s(label: str, cfgs: dict[str, dict]) -> float | None:
@@ -629,25 +652,28 @@ def _raw_tokens_per_s(label: str, cfgs: dict[str, dict]) -> float | None:
 
 def summarize(result: dict[str, Any]) -> tuple[str, list[str], dict[str, list[float]]]:
     """(Markdown table: tokens/s, x BF16, x BF16 at the same levers, x raw Megatron-Core, memory; x labels; series
-    x BF16 per model: at the same levers where the plain bf16 row was not measured)."""
+    x BF16 per model, or x BF16 at the same levers for every model where a plain bf16 row was not measured)."""
     rows, groups, plotted = [], [], {}
     by_model: dict[str, dict[str, dict]] = {}
     for r in result["rows"]:
         by_model.setdefault(r["model"], {})[r["config"]] = r
+    plain = _plain_baselines(result)
     for model, cfgs in by_model.items():
         base = cfgs.get("bf16", {}).get("tokens_per_s")
+        twins = {frozenset(label.split("+")[1:]): r["tokens_per_s"] for label, r in cfgs.items()
+                 if label.split("+")[0] == "bf16" and ":" not in label and not unmeasured(r)}
         for label, r in cfgs.items():
             if unmeasured(r):
                 rows.append([model, label, unmeasured(r), None, None, None, None, None])
                 continue
             raw = _raw_tokens_per_s(label, cfgs) if ":" not in label and label != "bf16" else None
-            twin = cfgs.get(_bf16_twin(label, bool(result.get("engine"))) or "", {}).get("tokens_per_s")
+            twin = twins.get(_twin_levers(label, bool(result.get("engine"))))
             vs_bf16 = r["tokens_per_s"] / base if base else float("nan")
             vs_twin = r["tokens_per_s"] / twin if twin else None
             rows.append([model, label, r["te_recipe"], r["tokens_per_s"], vs_bf16, vs_twin,
                          r["tokens_per_s"] / raw if raw else None, r["peak_mem_gib"]])
             same = 1.0 if label.startswith("bf16") else (vs_twin or float("nan"))  # (bf16+...: its own twin)
-            plotted.setdefault(label, {})[model] = vs_bf16 if base else same
+            plotted.setdefault(label, {})[model] = vs_bf16 if plain else same  # (one kind of ratio per plot)
         groups.append(model)
     series = {label: [values.get(model, float("nan")) for model in by_model] for label, values in plotted.items()}
     header = ["model", "config", "TE recipe", "tok/s", "x BF16", "x BF16 same levers", "ours / raw Megatron",
@@ -664,7 +690,7 @@ def plot(result: dict[str, Any], png: Path) -> None:
     """The configs' tokens/s relative to BF16, per model, as bars; with --profile, beside it (NAME_profile.png)
     each profiled config's step as its kernel categories' ms, stacked."""
     _, groups, series = summarize(result)
-    plain = all(not unmeasured(r) for r in result["rows"] if r["config"] == "bf16")
+    plain = _plain_baselines(result)
     title = f"Megatron-Core GPT, seq {result['seq']}, mbs {result['mbs']}, {result['device']}"
     bar_chart(png, groups, series, ylabel="tokens/s relative to BF16" + ("" if plain else " (at the same levers)"),
               title=title)
