@@ -141,6 +141,21 @@ def bf16_levers(engine: bool) -> tuple[str, ...]:
     """The levers bf16 takes as the recipes do: the model's, the engine step's, emulated and, with --engine,
     moments16 (the trainer's optimizer; without --engine it is the FP8 weights' optimizer's, a recipe's)."""
     return (*MODEL_LEVERS, *ENGINE_LEVERS, EMULATED, *(("moments16",) if engine else ()))
+
+
+def split_label(label: str) -> tuple[str, list[str], str]:
+    """A config label ``NAME[+LEVER...][:MODE]`` as (NAME, its levers, MODE: "" or "raw")."""
+    name, _, mode = label.partition(":")
+    name, *levers = name.split("+")
+    return name, levers, mode
+
+
+def _bf16_lever_set(label: str) -> frozenset[str] | None:
+    """The levers of a bf16 config (``bf16+capacity+graphs`` -> {capacity, graphs}); None for any other label."""
+    name, levers, mode = split_label(label)
+    return frozenset(levers) if name == "bf16" and not mode else None
+
+
 USABLE_MEMORY = 0.95
 """check_fits: the share of a GPU's memory a model's estimate may fill (the rest: CUDA's context, NCCL's buffers,
 fragmentation)."""
@@ -152,8 +167,7 @@ def check_configs(configs: list[str], engine: bool = False, warmup: int | None =
     """ValueError (one line, naming the config) for a config label bench_train cannot run, before anything runs
     (``warmup``: the untimed steps, which lever graphs needs more than GRAPH_CAPTURE_STEP of)."""
     for label in configs:
-        name, _, mode = label.partition(":")
-        name, *levers = name.split("+")
+        name, levers, mode = split_label(label)
         if name != "bf16" and name not in recipe_names():
             raise ValueError(f"--configs {label}: no recipe {name!r}; choose from {', '.join(recipe_names())}")
         if mode not in ("", "raw"):
@@ -254,8 +268,7 @@ class _BenchConfig:
 
 def _decide(model_cfg: dict, label: str, engine: bool = False) -> _BenchConfig:
     """What a config label runs, decided on the plan before any model is built."""
-    name, _, mode = label.partition(":")
-    name, *levers = name.split("+")
+    name, levers, mode = split_label(label)
     run = _BenchConfig(label, name, mode, levers)
     if name == "bf16" and EMULATED not in levers:
         return run
@@ -415,7 +428,7 @@ def _timed(one_step: Callable[[int], torch.Tensor], warmup: int, steps: int) -> 
 
 def _run_config(model_cfg: dict, label: str, *, seq: int, mbs: int, warmup: int, steps: int, seed: int,
                 profile: bool = False, accum: int = 1, engine: bool = False) -> dict[str, Any]:
-    levers = label.partition(":")[0].split("+")[1:]
+    levers = split_label(label)[1]
     model_cfg = {**model_cfg, **{k: v for lever in levers for k, v in MODEL_LEVERS.get(lever, {}).items()}}
     for lever in set(levers) & set(GRAPH_LEVERS):  # (check_configs: with --engine, one of them)
         model_cfg.update(cuda_graph_impl="transformer_engine", cuda_graph_warmup_steps=GRAPH_CAPTURE_STEP,
@@ -533,7 +546,7 @@ def check_fits(models: list[str], configs: list[str], *, seq: int, mbs: int, eng
     skip = {}
     for name in models:
         for label in ["bf16", *configs]:
-            recipe, *levers = label.partition(":")[0].split("+")
+            recipe, levers, _ = split_label(label)
             need, command = _engine_gib(name, recipe, levers, seq=seq, mbs=mbs, layers=layers)
             if need <= usable:
                 continue
@@ -557,11 +570,11 @@ def check_fits(models: list[str], configs: list[str], *, seq: int, mbs: int, eng
 def _check_twins_listed(configs: list[str]) -> None:
     """ValueError (one line) where the plain bf16 baseline is skipped and a config's BF16 at the same levers is not
     among ``configs`` either: nothing would be measured to read it against."""
-    listed = {frozenset(c.split("+")[1:]) for c in configs if c.split("+")[0] == "bf16" and ":" not in c}
+    listed = {_bf16_lever_set(c) for c in configs} - {None}
     for label in configs:
+        name, levers, _ = split_label(label)
         twin = _twin_levers(label, engine=True)
-        if label.split("+")[0] != "bf16" and twin not in listed:
-            levers = label.partition(":")[0].split("+")[1:]
+        if name != "bf16" and twin not in listed:
             add = "+".join(["bf16", *(lever for lever in levers if lever in twin)]) if twin else "bf16 at its levers"
             raise ValueError(f"--configs {label}: the plain bf16 baseline cannot fit this GPU, and nothing else "
                              f"measures BF16 at this config's levers; add {add} to --configs")
@@ -630,7 +643,7 @@ def _twin_levers(label: str, engine: bool) -> frozenset[str] | None:
     """The levers of ``label`` that BF16 runs too (model, engine step, emulated; with --engine moments16): the bf16
     config with just those, in any order, is its twin (``delayed+capacity+graphs+head`` -> ``bf16+capacity+graphs``);
     None for a bf16 config or one with none of them."""
-    name, *levers = label.partition(":")[0].split("+")
+    name, levers, _ = split_label(label)
     shared = frozenset(lever for lever in levers if lever in bf16_levers(engine))
     return shared if shared and name != "bf16" else None
 
@@ -660,8 +673,8 @@ def summarize(result: dict[str, Any]) -> tuple[str, list[str], dict[str, list[fl
     plain = _plain_baselines(result)
     for model, cfgs in by_model.items():
         base = cfgs.get("bf16", {}).get("tokens_per_s")
-        twins = {frozenset(label.split("+")[1:]): r["tokens_per_s"] for label, r in cfgs.items()
-                 if label.split("+")[0] == "bf16" and ":" not in label and not unmeasured(r)}
+        twins = {_bf16_lever_set(label): r["tokens_per_s"] for label, r in cfgs.items()
+                 if _bf16_lever_set(label) is not None and not unmeasured(r)}
         for label, r in cfgs.items():
             if unmeasured(r):
                 rows.append([model, label, unmeasured(r), None, None, None, None, None])
