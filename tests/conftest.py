@@ -1,6 +1,7 @@
 """Shared fixtures. Megatron-Core's parallel state is process-global: tests that build a model take
 `megatron_cpu`, which initialises a one-process gloo world and tears it down afterwards."""
 
+import os
 import random
 import socket
 from pathlib import Path
@@ -10,6 +11,19 @@ import pytest
 import fp8_recipes  # noqa: F401  (first: its CPU start-up hook, megatron/cpu_start.py, precedes any Megatron-Core import)
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.hookimpl(optionalhook=True)  # (pytest-xdist's hook: `-n auto`; without xdist, never called)
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: one worker per core this process may use (xdist's own count is physical cores, one on a VM whose
+    two cores are hyperthreads), at most one per 6 GB of memory (a worker and the runs it starts), and none beside
+    a GPU: tests/gpu's tests share the one card, so they run in this process, one at a time."""
+    import torch
+
+    if torch.cuda.is_available():
+        return 0
+    memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    return max(1, min(len(os.sched_getaffinity(0)), int(memory_gb // 6)))
 
 
 @pytest.fixture

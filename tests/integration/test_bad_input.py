@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_train_cpu import dataset, small_run  # noqa: F401  (the shared tiny dataset fixture)
+from test_train_cpu import dataset, processes_at_once, small_run  # noqa: F401  (the shared tiny dataset fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = yaml.safe_load((Path(__file__).parent / "bad_input" / "cases.yaml").read_text())
@@ -45,7 +45,7 @@ def test_corpus_is_well_formed():
 
 @pytest.fixture(scope="module")
 def outcomes(request, tmp_path_factory, dataset):  # noqa: F811
-    """{case id: (returncode, stdout, stderr, run_dir)} for the selected cases (-k), run 4 at a time."""
+    """{case id: (returncode, stdout, stderr, run_dir)} for the selected cases (-k), two per core at a time."""
     tmp = tmp_path_factory.mktemp("bad_input")
     (tmp / "empty.yaml").write_text("# a recipe of comments only\n")
     (tmp / "badmodules.yaml").write_text('defaults: [delayed, _self_]\nname: m\nmodules:\n  "*.experts.*":\n'
@@ -70,7 +70,7 @@ def outcomes(request, tmp_path_factory, dataset):  # noqa: F811
 
     selected = {item.callspec.params["case"]["id"] for item in request.session.items
                 if item.module is request.module and "case" in getattr(getattr(item, "callspec", None), "params", {})}
-    with ThreadPoolExecutor(max_workers=4) as pool:
+    with ThreadPoolExecutor(max_workers=2 * processes_at_once()) as pool:  # (mostly interpreter start-up)
         return dict(pool.map(run, [c for c in CASES if c["id"] in selected]))
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from test_train_cpu import dataset  # noqa: F401  (the shared tiny dataset fixture)
+from test_train_cpu import dataset, processes_at_once  # noqa: F401  (the shared tiny dataset fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -246,7 +246,7 @@ def test_doc_commands_run(sandbox, free_port):
                 bad.append(f"{command}\n    {problem}")
         return bad
 
-    with ThreadPoolExecutor(max_workers=2) as pool:
+    with ThreadPoolExecutor(max_workers=processes_at_once()) as pool:
         for bad in pool.map(run_doc, by_doc.values()):
             failures += bad
     assert not failures, "doc commands that fail:\n" + "\n".join(failures)

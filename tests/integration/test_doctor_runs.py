@@ -37,7 +37,7 @@ from fp8_recipes import cli
 from fp8_recipes.observe.doctor import diagnose
 from fp8_recipes.observe.doctor_report import load_run
 from fp8_recipes.recipe.pack import load_recipe
-from test_train_cpu import dataset, small_run  # noqa: F401  (the shared tiny dataset fixture)
+from test_train_cpu import dataset, processes_at_once, small_run  # noqa: F401  (the shared tiny dataset fixture)
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -96,7 +96,7 @@ def _train(root: Path, runs: dict[str, tuple[list[str], dict[str, str]]], datase
         *dataset, *small_run(run_dir, steps=STEPS), "trainer.eval_interval=40", "trainer.eval_iters=2"])
 
 
-RUNS_AT_ONCE = max(2, len(os.sched_getaffinity(0)))  # (as many as cores: see train_planted)
+RUNS_AT_ONCE = processes_at_once()  # (this worker's share of the cores: see train_planted)
 
 
 def train_planted(root: Path, runs: dict[str, tuple[list[str], dict[str, str]]], hook_text: str,

@@ -71,7 +71,7 @@ def _launch(argv: list[str], ranks: int, port: int) -> list:
     env["OMP_NUM_THREADS"] = "1"
     launcher = ["-m", "torch.distributed.run", f"--nproc-per-node={ranks}", f"--master-port={port}"] if ranks > 1 \
         else []
-    log = tempfile.NamedTemporaryFile("w+", prefix="reshard-", suffix=".log", delete=False)  # noqa: SIM115
+    log = tempfile.NamedTemporaryFile("w+", prefix="reshard-", suffix=".log")  # noqa: SIM115  (removed once read)
     return [(subprocess.Popen([sys.executable, *launcher, *argv], cwd=ROOT, env=env, text=True, stdout=log,
                               stderr=subprocess.STDOUT), log)]
 

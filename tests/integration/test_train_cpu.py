@@ -63,6 +63,14 @@ def dataset(tmp_path_factory) -> list[str]:
     return [f"data.path={root / 'bytes'}", f"data.inputs={corpus}", "data.tokenizer=bytes", "data.split='80,10,10'"]
 
 
+def processes_at_once(most: int | None = None) -> int:
+    """How many processes a test runs at a time: the cores this pytest process has to itself (its share of them
+    under pytest-xdist, whose PYTEST_XDIST_WORKER_COUNT workers run side by side), at least 1, at most `most`.
+    More processes than cores cost time of their own (docs/facts.md, "The CPU suite's time")."""
+    share = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    return share if most is None else min(most, share)
+
+
 def small_run(run_dir: Path, num_layers: int = 2, steps: int = STEPS) -> list[str]:
     return [f"trainer.max_steps={steps}", "trainer.warmup_steps=2", "trainer.eval_interval=0", "trainer.eval_iters=1",
             "trainer.micro_batch_size=4", "trainer.global_batch_size=4", "trainer.save_checkpoints=false",
