@@ -63,12 +63,11 @@ def dataset(tmp_path_factory) -> list[str]:
     return [f"data.path={root / 'bytes'}", f"data.inputs={corpus}", "data.tokenizer=bytes", "data.split='80,10,10'"]
 
 
-def processes_at_once(most: int | None = None) -> int:
+def processes_at_once() -> int:
     """How many processes a test runs at a time: the cores this pytest process has to itself (its share of them
-    under pytest-xdist, whose PYTEST_XDIST_WORKER_COUNT workers run side by side), at least 1, at most `most`.
-    More processes than cores cost time of their own (docs/facts.md, "The CPU suite's time")."""
-    share = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
-    return share if most is None else min(most, share)
+    under pytest-xdist, whose PYTEST_XDIST_WORKER_COUNT workers run side by side), at least 1. More processes than
+    cores cost time of their own (docs/facts.md, "The CPU suite's time")."""
+    return max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 
 
 def small_run(run_dir: Path, num_layers: int = 2, steps: int = STEPS) -> list[str]:
