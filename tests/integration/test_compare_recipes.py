@@ -14,7 +14,7 @@ import pytest
 
 from test_train_cpu import ROOT, dataset, small_run  # noqa: F401  (dataset: the shared session fixture)
 
-from fp8_recipes.rundir import read_metrics
+from fp8_recipes.rundir import read_jsonl, read_metrics
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -114,7 +114,7 @@ MOE_RECIPES = ["moe_delayed", "moe_blockwise", "tensorwise"]
 
 
 @pytest.mark.slow
-def test_moe_shootout_on_tiny_moe_reports_a_finite_gap_per_recipe(dataset, tmp_path):  # noqa: F811
+def test_moe_shootout_on_tiny_moe_keeps_each_recipe_near_bf16(dataset, tmp_path):  # noqa: F811
     """The CI part of issue 28's loss item: the shoot-out on the tiny MoE (2 layers: one MoE, one dense), BF16 against
     the two MoE presets and tensorwise, a few steps each, parity included (a checkpoint of experts evaluates)."""
     out = tmp_path / "moe"
@@ -130,12 +130,17 @@ def test_moe_shootout_on_tiny_moe_reports_a_finite_gap_per_recipe(dataset, tmp_p
     for r in result["runs"]:
         assert r["status"] == "ok" and r["steps"] == steps and r["backend"] == "emulated", r
         for key in ("loss_gap_pct", "val_gap_pct"):
-            assert isinstance(r[key], float) and math.isfinite(r[key]), (r["name"], key, r[key])
+            # emulated FP8 a few steps from one init stays close to BF16 (measured: within 0.05%); BF16 is the 0
+            assert isinstance(r[key], float) and abs(r[key]) < 1.0, (r["name"], key, r[key])
+            assert r["name"] != "bf16" or r[key] == 0.0, (key, r[key])
         assert sum(line.startswith(f"| {r['name']} |") for line in table.splitlines()) == 1, table
-        # an MoE run: its routing, summarized from routing.jsonl (the router's tokens per expert)
-        assert r["routing"]["imbalance"] >= 1.0 and 0.0 <= r["routing"]["idle_pct"] <= 100.0, r["routing"]
+        # an MoE run: its routing, summarized from routing.jsonl (the router's tokens per expert: 4 experts, top-2)
+        rows = read_jsonl(out / r["name"] / "routing.jsonl")
+        assert len(rows) == steps and len({sum(row["tokens"]) for row in rows}) == 1, rows  # one MoE layer
+        assert r["routing"]["imbalance"] == pytest.approx(sum(row["imbalance"] for row in rows) / steps), r
+        assert 1.0 <= r["routing"]["imbalance"] < 4.0 and 0.0 <= r["routing"]["idle_pct"] < 100.0, r["routing"]
         if r["name"] != "bf16":
-            assert math.isfinite(r["parity"]["gap_pct"]), r["parity"]
+            assert abs(r["parity"]["gap_pct"]) < 5.0, r["parity"]  # the FP8 eval of the same weights
     assert "| routing imbalance | idle experts |" in table
 
 

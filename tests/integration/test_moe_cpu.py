@@ -20,8 +20,9 @@ from fp8_recipes.megatron.emulated_layers import (
 from fp8_recipes.megatron.model import build_gpt_model, linear_module_names, model_layout, named_linear_modules, unwrap_model
 from fp8_recipes.megatron.model_config import layout_of
 from fp8_recipes.plan.format import format_plan
-from fp8_recipes.plan.precision import PrecisionPlan
 from fp8_recipes.recipe.pack import load_recipe
+from fp8_recipes.numerics.quantize import fake_quant, quantize
+from fp8_recipes.plan.precision import Gemm, PrecisionPlan
 from fp8_recipes.recipe.schema import Role
 from fp8_recipes.rundir import read_jsonl, read_metrics
 from test_emulated_backend import forward_backward, identical
@@ -96,6 +97,58 @@ def test_an_expert_without_tokens_runs_every_scaling(megatron_cpu, recipe):
             assert torch.equal(scalers[role].history, before[role][0]) and torch.equal(scalers[role].scale,
                                                                                       before[role][1]), role
         assert scalers[Role.WEIGHTS].history[-1] > 0  # the weight was quantized: recorded, then rolled
+
+
+COLUMNWISE = {(Gemm.FPROP, Role.ACTIVATIONS): False, (Gemm.FPROP, Role.WEIGHTS): False,
+              (Gemm.DGRAD, Role.GRADIENTS): False, (Gemm.DGRAD, Role.WEIGHTS): True,
+              (Gemm.WGRAD, Role.GRADIENTS): True, (Gemm.WGRAD, Role.ACTIVATIONS): True}
+"""Along which dim each GEMM quantizes each operand (its reduction dim: TE's rowwise / columnwise copies)."""
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_each_expert_quantizes_its_own_tokens_as_the_reference_does(megatron_cpu, recipe):
+    """Item 4 on the CPU: every operand of every expert GEMM, forward and backward, is the project's reference
+    quantization (numerics.quantize) of that expert's own split, the tokens the router gave it in token order (TE's
+    GroupedLinear: one quantizer per expert GEMM, the input split by m_splits), at uneven counts that are no
+    multiples of 16; a scale shared over all experts' tokens would read differently."""
+    model = build(emulated=True)
+    precision = attach_emulated_backend(model, PrecisionPlan(load_recipe(recipe), model_layout(model)))
+    precision.begin_step(10**6)
+    moe = unwrap_model(model).decoder.layers[1].mlp
+    seen, routing, moe_input = [], [], []
+    moe.router.register_forward_hook(lambda mod, args, out: routing.append(out[1].detach().clone()))
+    moe.register_forward_pre_hook(lambda mod, args: moe_input.append(args[0].detach().clone()))
+    for e in range(4):
+        state = precision.states[f"decoder.layers.1.mlp.experts.local_experts.{e}.linear_fc1"]
+        state.observer = lambda st, gemm, role, hp, fq, q=None, e=e: seen.append((e, gemm, role, hp.clone(), fq, q))
+    forward_backward(model, seed=3)
+    routing_map, tokens = routing[-1], moe_input[-1].reshape(-1, moe_input[-1].shape[-1])  # the training forward
+    counts = routing_map.sum(0).tolist()
+    assert len(set(counts)) > 1 and any(c % 16 for c in counts), counts  # uneven splits, unpadded shapes
+    assert {(e, g, r) for e, g, r, *_ in seen} == {(e, g, r) for e in range(4) for g, r in COLUMNWISE}
+    reference_policy = precision.states["decoder.layers.1.mlp.experts.local_experts.0.linear_fc1"].policy
+    own_scales = 0
+    for e, gemm, role, hp, fq, q in seen:
+        policy, columnwise = reference_policy(gemm, role), COLUMNWISE[gemm, role]
+        if role is Role.ACTIVATIONS:  # the expert's own tokens, in token order
+            assert torch.equal(hp.reshape(-1, hp.shape[-1]), tokens[routing_map[:, e]]), (e, gemm)
+        elif role is Role.GRADIENTS:
+            assert hp.shape[0] == counts[e], (e, gemm, hp.shape, counts)
+        assert torch.equal(fq, fake_quant(hp, policy, columnwise=columnwise)), (e, gemm, role)
+        if q is None:  # a copy reused from an earlier GEMM (per-tensor scales, 128x128 weight blocks)
+            continue
+        reference = quantize(hp, policy, columnwise=columnwise)
+        assert torch.equal(q.codes.view(torch.uint8), reference.codes.view(torch.uint8)), (e, gemm, role)
+        assert torch.equal(q.scale_inv, reference.scale_inv), (e, gemm, role)
+        if role is Role.ACTIVATIONS:  # all experts' tokens quantized as one tensor: other amaxes, other scales
+            together = quantize(_in_expert_order(tokens, routing_map), policy, columnwise=columnwise)
+            own_scales += together.amax.shape == q.amax.shape and not torch.equal(together.amax, q.amax)
+    assert own_scales > 0
+
+
+def _in_expert_order(tokens: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
+    """Every expert's tokens, expert after expert: the allgather dispatcher's permuted input."""
+    return torch.cat([tokens[routing_map[:, e]] for e in range(routing_map.shape[1])])
 
 
 def test_train_script_trains_tiny_moe_with_hybrid(dataset, tmp_path):  # noqa: F811

@@ -479,6 +479,11 @@ SUBMITIT_KEYS = [  # (override, the line's start): the key as the user wrote it
     ("launcher.time_min=null", "error: launcher.time_min: None is not an integer >= 1"),
     ("hydra.launcher.nodes=2", "error: trainer.global_batch_size=16 is not a multiple of micro_batch_size x data "
                                "parallel = 16 x 2"),  # the job's world size counts hydra.launcher.nodes
+    # MoE keys, checked with the job's config on the submitting host (several overrides: split at spaces)
+    ("model=tiny_moe model.moe_router_topk=5", "error: model.moe_router_topk=5 is more than model.num_moe_experts=4"),
+    ("+recipe=moe_delayed model=tiny_moe trainer.expert_model_parallel_size=4 launcher.tasks_per_node=2 "
+     "trainer.global_batch_size=32", "error: trainer.expert_model_parallel_size: expert tensor parallel x EP x "
+                                     "pipeline = 1 x 4 x 1 = 4 does not divide the 2 launched processes"),
 ]
 
 
@@ -491,7 +496,8 @@ def test_submitit_launcher_values_are_checked_under_the_key_given(tmp_path):
 
     def run(i: int) -> subprocess.CompletedProcess:
         (tmp_path / str(i)).mkdir()
-        return subprocess.run([sys.executable, str(TRAIN), "-m", "hydra/launcher=slurm", SUBMITIT_KEYS[i][0]],
+        overrides = SUBMITIT_KEYS[i][0].split()
+        return subprocess.run([sys.executable, str(TRAIN), "-m", "hydra/launcher=slurm", *overrides],
                               cwd=tmp_path / str(i), env=env, capture_output=True, text=True, timeout=120)
 
     with ThreadPoolExecutor(max_workers=3) as pool:
