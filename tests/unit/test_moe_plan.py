@@ -154,7 +154,8 @@ def test_plan_table_collapses_experts_and_says_the_router_is_bf16():
     text = format_plan(PrecisionPlan(load_recipe("hybrid"), layout_of({**MOE, "moe_layer_freq": [0, 1, 1, 1]})))
     rows = [line.split() for line in text.splitlines()]
     assert ["0", "(all", "linears)", "emulated", "emulated", "emulated"] in rows  # the dense layer
-    assert ["1-3", "(all", "linears)", "emulated", "emulated", "emulated"] in rows
+    assert ["1-3", "(other", "linears)", "emulated", "emulated", "emulated"] in rows  # attention: as the experts
+    assert ["1-3", "mlp.experts[0-3]", "fc1+fc2", "emulated", "emulated", "emulated"] in rows  # always their count
     assert ["1-3", "mlp.router", "bf16", "bf16", "bf16", *ROUTER_REASON.split()] in rows
     assert ["0", "mlp.router"] not in [r[:2] for r in rows]
     assert "MoE: 4 routed experts in layers 1-3;" in text and "router's GEMM stays BF16" in text
@@ -170,7 +171,7 @@ def test_plan_table_collapses_experts_and_says_the_router_is_bf16():
     assert ["0-3", "mlp.shared_experts.linear_fc1", "emulated", "emulated", "emulated"] in rows
     many = format_plan(PrecisionPlan(Recipe.from_dict({**load_recipe_dict("hybrid"), "layers": {"bf16_last": 1}}),
                                      layout_of({**MOE, "num_moe_experts": 128, "moe_router_topk": 8})))
-    assert "mlp.experts[0-127] fc1+fc2" not in many  # (a layer whose linears all match prints one row)
+    assert "  0-2      mlp.experts[0-127] fc1+fc2" in many and "  3        mlp.experts[0-127] fc1+fc2" in many
     assert len(many.splitlines()) < 40
 
 

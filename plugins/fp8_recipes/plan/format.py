@@ -68,13 +68,18 @@ def _layer_groups(final: StepPlan) -> tuple[list[tuple[list[int], list[ModulePla
 
 def _gemm_table(plan: PrecisionPlan, final: StepPlan) -> list[str]:
     """The GEMM table with every role on: a row per layer group whose linears agree, else per linear (an MoE layer's
-    experts collapsed), each MoE layer group's router, the LM head; then the MoE line."""
+    experts collapsed into a row with their count, always), each MoE layer group's router, the LM head; then the
+    MoE line."""
     groups, others = _layer_groups(final)
     routers = set(plan.layout.routers)
     rows: list[Row] = []
     for layers, mps in groups:
-        if len({_kind(m) for m in mps}) == 1:
+        experts = [m for m in mps if ModelLayout.expert_of(m.name) is not None]
+        if len({_kind(m) for m in mps}) == 1 and not experts:
             rows.append(_row(_ranges(layers), "(all linears)", mps[0]))
+        elif len({_kind(m) for m in mps}) == 1:  # an MoE layer: its experts keep their row, with their count
+            rows.append(_row(_ranges(layers), "(other linears)", mps[0]))
+            rows += _module_rows(_ranges(layers), experts)
         else:
             rows += _module_rows(_ranges(layers), mps)
         if f"decoder.layers.{layers[0]}.mlp.router" in routers:
