@@ -19,10 +19,10 @@ from fp8_recipes.megatron.emulated_layers import (
 )
 from fp8_recipes.megatron.model import build_gpt_model, linear_module_names, model_layout, named_linear_modules, unwrap_model
 from fp8_recipes.megatron.model_config import layout_of
-from fp8_recipes.plan.format import format_plan
-from fp8_recipes.recipe.pack import load_recipe
 from fp8_recipes.numerics.quantize import fake_quant, quantize
+from fp8_recipes.plan.format import format_plan
 from fp8_recipes.plan.precision import Gemm, PrecisionPlan
+from fp8_recipes.recipe.pack import load_recipe
 from fp8_recipes.recipe.schema import Role
 from fp8_recipes.rundir import read_jsonl, read_metrics
 from test_emulated_backend import forward_backward, identical
