@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from megatron.core.transformer.moe.moe_utils import permute
 from megatron.core.transformer.moe.router import TopKRouter
 from omegaconf import OmegaConf
 
@@ -127,6 +128,7 @@ def test_each_expert_quantizes_its_own_tokens_as_the_reference_does(megatron_cpu
     assert len(set(counts)) > 1 and any(c % 16 for c in counts), counts  # uneven splits, unpadded shapes
     assert {(e, g, r) for e, g, r, *_ in seen} == {(e, g, r) for e in range(4) for g, r in COLUMNWISE}
     reference_policy = precision.states["decoder.layers.1.mlp.experts.local_experts.0.linear_fc1"].policy
+    permuted = permute(tokens, routing_map, num_out_tokens=sum(counts))[0]  # the dispatcher's input to the experts
     own_scales = 0
     for e, gemm, role, hp, fq, q in seen:
         policy, columnwise = reference_policy(gemm, role), COLUMNWISE[gemm, role]
@@ -141,14 +143,9 @@ def test_each_expert_quantizes_its_own_tokens_as_the_reference_does(megatron_cpu
         assert torch.equal(q.codes.view(torch.uint8), reference.codes.view(torch.uint8)), (e, gemm, role)
         assert torch.equal(q.scale_inv, reference.scale_inv), (e, gemm, role)
         if role is Role.ACTIVATIONS:  # all experts' tokens quantized as one tensor: other amaxes, other scales
-            together = quantize(_in_expert_order(tokens, routing_map), policy, columnwise=columnwise)
+            together = quantize(permuted, policy, columnwise=columnwise)
             own_scales += together.amax.shape == q.amax.shape and not torch.equal(together.amax, q.amax)
     assert own_scales > 0
-
-
-def _in_expert_order(tokens: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
-    """Every expert's tokens, expert after expert: the allgather dispatcher's permuted input."""
-    return torch.cat([tokens[routing_map[:, e]] for e in range(routing_map.shape[1])])
 
 
 def test_train_script_trains_tiny_moe_with_hybrid(dataset, tmp_path):  # noqa: F811

@@ -74,16 +74,16 @@ def _gemm_table(plan: PrecisionPlan, final: StepPlan) -> list[str]:
     routers = set(plan.layout.routers)
     rows: list[Row] = []
     for layers, mps in groups:
+        span, uniform = _ranges(layers), len({_kind(m) for m in mps}) == 1
         experts = [m for m in mps if ModelLayout.expert_of(m.name) is not None]
-        if len({_kind(m) for m in mps}) == 1 and not experts:
-            rows.append(_row(_ranges(layers), "(all linears)", mps[0]))
-        elif len({_kind(m) for m in mps}) == 1:  # an MoE layer: its experts keep their row, with their count
-            rows.append(_row(_ranges(layers), "(other linears)", mps[0]))
-            rows += _module_rows(_ranges(layers), experts)
+        if uniform and not experts:
+            rows.append(_row(span, "(all linears)", mps[0]))
+        elif uniform:  # an MoE layer: its experts keep their row, with their count
+            rows += [_row(span, "(other linears)", mps[0]), *_module_rows(span, experts)]
         else:
-            rows += _module_rows(_ranges(layers), mps)
+            rows += _module_rows(span, mps)
         if f"decoder.layers.{layers[0]}.mlp.router" in routers:
-            rows.append(_row(_ranges(layers), "mlp.router", None, ROUTER_REASON))
+            rows.append(_row(span, "mlp.router", None, ROUTER_REASON))
     rows += [_row("-", m.name, m) for m in others]
     width = max(28, *(len(module) for _, module, _ in rows))  # (28: every dense model's names fit)
     lines = ["", "GEMMs with every role on (fprop = activations x weights, dgrad = gradients x weights, "
